@@ -1,0 +1,163 @@
+"""agentd's settings: ``/etc/phalanx/agentd.toml``, ``PHALANX_AGENTD_*``, flags.
+
+See :mod:`phalanx.settings` for the precedence. Every threshold's default is
+explained next to it; they follow what large GPU fleets drain on in practice
+(NVIDIA's XID catalogue and DCGM's health checks).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from phalanx.settings import MqttSettings, load_settings
+from phalanx.wire import NODE_ID_PATTERN
+
+DEFAULT_CONFIG = Path("/etc/phalanx/agentd.toml")
+ENV_PREFIX = "PHALANX_AGENTD_"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GpuSettings(_Section):
+    backend: Literal["auto", "nvml", "sim"] = Field(
+        default="auto",
+        description="`nvml` reads real GPUs; `sim` reads a JSON file of simulated GPUs; "
+        "`auto` uses nvml and refuses to start where NVML does not initialise.",
+    )
+    sim_file: Path | None = Field(
+        default=None,
+        description="The sim backend's JSON file (default: DATA_DIR/sim-gpus.json); created with "
+        "`sim_gpus` healthy GPUs when missing, re-read at every sample.",
+    )
+    sim_gpus: int = Field(default=8, ge=0, le=64, description="GPUs in a new sim file.")
+    sim_model: str = Field(default="Simulated H100 80GB HBM3", description="Model of sim GPUs.")
+    sample_interval_s: float = Field(default=2.0, gt=0, description="Seconds between samples.")
+    call_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A sample that takes longer means NVML hangs (a wedged driver); the node is "
+        "drained with reason nvml_hang.",
+    )
+
+
+class Thresholds(_Section):
+    drain_xids: list[int] = Field(
+        default=[46, 48, 64, 74, 79, 95],
+        description="XIDs that drain the node: 48 double-bit ECC, 79 fallen off the bus, "
+        "74 NVLink error, 95 uncontained ECC, 64 ECC page retirement failure, "
+        "46 GPU stopped processing.",
+    )
+    warn_xids: list[int] = Field(
+        default=[13, 31, 43, 45, 63, 68, 92, 94, 109],
+        description="XIDs that mark a node `warn`: mostly application faults (13, 31, 43, 45), "
+        "contained ECC (63, 94), high SBE rate (92), context-switch timeout (109).",
+    )
+    xid_hold_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="How long an XID keeps its reason after the event (events are one-shot; "
+        "the health they signal is not).",
+    )
+    retired_pages_drain: int = Field(
+        default=10,
+        ge=0,
+        description="More retired pages than this drains (NVIDIA's RMA guidance for "
+        "pre-Ampere GPUs).",
+    )
+    sbe_rate_warn_per_hour: float = Field(
+        default=100.0,
+        gt=0,
+        description="Corrected (single-bit) ECC errors per hour, over `sbe_window_s`, above "
+        "which a GPU is `warn`: a rising rate precedes double-bit errors.",
+    )
+    sbe_window_s: float = Field(default=600.0, gt=0, description="Window of the SBE rate.")
+    slowdown_sustain_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="Hardware or thermal slowdown lasting this long marks the GPU `warn` "
+        "(a straggler suspect that slows the whole gang).",
+    )
+    disk_warn_fraction: float = Field(
+        default=0.10, ge=0, le=1, description="Free fraction of the data disk below which: warn."
+    )
+    disk_drain_bytes: int = Field(
+        default=2 * 1024**3,
+        ge=0,
+        description="Free bytes on the data disk below which checkpoints cannot land: drain.",
+    )
+    mem_warn_fraction: float = Field(
+        default=0.05, ge=0, le=1, description="Available memory fraction below which: warn."
+    )
+    load_warn_per_cpu: float = Field(
+        default=4.0, gt=0, description="1-minute load per CPU above which: warn."
+    )
+
+
+class HttpSettings(_Section):
+    host: str = Field(default="0.0.0.0", description="Address the HTTP server binds.")
+    port: int = Field(default=9400, ge=0, le=65535, description="HTTP port (0: any free port).")
+
+
+class AgentSettings(BaseSettings):
+    """Everything agentd reads at start."""
+
+    model_config = SettingsConfigDict(extra="forbid")
+
+    node_id: str = Field(
+        default_factory=lambda: socket.gethostname().split(".")[0],
+        pattern=NODE_ID_PATTERN,
+        description="This node's id in the fleet (default: the short host name).",
+    )
+    address: str = Field(
+        default="",
+        description="Address the supervisor and peers reach this agent at (default: the "
+        "address of the host name, or 127.0.0.1).",
+    )
+    rack: str = Field(default="default", min_length=1, description="Rack label, for placement.")
+    nvlink_domain: str | None = Field(default=None, description="NVLink domain (NVL72 etc.).")
+    data_dir: Path = Field(
+        default=Path("/var/lib/phalanx"), description="Logs, checkpoints, sim file, state."
+    )
+    heartbeat_interval_s: float = Field(
+        default=5.0, gt=0, description="Seconds between heartbeats (health is also sent on change)."
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_json: bool = Field(default=False, description="Log JSON lines instead of text.")
+    mqtt: MqttSettings = Field(default_factory=MqttSettings)
+    gpu: GpuSettings = Field(default_factory=GpuSettings)
+    thresholds: Thresholds = Field(default_factory=Thresholds)
+    http: HttpSettings = Field(default_factory=HttpSettings)
+
+    @field_validator("data_dir")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        return value.expanduser().absolute()
+
+    def sim_path(self) -> Path:
+        return self.gpu.sim_file or self.data_dir / "sim-gpus.json"
+
+    def advertised_address(self) -> str:
+        if self.address:
+            return self.address
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+
+
+def load(argv: Sequence[str]) -> AgentSettings:
+    return load_settings(
+        AgentSettings,
+        argv,
+        prog="phalanx-agentd",
+        env_prefix=ENV_PREFIX,
+        default_config=DEFAULT_CONFIG,
+    )

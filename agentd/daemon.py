@@ -1,0 +1,248 @@
+"""The node agent: health sampling, heartbeats, commands and the HTTP server.
+
+:class:`Agent` is an async context manager owning one task group of named
+loops; leaving the block cancels them. On a clean stop it publishes a
+``shutdown`` death, so the supervisor does not wait for the keepalive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from agentd.commands import CommandLedger
+from agentd.config import AgentSettings
+from agentd.gpu.base import GpuBackend, GpuInfo, NodeSample
+from agentd.health import HealthClassifier
+from agentd.host import sample_host
+from agentd.http import start_http
+from phalanx import __version__, wire
+from phalanx.link import LinkDown, MqttLink, Will
+from phalanx.tasks import supervised
+
+log = logging.getLogger(__name__)
+
+
+class BirthSequence:
+    """A counter persisted under the data dir: every (re)connect is a newer birth."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.value = int(path.read_text().strip())
+        except (OSError, ValueError):
+            self.value = 0
+
+    def next(self) -> int:
+        self.value += 1
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(f"{self.value}\n")
+        os.replace(tmp, self.path)
+        return self.value
+
+
+def _health_key(h: wire.Health) -> tuple[object, ...]:
+    return (h.status, tuple(sorted((r.code, r.gpu or -1, r.severity) for r in h.reasons)))
+
+
+class Agent:
+    def __init__(self, settings: AgentSettings, backend: GpuBackend) -> None:
+        self.settings = settings
+        self.node = settings.node_id
+        self.backend = backend
+        self.started_at = time.time()
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        (settings.data_dir / "state").mkdir(exist_ok=True)
+        self._seq = BirthSequence(settings.data_dir / "state" / "birth_seq")
+        self._birth_seq = self._seq.value
+        self.inventory: list[GpuInfo] = backend.inventory()
+        self.classifier = HealthClassifier(settings.thresholds, len(self.inventory))
+        self.health = wire.Health(status=wire.HealthStatus.OK)
+        self.sample: NodeSample | None = None
+        self._beats = 0
+        self._sampler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpu-sample")
+        self._pending_sample: concurrent.futures.Future[NodeSample] | None = None
+        self.ledger = CommandLedger(self.node, self._execute)
+        self.link = MqttLink(
+            settings.mqtt.resolved(),
+            f"agentd-{self.node}",
+            subscriptions=wire.agent_subscriptions(self.node),
+            handler=self._on_message,
+            will=self._will,
+            on_connect=self._on_connect,
+            persistent_session=True,
+        )
+        self.http_port = 0
+        self._group: asyncio.TaskGroup | None = None
+        self._loops: list[asyncio.Task[None]] = []
+        self._stack = contextlib.AsyncExitStack()
+        self.ready = asyncio.Event()
+
+    # --- lifecycle -----------------------------------------------------------
+
+    async def __aenter__(self) -> Agent:
+        await self._stack.__aenter__()
+        try:
+            await self.sample_health()
+            self.http_port = await self._stack.enter_async_context(start_http(self))
+            await self._stack.enter_async_context(self.link)
+            self._group = await self._stack.enter_async_context(asyncio.TaskGroup())
+            for name, loop in (("sample", self._sample_loop), ("heartbeat", self._heartbeat_loop)):
+                self._loops.append(self._group.create_task(supervised(name, loop), name=name))
+        except BaseException:
+            await self._stack.__aexit__(None, None, None)
+            raise
+        self.ready.set()
+        log.info("agent %s up: %d GPUs (%s), http port %d", self.node, len(self.inventory),
+                 self.backend.name, self.http_port)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.link.connected:
+            death = wire.NodeDeath(node=self.node, seq=self._birth_seq, cause="shutdown")
+            with contextlib.suppress(LinkDown):
+                await self.link.publish(wire.death_topic(self.node), wire.encode(death),
+                                        retain=True, timeout=2.0)
+        if self._group is not None:
+            for task in self._loops:
+                task.cancel()
+        await self._stack.__aexit__(exc_type, exc, tb)
+        self._sampler.shutdown(wait=False, cancel_futures=True)
+        self.backend.close()
+        log.info("agent %s stopped", self.node)
+
+    # --- MQTT --------------------------------------------------------------------
+
+    def _will(self) -> Will:
+        # A new connection is a new birth: the will must name the seq the birth will carry.
+        self._birth_seq = self._seq.next()
+        death = wire.NodeDeath(node=self.node, seq=self._birth_seq, cause="lost")
+        return Will(wire.death_topic(self.node), wire.encode(death), retain=True)
+
+    def birth(self) -> wire.NodeBirth:
+        s = self.settings
+        return wire.NodeBirth(
+            node=self.node,
+            seq=self._birth_seq,
+            hostname=socket.gethostname(),
+            address=s.advertised_address(),
+            http_port=self.http_port,
+            gpus=[wire.GpuDescriptor(index=g.index, uuid=g.uuid, model=g.model,
+                                     memory_bytes=g.memory_bytes) for g in self.inventory],
+            gpu_backend=self.backend.name,
+            topology=wire.Topology(rack=s.rack, nvlink_domain=s.nvlink_domain),
+            version=__version__,
+            started_at=self.started_at,
+            health=self.health,
+        )
+
+    async def _on_connect(self) -> None:
+        await self.link.publish(wire.birth_topic(self.node), wire.encode(self.birth()),
+                                retain=True)
+        log.info("published birth seq %d", self._birth_seq)
+        await self.publish_heartbeat()
+
+    async def publish_heartbeat(self) -> None:
+        beat = wire.Heartbeat(node=self.node, seq=self._birth_seq, n=self._beats,
+                              sent_at=time.time(), health=self.health)
+        self._beats += 1
+        await self.link.publish(wire.heartbeat_topic(self.node), wire.encode(beat), qos=0)
+
+    async def _on_message(self, topic: str, payload: bytes) -> None:
+        try:
+            inbound = wire.parse(topic, payload)
+        except wire.WireError as exc:
+            log.warning("dropped: %s", exc)
+            return
+        if not isinstance(inbound.message, wire.Command):
+            log.warning("dropped: unexpected %s on %s", type(inbound.message).__name__, topic)
+            return
+        # Run commands beside the message loop, so a slow one does not hold up the next.
+        assert self._group is not None
+        self._group.create_task(self._run_command(inbound.message), name="command")
+
+    async def _run_command(self, cmd: wire.Command) -> None:
+        ack = await self.ledger.handle(cmd)
+        try:
+            await self.link.publish(wire.ack_topic(self.node), wire.encode(ack))
+        except LinkDown as exc:
+            log.warning("could not ack command %s: %s", cmd.id, exc)
+
+    async def _execute(self, cmd: wire.Command) -> dict[str, Any]:
+        match cmd.args:
+            case wire.PingArgs():
+                return {"pong": time.time()}
+            case wire.ResampleArgs():
+                await self.sample_health()
+                await self.publish_heartbeat()
+                return {"status": self.health.status.value}
+            case wire.RebirthArgs():
+                await self.link.publish(wire.birth_topic(self.node), wire.encode(self.birth()),
+                                        retain=True)
+                return {"seq": self._birth_seq}
+        raise AssertionError(f"unhandled command {cmd.args!r}")  # pragma: no cover
+
+    # --- loops ---------------------------------------------------------------
+
+    async def sample_health(self) -> bool:
+        """Sample GPUs and host once; True when the health changed."""
+        timeout = self.settings.gpu.call_timeout_s
+        sample: NodeSample | None = None
+        error: str | None = None
+        if self._pending_sample is not None and not self._pending_sample.done():
+            error = f"NVML sample timed out: the call has hung for over {timeout:.0f}s"
+        else:
+            self._pending_sample = self._sampler.submit(self.backend.sample)
+            try:
+                sample = await asyncio.wait_for(asyncio.wrap_future(self._pending_sample),
+                                                timeout)
+            except TimeoutError:
+                error = f"NVML sample timed out after {timeout:.0f}s"
+            except Exception as exc:
+                error = f"{self.backend.name} sample failed: {exc}"
+        if error:
+            log.error("%s", error)
+        try:
+            host = await asyncio.to_thread(sample_host, self.settings.data_dir)
+        except OSError as exc:
+            log.error("host sample failed: %s", exc)
+            host = None
+        previous = self.health
+        self.sample = sample
+        self.health = self.classifier.classify(sample, host, time.time(), backend_error=error)
+        changed = _health_key(previous) != _health_key(self.health)
+        if changed:
+            log.warning("health %s -> %s: %s", previous.status.value, self.health.status.value,
+                        ", ".join(f"{r.code}(gpu {r.gpu})" for r in self.health.reasons) or "-",
+                        extra={"node": self.node, "event": "health_change"})
+        return changed
+
+    async def _sample_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.gpu.sample_interval_s)
+            if await self.sample_health() and self.link.connected:
+                with contextlib.suppress(LinkDown):
+                    await self.publish_heartbeat()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            if not self.link.connected:
+                continue
+            try:
+                await self.publish_heartbeat()
+            except LinkDown as exc:
+                log.warning("heartbeat not sent: %s", exc)

@@ -1,0 +1,116 @@
+"""agentd's HTTP server: ``/healthz`` and Prometheus ``/metrics``.
+
+Peers (checkpoint copies) and the supervisor (logs) will add routes here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from agentd.daemon import Agent
+
+_STATUS_VALUE = {"ok": 0, "warn": 1, "drain": 2}
+
+
+class _AgentCollector(Collector):
+    """Reads the agent's latest health at scrape time; nothing is cached twice."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        a = self.agent
+        node = a.node
+        status = GaugeMetricFamily("phalanx_node_health",
+                                   "Node health: 0 ok, 1 warn, 2 drain", labels=["node"])
+        status.add_metric([node], _STATUS_VALUE[a.health.status.value])
+        yield status
+        reasons = GaugeMetricFamily("phalanx_health_reason", "Active health reasons (1 each)",
+                                    labels=["node", "code", "severity", "gpu"])
+        for r in a.health.reasons:
+            reasons.add_metric([node, r.code, r.severity, "" if r.gpu is None else str(r.gpu)], 1)
+        yield reasons
+        link = GaugeMetricFamily("phalanx_mqtt_connected", "1 while the broker link is up",
+                                 labels=["node"])
+        link.add_metric([node], 1 if a.link.connected else 0)
+        yield link
+        gauges = {
+            "temperature_c": ("phalanx_gpu_temperature_celsius", "GPU temperature"),
+            "power_w": ("phalanx_gpu_power_watts", "GPU power draw"),
+            "util_pct": ("phalanx_gpu_utilization_percent", "GPU utilisation"),
+            "mem_used_bytes": ("phalanx_gpu_memory_used_bytes", "GPU memory used"),
+            "ecc_sbe_volatile": ("phalanx_gpu_ecc_sbe_volatile", "Corrected ECC errors"),
+            "ecc_dbe_volatile": ("phalanx_gpu_ecc_dbe_volatile", "Uncorrected ECC errors"),
+            "retired_pages": ("phalanx_gpu_retired_pages", "Retired memory pages"),
+        }
+        for field, (name, doc) in gauges.items():
+            family = GaugeMetricFamily(name, doc, labels=["node", "gpu"])
+            for g in a.health.gpus:
+                value = getattr(g, field)
+                if value is not None:
+                    family.add_metric([node, str(g.index)], float(value))
+            yield family
+        host = a.health.host
+        if host is not None:
+            for name, doc, value in (
+                ("phalanx_host_disk_free_bytes", "Free bytes on the data disk",
+                 host.disk_free_bytes),
+                ("phalanx_host_memory_available_bytes", "Available memory",
+                 host.mem_available_bytes),
+                ("phalanx_host_load1", "1-minute load average", host.load1),
+            ):
+                family = GaugeMetricFamily(name, doc, labels=["node"])
+                family.add_metric([node], float(value))
+                yield family
+
+
+def make_app(agent: Agent) -> web.Application:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_AgentCollector(agent))
+
+    async def healthz(request: web.Request) -> web.Response:
+        body = {
+            "node": agent.node,
+            "status": agent.health.status.value,
+            "reasons": [r.model_dump() for r in agent.health.reasons],
+            "mqtt_connected": agent.link.connected,
+            "gpus": len(agent.inventory),
+            "backend": agent.backend.name,
+        }
+        return web.json_response(body)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def start_http(agent: Agent) -> AsyncIterator[int]:
+    """Serve until the block ends; yields the bound port (useful with port 0)."""
+    runner = web.AppRunner(make_app(agent), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, agent.settings.http.host, agent.settings.http.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise OSError(exc.errno, f"agent HTTP server cannot bind "
+                      f"{agent.settings.http.host}:{agent.settings.http.port}: {exc.strerror}"
+                      ) from exc
+    try:
+        yield int(runner.addresses[0][1])
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,51 @@
+"""A small synchronous client of the supervisor's REST API, for the CLI and tests."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+class ApiError(RuntimeError):
+    """The supervisor answered with an error (``status`` > 0) or could not be reached (0)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Client:
+    def __init__(self, base_url: str, token: str, *, timeout: float = 10.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+
+    def get(self, path: str) -> Any:
+        return self._call("GET", path, None)
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        return self._call("POST", path, body or {})
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(
+            f"{self.base_url}{path}",
+            data=data,
+            method=method,
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            try:
+                message = json.loads(exc.read()).get("error", exc.reason)
+            except (ValueError, AttributeError):
+                message = str(exc.reason)
+            raise ApiError(exc.code, str(message)) from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ApiError(0, f"cannot reach the supervisor at {self.base_url}: {reason} "
+                           f"(timeout {self.timeout:.0f}s)") from None

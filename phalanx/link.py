@@ -1,0 +1,195 @@
+"""One daemon's link to the MQTT broker: connect, keep alive, reconnect, dispatch.
+
+Both daemons use :class:`MqttLink`. It owns the reconnect loop (capped,
+jittered exponential backoff), sets a fresh last will on every connection,
+re-subscribes and calls the daemon's ``on_connect`` (where the agent publishes
+its birth) after every reconnect, and hands every inbound message to the
+daemon's handler. A handler that raises is logged; it never ends the link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import ssl
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import aiomqtt
+
+from phalanx.settings import MqttSettings
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[str, bytes], Awaitable[None]]
+
+
+class LinkDown(ConnectionError):
+    """Raised by :meth:`MqttLink.publish` when the broker is not reachable in time."""
+
+
+@dataclass(frozen=True)
+class Will:
+    topic: str
+    payload: bytes
+    retain: bool = True
+
+
+class Backoff:
+    """Capped exponential backoff with equal jitter: delays in [d/2, d], d doubling to ``cap``."""
+
+    def __init__(self, initial: float = 0.2, cap: float = 10.0) -> None:
+        self.initial = initial
+        self.cap = cap
+        self._attempt = 0
+
+    def next(self) -> float:
+        ceiling = min(self.cap, self.initial * (2**self._attempt))
+        self._attempt += 1
+        return float(ceiling / 2 + random.uniform(0, ceiling / 2))
+
+    def reset(self) -> None:
+        self._attempt = 0
+
+
+class MqttLink:
+    """A supervised connection to the broker, usable as ``async with MqttLink(...)``."""
+
+    def __init__(
+        self,
+        settings: MqttSettings,
+        client_id: str,
+        *,
+        subscriptions: Sequence[str],
+        handler: Handler,
+        will: Callable[[], Will] | None = None,
+        on_connect: Callable[[], Awaitable[None]] | None = None,
+        persistent_session: bool = False,
+    ) -> None:
+        self._settings = settings
+        self._client_id = client_id
+        self._subscriptions = tuple(subscriptions)
+        self._handler = handler
+        self._will = will
+        self._on_connect = on_connect
+        self._persistent = persistent_session
+        self._client: aiomqtt.Client | None = None
+        self._connected = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.connects = 0
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    async def __aenter__(self) -> MqttLink:
+        self._task = asyncio.create_task(self._run(), name=f"mqtt-link:{self._client_id}")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def wait_connected(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"no connection to the MQTT broker {self._settings.host}:{self._settings.port} "
+                f"within {timeout:.1f}s"
+            ) from None
+
+    async def publish(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int = 1,
+        retain: bool = False,
+        timeout: float = 5.0,
+    ) -> None:
+        """Publish once the link is up; raise :class:`LinkDown` after ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout)
+            client = self._client
+            if client is None:
+                raise LinkDown(f"MQTT link to {self._settings.host} dropped before publishing")
+            await client.publish(topic, payload, qos=qos, retain=retain, timeout=timeout)
+        except (TimeoutError, aiomqtt.MqttError) as exc:
+            raise LinkDown(
+                f"could not publish to {topic} within {timeout:.1f}s: {exc or 'broker unreachable'}"
+            ) from exc
+
+    def _tls(self) -> ssl.SSLContext | None:
+        s = self._settings
+        if not s.tls:
+            return None
+        ctx = ssl.create_default_context(cafile=str(s.ca_file) if s.ca_file else None)
+        if s.cert_file:
+            ctx.load_cert_chain(str(s.cert_file), str(s.key_file) if s.key_file else None)
+        return ctx
+
+    async def _run(self) -> None:
+        backoff = Backoff(self._settings.reconnect_initial_s, self._settings.reconnect_max_s)
+        s = self._settings
+        while True:
+            will = self._will() if self._will else None
+            client = aiomqtt.Client(
+                s.host,
+                s.port,
+                identifier=self._client_id,
+                username=s.username,
+                password=s.password.get_secret_value() if s.password else None,
+                keepalive=s.keepalive_s,
+                clean_session=not self._persistent,
+                timeout=s.connect_timeout_s,
+                tls_context=self._tls(),
+                will=aiomqtt.Will(will.topic, will.payload, qos=1, retain=will.retain)
+                if will
+                else None,
+            )
+            try:
+                async with client:
+                    self._client = client
+                    for topic in self._subscriptions:
+                        await client.subscribe(topic, qos=1)
+                    self.connects += 1
+                    self._connected.set()
+                    backoff.reset()
+                    log.info("connected to MQTT broker %s:%d as %s", s.host, s.port,
+                             self._client_id)
+                    if self._on_connect is not None:
+                        await self._on_connect()
+                    async for message in client.messages:
+                        await self._dispatch(str(message.topic), message.payload)
+            except (aiomqtt.MqttError, LinkDown) as exc:
+                delay = backoff.next()
+                log.warning(
+                    "MQTT link to %s:%d lost or refused (%s); reconnecting in %.2fs",
+                    s.host, s.port, exc, delay,
+                )
+            else:  # pragma: no cover - the message iterator only ends by raising
+                delay = backoff.next()
+            finally:
+                self._connected.clear()
+                self._client = None
+            await asyncio.sleep(delay)
+
+    async def _dispatch(self, topic: str, payload: object) -> None:
+        data = payload if isinstance(payload, bytes | bytearray) else str(payload or "").encode()
+        try:
+            await self._handler(topic, bytes(data))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("handler failed on a message from %s; message dropped", topic)

@@ -1,0 +1,309 @@
+"""The local fleet: a broker, the supervisor and N simulated-GPU agents on one machine.
+
+``phalanx local up`` starts them as detached processes under one directory::
+
+    DIR/fleet.json          what was started (pids, ports, roles), read by the other verbs
+    DIR/token               the API token (mode 0600)
+    DIR/broker/             mosquitto.conf
+    DIR/supervisor/         supervisor.toml and its state
+    DIR/nodes/NODE/         agentd.toml, the sim GPU file, the agent's data dir
+    DIR/logs/ROLE.log       every process's output
+
+It is what the README's demo runs and what the integration tests build on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from phalanx.client import ApiError, Client
+
+DEFAULT_DIR = Path(os.environ.get("PHALANX_LOCAL_DIR", ".phalanx-local"))
+
+
+class LocalFleetError(RuntimeError):
+    """The local fleet could not be started, found or stopped; the message says why."""
+
+
+@dataclass
+class Proc:
+    role: str  # broker | supervisor | agent
+    pid: int
+    log: str
+    node: str | None = None
+
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        # A zombie (exited, not yet reaped by us) is not alive.
+        try:
+            with open(f"/proc/{self.pid}/stat") as fh:
+                return fh.read().split(") ", 1)[1][0] != "Z"
+        except OSError:
+            return True
+
+
+@dataclass
+class Fleet:
+    dir: str
+    api: str
+    token: str
+    broker_port: int
+    processes: list[Proc]
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir)
+
+    def save(self) -> None:
+        data = asdict(self)
+        tmp = self.path / "fleet.json.tmp"
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, self.path / "fleet.json")
+
+    @classmethod
+    def load(cls, directory: Path) -> Fleet:
+        path = directory / "fleet.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise LocalFleetError(
+                f"no local fleet in {directory} (no fleet.json); start one with `phalanx local up`"
+            ) from None
+        except ValueError as exc:
+            raise LocalFleetError(f"{path} is corrupt: {exc}") from exc
+        data["processes"] = [Proc(**p) for p in data["processes"]]
+        return cls(**data)
+
+    def client(self) -> Client:
+        return Client(self.api, self.token, timeout=5.0)
+
+    def sim_file(self, node: str) -> Path:
+        path = self.path / "nodes" / node / "data" / "sim-gpus.json"
+        if not path.exists():
+            known = ", ".join(p.node for p in self.processes if p.node) or "none"
+            raise LocalFleetError(f"node {node!r} is not part of this local fleet (nodes: {known})")
+        return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def find_mosquitto() -> str | None:
+    return shutil.which("mosquitto") or next(
+        (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)),
+        None,
+    )
+
+
+def write_mosquitto_conf(path: Path, port: int, *, extra: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f"listener {port} 127.0.0.1\n"
+        "allow_anonymous true\n"
+        "persistence false\n"
+        "log_dest stderr\n"
+        "log_type error\nlog_type warning\nlog_type notice\n"
+        "max_keepalive 600\n"
+        f"{extra}"
+    )
+
+
+# Popen objects of the processes this interpreter started: kept so that they are not
+# garbage-collected (with a ResourceWarning) while the fleet runs.
+_CHILDREN: list[subprocess.Popen[bytes]] = []
+
+
+def _spawn(cmd: list[str], log: Path, role: str, node: str | None = None,
+           env: dict[str, str] | None = None) -> Proc:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, env={**os.environ, **(env or {})},
+        )
+    _CHILDREN.append(proc)
+    return Proc(role=role, pid=proc.pid, log=str(log), node=node)
+
+
+def start_broker(directory: Path, port: int) -> Proc:
+    mosquitto = find_mosquitto()
+    if mosquitto is not None:
+        conf = directory / "broker" / "mosquitto.conf"
+        write_mosquitto_conf(conf, port)
+        return _spawn([mosquitto, "-c", str(conf)], directory / "logs" / "broker.log", "broker")
+    try:
+        import amqtt  # noqa: F401
+    except ImportError:
+        raise LocalFleetError(
+            "no MQTT broker: install Mosquitto (apt-get install -y mosquitto) or the embedded "
+            "broker (pip install 'phalanx[embedded-broker]')"
+        ) from None
+    conf = directory / "broker" / "amqtt.yaml"
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    conf.write_text(
+        "listeners:\n  default:\n    type: tcp\n"
+        f"    bind: 127.0.0.1:{port}\n"
+        "plugins:\n  amqtt.plugins.authentication.AnonymousAuthPlugin:\n"
+        "    allow_anonymous: true\n"
+    )
+    amqtt_bin = shutil.which("amqtt") or str(Path(sys.executable).parent / "amqtt")
+    return _spawn([amqtt_bin, "-c", str(conf)], directory / "logs" / "broker.log", "broker")
+
+
+def wait_port(port: int, timeout: float, proc: Proc) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        if not proc.alive():
+            raise LocalFleetError(f"the {proc.role} exited at start; see {proc.log}:\n"
+                                  f"{_tail(Path(proc.log))}")
+        time.sleep(0.05)
+    raise LocalFleetError(f"the {proc.role} did not listen on port {port} within {timeout:.0f}s")
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def node_name(i: int) -> str:
+    return f"n{i + 1:02d}"
+
+
+def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int = 2,
+       heartbeat_s: float = 1.0, offline_after_s: float = 4.0,
+       timeout: float = 60.0) -> Fleet:
+    """Start a fleet and return once every agent is up in the supervisor."""
+    directory = directory.absolute()
+    with contextlib.suppress(LocalFleetError):
+        existing = Fleet.load(directory)
+        if any(p.alive() for p in existing.processes):
+            raise LocalFleetError(f"a local fleet is already running in {directory}; "
+                                  "stop it with `phalanx local down`")
+    for sub in ("supervisor", "nodes", "broker"):
+        shutil.rmtree(directory / sub, ignore_errors=True)
+    (directory / "logs").mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(24)
+    token_file = directory / "token"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    broker_port, api_port = free_port(), free_port()
+    fleet = Fleet(str(directory), f"http://127.0.0.1:{api_port}", token, broker_port, [])
+    try:
+        broker = start_broker(directory, broker_port)
+        fleet.processes.append(broker)
+        fleet.save()
+        wait_port(broker_port, 10, broker)
+
+        sup_dir = directory / "supervisor"
+        sup_dir.mkdir(parents=True)
+        (sup_dir / "supervisor.toml").write_text(
+            f'state_dir = "{sup_dir / "state"}"\n'
+            f"offline_after_s = {offline_after_s}\n"
+            f"[mqtt]\nport = {broker_port}\nkeepalive_s = 5\n"
+            f'[api]\nport = {api_port}\ntoken_file = "{token_file}"\n'
+        )
+        sup = _spawn([sys.executable, "-m", "supervisor", "--config",
+                      str(sup_dir / "supervisor.toml")],
+                     directory / "logs" / "supervisor.log", "supervisor")
+        fleet.processes.append(sup)
+        fleet.save()
+        wait_port(api_port, 20, sup)
+
+        for i in range(nodes):
+            node = node_name(i)
+            node_dir = directory / "nodes" / node
+            node_dir.mkdir(parents=True)
+            (node_dir / "agentd.toml").write_text(agent_toml(
+                node, node_dir / "data", broker_port, gpus_per_node,
+                rack=f"rack{i // nodes_per_rack + 1}", heartbeat_s=heartbeat_s))
+            fleet.processes.append(_spawn(
+                [sys.executable, "-m", "agentd", "--config", str(node_dir / "agentd.toml")],
+                directory / "logs" / f"agent-{node}.log", "agent", node))
+        fleet.save()
+        wait_nodes(fleet, [node_name(i) for i in range(nodes)], "up", timeout)
+    except BaseException:
+        down(directory, quiet=True)
+        raise
+    return fleet
+
+
+def agent_toml(node: str, data_dir: Path, broker_port: int, gpus: int, *, rack: str,
+               heartbeat_s: float) -> str:
+    return (
+        f'node_id = "{node}"\naddress = "127.0.0.1"\nrack = "{rack}"\n'
+        f'data_dir = "{data_dir}"\nheartbeat_interval_s = {heartbeat_s}\n'
+        f"[mqtt]\nport = {broker_port}\nkeepalive_s = 5\n"
+        f'[gpu]\nbackend = "sim"\nsim_gpus = {gpus}\nsample_interval_s = 0.5\n'
+        "[thresholds]\nxid_hold_s = 30\nslowdown_sustain_s = 5\n"
+        "disk_drain_bytes = 0\ndisk_warn_fraction = 0.0\nload_warn_per_cpu = 64\n"
+        'mem_warn_fraction = 0.0\n[http]\nhost = "127.0.0.1"\nport = 0\n'
+    )
+
+
+def wait_nodes(fleet: Fleet, nodes: list[str], state: str, timeout: float) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    client = fleet.client()
+    seen: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        for proc in fleet.processes:
+            if proc.node in nodes and not proc.alive() and state != "offline":
+                raise LocalFleetError(f"agent {proc.node} exited; see {proc.log}:\n"
+                                      f"{_tail(Path(proc.log))}")
+        with contextlib.suppress(ApiError):
+            seen = client.get("/v1/nodes")
+            states = {n["id"]: n["state"] for n in seen}
+            if all(states.get(n) == state for n in nodes):
+                return seen
+        time.sleep(0.1)
+    got = {n["id"]: n["state"] for n in seen}
+    raise LocalFleetError(f"nodes not {state} within {timeout:.0f}s: {got}")
+
+
+def down(directory: Path, *, quiet: bool = False, timeout: float = 10.0) -> list[Proc]:
+    """Stop everything the fleet started: agents first, then supervisor, then broker."""
+    try:
+        fleet = Fleet.load(directory.absolute())
+    except LocalFleetError:
+        if quiet:
+            return []
+        raise
+    order = {"agent": 0, "supervisor": 1, "broker": 2}
+    procs = sorted(fleet.processes, key=lambda p: order.get(p.role, 3))
+    for role in ("agent", "supervisor", "broker"):
+        group = [p for p in procs if p.role == role and p.alive()]
+        for p in group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while any(p.alive() for p in group) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for p in group:
+            if p.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+    (fleet.path / "fleet.json").unlink(missing_ok=True)
+    return procs

@@ -1,0 +1,154 @@
+"""Settings shared by both daemons and the one loader they use.
+
+Precedence, highest first (written down here once):
+
+1. command-line flags (``--mqtt.port 1884``, kebab-case field names);
+2. environment variables (``PHALANX_AGENTD_MQTT__PORT=1884``: the daemon's
+   prefix, nested fields joined by ``__``);
+3. the TOML file (``--config PATH``, or the daemon's ``..._CONFIG`` variable,
+   or its default path; a missing default file is fine, a missing named file
+   is an error);
+4. the defaults documented on each field.
+
+Unknown keys are rejected at every level. A bad value raises
+:class:`ConfigError`, whose message names the field; the entry points turn it
+into exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsError,
+)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the field or file."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MqttSettings(_Section):
+    host: str = Field(default="127.0.0.1", description="MQTT broker host name or address.")
+    port: int = Field(default=1883, ge=1, le=65535, description="MQTT broker port.")
+    username: str | None = Field(default=None, description="Broker user (one per node).")
+    password: SecretStr | None = Field(default=None, description="Broker password.")
+    password_file: Path | None = Field(
+        default=None, description="File holding the broker password (preferred over `password`)."
+    )
+    tls: bool = Field(default=False, description="Connect with TLS.")
+    ca_file: Path | None = Field(default=None, description="CA bundle that signed the broker.")
+    cert_file: Path | None = Field(default=None, description="Client certificate (mutual TLS).")
+    key_file: Path | None = Field(default=None, description="Client key (mutual TLS).")
+    keepalive_s: int = Field(
+        default=10,
+        ge=2,
+        le=600,
+        description="MQTT keepalive. The broker fires the last will after 1.5x this without "
+        "traffic, so it bounds how long a dead agent stays 'up'.",
+    )
+    connect_timeout_s: float = Field(default=10.0, gt=0, description="Timeout of one connect.")
+    reconnect_initial_s: float = Field(default=0.2, gt=0, description="First reconnect delay.")
+    reconnect_max_s: float = Field(default=10.0, gt=0, description="Reconnect delay cap.")
+
+    def resolved(self) -> MqttSettings:
+        """Read ``password_file`` into ``password``."""
+        if self.password_file is None:
+            return self
+        try:
+            secret = self.password_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"mqtt.password_file: cannot read {self.password_file}: {exc}"
+            ) from exc
+        return self.model_copy(update={"password": SecretStr(secret)})
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def load_settings(
+    cls: type[S],
+    argv: Sequence[str],
+    *,
+    prog: str,
+    env_prefix: str,
+    default_config: Path,
+) -> S:
+    """Build ``cls`` from CLI flags, the environment and a TOML file (see module doc)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", type=Path, default=None)
+    known, rest = pre.parse_known_args(list(argv))
+    named = known.config or (Path(os.environ[f"{env_prefix}CONFIG"])
+                             if os.environ.get(f"{env_prefix}CONFIG") else None)
+    path = named or default_config
+    file_values: dict[str, Any] = {}
+    if path.exists():
+        try:
+            with path.open("rb") as fh:
+                file_values = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config file {path}: {exc}") from exc
+    elif named is not None:
+        raise ConfigError(f"config file {path} does not exist")
+
+    class _Loaded(cls):  # type: ignore[valid-type,misc]
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            cli: CliSettingsSource[Any] = CliSettingsSource(
+                settings_cls,
+                cli_parse_args=rest,
+                cli_prog_name=prog,
+                cli_kebab_case=True,
+                cli_exit_on_error=False,
+                cli_implicit_flags=True,
+            )
+            return (cli, env_settings, InitSettingsSource(settings_cls, file_values))
+
+    _Loaded.__name__ = cls.__name__
+    _Loaded.model_config = {
+        **cls.model_config,
+        "env_prefix": env_prefix,
+        "env_nested_delimiter": "__",
+        "extra": "forbid",
+    }
+    try:
+        loaded = _Loaded()
+    except ValidationError as exc:
+        raise ConfigError(describe_validation(exc, source=str(path))) from exc
+    except SettingsError as exc:  # unknown or malformed flags
+        raise ConfigError(f"invalid command line: {exc}") from exc
+    return loaded
+
+
+def describe_validation(exc: ValidationError, *, source: str = "") -> str:
+    """One line per bad field: ``field.path: what is wrong (got VALUE)``."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        got = err.get("input")
+        shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
+        lines.append(f"{loc}: {err['msg']}{shown}")
+    where = f" (config file {source}, environment or flags)" if source else ""
+    return f"invalid configuration{where}:\n  " + "\n  ".join(lines)

@@ -1,0 +1,340 @@
+"""The wire contract: every MQTT topic and every message, in one place.
+
+Both daemons import this module; nothing else builds a topic string or reads a
+payload dict. Version 1 lives under ``phalanx/v1/``.
+
+Topics (``{node}`` is a node id):
+
+=====================================  =========  =======  ==========================
+topic                                  publisher  retain   payload
+=====================================  =========  =======  ==========================
+``phalanx/v1/node/{node}/birth``       agent      yes      :class:`NodeBirth`
+``phalanx/v1/node/{node}/death``       broker     yes      :class:`NodeDeath` (will)
+``phalanx/v1/node/{node}/heartbeat``   agent      no       :class:`Heartbeat`
+``phalanx/v1/node/{node}/cmd``         supervisor no       :class:`Command`
+``phalanx/v1/node/{node}/ack``         agent      no       :class:`CommandAck`
+``phalanx/v1/supervisor/status``       supervisor yes      :class:`SupervisorStatus`
+=====================================  =========  =======  ==========================
+
+Birth and death carry the agent's birth sequence number. A death only counts
+for the birth with the same or an older sequence, so the retained pair read
+back by a restarted supervisor tells it which of the two is newer.
+
+Every inbound payload goes through :func:`parse`, which bounds its size,
+checks it is JSON and validates it against the model of its topic. Anything
+else raises :class:`WireError`; the daemons log it and drop the message.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PREFIX = "phalanx/v1"
+MAX_PAYLOAD_BYTES = 256 * 1024
+NODE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+_NODE_ID_RE = re.compile(NODE_ID_PATTERN)
+
+
+class WireError(ValueError):
+    """A message that does not follow the contract; carries the topic."""
+
+    def __init__(self, topic: str, reason: str) -> None:
+        super().__init__(f"bad message on {topic!r}: {reason}")
+        self.topic = topic
+        self.reason = reason
+
+
+class _Msg(BaseModel):
+    """Base of every message: strict about unknown fields, immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+NodeId = Annotated[str, Field(pattern=NODE_ID_PATTERN)]
+
+
+# --- health ---------------------------------------------------------------
+
+
+class HealthStatus(enum.StrEnum):
+    """A node's health as its agent judges it; ordered by severity."""
+
+    OK = "ok"
+    WARN = "warn"
+    DRAIN = "drain"
+
+    @property
+    def severity(self) -> int:
+        return _SEVERITY[self]
+
+
+_SEVERITY = {HealthStatus.OK: 0, HealthStatus.WARN: 1, HealthStatus.DRAIN: 2}
+
+
+class Reason(_Msg):
+    """One machine-readable reason behind a health status."""
+
+    code: str = Field(description="stable code, e.g. ecc_dbe, xid_79, disk_low")
+    severity: Literal["warn", "drain"]
+    gpu: int | None = Field(default=None, description="GPU index, None for host-wide reasons")
+    detail: str = ""
+
+
+class GpuGauges(_Msg):
+    """The numbers of one GPU worth graphing (a subset of a sample)."""
+
+    index: int
+    temperature_c: float | None = None
+    power_w: float | None = None
+    util_pct: float | None = None
+    mem_used_bytes: int | None = None
+    mem_total_bytes: int | None = None
+    ecc_sbe_volatile: int | None = None
+    ecc_dbe_volatile: int | None = None
+    retired_pages: int | None = None
+    throttle: list[str] = Field(default_factory=list)
+
+
+class HostGauges(_Msg):
+    """Host health from psutil."""
+
+    disk_free_bytes: int
+    disk_total_bytes: int
+    mem_available_bytes: int
+    mem_total_bytes: int
+    load1: float
+    cpu_count: int
+
+
+class Health(_Msg):
+    status: HealthStatus
+    reasons: list[Reason] = Field(default_factory=list)
+    gpus: list[GpuGauges] = Field(default_factory=list)
+    host: HostGauges | None = None
+    sampled_at: float = 0.0
+
+
+# --- node lifecycle ---------------------------------------------------------
+
+
+class GpuDescriptor(_Msg):
+    index: int = Field(ge=0)
+    uuid: str
+    model: str
+    memory_bytes: int = Field(ge=0)
+
+
+class Topology(_Msg):
+    rack: str = "default"
+    nvlink_domain: str | None = None
+
+
+class NodeBirth(_Msg):
+    kind: Literal["birth"] = "birth"
+    node: NodeId
+    seq: int = Field(ge=0, description="birth sequence; grows with every (re)connect")
+    hostname: str
+    address: str = Field(description="address peers and the supervisor reach the agent at")
+    http_port: int = Field(ge=0, le=65535)
+    gpus: list[GpuDescriptor]
+    gpu_backend: str
+    topology: Topology
+    version: str
+    started_at: float
+    health: Health
+
+
+class NodeDeath(_Msg):
+    kind: Literal["death"] = "death"
+    node: NodeId
+    seq: int = Field(ge=0)
+    cause: Literal["lost", "shutdown"] = "lost"
+
+
+class Heartbeat(_Msg):
+    kind: Literal["heartbeat"] = "heartbeat"
+    node: NodeId
+    seq: int = Field(ge=0, description="birth sequence this heartbeat belongs to")
+    n: int = Field(ge=0, description="heartbeat counter within this birth")
+    sent_at: float
+    health: Health
+
+
+# --- commands ------------------------------------------------------------
+
+
+class PingArgs(_Msg):
+    op: Literal["ping"] = "ping"
+
+
+class ResampleArgs(_Msg):
+    """Sample health now and publish it, instead of waiting for the next heartbeat."""
+
+    op: Literal["resample"] = "resample"
+
+
+class RebirthArgs(_Msg):
+    """Publish the birth again (the supervisor lost it, e.g. its retained copy was cleared)."""
+
+    op: Literal["rebirth"] = "rebirth"
+
+
+CommandArgsType = PingArgs | ResampleArgs | RebirthArgs
+CommandArgs = Annotated[CommandArgsType, Field(discriminator="op")]
+
+
+class Command(_Msg):
+    """An order for one agent. Executed at most once per id, never after its deadline."""
+
+    kind: Literal["cmd"] = "cmd"
+    id: str = Field(min_length=1, max_length=128)
+    node: NodeId
+    issued_at: float
+    deadline: float
+    args: CommandArgs
+
+    @classmethod
+    def new(cls, node: str, args: CommandArgsType, ttl: float = 30.0) -> Command:
+        now = time.time()
+        return cls(id=uuid.uuid4().hex, node=node, issued_at=now, deadline=now + ttl, args=args)
+
+
+class AckStatus(enum.StrEnum):
+    DONE = "done"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+
+class CommandAck(_Msg):
+    kind: Literal["ack"] = "ack"
+    id: str
+    node: NodeId
+    status: AckStatus
+    duplicate: bool = Field(default=False, description="a redelivery; the first result is repeated")
+    detail: str = ""
+    result: dict[str, Any] = Field(default_factory=dict)
+    acked_at: float
+
+
+class SupervisorStatus(_Msg):
+    kind: Literal["supervisor"] = "supervisor"
+    online: bool
+    since: float
+
+
+Message = NodeBirth | NodeDeath | Heartbeat | Command | CommandAck | SupervisorStatus
+
+
+# --- topics --------------------------------------------------------------
+
+
+def _node(node: str) -> str:
+    if not _NODE_ID_RE.match(node):
+        raise ValueError(f"invalid node id {node!r}: must match {NODE_ID_PATTERN}")
+    return node
+
+
+def birth_topic(node: str) -> str:
+    return f"{PREFIX}/node/{_node(node)}/birth"
+
+
+def death_topic(node: str) -> str:
+    return f"{PREFIX}/node/{_node(node)}/death"
+
+
+def heartbeat_topic(node: str) -> str:
+    return f"{PREFIX}/node/{_node(node)}/heartbeat"
+
+
+def command_topic(node: str) -> str:
+    return f"{PREFIX}/node/{_node(node)}/cmd"
+
+
+def ack_topic(node: str) -> str:
+    return f"{PREFIX}/node/{_node(node)}/ack"
+
+
+SUPERVISOR_STATUS_TOPIC = f"{PREFIX}/supervisor/status"
+
+# Subscriptions, one per consumer.
+SUPERVISOR_SUBSCRIPTIONS = (
+    f"{PREFIX}/node/+/birth",
+    f"{PREFIX}/node/+/death",
+    f"{PREFIX}/node/+/heartbeat",
+    f"{PREFIX}/node/+/ack",
+)
+
+
+def agent_subscriptions(node: str) -> tuple[str, ...]:
+    return (command_topic(node),)
+
+
+_MODELS: dict[str, type[_Msg]] = {
+    "birth": NodeBirth,
+    "death": NodeDeath,
+    "heartbeat": Heartbeat,
+    "cmd": Command,
+    "ack": CommandAck,
+}
+_TOPIC_RE = re.compile(r"^phalanx/v1/node/([^/]+)/(birth|death|heartbeat|cmd|ack)$")
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """A parsed message and the node its topic names (None for fleet-wide topics)."""
+
+    node: str | None
+    message: Message | None  # None: a retained message was cleared (empty payload)
+
+
+def encode(message: _Msg) -> bytes:
+    return message.model_dump_json().encode()
+
+
+def parse(topic: str, payload: bytes | bytearray | str | None) -> Inbound:
+    """Validate one inbound message against the model its topic promises.
+
+    An empty payload is how MQTT clears a retained message; it parses to
+    ``Inbound(node, None)``. Everything else must be a valid message whose
+    ``node`` field (when it has one) matches the topic.
+    """
+    if isinstance(payload, str):
+        payload = payload.encode()
+    payload = bytes(payload or b"")
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise WireError(topic, f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    if topic == SUPERVISOR_STATUS_TOPIC:
+        if not payload:
+            return Inbound(None, None)
+        return Inbound(None, _validate(topic, SupervisorStatus, payload))
+    match = _TOPIC_RE.match(topic)
+    if match is None:
+        raise WireError(topic, "not a phalanx/v1 topic")
+    node, kind = match.group(1), match.group(2)
+    if not _NODE_ID_RE.match(node):
+        raise WireError(topic, f"invalid node id {node!r}")
+    if not payload:
+        return Inbound(node, None)
+    message = _validate(topic, _MODELS[kind], payload)
+    named = getattr(message, "node", node)
+    if named != node:
+        raise WireError(topic, f"payload names node {named!r} but the topic names {node!r}")
+    return Inbound(node, message)
+
+
+def _validate(topic: str, model: type[_Msg], payload: bytes) -> Message:
+    try:
+        return model.model_validate_json(payload)  # type: ignore[return-value]
+    except ValidationError as exc:
+        errors = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+            for err in exc.errors()[:5]
+        )
+        raise WireError(topic, f"{model.__name__} invalid: {errors}") from exc

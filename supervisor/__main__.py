@@ -1,0 +1,45 @@
+"""``phalanx-supervisor``: the fleet supervisor's entry point.
+
+Exit codes: 0 clean stop, 2 bad configuration, 1 anything else (a port in
+use, an unwritable state directory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from phalanx.logs import configure
+from phalanx.run import run_until_signal
+from phalanx.settings import ConfigError
+from supervisor.config import load
+from supervisor.daemon import Supervisor
+from supervisor.store import StoreError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    try:
+        settings = load(args)
+        settings.mqtt.resolved()
+        token = settings.api_token()
+    except ConfigError as exc:
+        print(f"phalanx-supervisor: {exc}", file=sys.stderr)
+        return 2
+    configure(settings.log_level, json_lines=settings.log_json, name="supervisor")
+
+    async def serve(stop: asyncio.Event) -> None:
+        async with Supervisor(settings, token):
+            await stop.wait()
+
+    try:
+        asyncio.run(run_until_signal(serve))
+    except (OSError, StoreError) as exc:
+        print(f"phalanx-supervisor: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The supervisor's REST API (aiohttp), behind a bearer token.
+
+=======  ============================  ==========================================
+method   path                          what
+=======  ============================  ==========================================
+GET      /healthz                      liveness (no token)
+GET      /v1/nodes                     every node (see ``Node.view``)
+GET      /v1/nodes/{id}                one node; 404 when unknown
+POST     /v1/nodes/{id}/drain          body ``{"reason": "..."}``
+POST     /v1/nodes/{id}/undrain        body ``{"force": false}``; 409 while sick
+POST     /v1/nodes/{id}/ping           round trip of a command to the agent
+GET      /v1/events                    ``?node=ID&limit=N&after=ID``
+GET      /v1/stats                     counters (heartbeats handled, bad messages)
+=======  ============================  ==========================================
+
+Errors are ``{"error": "message"}`` with a 4xx/5xx status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from phalanx import wire
+from supervisor.registry import RegistryError
+
+if TYPE_CHECKING:
+    from supervisor.daemon import Supervisor
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def make_app(sup: Supervisor) -> web.Application:
+    token = sup.token.encode()
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path != "/healthz":
+            given = request.headers.get("Authorization", "")
+            if not given.startswith("Bearer ") or not hmac.compare_digest(
+                given[7:].strip().encode(), token
+            ):
+                return _error(401, "missing or wrong bearer token (PHALANX_TOKEN)")
+        try:
+            return await handler(request)
+        except RegistryError as exc:
+            return _error(exc.status, str(exc))
+        except web.HTTPException:
+            raise
+        except Exception:
+            log.exception("API %s %s failed", request.method, request.path)
+            return _error(500, "internal error; see the supervisor log")
+
+    async def body(request: web.Request) -> dict[str, Any]:
+        if not request.can_read_body:
+            return {}
+        try:
+            data = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise web.HTTPBadRequest(text=json.dumps({"error": "request body is not JSON"}),
+                                     content_type="application/json") from None
+        if not isinstance(data, dict):
+            raise web.HTTPBadRequest(text=json.dumps({"error": "request body must be an object"}),
+                                     content_type="application/json")
+        return data
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "mqtt_connected": sup.link.connected})
+
+    async def nodes(request: web.Request) -> web.Response:
+        return web.json_response([n.view() for _, n in sorted(sup.registry.nodes.items())])
+
+    async def node(request: web.Request) -> web.Response:
+        return web.json_response(sup.registry.get(request.match_info["id"]).view())
+
+    async def drain(request: web.Request) -> web.Response:
+        data = await body(request)
+        reason = data.get("reason")
+        if not isinstance(reason, str) or not reason.strip():
+            return _error(400, "field 'reason': a drain needs a non-empty reason")
+        return web.json_response(sup.registry.drain(request.match_info["id"], reason).view())
+
+    async def undrain(request: web.Request) -> web.Response:
+        data = await body(request)
+        force = data.get("force", False)
+        if not isinstance(force, bool):
+            return _error(400, "field 'force': must be true or false")
+        return web.json_response(
+            sup.registry.undrain(request.match_info["id"], force=force).view())
+
+    async def ping(request: web.Request) -> web.Response:
+        from supervisor.daemon import CommandTimeout
+
+        try:
+            ack = await sup.command(request.match_info["id"], wire.PingArgs())
+        except CommandTimeout as exc:
+            return _error(504, str(exc))
+        return web.json_response(ack.model_dump(mode="json"))
+
+    async def events(request: web.Request) -> web.Response:
+        q = request.query
+        try:
+            limit = min(int(q.get("limit", "100")), 10_000)
+            after = int(q.get("after", "0"))
+        except ValueError:
+            return _error(400, "query 'limit' and 'after' must be integers")
+        found = sup.store.events(node=q.get("node"), limit=limit, after=after)
+        return web.json_response([e.as_dict() for e in found])
+
+    async def stats(request: web.Request) -> web.Response:
+        return web.json_response({
+            "heartbeats": sup.registry.heartbeats,
+            "bad_messages": sup.bad_messages,
+            "nodes": len(sup.registry.nodes),
+            "mqtt_connects": sup.link.connects,
+        })
+
+    app = web.Application(middlewares=[guard], client_max_size=64 * 1024)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/v1/nodes", nodes)
+    app.router.add_get("/v1/nodes/{id}", node)
+    app.router.add_post("/v1/nodes/{id}/drain", drain)
+    app.router.add_post("/v1/nodes/{id}/undrain", undrain)
+    app.router.add_post("/v1/nodes/{id}/ping", ping)
+    app.router.add_get("/v1/events", events)
+    app.router.add_get("/v1/stats", stats)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def start_api(sup: Supervisor) -> AsyncIterator[int]:
+    api = sup.settings.api
+    runner = web.AppRunner(make_app(sup), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, api.host, api.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise OSError(exc.errno, f"supervisor API cannot bind {api.host}:{api.port}: "
+                      f"{exc.strerror}") from exc
+    try:
+        yield int(runner.addresses[0][1])
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,80 @@
+"""The supervisor's settings: ``/etc/phalanx/supervisor.toml``, ``PHALANX_SUPERVISOR_*``, flags.
+
+Precedence as in :mod:`phalanx.settings`: flags > environment > file > defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from phalanx.settings import ConfigError, MqttSettings, load_settings
+
+DEFAULT_CONFIG = Path("/etc/phalanx/supervisor.toml")
+ENV_PREFIX = "PHALANX_SUPERVISOR_"
+
+
+class ApiSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field(default="127.0.0.1", description="Address the REST API binds.")
+    port: int = Field(default=8740, ge=0, le=65535, description="REST API port (0: any).")
+    token: SecretStr | None = Field(default=None, description="Bearer token the CLI presents.")
+    token_file: Path | None = Field(
+        default=None, description="File holding the bearer token (preferred over `token`)."
+    )
+
+
+class SupervisorSettings(BaseSettings):
+    model_config = SettingsConfigDict(extra="forbid")
+
+    state_dir: Path = Field(
+        default=Path("/var/lib/phalanx-supervisor"),
+        description="Holds the SQLite store (state.db).",
+    )
+    offline_after_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="A node with no heartbeat for this long is offline even without a last "
+        "will (a partition the broker has not noticed yet). Default: 3 heartbeats of 5s.",
+    )
+    command_timeout_s: float = Field(default=10.0, gt=0, description="Wait for a command's ack.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_json: bool = Field(default=False, description="Log JSON lines instead of text.")
+    mqtt: MqttSettings = Field(default_factory=MqttSettings)
+    api: ApiSettings = Field(default_factory=ApiSettings)
+
+    @field_validator("state_dir")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        return value.expanduser().absolute()
+
+    def api_token(self) -> str:
+        if self.api.token_file is not None:
+            try:
+                token = self.api.token_file.read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"api.token_file: cannot read {self.api.token_file}: {exc}"
+                                  ) from exc
+        elif self.api.token is not None:
+            token = self.api.token.get_secret_value()
+        else:
+            raise ConfigError("api.token: no API token configured (set api.token_file or "
+                              "api.token); the REST API never runs open")
+        if len(token) < 16:
+            raise ConfigError("api.token: the API token must be at least 16 characters")
+        return token
+
+
+def load(argv: Sequence[str]) -> SupervisorSettings:
+    return load_settings(
+        SupervisorSettings,
+        argv,
+        prog="phalanx-supervisor",
+        env_prefix=ENV_PREFIX,
+        default_config=DEFAULT_CONFIG,
+    )

@@ -1,0 +1,292 @@
+"""The node registry: births, heartbeats, deaths and drains become node states.
+
+A node's state is derived from three facts, in this order:
+
+* ``offline`` — no live link: its last will or shutdown arrived, or its
+  heartbeats stopped for ``offline_after_s``, or the supervisor has not heard
+  from it since it started;
+* ``drain`` — an operator drained it, or its agent reported a ``drain``
+  health reason (an automatic drain). An automatic drain is never lifted
+  silently: the node stays drained after its health recovers, until an
+  operator undrains it. Undraining a node whose health still says ``drain``
+  is refused;
+* ``warn`` — its agent reports a ``warn`` reason;
+* ``up`` — otherwise.
+
+Every change of state, drain or health is recorded as an event and persisted,
+so a restarted supervisor remembers drained nodes and why.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx import wire
+from supervisor.store import Event, Store
+
+log = logging.getLogger(__name__)
+
+
+class NodeState(enum.StrEnum):
+    UP = "up"
+    WARN = "warn"
+    DRAIN = "drain"
+    OFFLINE = "offline"
+
+
+class RegistryError(Exception):
+    """An operator request the registry refuses; ``status`` is the HTTP status to answer."""
+
+    status = 400
+
+
+class UnknownNode(RegistryError):
+    status = 404
+
+    def __init__(self, node: str) -> None:
+        super().__init__(f"node {node!r} is not known to this supervisor")
+        self.node = node
+
+
+class Refused(RegistryError):
+    status = 409
+
+
+@dataclass
+class Drain:
+    by: str  # "operator" or "auto"
+    reason: str
+    since: float
+    codes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"by": self.by, "reason": self.reason, "since": self.since, "codes": self.codes}
+
+
+@dataclass
+class Node:
+    id: str
+    birth: wire.NodeBirth | None = None
+    health: wire.Health = field(default_factory=lambda: wire.Health(status=wire.HealthStatus.OK))
+    online: bool = False
+    offline_cause: str = "not seen since the supervisor started"
+    drain: Drain | None = None
+    birth_seq: int = -1
+    last_seen: float = 0.0  # time.monotonic() of the last birth or heartbeat
+    last_seen_wall: float = 0.0
+
+    @property
+    def state(self) -> NodeState:
+        if not self.online:
+            return NodeState.OFFLINE
+        if self.drain is not None:
+            return NodeState.DRAIN
+        if self.health.status is wire.HealthStatus.WARN:
+            return NodeState.WARN
+        return NodeState.UP
+
+    def view(self) -> dict[str, Any]:
+        """The node as the API and ``phalanx nodes -o json`` show it (stable keys)."""
+        b = self.birth
+        return {
+            "id": self.id,
+            "state": self.state.value,
+            "health": self.health.status.value,
+            "rack": b.topology.rack if b else None,
+            "nvlink_domain": b.topology.nvlink_domain if b else None,
+            "hostname": b.hostname if b else None,
+            "address": b.address if b else None,
+            "http_port": b.http_port if b else None,
+            "gpu_backend": b.gpu_backend if b else None,
+            "version": b.version if b else None,
+            "gpu_count": len(b.gpus) if b else 0,
+            "gpus": [g.model_dump() for g in b.gpus] if b else [],
+            "reasons": [r.model_dump() for r in self.health.reasons],
+            "drain": self.drain.as_dict() if self.drain else None,
+            "offline_cause": None if self.online else self.offline_cause,
+            "last_seen": self.last_seen_wall or None,
+            "birth_seq": self.birth_seq,
+        }
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "birth": self.birth.model_dump(mode="json") if self.birth else None,
+            "health": self.health.model_dump(mode="json"),
+            "drain": self.drain.as_dict() if self.drain else None,
+            "birth_seq": self.birth_seq,
+            "last_seen_wall": self.last_seen_wall,
+        }
+
+    @classmethod
+    def from_record(cls, node_id: str, rec: dict[str, Any]) -> Node:
+        node = cls(node_id)
+        if rec.get("birth"):
+            node.birth = wire.NodeBirth.model_validate(rec["birth"])
+        if rec.get("health"):
+            node.health = wire.Health.model_validate(rec["health"])
+        if rec.get("drain"):
+            node.drain = Drain(**rec["drain"])
+        node.birth_seq = int(rec.get("birth_seq", -1))
+        node.last_seen_wall = float(rec.get("last_seen_wall", 0.0))
+        return node
+
+
+class Registry:
+    def __init__(self, store: Store, *, offline_after_s: float,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_event: Callable[[Event], None] | None = None) -> None:
+        self.store = store
+        self.offline_after_s = offline_after_s
+        self.clock = clock
+        self.on_event = on_event
+        self.nodes: dict[str, Node] = {
+            node_id: Node.from_record(node_id, rec) for node_id, rec in store.load_nodes().items()
+        }
+        self.heartbeats = 0
+        self._persisted: dict[str, tuple[object, ...]] = {}
+
+    # --- inbound ------------------------------------------------------------------
+
+    def on_birth(self, birth: wire.NodeBirth) -> None:
+        node = self.nodes.get(birth.node)
+        if node is None:
+            node = self.nodes[birth.node] = Node(birth.node)
+            self._event("node_joined", node, rack=birth.topology.rack, gpus=len(birth.gpus))
+        if birth.seq < node.birth_seq:
+            log.info("ignored stale birth of %s (seq %d < %d)", node.id, birth.seq, node.birth_seq)
+            return
+        before = node.state
+        node.birth, node.birth_seq = birth, birth.seq
+        node.online = True
+        self._seen(node)
+        self._apply_health(node, birth.health, before)
+        self._changed(node, before, cause="birth")
+
+    def on_heartbeat(self, beat: wire.Heartbeat) -> bool:
+        """False when the heartbeat cannot be placed (unknown node or stale birth)."""
+        self.heartbeats += 1
+        node = self.nodes.get(beat.node)
+        if node is None or node.birth is None or beat.seq < node.birth_seq:
+            return False
+        if beat.seq > node.birth_seq:
+            return False  # a birth we have not seen yet: ask for it
+        before = node.state
+        if not node.online:
+            node.online = True
+        self._seen(node)
+        self._apply_health(node, beat.health, before)
+        self._changed(node, before, cause="heartbeat")
+        return True
+
+    def on_death(self, death: wire.NodeDeath) -> None:
+        node = self.nodes.get(death.node)
+        if node is None or death.seq < node.birth_seq or not node.online:
+            return
+        before = node.state
+        node.online = False
+        node.offline_cause = "clean shutdown" if death.cause == "shutdown" else "last will"
+        self._changed(node, before, cause=node.offline_cause)
+
+    def check_timeouts(self) -> list[str]:
+        """Mark nodes offline whose heartbeats stopped; returns their ids."""
+        now = self.clock()
+        gone = []
+        for node in self.nodes.values():
+            if node.online and now - node.last_seen > self.offline_after_s:
+                before = node.state
+                node.online = False
+                node.offline_cause = f"no heartbeat for {now - node.last_seen:.1f}s"
+                self._changed(node, before, cause="heartbeat timeout")
+                gone.append(node.id)
+        return gone
+
+    # --- operators ----------------------------------------------------------
+
+    def get(self, node_id: str) -> Node:
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise UnknownNode(node_id)
+        return node
+
+    def drain(self, node_id: str, reason: str) -> Node:
+        node = self.get(node_id)
+        if not reason.strip():
+            raise RegistryError("a drain needs a reason")
+        before = node.state
+        if node.drain is not None and node.drain.by == "auto":
+            node.drain.reason = f"{node.drain.reason}; operator: {reason}"
+        else:
+            node.drain = Drain(by="operator", reason=reason, since=time.time())
+        self._event("node_drained", node, by="operator", reason=reason)
+        self._changed(node, before, cause="operator drain", quiet=True)
+        return node
+
+    def undrain(self, node_id: str, *, force: bool = False) -> Node:
+        node = self.get(node_id)
+        if node.drain is None:
+            raise Refused(f"node {node_id!r} is not drained")
+        if node.health.status is wire.HealthStatus.DRAIN and not force:
+            codes = ", ".join(r.code for r in node.health.reasons if r.severity == "drain")
+            raise Refused(f"node {node_id!r} still reports drain reasons ({codes}); fix them "
+                          "first, or undrain with force")
+        before = node.state
+        was = node.drain
+        node.drain = None
+        self._event("node_undrained", node, was_by=was.by, was_reason=was.reason, forced=force)
+        self._changed(node, before, cause="operator undrain", quiet=True)
+        return node
+
+    # --- internals ------------------------------------------------------------
+
+    def _seen(self, node: Node) -> None:
+        node.last_seen = self.clock()
+        node.last_seen_wall = time.time()
+
+    def _apply_health(self, node: Node, health: wire.Health, before: NodeState) -> None:
+        old = node.health
+        node.health = health
+        old_codes = sorted((r.code, r.gpu or -1) for r in old.reasons)
+        new_codes = sorted((r.code, r.gpu or -1) for r in health.reasons)
+        if old.status != health.status or old_codes != new_codes:
+            self._event("health_changed", node, status=health.status.value,
+                        reasons=[r.model_dump() for r in health.reasons])
+        if health.status is wire.HealthStatus.DRAIN:
+            codes = sorted({r.code for r in health.reasons if r.severity == "drain"})
+            if node.drain is None:
+                detail = "; ".join(
+                    f"{r.code}" + (f" on GPU {r.gpu}" if r.gpu is not None else "")
+                    + (f": {r.detail}" if r.detail else "")
+                    for r in health.reasons if r.severity == "drain"
+                )
+                node.drain = Drain(by="auto", reason=detail, since=time.time(), codes=codes)
+                self._event("node_drained", node, by="auto", reason=detail, codes=codes)
+            elif node.drain.by == "auto":
+                node.drain.codes = sorted(set(node.drain.codes) | set(codes))
+
+    def _changed(self, node: Node, before: NodeState, *, cause: str, quiet: bool = False) -> None:
+        after = node.state
+        if after is not before and not quiet:
+            self._event(f"node_{after.value}", node, previous=before.value, cause=cause)
+        if after is not before:
+            log.info("node %s: %s -> %s (%s)", node.id, before.value, after.value, cause,
+                     extra={"node": node.id, "event": "node_state", "state": after.value})
+        if self._dirty(node, after, before):
+            self.store.save_node(node.id, node.record())
+
+    def _dirty(self, node: Node, after: NodeState, before: NodeState) -> bool:
+        # Persist on every state change and on anything that changed the record.
+        key = (after, node.birth_seq, node.drain.as_dict() if node.drain else None,
+               node.health.status, tuple((r.code, r.gpu) for r in node.health.reasons))
+        last = self._persisted.get(node.id)
+        self._persisted[node.id] = key
+        return last != key or after is not before
+
+    def _event(self, kind: str, node: Node, **detail: Any) -> None:
+        event = self.store.add_event(kind, node.id, detail)
+        if self.on_event is not None:
+            self.on_event(event)
