@@ -9,6 +9,7 @@ that vanished is measured against the count the node had at birth.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -83,9 +84,9 @@ class HealthClassifier:
             if now - seen > self.t.xid_hold_s:
                 del self._xids[(gpu, xid)]
             elif xid in self.t.drain_xids:
-                reasons.append(_drain(f"xid_{xid}", f"XID {xid} at {seen:.0f}", gpu))
+                reasons.append(_drain(f"xid_{xid}", f"XID {xid} at {_utc(seen)}", gpu))
             elif xid in self.t.warn_xids:
-                reasons.append(_warn(f"xid_{xid}", f"XID {xid} at {seen:.0f}", gpu))
+                reasons.append(_warn(f"xid_{xid}", f"XID {xid} at {_utc(seen)}", gpu))
         return reasons
 
     def _gpu_rules(self, g: GpuSample, now: float) -> list[Reason]:
@@ -162,6 +163,10 @@ class HealthClassifier:
         if h.load1 > t.load_warn_per_cpu * h.cpu_count:
             r.append(_warn("load_high", f"load {h.load1:.1f} on {h.cpu_count} CPUs"))
         return r
+
+
+def _utc(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
 def _gauges(g: GpuSample) -> GpuGauges:

@@ -48,7 +48,8 @@ class Backoff:
 
     def next(self) -> float:
         ceiling = min(self.cap, self.initial * (2**self._attempt))
-        self._attempt += 1
+        if ceiling < self.cap:  # stop counting at the cap: 2**n overflows a float past n=1023
+            self._attempt += 1
         return float(ceiling / 2 + random.uniform(0, ceiling / 2))
 
     def reset(self) -> None:

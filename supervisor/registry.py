@@ -250,8 +250,8 @@ class Registry:
     def _apply_health(self, node: Node, health: wire.Health, before: NodeState) -> None:
         old = node.health
         node.health = health
-        old_codes = sorted((r.code, r.gpu or -1) for r in old.reasons)
-        new_codes = sorted((r.code, r.gpu or -1) for r in health.reasons)
+        old_codes = sorted((r.code, -1 if r.gpu is None else r.gpu) for r in old.reasons)
+        new_codes = sorted((r.code, -1 if r.gpu is None else r.gpu) for r in health.reasons)
         if old.status != health.status or old_codes != new_codes:
             self._event("health_changed", node, status=health.status.value,
                         reasons=[r.model_dump() for r in health.reasons])
@@ -271,7 +271,8 @@ class Registry:
     def _changed(self, node: Node, before: NodeState, *, cause: str, quiet: bool = False) -> None:
         after = node.state
         if after is not before and not quiet:
-            self._event(f"node_{after.value}", node, previous=before.value, cause=cause)
+            self._event("state_changed", node, state=after.value, previous=before.value,
+                        cause=cause)
         if after is not before:
             log.info("node %s: %s -> %s (%s)", node.id, before.value, after.value, cause,
                      extra={"node": node.id, "event": "node_state", "state": after.value})

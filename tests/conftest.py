@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from harness import Broker, Fleet  # noqa: E402
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[Broker]:
+    b = Broker(tmp_path / "broker").start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, broker: Broker, request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    f = Fleet(tmp_path, broker)
+    yield f
+    f.stop()
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:  # show the daemons' logs with the failure
+        for log in sorted((tmp_path / "logs").glob("*.log")):
+            sys.stderr.write(f"\n----- {log.name} -----\n{log.read_text(errors='replace')[-4000:]}")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    rep = yield
+    if rep.when == "call":
+        item.rep_call = rep  # type: ignore[attr-defined]
+    return rep

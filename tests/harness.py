@@ -1,0 +1,320 @@
+"""Real parts for integration tests: a Mosquitto broker, daemons as processes, a cuttable link.
+
+Everything listens on loopback, on ports picked free at start, and is stopped
+by the fixtures that start it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from phalanx.client import ApiError, Client
+from phalanx.local import agent_toml, find_mosquitto, free_port, write_mosquitto_conf
+
+T = TypeVar("T")
+TOKEN = "test-token-0123456789abcdef"
+
+
+def wait_for(predicate: Callable[[], T | None], timeout: float, what: str,
+             interval: float = 0.05) -> T:
+    """Poll ``predicate`` until it returns something truthy; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except (ApiError, OSError) as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}; last: {last!r}")
+
+
+class Process:
+    """One daemon as a child process in its own process group, its output in a log file."""
+
+    def __init__(self, name: str, cmd: list[str], log: Path) -> None:
+        self.name = name
+        self.cmd = cmd
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Process:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.killpg(self.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGCONT)
+                os.killpg(self.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.pid, signal.SIGKILL)
+        self.proc.wait(5)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+class Broker:
+    """A real Mosquitto on a free loopback port; restartable on the same port."""
+
+    def __init__(self, directory: Path) -> None:
+        binary = find_mosquitto()
+        if binary is None:
+            raise RuntimeError("these tests need Mosquitto: apt-get install -y mosquitto")
+        self.binary = binary
+        self.directory = directory
+        self.port = 0
+        self.process: Process | None = None
+
+    def start(self) -> Broker:
+        for _ in range(5):
+            port = self.port or free_port()
+            conf = self.directory / "mosquitto.conf"
+            write_mosquitto_conf(conf, port)
+            self.process = Process("broker", [self.binary, "-c", str(conf)],
+                                   self.directory / "broker.log").start()
+            try:
+                wait_for(lambda p=port: _listening(p) or (not self._alive() and "exited"),
+                         10, f"mosquitto on port {port}")
+            except AssertionError:
+                self.process.stop()
+                raise
+            if self._alive():
+                self.port = port
+                return self
+            if self.port:  # a fixed port is taken: report it
+                raise RuntimeError(f"mosquitto could not bind port {port}: "
+                                   f"{self.process.output()[-500:]}")
+        raise RuntimeError("mosquitto could not find a free port")
+
+    def _alive(self) -> bool:
+        return self.process is not None and self.process.alive()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), 0.2):
+            return True
+    except OSError:
+        return False
+
+
+class CuttableLink:
+    """A TCP relay between an agent and the broker whose traffic can be frozen.
+
+    ``cut()`` stops moving bytes in both directions without closing anything:
+    a partition, not a crash, so the broker sends no last will until its
+    keepalive runs out. ``heal()`` lets the held bytes through again.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self._frozen = threading.Event()
+        self._stop = threading.Event()
+        self._server = socket.socket()
+        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._server.bind(("127.0.0.1", 0))
+        self._server.listen()
+        self._server.settimeout(0.2)
+        self.port = int(self._server.getsockname()[1])
+        self._sockets: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def cut(self) -> None:
+        self._frozen.set()
+
+    def heal(self) -> None:
+        self._frozen.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._frozen.clear()
+        for s in [self._server, *self._sockets]:
+            with contextlib.suppress(OSError):
+                s.close()
+        self._thread.join(2)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), 2)
+            except OSError:
+                client.close()
+                continue
+            client.settimeout(None)
+            upstream.settimeout(None)
+            self._sockets += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while not self._stop.is_set():
+                data = src.recv(65536)
+                if not data:
+                    break
+                while self._frozen.is_set() and not self._stop.is_set():
+                    time.sleep(0.02)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+
+class Fleet:
+    """Broker + supervisor + agents for one test, each a real process."""
+
+    def __init__(self, root: Path, broker: Broker) -> None:
+        self.root = root
+        self.broker = broker
+        self.supervisor: Process | None = None
+        self.api_port = 0
+        self.agents: dict[str, Process] = {}
+        self.links: list[CuttableLink] = []
+
+    def start_supervisor(self, *, offline_after_s: float = 4.0, keepalive_s: int = 5) -> Process:
+        self.api_port = self.api_port or free_port()
+        directory = self.root / "supervisor"
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "token").write_text(TOKEN)
+        conf = directory / "supervisor.toml"
+        conf.write_text(
+            f'state_dir = "{directory / "state"}"\noffline_after_s = {offline_after_s}\n'
+            f"[mqtt]\nport = {self.broker.port}\nkeepalive_s = {keepalive_s}\n"
+            "reconnect_max_s = 1.0\n"
+            f'[api]\nport = {self.api_port}\ntoken_file = "{directory / "token"}"\n'
+        )
+        self.supervisor = Process("supervisor", [sys.executable, "-m", "supervisor",
+                                                 "--config", str(conf)],
+                                  self.root / "logs" / "supervisor.log").start()
+        wait_for(lambda: _listening(self.api_port) or None, 20, "the supervisor API")
+        return self.supervisor
+
+    def start_agent(self, node: str, *, gpus: int = 2, heartbeat_s: float = 1.0,
+                    keepalive_s: int = 5, via: CuttableLink | None = None,
+                    extra: str = "") -> Process:
+        directory = self.root / "nodes" / node
+        directory.mkdir(parents=True, exist_ok=True)
+        port = via.port if via is not None else self.broker.port
+        conf = directory / "agentd.toml"
+        text = agent_toml(node, directory / "data", port, gpus, rack="rack1",
+                          heartbeat_s=heartbeat_s)
+        text = text.replace("keepalive_s = 5", f"keepalive_s = {keepalive_s}\n"
+                            "reconnect_max_s = 1.0")
+        conf.write_text(text + extra)
+        agent = Process(f"agent-{node}", [sys.executable, "-m", "agentd", "--config", str(conf)],
+                        self.root / "logs" / f"agent-{node}.log").start()
+        self.agents[node] = agent
+        return agent
+
+    def sim_file(self, node: str) -> Path:
+        return self.root / "nodes" / node / "data" / "sim-gpus.json"
+
+    def client(self) -> Client:
+        return Client(f"http://127.0.0.1:{self.api_port}", TOKEN, timeout=5)
+
+    def node(self, node: str) -> dict[str, Any]:
+        result: dict[str, Any] = self.client().get(f"/v1/nodes/{node}")
+        return result
+
+    def wait_state(self, node: str, state: str, timeout: float = 15.0) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            view = self.node(node)
+            return view if view["state"] == state else None
+
+        return wait_for(check, timeout, f"node {node} to be {state}")
+
+    def stop(self) -> None:
+        for agent in self.agents.values():
+            agent.stop()
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        for link in self.links:
+            link.close()
+
+
+class RawMqtt:
+    """A plain paho client for tests that speak MQTT directly (garbage, raw commands)."""
+
+    def __init__(self, port: int) -> None:
+        import paho.mqtt.client as mqtt
+
+        self.messages: list[tuple[str, bytes]] = []
+        self._lock = threading.Lock()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+        self.client.on_message = self._on_message
+        self.client.connect("127.0.0.1", port)
+        self.client.loop_start()
+
+    def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        with self._lock:
+            self.messages.append((message.topic, bytes(message.payload)))
+
+    def subscribe(self, topic: str) -> None:
+        result, mid = self.client.subscribe(topic, qos=1)
+        assert result == 0
+
+    def publish(self, topic: str, payload: bytes | str, *, retain: bool = False) -> None:
+        info = self.client.publish(topic, payload, qos=1, retain=retain)
+        info.wait_for_publish(5)
+
+    def received(self, topic: str) -> list[bytes]:
+        with self._lock:
+            return [p for t, p in self.messages if t == topic]
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()

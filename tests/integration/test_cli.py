@@ -1,0 +1,129 @@
+"""The operator CLI against a real fleet: output contracts and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from harness import TOKEN, Fleet
+
+from agentd.gpu.sim import inject
+
+pytestmark = pytest.mark.integration
+
+
+def phalanx(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "phalanx.cli", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def api_env(fleet: Fleet) -> dict[str, str]:
+    fleet.start_supervisor()
+    fleet.start_agent("n01")
+    fleet.wait_state("n01", "up")
+    return {"PHALANX_API": f"http://127.0.0.1:{fleet.api_port}", "PHALANX_TOKEN": TOKEN}
+
+
+def test_drain_and_undrain_change_the_state_and_are_recorded_as_events(
+    api_env: dict[str, str],
+) -> None:
+    drained = phalanx("drain", "n01", "--reason", "fan noise", "-o", "json", env=api_env)
+    assert drained.returncode == 0, drained.stderr
+    assert json.loads(drained.stdout)["state"] == "drain"
+
+    undrained = phalanx("undrain", "n01", env=api_env)
+    assert undrained.returncode == 0, undrained.stderr
+
+    events = json.loads(phalanx("events", "-o", "json", env=api_env).stdout)
+    kinds = [(e["kind"], e["detail"].get("reason")) for e in events if e["node"] == "n01"]
+    assert ("node_drained", "fan noise") in kinds
+    assert ("node_undrained", None) in kinds
+
+
+def test_draining_an_unknown_node_exits_3_naming_it(api_env: dict[str, str]) -> None:
+    done = phalanx("drain", "n99", "--reason", "x", env=api_env)
+    assert done.returncode == 3
+    assert "n99" in done.stderr
+
+
+def test_undrain_of_a_sick_node_exits_4(fleet: Fleet, api_env: dict[str, str]) -> None:
+    inject(fleet.sim_file("n01"), 0, "xid-79")
+    fleet.wait_state("n01", "drain")
+    done = phalanx("undrain", "n01", env=api_env)
+    assert done.returncode == 4
+    assert "xid_79" in done.stderr
+
+
+def test_nodes_table_lists_state_and_reasons(fleet: Fleet, api_env: dict[str, str]) -> None:
+    inject(fleet.sim_file("n01"), 1, "thermal")
+    fleet.wait_state("n01", "warn")
+    done = phalanx("nodes", env=api_env)
+    assert done.returncode == 0
+    header, row = done.stdout.splitlines()[:2]
+    assert header.split() == ["NODE", "STATE", "RACK", "GPUS", "REASONS"]
+    assert row.split()[:4] == ["n01", "warn", "rack1", "2"]
+    assert "temp_slowdown(gpu1)" in row
+
+
+def test_wrong_token_exits_1_and_missing_settings_exit_2(api_env: dict[str, str]) -> None:
+    wrong = phalanx("nodes", env={**api_env, "PHALANX_TOKEN": "nope-nope-nope-nope"})
+    assert wrong.returncode == 1
+    assert "token" in wrong.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    missing = subprocess.run([sys.executable, "-m", "phalanx.cli", "nodes"],
+                             capture_output=True, text=True, timeout=60, env=env)
+    assert missing.returncode == 2
+    assert "PHALANX_API" in missing.stderr
+
+
+def test_agent_serves_healthz_and_prometheus_metrics_with_reasons_as_labels(
+    fleet: Fleet, api_env: dict[str, str]
+) -> None:
+    inject(fleet.sim_file("n01"), 0, "ecc-dbe")
+    node = fleet.wait_state("n01", "drain")
+    base = f"http://127.0.0.1:{node['http_port']}"
+
+    with urllib.request.urlopen(f"{base}/healthz", timeout=5) as resp:
+        health = json.loads(resp.read())
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as resp:
+        metrics = resp.read().decode()
+
+    assert health["status"] == "drain"
+    assert 'phalanx_health_reason{code="ecc_dbe",gpu="0",node="n01",severity="drain"} 1.0' \
+        in metrics
+    assert 'phalanx_gpu_ecc_dbe_volatile{gpu="0",node="n01"} 1.0' in metrics
+    assert 'phalanx_node_health{node="n01"} 2.0' in metrics
+
+
+def test_local_fleet_comes_up_reports_its_processes_and_goes_down_leaving_none(
+    tmp_path: Path,
+) -> None:
+    directory = str(tmp_path / "fleet")
+    up = phalanx("local", "up", "--nodes", "2", "--gpus-per-node", "2", "--dir", directory)
+    try:
+        assert up.returncode == 0, up.stderr
+        env_lines = phalanx("local", "env", "--dir", directory).stdout
+        env = dict(line.removeprefix("export ").split("=", 1) for line in env_lines.splitlines())
+        status = json.loads(phalanx("local", "status", "-o", "json", "--dir", directory).stdout)
+        roles = sorted((p["role"], p["node"]) for p in status)
+        assert roles == [("agent", "n01"), ("agent", "n02"), ("broker", None),
+                         ("supervisor", None)]
+        assert all(p["alive"] for p in status)
+
+        injected = phalanx("local", "inject", "--node", "n02", "--gpu", "1", "--fault",
+                           "xid-79", "--dir", directory)
+        assert injected.returncode == 0, injected.stderr
+        nodes = json.loads(phalanx("nodes", "-o", "json", env=env).stdout)
+        assert {n["id"] for n in nodes} == {"n01", "n02"}
+    finally:
+        down = phalanx("local", "down", "--dir", directory)
+    assert down.returncode == 0, down.stderr
+    for p in status:
+        assert not Path(f"/proc/{p['pid']}").exists() or \
+            Path(f"/proc/{p['pid']}/stat").read_text().split(") ", 1)[1][0] == "Z"
