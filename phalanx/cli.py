@@ -154,7 +154,7 @@ def cmd_local_status(args: argparse.Namespace) -> int:
     fleet = local.Fleet.load(Path(args.dir).absolute())
     procs = [{"role": p.role, "node": p.node, "pid": p.pid, "alive": p.alive(), "log": p.log}
              for p in fleet.processes]
-    rows = [[p["role"], p["node"] or "-", str(p["pid"]), "yes" if p["alive"] else "no"]
+    rows = [[str(p["role"]), str(p["node"] or "-"), str(p["pid"]), "yes" if p["alive"] else "no"]
             for p in procs]
     _emit(args, procs, _table(rows, ["ROLE", "NODE", "PID", "ALIVE"]))
     return EXIT_OK

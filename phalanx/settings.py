@@ -10,7 +10,8 @@ Precedence, highest first (written down here once):
    is an error);
 4. the defaults documented on each field.
 
-Unknown keys are rejected at every level. A bad value raises
+Unknown keys are rejected at every level: in the file, in flags and in
+environment variables under the daemon's prefix. A bad value raises
 :class:`ConfigError`, whose message names the field; the entry points turn it
 into exit code 2.
 """
@@ -105,6 +106,9 @@ def load_settings(
             raise ConfigError(f"config file {path}: {exc}") from exc
     elif named is not None:
         raise ConfigError(f"config file {path} does not exist")
+    _reject_unknown_env(cls, env_prefix)
+    source = f"config file {path}, environment or flags" if path.exists() else \
+        f"environment or flags; no config file at {path}"
 
     class _Loaded(cls):  # type: ignore[valid-type,misc]
         @classmethod
@@ -136,10 +140,22 @@ def load_settings(
     try:
         loaded = _Loaded()
     except ValidationError as exc:
-        raise ConfigError(describe_validation(exc, source=str(path))) from exc
+        raise ConfigError(describe_validation(exc, source=source)) from exc
     except SettingsError as exc:  # unknown or malformed flags
         raise ConfigError(f"invalid command line: {exc}") from exc
     return loaded
+
+
+def _reject_unknown_env(cls: type[BaseSettings], prefix: str) -> None:
+    """A variable under the daemon's prefix that names no field is a typo: say so."""
+    known = {name.upper() for name in cls.model_fields} | {"CONFIG"}
+    unknown = sorted(
+        key for key in os.environ
+        if key.upper().startswith(prefix) and key.upper()[len(prefix):].split("__")[0] not in known
+    )
+    if unknown:
+        raise ConfigError(f"unknown environment variable(s) {', '.join(unknown)}: no such "
+                          f"setting (known: {', '.join(sorted(known))})")
 
 
 def describe_validation(exc: ValidationError, *, source: str = "") -> str:
@@ -150,5 +166,5 @@ def describe_validation(exc: ValidationError, *, source: str = "") -> str:
         got = err.get("input")
         shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
         lines.append(f"{loc}: {err['msg']}{shown}")
-    where = f" (config file {source}, environment or flags)" if source else ""
+    where = f" ({source})" if source else ""
     return f"invalid configuration{where}:\n  " + "\n  ".join(lines)

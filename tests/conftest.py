@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import Broker, Fleet  # noqa: E402
+from harness import Broker, Fleet
 
 
 @pytest.fixture

@@ -304,7 +304,7 @@ class RawMqtt:
             self.messages.append((message.topic, bytes(message.payload)))
 
     def subscribe(self, topic: str) -> None:
-        result, mid = self.client.subscribe(topic, qos=1)
+        result, _mid = self.client.subscribe(topic, qos=1)
         assert result == 0
 
     def publish(self, topic: str, payload: bytes | str, *, retain: bool = False) -> None:

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from harness import Fleet, wait_for
+from harness import Fleet
 
 from agentd.gpu.sim import inject
 

@@ -1,0 +1,256 @@
+"""The wire contract: every message survives encode/parse; everything else is a WireError."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+
+from phalanx import wire
+from phalanx.wire import (
+    MAX_PAYLOAD_BYTES,
+    SUPERVISOR_STATUS_TOPIC,
+    AckStatus,
+    Command,
+    CommandAck,
+    GpuDescriptor,
+    GpuGauges,
+    Health,
+    HealthStatus,
+    Heartbeat,
+    HostGauges,
+    NodeBirth,
+    NodeDeath,
+    PingArgs,
+    Reason,
+    RebirthArgs,
+    ResampleArgs,
+    SupervisorStatus,
+    Topology,
+    WireError,
+    parse,
+)
+
+NODE = "gpu-node-01"
+
+
+def _health() -> Health:
+    return Health(
+        status=HealthStatus.DRAIN,
+        reasons=[Reason(code="ecc_dbe", severity="drain", gpu=1, detail="1 uncorrected")],
+        gpus=[GpuGauges(index=0, temperature_c=41.0, throttle=["hw_thermal"])],
+        host=HostGauges(disk_free_bytes=10, disk_total_bytes=100, mem_available_bytes=5,
+                        mem_total_bytes=50, load1=0.5, cpu_count=8),
+        sampled_at=1700000000.0,
+    )
+
+
+def _birth(node: str = NODE) -> NodeBirth:
+    return NodeBirth(
+        node=node,
+        seq=3,
+        hostname="gpu-node-01.example",
+        address="10.0.0.1",
+        http_port=9400,
+        gpus=[GpuDescriptor(index=0, uuid="GPU-0", model="H100", memory_bytes=80 * 2**30)],
+        gpu_backend="sim",
+        topology=Topology(rack="r1", nvlink_domain="nvl-a"),
+        version="0.1.0",
+        started_at=1700000000.0,
+        health=_health(),
+    )
+
+
+def _heartbeat(node: str = NODE) -> Heartbeat:
+    return Heartbeat(node=node, seq=3, n=7, sent_at=1700000001.0, health=_health())
+
+
+def _ack(node: str = NODE) -> CommandAck:
+    return CommandAck(id="c1", node=node, status=AckStatus.DONE, result={"pong": True},
+                      acked_at=1700000002.0)
+
+
+ROUND_TRIPS: list[tuple[str, Callable[[], wire.Message]]] = [
+    ("birth", _birth),
+    ("death", lambda: NodeDeath(node=NODE, seq=3, cause="shutdown")),
+    ("heartbeat", _heartbeat),
+    ("cmd", lambda: Command.new(NODE, PingArgs())),
+    ("cmd", lambda: Command.new(NODE, ResampleArgs())),
+    ("cmd", lambda: Command.new(NODE, RebirthArgs())),
+    ("ack", _ack),
+]
+
+TOPIC_OF = {
+    "birth": wire.birth_topic,
+    "death": wire.death_topic,
+    "heartbeat": wire.heartbeat_topic,
+    "cmd": wire.command_topic,
+    "ack": wire.ack_topic,
+}
+
+
+@pytest.mark.parametrize(("kind", "make"), ROUND_TRIPS)
+def test_every_node_message_round_trips_through_encode_and_parse_on_its_topic(
+    kind: str, make: Callable[[], wire.Message]
+) -> None:
+    message = make()
+
+    inbound = parse(TOPIC_OF[kind](NODE), wire.encode(message))
+
+    assert inbound.node == NODE
+    assert inbound.message == message
+
+
+def test_supervisor_status_round_trips_on_the_fleet_wide_topic() -> None:
+    status = SupervisorStatus(online=True, since=1700000000.0)
+
+    inbound = parse(SUPERVISOR_STATUS_TOPIC, wire.encode(status))
+
+    assert inbound.node is None
+    assert inbound.message == status
+
+
+def test_a_str_payload_parses_like_its_bytes() -> None:
+    death = NodeDeath(node=NODE, seq=1)
+
+    assert parse(wire.death_topic(NODE), wire.encode(death).decode()).message == death
+
+
+@pytest.mark.parametrize("payload", [b"", None])
+def test_an_empty_payload_parses_as_a_cleared_retained_message(payload: bytes | None) -> None:
+    inbound = parse(wire.birth_topic(NODE), payload)
+
+    assert inbound.node == NODE
+    assert inbound.message is None
+
+
+def test_an_empty_payload_on_the_supervisor_status_topic_is_a_cleared_retained_message() -> None:
+    assert parse(SUPERVISOR_STATUS_TOPIC, b"") == wire.Inbound(None, None)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"not json at all", b"\xff\xfe\x00\x81binary", b"{\"node\": ", b"[1, 2, 3]", b"42"],
+    ids=["text", "binary", "truncated-json", "json-array", "json-number"],
+)
+def test_garbage_raises_wire_error_naming_the_topic(payload: bytes) -> None:
+    topic = wire.heartbeat_topic(NODE)
+
+    with pytest.raises(WireError, match="heartbeat") as caught:
+        parse(topic, payload)
+
+    assert caught.value.topic == topic
+
+
+def test_json_of_another_message_schema_raises_wire_error_naming_the_topic() -> None:
+    topic = wire.birth_topic(NODE)
+
+    with pytest.raises(WireError, match="NodeBirth invalid") as caught:
+        parse(topic, wire.encode(_heartbeat()))
+
+    assert caught.value.topic == topic
+
+
+def test_a_payload_with_an_extra_field_raises_wire_error() -> None:
+    topic = wire.death_topic(NODE)
+    data = json.loads(wire.encode(NodeDeath(node=NODE, seq=1)))
+    data["surprise"] = 1
+
+    with pytest.raises(WireError, match="surprise") as caught:
+        parse(topic, json.dumps(data).encode())
+
+    assert caught.value.topic == topic
+
+
+def test_an_oversized_payload_raises_wire_error_before_it_is_read() -> None:
+    topic = wire.heartbeat_topic(NODE)
+    payload = b" " * (MAX_PAYLOAD_BYTES + 1)
+
+    with pytest.raises(WireError, match="exceeds") as caught:
+        parse(topic, payload)
+
+    assert caught.value.topic == topic
+
+
+def test_a_payload_of_exactly_the_size_limit_is_not_rejected_for_its_size() -> None:
+    encoded = wire.encode(NodeDeath(node=NODE, seq=1))
+    payload = encoded + b" " * (MAX_PAYLOAD_BYTES - len(encoded))
+
+    assert parse(wire.death_topic(NODE), payload).message == NodeDeath(node=NODE, seq=1)
+
+
+def test_heartbeat_naming_another_node_than_its_topic_is_rejected() -> None:
+    topic = wire.heartbeat_topic(NODE)
+
+    with pytest.raises(WireError, match="other-node") as caught:
+        parse(topic, wire.encode(_heartbeat("other-node")))
+
+    assert caught.value.topic == topic
+
+
+def test_an_invalid_node_id_in_the_topic_raises_wire_error() -> None:
+    topic = "phalanx/v1/node/-dash-first/birth"
+
+    with pytest.raises(WireError, match="invalid node id") as caught:
+        parse(topic, wire.encode(_birth()))
+
+    assert caught.value.topic == topic
+
+
+@pytest.mark.parametrize(
+    "topic",
+    [
+        "phalanx/v2/node/n1/birth",
+        "phalanx/v1/node/n1/unknown",
+        "phalanx/v1/node/n1/birth/extra",
+        "other/topic",
+        "",
+    ],
+)
+def test_a_non_phalanx_topic_raises_wire_error_naming_it(topic: str) -> None:
+    with pytest.raises(WireError, match="not a phalanx/v1 topic") as caught:
+        parse(topic, b"{}")
+
+    assert caught.value.topic == topic
+
+
+@pytest.mark.parametrize(
+    "builder",
+    [wire.birth_topic, wire.death_topic, wire.heartbeat_topic, wire.command_topic,
+     wire.ack_topic, wire.agent_subscriptions],
+)
+@pytest.mark.parametrize("node", ["", "-lead", "has/slash", "+", "#", "x" * 64, "sp ace"])
+def test_topic_builders_reject_invalid_node_ids(builder: Callable[[str], object],
+                                                node: str) -> None:
+    with pytest.raises(ValueError, match="invalid node id"):
+        builder(node)
+
+
+def test_topic_builders_put_the_node_under_the_versioned_prefix() -> None:
+    assert wire.birth_topic("n1") == "phalanx/v1/node/n1/birth"
+    assert wire.agent_subscriptions("n1") == ("phalanx/v1/node/n1/cmd",)
+
+
+def test_command_new_sets_a_deadline_ttl_seconds_after_issued_at() -> None:
+    cmd = Command.new(NODE, PingArgs(), ttl=12.5)
+
+    assert cmd.deadline > cmd.issued_at
+    assert cmd.deadline - cmd.issued_at == pytest.approx(12.5)
+
+
+def test_command_new_gives_every_command_a_fresh_id() -> None:
+    assert Command.new(NODE, PingArgs()).id != Command.new(NODE, PingArgs()).id
+
+
+def test_a_command_with_an_unknown_op_raises_wire_error() -> None:
+    data = json.loads(wire.encode(Command.new(NODE, PingArgs())))
+    data["args"] = {"op": "format-disk"}
+
+    with pytest.raises(WireError, match="args"):
+        parse(wire.command_topic(NODE), json.dumps(data).encode())
+
+
+def test_health_statuses_are_ordered_by_severity() -> None:
+    assert [s.severity for s in (HealthStatus.OK, HealthStatus.WARN, HealthStatus.DRAIN)] == [
+        0, 1, 2]
