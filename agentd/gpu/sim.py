@@ -11,7 +11,8 @@ sample, exactly as it would read NVML. The file looks like::
      "nvml_error": null, "hang_s": 0}
 
 Any :class:`~agentd.gpu.base.GpuSample` field may appear on a GPU. ``xids``
-is an append-only event log: each entry is delivered once. ``present: false``
+is an append-only event log: each entry appended while the backend is open is
+delivered once (events from before it opened are not, as with NVML). ``present: false``
 makes a GPU vanish from the device list; ``nvml_error`` makes every call fail;
 ``hang_s`` makes a sample block that long (a wedged driver).
 """
@@ -142,8 +143,8 @@ class SimBackend:
         self.path = path
         if not path.exists():
             write_state(path, new_state(node_id, gpus, model))
-        read_state(path)  # fail at start, not at the first sample
-        self._xids_seen = 0
+        # Like NVML's event set, only events after the backend opened are delivered.
+        self._xids_seen = len(read_state(path).get("xids") or [])
 
     def inventory(self) -> list[GpuInfo]:
         state = read_state(self.path)

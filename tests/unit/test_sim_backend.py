@@ -178,11 +178,14 @@ def test_each_xid_is_delivered_once(sim: SimBackend, path: Path) -> None:
     assert third.xids == ()
 
 
-def test_xids_already_in_a_file_are_delivered_to_a_new_backend(path: Path) -> None:
+def test_xids_from_before_a_backend_opened_are_not_delivered_to_it(path: Path) -> None:
+    # As with NVML's event set: a restarted agent does not replay old XIDs.
     SimBackend(path, node_id="n1", gpus=2, model=MODEL)
     inject(path, 0, "xid-79")
+    fresh = SimBackend(path, node_id="n1", gpus=2, model=MODEL)
+    inject(path, 1, "xid-79")
 
-    assert SimBackend(path, node_id="n1", gpus=2, model=MODEL).sample().xids == ((0, 79),)
+    assert fresh.sample().xids == ((1, 79),)
 
 
 def test_an_nvml_error_in_the_file_is_reported_as_a_node_error(sim: SimBackend,
