@@ -124,7 +124,8 @@ def cmd_local_up(args: argparse.Namespace) -> int:
     print(f"starting a local fleet of {args.nodes} nodes x {args.gpus_per_node} sim GPUs in "
           f"{args.dir} ...", file=sys.stderr)
     fleet = local.up(Path(args.dir), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                     nodes_per_rack=args.nodes_per_rack, timeout=args.timeout)
+                     nodes_per_rack=args.nodes_per_rack, timeout=args.timeout,
+                     broker=args.broker)
     print(f"local fleet up: API {fleet.api}; point the CLI at it with:\n"
           f'  eval "$(phalanx local env --dir {args.dir})"', file=sys.stderr)
     return EXIT_OK
@@ -211,6 +212,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--gpus-per-node", type=int, default=4)
     sp.add_argument("--nodes-per-rack", type=int, default=2)
     sp.add_argument("--timeout", type=float, default=60.0)
+    sp.add_argument("--broker", choices=["auto", "mosquitto", "embedded"], default="auto",
+                    help="auto: Mosquitto where installed, else the embedded amqtt broker")
     ldir(sp)
     sp.set_defaults(fn=cmd_local_up)
     sp = lsub.add_parser("env", help="print the exports that point the CLI at the fleet")

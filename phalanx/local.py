@@ -145,8 +145,11 @@ def _spawn(cmd: list[str], log: Path, role: str, node: str | None = None,
     return Proc(role=role, pid=proc.pid, log=str(log), node=node)
 
 
-def start_broker(directory: Path, port: int) -> Proc:
-    mosquitto = find_mosquitto()
+def start_broker(directory: Path, port: int, kind: str = "auto") -> Proc:
+    """Mosquitto where it is installed (or asked for), else the embedded amqtt broker."""
+    mosquitto = find_mosquitto() if kind in ("auto", "mosquitto") else None
+    if kind == "mosquitto" and mosquitto is None:
+        raise LocalFleetError("Mosquitto is not installed (apt-get install -y mosquitto)")
     if mosquitto is not None:
         conf = directory / "broker" / "mosquitto.conf"
         write_mosquitto_conf(conf, port)
@@ -195,7 +198,7 @@ def node_name(i: int) -> str:
 
 def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int = 2,
        heartbeat_s: float = 1.0, offline_after_s: float = 4.0,
-       timeout: float = 60.0) -> Fleet:
+       timeout: float = 60.0, broker: str = "auto") -> Fleet:
     """Start a fleet and return once every agent is up in the supervisor."""
     directory = directory.absolute()
     with contextlib.suppress(LocalFleetError):
@@ -213,10 +216,10 @@ def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int =
     broker_port, api_port = free_port(), free_port()
     fleet = Fleet(str(directory), f"http://127.0.0.1:{api_port}", token, broker_port, [])
     try:
-        broker = start_broker(directory, broker_port)
-        fleet.processes.append(broker)
+        broker_proc = start_broker(directory, broker_port, broker)
+        fleet.processes.append(broker_proc)
         fleet.save()
-        wait_port(broker_port, 10, broker)
+        wait_port(broker_port, 20, broker_proc)
 
         sup_dir = directory / "supervisor"
         sup_dir.mkdir(parents=True)

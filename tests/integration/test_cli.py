@@ -127,3 +127,18 @@ def test_local_fleet_comes_up_reports_its_processes_and_goes_down_leaving_none(
     for p in status:
         assert not Path(f"/proc/{p['pid']}").exists() or \
             Path(f"/proc/{p['pid']}/stat").read_text().split(") ", 1)[1][0] == "Z"
+
+
+def test_local_fleet_runs_on_the_embedded_broker_where_mosquitto_is_missing(
+    tmp_path: Path,
+) -> None:
+    directory = str(tmp_path / "fleet")
+    up = phalanx("local", "up", "--nodes", "1", "--gpus-per-node", "1", "--broker", "embedded",
+                 "--dir", directory)
+    try:
+        assert up.returncode == 0, up.stderr
+        status = json.loads(phalanx("local", "status", "-o", "json", "--dir", directory).stdout)
+        broker = next(p for p in status if p["role"] == "broker")
+        assert "amqtt" in Path(f"/proc/{broker['pid']}/cmdline").read_text()
+    finally:
+        phalanx("local", "down", "--dir", directory)
