@@ -17,6 +17,7 @@ from agentd.gpu import GpuBackendError, open_backend
 from phalanx.logs import configure
 from phalanx.run import run_until_signal
 from phalanx.settings import ConfigError
+from phalanx.systemd import Notifier
 
 log = logging.getLogger("agentd")
 
@@ -36,12 +37,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"phalanx-agentd: cannot start: {exc}", file=sys.stderr)
         return 2
 
+    notifier = Notifier.from_environment()
+
     async def serve(stop: asyncio.Event) -> None:
-        async with Agent(settings, backend):
+        async with Agent(settings, backend) as agent:
+            notifier.ready(f"node {agent.node}: serving, HTTP port {agent.http_port}")
             await stop.wait()
 
     try:
-        asyncio.run(run_until_signal(serve))
+        asyncio.run(run_until_signal(serve, notifier))
     except OSError as exc:
         print(f"phalanx-agentd: {exc}", file=sys.stderr)
         return 1

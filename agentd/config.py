@@ -104,6 +104,12 @@ class Thresholds(_Section):
 class HttpSettings(_Section):
     host: str = Field(default="0.0.0.0", description="Address the HTTP server binds.")
     port: int = Field(default=9400, ge=0, le=65535, description="HTTP port (0: any free port).")
+    token_file: Path | None = Field(
+        default=None,
+        description="Shared secret the supervisor and peer agents present to read rank logs "
+        "and copy checkpoints (`/healthz` and `/metrics` stay open). Unset: those routes "
+        "answer 403.",
+    )
 
 
 class AgentSettings(BaseSettings):
@@ -128,6 +134,11 @@ class AgentSettings(BaseSettings):
     )
     heartbeat_interval_s: float = Field(
         default=5.0, gt=0, description="Seconds between heartbeats (health is also sent on change)."
+    )
+    stop_grace_s: float = Field(
+        default=30.0, gt=0,
+        description="When the agent itself stops, its ranks get SIGTERM and this long before "
+        "SIGKILL (it never leaves orphaned ranks behind).",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_json: bool = Field(default=False, description="Log JSON lines instead of text.")

@@ -24,6 +24,7 @@ from agentd.gpu.base import GpuBackend, GpuInfo, NodeSample
 from agentd.health import HealthClassifier
 from agentd.host import sample_host
 from agentd.http import start_http
+from agentd.ranks import RankRunner
 from phalanx import __version__, wire
 from phalanx.link import LinkDown, MqttLink, Will
 from phalanx.tasks import supervised
@@ -71,6 +72,9 @@ class Agent:
         self._sampler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpu-sample")
         self._pending_sample: concurrent.futures.Future[NodeSample] | None = None
         self.ledger = CommandLedger(self.node, self._execute)
+        self._rank_events: asyncio.Queue[wire.RankEvent] = asyncio.Queue()
+        self.ranks = RankRunner(self.node, settings.data_dir, settings.data_dir / "agent.sock",
+                                self._rank_events.put)
         self.link = MqttLink(
             settings.mqtt.resolved(),
             f"agentd-{self.node}",
@@ -95,7 +99,8 @@ class Agent:
             self.http_port = await self._stack.enter_async_context(start_http(self))
             await self._stack.enter_async_context(self.link)
             self._group = await self._stack.enter_async_context(asyncio.TaskGroup())
-            for name, loop in (("sample", self._sample_loop), ("heartbeat", self._heartbeat_loop)):
+            for name, loop in (("sample", self._sample_loop), ("heartbeat", self._heartbeat_loop),
+                               ("rank-events", self._rank_event_loop)):
                 self._loops.append(self._group.create_task(supervised(name, loop), name=name))
         except BaseException:
             await self._stack.__aexit__(None, None, None)
@@ -111,6 +116,8 @@ class Agent:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        await self.ranks.stop_all(self.settings.stop_grace_s)
+        await self._flush_rank_events(timeout=2.0)
         if self.link.connected:
             death = wire.NodeDeath(node=self.node, seq=self._birth_seq, cause="shutdown")
             with contextlib.suppress(LinkDown):
@@ -157,7 +164,8 @@ class Agent:
 
     async def publish_heartbeat(self) -> None:
         beat = wire.Heartbeat(node=self.node, seq=self._birth_seq, n=self._beats,
-                              sent_at=time.time(), health=self.health)
+                              sent_at=time.time(), health=self.health,
+                              jobs=self.ranks.running())
         self._beats += 1
         await self.link.publish(wire.heartbeat_topic(self.node), wire.encode(beat), qos=0)
 
@@ -189,6 +197,13 @@ class Agent:
                 await self.sample_health()
                 await self.publish_heartbeat()
                 return {"status": self.health.status.value}
+            case wire.StartRanksArgs():
+                return await self.ranks.start(cmd.args)
+            case wire.StopRanksArgs():
+                return await self.ranks.stop(cmd.args.job, cmd.args.generation,
+                                             grace_s=cmd.args.grace_s)
+            case wire.AllocPortArgs():
+                return {"port": self.ranks.free_port()}
             case wire.RebirthArgs():
                 await self.link.publish(wire.birth_topic(self.node), wire.encode(self.birth()),
                                         retain=True)
@@ -236,6 +251,27 @@ class Agent:
             if await self.sample_health() and self.link.connected:
                 with contextlib.suppress(LinkDown):
                     await self.publish_heartbeat()
+
+    async def _rank_event_loop(self) -> None:
+        """Publish rank events in order; while the link is down an event waits, never dropped."""
+        while True:
+            event = await self._rank_events.get()
+            while True:
+                try:
+                    await self.link.publish(wire.rank_topic(self.node), wire.encode(event),
+                                            timeout=30.0)
+                    break
+                except LinkDown as exc:
+                    log.warning("rank event for job %s rank %d not yet sent: %s", event.job,
+                                event.rank, exc)
+
+    async def _flush_rank_events(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._rank_events.empty() and time.monotonic() < deadline:
+            event = self._rank_events.get_nowait()
+            with contextlib.suppress(LinkDown):
+                await self.link.publish(wire.rank_topic(self.node), wire.encode(event),
+                                        timeout=max(0.1, deadline - time.monotonic()))
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -5,8 +5,13 @@ Peers (checkpoint copies) and the supervisor (logs) will add routes here.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hmac
+import logging
+import os
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -17,6 +22,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from agentd.daemon import Agent
 
+log = logging.getLogger(__name__)
 _STATUS_VALUE = {"ok": 0, "warn": 1, "drain": 2}
 
 
@@ -87,6 +93,33 @@ def make_app(agent: Agent) -> web.Application:
         }
         return web.json_response(body)
 
+    token = _read_token(agent.settings.http.token_file)
+
+    def authorised(request: web.Request) -> bool:
+        given = request.headers.get("Authorization", "")
+        return token is not None and given.startswith("Bearer ") and hmac.compare_digest(
+            given[7:].strip().encode(), token)
+
+    async def rank_log(request: web.Request) -> web.Response:
+        if not authorised(request):
+            return web.json_response({"error": "missing or wrong bearer token (http.token_file)"},
+                                     status=403 if token is None else 401)
+        job = request.match_info["job"]
+        try:
+            rank = int(request.match_info["rank"])
+            offset = max(0, int(request.query.get("offset", "0")))
+            limit = min(4 * 2**20, max(1, int(request.query.get("limit", str(2**20)))))
+        except ValueError:
+            return web.json_response({"error": "rank, offset and limit must be integers"},
+                                     status=400)
+        path = agent.ranks.log_path(job, rank)
+        if path is None or not path.exists():
+            return web.json_response({"error": f"no log of job {job} rank {rank} on node "
+                                               f"{agent.node}"}, status=404)
+        data, size = await asyncio.to_thread(_read_slice, path, offset, limit)
+        return web.Response(body=data, content_type="text/plain", headers={
+            "X-Phalanx-Offset": str(offset + len(data)), "X-Phalanx-Size": str(size)})
+
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
@@ -94,7 +127,25 @@ def make_app(agent: Agent) -> web.Application:
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/jobs/{job}/ranks/{rank}/log", rank_log)
     return app
+
+
+def _read_token(path: Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text().strip().encode() or None
+    except OSError as exc:
+        log.error("cannot read http.token_file %s: %s; token routes answer 403", path, exc)
+        return None
+
+
+def _read_slice(path: Path, offset: int, limit: int) -> tuple[bytes, int]:
+    with path.open("rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        fh.seek(min(offset, size))
+        return fh.read(limit), size
 
 
 @contextlib.asynccontextmanager

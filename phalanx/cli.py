@@ -11,6 +11,7 @@ Exit codes:
   2  bad usage (arguments, missing API settings)
   3  not found (an unknown node, no local fleet)
   4  refused (e.g. undraining a node that still reports drain reasons)
+  5  `submit --wait`: the job ended failed or cancelled
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from typing import Any
 
 from phalanx import local
 from phalanx.client import ApiError, Client
+from phalanx.jobspec import JobSpecError, load_spec_file
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_REFUSED = 0, 1, 2, 3, 4
+EXIT_JOB_FAILED = 5
 
 
 class CliError(Exception):
@@ -117,6 +120,115 @@ def _detail(detail: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+# --- jobs ---------------------------------------------------------------------
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    try:
+        spec = load_spec_file(Path(args.spec))
+    except JobSpecError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    client = _client(args)
+    job = _call(client.post, "/v1/jobs", {"spec": spec.model_dump(mode="json")})
+    print(job["id"])
+    print(f"submitted {job['id']} ({spec.world_size} ranks on {spec.nodes} nodes)",
+          file=sys.stderr)
+    if not args.wait:
+        return EXIT_OK
+    final = _wait_job(client, job["id"])
+    print(f"job {final['id']} {final['state']}: {final['reason'] or ''}", file=sys.stderr)
+    return EXIT_OK if final["state"] == "succeeded" else EXIT_JOB_FAILED
+
+
+def _wait_job(client: Client, job_id: str) -> dict[str, Any]:
+    last_state = None
+    while True:
+        job: dict[str, Any] = _call(client.get, f"/v1/jobs/{job_id}")
+        if job["state"] != last_state:
+            waiting = job.get("waiting") or {}
+            extra = f" ({waiting['reason']}: {waiting['detail']})" if waiting and \
+                job["state"] == "pending" else ""
+            print(f"job {job_id}: {job['state']}{extra}", file=sys.stderr)
+            last_state = job["state"]
+        if job["state"] in ("succeeded", "failed", "cancelled"):
+            return job
+        time.sleep(0.5)
+
+
+def _age(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    s = int(time.time() - ts)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    jobs = _call(_client(args).get, "/v1/jobs")
+    rows = []
+    for j in jobs:
+        note = j["reason"] or ""
+        if j["state"] == "pending" and j.get("waiting"):
+            note = f"{j['waiting']['reason']}: {j['waiting']['detail']}"
+        rows.append([j["id"], j["state"], j["team"], str(j["priority"]), str(j["world_size"]),
+                     ",".join(j["nodes"]) or "-", _age(j["submitted_at"]), note or "-"])
+    _emit(args, jobs, _table(rows, ["JOB", "STATE", "TEAM", "PRIO", "RANKS", "NODES", "AGE",
+                                    "REASON"]))
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    j = _call(_client(args).get, f"/v1/jobs/{args.job}")
+    lines = [f"job:         {j['id']} ({j['name']}, team {j['team']}, priority {j['priority']})",
+             f"state:       {j['state']}" + (f" — {j['reason']}" if j["reason"] else ""),
+             f"world size:  {j['world_size']}   generation: {j['generation']}   "
+             f"master: {j['master'] or '-'}"]
+    if j.get("waiting") and j["state"] == "pending":
+        lines.append(f"waiting:     {j['waiting']['reason']}: {j['waiting']['detail']}")
+    lines.append(f"submitted:   {_when(j['submitted_at'])}   started: {_when(j['started_at'])}"
+                 f"   ended: {_when(j['ended_at'])}")
+    rows = [[str(r["rank"]), r["node"], str(r["local_rank"]),
+             "lost" if r["lost"] else ("-" if r["exit_code"] is None and r["signal"] is None
+                                       else (f"signal {r['signal']}" if r["signal"] is not None
+                                             else str(r["exit_code"])))]
+            for r in j["ranks"]]
+    table = "\n".join(lines)
+    if rows:
+        table += "\n\n" + _table(rows, ["RANK", "NODE", "LOCAL", "EXIT"])
+    _emit(args, j, table)
+    return EXIT_OK
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    job = _call(_client(args).post, f"/v1/jobs/{args.job}/cancel")
+    print(f"cancelling {job['id']} ({job['state']})", file=sys.stderr)
+    if args.wait:
+        final = _wait_job(_client(args), job["id"])
+        return EXIT_OK if final["state"] == "cancelled" else EXIT_FAILED
+    return EXIT_OK
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    client = _client(args)
+    offset = 0
+    while True:
+        data, offset = _call(client.get_bytes,
+                             f"/v1/jobs/{args.job}/logs?rank={args.rank}&offset={offset}")
+        if data:
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
+            continue
+        if not args.follow:
+            return EXIT_OK
+        job = _call(client.get, f"/v1/jobs/{args.job}")
+        if job["state"] in ("succeeded", "failed", "cancelled", "pending"):
+            return EXIT_OK
+        time.sleep(0.5)
+
+
 # --- local fleet ----------------------------------------------------------
 
 
@@ -171,7 +283,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="phalanx", description="Operate a Phalanx fleet.",
         epilog="exit codes: 0 ok, 1 supervisor failed or unreachable, 2 bad usage, "
-        "3 not found, 4 refused",
+        "3 not found, 4 refused, 5 the waited-for job did not succeed",
     )
     p.add_argument("--api", help="supervisor URL (default: $PHALANX_API)")
     p.add_argument("--token", help="API token (default: $PHALANX_TOKEN)")
@@ -199,6 +311,28 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--limit", type=int, default=50)
     out(sp)
     sp.set_defaults(fn=cmd_events)
+
+    sp = sub.add_parser("submit", help="submit a job spec (YAML); prints the job id")
+    sp.add_argument("spec")
+    sp.add_argument("--wait", action="store_true",
+                    help="wait for the job to end; exit 0 if it succeeded, 5 otherwise")
+    sp.set_defaults(fn=cmd_submit)
+    sp = sub.add_parser("jobs", help="list jobs, their state and why pending ones wait")
+    out(sp)
+    sp.set_defaults(fn=cmd_jobs)
+    sp = sub.add_parser("status", help="one job: state, rank map, exit codes")
+    sp.add_argument("job")
+    out(sp)
+    sp.set_defaults(fn=cmd_status)
+    sp = sub.add_parser("cancel", help="stop every rank of a job")
+    sp.add_argument("job")
+    sp.add_argument("--wait", action="store_true")
+    sp.set_defaults(fn=cmd_cancel)
+    sp = sub.add_parser("logs", help="a rank's output, fetched from its node")
+    sp.add_argument("job")
+    sp.add_argument("--rank", type=int, default=0)
+    sp.add_argument("-f", "--follow", action="store_true")
+    sp.set_defaults(fn=cmd_logs)
 
     lp = sub.add_parser("local", help="a whole fleet on this machine (sim GPUs)")
     lsub = lp.add_subparsers(dest="local_command", required=True)

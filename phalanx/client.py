@@ -25,6 +25,18 @@ class Client:
     def get(self, path: str) -> Any:
         return self._call("GET", path, None)
 
+    def get_bytes(self, path: str) -> tuple[bytes, int]:
+        """Raw bytes and the ``X-Phalanx-Offset`` header (for logs)."""
+        req = urllib.request.Request(f"{self.base_url}{path}",
+                                     headers={"Authorization": f"Bearer {self.token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return resp.read(), int(resp.headers.get("X-Phalanx-Offset", "0"))
+        except urllib.error.HTTPError as exc:
+            raise self._http_error(exc) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise self._unreachable(exc) from None
+
     def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         return self._call("POST", path, body or {})
 
@@ -40,12 +52,19 @@ class Client:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 return json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as exc:
-            try:
-                message = json.loads(exc.read()).get("error", exc.reason)
-            except (ValueError, AttributeError):
-                message = str(exc.reason)
-            raise ApiError(exc.code, str(message)) from None
+            raise self._http_error(exc) from None
         except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise ApiError(0, f"cannot reach the supervisor at {self.base_url}: {reason} "
-                           f"(timeout {self.timeout:.0f}s)") from None
+            raise self._unreachable(exc) from None
+
+    @staticmethod
+    def _http_error(exc: urllib.error.HTTPError) -> ApiError:
+        try:
+            message = json.loads(exc.read()).get("error", exc.reason)
+        except (ValueError, AttributeError):
+            message = str(exc.reason)
+        return ApiError(exc.code, str(message))
+
+    def _unreachable(self, exc: OSError) -> ApiError:
+        reason = getattr(exc, "reason", exc)
+        return ApiError(0, f"cannot reach the supervisor at {self.base_url}: {reason} "
+                        f"(timeout {self.timeout:.0f}s)")

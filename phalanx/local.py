@@ -213,6 +213,9 @@ def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int =
     token_file = directory / "token"
     token_file.write_text(token)
     token_file.chmod(0o600)
+    agent_token_file = directory / "agent-token"
+    agent_token_file.write_text(secrets.token_urlsafe(24))
+    agent_token_file.chmod(0o600)
     broker_port, api_port = free_port(), free_port()
     fleet = Fleet(str(directory), f"http://127.0.0.1:{api_port}", token, broker_port, [])
     try:
@@ -226,6 +229,7 @@ def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int =
         (sup_dir / "supervisor.toml").write_text(
             f'state_dir = "{sup_dir / "state"}"\n'
             f"offline_after_s = {offline_after_s}\n"
+            f'agent_token_file = "{agent_token_file}"\n'
             f"[mqtt]\nport = {broker_port}\nkeepalive_s = 5\n"
             f'[api]\nport = {api_port}\ntoken_file = "{token_file}"\n'
         )
@@ -242,7 +246,8 @@ def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int =
             node_dir.mkdir(parents=True)
             (node_dir / "agentd.toml").write_text(agent_toml(
                 node, node_dir / "data", broker_port, gpus_per_node,
-                rack=f"rack{i // nodes_per_rack + 1}", heartbeat_s=heartbeat_s))
+                rack=f"rack{i // nodes_per_rack + 1}", heartbeat_s=heartbeat_s,
+                token_file=agent_token_file))
             fleet.processes.append(_spawn(
                 [sys.executable, "-m", "agentd", "--config", str(node_dir / "agentd.toml")],
                 directory / "logs" / f"agent-{node}.log", "agent", node))
@@ -255,7 +260,7 @@ def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int =
 
 
 def agent_toml(node: str, data_dir: Path, broker_port: int, gpus: int, *, rack: str,
-               heartbeat_s: float) -> str:
+               heartbeat_s: float, token_file: Path | None = None) -> str:
     return (
         f'node_id = "{node}"\naddress = "127.0.0.1"\nrack = "{rack}"\n'
         f'data_dir = "{data_dir}"\nheartbeat_interval_s = {heartbeat_s}\n'
@@ -264,6 +269,7 @@ def agent_toml(node: str, data_dir: Path, broker_port: int, gpus: int, *, rack: 
         "[thresholds]\nxid_hold_s = 30\nslowdown_sustain_s = 5\n"
         "disk_drain_bytes = 0\ndisk_warn_fraction = 0.0\nload_warn_per_cpu = 64\n"
         'mem_warn_fraction = 0.0\n[http]\nhost = "127.0.0.1"\nport = 0\n'
+        + (f'token_file = "{token_file}"\n' if token_file else "")
     )
 
 

@@ -13,6 +13,7 @@ topic                                  publisher  retain   payload
 ``phalanx/v1/node/{node}/heartbeat``   agent      no       :class:`Heartbeat`
 ``phalanx/v1/node/{node}/cmd``         supervisor no       :class:`Command`
 ``phalanx/v1/node/{node}/ack``         agent      no       :class:`CommandAck`
+``phalanx/v1/node/{node}/rank``        agent      no       :class:`RankEvent`
 ``phalanx/v1/supervisor/status``       supervisor yes      :class:`SupervisorStatus`
 =====================================  =========  =======  ==========================
 
@@ -158,6 +159,14 @@ class NodeDeath(_Msg):
     cause: Literal["lost", "shutdown"] = "lost"
 
 
+class JobRanks(_Msg):
+    """The ranks of one job generation that an agent runs now."""
+
+    job: str
+    generation: int = Field(ge=1)
+    ranks: list[int]
+
+
 class Heartbeat(_Msg):
     kind: Literal["heartbeat"] = "heartbeat"
     node: NodeId
@@ -165,6 +174,22 @@ class Heartbeat(_Msg):
     n: int = Field(ge=0, description="heartbeat counter within this birth")
     sent_at: float
     health: Health
+    jobs: list[JobRanks] = Field(default_factory=list)
+
+
+class RankEvent(_Msg):
+    """A rank process started or ended on a node (``code`` or ``signal`` set on exit)."""
+
+    kind: Literal["rank"] = "rank"
+    node: NodeId
+    job: str
+    generation: int = Field(ge=1)
+    rank: int = Field(ge=0)
+    event: Literal["started", "exited"]
+    code: int | None = None
+    signal: int | None = None
+    pid: int | None = None
+    at: float
 
 
 # --- commands ------------------------------------------------------------
@@ -186,7 +211,56 @@ class RebirthArgs(_Msg):
     op: Literal["rebirth"] = "rebirth"
 
 
-CommandArgsType = PingArgs | ResampleArgs | RebirthArgs
+class EnvFromFile(_Msg):
+    """An env value the agent reads from a file on its node (a secret never on the wire)."""
+
+    from_file: str
+
+
+class RankSlot(_Msg):
+    rank: int = Field(ge=0, description="global rank")
+    local_rank: int = Field(ge=0)
+    gpu: int | None = Field(default=None, description="GPU index on the node, None on CPU")
+
+
+JOB_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,80}$"
+
+
+class StartRanksArgs(_Msg):
+    """Start this node's ranks of one job generation (idempotent for the same generation)."""
+
+    op: Literal["start_ranks"] = "start_ranks"
+    job: str = Field(pattern=JOB_ID_PATTERN)
+    generation: int = Field(ge=1)
+    command: list[str] = Field(min_length=1)
+    workdir: str
+    env: dict[str, str | EnvFromFile] = Field(default_factory=dict)
+    world_size: int = Field(ge=1)
+    group_rank: int = Field(ge=0, description="this node's index in the gang")
+    master_addr: str
+    master_port: int = Field(ge=1, le=65535)
+    ranks: list[RankSlot] = Field(min_length=1)
+    grace_s: float = Field(default=30.0, gt=0)
+
+
+class StopRanksArgs(_Msg):
+    """Stop every rank of ``job`` up to ``generation``: SIGTERM, ``grace_s``, SIGKILL."""
+
+    op: Literal["stop_ranks"] = "stop_ranks"
+    job: str = Field(pattern=JOB_ID_PATTERN)
+    generation: int = Field(ge=1)
+    grace_s: float = Field(default=30.0, gt=0)
+    reason: str = ""
+
+
+class AllocPortArgs(_Msg):
+    """Find a free TCP port on the node (the rendezvous port of a gang's rank 0)."""
+
+    op: Literal["alloc_port"] = "alloc_port"
+
+
+CommandArgsType = (PingArgs | ResampleArgs | RebirthArgs | StartRanksArgs | StopRanksArgs
+                   | AllocPortArgs)
 CommandArgs = Annotated[CommandArgsType, Field(discriminator="op")]
 
 
@@ -229,7 +303,8 @@ class SupervisorStatus(_Msg):
     since: float
 
 
-Message = NodeBirth | NodeDeath | Heartbeat | Command | CommandAck | SupervisorStatus
+Message = (NodeBirth | NodeDeath | Heartbeat | Command | CommandAck | SupervisorStatus
+           | RankEvent)
 
 
 # --- topics --------------------------------------------------------------
@@ -261,6 +336,10 @@ def ack_topic(node: str) -> str:
     return f"{PREFIX}/node/{_node(node)}/ack"
 
 
+def rank_topic(node: str) -> str:
+    return f"{PREFIX}/node/{_node(node)}/rank"
+
+
 SUPERVISOR_STATUS_TOPIC = f"{PREFIX}/supervisor/status"
 
 # Subscriptions, one per consumer.
@@ -269,6 +348,7 @@ SUPERVISOR_SUBSCRIPTIONS = (
     f"{PREFIX}/node/+/death",
     f"{PREFIX}/node/+/heartbeat",
     f"{PREFIX}/node/+/ack",
+    f"{PREFIX}/node/+/rank",
 )
 
 
@@ -282,8 +362,9 @@ _MODELS: dict[str, type[_Msg]] = {
     "heartbeat": Heartbeat,
     "cmd": Command,
     "ack": CommandAck,
+    "rank": RankEvent,
 }
-_TOPIC_RE = re.compile(r"^phalanx/v1/node/([^/]+)/(birth|death|heartbeat|cmd|ack)$")
+_TOPIC_RE = re.compile(r"^phalanx/v1/node/([^/]+)/(birth|death|heartbeat|cmd|ack|rank)$")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,13 @@ GET      /v1/nodes/{id}                one node; 404 when unknown
 POST     /v1/nodes/{id}/drain          body ``{"reason": "..."}``
 POST     /v1/nodes/{id}/undrain        body ``{"force": false}``; 409 while sick
 POST     /v1/nodes/{id}/ping           round trip of a command to the agent
-GET      /v1/events                    ``?node=ID&limit=N&after=ID``
+POST     /v1/jobs                      body ``{"spec": {...}}``; 400 names the bad fields
+GET      /v1/jobs                      every job (see ``Job.view``)
+GET      /v1/jobs/{id}                 one job; 404 when unknown
+POST     /v1/jobs/{id}/cancel          stop every rank, then ``cancelled``
+GET      /v1/jobs/{id}/logs            ``?rank=N&offset=K``: bytes of a rank's log, fetched
+                                       from its node; ``X-Phalanx-Offset`` is where to go on
+GET      /v1/events                    ``?node=ID&job=ID&limit=N&after=ID``
 GET      /v1/stats                     counters (heartbeats handled, bad messages)
 =======  ============================  ==========================================
 
@@ -25,9 +31,11 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 from aiohttp import web
 
 from phalanx import wire
+from phalanx.jobspec import JobSpecError, validate_spec
 from supervisor.registry import RegistryError
 
 if TYPE_CHECKING:
@@ -116,8 +124,60 @@ def make_app(sup: Supervisor) -> web.Application:
             after = int(q.get("after", "0"))
         except ValueError:
             return _error(400, "query 'limit' and 'after' must be integers")
-        found = sup.store.events(node=q.get("node"), limit=limit, after=after)
+        found = sup.store.events(node=q.get("node"), job=q.get("job"), limit=limit, after=after)
         return web.json_response([e.as_dict() for e in found])
+
+    async def submit(request: web.Request) -> web.Response:
+        data = await body(request)
+        spec = data.get("spec")
+        if not isinstance(spec, dict):
+            return _error(400, "field 'spec': a job spec object is required")
+        try:
+            parsed = validate_spec(spec)
+        except JobSpecError as exc:
+            return web.json_response({"error": str(exc), "fields": [
+                {"field": f, "line": ln, "message": m} for f, ln, m in exc.errors]}, status=400)
+        job = sup.jobs.submit(parsed)
+        return web.json_response(job.view(), status=201)
+
+    async def jobs(request: web.Request) -> web.Response:
+        return web.json_response([j.view() for j in sorted(
+            sup.jobs.jobs.values(), key=lambda j: j.submitted_at)])
+
+    async def job(request: web.Request) -> web.Response:
+        return web.json_response(sup.jobs.get(request.match_info["id"]).view())
+
+    async def cancel(request: web.Request) -> web.Response:
+        return web.json_response(sup.jobs.cancel(request.match_info["id"]).view())
+
+    async def logs(request: web.Request) -> web.StreamResponse:
+        found = sup.jobs.get(request.match_info["id"])
+        try:
+            rank = int(request.query.get("rank", "0"))
+            offset = int(request.query.get("offset", "0"))
+        except ValueError:
+            return _error(400, "query 'rank' and 'offset' must be integers")
+        place = next((r for r in found.ranks if r.rank == rank), None)
+        if place is None:
+            return _error(404, f"job {found.id} has no rank {rank} placed")
+        node = sup.registry.get(place.node)
+        if node.birth is None:
+            return _error(503, f"node {place.node} has not announced its address")
+        url = (f"http://{node.birth.address}:{node.birth.http_port}/v1/jobs/{found.id}/ranks/"
+               f"{rank}/log?offset={offset}")
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http, \
+                    http.get(url, headers={"Authorization": f"Bearer {sup.agent_token}"}) as resp:
+                data = await resp.read()
+                if resp.status != 200:
+                    return _error(502 if resp.status != 404 else 404,
+                                  f"node {place.node}: {data.decode(errors='replace')[:300]}")
+                return web.Response(body=data, content_type="text/plain", headers={
+                    "X-Phalanx-Offset": resp.headers.get("X-Phalanx-Offset", str(offset)),
+                    "X-Phalanx-Node": place.node})
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return _error(502, f"cannot fetch the log from node {place.node} at "
+                               f"{node.birth.address}:{node.birth.http_port}: {exc}")
 
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({
@@ -125,6 +185,8 @@ def make_app(sup: Supervisor) -> web.Application:
             "bad_messages": sup.bad_messages,
             "nodes": len(sup.registry.nodes),
             "mqtt_connects": sup.link.connects,
+            "jobs": len(sup.jobs.jobs),
+            "last_schedule_pass_s": sup.jobs.last_pass_s,
         })
 
     app = web.Application(middlewares=[guard], client_max_size=64 * 1024)
@@ -136,6 +198,11 @@ def make_app(sup: Supervisor) -> web.Application:
     app.router.add_post("/v1/nodes/{id}/ping", ping)
     app.router.add_get("/v1/events", events)
     app.router.add_get("/v1/stats", stats)
+    app.router.add_post("/v1/jobs", submit)
+    app.router.add_get("/v1/jobs", jobs)
+    app.router.add_get("/v1/jobs/{id}", job)
+    app.router.add_post("/v1/jobs/{id}/cancel", cancel)
+    app.router.add_get("/v1/jobs/{id}/logs", logs)
     return app
 
 

@@ -29,6 +29,13 @@ class ApiSettings(BaseModel):
     )
 
 
+class TeamSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    gpu_quota: int | None = Field(default=None, ge=0, description="Hard cap on GPUs in use.")
+    weight: float = Field(default=1.0, gt=0, description="Fair-share weight.")
+
+
 class SupervisorSettings(BaseSettings):
     model_config = SettingsConfigDict(extra="forbid")
 
@@ -43,6 +50,18 @@ class SupervisorSettings(BaseSettings):
         "will (a partition the broker has not noticed yet). Default: 3 heartbeats of 5s.",
     )
     command_timeout_s: float = Field(default=10.0, gt=0, description="Wait for a command's ack.")
+    schedule_interval_s: float = Field(
+        default=2.0, gt=0, description="Longest time between scheduling passes (a submit, a "
+        "job's end or a node change also start one)."
+    )
+    spares: int = Field(default=0, ge=0, description="Healthy idle nodes held back as hot spares.")
+    teams: dict[str, TeamSettings] = Field(
+        default_factory=dict, description="Per-team GPU quota and fair-share weight."
+    )
+    agent_token_file: Path | None = Field(
+        default=None, description="The agents' HTTP token (the same file as their "
+        "http.token_file), used to fetch rank logs."
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_json: bool = Field(default=False, description="Log JSON lines instead of text.")
     mqtt: MqttSettings = Field(default_factory=MqttSettings)

@@ -13,6 +13,7 @@ from phalanx.link import LinkDown, MqttLink, Will
 from phalanx.tasks import supervised
 from supervisor.api import start_api
 from supervisor.config import SupervisorSettings
+from supervisor.controller import JobController
 from supervisor.registry import Registry
 from supervisor.store import Store
 
@@ -27,6 +28,9 @@ class Supervisor:
     def __init__(self, settings: SupervisorSettings, token: str) -> None:
         self.settings = settings
         self.token = token
+        self.agent_token = ""
+        if settings.agent_token_file is not None:
+            self.agent_token = settings.agent_token_file.read_text().strip()
         self.store = Store(settings.state_dir / "state.db")
         self.registry = Registry(self.store, offline_after_s=settings.offline_after_s)
         self.started_at = time.time()
@@ -41,7 +45,9 @@ class Supervisor:
             will=lambda: Will(wire.SUPERVISOR_STATUS_TOPIC,
                               wire.encode(wire.SupervisorStatus(online=False, since=time.time()))),
             on_connect=self._on_connect,
+            persistent_session=True,  # rank events sent while we restart are queued for us
         )
+        self.jobs = JobController(self)
         self.api_port = 0
         self._stack = contextlib.AsyncExitStack()
         self._loops: list[asyncio.Task[None]] = []
@@ -53,6 +59,8 @@ class Supervisor:
             await self._stack.enter_async_context(self.link)
             group = await self._stack.enter_async_context(asyncio.TaskGroup())
             self._loops.append(group.create_task(supervised("timeouts", self._timeout_loop)))
+            self._loops.append(group.create_task(supervised("jobs", self.jobs.loop)))
+            self.jobs.resume()
         except BaseException:
             await self._stack.__aexit__(None, None, None)
             self.store.close()
@@ -76,6 +84,7 @@ class Supervisor:
             task.cancel()
         for future in self._acks.values():
             future.cancel()
+        await self.jobs.close()
         await self._stack.__aexit__(exc_type, exc, tb)
         self.store.close()
         log.info("supervisor stopped")
@@ -94,12 +103,22 @@ class Supervisor:
         msg = inbound.message
         match msg:
             case wire.Heartbeat():
+                before = self.registry.nodes.get(msg.node)
+                state = before.state if before else None
                 if not self.registry.on_heartbeat(msg):
                     await self._ask_rebirth(msg.node)
+                else:
+                    self.jobs.on_heartbeat(msg)
+                    if self.registry.nodes[msg.node].state != state:
+                        self.jobs.wake()
+            case wire.RankEvent():
+                self.jobs.on_rank_event(msg)
             case wire.NodeBirth():
                 self.registry.on_birth(msg)
+                self.jobs.wake()
             case wire.NodeDeath():
                 self.registry.on_death(msg)
+                self.jobs.wake()
             case wire.CommandAck():
                 future = self._acks.pop(msg.id, None)
                 if future is not None and not future.done():
@@ -120,10 +139,11 @@ class Supervisor:
         with contextlib.suppress(LinkDown):
             await self.link.publish(wire.command_topic(node), wire.encode(cmd), timeout=2.0)
 
-    async def command(self, node: str, args: wire.CommandArgsType) -> wire.CommandAck:
+    async def command(self, node: str, args: wire.CommandArgsType,
+                      timeout: float | None = None) -> wire.CommandAck:
         """Send one command and wait for its ack (the deadline is the timeout)."""
         self.registry.get(node)
-        timeout = self.settings.command_timeout_s
+        timeout = timeout or self.settings.command_timeout_s
         cmd = wire.Command.new(node, args, ttl=timeout)
         future: asyncio.Future[wire.CommandAck] = asyncio.get_running_loop().create_future()
         self._acks[cmd.id] = future
@@ -141,4 +161,5 @@ class Supervisor:
         interval = max(0.1, min(1.0, self.settings.offline_after_s / 4))
         while True:
             await asyncio.sleep(interval)
-            self.registry.check_timeouts()
+            if self.registry.check_timeouts():
+                self.jobs.wake()

@@ -29,6 +29,12 @@ CREATE TABLE IF NOT EXISTS events (
     detail TEXT NOT NULL           -- JSON object
 );
 CREATE INDEX IF NOT EXISTS events_node ON events (node, id);
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    record TEXT NOT NULL,          -- JSON: spec, generation, rank map, timings, exits
+    updated_at REAL NOT NULL
+);
 """
 
 
@@ -76,19 +82,34 @@ class Store:
             (node_id, json.dumps(record), time.time()),
         )
 
+    def load_jobs(self) -> dict[str, dict[str, Any]]:
+        rows = self._db.execute("SELECT id, record FROM jobs").fetchall()
+        return {job_id: json.loads(record) for job_id, record in rows}
+
+    def save_job(self, job_id: str, state: str, record: dict[str, Any]) -> None:
+        self._write(
+            "INSERT INTO jobs (id, state, record, updated_at) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT(id) DO UPDATE SET state = excluded.state, record = excluded.record, "
+            "updated_at = excluded.updated_at",
+            (job_id, state, json.dumps(record), time.time()),
+        )
+
     def add_event(self, kind: str, node: str | None, detail: dict[str, Any]) -> Event:
         ts = time.time()
         cur = self._write("INSERT INTO events (ts, kind, node, detail) VALUES (?, ?, ?, ?)",
                           (ts, kind, node, json.dumps(detail)))
         return Event(int(cur.lastrowid or 0), ts, kind, node, detail)
 
-    def events(self, *, node: str | None = None, limit: int = 100,
+    def events(self, *, node: str | None = None, job: str | None = None, limit: int = 100,
                after: int = 0) -> list[Event]:
         query = "SELECT id, ts, kind, node, detail FROM events WHERE id > ?"
         args: list[Any] = [after]
         if node is not None:
             query += " AND node = ?"
             args.append(node)
+        if job is not None:
+            query += " AND json_extract(detail, '$.job') = ?"
+            args.append(job)
         query += " ORDER BY id DESC LIMIT ?"
         args.append(limit)
         rows = self._db.execute(query, args).fetchall()

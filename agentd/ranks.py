@@ -1,0 +1,212 @@
+"""The rank runner: starts a job's local rank processes and reports how they end.
+
+Each rank is a child process in its own session (so a stop kills its whole
+tree), with the torch.distributed environment and its output in a per-rank
+log file under ``DATA_DIR/jobs/JOB/gGEN/rank-N.log``. Commands are fenced by
+generation: a start for an older generation than one already started is
+refused, and a stop for generation G stops every generation up to G.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentd.commands import CommandError
+from phalanx import wire
+
+log = logging.getLogger(__name__)
+
+# Make a hung NCCL collective fail fast and leave a flight-recorder dump.
+NCCL_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_FR_BUFFER_SIZE": "20000",
+}
+
+
+@dataclass
+class Rank:
+    job: str
+    generation: int
+    slot: wire.RankSlot
+    proc: asyncio.subprocess.Process
+    log_path: Path
+    started_at: float
+    code: int | None = None
+    signal: int | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+Reporter = Callable[[wire.RankEvent], Awaitable[None]]
+
+
+class RankRunner:
+    def __init__(self, node: str, data_dir: Path, socket_path: Path, report: Reporter) -> None:
+        self.node = node
+        self.data_dir = data_dir
+        self.socket_path = socket_path
+        self._report = report
+        self._ranks: dict[tuple[str, int], Rank] = {}  # (job, rank) -> current process
+        self._generation: dict[str, int] = {}  # job -> highest generation started
+        self._watchers: set[asyncio.Task[None]] = set()
+
+    # --- queries -----------------------------------------------------------
+
+    def running(self) -> list[wire.JobRanks]:
+        jobs: dict[tuple[str, int], list[int]] = {}
+        for r in self._ranks.values():
+            if not r.done.is_set():
+                jobs.setdefault((r.job, r.generation), []).append(r.slot.rank)
+        return [wire.JobRanks(job=j, generation=g, ranks=sorted(ranks))
+                for (j, g), ranks in sorted(jobs.items())]
+
+    def log_path(self, job: str, rank: int) -> Path | None:
+        r = self._ranks.get((job, rank))
+        if r is not None:
+            return r.log_path
+        found = sorted((self.data_dir / "jobs" / job).glob(f"g*/rank-{rank}.log"),
+                       key=lambda p: int(p.parent.name[1:]))
+        return found[-1] if found else None
+
+    # --- commands ------------------------------------------------------------
+
+    @staticmethod
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    async def start(self, req: wire.StartRanksArgs) -> dict[str, Any]:
+        current = self._generation.get(req.job, 0)
+        if req.generation < current:
+            raise CommandError(f"job {req.job}: generation {req.generation} is older than "
+                               f"generation {current} already started here; refused")
+        if req.generation == current:  # a redelivered or repeated start: report, don't rerun
+            pids = {r.slot.rank: r.proc.pid for r in self._ranks.values()
+                    if r.job == req.job and r.generation == current}
+            return {"pids": pids, "already_started": True}
+        workdir = Path(req.workdir)
+        if not await asyncio.to_thread(workdir.is_dir):
+            raise CommandError(f"job {req.job}: workdir {req.workdir} does not exist on "
+                               f"node {self.node}")
+        env = self._environment(req)
+        self._generation[req.job] = req.generation
+        logs = self.data_dir / "jobs" / req.job / f"g{req.generation}"
+        logs.mkdir(parents=True, exist_ok=True)
+        pids = {}
+        for slot in req.ranks:
+            rank_env = {
+                **env,
+                "RANK": str(slot.rank),
+                "LOCAL_RANK": str(slot.local_rank),
+                "TORCH_FR_DUMP_TEMP_FILE": str(logs / f"nccl-trace-rank-{slot.rank}-"),
+            }
+            if slot.gpu is not None:
+                rank_env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                    str(s.gpu) for s in req.ranks if s.gpu is not None)
+            log_path = logs / f"rank-{slot.rank}.log"
+            with log_path.open("ab") as out:
+                try:
+                    proc = await asyncio.create_subprocess_exec(
+                        *req.command, cwd=workdir, env=rank_env, stdin=asyncio.subprocess.DEVNULL,
+                        stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                    )
+                except OSError as exc:
+                    await self.stop(req.job, req.generation, grace_s=5.0)
+                    raise CommandError(f"job {req.job}: cannot start {req.command[0]!r} on "
+                                       f"node {self.node}: {exc.strerror or exc}") from exc
+            rank = Rank(req.job, req.generation, slot, proc, log_path, time.time())
+            self._ranks[(req.job, slot.rank)] = rank
+            pids[slot.rank] = proc.pid
+            task = asyncio.create_task(self._watch(rank), name=f"rank-{req.job}-{slot.rank}")
+            self._watchers.add(task)
+            task.add_done_callback(self._watchers.discard)
+            log.info("job %s gen %d: started rank %d (pid %d)", req.job, req.generation,
+                     slot.rank, proc.pid, extra={"job": req.job, "rank": slot.rank,
+                                                 "event": "rank_started"})
+        return {"pids": pids}
+
+    def _environment(self, req: wire.StartRanksArgs) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_AGENTD_")}
+        for key, value in req.env.items():
+            if isinstance(value, wire.EnvFromFile):
+                try:
+                    env[key] = Path(value.from_file).read_text().strip()
+                except OSError as exc:
+                    raise CommandError(f"job {req.job}: env {key}: cannot read "
+                                       f"{value.from_file} on node {self.node}: "
+                                       f"{exc.strerror or exc}") from exc
+            else:
+                env[key] = value
+        env.update(NCCL_ENV)
+        env.update({
+            "WORLD_SIZE": str(req.world_size),
+            "LOCAL_WORLD_SIZE": str(len(req.ranks)),
+            "GROUP_RANK": str(req.group_rank),
+            "MASTER_ADDR": req.master_addr,
+            "MASTER_PORT": str(req.master_port),
+            "PHALANX_JOB_ID": req.job,
+            "PHALANX_GENERATION": str(req.generation),
+            "PHALANX_NODE": self.node,
+            "PHALANX_AGENT_SOCKET": str(self.socket_path),
+        })
+        return env
+
+    async def stop(self, job: str, generation: int, *, grace_s: float) -> dict[str, Any]:
+        """Stop every rank of ``job`` up to ``generation``; returns once all are gone."""
+        victims = [r for r in self._ranks.values()
+                   if r.job == job and r.generation <= generation and not r.done.is_set()]
+        self._generation[job] = max(self._generation.get(job, 0), generation)
+        for r in victims:
+            _killpg(r.proc.pid, signal.SIGTERM)
+        if victims:
+            waits = [asyncio.create_task(r.done.wait()) for r in victims]
+            _, pending = await asyncio.wait(waits, timeout=grace_s)
+            for task in pending:
+                task.cancel()
+            for r in victims:
+                if not r.done.is_set():
+                    log.warning("job %s rank %d ignored SIGTERM for %.0fs; SIGKILL", job,
+                                r.slot.rank, grace_s)
+                    _killpg(r.proc.pid, signal.SIGKILL)
+            await asyncio.wait([asyncio.create_task(r.done.wait()) for r in victims], timeout=10)
+        return {"stopped": sorted(r.slot.rank for r in victims)}
+
+    async def stop_all(self, grace_s: float) -> None:
+        jobs = {(r.job, r.generation) for r in self._ranks.values() if not r.done.is_set()}
+        await asyncio.gather(*(self.stop(j, g, grace_s=grace_s) for j, g in jobs))
+
+    # --- internals -------------------------------------------------------------
+
+    async def _watch(self, rank: Rank) -> None:
+        returncode = await rank.proc.wait()
+        # Whatever the rank left behind in its session goes with it.
+        _killpg(rank.proc.pid, signal.SIGKILL)
+        if returncode < 0:
+            rank.signal = -returncode
+        else:
+            rank.code = returncode
+        rank.done.set()
+        log.info("job %s gen %d: rank %d exited (code %s, signal %s)", rank.job,
+                 rank.generation, rank.slot.rank, rank.code, rank.signal,
+                 extra={"job": rank.job, "rank": rank.slot.rank, "event": "rank_exited"})
+        event = wire.RankEvent(node=self.node, job=rank.job, generation=rank.generation,
+                               rank=rank.slot.rank, event="exited", code=rank.code,
+                               signal=rank.signal, pid=rank.proc.pid, at=time.time())
+        with contextlib.suppress(Exception):
+            await self._report(event)
+
+
+def _killpg(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)

@@ -1,0 +1,130 @@
+"""A small transformer language model trained with DDP on a deterministic token stream.
+
+Run under Phalanx (the agent sets RANK, WORLD_SIZE, MASTER_ADDR, ...), or by hand::
+
+    RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python examples/tinylm.py
+
+gloo on CPU, NCCL where CUDA is available. The token stream is a fixed
+random Markov chain (seeded), so the loss has something to learn and every
+run sees the same data: rank r of a world of w reads batch ``step * w + r``.
+Rank 0 logs loss and tokens/s; the last line says whether the loss went down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+class TokenStream:
+    """Batch ``i`` of a seeded Markov chain over ``vocab`` tokens, without storing it."""
+
+    def __init__(self, vocab: int, seq: int, batch: int, seed: int = 1234) -> None:
+        g = torch.Generator().manual_seed(seed)
+        # Each token has 4 likely successors: learnable, not trivial.
+        self.successors = torch.randint(0, vocab, (vocab, 4), generator=g)
+        self.vocab, self.seq, self.batch, self.seed = vocab, seq, batch, seed
+
+    def get(self, index: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        out = torch.empty(self.batch, self.seq + 1, dtype=torch.long)
+        out[:, 0] = torch.randint(0, self.vocab, (self.batch,), generator=g)
+        choice = torch.randint(0, 4, (self.batch, self.seq), generator=g)
+        noise = torch.rand(self.batch, self.seq, generator=g) < 0.05
+        random_tok = torch.randint(0, self.vocab, (self.batch, self.seq), generator=g)
+        for t in range(self.seq):
+            nxt = self.successors[out[:, t], choice[:, t]]
+            out[:, t + 1] = torch.where(noise[:, t], random_tok[:, t], nxt)
+        return out
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(seq, dim))
+        layer = nn.TransformerEncoderLayer(dim, heads, dim * 4, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        x = self.blocks(x, mask=self.mask[: tokens.shape[1], : tokens.shape[1]], is_causal=True)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--vocab", type=int, default=128)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        torch.set_num_threads(1)  # several ranks share a few cores
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+
+    model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq).to(device)
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
+    stream = TokenStream(args.vocab, args.seq, args.batch)
+    loss_fn = nn.CrossEntropyLoss()
+
+    first_loss = last_loss = math.nan
+    window_start, window_tokens = time.perf_counter(), 0
+    for step in range(args.steps):
+        batch = stream.get(step * world + rank).to(device)
+        logits = ddp(batch[:, :-1])
+        loss = loss_fn(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        window_tokens += batch[:, 1:].numel() * world
+        reduced = loss.detach().clone()
+        dist.all_reduce(reduced)
+        mean = reduced.item() / world
+        if step == 0:
+            first_loss = mean
+        last_loss = mean
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            now = time.perf_counter()
+            rate = window_tokens / max(now - window_start, 1e-9)
+            print(json.dumps({"step": step, "loss": round(mean, 4), "tokens_per_s": round(rate),
+                              "lr": sched.get_last_lr()[0]}), flush=True)
+            window_start, window_tokens = now, 0
+    if rank == 0:
+        print(json.dumps({"done": True, "steps": args.steps, "first_loss": round(first_loss, 4),
+                          "last_loss": round(last_loss, 4),
+                          "improved": last_loss < first_loss}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

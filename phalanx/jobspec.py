@@ -1,0 +1,210 @@
+"""The job spec: a YAML file an ML engineer writes, validated by pydantic.
+
+See ``docs/jobspec.md`` for every field. Errors name the field and, where the
+YAML gives one, the line: ``nodes (line 7): Input should be greater than 0``.
+Secrets never travel or show in clear: an env value may be
+``{from_file: /etc/...}``, read on the node when the ranks start, and shown
+redacted everywhere else.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+JOB_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+RESERVED_ENV = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+    "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
+})
+
+
+class JobSpecError(ValueError):
+    """A spec that cannot be used; ``errors`` holds ``(field, line, message)`` per problem."""
+
+    def __init__(self, errors: list[tuple[str, int | None, str]]) -> None:
+        self.errors = errors
+        lines = [f"{f}{f' (line {ln})' if ln else ''}: {m}" for f, ln, m in errors]
+        super().__init__("invalid job spec:\n  " + "\n  ".join(lines))
+
+
+def parse_duration(value: Any) -> float:
+    """``90``, ``"90s"``, ``"15m"``, ``"2h"``, ``"1.5d"`` → seconds."""
+    if isinstance(value, bool):
+        raise ValueError("a duration is a number of seconds or a string like '2h'")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if match is None:
+            raise ValueError(f"{value!r} is not a duration (use e.g. 90, '90s', '15m', '2h')")
+        seconds = float(match.group(1)) * _UNIT[match.group(2)]
+    if seconds <= 0:
+        raise ValueError("a duration must be positive")
+    return seconds
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FromFile(_Spec):
+    """An env value read from a file on the node when the ranks start (a secret)."""
+
+    from_file: Path = Field(description="Absolute path of the file on the node.")
+
+    @field_validator("from_file")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        if not value.is_absolute():
+            raise ValueError("from_file must be an absolute path on the node")
+        return value
+
+
+EnvValue = str | FromFile
+
+
+class PlacementSpec(_Spec):
+    policy: Literal["pack", "spread"] = Field(
+        default="pack", description="pack: as few racks as possible; spread: one node per rack."
+    )
+    required: bool = Field(
+        default=False, description="true: wait rather than start in a worse placement."
+    )
+
+
+class CheckpointSpec(_Spec):
+    interval: Literal["auto"] | Annotated[dict[Literal["steps", "seconds"], float],
+                                          Field(min_length=1, max_length=1)] = Field(
+        default="auto",
+        description="`auto` (Young/Daly from the measured stall and the fleet's MTBF), "
+        "`{steps: N}` or `{seconds: N}`.",
+    )
+    tiers: list[Literal["ram", "nvme", "peer", "object"]] = Field(
+        default=["ram", "nvme", "peer", "object"], min_length=1,
+        description="Tiers a checkpoint is written down to, nearest first.",
+    )
+    keep: dict[Literal["ram", "nvme", "peer", "object"], Annotated[int, Field(ge=1)]] = Field(
+        default={"ram": 2, "nvme": 3, "peer": 2, "object": 5},
+        description="Committed checkpoints kept per tier.",
+    )
+
+
+class RestartSpec(_Spec):
+    max_restarts: int = Field(default=3, ge=0, description="Recoveries before the job fails.")
+    use_spares: bool = Field(default=True, description="Move a failed node's ranks to a spare.")
+
+
+class JobSpec(_Spec):
+    name: str = Field(pattern=JOB_NAME_PATTERN, description="Lower-case name, used in job ids.")
+    team: str = Field(min_length=1, max_length=64, description="Team charged for the GPUs.")
+    priority: int = Field(default=50, ge=0, le=1000, description="Higher runs first.")
+    command: list[str] = Field(min_length=1, description="argv of every rank.")
+    workdir: str = Field(description="Working directory of the ranks, on the node.")
+    env: dict[str, EnvValue] = Field(default_factory=dict, description="Extra environment.")
+    nodes: int = Field(ge=1, le=4096, description="Whole nodes the gang needs.")
+    ranks_per_node: int = Field(ge=1, le=64, description="Rank processes (GPUs) per node.")
+    gpu_type: str | None = Field(default=None, description="GPU model the job needs, if any.")
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    max_runtime: Annotated[float, Field(gt=0)] = Field(
+        default=86400.0, description="Seconds, or '90m', '2h', '3d'; the job fails past it."
+    )
+    preemptible: bool = Field(default=False, description="May be evicted by higher priority.")
+    grace_period: float = Field(
+        default=30.0, gt=0, le=3600, description="Seconds between SIGTERM and SIGKILL on stop."
+    )
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    restart: RestartSpec = Field(default_factory=RestartSpec)
+
+    @field_validator("max_runtime", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> float:
+        return parse_duration(value)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, EnvValue]) -> dict[str, EnvValue]:
+        for key in value:
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+            if key in RESERVED_ENV or key.startswith("PHALANX_"):
+                raise ValueError(f"{key} is set by Phalanx for every rank and cannot be "
+                                 "overridden")
+        return value
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def redacted(self) -> dict[str, Any]:
+        """The spec as the API and logs show it: file-backed env values stay references."""
+        data = self.model_dump(mode="json")
+        data["env"] = {k: (f"<from_file {v.from_file}>" if isinstance(v, FromFile) else v)
+                       for k, v in self.env.items()}
+        return data
+
+
+def _line_index(node: yaml.Node, path: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], int]:
+    lines = {path: node.start_mark.line + 1}
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            sub = (*path, key.value)
+            lines[sub] = key.start_mark.line + 1
+            lines.update({k: v for k, v in _line_index(value, sub).items() if k != sub})
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines.update(_line_index(item, (*path, i)))
+    return lines
+
+
+def load_spec(text: str, *, source: str = "job spec") -> JobSpec:
+    """Parse and validate YAML text; raises :class:`JobSpecError`."""
+    try:
+        data = yaml.safe_load(text)
+        tree = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        raise JobSpecError([(source, mark.line + 1 if mark else None,
+                             f"not valid YAML: {exc.problem}")]) from exc
+    except yaml.YAMLError as exc:
+        raise JobSpecError([(source, None, f"not valid YAML: {exc}")]) from exc
+    if not isinstance(data, dict):
+        raise JobSpecError([(source, None, "a job spec is a mapping of fields")])
+    return validate_spec(data, lines=_line_index(tree) if tree is not None else {})
+
+
+def validate_spec(data: dict[str, Any], *, lines: dict[tuple[Any, ...], int] | None = None
+                  ) -> JobSpec:
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        merged: dict[str, tuple[int | None, list[str]]] = {}
+        for err in exc.errors():
+            # Drop pydantic's union-branch tags ("str", "FromFile", "dict[...]", "[key]").
+            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and (
+                "[" in p or p in ("str", "FromFile"))))
+            field = ".".join(str(p) for p in loc) or "<root>"
+            line = None
+            for cut in range(len(loc), 0, -1):
+                if lines and loc[:cut] in lines:
+                    line = lines[loc[:cut]]
+                    break
+            message = err["msg"].removeprefix("Value error, ")
+            if message not in merged.setdefault(field, (line, []))[1]:
+                merged[field][1].append(message)
+        raise JobSpecError([(f, ln, " or ".join(ms)) for f, (ln, ms) in merged.items()]) from exc
+
+
+def load_spec_file(path: Path) -> JobSpec:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise JobSpecError([(str(path), None, f"cannot read: {exc.strerror}")]) from exc
+    return load_spec(text, source=str(path))

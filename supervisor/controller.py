@@ -1,0 +1,421 @@
+"""The job controller: queue, scheduling passes, gang launch, rank exits, stops.
+
+It owns the jobs' records (persisted on every change) and drives them
+through :mod:`supervisor.jobs`' state machine. Placement decisions come from
+the pure scheduler (:func:`supervisor.scheduler.schedule`); the controller
+turns them into commands to agents and waits for their acks. Every command
+names the job's generation, so a late ack or rank event of an older launch
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
+
+from phalanx import wire
+from phalanx.jobspec import FromFile, JobSpec
+from supervisor.jobs import Job, JobState, RankPlace
+from supervisor.registry import NodeState, Refused, RegistryError
+from supervisor.scheduler import (
+    ClusterNode,
+    ClusterState,
+    Decisions,
+    PendingJob,
+    Placement,
+    RunningJob,
+    TeamShare,
+    schedule,
+)
+
+if TYPE_CHECKING:
+    from supervisor.daemon import Supervisor
+
+log = logging.getLogger(__name__)
+
+
+class UnknownJob(RegistryError):
+    status = 404
+
+    def __init__(self, job: str) -> None:
+        super().__init__(f"job {job!r} is not known to this supervisor")
+
+
+class JobController:
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+        self.store = sup.store
+        self.jobs: dict[str, Job] = {
+            job_id: Job.from_record(job_id, rec) for job_id, rec in self.store.load_jobs().items()
+        }
+        self.spares: tuple[str, ...] = ()
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._busy: set[str] = set()  # jobs with a launch or stop in flight
+        self._missing: dict[tuple[str, str], int] = {}  # (job, node) -> heartbeats without it
+        self.last_pass_s = 0.0
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def resume(self) -> None:
+        """After a restart: finish what a previous supervisor left half done."""
+        for job in self.jobs.values():
+            if job.state is JobState.STARTING:
+                # The launch's outcome is unknown: stop what may have started, then requeue.
+                job.stop_target = JobState.PENDING
+                job.reason = "supervisor restarted during launch"
+                self._move(job, JobState.STOPPING, job.reason)
+                self._spawn(job, self._stop(job))
+            elif job.state is JobState.STOPPING:
+                self._spawn(job, self._stop(job))
+        self.wake()
+
+    async def loop(self) -> None:
+        interval = self.sup.settings.schedule_interval_s
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), interval)
+            self._wake.clear()
+            self.check_runtimes()
+            self.check_nodes()
+            self.schedule_pass()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    # --- operators -----------------------------------------------------------
+
+    def submit(self, spec: JobSpec) -> Job:
+        job = Job(Job.new_id(spec.name), spec)
+        self.jobs[job.id] = job
+        self._save(job)
+        self._event("job_submitted", job, team=spec.team, world_size=spec.world_size)
+        self.wake()
+        return job
+
+    def get(self, job_id: str) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise UnknownJob(job_id)
+        return job
+
+    def cancel(self, job_id: str) -> Job:
+        job = self.get(job_id)
+        if job.state.final:
+            raise Refused(f"job {job_id} already ended ({job.state.value})")
+        if job.state is JobState.PENDING:
+            job.reason = "cancelled by operator"
+            self._move(job, JobState.CANCELLED, job.reason)
+            return job
+        job.stop_target = JobState.CANCELLED
+        job.reason = "cancelled by operator"
+        if job.state is not JobState.STOPPING:
+            self._move(job, JobState.STOPPING, job.reason)
+            self._spawn(job, self._stop(job))
+        else:
+            self._save(job)
+        return job
+
+    # --- inbound -----------------------------------------------------------------
+
+    def on_rank_event(self, ev: wire.RankEvent) -> None:
+        job = self.jobs.get(ev.job)
+        if job is None or ev.generation != job.generation or ev.event != "exited":
+            return
+        place = next((r for r in job.ranks if r.rank == ev.rank), None)
+        if place is None or place.node != ev.node or place.exited:
+            return
+        place.code, place.signal = ev.code, ev.signal
+        self._event("rank_exited", job, rank=ev.rank, node=ev.node, code=ev.code,
+                    signal=ev.signal, generation=ev.generation)
+        self._after_exit(job, place)
+
+    def on_heartbeat(self, beat: wire.Heartbeat) -> None:
+        """Reconcile: a running job whose ranks a node no longer runs, unreported, lost them."""
+        listed = {(j.job, j.generation) for j in beat.jobs}
+        for job in self.jobs.values():
+            if job.state is not JobState.RUNNING or beat.node not in job.nodes:
+                continue
+            if job.started_at is None or beat.sent_at < job.started_at + 2.0:
+                continue
+            key = (job.id, beat.node)
+            if (job.id, job.generation) in listed:
+                self._missing.pop(key, None)
+                continue
+            open_ranks = [r for r in job.ranks if r.node == beat.node and not r.exited]
+            if not open_ranks:
+                continue
+            self._missing[key] = self._missing.get(key, 0) + 1
+            if self._missing[key] >= 2:
+                del self._missing[key]
+                for r in open_ranks:
+                    r.lost = True
+                self._event("ranks_lost", job, node=beat.node,
+                            ranks=[r.rank for r in open_ranks])
+                self._after_exit(job, open_ranks[0])
+
+    def _after_exit(self, job: Job, place: RankPlace) -> None:
+        if job.state is JobState.RUNNING:
+            if not place.clean:
+                job.stop_target = JobState.FAILED
+                job.reason = place.describe()
+                self._move(job, JobState.STOPPING, job.reason)
+                self._spawn(job, self._stop(job))
+                return
+            if all(r.exited and r.clean for r in job.ranks):
+                job.reason = "every rank exited 0"
+                self._move(job, JobState.SUCCEEDED, job.reason)
+                self.wake()
+                return
+        self._save(job)
+
+    # --- periodic checks -------------------------------------------------------
+
+    def check_runtimes(self) -> None:
+        now = time.time()
+        for job in self.jobs.values():
+            if (job.state is JobState.RUNNING and job.started_at is not None
+                    and now - job.started_at > job.spec.max_runtime):
+                self.fail(job, f"max_runtime of {job.spec.max_runtime:.0f}s exceeded")
+
+    def check_nodes(self) -> None:
+        for job in self.jobs.values():
+            if job.state is not JobState.RUNNING or job.id in self._busy:
+                continue
+            for node_id in job.nodes:
+                node = self.sup.registry.nodes.get(node_id)
+                if node is None or node.state is NodeState.OFFLINE:
+                    cause = node.offline_cause if node else "unknown"
+                    self.fail(job, f"node {node_id} went offline ({cause})")
+                    break
+
+    def fail(self, job: Job, why: str) -> None:
+        if job.state is not JobState.RUNNING:
+            return
+        job.stop_target = JobState.FAILED
+        job.reason = why
+        self._move(job, JobState.STOPPING, why)
+        self._spawn(job, self._stop(job))
+
+    # --- scheduling ------------------------------------------------------------
+
+    def cluster_state(self) -> ClusterState:
+        now = time.time()
+        nodes = []
+        for node in self.sup.registry.nodes.values():
+            if node.birth is None or not node.birth.gpus:
+                continue
+            nodes.append(ClusterNode(
+                id=node.id, rack=node.birth.topology.rack, gpus=len(node.birth.gpus),
+                gpu_type=node.birth.gpus[0].model,
+                nvlink_domain=node.birth.topology.nvlink_domain,
+                schedulable=node.state is NodeState.UP,
+            ))
+        known = {n.id for n in nodes}
+        running, pending = [], []
+        for job in self.jobs.values():
+            spec = job.spec
+            if job.state.holds_nodes and all(n in known for n in job.nodes):
+                running.append(RunningJob(
+                    id=job.id, team=spec.team, priority=spec.priority, nodes=tuple(job.nodes),
+                    gpus_per_node=spec.ranks_per_node, preemptible=spec.preemptible,
+                    start_time=job.started_at or now, max_runtime=spec.max_runtime,
+                ))
+            elif job.state is JobState.PENDING:
+                pending.append(PendingJob(
+                    id=job.id, team=spec.team, priority=spec.priority, nodes=spec.nodes,
+                    gpus_per_node=spec.ranks_per_node, max_runtime=spec.max_runtime,
+                    submit_time=job.submitted_at, gpu_type=spec.gpu_type,
+                    placement=Placement(spec.placement.policy),
+                    placement_required=spec.placement.required, preemptible=spec.preemptible,
+                ))
+        settings = self.sup.settings
+        teams = tuple(TeamShare(team=name, gpu_quota=t.gpu_quota, weight=t.weight,
+                                usage=self._usage(name, now))
+                      for name, t in sorted(settings.teams.items()))
+        return ClusterState(now=now, nodes=tuple(sorted(nodes, key=lambda n: n.id)),
+                            running=tuple(running), pending=tuple(pending), teams=teams,
+                            spare_pool=settings.spares, previous_spares=frozenset(self.spares))
+
+    def _usage(self, team: str, now: float) -> float:
+        """GPU-seconds of the team's jobs over the last day (a plain window, no decay)."""
+        total = 0.0
+        for job in self.jobs.values():
+            if job.spec.team != team or job.started_at is None:
+                continue
+            end = job.ended_at or now
+            start = max(job.started_at, now - 86400)
+            if end > start:
+                total += (end - start) * job.spec.world_size
+        return total
+
+    def schedule_pass(self) -> Decisions | None:
+        if not any(j.state is JobState.PENDING for j in self.jobs.values()):
+            return None
+        t0 = time.perf_counter()
+        decisions = schedule(self.cluster_state())
+        self.last_pass_s = time.perf_counter() - t0
+        self.spares = decisions.spares
+        for wait in decisions.waits:
+            job = self.jobs[wait.job_id]
+            waiting = {"reason": wait.reason.value, "detail": wait.detail}
+            if job.waiting != waiting:
+                job.waiting = waiting
+                self._save(job)
+        for pre in decisions.preemptions:
+            victim = self.jobs[pre.victim_id]
+            if victim.state is JobState.RUNNING and victim.id not in self._busy:
+                victim.stop_target = JobState.PENDING
+                victim.reason = f"preempted for {pre.for_job_id}"
+                victim.preemptions += 1
+                self._event("job_preempted", victim, by=pre.for_job_id,
+                            lost_gpu_seconds=round(pre.lost_work, 1))
+                self._move(victim, JobState.STOPPING, victim.reason)
+                self._spawn(victim, self._stop(victim))
+        for start in decisions.starts:
+            job = self.jobs[start.job_id]
+            if start.preempts:
+                # Its nodes free up once the victims stop; a later pass places it.
+                job.waiting = {"reason": "preemption",
+                               "detail": f"waiting for {', '.join(start.preempts)} to stop"}
+                self._save(job)
+                continue
+            if job.state is JobState.PENDING and job.id not in self._busy:
+                job.waiting = None
+                self._spawn(job, self._launch(job, list(start.nodes)))
+        return decisions
+
+    # --- launch and stop -----------------------------------------------------------
+
+    async def _launch(self, job: Job, nodes: list[str]) -> None:
+        spec = job.spec
+        job.generation += 1
+        job.nodes = nodes
+        job.ranks = [RankPlace(rank=i * spec.ranks_per_node + lr, node=n, local_rank=lr)
+                     for i, n in enumerate(nodes) for lr in range(spec.ranks_per_node)]
+        job.stop_target = None
+        job.reason = ""
+        self._move(job, JobState.STARTING, f"placed on {', '.join(nodes)}")
+        self._event("job_starting", job, nodes=nodes, generation=job.generation)
+        timeout = self.sup.settings.command_timeout_s
+        try:
+            rank0 = self.sup.registry.get(nodes[0])
+            assert rank0.birth is not None
+            job.master_addr = rank0.birth.address
+            ack = await self.sup.command(nodes[0], wire.AllocPortArgs(), timeout=timeout)
+            if ack.status != wire.AckStatus.DONE:
+                raise LaunchError(f"node {nodes[0]} could not allocate a port: {ack.detail}")
+            job.master_port = int(ack.result["port"])
+            acks = await asyncio.gather(*(
+                self.sup.command(node, self._start_args(job, i, node), timeout=timeout)
+                for i, node in enumerate(nodes)
+            ), return_exceptions=True)
+            problems = []
+            for node, result in zip(nodes, acks, strict=True):
+                if isinstance(result, BaseException):
+                    problems.append(f"{node}: {result}")
+                elif result.status != wire.AckStatus.DONE:
+                    problems.append(f"{node}: {result.detail}")
+            if problems:
+                raise LaunchError("; ".join(problems))
+        except (LaunchError, RegistryError, TimeoutError) as exc:
+            job.stop_target = JobState.FAILED
+            job.reason = f"launch failed: {exc}"
+            self._move(job, JobState.STOPPING, job.reason)
+            await self._stop(job, grace_s=5.0)
+            return
+        job.started_at = time.time()
+        self._move(job, JobState.RUNNING, f"world size {spec.world_size}")
+        self._event("job_running", job, generation=job.generation,
+                    master=f"{job.master_addr}:{job.master_port}")
+        for place in job.ranks:  # exits that raced the start acks
+            if place.exited:
+                self._after_exit(job, place)
+                break
+
+    def _start_args(self, job: Job, group_rank: int, node: str) -> wire.StartRanksArgs:
+        spec = job.spec
+        birth = self.sup.registry.get(node).birth
+        gpus = len(birth.gpus) if birth else 0
+        env: dict[str, str | wire.EnvFromFile] = {
+            k: wire.EnvFromFile(from_file=str(v.from_file)) if isinstance(v, FromFile) else v
+            for k, v in spec.env.items()
+        }
+        return wire.StartRanksArgs(
+            job=job.id, generation=job.generation, command=spec.command, workdir=spec.workdir,
+            env=env, world_size=spec.world_size, group_rank=group_rank,
+            master_addr=job.master_addr or "", master_port=job.master_port or 1,
+            ranks=[wire.RankSlot(rank=r.rank, local_rank=r.local_rank,
+                                 gpu=r.local_rank if r.local_rank < gpus else None)
+                   for r in job.ranks if r.node == node],
+            grace_s=spec.grace_period,
+        )
+
+    async def _stop(self, job: Job, grace_s: float | None = None) -> None:
+        grace = grace_s if grace_s is not None else job.spec.grace_period
+        args = wire.StopRanksArgs(job=job.id, generation=max(job.generation, 1), grace_s=grace,
+                                  reason=job.reason)
+        timeout = grace + self.sup.settings.command_timeout_s
+        results = await asyncio.gather(*(
+            self.sup.command(node, args, timeout=timeout) for node in job.nodes
+            if self.sup.registry.nodes.get(node) is not None
+            and self.sup.registry.nodes[node].state is not NodeState.OFFLINE
+        ), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                log.warning("job %s: a stop was not acknowledged: %s", job.id, result)
+        target = job.stop_target or JobState.FAILED
+        if target is JobState.PENDING:
+            job.started_at = None
+            job.nodes, job.ranks = [], []
+        self._move(job, target, job.reason)
+        self._event(f"job_{target.value}", job, reason=job.reason, generation=job.generation)
+        self.wake()
+
+    # --- plumbing ------------------------------------------------------------------
+
+    def _spawn(self, job: Job, work: Awaitable[None]) -> None:
+        self._busy.add(job.id)
+
+        async def run() -> None:
+            try:
+                await work
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("job %s: controller task failed", job.id)
+            finally:
+                self._busy.discard(job.id)
+
+        task = asyncio.create_task(run(), name=f"job-{job.id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _move(self, job: Job, to: JobState, why: str) -> None:
+        before = job.state
+        job.move(to, why)
+        self._save(job)
+        log.info("job %s: %s -> %s (%s)", job.id, before.value, to.value, why,
+                 extra={"job": job.id, "event": "job_state", "state": to.value})
+
+    def _save(self, job: Job) -> None:
+        self.store.save_job(job.id, job.state.value, job.record())
+
+    def _event(self, kind: str, job: Job, **detail: Any) -> None:
+        self.store.add_event(kind, None, {"job": job.id, **detail})
+
+
+class LaunchError(RuntimeError):
+    pass
+

@@ -1,0 +1,184 @@
+"""A job's record and its state machine.
+
+States and the only legal moves between them (anything else raises
+:class:`IllegalTransition`)::
+
+    pending ──► starting ──► running ──► succeeded
+       │  ▲        │            │
+       │  └────────┴──► stopping ◄┘ ──► failed | cancelled | pending (preempted)
+       └──► cancelled
+
+A job runs as numbered *generations*: every launch (and, with the recovery
+issue, every in-place restart) increments it, and every command and rank
+event carries it, so nothing from an older generation can touch a newer one.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.jobspec import JobSpec
+
+
+class JobState(enum.StrEnum):
+    PENDING = "pending"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def final(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+    @property
+    def holds_nodes(self) -> bool:
+        return self in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING)
+
+
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset({JobState.STARTING, JobState.CANCELLED}),
+    JobState.STARTING: frozenset({JobState.RUNNING, JobState.STOPPING}),
+    JobState.RUNNING: frozenset({JobState.STOPPING, JobState.SUCCEEDED}),
+    JobState.STOPPING: frozenset({JobState.FAILED, JobState.CANCELLED, JobState.PENDING,
+                                  JobState.SUCCEEDED}),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    def __init__(self, job: str, frm: JobState, to: JobState) -> None:
+        super().__init__(f"job {job}: illegal transition {frm.value} -> {to.value}")
+        self.job, self.frm, self.to = job, frm, to
+
+
+@dataclass
+class RankPlace:
+    rank: int
+    node: str
+    local_rank: int
+    code: int | None = None
+    signal: int | None = None
+    lost: bool = False
+
+    @property
+    def exited(self) -> bool:
+        return self.code is not None or self.signal is not None or self.lost
+
+    @property
+    def clean(self) -> bool:
+        return self.code == 0
+
+    def describe(self) -> str:
+        if self.lost:
+            return f"rank {self.rank} on node {self.node} was lost"
+        if self.signal is not None:
+            return f"rank {self.rank} on node {self.node} was killed by signal {self.signal}"
+        return f"rank {self.rank} on node {self.node} exited with code {self.code}"
+
+
+@dataclass
+class Job:
+    id: str
+    spec: JobSpec
+    state: JobState = JobState.PENDING
+    generation: int = 0
+    nodes: list[str] = field(default_factory=list)
+    ranks: list[RankPlace] = field(default_factory=list)
+    master_addr: str | None = None
+    master_port: int | None = None
+    submitted_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    ended_at: float | None = None
+    waiting: dict[str, Any] | None = None
+    # Where a stop leads, and why (shown as the job's reason once it ends).
+    stop_target: JobState | None = None
+    reason: str = ""
+    preemptions: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    @staticmethod
+    def new_id(name: str) -> str:
+        return f"{name}-{secrets.token_hex(3)}"
+
+    def move(self, to: JobState, why: str = "") -> None:
+        if to not in TRANSITIONS[self.state]:
+            raise IllegalTransition(self.id, self.state, to)
+        self.history.append({"at": time.time(), "from": self.state.value, "to": to.value,
+                             "why": why})
+        self.state = to
+        if to.final:
+            self.ended_at = time.time()
+
+    def view(self) -> dict[str, Any]:
+        """The job as the API and ``phalanx status -o json`` show it (stable keys)."""
+        return {
+            "id": self.id,
+            "name": self.spec.name,
+            "team": self.spec.team,
+            "priority": self.spec.priority,
+            "state": self.state.value,
+            "world_size": self.spec.world_size,
+            "nodes": list(self.nodes),
+            "ranks": [{"rank": r.rank, "node": r.node, "local_rank": r.local_rank,
+                       "exit_code": r.code, "signal": r.signal, "lost": r.lost}
+                      for r in self.ranks],
+            "generation": self.generation,
+            "master": (f"{self.master_addr}:{self.master_port}"
+                       if self.master_addr and self.master_port else None),
+            "submitted_at": self.submitted_at,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "waiting": self.waiting,
+            "reason": self.reason or None,
+            "preemptions": self.preemptions,
+            "spec": self.spec.redacted(),
+        }
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec.model_dump(mode="json"),
+            "state": self.state.value,
+            "generation": self.generation,
+            "nodes": self.nodes,
+            "ranks": [vars(r) for r in self.ranks],
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "submitted_at": self.submitted_at,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "waiting": self.waiting,
+            "stop_target": self.stop_target.value if self.stop_target else None,
+            "reason": self.reason,
+            "preemptions": self.preemptions,
+            "history": self.history[-100:],
+        }
+
+    @classmethod
+    def from_record(cls, job_id: str, rec: dict[str, Any]) -> Job:
+        return cls(
+            id=job_id,
+            spec=JobSpec.model_validate(rec["spec"]),
+            state=JobState(rec["state"]),
+            generation=rec["generation"],
+            nodes=list(rec["nodes"]),
+            ranks=[RankPlace(**r) for r in rec["ranks"]],
+            master_addr=rec.get("master_addr"),
+            master_port=rec.get("master_port"),
+            submitted_at=rec["submitted_at"],
+            started_at=rec.get("started_at"),
+            ended_at=rec.get("ended_at"),
+            waiting=rec.get("waiting"),
+            stop_target=JobState(rec["stop_target"]) if rec.get("stop_target") else None,
+            reason=rec.get("reason", ""),
+            preemptions=rec.get("preemptions", 0),
+            history=rec.get("history", []),
+        )
