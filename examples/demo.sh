@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The local demo: a fleet of simulated GPU nodes, a double-bit ECC error that
-# drains a node, an agent killed with SIGKILL, and the events that explain both.
+# drains a node, an agent killed with SIGKILL, a real DDP training job on the
+# healthy nodes, and the events that explain it all.
 # Run it with `make demo` (which puts the project's venv on PATH).
 set -euo pipefail
 
@@ -22,31 +23,36 @@ wait_state() {  # wait_state NODE STATE
 phalanx local down --dir "$DIR" 2>/dev/null || true
 trap 'say "stopping the fleet"; phalanx local down --dir "$DIR"' EXIT
 
-say "bringing up a local fleet: broker, supervisor, 3 agents x 4 simulated GPUs"
-phalanx local up --nodes 3 --gpus-per-node 4 --dir "$DIR"
+say "bringing up a local fleet: broker, supervisor, 4 agents x 4 simulated GPUs in 2 racks"
+phalanx local up --nodes 4 --gpus-per-node 4 --dir "$DIR"
 eval "$(phalanx local env --dir "$DIR")"
 phalanx local status --dir "$DIR"
 
 say "the fleet as the supervisor sees it"
 phalanx nodes
 
-say "injecting a double-bit ECC error into n02 GPU 1"
+say "injecting a double-bit ECC error into n03 GPU 1"
 start=$(now)
-phalanx local inject --dir "$DIR" --node n02 --gpu 1 --fault ecc-dbe
-wait_state n02 drain
-printf 'n02 drained %.2fs after the fault\n' "$(python3 -c "print($(now) - $start)")"
+phalanx local inject --dir "$DIR" --node n03 --gpu 1 --fault ecc-dbe
+wait_state n03 drain
+printf 'n03 drained %.2fs after the fault\n' "$(python3 -c "print($(now) - $start)")"
 phalanx nodes
 
 say "an operator cannot undrain a node that is still sick (exit code 4)"
-phalanx undrain n02 || echo "(exit code $?)"
+phalanx undrain n03 || echo "(exit code $?)"
 
-say "killing n03's agent with SIGKILL: the broker publishes its last will"
-pid=$(phalanx local status --dir "$DIR" -o json | python3 -c "import json,sys; print([p['pid'] for p in json.load(sys.stdin) if p['node'] == 'n03'][0])")
+say "killing n04's agent with SIGKILL: the broker publishes its last will"
+pid=$(phalanx local status --dir "$DIR" -o json | python3 -c "import json,sys; print([p['pid'] for p in json.load(sys.stdin) if p['node'] == 'n04'][0])")
 start=$(now)
 kill -9 "$pid"
-wait_state n03 offline
-printf 'n03 offline %.2fs after SIGKILL\n' "$(python3 -c "print($(now) - $start)")"
+wait_state n04 offline
+printf 'n04 offline %.2fs after SIGKILL\n' "$(python3 -c "print($(now) - $start)")"
 phalanx nodes
 
+say "training a small transformer on 2 nodes x 2 ranks (examples/tinylm.yaml)"
+job=$(phalanx submit examples/tinylm.yaml)
+phalanx logs "$job" --rank 0 -f
+phalanx status "$job"
+
 say "the event log"
-phalanx events
+phalanx events --limit 25

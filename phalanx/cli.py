@@ -129,7 +129,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except JobSpecError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     client = _client(args)
-    job = _call(client.post, "/v1/jobs", {"spec": spec.model_dump(mode="json")})
+    body = spec.model_dump(mode="json")
+    if not Path(spec.workdir).is_absolute():  # relative to the spec file, as a user reads it
+        body["workdir"] = str((Path(args.spec).parent / spec.workdir).resolve())
+    job = _call(client.post, "/v1/jobs", {"spec": body})
     print(job["id"])
     print(f"submitted {job['id']} ({spec.world_size} ranks on {spec.nodes} nodes)",
           file=sys.stderr)

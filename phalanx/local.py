@@ -248,9 +248,11 @@ def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int =
                 node, node_dir / "data", broker_port, gpus_per_node,
                 rack=f"rack{i // nodes_per_rack + 1}", heartbeat_s=heartbeat_s,
                 token_file=agent_token_file))
+            # Ranks find this Python (and its torch) first on PATH, as in an activated venv.
+            path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
             fleet.processes.append(_spawn(
                 [sys.executable, "-m", "agentd", "--config", str(node_dir / "agentd.toml")],
-                directory / "logs" / f"agent-{node}.log", "agent", node))
+                directory / "logs" / f"agent-{node}.log", "agent", node, env={"PATH": path}))
         fleet.save()
         wait_nodes(fleet, [node_name(i) for i in range(nodes)], "up", timeout)
     except BaseException:

@@ -58,6 +58,7 @@ class JobController:
         self._busy: set[str] = set()  # jobs with a launch or stop in flight
         self._missing: dict[tuple[str, str], int] = {}  # (job, node) -> heartbeats without it
         self.last_pass_s = 0.0
+        self._started = time.monotonic()
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -137,7 +138,7 @@ class JobController:
         if place is None or place.node != ev.node or place.exited:
             return
         place.code, place.signal = ev.code, ev.signal
-        self._event("rank_exited", job, rank=ev.rank, node=ev.node, code=ev.code,
+        self._event("rank_exited", job, node=ev.node, rank=ev.rank, code=ev.code,
                     signal=ev.signal, generation=ev.generation)
         self._after_exit(job, place)
 
@@ -176,6 +177,7 @@ class JobController:
             if all(r.exited and r.clean for r in job.ranks):
                 job.reason = "every rank exited 0"
                 self._move(job, JobState.SUCCEEDED, job.reason)
+                self._event("job_succeeded", job, generation=job.generation)
                 self.wake()
                 return
         self._save(job)
@@ -190,11 +192,16 @@ class JobController:
                 self.fail(job, f"max_runtime of {job.spec.max_runtime:.0f}s exceeded")
 
     def check_nodes(self) -> None:
+        # A restarted supervisor has not heard from anyone yet: give the nodes one offline
+        # timeout to re-announce themselves before judging the jobs on them.
+        settling = time.monotonic() - self._started < self.sup.settings.offline_after_s
         for job in self.jobs.values():
             if job.state is not JobState.RUNNING or job.id in self._busy:
                 continue
             for node_id in job.nodes:
                 node = self.sup.registry.nodes.get(node_id)
+                if node is not None and settling and node.last_seen == 0.0:
+                    continue
                 if node is None or node.state is NodeState.OFFLINE:
                     cause = node.offline_cause if node else "unknown"
                     self.fail(job, f"node {node_id} went offline ({cause})")
@@ -412,8 +419,8 @@ class JobController:
     def _save(self, job: Job) -> None:
         self.store.save_job(job.id, job.state.value, job.record())
 
-    def _event(self, kind: str, job: Job, **detail: Any) -> None:
-        self.store.add_event(kind, None, {"job": job.id, **detail})
+    def _event(self, kind: str, job: Job, node: str | None = None, **detail: Any) -> None:
+        self.store.add_event(kind, node, {"job": job.id, **detail})
 
 
 class LaunchError(RuntimeError):

@@ -233,6 +233,7 @@ class Fleet:
         conf = directory / "supervisor.toml"
         conf.write_text(
             f'state_dir = "{directory / "state"}"\noffline_after_s = {offline_after_s}\n'
+            f'agent_token_file = "{self.agent_token_file()}"\nschedule_interval_s = 0.5\n'
             f"[mqtt]\nport = {self.broker.port}\nkeepalive_s = {keepalive_s}\n"
             "reconnect_max_s = 1.0\n"
             f'[api]\nport = {self.api_port}\ntoken_file = "{directory / "token"}"\n'
@@ -245,13 +246,13 @@ class Fleet:
 
     def start_agent(self, node: str, *, gpus: int = 2, heartbeat_s: float = 1.0,
                     keepalive_s: int = 5, via: CuttableLink | None = None,
-                    extra: str = "") -> Process:
+                    extra: str = "", rack: str = "rack1") -> Process:
         directory = self.root / "nodes" / node
         directory.mkdir(parents=True, exist_ok=True)
         port = via.port if via is not None else self.broker.port
         conf = directory / "agentd.toml"
-        text = agent_toml(node, directory / "data", port, gpus, rack="rack1",
-                          heartbeat_s=heartbeat_s)
+        text = agent_toml(node, directory / "data", port, gpus, rack=rack,
+                          heartbeat_s=heartbeat_s, token_file=self.agent_token_file())
         text = text.replace("keepalive_s = 5", f"keepalive_s = {keepalive_s}\n"
                             "reconnect_max_s = 1.0")
         conf.write_text(text + extra)
@@ -259,6 +260,28 @@ class Fleet:
                         self.root / "logs" / f"agent-{node}.log").start()
         self.agents[node] = agent
         return agent
+
+    def agent_token_file(self) -> Path:
+        path = self.root / "agent-token"
+        if not path.exists():
+            path.write_text("agent-token-0123456789abcdef")
+        return path
+
+    def submit(self, **spec: Any) -> dict[str, Any]:
+        base: dict[str, Any] = {"team": "research", "workdir": str(self.root)}
+        job: dict[str, Any] = self.client().post("/v1/jobs", {"spec": {**base, **spec}})
+        return job
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self.client().get(f"/v1/jobs/{job_id}")
+        return result
+
+    def wait_job(self, job_id: str, state: str, timeout: float = 60.0) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            view = self.job(job_id)
+            return view if view["state"] == state else None
+
+        return wait_for(check, timeout, f"job {job_id} to be {state}", interval=0.1)
 
     def sim_file(self, node: str) -> Path:
         return self.root / "nodes" / node / "data" / "sim-gpus.json"
@@ -318,3 +341,19 @@ class RawMqtt:
     def close(self) -> None:
         self.client.loop_stop()
         self.client.disconnect()
+
+
+def processes_matching(marker: str) -> list[int]:
+    """Pids of live (non-zombie) processes whose command line contains ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().split(") ", 1)[1][0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z" and int(entry.name) != os.getpid():
+            found.append(int(entry.name))
+    return found
