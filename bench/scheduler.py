@@ -245,6 +245,7 @@ class Simulation:
         self.first_start: dict[str, float] = {}
         self.usage = dict.fromkeys(TEAMS, 0.0)
         self.lost_gpu_s = 0.0
+        self.preempted = 0
         self.done = 0
         self.busy_integral = 0.0
         self.fragment_integral = 0.0
@@ -293,6 +294,7 @@ class Simulation:
             "jobs_started": len(self.first_start),
             "jobs_finished": self.done,
             "still_pending": len(self.pending),
+            "preemptions": self.preempted,
             "lost_gpu_hours_to_preemption": round(self.lost_gpu_s / 3600.0, 1),
             "mean_wait_h_of_started": {
                 size: round(statistics.fmean(values) / 3600.0, 2) if values else None
@@ -370,6 +372,7 @@ class Simulation:
         decisions = schedule(state)
         self.held = decisions.spares
         for preempt in decisions.preemptions:
+            self.preempted += 1
             run = self.running.pop(preempt.victim_id)
             for node_id in run.nodes:
                 self.free[node_id] += run.per_node

@@ -184,7 +184,8 @@ class TeamShare:
 
     Pending jobs of equal priority go in order of ``usage / weight``, lowest
     first. ``usage`` is the team's recent consumption in whatever unit the
-    caller keeps (decayed GPU-seconds, say); only its ratio matters.
+    caller keeps (decayed GPU-seconds, say); only its ratio matters. A team
+    without a `TeamShare` has no quota and counts as zero usage.
     """
 
     team: str

@@ -330,8 +330,40 @@ class _Pass:
             self.place_fails.clear()  # capacity grew: earlier failures may fit now
             self.evict_fails.clear()
             self._start(job, eviction.nodes, end, tuple(v.job_id for v in eviction.victims))
+            self._hold_while_stopping(job, eviction.victims, eviction.nodes)
             return True
         return False
+
+    def _hold_while_stopping(
+        self, job: PendingJob, victims: list[Victim], nodes: list[int]
+    ) -> None:
+        """Keep victims' GPUs that the preemptor does not take out of this pass.
+
+        Victims stop gracefully, so their GPUs are busy for a while yet: only
+        the job they make way for (whose start waits for them) may use them.
+        The rest count as released at ``now`` for reservations, and can be
+        given out by the next pass.
+        """
+        capacity = self.capacity
+        freed: dict[int, int] = {}
+        for victim in victims:
+            for i, gpus in victim.allocation:
+                if capacity.usable[i]:
+                    freed[i] = freed.get(i, 0) + gpus
+        taken = set(nodes)
+        g = job.gpus_per_node
+        held = tuple(
+            (i, left)
+            for i, gpus in sorted(freed.items())
+            if (left := gpus - (g if i in taken else 0)) > 0
+        )
+        if not held:
+            return
+        for i, gpus in held:
+            capacity.occupy(i, gpus, self.now)
+        key = f"{job.id} (victims stopping)"
+        self.timeline.add(Release(self.now, key, self.next_ordinal, held))
+        self.next_ordinal += 1
 
     def _blocked_by_reservation(self, job: PendingJob, nodes: list[int]) -> Wait:
         capacity = self.capacity
