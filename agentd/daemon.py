@@ -74,7 +74,7 @@ class Agent:
         self.ledger = CommandLedger(self.node, self._execute)
         self._rank_events: asyncio.Queue[wire.RankEvent] = asyncio.Queue()
         self.ranks = RankRunner(self.node, settings.data_dir, settings.data_dir / "agent.sock",
-                                self._rank_events.put)
+                                self._rank_events.put, gpus=[g.index for g in self.inventory])
         self.link = MqttLink(
             settings.mqtt.resolved(),
             f"agentd-{self.node}",

@@ -4,7 +4,8 @@ Each rank is a child process in its own session (so a stop kills its whole
 tree), with the torch.distributed environment and its output in a per-rank
 log file under ``DATA_DIR/jobs/JOB/gGEN/rank-N.log``. Commands are fenced by
 generation: a start for an older generation than one already started is
-refused, and a stop for generation G stops every generation up to G.
+refused, a stop for generation G stops every generation up to G, and a start
+of generation G first stops what still runs of the generations before it.
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ Reporter = Callable[[wire.RankEvent], Awaitable[None]]
 
 
 class RankRunner:
-    def __init__(self, node: str, data_dir: Path, socket_path: Path, report: Reporter) -> None:
+    def __init__(self, node: str, data_dir: Path, socket_path: Path, report: Reporter,
+                 gpus: list[int] | None = None) -> None:
         self.node = node
+        self.gpus = list(gpus or [])
         self.data_dir = data_dir
         self.socket_path = socket_path
         self._report = report
@@ -100,20 +103,24 @@ class RankRunner:
             raise CommandError(f"job {req.job}: workdir {req.workdir} does not exist on "
                                f"node {self.node}")
         env = self._environment(req)
+        slots = self._assign_gpus(req)
         self._generation[req.job] = req.generation
+        # Ranks of an older generation whose stop never arrived go first: left running, they
+        # would hold the GPUs and, replaced in self._ranks, escape every later stop.
+        await self.stop(req.job, req.generation - 1, grace_s=req.grace_s)
         logs = self.data_dir / "jobs" / req.job / f"g{req.generation}"
         logs.mkdir(parents=True, exist_ok=True)
         pids = {}
-        for slot in req.ranks:
+        visible = ",".join(str(s.gpu) for s in slots if s.gpu is not None)
+        for slot in slots:
             rank_env = {
                 **env,
                 "RANK": str(slot.rank),
                 "LOCAL_RANK": str(slot.local_rank),
                 "TORCH_FR_DUMP_TEMP_FILE": str(logs / f"nccl-trace-rank-{slot.rank}-"),
             }
-            if slot.gpu is not None:
-                rank_env["CUDA_VISIBLE_DEVICES"] = ",".join(
-                    str(s.gpu) for s in req.ranks if s.gpu is not None)
+            if visible:
+                rank_env["CUDA_VISIBLE_DEVICES"] = visible
             log_path = logs / f"rank-{slot.rank}.log"
             with log_path.open("ab") as out:
                 try:
@@ -135,6 +142,21 @@ class RankRunner:
                      slot.rank, proc.pid, extra={"job": req.job, "rank": slot.rank,
                                                  "event": "rank_started"})
         return {"pids": pids}
+
+    def _assign_gpus(self, req: wire.StartRanksArgs) -> list[wire.RankSlot]:
+        """Give each slot a GPU no live rank of another job holds, in index order."""
+        if not req.assign_gpus or not self.gpus:
+            return list(req.ranks)
+        busy = {r.slot.gpu for r in self._ranks.values()
+                if not r.done.is_set() and r.job != req.job and r.slot.gpu is not None}
+        free = [g for g in self.gpus if g not in busy]
+        wanted = [s for s in req.ranks if s.gpu is None]
+        if len(wanted) > len(free):
+            raise CommandError(f"job {req.job}: node {self.node} has {len(free)} free GPUs, "
+                               f"{len(wanted)} ranks asked for one each")
+        it = iter(free)
+        return [s if s.gpu is not None else s.model_copy(update={"gpu": next(it)})
+                for s in req.ranks]
 
     def _environment(self, req: wire.StartRanksArgs) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_AGENTD_")}

@@ -81,8 +81,10 @@ class PlacementSpec(_Spec):
 
 
 class CheckpointSpec(_Spec):
-    interval: Literal["auto"] | Annotated[dict[Literal["steps", "seconds"], float],
-                                          Field(min_length=1, max_length=1)] = Field(
+    interval: Literal["auto"] | Annotated[
+        dict[Literal["steps", "seconds"], Annotated[float, Field(gt=0)]],
+        Field(min_length=1, max_length=1),
+    ] = Field(
         default="auto",
         description="`auto` (Young/Daly from the measured stall and the fleet's MTBF), "
         "`{steps: N}` or `{seconds: N}`.",
@@ -127,6 +129,15 @@ class JobSpec(_Spec):
     @classmethod
     def _duration(cls, value: Any) -> float:
         return parse_duration(value)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_numbers(cls, value: Any) -> Any:
+        # `OMP_NUM_THREADS: 1` means the string "1"; a YAML boolean stays an error (yes/no/on).
+        if isinstance(value, dict):
+            return {k: (str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v)
+                    for k, v in value.items()}
+        return value
 
     @field_validator("env")
     @classmethod

@@ -240,6 +240,11 @@ class StartRanksArgs(_Msg):
     master_addr: str
     master_port: int = Field(ge=1, le=65535)
     ranks: list[RankSlot] = Field(min_length=1)
+    assign_gpus: bool = Field(
+        default=True,
+        description="the agent gives each slot without a GPU a free GPU index of its own "
+        "(jobs can share a node by GPU count; only the agent knows which GPUs are free)",
+    )
     grace_s: float = Field(default=30.0, gt=0)
 
 

@@ -353,8 +353,6 @@ class JobController:
 
     def _start_args(self, job: Job, group_rank: int, node: str) -> wire.StartRanksArgs:
         spec = job.spec
-        birth = self.sup.registry.get(node).birth
-        gpus = len(birth.gpus) if birth else 0
         env: dict[str, str | wire.EnvFromFile] = {
             k: wire.EnvFromFile(from_file=str(v.from_file)) if isinstance(v, FromFile) else v
             for k, v in spec.env.items()
@@ -363,8 +361,7 @@ class JobController:
             job=job.id, generation=job.generation, command=spec.command, workdir=spec.workdir,
             env=env, world_size=spec.world_size, group_rank=group_rank,
             master_addr=job.master_addr or "", master_port=job.master_port or 1,
-            ranks=[wire.RankSlot(rank=r.rank, local_rank=r.local_rank,
-                                 gpu=r.local_rank if r.local_rank < gpus else None)
+            ranks=[wire.RankSlot(rank=r.rank, local_rank=r.local_rank)
                    for r in job.ranks if r.node == node],
             grace_s=spec.grace_period,
         )

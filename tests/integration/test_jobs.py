@@ -203,3 +203,24 @@ def test_a_job_whose_node_dies_fails_naming_the_node(fleet: Fleet) -> None:
 
     failed = fleet.wait_job(job["id"], "failed", timeout=20)
     assert "node n02 went offline" in failed["reason"]
+
+
+def test_two_jobs_sharing_a_node_get_disjoint_gpus(fleet: Fleet) -> None:
+    fleet.start_supervisor()
+    fleet.start_agent("n01", gpus=4)
+    fleet.wait_state("n01", "up")
+    command = ["bash", "-c", "echo GPUS=$CUDA_VISIBLE_DEVICES; sleep 3838"]
+    first = fleet.submit(name="left", nodes=1, ranks_per_node=2, command=command)
+    second = fleet.submit(name="right", nodes=1, ranks_per_node=2, command=command)
+    fleet.wait_job(first["id"], "running")
+    fleet.wait_job(second["id"], "running")
+
+    def gpus(job_id: str) -> str | None:
+        text = fleet.client().get_bytes(f"/v1/jobs/{job_id}/logs?rank=0")[0].decode()
+        return text.split("GPUS=", 1)[1].split()[0] if "GPUS=" in text else None
+
+    left = wait_for(lambda: gpus(first["id"]), 10, "the first job's GPUs")
+    right = wait_for(lambda: gpus(second["id"]), 10, "the second job's GPUs")
+    assert sorted([left, right]) == ["0,1", "2,3"]
+    for job in (first, second):
+        fleet.client().post(f"/v1/jobs/{job['id']}/cancel")

@@ -1,0 +1,239 @@
+"""A job's state machine, its stored record and its API view."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import pytest
+
+from phalanx.jobspec import JobSpec, validate_spec
+from supervisor.jobs import TRANSITIONS, IllegalTransition, Job, JobState, RankPlace
+
+LEGAL = sorted((frm, to) for frm, tos in TRANSITIONS.items() for to in tos)
+ILLEGAL = sorted((frm, to) for frm, to in itertools.product(JobState, JobState)
+                 if to not in TRANSITIONS[frm])
+FINAL = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+VIEW_KEYS = {"id", "name", "team", "priority", "state", "world_size", "nodes", "ranks",
+             "generation", "master", "submitted_at", "started_at", "ended_at", "waiting",
+             "reason", "preemptions", "spec"}
+
+
+def make_spec(**overrides: Any) -> JobSpec:
+    data: dict[str, Any] = {"name": "tinylm", "team": "research", "command": ["python", "t.py"],
+                            "workdir": "/srv/t", "nodes": 2, "ranks_per_node": 2}
+    return validate_spec({**data, **overrides})
+
+
+def make_job(state: JobState = JobState.PENDING, **overrides: Any) -> Job:
+    return Job(id="tinylm-abc123", spec=make_spec(**overrides), state=state)
+
+
+def pair_id(pair: tuple[JobState, JobState]) -> str:
+    return f"{pair[0].value}->{pair[1].value}"
+
+
+# --- transitions -----------------------------------------------------------------------
+
+
+def test_transition_table_covers_every_state() -> None:
+    assert set(TRANSITIONS) == set(JobState)
+
+
+@pytest.mark.parametrize("pair", LEGAL, ids=pair_id)
+def test_legal_transition_moves_and_records_history(pair: tuple[JobState, JobState]) -> None:
+    frm, to = pair
+    job = make_job(frm)
+    job.move(to, "because")
+    assert job.state is to
+    (entry,) = job.history
+    assert (entry["from"], entry["to"], entry["why"]) == (frm.value, to.value, "because")
+    assert isinstance(entry["at"], float)
+
+
+@pytest.mark.parametrize("pair", ILLEGAL, ids=pair_id)
+def test_illegal_transition_raises_naming_both_states(pair: tuple[JobState, JobState]) -> None:
+    frm, to = pair
+    job = make_job(frm)
+    with pytest.raises(IllegalTransition, match=f"{frm.value} -> {to.value}") as caught:
+        job.move(to)
+    assert (caught.value.job, caught.value.frm, caught.value.to) == (job.id, frm, to)
+
+
+@pytest.mark.parametrize("pair", ILLEGAL[:1] + ILLEGAL[-1:], ids=pair_id)
+def test_illegal_transition_leaves_job_untouched(pair: tuple[JobState, JobState]) -> None:
+    frm, to = pair
+    job = make_job(frm)
+    with pytest.raises(IllegalTransition):
+        job.move(to)
+    assert (job.state, job.history, job.ended_at) == (frm, [], None)
+
+
+def test_final_states_have_no_way_out() -> None:
+    assert all(TRANSITIONS[s] == frozenset() for s in FINAL)
+    assert {s for s in JobState if s.final} == FINAL
+
+
+@pytest.mark.parametrize("pair", [p for p in LEGAL if p[1] in FINAL], ids=pair_id)
+def test_move_into_final_state_sets_ended_at(pair: tuple[JobState, JobState]) -> None:
+    job = make_job(pair[0])
+    job.move(pair[1])
+    assert job.ended_at is not None
+
+
+@pytest.mark.parametrize("pair", [p for p in LEGAL if p[1] not in FINAL], ids=pair_id)
+def test_move_into_open_state_leaves_ended_at_unset(pair: tuple[JobState, JobState]) -> None:
+    job = make_job(pair[0])
+    job.move(pair[1])
+    assert job.ended_at is None
+
+
+def test_whole_life_is_recorded_in_order() -> None:
+    job = make_job()
+    for to in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING, JobState.PENDING,
+               JobState.STARTING, JobState.RUNNING, JobState.SUCCEEDED):
+        job.move(to)
+    assert [h["to"] for h in job.history] == [
+        "starting", "running", "stopping", "pending", "starting", "running", "succeeded"]
+
+
+def test_only_starting_running_and_stopping_hold_nodes() -> None:
+    assert {s for s in JobState if s.holds_nodes} == {
+        JobState.STARTING, JobState.RUNNING, JobState.STOPPING}
+
+
+# --- record ------------------------------------------------------------------------------
+
+
+def busy_job() -> Job:
+    job = make_job(env={"TOKEN": {"from_file": "/etc/secret"}, "MODE": "fast"},
+                   max_runtime="2h", checkpoint={"interval": {"steps": 100}})
+    job.move(JobState.STARTING)
+    job.move(JobState.RUNNING, "all ranks started")
+    job.move(JobState.STOPPING, "rank 1 failed")
+    job.generation = 3
+    job.nodes = ["n1", "n2"]
+    job.ranks = [RankPlace(0, "n1", 0, code=0), RankPlace(1, "n1", 1, code=1),
+                 RankPlace(2, "n2", 0, signal=9), RankPlace(3, "n2", 1, lost=True)]
+    job.master_addr, job.master_port = "10.0.0.1", 29500
+    job.started_at = 1_000.0
+    job.waiting = {"reason": "resources", "detail": "needs 2 nodes"}
+    job.stop_target = JobState.FAILED
+    job.reason = "rank 1 on node n1 exited with code 1"
+    job.preemptions = 2
+    return job
+
+
+def test_record_round_trips_through_json() -> None:
+    job = busy_job()
+    again = Job.from_record(job.id, json.loads(json.dumps(job.record())))
+    assert again == job
+
+
+def test_round_trip_keeps_ranks_exits_waiting_and_stop_target() -> None:
+    job = busy_job()
+    again = Job.from_record(job.id, json.loads(json.dumps(job.record())))
+    assert [(r.rank, r.node, r.local_rank, r.code, r.signal, r.lost) for r in again.ranks] == [
+        (0, "n1", 0, 0, None, False), (1, "n1", 1, 1, None, False),
+        (2, "n2", 0, None, 9, False), (3, "n2", 1, None, None, True)]
+    assert again.waiting == {"reason": "resources", "detail": "needs 2 nodes"}
+    assert again.stop_target is JobState.FAILED
+    assert again.state is JobState.STOPPING
+
+
+def test_round_trip_keeps_a_pending_job_without_stop_target() -> None:
+    job = make_job()
+    again = Job.from_record(job.id, json.loads(json.dumps(job.record())))
+    assert again == job
+    assert again.stop_target is None
+
+
+def test_record_keeps_the_secret_reference_not_a_value() -> None:
+    job = busy_job()
+    assert job.record()["spec"]["env"]["TOKEN"] == {"from_file": "/etc/secret"}
+
+
+def test_record_keeps_only_the_last_hundred_history_entries() -> None:
+    job = make_job()
+    job.history = [{"at": float(i), "from": "a", "to": "b", "why": ""} for i in range(150)]
+    kept = job.record()["history"]
+    assert [h["at"] for h in kept] == [float(i) for i in range(50, 150)]
+
+
+# --- view --------------------------------------------------------------------------------
+
+
+def test_view_has_the_stable_keys() -> None:
+    assert set(busy_job().view()) == VIEW_KEYS
+
+
+def test_view_shows_state_world_size_generation_waiting_and_reason() -> None:
+    view = busy_job().view()
+    assert (view["id"], view["state"], view["world_size"], view["generation"]) == (
+        "tinylm-abc123", "stopping", 4, 3)
+    assert view["waiting"] == {"reason": "resources", "detail": "needs 2 nodes"}
+    assert view["reason"] == "rank 1 on node n1 exited with code 1"
+    assert view["master"] == "10.0.0.1:29500"
+
+
+def test_view_shows_each_rank_with_node_and_exit() -> None:
+    assert busy_job().view()["ranks"] == [
+        {"rank": 0, "node": "n1", "local_rank": 0, "exit_code": 0, "signal": None,
+         "lost": False},
+        {"rank": 1, "node": "n1", "local_rank": 1, "exit_code": 1, "signal": None,
+         "lost": False},
+        {"rank": 2, "node": "n2", "local_rank": 0, "exit_code": None, "signal": 9,
+         "lost": False},
+        {"rank": 3, "node": "n2", "local_rank": 1, "exit_code": None, "signal": None,
+         "lost": True},
+    ]
+
+
+def test_view_of_new_job_has_no_reason_and_no_master() -> None:
+    view = make_job().view()
+    assert (view["reason"], view["master"], view["ranks"], view["generation"]) == (
+        None, None, [], 0)
+
+
+def test_view_redacts_env_secrets() -> None:
+    view = busy_job().view()
+    assert view["spec"]["env"] == {"TOKEN": "<from_file /etc/secret>", "MODE": "fast"}
+
+
+def test_view_is_json_serialisable() -> None:
+    assert json.loads(json.dumps(busy_job().view()))["state"] == "stopping"
+
+
+# --- RankPlace ---------------------------------------------------------------------------
+
+
+def test_rank_describes_its_exit_code() -> None:
+    assert RankPlace(5, "n2", 1, code=3).describe() == "rank 5 on node n2 exited with code 3"
+
+
+def test_rank_describes_the_signal_that_killed_it() -> None:
+    assert RankPlace(5, "n2", 1, signal=9).describe() == (
+        "rank 5 on node n2 was killed by signal 9")
+
+
+def test_rank_describes_being_lost() -> None:
+    assert RankPlace(5, "n2", 1, lost=True).describe() == "rank 5 on node n2 was lost"
+
+
+@pytest.mark.parametrize(("place", "exited", "clean"), [
+    (RankPlace(0, "n", 0), False, False),
+    (RankPlace(0, "n", 0, code=0), True, True),
+    (RankPlace(0, "n", 0, code=2), True, False),
+    (RankPlace(0, "n", 0, signal=15), True, False),
+    (RankPlace(0, "n", 0, lost=True), True, False),
+])
+def test_rank_exited_and_clean_follow_its_code_signal_and_loss(
+        place: RankPlace, exited: bool, clean: bool) -> None:
+    assert (place.exited, place.clean) == (exited, clean)
+
+
+def test_new_job_id_starts_with_the_name() -> None:
+    job_id = Job.new_id("tinylm")
+    assert job_id.startswith("tinylm-")
+    assert len(job_id) == len("tinylm-") + 6

@@ -1,0 +1,412 @@
+"""RankRunner with real rank processes: environment, logs, exits, stops and generation fences."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agentd.commands import CommandError
+from agentd.ranks import RankRunner
+from phalanx import wire
+
+NODE = "n1"
+JOB = "tinylm-abc123"
+WAIT_S = 10.0  # bound on waiting for a rank process to exit
+
+
+class Reporter:
+    """Collects the runner's rank events and lets a test await them."""
+
+    def __init__(self) -> None:
+        self.events: list[wire.RankEvent] = []
+        self._changed = asyncio.Condition()
+
+    async def __call__(self, event: wire.RankEvent) -> None:
+        async with self._changed:
+            self.events.append(event)
+            self._changed.notify_all()
+
+    async def wait_for(self, count: int) -> list[wire.RankEvent]:
+        async with asyncio.timeout(WAIT_S), self._changed:
+            await self._changed.wait_for(lambda: len(self.events) >= count)
+        return list(self.events)
+
+
+@pytest.fixture
+def reporter() -> Reporter:
+    return Reporter()
+
+
+@pytest.fixture
+async def runner(tmp_path: Path, reporter: Reporter) -> AsyncIterator[RankRunner]:
+    r = RankRunner(NODE, tmp_path / "data", tmp_path / "agent.sock", reporter)
+    yield r
+    await r.stop_all(grace_s=1.0)
+
+
+def slots(*ranks: int, gpus: bool = False) -> list[wire.RankSlot]:
+    return [wire.RankSlot(rank=r, local_rank=i, gpu=i if gpus else None)
+            for i, r in enumerate(ranks)]
+
+
+def start_args(script: str, *, generation: int = 1, ranks: list[wire.RankSlot] | None = None,
+               workdir: Path | str = "/", env: dict[str, str | wire.EnvFromFile] | None = None,
+               world_size: int = 4, group_rank: int = 1) -> wire.StartRanksArgs:
+    return wire.StartRanksArgs(
+        job=JOB, generation=generation, command=["bash", "-c", script], workdir=str(workdir),
+        env=env or {}, world_size=world_size, group_rank=group_rank, master_addr="10.0.0.7",
+        master_port=29511, ranks=ranks if ranks is not None else slots(2, 3), grace_s=1.0)
+
+
+async def rank_env(runner: RankRunner, reporter: Reporter, args: wire.StartRanksArgs,
+                   rank: int) -> dict[str, str]:
+    """Start ranks that print their environment; return ``rank``'s, read from its log."""
+    await runner.start(args.model_copy(update={"command": ["env", "-0"]}))
+    await reporter.wait_for(len(args.ranks))
+    path = runner.log_path(JOB, rank)
+    assert path is not None
+    pairs = (item.split("=", 1) for item in path.read_text().split("\0") if "=" in item)
+    return {k: v for k, v in pairs}
+
+
+def wait_until(check: Callable[[], bool]) -> bool:
+    """Bounded wait for something a rank process does on its own (no event loop needed)."""
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def has_text(path: Path, text: str) -> bool:
+    return path.exists() and text in path.read_text()
+
+
+def alive(pid: int) -> bool:
+    """A zombie (exited, not yet reaped by its new parent) counts as gone."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pid: int) -> bool:
+    return wait_until(lambda: not alive(pid))
+
+
+# --- environment -------------------------------------------------------------------------
+
+
+async def test_rank_gets_the_torch_distributed_environment(
+        runner: RankRunner, reporter: Reporter) -> None:
+    env = await rank_env(runner, reporter, start_args(""), rank=3)
+    assert {k: env.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                    "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")} == {
+        "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29511"}
+
+
+async def test_rank_gets_the_gpus_of_its_slots(runner: RankRunner, reporter: Reporter) -> None:
+    env = await rank_env(runner, reporter, start_args("", ranks=slots(2, 3, gpus=True)), rank=2)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+async def test_rank_without_gpus_gets_no_cuda_visible_devices(
+        runner: RankRunner, reporter: Reporter, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    env = await rank_env(runner, reporter, start_args(""), rank=2)
+    assert "CUDA_VISIBLE_DEVICES" not in env
+
+
+async def test_rank_gets_the_nccl_fail_fast_and_flight_recorder_settings(
+        runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
+    env = await rank_env(runner, reporter, start_args(""), rank=2)
+    assert {k: env.get(k) for k in ("TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                    "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_BUFFER_SIZE")} == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_BUFFER_SIZE": "20000"}
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(
+        tmp_path / "data" / "jobs" / JOB / "g1" / "nccl-trace-rank-2-")
+
+
+async def test_rank_gets_its_job_generation_node_and_agent_socket(
+        runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
+    env = await rank_env(runner, reporter, start_args("", generation=4), rank=2)
+    assert {k: v for k, v in env.items() if k.startswith("PHALANX_")} == {
+        "PHALANX_JOB_ID": JOB, "PHALANX_GENERATION": "4", "PHALANX_NODE": NODE,
+        "PHALANX_AGENT_SOCKET": str(tmp_path / "agent.sock")}
+
+
+async def test_rank_does_not_inherit_the_agents_own_settings(
+        runner: RankRunner, reporter: Reporter, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PHALANX_AGENTD_MQTT__PASSWORD", "broker-secret")
+    env = await rank_env(runner, reporter, start_args(""), rank=2)
+    assert "PHALANX_AGENTD_MQTT__PASSWORD" not in env
+
+
+async def test_rank_gets_the_specs_plain_env(runner: RankRunner, reporter: Reporter) -> None:
+    env = await rank_env(runner, reporter, start_args("", env={"MODE": "fast"}), rank=2)
+    assert env["MODE"] == "fast"
+
+
+async def test_env_from_file_is_read_on_start(
+        runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
+    secret = tmp_path / "token"
+    secret.write_text("hunter2\n")
+    args = start_args("", env={"TOKEN": wire.EnvFromFile(from_file=str(secret))})
+    env = await rank_env(runner, reporter, args, rank=2)
+    assert env["TOKEN"] == "hunter2"
+
+
+async def test_missing_env_file_fails_the_start_naming_the_file(
+        runner: RankRunner, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-secret"
+    args = start_args("sleep 30", env={"TOKEN": wire.EnvFromFile(from_file=str(missing))})
+    with pytest.raises(CommandError, match=f"TOKEN: cannot read {missing}"):
+        await runner.start(args)
+
+
+async def test_missing_env_file_starts_nothing(runner: RankRunner, tmp_path: Path) -> None:
+    args = start_args("sleep 30",
+                      env={"TOKEN": wire.EnvFromFile(from_file=str(tmp_path / "missing"))})
+    with pytest.raises(CommandError):
+        await runner.start(args)
+    assert runner.running() == []
+    assert psutil.Process().children() == []
+    assert not (tmp_path / "data" / "jobs" / JOB).exists()
+
+
+async def test_failed_start_can_be_retried_for_the_same_generation(
+        runner: RankRunner, tmp_path: Path) -> None:
+    secret = tmp_path / "token"
+    args = start_args("sleep 30", env={"TOKEN": wire.EnvFromFile(from_file=str(secret))})
+    with pytest.raises(CommandError):
+        await runner.start(args)
+    secret.write_text("now here")
+    assert "already_started" not in await runner.start(args)
+    assert runner.running() == [wire.JobRanks(job=JOB, generation=1, ranks=[2, 3])]
+
+
+async def test_missing_workdir_fails_the_start(runner: RankRunner, tmp_path: Path) -> None:
+    with pytest.raises(CommandError, match=f"workdir {tmp_path / 'gone'} does not exist"):
+        await runner.start(start_args("sleep 30", workdir=tmp_path / "gone"))
+    assert runner.running() == []
+
+
+async def test_rank_runs_in_the_workdir(
+        runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
+    await runner.start(start_args("pwd > where", workdir=tmp_path, ranks=slots(0)))
+    await reporter.wait_for(1)
+    assert (tmp_path / "where").read_text().strip() == str(tmp_path)
+
+
+async def test_missing_executable_fails_the_start(runner: RankRunner) -> None:
+    args = start_args("").model_copy(update={"command": ["/no/such/binary"]})
+    with pytest.raises(CommandError, match="cannot start '/no/such/binary'"):
+        await runner.start(args)
+
+
+# --- logs and exits ----------------------------------------------------------------------
+
+
+async def test_rank_output_goes_to_its_own_log_file(
+        runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
+    await runner.start(start_args('echo "out $RANK"; echo "err $RANK" >&2'))
+    await reporter.wait_for(2)
+    log = tmp_path / "data" / "jobs" / JOB / "g1" / "rank-3.log"
+    assert runner.log_path(JOB, 3) == log
+    assert sorted(log.read_text().splitlines()) == ["err 3", "out 3"]
+
+
+async def test_exit_code_is_reported(runner: RankRunner, reporter: Reporter) -> None:
+    await runner.start(start_args("exit $((RANK + 1))", generation=2))
+    events = await reporter.wait_for(2)
+    assert sorted((e.node, e.job, e.generation, e.rank, e.event, e.code, e.signal)
+                  for e in events) == [(NODE, JOB, 2, 2, "exited", 3, None),
+                                       (NODE, JOB, 2, 3, "exited", 4, None)]
+
+
+async def test_killing_signal_is_reported(runner: RankRunner, reporter: Reporter) -> None:
+    await runner.start(start_args("kill -USR1 $$", ranks=slots(0)))
+    (event,) = await reporter.wait_for(1)
+    assert (event.code, event.signal) == (None, signal.SIGUSR1)
+
+
+async def test_exit_event_carries_the_ranks_pid(runner: RankRunner, reporter: Reporter) -> None:
+    started = await runner.start(start_args("exit 0", ranks=slots(0)))
+    (event,) = await reporter.wait_for(1)
+    assert event.pid == started["pids"][0]
+
+
+async def test_children_left_behind_by_an_exited_rank_are_killed(
+        runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
+    await runner.start(start_args("sleep 300 & echo $! > child.pid; exit 0",
+                                  workdir=tmp_path, ranks=slots(0)))
+    await reporter.wait_for(1)
+    assert wait_gone(int((tmp_path / "child.pid").read_text()))
+
+
+# --- stop --------------------------------------------------------------------------------
+
+
+async def test_stop_ends_ranks_with_sigterm(runner: RankRunner, reporter: Reporter) -> None:
+    await runner.start(start_args("exec sleep 300"))
+    assert await runner.stop(JOB, 1, grace_s=WAIT_S) == {"stopped": [2, 3]}
+    events = await reporter.wait_for(2)
+    assert {e.signal for e in events} == {signal.SIGTERM}
+
+
+async def test_stop_kills_a_rank_that_traps_sigterm_after_the_grace(
+        runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
+    script = 'trap "echo got TERM" TERM; echo ready; while :; do sleep 0.05; done'
+    await runner.start(start_args(script, ranks=slots(0)))
+    log = tmp_path / "data" / "jobs" / JOB / "g1" / "rank-0.log"
+    assert wait_until(lambda: has_text(log, "ready"))
+    await runner.stop(JOB, 1, grace_s=0.5)
+    (event,) = await reporter.wait_for(1)
+    assert event.signal == signal.SIGKILL
+    assert "got TERM" in log.read_text()
+
+
+async def test_stop_returns_once_the_ranks_are_gone(runner: RankRunner) -> None:
+    started = await runner.start(start_args("exec sleep 300"))
+    await runner.stop(JOB, 1, grace_s=WAIT_S)
+    assert not any(alive(pid) for pid in started["pids"].values())
+    assert runner.running() == []
+
+
+async def test_stop_kills_the_ranks_child_processes(
+        runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
+    script = "sleep 300 & echo $! > child.pid; wait"
+    await runner.start(start_args(script, workdir=tmp_path, ranks=slots(0)))
+    pid_file = tmp_path / "child.pid"
+    assert wait_until(lambda: has_text(pid_file, "\n"))
+    child = int(pid_file.read_text())
+    assert alive(child)
+    await runner.stop(JOB, 1, grace_s=WAIT_S)
+    assert wait_gone(child)
+
+
+async def test_stop_of_a_job_with_no_ranks_stops_nothing(runner: RankRunner) -> None:
+    assert await runner.stop(JOB, 1, grace_s=1.0) == {"stopped": []}
+
+
+async def test_stop_leaves_other_jobs_running(runner: RankRunner) -> None:
+    other = start_args("exec sleep 300", ranks=slots(0)).model_copy(update={"job": "other-1"})
+    await runner.start(other)
+    await runner.start(start_args("exec sleep 300", ranks=slots(0)))
+    await runner.stop(JOB, 1, grace_s=WAIT_S)
+    assert runner.running() == [wire.JobRanks(job="other-1", generation=1, ranks=[0])]
+
+
+async def test_stop_all_stops_every_job(runner: RankRunner) -> None:
+    await runner.start(start_args("exec sleep 300", ranks=slots(0)).model_copy(
+        update={"job": "other-1"}))
+    await runner.start(start_args("exec sleep 300"))
+    await runner.stop_all(grace_s=WAIT_S)
+    assert runner.running() == []
+
+
+# --- generations -------------------------------------------------------------------------
+
+
+async def test_repeated_start_of_the_same_generation_does_not_start_twice(
+        runner: RankRunner) -> None:
+    args = start_args("exec sleep 300")
+    first = await runner.start(args)
+    again = await runner.start(args)
+    assert again == {"pids": first["pids"], "already_started": True}
+    assert {p.pid for p in psutil.Process().children()} == set(first["pids"].values())
+
+
+async def test_start_of_an_older_generation_is_refused(runner: RankRunner) -> None:
+    await runner.start(start_args("exec sleep 300", generation=3))
+    with pytest.raises(CommandError, match="generation 2 is older than generation 3"):
+        await runner.start(start_args("exec sleep 300", generation=2))
+    assert runner.running() == [wire.JobRanks(job=JOB, generation=3, ranks=[2, 3])]
+
+
+async def test_stop_of_a_generation_stops_older_generations(
+        runner: RankRunner, reporter: Reporter) -> None:
+    await runner.start(start_args("exec sleep 300", generation=1))
+    assert await runner.stop(JOB, 2, grace_s=WAIT_S) == {"stopped": [2, 3]}
+    events = await reporter.wait_for(2)
+    assert {(e.generation, e.signal) for e in events} == {(1, signal.SIGTERM)}
+
+
+async def test_stop_of_an_older_generation_leaves_the_newer_one_running(
+        runner: RankRunner) -> None:
+    await runner.start(start_args("exec sleep 300", generation=2))
+    assert await runner.stop(JOB, 1, grace_s=WAIT_S) == {"stopped": []}
+    assert runner.running() == [wire.JobRanks(job=JOB, generation=2, ranks=[2, 3])]
+
+
+async def test_stop_fences_a_late_start_of_the_stopped_generation(runner: RankRunner) -> None:
+    await runner.stop(JOB, 2, grace_s=1.0)
+    assert await runner.start(start_args("exec sleep 300", generation=2)) == {
+        "pids": {}, "already_started": True}
+    assert runner.running() == []
+
+
+async def test_start_of_a_newer_generation_stops_the_older_ranks_first(
+        runner: RankRunner, reporter: Reporter) -> None:
+    old = await runner.start(start_args("exec sleep 300", generation=1, ranks=slots(0, 1)))
+    await runner.start(start_args("exec sleep 300", generation=2, ranks=slots(2, 3)))
+    assert not any(alive(pid) for pid in old["pids"].values())
+    assert {(e.generation, e.rank) for e in await reporter.wait_for(2)} == {(1, 0), (1, 1)}
+    assert runner.running() == [wire.JobRanks(job=JOB, generation=2, ranks=[2, 3])]
+
+
+async def test_newer_generation_on_the_same_ranks_leaves_no_untracked_process(
+        runner: RankRunner) -> None:
+    old = await runner.start(start_args("exec sleep 300", generation=1))
+    new = await runner.start(start_args("exec sleep 300", generation=2))
+    assert {p.pid for p in psutil.Process().children()} == set(new["pids"].values())
+    assert not any(alive(pid) for pid in old["pids"].values())
+
+
+# --- queries -----------------------------------------------------------------------------
+
+
+async def test_running_lists_only_live_ranks(runner: RankRunner, reporter: Reporter) -> None:
+    script = 'if [ "$RANK" = 2 ]; then exit 0; fi; exec sleep 300'
+    await runner.start(start_args(script))
+    await reporter.wait_for(1)
+    assert runner.running() == [wire.JobRanks(job=JOB, generation=1, ranks=[3])]
+
+
+async def test_running_groups_ranks_by_job_and_generation(runner: RankRunner) -> None:
+    await runner.start(start_args("exec sleep 300", ranks=slots(1, 0)))
+    await runner.start(start_args("exec sleep 300", generation=5, ranks=slots(4)).model_copy(
+        update={"job": "other-1"}))
+    assert runner.running() == [wire.JobRanks(job="other-1", generation=5, ranks=[4]),
+                                wire.JobRanks(job=JOB, generation=1, ranks=[0, 1])]
+
+
+async def test_log_path_finds_the_newest_generations_log(
+        tmp_path: Path, reporter: Reporter) -> None:
+    data = tmp_path / "data"
+    for gen in (2, 10, 9):
+        (data / "jobs" / JOB / f"g{gen}").mkdir(parents=True)
+        (data / "jobs" / JOB / f"g{gen}" / "rank-0.log").write_text(f"gen {gen}\n")
+    fresh = RankRunner(NODE, data, tmp_path / "agent.sock", reporter)  # e.g. after a restart
+    assert fresh.log_path(JOB, 0) == data / "jobs" / JOB / "g10" / "rank-0.log"
+
+
+async def test_log_path_of_an_unknown_rank_is_none(runner: RankRunner) -> None:
+    assert runner.log_path(JOB, 7) is None
+
+
+def test_free_port_is_bindable() -> None:
+    port = RankRunner.free_port()
+    with socket.socket() as s:
+        s.bind(("", port))
+    assert 0 < port < 65536
