@@ -82,9 +82,10 @@ def _reasons(node: dict[str, Any]) -> str:
 
 def cmd_nodes(args: argparse.Namespace) -> int:
     nodes = _call(_client(args).get, "/v1/nodes")
-    rows = [[n["id"], n["state"], n["rack"] or "-", str(n["gpu_count"]), _reasons(n)]
+    rows = [[n["id"], n["state"] + (" (spare)" if n.get("spare") else ""), n["rack"] or "-",
+             str(n["gpu_count"]), ",".join(n.get("jobs", [])) or "-", _reasons(n)]
             for n in nodes]
-    _emit(args, nodes, _table(rows, ["NODE", "STATE", "RACK", "GPUS", "REASONS"]))
+    _emit(args, nodes, _table(rows, ["NODE", "STATE", "RACK", "GPUS", "JOBS", "REASONS"]))
     return EXIT_OK
 
 

@@ -36,7 +36,7 @@ from aiohttp import web
 
 from phalanx import wire
 from phalanx.jobspec import JobSpecError, validate_spec
-from supervisor.registry import RegistryError
+from supervisor.registry import Node, RegistryError
 
 if TYPE_CHECKING:
     from supervisor.daemon import Supervisor
@@ -87,11 +87,18 @@ def make_app(sup: Supervisor) -> web.Application:
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "mqtt_connected": sup.link.connected})
 
+    def node_view(n: Node) -> dict[str, Any]:
+        view = n.view()
+        view["jobs"] = sorted(j.id for j in sup.jobs.jobs.values()
+                              if j.state.holds_nodes and n.id in j.nodes)
+        view["spare"] = n.id in sup.jobs.spares
+        return view
+
     async def nodes(request: web.Request) -> web.Response:
-        return web.json_response([n.view() for _, n in sorted(sup.registry.nodes.items())])
+        return web.json_response([node_view(n) for _, n in sorted(sup.registry.nodes.items())])
 
     async def node(request: web.Request) -> web.Response:
-        return web.json_response(sup.registry.get(request.match_info["id"]).view())
+        return web.json_response(node_view(sup.registry.get(request.match_info["id"])))
 
     async def drain(request: web.Request) -> web.Response:
         data = await body(request)

@@ -66,8 +66,8 @@ def test_nodes_table_lists_state_and_reasons(fleet: Fleet, api_env: dict[str, st
     done = phalanx("nodes", env=api_env)
     assert done.returncode == 0
     header, row = done.stdout.splitlines()[:2]
-    assert header.split() == ["NODE", "STATE", "RACK", "GPUS", "REASONS"]
-    assert row.split()[:4] == ["n01", "warn", "rack1", "2"]
+    assert header.split() == ["NODE", "STATE", "RACK", "GPUS", "JOBS", "REASONS"]
+    assert row.split()[:5] == ["n01", "warn", "rack1", "2", "-"]
     assert "temp_slowdown(gpu1)" in row
 
 

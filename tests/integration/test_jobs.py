@@ -224,3 +224,23 @@ def test_two_jobs_sharing_a_node_get_disjoint_gpus(fleet: Fleet) -> None:
     assert sorted([left, right]) == ["0,1", "2,3"]
     for job in (first, second):
         fleet.client().post(f"/v1/jobs/{job['id']}/cancel")
+
+
+def test_hot_spares_are_held_back_from_normal_placement(fleet: Fleet) -> None:
+    fleet.start_supervisor(spares=1)
+    for node in ("n01", "n02", "n03"):
+        fleet.start_agent(node)
+        fleet.wait_state(node, "up")
+    job = fleet.submit(name="wide", nodes=3, ranks_per_node=1, command=["sleep", "3939"])
+
+    view = wait_for(lambda: (j := fleet.job(job["id"]))["waiting"] and j, 10, "a waiting reason")
+
+    assert view["state"] == "pending"
+    assert view["waiting"]["reason"] == "resources"
+    spares = [n["id"] for n in fleet.client().get("/v1/nodes") if n["spare"]]
+    assert len(spares) == 1
+    two = fleet.submit(name="narrow", nodes=2, ranks_per_node=1, command=["sleep", "3939"])
+    running = fleet.wait_job(two["id"], "running")
+    assert spares[0] not in running["nodes"]
+    fleet.client().post(f"/v1/jobs/{two['id']}/cancel")
+    fleet.client().post(f"/v1/jobs/{job['id']}/cancel")
