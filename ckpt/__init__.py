@@ -1,18 +1,23 @@
 """Phalanx's tiered write-back checkpoint store (the ``ckpt`` package).
 
-The public surface so far: the shard format (``plan`` / ``write_into`` /
-``seal`` to save, ``decode`` to restore, ``checksum`` / ``verify``) and the
-package's exception family.
+The public surface: the rank-side ``Checkpointer``; the tiers (``RamTier``,
+``DiskTier``, ``ObjectTier`` over a ``LocalFolderStore`` or ``S3Store``) and the
+write-down ``Engine`` that agentd runs too; the shard format (``plan`` /
+``write_into`` / ``seal`` to save, ``decode`` to restore, ``checksum`` /
+``verify``); and the package's exception family.
 """
 
 from __future__ import annotations
 
+from ckpt.checkpointer import Checkpointer
+from ckpt.engine import Catalog, Engine, LocalCatalog, TierEvent
 from ckpt.errors import (
     CheckpointError,
     FormatError,
     ShardCorrupt,
     ShardMismatch,
     ShardRef,
+    TierError,
     UnsafeShard,
     UnsupportedValue,
 )
@@ -29,20 +34,44 @@ from ckpt.format import (
     verify,
     write_into,
 )
+from ckpt.objects import LocalFolderStore, ObjectStore, ObjectTier, S3Store, open_store
+from ckpt.policy import Interval
+from ckpt.ram import RamTier, namespace_for
+from ckpt.tiers import DiskTier, Pacing, ShardKey, StoredShard, Tier, TierManifest
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
+    "Catalog",
     "CheckpointError",
+    "Checkpointer",
+    "DiskTier",
+    "Engine",
     "FormatError",
+    "Interval",
+    "LocalCatalog",
+    "LocalFolderStore",
+    "ObjectStore",
+    "ObjectTier",
+    "Pacing",
+    "RamTier",
+    "S3Store",
     "ShardCorrupt",
+    "ShardKey",
     "ShardMismatch",
     "ShardPlan",
     "ShardRef",
+    "StoredShard",
+    "Tier",
+    "TierError",
+    "TierEvent",
+    "TierManifest",
     "UnsafeShard",
     "UnsupportedValue",
     "checksum",
     "decode",
     "encode",
+    "namespace_for",
+    "open_store",
     "plan",
     "read_ref",
     "seal",

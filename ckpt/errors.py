@@ -12,6 +12,7 @@ the shard. Chain the cause with ``raise ... from exc``.
   mismatch, a truncated or unsealed shard.
 * ``ShardMismatch`` — a valid shard, but not the one asked for (its header
   names another job, step or rank).
+* ``TierError`` — a tier failed to store or serve a shard; names the tier.
 * ``UnsupportedValue`` — a state holds a value the format cannot store
   faithfully (raised when planning a save; also a ``TypeError``).
 """
@@ -102,3 +103,17 @@ class ShardMismatch(CheckpointError):
 
 class UnsupportedValue(CheckpointError, TypeError):
     """A state holds a value the format cannot store faithfully."""
+
+
+class TierError(CheckpointError):
+    """A tier could not store, list, read or delete a shard (a full disk, an
+    unreachable object store). ``tier`` names the tier; ``path`` where it failed.
+    A failing tier never costs a checkpoint committed there or at another tier."""
+
+    def __init__(self, message: str, *, tier: str, ref: ShardRef | None = None) -> None:
+        self.tier = tier
+        super().__init__(f"tier {tier}: {message}", ref=ref)
+        self.reason = message
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (functools.partial(type(self), tier=self.tier, ref=self.ref), (self.reason,))

@@ -1,0 +1,406 @@
+"""The object-store tier: zstd-compressed shards and a manifest written last.
+
+``ObjectTier`` stores each shard as ``PREFIX/JOB/STEP/rank-RANK.phx.zst``
+(streamed through zstd level 1 by default: an object store's bandwidth is
+below zstd's throughput, so compression pays there) and, once the step is
+committed, ``PREFIX/JOB/STEP/manifest.json`` listing every rank's checksum,
+size and the compression: the copy describes itself, and a step without a
+manifest is not listed.
+
+Two stores: ``LocalFolderStore`` (a folder; the embedded default) and
+``S3Store`` (any S3-protocol server through aiobotocore; its event loop runs
+in a thread the store owns, and every call has a timeout).
+``open_store("s3://bucket/prefix")`` / ``open_store("file:///path")`` picks one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Coroutine, Iterable, Iterator
+from pathlib import Path
+from typing import Any, Final, TypeVar
+from urllib.parse import urlparse
+
+import xxhash
+import zstandard
+
+from ckpt.errors import CheckpointError, TierError
+from ckpt.tiers import (
+    MANIFEST_NAME,
+    Pacing,
+    ShardKey,
+    StoredShard,
+    Tier,
+    TierManifest,
+    checked_chunks,
+    digest_text,
+    parse_step,
+    step_dir,
+    write_file_atomic,
+)
+
+__all__ = ["LocalFolderStore", "ObjectStore", "ObjectTier", "S3Store", "open_store"]
+
+T = TypeVar("T")
+PART_NBYTES: Final = 8 << 20  # S3 multipart parts: at least 5 MiB but the last
+
+
+class ObjectStore(ABC):
+    """A flat key → bytes store; every method raises ``OSError``-like errors
+    the tier turns into ``TierError``."""
+
+    url: str
+
+    @abstractmethod
+    def put_stream(self, key: str, parts: Iterable[bytes]) -> None:
+        """Store the concatenation of ``parts``; visible only once whole."""
+
+    @abstractmethod
+    def get_stream(self, key: str) -> Iterator[bytes]:
+        """The object's bytes in pieces; ``FileNotFoundError`` when absent."""
+
+    @abstractmethod
+    def keys(self, prefix: str) -> list[str]:
+        """Every key under ``prefix``."""
+
+    @abstractmethod
+    def delete(self, keys: list[str]) -> None:
+        """Remove keys (absent ones are ignored)."""
+
+    def get(self, key: str) -> bytes:
+        return b"".join(self.get_stream(key))
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Let go of connections and threads."""
+
+
+class LocalFolderStore(ObjectStore):
+    """Objects as files under a folder, each written to a temp name and renamed."""
+
+    def __init__(self, root: str | os.PathLike[str], *, pacing: Pacing | None = None) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.url = self.root.resolve().as_uri()
+        self.pacing = pacing if pacing is not None else Pacing()
+
+    def put_stream(self, key: str, parts: Iterable[bytes]) -> None:
+        write_file_atomic(self.root / key, parts, pacing=self.pacing, tier="object",
+                          ref=ShardKey("-", 0, 0).ref(str(self.root / key)))  # fmt: skip
+
+    def get_stream(self, key: str) -> Iterator[bytes]:
+        with open(self.root / key, "rb") as f:
+            while piece := f.read(PART_NBYTES):
+                yield piece
+
+    def keys(self, prefix: str) -> list[str]:
+        base = self.root / prefix
+        if not base.is_dir():
+            return []
+        return sorted(
+            str(p.relative_to(self.root)) for p in base.rglob("*")
+            if p.is_file() and not p.name.startswith(".")
+        )  # fmt: skip
+
+    def delete(self, keys: list[str]) -> None:
+        dirs = set()
+        for key in keys:
+            (self.root / key).unlink(missing_ok=True)
+            dirs.add((self.root / key).parent)
+        for d in dirs:
+            with contextlib.suppress(OSError):  # not empty: other ranks' objects
+                d.rmdir()
+
+
+class S3Store(ObjectStore):
+    """An S3-protocol bucket through aiobotocore, driven from a private event loop.
+
+    Credentials, region and endpoint follow botocore's usual sources (the
+    ``AWS_*`` environment, config files) unless given. ``timeout_s`` bounds
+    every call.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        timeout_s: float = 120.0,
+    ) -> None:
+        from aiobotocore.config import AioConfig  # type: ignore[import-untyped]
+        from aiobotocore.session import get_session  # type: ignore[import-untyped]
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.url = f"s3://{bucket}/{self.prefix}"
+        self.timeout_s = timeout_s
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="ckpt-s3", daemon=True)
+        self.thread.start()
+        config = AioConfig(
+            connect_timeout=min(10.0, timeout_s), read_timeout=timeout_s,
+            retries={"max_attempts": 3, "mode": "standard"},
+        )  # fmt: skip
+
+        async def connect() -> Any:
+            ctx = get_session().create_client(
+                "s3", endpoint_url=endpoint_url, region_name=region or "us-east-1",
+                aws_access_key_id=access_key, aws_secret_access_key=secret_key, config=config,
+            )  # fmt: skip
+            return ctx, await ctx.__aenter__()
+
+        self._ctx, self.client = self._run(connect())
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(self.timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"{self.url}: no answer within {self.timeout_s:g} s") from None
+
+    def put_stream(self, key: str, parts: Iterable[bytes]) -> None:
+        full = self.prefix + key
+        it = iter(parts)
+        first = next(it, b"")
+        second = next(it, None)
+        if second is None:
+            self._run(self.client.put_object(Bucket=self.bucket, Key=full, Body=first))
+            return
+        upload = self._run(self.client.create_multipart_upload(Bucket=self.bucket, Key=full))
+        upload_id = upload["UploadId"]
+        done: list[dict[str, Any]] = []
+        try:
+            for number, part in enumerate(_chain(first, second, it), start=1):
+                answer = self._run(self.client.upload_part(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=part,
+                ))  # fmt: skip
+                done.append({"PartNumber": number, "ETag": answer["ETag"]})
+            self._run(self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": done},
+            ))  # fmt: skip
+        except BaseException:
+            with contextlib.suppress(Exception):  # best effort: the first error matters
+                self._run(self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id))  # fmt: skip
+            raise
+
+    def get_stream(self, key: str) -> Iterator[bytes]:
+        try:
+            answer = self._run(self.client.get_object(Bucket=self.bucket, Key=self.prefix + key))
+        except Exception as exc:
+            if _is_missing(exc):
+                raise FileNotFoundError(f"{self.url}{key}") from exc
+            raise
+        body = answer["Body"]
+        try:
+            while piece := self._run(body.read(PART_NBYTES)):
+                yield piece
+        finally:
+            body.close()
+
+    def keys(self, prefix: str) -> list[str]:
+        async def walk() -> list[str]:
+            keys: list[str] = []
+            paginator = self.client.get_paginator("list_objects_v2")
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+                keys.extend(obj["Key"][len(self.prefix) :] for obj in page.get("Contents", []))
+            return keys
+
+        return sorted(self._run(walk()))
+
+    def delete(self, keys: list[str]) -> None:
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": self.prefix + k} for k in keys[start : start + 1000]]
+            self._run(self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch}))
+
+    def close(self) -> None:
+        if not self.loop.is_running():
+            return
+        try:
+            self._run(self._ctx.__aexit__(None, None, None))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(self.timeout_s)
+            self.loop.close()
+
+
+def _chain(first: bytes, second: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+    yield first
+    yield second
+    yield from rest
+
+
+def _is_missing(exc: Exception) -> bool:
+    code = getattr(exc, "response", {}).get("Error", {}).get("Code")
+    return code in ("NoSuchKey", "404", "NotFound")
+
+
+def open_store(url: str, *, pacing: Pacing | None = None) -> ObjectStore:
+    """``s3://bucket/prefix`` (endpoint from ``AWS_ENDPOINT_URL``) or a folder
+    (``file:///path`` or a plain path)."""
+    parsed = urlparse(url)
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise ValueError(f"object_store {url!r}: an s3 URL needs a bucket (s3://BUCKET/PREFIX)")
+        return S3Store(parsed.netloc, parsed.path)
+    if parsed.scheme in ("", "file"):
+        return LocalFolderStore(parsed.path if parsed.scheme else url, pacing=pacing)
+    raise ValueError(f"object_store {url!r}: the scheme must be s3 or file")
+
+
+class ObjectTier(Tier):
+    """Shards in an ``ObjectStore``, zstd-compressed unless ``compression=None``."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        name: str = "object",
+        compression: str | None = "zstd",
+        level: int = 1,
+        pacing: Pacing | None = None,
+    ) -> None:
+        if compression not in ("zstd", None):
+            raise ValueError(f"compression {compression!r} must be 'zstd' or None")
+        self.name = name
+        self.store = store
+        self.compression = compression
+        self.compresses = compression is not None
+        self.level = level
+        self.pacing = pacing if pacing is not None else Pacing()
+
+    def _key(self, key: ShardKey) -> str:
+        return key.relpath(".zst" if self.compression else "")
+
+    def _fail(
+        self, what: str, where: str, exc: BaseException, key: ShardKey | None = None
+    ) -> TierError:
+        ref = key.ref(f"{self.store.url}{where}") if key else None
+        return TierError(f"{what} {self.store.url}{where} failed: {exc}", tier=self.name, ref=ref)
+
+    def put(self, key: ShardKey, shard: memoryview, checksum: str) -> str:
+        where = self._key(key)
+        hasher = xxhash.xxh3_128()
+        pieces = checked_chunks(shard, self.pacing.chunk_bytes, hasher, len(shard) - 32)
+        parts = self._compressed(pieces) if self.compression else _regroup(pieces)
+        try:
+            self.store.put_stream(where, parts)
+        except TierError:
+            raise
+        except Exception as exc:
+            raise self._fail("uploading", where, exc, key) from exc
+        if digest_text(hasher) != checksum:
+            self.store.delete([where])
+            raise TierError(
+                f"the bytes sent hash to {digest_text(hasher)}, not the sealed {checksum}",
+                tier=self.name, ref=key.ref(self.store.url + where),
+            )  # fmt: skip
+        return self.store.url + where
+
+    def _compressed(self, pieces: Iterable[memoryview]) -> Iterator[bytes]:
+        chunker = zstandard.ZstdCompressor(level=self.level).chunker(chunk_size=PART_NBYTES)
+        for piece in pieces:
+            yield from chunker.compress(piece)
+        yield from chunker.finish()  # type: ignore[no-untyped-call]
+
+    def commit(self, manifest: TierManifest) -> None:
+        manifest = TierManifest(manifest.job, manifest.step, manifest.shards,
+                                self.compression, manifest.committed_at)  # fmt: skip
+        where = f"{manifest.job}/{step_dir(manifest.step)}/{MANIFEST_NAME}"
+        try:
+            self.store.put_stream(where, [manifest.to_json()])
+        except Exception as exc:
+            raise self._fail("writing the manifest", where, exc) from exc
+
+    def manifest(self, job: str, step: int) -> TierManifest | None:
+        where = f"{job}/{step_dir(step)}/{MANIFEST_NAME}"
+        try:
+            return TierManifest.from_json(self.store.get(where), where=self.store.url + where)
+        except FileNotFoundError:
+            return None
+        except CheckpointError:
+            return None
+        except Exception as exc:
+            raise self._fail("reading", where, exc) from exc
+
+    def open(self, key: ShardKey) -> StoredShard | None:
+        manifest = self.manifest(key.job, key.step)
+        if manifest is None or key.rank not in manifest.shards:
+            return None
+        expected, nbytes = manifest.shards[key.rank]
+        where = self._key(key)
+        buffer = bytearray(nbytes)
+        view = memoryview(buffer)
+        pos = 0
+        try:
+            stream = self.store.get_stream(where)
+            if manifest.compression == "zstd":
+                decompressor = zstandard.ZstdDecompressor().decompressobj()
+                stream = (decompressor.decompress(piece) for piece in stream)
+            for piece in stream:
+                end = min(pos + len(piece), nbytes)
+                view[pos:end] = piece[: end - pos]
+                pos += len(piece)
+        except FileNotFoundError:
+            return None
+        except zstandard.ZstdError as exc:
+            raise TierError(
+                f"{self.store.url}{where} does not decompress: {exc}",
+                tier=self.name, ref=key.ref(self.store.url + where),
+            ) from exc  # fmt: skip
+        except Exception as exc:
+            raise self._fail("downloading", where, exc, key) from exc
+        if pos != nbytes:  # decode reports the truncation or excess as a corrupt shard
+            buffer = buffer[: min(pos, nbytes)] if pos < nbytes else buffer + b"\0"
+        return StoredShard(key, buffer, self.store.url + where, expected=expected)
+
+    def _step_keys(self, job: str) -> dict[int, list[str]]:
+        try:
+            keys = self.store.keys(f"{job}/")
+        except Exception as exc:
+            raise self._fail("listing", f"{job}/", exc) from exc
+        out: dict[int, list[str]] = {}
+        for k in keys:
+            parts = k.split("/")
+            step = parse_step(parts[1]) if len(parts) == 3 else None
+            if step is not None:
+                out.setdefault(step, []).append(k)
+        return out
+
+    def steps(self, job: str) -> list[int]:
+        return sorted(s for s, keys in self._step_keys(job).items()
+                      if any(k.endswith("/" + MANIFEST_NAME) for k in keys))  # fmt: skip
+
+    def landed_steps(self, job: str) -> list[int]:
+        return sorted(self._step_keys(job))
+
+    def delete(self, job: str, step: int) -> None:
+        keys = self._step_keys(job).get(step, [])
+        manifest = [k for k in keys if k.endswith("/" + MANIFEST_NAME)]
+        try:
+            self.store.delete(manifest)  # first: a half-deleted step is never "committed"
+            self.store.delete([k for k in keys if k not in manifest])
+        except Exception as exc:
+            raise self._fail("deleting", f"{job}/{step_dir(step)}", exc) from exc
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _regroup(pieces: Iterable[memoryview]) -> Iterator[bytes]:
+    """Uncompressed pieces regrouped into parts of ``PART_NBYTES``."""
+    pending = bytearray()
+    for piece in pieces:
+        pending += piece
+        while len(pending) >= PART_NBYTES:
+            yield bytes(pending[:PART_NBYTES])
+            del pending[:PART_NBYTES]
+    yield bytes(pending)

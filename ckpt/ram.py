@@ -1,0 +1,345 @@
+"""The RAM tier: shard buffers in named shared memory that outlive the saver.
+
+Each buffer (a *slot*) is a file in a tmpfs (``/dev/shm`` by default) named
+``NAMESPACE.slotN``, mapped shared: a page of slot header, then the shard. The
+namespace names the owner's job and rank (``phalanx-JOB-rRANK``); under
+Phalanx the agent creates and keeps the files, so a rank's checkpoint survives
+the rank (``kill -9`` included), and a restarted rank, or any process that
+knows the namespace, maps them back by name. Standalone, the ``Checkpointer``
+creates them and leaves them behind only if it dies.
+
+Slots are allocated once, their pages allocated and mapped up front
+(``fallocate`` + ``MAP_POPULATE``: the first save copies at the speed of a
+touched buffer), and reused. A slot is *busy* from the moment a save starts
+copying into it until the write-down has finished reading it, and a busy slot
+is never handed out: a new save never overwrites a buffer still being written
+down. The ``keep`` most recently sealed slots are *protected*: the newest
+committed RAM copy is never overwritten before a newer one is sealed. When no
+slot is free, ``acquire`` waits (up to a timeout) or returns ``None`` (skip),
+as the caller chooses.
+
+Slot header (64 bytes, little-endian): magic ``b"PHXSLOT\\0"``, version u32,
+state u32 (0 free, 1 writing, 2 sealed), step i64, nbytes u64, capacity u64,
+seq u64 (save order), xxh3-128 digest 16 bytes. ``sealed`` is written last;
+a slot found ``writing`` after a crash holds nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import re
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Literal
+
+from ckpt.errors import ShardRef, TierError
+from ckpt.format import CHECKSUM_ALGORITHM
+from ckpt.tiers import ShardKey, StoredShard, Tier, check_job
+
+__all__ = ["RamTier", "Slot", "namespace_for"]
+
+log = logging.getLogger(__name__)
+
+HEADER_NBYTES: Final = 4096
+_HEAD: Final = struct.Struct("<8sIIqQQQ16s")
+_MAGIC: Final = b"PHXSLOT\x00"
+_VERSION: Final = 1
+FREE, WRITING, SEALED = 0, 1, 2
+_GROW_ALIGN: Final = 2 << 20
+
+WhenBusy = Literal["wait", "skip"]
+
+
+def namespace_for(job: str, rank: int) -> str:
+    """The shared-memory name prefix of one rank's slots, as agent and rank agree on it."""
+    return f"phalanx-{check_job(job)}-r{rank}"
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    """One shared-memory shard buffer; state lives in its header and here."""
+
+    index: int
+    path: Path
+    mm: mmap.mmap
+    capacity: int
+    state: int = FREE
+    step: int = -1
+    nbytes: int = 0
+    seq: int = 0
+    digest: bytes = bytes(16)
+    busy: bool = False  # being written into, sealed or written down
+    pins: int = 0  # readers decoding it
+
+    def view(self, nbytes: int | None = None) -> memoryview:
+        n = self.nbytes if nbytes is None else nbytes
+        return memoryview(self.mm)[HEADER_NBYTES : HEADER_NBYTES + n]
+
+    def write_head(self) -> None:
+        self.mm[: _HEAD.size] = _HEAD.pack(
+            _MAGIC, _VERSION, self.state, self.step, self.nbytes, self.capacity, self.seq,
+            self.digest,
+        )  # fmt: skip
+
+    @property
+    def checksum(self) -> str:
+        return f"{CHECKSUM_ALGORITHM}:{self.digest.hex()}"
+
+
+def _pin_for_dma(mm: mmap.mmap, nbytes: int) -> None:
+    """Register the mapping with CUDA so device-to-host copies DMA straight in."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        import ctypes
+
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)  # type: ignore[no-untyped-call]
+    except Exception as exc:  # pinning is an optimisation: never fatal
+        log.warning("could not pin a RAM-tier slot for DMA: %s", exc)
+
+
+class RamTier(Tier):
+    """Named shared-memory slots for one job's rank; see the module docstring."""
+
+    compresses = False
+
+    def __init__(
+        self,
+        namespace: str,
+        *,
+        job: str,
+        directory: str | os.PathLike[str] = "/dev/shm",
+        slots: int = 2,
+        keep: int = 1,
+        name: str = "ram",
+    ) -> None:
+        if slots < 2 or not 1 <= keep < slots:
+            raise ValueError(f"RamTier needs slots >= 2 and 1 <= keep < slots, not {slots}, {keep}")
+        self.name = name
+        self.namespace = namespace
+        self.job = job
+        self.directory = Path(directory)
+        self.nslots = slots
+        self.keep = keep
+        self.cond = threading.Condition()
+        self.slots: list[Slot | None] = [None] * slots
+        self._attach()
+
+    # ----------------------------------------------------------------- slots
+
+    def _slot_path(self, index: int) -> Path:
+        return self.directory / f"{self.namespace}.slot{index}"
+
+    def _attach(self) -> None:
+        """Map the slots a previous owner left (a crashed rank's checkpoint)."""
+        pattern = re.compile(re.escape(self.namespace) + r"\.slot(\d+)$")
+        try:
+            names = os.listdir(self.directory)
+        except OSError as exc:
+            raise TierError(f"cannot list {self.directory}: {exc}", tier=self.name) from exc
+        for entry in names:
+            match = pattern.match(entry)
+            if match is None or int(match[1]) >= self.nslots:
+                continue
+            index, path = int(match[1]), self.directory / entry
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    size = os.fstat(fd).st_size
+                    if size < HEADER_NBYTES:
+                        continue
+                    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                log.warning("tier %s: cannot map %s: %s", self.name, path, exc)
+                continue
+            slot = Slot(index, path, mm, size - HEADER_NBYTES)
+            magic, version, state, step, nbytes, _cap, seq, digest = _HEAD.unpack_from(mm, 0)
+            if (
+                magic == _MAGIC
+                and version == _VERSION
+                and state == SEALED
+                and (nbytes <= slot.capacity)
+            ):
+                slot.state, slot.step, slot.nbytes, slot.seq, slot.digest = (
+                    SEALED, step, nbytes, seq, digest,
+                )  # fmt: skip
+            slot.write_head()
+            self.slots[index] = slot
+
+    def _allocate(self, index: int, capacity: int) -> Slot:
+        path = self._slot_path(index)
+        size = HEADER_NBYTES + capacity
+        old = self.slots[index]
+        if old is not None:
+            old.mm.close()
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)  # the pages exist now: no faults on first save
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            self.slots[index] = None
+            raise TierError(
+                f"cannot allocate {size} bytes of shared memory at {path}: {exc}",
+                tier=self.name, ref=ShardRef(path=str(path)),
+            ) from exc  # fmt: skip
+        _pin_for_dma(mm, size)
+        slot = Slot(index, path, mm, capacity)
+        slot.write_head()
+        self.slots[index] = slot
+        log.info("tier %s: allocated slot %s, %d bytes", self.name, path, size)
+        return slot
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate and touch every slot for shards of up to ``nbytes`` now,
+        so that no save pays for it (call it once the state exists)."""
+        capacity = -(-nbytes // _GROW_ALIGN) * _GROW_ALIGN
+        with self.cond:
+            for index in range(self.nslots):
+                slot = self.slots[index]
+                if slot is None or (slot.capacity < capacity and not slot.busy and not slot.pins
+                                    and slot.state != SEALED):  # fmt: skip
+                    self._allocate(index, capacity)
+
+    def acquire(
+        self, key: ShardKey, nbytes: int, *, when_busy: WhenBusy, timeout: float
+    ) -> Slot | None:
+        """A slot of at least ``nbytes`` for ``key``, marked busy and ``writing``.
+
+        ``when_busy="skip"`` returns ``None`` at once when every slot is busy or
+        protected; ``"wait"`` waits for one up to ``timeout`` seconds, then
+        raises ``TimeoutError``.
+        """
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while (choice := self._pick()) is None:
+                if when_busy == "skip":
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"no free RAM-tier slot for step {key.step} after {timeout:g} s "
+                        f"(every one of {self.nslots} is being written down or protected)"
+                    )
+                self.cond.wait(left)
+            if isinstance(choice, int):
+                slot = self._allocate(choice, -(-nbytes // _GROW_ALIGN) * _GROW_ALIGN)
+            elif choice.capacity < nbytes:
+                slot = self._allocate(choice.index, -(-nbytes // _GROW_ALIGN) * _GROW_ALIGN)
+            else:
+                slot = choice
+            slot.busy = True
+            slot.state, slot.step, slot.nbytes = WRITING, key.step, nbytes
+            slot.seq = 1 + max((s.seq for s in self.slots if s is not None), default=0)
+            slot.digest = bytes(16)
+            slot.write_head()
+            return slot
+
+    def _pick(self) -> Slot | int | None:
+        """A slot to reuse, the index of a slot to allocate, or ``None``."""
+        live = [s for s in self.slots if s is not None]
+        sealed = sorted((s for s in live if s.state == SEALED), key=lambda s: -s.seq)
+        protected = {id(s) for s in sealed[: self.keep]}
+        candidates = [s for s in live if not s.busy and not s.pins and id(s) not in protected]
+        free = [s for s in candidates if s.state != SEALED]
+        if free:
+            return min(free, key=lambda s: s.seq)
+        empty = next((i for i, s in enumerate(self.slots) if s is None), None)
+        if empty is not None:
+            return empty
+        return min(candidates, key=lambda s: s.seq) if candidates else None
+
+    def sealed(self, slot: Slot, digest: bytes) -> None:
+        """Mark a slot's shard sealed (committed at this tier); it stays busy."""
+        with self.cond:
+            slot.digest = digest
+            slot.state = SEALED
+            slot.write_head()
+            self.cond.notify_all()
+
+    def release(self, slot: Slot, *, keep_content: bool = True) -> None:
+        """The write-down has finished reading the slot: it may be reused."""
+        with self.cond:
+            slot.busy = False
+            if not keep_content:
+                slot.state = FREE
+                slot.write_head()
+            self.cond.notify_all()
+
+    # ----------------------------------------------------------------- Tier
+
+    def put(self, key: ShardKey, shard: memoryview, checksum: str) -> str:
+        slot = self.acquire(key, len(shard), when_busy="wait", timeout=60.0)
+        assert slot is not None
+        try:
+            slot.view(len(shard))[:] = shard
+            self.sealed(slot, bytes.fromhex(checksum.split(":", 1)[1]))
+        finally:
+            self.release(slot)
+        return str(slot.path)
+
+    def _find(self, step: int) -> Slot | None:
+        found = [s for s in self.slots if s is not None and s.state == SEALED and s.step == step]
+        return max(found, key=lambda s: s.seq, default=None)
+
+    def open(self, key: ShardKey) -> StoredShard | None:
+        if key.job != self.job:
+            return None
+        with self.cond:
+            slot = self._find(key.step)
+            if slot is None:
+                return None
+            slot.pins += 1
+
+        def unpin() -> None:
+            with self.cond:
+                slot.pins -= 1
+                self.cond.notify_all()
+
+        return StoredShard(
+            key, slot.view(), str(slot.path), expected=slot.checksum, reused=True, release=unpin
+        )
+
+    def steps(self, job: str) -> list[int]:
+        if job != self.job:
+            return []
+        with self.cond:
+            return sorted({s.step for s in self.slots if s is not None and s.state == SEALED})
+
+    def delete(self, job: str, step: int) -> None:
+        if job != self.job:
+            return
+        with self.cond:
+            for slot in self.slots:
+                if slot is not None and slot.step == step and not slot.busy and not slot.pins:
+                    slot.state = FREE
+                    slot.write_head()
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            for slot in self.slots:
+                if slot is not None and not slot.pins:
+                    with contextlib.suppress(BufferError):  # tensors still view it
+                        slot.mm.close()
+
+    def unlink(self) -> None:
+        """Remove the segments (the owner is done with them)."""
+        self.close()
+        for index in range(self.nslots):
+            self._slot_path(index).unlink(missing_ok=True)
