@@ -44,8 +44,20 @@ def reporter() -> Reporter:
     return Reporter()
 
 
+_PREEXISTING: set[int] = set()
+
+
+def new_children() -> set[int]:
+    """Live children of this process that the current test started (other tests in the same
+    session may leave their own children, e.g. daemons being reaped)."""
+    return {p.pid for p in psutil.Process().children()
+            if p.pid not in _PREEXISTING and p.status() != psutil.STATUS_ZOMBIE}
+
+
 @pytest.fixture
 async def runner(tmp_path: Path, reporter: Reporter) -> AsyncIterator[RankRunner]:
+    _PREEXISTING.clear()
+    _PREEXISTING.update(p.pid for p in psutil.Process().children())
     r = RankRunner(NODE, tmp_path / "data", tmp_path / "agent.sock", reporter)
     yield r
     await r.stop_all(grace_s=1.0)
@@ -180,7 +192,7 @@ async def test_missing_env_file_starts_nothing(runner: RankRunner, tmp_path: Pat
     with pytest.raises(CommandError):
         await runner.start(args)
     assert runner.running() == []
-    assert psutil.Process().children() == []
+    assert new_children() == set()
     assert not (tmp_path / "data" / "jobs" / JOB).exists()
 
 
@@ -324,7 +336,7 @@ async def test_repeated_start_of_the_same_generation_does_not_start_twice(
     first = await runner.start(args)
     again = await runner.start(args)
     assert again == {"pids": first["pids"], "already_started": True}
-    assert {p.pid for p in psutil.Process().children()} == set(first["pids"].values())
+    assert new_children() == set(first["pids"].values())
 
 
 async def test_start_of_an_older_generation_is_refused(runner: RankRunner) -> None:
@@ -369,7 +381,7 @@ async def test_newer_generation_on_the_same_ranks_leaves_no_untracked_process(
         runner: RankRunner) -> None:
     old = await runner.start(start_args("exec sleep 300", generation=1))
     new = await runner.start(start_args("exec sleep 300", generation=2))
-    assert {p.pid for p in psutil.Process().children()} == set(new["pids"].values())
+    assert new_children() == set(new["pids"].values())
     assert not any(alive(pid) for pid in old["pids"].values())
 
 
