@@ -62,6 +62,9 @@ class RankRunner:
         self._ranks: dict[tuple[str, int], Rank] = {}  # (job, rank) -> current process
         self._generation: dict[str, int] = {}  # job -> highest generation started
         self._watchers: set[asyncio.Task[None]] = set()
+        # GPUs each job holds, claimed synchronously when its start is accepted, so two
+        # starts racing through the awaits below can never be handed the same GPU.
+        self._claims: dict[str, tuple[int, set[int]]] = {}  # job -> (generation, gpus)
 
     # --- queries -----------------------------------------------------------
 
@@ -104,6 +107,13 @@ class RankRunner:
                                f"node {self.node}")
         env = self._environment(req)
         slots = self._assign_gpus(req)
+        try:
+            return await self._launch(req, slots, env, workdir)
+        finally:
+            self._release_if_idle(req.job, req.generation)  # nothing started: free the GPUs
+
+    async def _launch(self, req: wire.StartRanksArgs, slots: list[wire.RankSlot],
+                      env: dict[str, str], workdir: Path) -> dict[str, Any]:
         self._generation[req.job] = req.generation
         # Ranks of an older generation whose stop never arrived go first: left running, they
         # would hold the GPUs and, replaced in self._ranks, escape every later stop.
@@ -144,19 +154,32 @@ class RankRunner:
         return {"pids": pids}
 
     def _assign_gpus(self, req: wire.StartRanksArgs) -> list[wire.RankSlot]:
-        """Give each slot a GPU no live rank of another job holds, in index order."""
+        """Give each slot a GPU no other job holds, in index order, and claim them."""
         if not req.assign_gpus or not self.gpus:
             return list(req.ranks)
-        busy = {r.slot.gpu for r in self._ranks.values()
-                if not r.done.is_set() and r.job != req.job and r.slot.gpu is not None}
+        self._claims.pop(req.job, None)  # a newer generation of the same job re-claims
+        busy: set[int] = set()
+        for _, gpus in self._claims.values():
+            busy |= gpus
         free = [g for g in self.gpus if g not in busy]
         wanted = [s for s in req.ranks if s.gpu is None]
         if len(wanted) > len(free):
             raise CommandError(f"job {req.job}: node {self.node} has {len(free)} free GPUs, "
                                f"{len(wanted)} ranks asked for one each")
         it = iter(free)
-        return [s if s.gpu is not None else s.model_copy(update={"gpu": next(it)})
-                for s in req.ranks]
+        slots = [s if s.gpu is not None else s.model_copy(update={"gpu": next(it)})
+                 for s in req.ranks]
+        self._claims[req.job] = (req.generation, {s.gpu for s in slots if s.gpu is not None})
+        return slots
+
+    def _release_if_idle(self, job: str, generation: int) -> None:
+        """Drop the job's GPU claim once no rank of the claiming generation is alive."""
+        claim = self._claims.get(job)
+        if claim is None or claim[0] != generation:
+            return
+        if not any(r.job == job and r.generation == generation and not r.done.is_set()
+                   for r in self._ranks.values()):
+            del self._claims[job]
 
     def _environment(self, req: wire.StartRanksArgs) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_AGENTD_")}
@@ -219,6 +242,7 @@ class RankRunner:
         else:
             rank.code = returncode
         rank.done.set()
+        self._release_if_idle(rank.job, rank.generation)
         log.info("job %s gen %d: rank %d exited (code %s, signal %s)", rank.job,
                  rank.generation, rank.slot.rank, rank.code, rank.signal,
                  extra={"job": rank.job, "rank": rank.slot.rank, "event": "rank_exited"})

@@ -422,3 +422,33 @@ def test_free_port_is_bindable() -> None:
     with socket.socket() as s:
         s.bind(("", port))
     assert 0 < port < 65536
+
+
+async def test_two_jobs_starting_at_once_are_given_disjoint_gpus(
+        tmp_path: Path, reporter: Reporter) -> None:
+    runner = RankRunner(NODE, tmp_path / "data", tmp_path / "agent.sock", reporter,
+                        gpus=[0, 1, 2, 3])
+    try:
+        a, b = (start_args("exec sleep 300").model_copy(update={"job": job})
+                for job in ("left-1", "right-1"))
+        await asyncio.gather(runner.start(a), runner.start(b))
+
+        held = [{r.slot.gpu for r in runner._ranks.values() if r.job == job}
+                for job in ("left-1", "right-1")]
+        assert held[0].isdisjoint(held[1])
+        assert held[0] | held[1] == {0, 1, 2, 3}
+    finally:
+        await runner.stop_all(grace_s=1.0)
+
+
+async def test_gpus_of_a_job_whose_ranks_ended_are_free_again(
+        tmp_path: Path, reporter: Reporter) -> None:
+    runner = RankRunner(NODE, tmp_path / "data", tmp_path / "agent.sock", reporter, gpus=[0, 1])
+    try:
+        await runner.start(start_args("exit 0").model_copy(update={"job": "first-1"}))
+        await reporter.wait_for(2)
+        await runner.start(start_args("exec sleep 300").model_copy(update={"job": "second-1"}))
+
+        assert {r.slot.gpu for r in runner._ranks.values() if r.job == "second-1"} == {0, 1}
+    finally:
+        await runner.stop_all(grace_s=1.0)
