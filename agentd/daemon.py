@@ -95,6 +95,7 @@ class Agent:
     async def __aenter__(self) -> Agent:
         await self._stack.__aenter__()
         try:
+            await asyncio.to_thread(self.ranks.reap_orphans)
             await self.sample_health()
             self.http_port = await self._stack.enter_async_context(start_http(self))
             await self._stack.enter_async_context(self.link)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -65,6 +66,8 @@ class RankRunner:
         # GPUs each job holds, claimed synchronously when its start is accepted, so two
         # starts racing through the awaits below can never be handed the same GPU.
         self._claims: dict[str, tuple[int, set[int]]] = {}  # job -> (generation, gpus)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.closing = False  # set when the agent stops: no new start is accepted
 
     # --- queries -----------------------------------------------------------
 
@@ -92,7 +95,19 @@ class RankRunner:
             s.bind(("", 0))
             return int(s.getsockname()[1])
 
+    def _lock(self, job: str) -> asyncio.Lock:
+        return self._locks.setdefault(job, asyncio.Lock())
+
     async def start(self, req: wire.StartRanksArgs) -> dict[str, Any]:
+        # Start and stop of one job are serialised: a stop arriving while a start is still
+        # spawning must find (and kill) every rank that start launches.
+        async with self._lock(req.job):
+            return await self._start(req)
+
+    async def _start(self, req: wire.StartRanksArgs) -> dict[str, Any]:
+        if self.closing:
+            raise CommandError(f"job {req.job}: agent on node {self.node} is stopping; "
+                               "no new ranks")
         current = self._generation.get(req.job, 0)
         if req.generation < current:
             raise CommandError(f"job {req.job}: generation {req.generation} is older than "
@@ -117,7 +132,7 @@ class RankRunner:
         self._generation[req.job] = req.generation
         # Ranks of an older generation whose stop never arrived go first: left running, they
         # would hold the GPUs and, replaced in self._ranks, escape every later stop.
-        await self.stop(req.job, req.generation - 1, grace_s=req.grace_s)
+        await self._stop(req.job, req.generation - 1, grace_s=req.grace_s)
         logs = self.data_dir / "jobs" / req.job / f"g{req.generation}"
         logs.mkdir(parents=True, exist_ok=True)
         pids = {}
@@ -139,11 +154,12 @@ class RankRunner:
                         stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
                     )
                 except OSError as exc:
-                    await self.stop(req.job, req.generation, grace_s=5.0)
+                    await self._stop(req.job, req.generation, grace_s=5.0)
                     raise CommandError(f"job {req.job}: cannot start {req.command[0]!r} on "
                                        f"node {self.node}: {exc.strerror or exc}") from exc
             rank = Rank(req.job, req.generation, slot, proc, log_path, time.time())
             self._ranks[(req.job, slot.rank)] = rank
+            self._record()
             pids[slot.rank] = proc.pid
             task = asyncio.create_task(self._watch(rank), name=f"rank-{req.job}-{slot.rank}")
             self._watchers.add(task)
@@ -209,6 +225,10 @@ class RankRunner:
 
     async def stop(self, job: str, generation: int, *, grace_s: float) -> dict[str, Any]:
         """Stop every rank of ``job`` up to ``generation``; returns once all are gone."""
+        async with self._lock(job):
+            return await self._stop(job, generation, grace_s=grace_s)
+
+    async def _stop(self, job: str, generation: int, *, grace_s: float) -> dict[str, Any]:
         victims = [r for r in self._ranks.values()
                    if r.job == job and r.generation <= generation and not r.done.is_set()]
         self._generation[job] = max(self._generation.get(job, 0), generation)
@@ -228,8 +248,50 @@ class RankRunner:
         return {"stopped": sorted(r.slot.rank for r in victims)}
 
     async def stop_all(self, grace_s: float) -> None:
+        self.closing = True
         jobs = {(r.job, r.generation) for r in self._ranks.values() if not r.done.is_set()}
         await asyncio.gather(*(self.stop(j, g, grace_s=grace_s) for j, g in jobs))
+
+    # --- orphans ---------------------------------------------------------------
+
+    @property
+    def _ledger(self) -> Path:
+        return self.data_dir / "state" / "ranks.json"
+
+    def _record(self) -> None:
+        """Remember live ranks on disk, so an agent that crashed can clean up after itself."""
+        live = [{"pid": r.proc.pid, "job": r.job, "generation": r.generation,
+                 "rank": r.slot.rank} for r in self._ranks.values() if not r.done.is_set()]
+        try:
+            self._ledger.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._ledger.with_suffix(".tmp")
+            tmp.write_text(json.dumps(live))
+            os.replace(tmp, self._ledger)
+        except OSError as exc:
+            log.error("cannot record live ranks in %s: %s", self._ledger, exc)
+
+    def reap_orphans(self) -> list[int]:
+        """Kill the ranks a previous, crashed agent left running (it can no longer report
+        them, and their GPUs would be handed out twice). Returns the pids killed."""
+        try:
+            entries = json.loads(self._ledger.read_text())
+        except (OSError, ValueError):
+            return []
+        killed = []
+        for entry in entries:
+            pid, job = int(entry["pid"]), str(entry["job"])
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+            except OSError:
+                continue  # gone already
+            if f"PHALANX_JOB_ID={job}".encode() not in environ.split(b"\0"):
+                continue  # the pid was reused by something else
+            _killpg(pid, signal.SIGKILL)
+            killed.append(pid)
+            log.warning("killed rank %s of job %s (pid %d) left by a previous agent",
+                        entry.get("rank"), job, pid, extra={"job": job, "event": "orphan_reaped"})
+        self._ledger.unlink(missing_ok=True)
+        return killed
 
     # --- internals -------------------------------------------------------------
 
@@ -243,6 +305,7 @@ class RankRunner:
             rank.code = returncode
         rank.done.set()
         self._release_if_idle(rank.job, rank.generation)
+        self._record()
         log.info("job %s gen %d: rank %d exited (code %s, signal %s)", rank.job,
                  rank.generation, rank.slot.rank, rank.code, rank.signal,
                  extra={"job": rank.job, "rank": rank.slot.rank, "event": "rank_exited"})

@@ -452,3 +452,38 @@ async def test_gpus_of_a_job_whose_ranks_ended_are_free_again(
         assert {r.slot.gpu for r in runner._ranks.values() if r.job == "second-1"} == {0, 1}
     finally:
         await runner.stop_all(grace_s=1.0)
+
+
+async def test_a_stop_arriving_while_a_start_spawns_still_stops_every_rank(
+        runner: RankRunner) -> None:
+    starting = asyncio.create_task(runner.start(start_args("exec sleep 300")))
+    await asyncio.sleep(0)  # the start is now inside its first await
+
+    stopped = await runner.stop(JOB, 1, grace_s=1.0)
+    started = await starting
+
+    assert stopped["stopped"] == [2, 3]
+    assert runner.running() == []
+    assert not any(alive(pid) for pid in started["pids"].values())
+
+
+async def test_no_start_is_accepted_once_the_runner_is_closing(runner: RankRunner) -> None:
+    await runner.stop_all(grace_s=1.0)
+
+    with pytest.raises(CommandError, match="stopping"):
+        await runner.start(start_args("exec sleep 300"))
+
+
+async def test_ranks_left_by_a_crashed_agent_are_killed_by_the_next_one(
+        tmp_path: Path, reporter: Reporter) -> None:
+    crashed = RankRunner(NODE, tmp_path / "data", tmp_path / "agent.sock", reporter)
+    started = await crashed.start(start_args("exec sleep 300"))
+    pids = list(started["pids"].values())
+    # The agent dies without stopping its ranks; a new one starts on the same data dir.
+    successor = RankRunner(NODE, tmp_path / "data", tmp_path / "agent.sock", reporter)
+
+    killed = successor.reap_orphans()
+
+    assert sorted(killed) == sorted(pids)
+    await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in crashed._ranks.values())), 10)
+    assert not any(alive(pid) for pid in pids)
