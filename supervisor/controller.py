@@ -56,6 +56,8 @@ class JobController:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._busy: set[str] = set()  # jobs with a launch or stop in flight
+        self._inflight: dict[str, int] = {}
+        self._orphan_stops: dict[tuple[str, str, int], float] = {}
         self._missing: dict[tuple[str, str], int] = {}  # (job, node) -> heartbeats without it
         self.last_pass_s = 0.0
         self._started = time.monotonic()
@@ -70,9 +72,9 @@ class JobController:
                 job.stop_target = JobState.PENDING
                 job.reason = "supervisor restarted during launch"
                 self._move(job, JobState.STOPPING, job.reason)
-                self._spawn(job, self._stop(job))
+                self._spawn(job, self._stop_after_settling(job))
             elif job.state is JobState.STOPPING:
-                self._spawn(job, self._stop(job))
+                self._spawn(job, self._stop_after_settling(job))
         self.wake()
 
     async def loop(self) -> None:
@@ -123,7 +125,7 @@ class JobController:
         job.reason = "cancelled by operator"
         if job.state is not JobState.STOPPING:
             self._move(job, JobState.STOPPING, job.reason)
-            self._spawn(job, self._stop(job))
+            self._spawn(job, self._stop(job), exclusive=False)
         else:
             self._save(job)
         return job
@@ -143,8 +145,10 @@ class JobController:
         self._after_exit(job, place)
 
     def on_heartbeat(self, beat: wire.Heartbeat) -> None:
-        """Reconcile: a running job whose ranks a node no longer runs, unreported, lost them."""
+        """Reconcile both ways: ranks a node runs that no live job here owns are stopped, and
+        a running job whose ranks a node no longer runs, unreported, lost them."""
         listed = {(j.job, j.generation) for j in beat.jobs}
+        self._stop_orphans(beat.node, listed)
         for job in self.jobs.values():
             if job.state is not JobState.RUNNING or beat.node not in job.nodes:
                 continue
@@ -165,6 +169,31 @@ class JobController:
                 self._event("ranks_lost", job, node=beat.node,
                             ranks=[r.rank for r in open_ranks])
                 self._after_exit(job, open_ranks[0])
+
+    def _stop_orphans(self, node: str, listed: set[tuple[str, int]]) -> None:
+        now = time.monotonic()
+        for job_id, generation in listed:
+            job = self.jobs.get(job_id)
+            owned = job is not None and job.generation == generation and node in job.nodes \
+                and job.state in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING)
+            key = (job_id, node, generation)
+            if owned or now - self._orphan_stops.get(key, -1e9) < 30.0:
+                continue
+            self._orphan_stops[key] = now
+            log.warning("node %s runs job %s generation %d, which no live job here owns; "
+                        "stopping those ranks", node, job_id, generation,
+                        extra={"node": node, "job": job_id, "event": "orphan_ranks"})
+            args = wire.StopRanksArgs(job=job_id, generation=generation, grace_s=10.0,
+                                      reason="orphaned: not owned by any live job")
+            task = asyncio.create_task(self._send_quietly(node, args), name="orphan-stop")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send_quietly(self, node: str, args: wire.StopRanksArgs) -> None:
+        try:
+            await self.sup.command(node, args, timeout=args.grace_s + 10.0)
+        except (TimeoutError, ConnectionError, RegistryError) as exc:
+            log.warning("orphan stop of %s on %s not acknowledged: %s", args.job, node, exc)
 
     def _after_exit(self, job: Job, place: RankPlace) -> None:
         if job.state is JobState.RUNNING:
@@ -330,18 +359,26 @@ class JobController:
             ), return_exceptions=True)
             problems = []
             for node, result in zip(nodes, acks, strict=True):
+                if isinstance(result, asyncio.CancelledError):
+                    raise result
                 if isinstance(result, BaseException):
                     problems.append(f"{node}: {result}")
                 elif result.status != wire.AckStatus.DONE:
                     problems.append(f"{node}: {result.detail}")
             if problems:
                 raise LaunchError("; ".join(problems))
-        except (LaunchError, RegistryError, TimeoutError) as exc:
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # LinkDown, a timeout, a bad ack: never stay in starting
+            if job.state is not JobState.STARTING:
+                return  # cancelled meanwhile: that stop owns the job now
             job.stop_target = JobState.FAILED
             job.reason = f"launch failed: {exc}"
             self._move(job, JobState.STOPPING, job.reason)
             await self._stop(job, grace_s=5.0)
             return
+        if job.state is not JobState.STARTING:
+            return  # cancelled while the ranks were starting: the cancel's stop ends it
         job.started_at = time.time()
         self._move(job, JobState.RUNNING, f"world size {spec.world_size}")
         self._event("job_running", job, generation=job.generation,
@@ -366,6 +403,14 @@ class JobController:
             grace_s=spec.grace_period,
         )
 
+    async def _stop_after_settling(self, job: Job) -> None:
+        """A restarted supervisor knows no node yet: give the job's nodes one offline timeout
+        to re-announce themselves before sending the stops (an offline node gets none)."""
+        settle = self._started + self.sup.settings.offline_after_s - time.monotonic()
+        if settle > 0:
+            await asyncio.sleep(settle)
+        await self._stop(job)
+
     async def _stop(self, job: Job, grace_s: float | None = None) -> None:
         grace = grace_s if grace_s is not None else job.spec.grace_period
         args = wire.StopRanksArgs(job=job.id, generation=max(job.generation, 1), grace_s=grace,
@@ -389,18 +434,26 @@ class JobController:
 
     # --- plumbing ------------------------------------------------------------------
 
-    def _spawn(self, job: Job, work: Awaitable[None]) -> None:
+    def _spawn(self, job: Job, work: Awaitable[None], *, exclusive: bool = True) -> None:
+        """Run a launch or stop of ``job``; ``exclusive=False`` for a cancel that may overlap
+        a launch still in flight (the launch notices the state change and steps aside)."""
         self._busy.add(job.id)
+        self._inflight[job.id] = self._inflight.get(job.id, 0) + 1
 
         async def run() -> None:
             try:
                 await work
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as exc:
                 log.exception("job %s: controller task failed", job.id)
+                if job.state in (JobState.STARTING, JobState.RUNNING):
+                    self.fail(job, f"controller error: {exc}")
             finally:
-                self._busy.discard(job.id)
+                self._inflight[job.id] -= 1
+                if not self._inflight[job.id]:
+                    del self._inflight[job.id]
+                    self._busy.discard(job.id)
 
         task = asyncio.create_task(run(), name=f"job-{job.id}")
         self._tasks.add(task)

@@ -82,9 +82,10 @@ class Supervisor:
                                         retain=True, timeout=2.0)
         for task in self._loops:
             task.cancel()
+        # Job tasks first: cancelled acks would otherwise read as node failures to a launch.
+        await self.jobs.close()
         for future in self._acks.values():
             future.cancel()
-        await self.jobs.close()
         await self._stack.__aexit__(exc_type, exc, tb)
         self.store.close()
         log.info("supervisor stopped")

@@ -244,3 +244,20 @@ def test_hot_spares_are_held_back_from_normal_placement(fleet: Fleet) -> None:
     assert spares[0] not in running["nodes"]
     fleet.client().post(f"/v1/jobs/{two['id']}/cancel")
     fleet.client().post(f"/v1/jobs/{job['id']}/cancel")
+
+
+def test_ranks_no_live_job_owns_are_stopped_by_the_supervisor(fleet: Fleet) -> None:
+    two_by_two(fleet)
+    job = fleet.submit(name="forgotten", nodes=2, ranks_per_node=1, grace_period=1,
+                       command=["sleep", "4040"])
+    fleet.wait_job(job["id"], "running")
+    assert fleet.supervisor is not None
+    fleet.supervisor.stop()
+    # The supervisor loses its state (a new disk, a restored old backup): nobody owns the ranks.
+    for path in (fleet.root / "supervisor" / "state").glob("state.db*"):
+        path.unlink()
+
+    fleet.start_supervisor()
+
+    wait_for(lambda: processes_matching("sleep 4040") == [] or None, 30,
+             "the orphaned ranks to be stopped")
