@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 class BirthSequence:
-    """A counter persisted under the data dir: every (re)connect is a newer birth."""
+    """A persisted, growing counter: every (re)connect is a newer birth, even across a lost
+    data directory (it never falls below the wall clock in milliseconds)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -43,7 +44,9 @@ class BirthSequence:
             self.value = 0
 
     def next(self) -> int:
-        self.value += 1
+        # Milliseconds since the epoch when they are larger: a node whose data dir was lost
+        # (a reimage) still announces a birth newer than the one the supervisor remembers.
+        self.value = max(self.value + 1, int(time.time() * 1000))
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(f"{self.value}\n")
         os.replace(tmp, self.path)

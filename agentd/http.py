@@ -10,6 +10,7 @@ import contextlib
 import hmac
 import logging
 import os
+import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from phalanx.wire import JOB_ID_PATTERN
 
 if TYPE_CHECKING:
     from agentd.daemon import Agent
@@ -105,6 +108,8 @@ def make_app(agent: Agent) -> web.Application:
             return web.json_response({"error": "missing or wrong bearer token (http.token_file)"},
                                      status=403 if token is None else 401)
         job = request.match_info["job"]
+        if not re.match(JOB_ID_PATTERN, job):
+            return web.json_response({"error": f"invalid job id {job!r}"}, status=400)
         try:
             rank = int(request.match_info["rank"])
             offset = max(0, int(request.query.get("offset", "0")))

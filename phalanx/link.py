@@ -80,6 +80,7 @@ class MqttLink:
         self._client: aiomqtt.Client | None = None
         self._connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._backoff = Backoff(settings.reconnect_initial_s, settings.reconnect_max_s)
         self.connects = 0
 
     @property
@@ -141,50 +142,54 @@ class MqttLink:
         return ctx
 
     async def _run(self) -> None:
-        backoff = Backoff(self._settings.reconnect_initial_s, self._settings.reconnect_max_s)
         s = self._settings
         while True:
-            will = self._will() if self._will else None
-            client = aiomqtt.Client(
-                s.host,
-                s.port,
-                identifier=self._client_id,
-                username=s.username,
-                password=s.password.get_secret_value() if s.password else None,
-                keepalive=s.keepalive_s,
-                clean_session=not self._persistent,
-                timeout=s.connect_timeout_s,
-                tls_context=self._tls(),
-                will=aiomqtt.Will(will.topic, will.payload, qos=1, retain=will.retain)
-                if will
-                else None,
-            )
             try:
-                async with client:
-                    self._client = client
-                    for topic in self._subscriptions:
-                        await client.subscribe(topic, qos=1)
-                    self.connects += 1
-                    self._connected.set()
-                    backoff.reset()
-                    log.info("connected to MQTT broker %s:%d as %s", s.host, s.port,
-                             self._client_id)
-                    if self._on_connect is not None:
-                        await self._on_connect()
-                    async for message in client.messages:
-                        await self._dispatch(str(message.topic), message.payload)
+                await self._connect_once()
+                delay = self._backoff.next()  # pragma: no cover - a connection ends by raising
             except (aiomqtt.MqttError, LinkDown) as exc:
-                delay = backoff.next()
-                log.warning(
-                    "MQTT link to %s:%d lost or refused (%s); reconnecting in %.2fs",
-                    s.host, s.port, exc, delay,
-                )
-            else:  # pragma: no cover - the message iterator only ends by raising
-                delay = backoff.next()
+                delay = self._backoff.next()
+                log.warning("MQTT link to %s:%d lost or refused (%s); reconnecting in %.2fs",
+                            s.host, s.port, exc, delay)
+            except Exception:  # a will that cannot be written, a TLS file gone: retry, never die
+                delay = self._backoff.next()
+                log.exception("MQTT link to %s:%d failed; retrying in %.2fs", s.host, s.port,
+                              delay)
             finally:
                 self._connected.clear()
                 self._client = None
             await asyncio.sleep(delay)
+
+    async def _connect_once(self) -> None:
+        """One connection, from connect until it is lost (it ends by raising)."""
+        s = self._settings
+        will = self._will() if self._will else None
+        client = aiomqtt.Client(
+            s.host,
+            s.port,
+            identifier=self._client_id,
+            username=s.username,
+            password=s.password.get_secret_value() if s.password else None,
+            keepalive=s.keepalive_s,
+            clean_session=not self._persistent,
+            timeout=s.connect_timeout_s,
+            tls_context=self._tls(),
+            will=aiomqtt.Will(will.topic, will.payload, qos=1, retain=will.retain)
+            if will
+            else None,
+        )
+        async with client:
+            self._client = client
+            for topic in self._subscriptions:
+                await client.subscribe(topic, qos=1)
+            self.connects += 1
+            self._connected.set()
+            self._backoff.reset()
+            log.info("connected to MQTT broker %s:%d as %s", s.host, s.port, self._client_id)
+            if self._on_connect is not None:
+                await self._on_connect()
+            async for message in client.messages:
+                await self._dispatch(str(message.topic), message.payload)
 
     async def _dispatch(self, topic: str, payload: object) -> None:
         data = payload if isinstance(payload, bytes | bytearray) else str(payload or "").encode()

@@ -201,11 +201,12 @@ def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int =
        timeout: float = 60.0, broker: str = "auto") -> Fleet:
     """Start a fleet and return once every agent is up in the supervisor."""
     directory = directory.absolute()
+    existing: Fleet | None = None
     with contextlib.suppress(LocalFleetError):
         existing = Fleet.load(directory)
-        if any(p.alive() for p in existing.processes):
-            raise LocalFleetError(f"a local fleet is already running in {directory}; "
-                                  "stop it with `phalanx local down`")
+    if existing is not None and any(p.alive() for p in existing.processes):
+        raise LocalFleetError(f"a local fleet is already running in {directory}; "
+                              "stop it with `phalanx local down`")
     for sub in ("supervisor", "nodes", "broker"):
         shutil.rmtree(directory / sub, ignore_errors=True)
     (directory / "logs").mkdir(parents=True, exist_ok=True)

@@ -164,7 +164,8 @@ def describe_validation(exc: ValidationError, *, source: str = "") -> str:
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "<root>"
         got = err.get("input")
-        shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
+        secret = any(word in loc for word in ("password", "token", "secret"))
+        shown = "" if isinstance(got, dict) or got is None or secret else f" (got {got!r})"
         lines.append(f"{loc}: {err['msg']}{shown}")
     where = f" ({source})" if source else ""
     return f"invalid configuration{where}:\n  " + "\n  ".join(lines)

@@ -122,12 +122,14 @@ def make_app(sup: Supervisor) -> web.Application:
             ack = await sup.command(request.match_info["id"], wire.PingArgs())
         except CommandTimeout as exc:
             return _error(504, str(exc))
+        except ConnectionError as exc:  # the broker is unreachable
+            return _error(503, str(exc))
         return web.json_response(ack.model_dump(mode="json"))
 
     async def events(request: web.Request) -> web.Response:
         q = request.query
         try:
-            limit = min(int(q.get("limit", "100")), 10_000)
+            limit = max(1, min(int(q.get("limit", "100")), 10_000))
             after = int(q.get("after", "0"))
         except ValueError:
             return _error(400, "query 'limit' and 'after' must be integers")

@@ -265,3 +265,13 @@ def test_an_unknown_environment_variable_under_the_prefix_is_rejected_naming_it(
 
     with pytest.raises(ConfigError, match="PHALANX_AGENTD_HEARTBEAT_INTERVAL"):
         agentd.config.load([])
+
+
+def test_a_bad_secret_value_is_not_echoed_in_the_error(tmp_path: Path) -> None:
+    conf = _toml(tmp_path, "[mqtt]\npassword = 982734982734\n")
+
+    with pytest.raises(ConfigError) as err:
+        agentd.config.load(["--config", str(conf)])
+
+    assert "mqtt.password" in str(err.value)
+    assert "982734982734" not in str(err.value)
