@@ -112,6 +112,26 @@ class HttpSettings(_Section):
     )
 
 
+class CkptSettings(_Section):
+    shm_dir: Path = Field(
+        default=Path("/dev/shm"),
+        description="tmpfs where the RAM tier's segments live (owned by the agent, so a "
+        "checkpoint outlives its rank).",
+    )
+    object_store: str = Field(
+        default="",
+        description="The object tier: `s3://bucket/prefix` (endpoint and credentials from "
+        "the usual AWS_* environment) or a folder (`file:///path`, shared by the fleet so "
+        "any node restores from it). Empty: DATA_DIR/ckpt-objects.",
+    )
+    socket: Path | None = Field(
+        default=None,
+        description="The unix socket ranks reach the agent at (PHALANX_AGENT_SOCKET). "
+        "Default: DATA_DIR/agent.sock, or a short name in the temp folder when that path is "
+        "too long for a unix socket.",
+    )
+
+
 class AgentSettings(BaseSettings):
     """Everything agentd reads at start."""
 
@@ -146,11 +166,25 @@ class AgentSettings(BaseSettings):
     gpu: GpuSettings = Field(default_factory=GpuSettings)
     thresholds: Thresholds = Field(default_factory=Thresholds)
     http: HttpSettings = Field(default_factory=HttpSettings)
+    ckpt: CkptSettings = Field(default_factory=CkptSettings)
 
     @field_validator("data_dir")
     @classmethod
     def _absolute(cls, value: Path) -> Path:
         return value.expanduser().absolute()
+
+    def socket_path(self) -> Path:
+        if self.ckpt.socket is not None:
+            return self.ckpt.socket
+        path = self.data_dir / "agent.sock"
+        if len(str(path).encode()) <= 100:  # sun_path holds 108 bytes
+            return path
+        import tempfile
+
+        import xxhash
+
+        tag = xxhash.xxh64_hexdigest(str(self.data_dir).encode())[:12]
+        return Path(tempfile.gettempdir()) / f"phalanx-{tag}-agent.sock"
 
     def sim_path(self) -> Path:
         return self.gpu.sim_file or self.data_dir / "sim-gpus.json"

@@ -18,6 +18,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from agentd.ckpt import CkptService
+from agentd.ckpt_http import start_rank_socket
 from agentd.commands import CommandLedger
 from agentd.config import AgentSettings
 from agentd.gpu.base import GpuBackend, GpuInfo, NodeSample
@@ -76,8 +78,17 @@ class Agent:
         self._pending_sample: concurrent.futures.Future[NodeSample] | None = None
         self.ledger = CommandLedger(self.node, self._execute)
         self._rank_events: asyncio.Queue[wire.RankEvent] = asyncio.Queue()
-        self.ranks = RankRunner(self.node, settings.data_dir, settings.data_dir / "agent.sock",
-                                self._rank_events.put, gpus=[g.index for g in self.inventory])
+        self.socket_path = settings.socket_path()
+        self.ranks = RankRunner(self.node, settings.data_dir, self.socket_path,
+                                self._on_rank_event, gpus=[g.index for g in self.inventory])
+        self._landings: asyncio.Queue[wire.CkptLanding] = asyncio.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        token = ""
+        if settings.http.token_file is not None:
+            with contextlib.suppress(OSError):
+                token = settings.http.token_file.read_text().strip()
+        self.ckpt = CkptService(self.node, settings.data_dir, settings.ckpt.shm_dir,
+                                settings.ckpt.object_store, token, self._publish_landing)
         self.link = MqttLink(
             settings.mqtt.resolved(),
             f"agentd-{self.node}",
@@ -97,14 +108,17 @@ class Agent:
 
     async def __aenter__(self) -> Agent:
         await self._stack.__aenter__()
+        self._loop = asyncio.get_running_loop()
         try:
             await asyncio.to_thread(self.ranks.reap_orphans)
             await self.sample_health()
             self.http_port = await self._stack.enter_async_context(start_http(self))
+            await self._stack.enter_async_context(start_rank_socket(self, self.socket_path))
             await self._stack.enter_async_context(self.link)
             self._group = await self._stack.enter_async_context(asyncio.TaskGroup())
             for name, loop in (("sample", self._sample_loop), ("heartbeat", self._heartbeat_loop),
-                               ("rank-events", self._rank_event_loop)):
+                               ("rank-events", self._rank_event_loop),
+                               ("ckpt-landings", self._landing_loop)):
                 self._loops.append(self._group.create_task(supervised(name, loop), name=name))
         except BaseException:
             await self._stack.__aexit__(None, None, None)
@@ -122,6 +136,7 @@ class Agent:
     ) -> None:
         await self.ranks.stop_all(self.settings.stop_grace_s)
         await self._flush_rank_events(timeout=2.0)
+        await self.ckpt.close()
         if self.link.connected:
             death = wire.NodeDeath(node=self.node, seq=self._birth_seq, cause="shutdown")
             with contextlib.suppress(LinkDown):
@@ -179,6 +194,12 @@ class Agent:
         except wire.WireError as exc:
             log.warning("dropped: %s", exc)
             return
+        if isinstance(inbound.message, wire.CkptCatalog):
+            assert self._group is not None
+            self._group.create_task(self.ckpt.on_catalog(inbound.message), name="ckpt-catalog")
+            return
+        if inbound.message is None:
+            return  # a cleared retained catalog
         if not isinstance(inbound.message, wire.Command):
             log.warning("dropped: unexpected %s on %s", type(inbound.message).__name__, topic)
             return
@@ -202,6 +223,8 @@ class Agent:
                 await self.publish_heartbeat()
                 return {"status": self.health.status.value}
             case wire.StartRanksArgs():
+                if cmd.args.generation >= self.ckpt.generations.get(cmd.args.job, 0):
+                    self.ckpt.configure(cmd.args.job, cmd.args.generation, cmd.args.ckpt)
                 return await self.ranks.start(cmd.args)
             case wire.StopRanksArgs():
                 return await self.ranks.stop(cmd.args.job, cmd.args.generation,
@@ -213,6 +236,31 @@ class Agent:
                                         retain=True)
                 return {"seq": self._birth_seq}
         raise AssertionError(f"unhandled command {cmd.args!r}")  # pragma: no cover
+
+    # --- checkpoints ----------------------------------------------------------------
+
+    async def _on_rank_event(self, event: wire.RankEvent) -> None:
+        if event.event == "exited":
+            self.ckpt.rank_exited(event.job, event.rank)
+        await self._rank_events.put(event)
+
+    def _publish_landing(self, msg: wire.CkptLanding) -> None:
+        """From the engines' threads: queue a landing for the MQTT loop."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._landings.put_nowait, msg)
+
+    async def _landing_loop(self) -> None:
+        """Publish checkpoint landings in order; while the link is down they wait."""
+        while True:
+            msg = await self._landings.get()
+            while True:
+                try:
+                    await self.link.publish(wire.ckpt_topic(self.node), wire.encode(msg),
+                                            timeout=30.0)
+                    break
+                except LinkDown as exc:
+                    log.warning("ckpt landing of job %s step %d not yet sent: %s", msg.job,
+                                msg.step, exc)
 
     # --- loops ---------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """agentd's HTTP server: ``/healthz`` and Prometheus ``/metrics``.
 
-Peers (checkpoint copies) and the supervisor (logs) will add routes here.
+The supervisor reads rank logs here; buddies push and fetch the peer tier's
+checkpoint copies (``agentd.ckpt_http``), both behind the agent token.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agentd.ckpt_http import add_peer_routes
 from phalanx.wire import JOB_ID_PATTERN
 
 if TYPE_CHECKING:
@@ -130,6 +132,7 @@ def make_app(agent: Agent) -> web.Application:
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     app = web.Application()
+    add_peer_routes(app, agent, authorised)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/jobs/{job}/ranks/{rank}/log", rank_log)

@@ -1,6 +1,7 @@
 """Phalanx's tiered write-back checkpoint store (the ``ckpt`` package).
 
-The public surface: the rank-side ``Checkpointer``; the tiers (``RamTier``,
+The public surface: the rank-side ``Checkpointer`` (standalone with ``dir=``,
+or under Phalanx, talking to its agent: ``ckpt.remote``); the tiers (``RamTier``,
 ``DiskTier``, ``ObjectTier`` over a ``LocalFolderStore`` or ``S3Store``) and the
 write-down ``Engine`` that agentd runs too; the shard format (``plan`` /
 ``write_into`` / ``seal`` to save, ``decode`` to restore, ``checksum`` /
@@ -35,6 +36,7 @@ from ckpt.format import (
     write_into,
 )
 from ckpt.objects import LocalFolderStore, ObjectStore, ObjectTier, S3Store, open_store
+from ckpt.peer import HttpPeerStore
 from ckpt.policy import Interval
 from ckpt.ram import RamTier, namespace_for
 from ckpt.tiers import DiskTier, Pacing, ShardKey, StoredShard, Tier, TierManifest
@@ -47,6 +49,7 @@ __all__ = [
     "DiskTier",
     "Engine",
     "FormatError",
+    "HttpPeerStore",
     "Interval",
     "LocalCatalog",
     "LocalFolderStore",

@@ -16,17 +16,12 @@ import sys
 from collections import OrderedDict
 from collections.abc import Set
 from dataclasses import dataclass
-from typing import Any, Final, TypeAlias
+from typing import Any, Final
 
 import torch
 
+from ckpt._limits import ALIGN, MAX_DEPTH, MAX_NDIM, Json, align, is_uint
 from ckpt.errors import CheckpointError, FormatError, ShardRef, UnsupportedValue
-
-Json: TypeAlias = Any
-
-ALIGN: Final = 64
-MAX_DEPTH: Final = 64
-MAX_NDIM: Final = 64
 
 TORCH_DTYPE_NAMES: Final = (
     "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
@@ -46,18 +41,9 @@ NUMPY_DTYPES: Final = frozenset(
 BLOB_TAGS: Final = frozenset(("tensor", "param", "ndarray", "npscalar", "bytes", "bytearray"))
 
 
-def align(n: int) -> int:
-    """``n`` rounded up to a multiple of ``ALIGN``."""
-    return -(-n // ALIGN) * ALIGN
-
-
 def short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def is_uint(value: Json) -> bool:
-    return type(value) is int and value >= 0
 
 
 @dataclass(frozen=True, slots=True)

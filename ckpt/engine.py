@@ -224,6 +224,24 @@ class Engine:
         if tier is not self.ram:
             self._retain(tier, key)
 
+    def commit(self, tier_name: str, manifest: TierManifest, rank: int) -> bool:
+        """Commit a step that an outside catalog (the supervisor's) found complete at a
+        tier, then apply retention there: the agent's path, where ``Catalog.landed``
+        only reports and the commit comes later. False when the tier is not
+        configured here or its manifest could not be written (reported)."""
+        key = ShardKey(manifest.job, manifest.step, rank)
+        tier = next((t for t in [self.ram, *self.tiers] if t.name == tier_name), None)
+        if tier is None:
+            return False
+        try:
+            tier.commit(manifest)
+        except TierError as exc:
+            self.fail(exc, key)
+            return False
+        self.report(TierEvent("committed", tier.name, key))
+        self._retain(tier, key)  # RAM too: a slot past ``keep`` is freed (unless still busy)
+        return True
+
     def _retain(self, tier: Tier, key: ShardKey) -> None:
         """Drop steps older than the ``keep`` newest committed ones at ``tier``."""
         keep = self.keep.get(tier.name, 1)

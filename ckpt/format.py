@@ -53,22 +53,14 @@ import json
 import mmap
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import xxhash
 
-from ckpt._tree import (
-    ALIGN,
-    MAX_DEPTH,
-    MAX_NDIM,
-    Blob,
-    Json,
-    TreeDecoder,
-    TreeEncoder,
-    align,
-    is_uint,
-    write_blobs,
-)
+from ckpt._limits import ALIGN, MAX_DEPTH, MAX_NDIM, Json, align, is_uint
+
+if TYPE_CHECKING:  # torch is imported only where tensors are encoded or decoded
+    from ckpt._tree import Blob
 from ckpt.errors import (
     FormatError,
     ShardCorrupt,
@@ -144,6 +136,8 @@ def plan(state: object, *, ref: ShardRef | None = None) -> ShardPlan:
     ``UnsupportedValue`` naming the first value the format cannot store.
     """
     ref = ref if ref is not None else ShardRef()
+    from ckpt._tree import TreeEncoder
+
     planner = TreeEncoder(ref)
     tree = planner.node(state, "state", 0)
     meta = {}
@@ -186,6 +180,8 @@ def write_into(shard_plan: ShardPlan, buffer: BufferLike) -> None:
         raise ValueError(f"buffer is {len(view)} bytes; the plan needs exactly {shard_plan.nbytes}")
     data_start = len(shard_plan.head)
     view[:data_start] = shard_plan.head
+    from ckpt._tree import write_blobs
+
     pos = write_blobs(view, data_start, shard_plan.blobs)
     view[pos:] = bytes(len(view) - pos)  # tail padding and the (unsealed) trailer
 
@@ -402,6 +398,8 @@ def decode(
             raise ShardMismatch(
                 f"shard is for {name} {found}, not {wanted}", ref=ref.merged(header.meta)
             )
+    from ckpt._tree import TreeDecoder
+
     return TreeDecoder(
         view, header.data_start, header.data_nbytes, copy, ref.merged(header.meta)
     ).node(header.tree, "tree", 0)

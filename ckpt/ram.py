@@ -42,7 +42,7 @@ from ckpt.errors import ShardRef, TierError
 from ckpt.format import CHECKSUM_ALGORITHM
 from ckpt.tiers import ShardKey, StoredShard, Tier, check_job
 
-__all__ = ["RamTier", "Slot", "namespace_for"]
+__all__ = ["RamTier", "Slot", "namespace_for", "read_slot_view"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,20 @@ WhenBusy = Literal["wait", "skip"]
 def namespace_for(job: str, rank: int) -> str:
     """The shared-memory name prefix of one rank's slots, as agent and rank agree on it."""
     return f"phalanx-{check_job(job)}-r{rank}"
+
+
+def read_slot_view(mm: mmap.mmap, step: int) -> memoryview | None:
+    """The shard in a mapped slot file when it is sealed and holds ``step``, else
+    ``None`` (the caller decodes it, verifying the checksum, with a copy: a
+    slot can be reused)."""
+    if len(mm) < HEADER_NBYTES:
+        return None
+    magic, version, state, found, nbytes, _cap, _seq, _digest = _HEAD.unpack_from(mm, 0)
+    if magic != _MAGIC or version != _VERSION or state != SEALED or found != step:
+        return None
+    if nbytes > len(mm) - HEADER_NBYTES:
+        return None
+    return memoryview(mm)[HEADER_NBYTES : HEADER_NBYTES + nbytes]
 
 
 @dataclass(slots=True, eq=False)
@@ -92,7 +106,7 @@ class Slot:
         return f"{CHECKSUM_ALGORITHM}:{self.digest.hex()}"
 
 
-def _pin_for_dma(mm: mmap.mmap, nbytes: int) -> None:
+def pin_for_dma(mm: mmap.mmap, nbytes: int) -> None:
     """Register the mapping with CUDA so device-to-host copies DMA straight in."""
     try:
         import torch
@@ -121,6 +135,7 @@ class RamTier(Tier):
         slots: int = 2,
         keep: int = 1,
         name: str = "ram",
+        pin: bool = True,
     ) -> None:
         if slots < 2 or not 1 <= keep < slots:
             raise ValueError(f"RamTier needs slots >= 2 and 1 <= keep < slots, not {slots}, {keep}")
@@ -130,6 +145,7 @@ class RamTier(Tier):
         self.directory = Path(directory)
         self.nslots = slots
         self.keep = keep
+        self.pin = pin  # an agent does not: the rank that copies into a slot pins its own map
         self.cond = threading.Condition()
         self.slots: list[Slot | None] = [None] * slots
         self._attach()
@@ -198,7 +214,8 @@ class RamTier(Tier):
                 f"cannot allocate {size} bytes of shared memory at {path}: {exc}",
                 tier=self.name, ref=ShardRef(path=str(path)),
             ) from exc  # fmt: skip
-        _pin_for_dma(mm, size)
+        if self.pin:
+            pin_for_dma(mm, size)
         slot = Slot(index, path, mm, capacity)
         slot.write_head()
         self.slots[index] = slot
@@ -296,6 +313,12 @@ class RamTier(Tier):
     def _find(self, step: int) -> Slot | None:
         found = [s for s in self.slots if s is not None and s.state == SEALED and s.step == step]
         return max(found, key=lambda s: s.seq, default=None)
+
+    def find(self, step: int) -> Slot | None:
+        """The newest sealed slot holding ``step``, if any (read it verified: it can be
+        reused once it is neither busy nor pinned)."""
+        with self.cond:
+            return self._find(step)
 
     def open(self, key: ShardKey) -> StoredShard | None:
         if key.job != self.job:

@@ -1,9 +1,9 @@
 """The tier interface, and the NVMe tier (``DiskTier``).
 
 A tier holds sealed shards, keyed by (job, step, rank). Nearest first: RAM
-(``ckpt.ram.RamTier``), NVMe (``DiskTier``), peer (``PeerTier``: another
-node's agent over HTTP, owned by agentd and not part of this library yet),
-object store (``ckpt.objects.ObjectTier``). Every tier:
+(``ckpt.ram.RamTier``), NVMe (``DiskTier``), peer (an ``ObjectTier`` over
+``ckpt.peer.HttpPeerStore``: a buddy node's agent over HTTP), object store
+(``ckpt.objects.ObjectTier``). Every tier:
 
 * ``put`` stores a shard from a buffer, checking the bytes it wrote against the
   checksum that ``seal`` recorded, and makes it visible only once it is whole

@@ -54,5 +54,8 @@ job=$(phalanx submit examples/tinylm.yaml)
 phalanx logs "$job" --rank 0 -f
 phalanx status "$job"
 
+say "its checkpoints (every 50 steps), and the tiers that hold them"
+phalanx ckpt ls "$job"
+
 say "the event log"
 phalanx events --limit 25

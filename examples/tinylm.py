@@ -8,6 +8,14 @@ gloo on CPU, NCCL where CUDA is available. The token stream is a fixed
 random Markov chain (seeded), so the loss has something to learn and every
 run sees the same data: rank r of a world of w reads batch ``step * w + r``.
 Rank 0 logs loss and tokens/s; the last line says whether the loss went down.
+
+Under Phalanx it checkpoints with ``ckpt.Checkpointer()`` every ``--ckpt-every``
+steps (model, optimizer, LR scheduler, the RNGs of torch, numpy and python,
+and the data position, which is the step) and, at start, restores the latest
+committed checkpoint if the job has one, from the nearest tier that holds a
+good copy. ``--ckpt-digests`` makes every rank log a digest of each state it
+saves and of the state it resumes with (what the tests compare bit for bit).
+Run by hand (no agent), it does not checkpoint.
 """
 
 from __future__ import annotations
@@ -16,8 +24,11 @@ import argparse
 import json
 import math
 import os
+import random
 import time
+from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -65,6 +76,43 @@ class TinyLM(nn.Module):
         return out
 
 
+def digest(state: dict[str, Any]) -> str:
+    """Every bit of a state, as the shard format encodes it (no pickle), hashed."""
+    import xxhash
+
+    import ckpt
+
+    return xxhash.xxh3_128_hexdigest(bytes(ckpt.encode(state)))
+
+
+def capture(step: int, model: nn.Module, opt: torch.optim.Optimizer,
+            sched: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
+    """The whole training state after ``step`` steps; the data position is the step."""
+    return {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+        "data": {"position": step},
+    }
+
+
+def load(state: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer,
+         sched: torch.optim.lr_scheduler.LRScheduler) -> int:
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    np.random.set_state(state["rng"]["numpy"])
+    random.setstate(state["rng"]["python"])
+    if torch.cuda.is_available() and state["rng"]["cuda"]:
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    return int(state["data"]["position"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=150)
@@ -77,6 +125,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ckpt-every", type=int, default=0,
+                    help="under Phalanx: checkpoint every N steps (0: never)")
+    ap.add_argument("--ckpt-digests", action="store_true",
+                    help="log a digest of every saved and restored state")
     args = ap.parse_args()
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -95,10 +147,28 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     stream = TokenStream(args.vocab, args.seq, args.batch)
     loss_fn = nn.CrossEntropyLoss()
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+
+    checkpointer = None
+    start = 0
+    if os.environ.get("PHALANX_AGENT_SOCKET"):
+        from ckpt import Checkpointer
+
+        checkpointer = Checkpointer()
+        found = checkpointer.restore()
+        if found is not None:
+            start = load(found[1], model, opt, sched)
+            line: dict[str, Any] = {"ckpt_restored": found[0], "rank": rank,
+                                    "from": checkpointer.restored_from}
+            if args.ckpt_digests:
+                line["digest"] = digest(capture(start, model, opt, sched))
+            print(json.dumps(line), flush=True)
+    saved = False
 
     first_loss = last_loss = math.nan
     window_start, window_tokens = time.perf_counter(), 0
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         batch = stream.get(step * world + rank).to(device)
         logits = ddp(batch[:, :-1])
         loss = loss_fn(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
@@ -110,7 +180,7 @@ def main() -> None:
         reduced = loss.detach().clone()
         dist.all_reduce(reduced)
         mean = reduced.item() / world
-        if step == 0:
+        if step == start:
             first_loss = mean
         last_loss = mean
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
@@ -119,6 +189,18 @@ def main() -> None:
             print(json.dumps({"step": step, "loss": round(mean, 4), "tokens_per_s": round(rate),
                               "lr": sched.get_last_lr()[0]}), flush=True)
             window_start, window_tokens = now, 0
+        done = step + 1
+        if checkpointer is not None and args.ckpt_every and done % args.ckpt_every == 0:
+            state = capture(done, model, opt, sched)
+            checkpointer.save(done, state)
+            saved = True
+            if args.ckpt_digests:
+                print(json.dumps({"ckpt_saved": done, "rank": rank, "digest": digest(state)}),
+                      flush=True)
+    if checkpointer is not None:
+        if saved:
+            checkpointer.wait()
+        checkpointer.close()
     if rank == 0:
         print(json.dumps({"done": True, "steps": args.steps, "first_loss": round(first_loss, 4),
                           "last_loss": round(last_loss, 4),

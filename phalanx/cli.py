@@ -233,6 +233,29 @@ def cmd_logs(args: argparse.Namespace) -> int:
         time.sleep(0.5)
 
 
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def cmd_ckpt_ls(args: argparse.Namespace) -> int:
+    cat = _call(_client(args).get, f"/v1/jobs/{args.job}/checkpoints")
+    rows = []
+    for s in reversed(cat["steps"]):
+        committed = [t for t in cat["tiers"] if t in s["committed"]]
+        committed += [t for t in s["committed"] if t not in committed]
+        partial = [f"{t}({n}/{cat['world_size']})" for t, n in sorted(s["partial"].items())]
+        size = max(s["bytes"].values(), default=0)
+        rows.append([str(s["step"]), ",".join(committed) or "-", " ".join(partial) or "-",
+                     _size(size)])
+    _emit(args, cat, _table(rows, ["STEP", "COMMITTED", "PARTIAL", "SIZE"]))
+    return EXIT_OK
+
+
 # --- local fleet ----------------------------------------------------------
 
 
@@ -337,6 +360,13 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--rank", type=int, default=0)
     sp.add_argument("-f", "--follow", action="store_true")
     sp.set_defaults(fn=cmd_logs)
+
+    cp = sub.add_parser("ckpt", help="a job's checkpoints")
+    csub = cp.add_subparsers(dest="ckpt_command", required=True)
+    sp = csub.add_parser("ls", help="steps, newest first, and the tiers holding each")
+    sp.add_argument("job")
+    out(sp)
+    sp.set_defaults(fn=cmd_ckpt_ls)
 
     lp = sub.add_parser("local", help="a whole fleet on this machine (sim GPUs)")
     lsub = lp.add_subparsers(dest="local_command", required=True)

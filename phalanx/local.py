@@ -8,6 +8,7 @@
     DIR/supervisor/         supervisor.toml and its state
     DIR/nodes/NODE/         agentd.toml, the sim GPU file, the agent's data dir
     DIR/logs/ROLE.log       every process's output
+    DIR/objects/            the checkpoint object store every agent shares (a folder)
 
 It is what the README's demo runs and what the integration tests build on.
 """
@@ -248,7 +249,7 @@ def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int =
             (node_dir / "agentd.toml").write_text(agent_toml(
                 node, node_dir / "data", broker_port, gpus_per_node,
                 rack=f"rack{i // nodes_per_rack + 1}", heartbeat_s=heartbeat_s,
-                token_file=agent_token_file))
+                token_file=agent_token_file, object_store=directory / "objects"))
             # Ranks find this Python (and its torch) first on PATH, as in an activated venv.
             path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
             fleet.processes.append(_spawn(
@@ -263,7 +264,10 @@ def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int =
 
 
 def agent_toml(node: str, data_dir: Path, broker_port: int, gpus: int, *, rack: str,
-               heartbeat_s: float, token_file: Path | None = None) -> str:
+               heartbeat_s: float, token_file: Path | None = None,
+               object_store: Path | None = None) -> str:
+    """An agent's config; ``object_store`` is the folder every node's object tier shares
+    (so any node restores from it), as an S3 bucket would be."""
     return (
         f'node_id = "{node}"\naddress = "127.0.0.1"\nrack = "{rack}"\n'
         f'data_dir = "{data_dir}"\nheartbeat_interval_s = {heartbeat_s}\n'
@@ -273,6 +277,8 @@ def agent_toml(node: str, data_dir: Path, broker_port: int, gpus: int, *, rack: 
         "disk_drain_bytes = 0\ndisk_warn_fraction = 0.0\nload_warn_per_cpu = 64\n"
         'mem_warn_fraction = 0.0\n[http]\nhost = "127.0.0.1"\nport = 0\n'
         + (f'token_file = "{token_file}"\n' if token_file else "")
+        + (f'[ckpt]\nobject_store = "{object_store.absolute().as_uri()}"\n'
+           if object_store else "")
     )
 
 

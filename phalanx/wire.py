@@ -14,6 +14,8 @@ topic                                  publisher  retain   payload
 ``phalanx/v1/node/{node}/cmd``         supervisor no       :class:`Command`
 ``phalanx/v1/node/{node}/ack``         agent      no       :class:`CommandAck`
 ``phalanx/v1/node/{node}/rank``        agent      no       :class:`RankEvent`
+``phalanx/v1/node/{node}/ckpt``        agent      no       :class:`CkptLanding`
+``phalanx/v1/job/{job}/ckpt``          supervisor yes      :class:`CkptCatalog`
 ``phalanx/v1/supervisor/status``       supervisor yes      :class:`SupervisorStatus`
 =====================================  =========  =======  ==========================
 
@@ -192,6 +194,66 @@ class RankEvent(_Msg):
     at: float
 
 
+# --- checkpoints ------------------------------------------------------------
+
+CkptTierName = Literal["ram", "nvme", "peer", "object"]
+
+
+class CkptLanding(_Msg):
+    """One rank's shard of one step landed at (or was deleted from) a tier of a node.
+
+    ``landed`` means the bytes are whole and checked against the seal; ``deleted``
+    that retention removed them; ``failed`` that the tier could not take them
+    (``error`` says why). For the peer tier ``holder`` is the buddy that keeps the copy.
+    """
+
+    kind: Literal["ckpt"] = "ckpt"
+    node: NodeId
+    job: str
+    step: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    tier: CkptTierName
+    event: Literal["landed", "deleted", "failed"] = "landed"
+    nbytes: int = Field(default=0, ge=0)
+    checksum: str = ""
+    holder: str | None = None
+    error: str = ""
+    at: float
+
+
+class CkptShard(_Msg):
+    rank: int = Field(ge=0)
+    checksum: str
+    nbytes: int = Field(ge=0)
+
+
+class CkptStep(_Msg):
+    """A step committed at one tier or more: when, and every rank's checksum and size."""
+
+    step: int = Field(ge=0)
+    committed: dict[CkptTierName, float] = Field(description="tier -> commit time")
+    shards: list[CkptShard]
+
+
+class CkptCatalog(_Msg):
+    """The committed checkpoints of one job, as the supervisor's catalog holds them.
+
+    Retained, so an agent that (re)connects learns them at once; republished on
+    every commit or deletion. Only the newest ``MAX_CATALOG_STEPS`` steps are listed,
+    fewer for a job of many ranks (each step lists every rank's checksum).
+    """
+
+    kind: Literal["ckpt_catalog"] = "ckpt_catalog"
+    job: str
+    world_size: int = Field(ge=1)
+    steps: list[CkptStep] = Field(default_factory=list)
+    ended: bool = Field(default=False, description="the job succeeded or was cancelled: "
+                        "agents free its RAM tier (the lower tiers keep what `keep` says)")
+
+
+MAX_CATALOG_STEPS = 16
+
+
 # --- commands ------------------------------------------------------------
 
 
@@ -226,6 +288,25 @@ class RankSlot(_Msg):
 JOB_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,80}$"
 
 
+class PeerAddr(_Msg):
+    """A buddy node's agent, where the peer tier pushes this node's shards."""
+
+    node: NodeId
+    address: str
+    http_port: int = Field(ge=1, le=65535)
+
+
+class CkptPlan(_Msg):
+    """How the agent writes this job's checkpoints down (from the job spec)."""
+
+    tiers: list[CkptTierName] = Field(min_length=1)
+    keep: dict[CkptTierName, int] = Field(default_factory=dict)
+    interval: str | float | int = Field(
+        default="auto", description="what ``Checkpointer.due`` uses: steps (int), "
+        "seconds (float) or 'auto'")
+    buddy: PeerAddr | None = Field(default=None, description="the peer tier's target")
+
+
 class StartRanksArgs(_Msg):
     """Start this node's ranks of one job generation (idempotent for the same generation)."""
 
@@ -246,6 +327,8 @@ class StartRanksArgs(_Msg):
         "(jobs can share a node by GPU count; only the agent knows which GPUs are free)",
     )
     grace_s: float = Field(default=30.0, gt=0)
+    ckpt: CkptPlan | None = Field(default=None, description="the checkpoint tiers; None: "
+                                  "the agent's defaults")
 
 
 class StopRanksArgs(_Msg):
@@ -309,7 +392,7 @@ class SupervisorStatus(_Msg):
 
 
 Message = (NodeBirth | NodeDeath | Heartbeat | Command | CommandAck | SupervisorStatus
-           | RankEvent)
+           | RankEvent | CkptLanding | CkptCatalog)
 
 
 # --- topics --------------------------------------------------------------
@@ -345,6 +428,19 @@ def rank_topic(node: str) -> str:
     return f"{PREFIX}/node/{_node(node)}/rank"
 
 
+def ckpt_topic(node: str) -> str:
+    return f"{PREFIX}/node/{_node(node)}/ckpt"
+
+
+_JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,80}$")
+
+
+def catalog_topic(job: str) -> str:
+    if not _JOB_ID_RE.match(job):
+        raise ValueError(f"invalid job id {job!r}")
+    return f"{PREFIX}/job/{job}/ckpt"
+
+
 SUPERVISOR_STATUS_TOPIC = f"{PREFIX}/supervisor/status"
 
 # Subscriptions, one per consumer.
@@ -354,11 +450,12 @@ SUPERVISOR_SUBSCRIPTIONS = (
     f"{PREFIX}/node/+/heartbeat",
     f"{PREFIX}/node/+/ack",
     f"{PREFIX}/node/+/rank",
+    f"{PREFIX}/node/+/ckpt",
 )
 
 
 def agent_subscriptions(node: str) -> tuple[str, ...]:
-    return (command_topic(node),)
+    return (command_topic(node), f"{PREFIX}/job/+/ckpt")
 
 
 _MODELS: dict[str, type[_Msg]] = {
@@ -368,8 +465,10 @@ _MODELS: dict[str, type[_Msg]] = {
     "cmd": Command,
     "ack": CommandAck,
     "rank": RankEvent,
+    "ckpt": CkptLanding,
 }
-_TOPIC_RE = re.compile(r"^phalanx/v1/node/([^/]+)/(birth|death|heartbeat|cmd|ack|rank)$")
+_TOPIC_RE = re.compile(r"^phalanx/v1/node/([^/]+)/(birth|death|heartbeat|cmd|ack|rank|ckpt)$")
+_CATALOG_RE = re.compile(r"^phalanx/v1/job/([^/]+)/ckpt$")
 
 
 @dataclass(frozen=True)
@@ -400,6 +499,15 @@ def parse(topic: str, payload: bytes | bytearray | str | None) -> Inbound:
         if not payload:
             return Inbound(None, None)
         return Inbound(None, _validate(topic, SupervisorStatus, payload))
+    if (job_match := _CATALOG_RE.match(topic)) is not None:
+        if not payload:
+            return Inbound(None, None)
+        catalog = _validate(topic, CkptCatalog, payload)
+        assert isinstance(catalog, CkptCatalog)
+        if catalog.job != job_match.group(1):
+            raise WireError(topic, f"payload names job {catalog.job!r} but the topic names "
+                                   f"{job_match.group(1)!r}")
+        return Inbound(None, catalog)
     match = _TOPIC_RE.match(topic)
     if match is None:
         raise WireError(topic, "not a phalanx/v1 topic")

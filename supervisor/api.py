@@ -15,6 +15,8 @@ GET      /v1/jobs/{id}                 one job; 404 when unknown
 POST     /v1/jobs/{id}/cancel          stop every rank, then ``cancelled``
 GET      /v1/jobs/{id}/logs            ``?rank=N&offset=K``: bytes of a rank's log, fetched
                                        from its node; ``X-Phalanx-Offset`` is where to go on
+GET      /v1/jobs/{id}/checkpoints     the catalog: every step with a shard somewhere,
+                                       the tiers it is committed at, partial tiers
 GET      /v1/events                    ``?node=ID&job=ID&limit=N&after=ID``
 GET      /v1/stats                     counters (heartbeats handled, bad messages)
 =======  ============================  ==========================================
@@ -188,6 +190,11 @@ def make_app(sup: Supervisor) -> web.Application:
             return _error(502, f"cannot fetch the log from node {place.node} at "
                                f"{node.birth.address}:{node.birth.http_port}: {exc}")
 
+    async def checkpoints(request: web.Request) -> web.Response:
+        found = sup.jobs.get(request.match_info["id"])
+        return web.json_response(sup.catalog.view(found.id, found.spec.world_size,
+                                                  found.spec.checkpoint.tiers))
+
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({
             "heartbeats": sup.registry.heartbeats,
@@ -212,6 +219,7 @@ def make_app(sup: Supervisor) -> web.Application:
     app.router.add_get("/v1/jobs/{id}", job)
     app.router.add_post("/v1/jobs/{id}/cancel", cancel)
     app.router.add_get("/v1/jobs/{id}/logs", logs)
+    app.router.add_get("/v1/jobs/{id}/checkpoints", checkpoints)
     return app
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx import wire
 from phalanx.jobspec import FromFile, JobSpec
+from supervisor.catalog import pick_buddies
 from supervisor.jobs import Job, JobState, RankPlace
 from supervisor.registry import NodeState, Refused, RegistryError
 from supervisor.scheduler import (
@@ -401,7 +402,28 @@ class JobController:
             ranks=[wire.RankSlot(rank=r.rank, local_rank=r.local_rank)
                    for r in job.ranks if r.node == node],
             grace_s=spec.grace_period,
+            ckpt=self._ckpt_plan(job, node),
         )
+
+    def _ckpt_plan(self, job: Job, node: str) -> wire.CkptPlan:
+        """The job's checkpoint tiers for one node, with the buddy its peer copies go to."""
+        spec = job.spec.checkpoint
+        racks = {}
+        for n in job.nodes:
+            known = self.sup.registry.nodes.get(n)
+            racks[n] = known.birth.topology.rack if known and known.birth else ""
+        buddy = None
+        name = pick_buddies(job.nodes, racks).get(node) if "peer" in spec.tiers else None
+        found = self.sup.registry.nodes.get(name) if name else None
+        if found is not None and found.birth is not None and found.birth.http_port:
+            buddy = wire.PeerAddr(node=found.id, address=found.birth.address,
+                                  http_port=found.birth.http_port)
+        interval: str | float | int = "auto"
+        if isinstance(spec.interval, dict):
+            kind, value = next(iter(spec.interval.items()))
+            interval = int(value) if kind == "steps" else float(value)
+        return wire.CkptPlan(tiers=list(spec.tiers), keep=dict(spec.keep), interval=interval,
+                             buddy=buddy)
 
     async def _stop_after_settling(self, job: Job) -> None:
         """A restarted supervisor knows no node yet: give the job's nodes one offline timeout
@@ -465,6 +487,11 @@ class JobController:
         self._save(job)
         log.info("job %s: %s -> %s (%s)", job.id, before.value, to.value, why,
                  extra={"job": job.id, "event": "job_state", "state": to.value})
+        if to in (JobState.SUCCEEDED, JobState.CANCELLED) and self.store.commits(job.id):
+            # Its agents free the RAM tier once the catalog says the job ended.
+            task = asyncio.create_task(self.sup.publish_catalog(job.id), name="ckpt-ended")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _save(self, job: Job) -> None:
         self.store.save_job(job.id, job.state.value, job.record())

@@ -12,8 +12,10 @@ from phalanx import wire
 from phalanx.link import LinkDown, MqttLink, Will
 from phalanx.tasks import supervised
 from supervisor.api import start_api
+from supervisor.catalog import CheckpointCatalog
 from supervisor.config import SupervisorSettings
 from supervisor.controller import JobController
+from supervisor.jobs import JobState
 from supervisor.registry import Registry
 from supervisor.store import Store
 
@@ -47,6 +49,7 @@ class Supervisor:
             on_connect=self._on_connect,
             persistent_session=True,  # rank events sent while we restart are queued for us
         )
+        self.catalog = CheckpointCatalog(self.store)
         self.jobs = JobController(self)
         self.api_port = 0
         self._stack = contextlib.AsyncExitStack()
@@ -93,6 +96,19 @@ class Supervisor:
     async def _on_connect(self) -> None:
         status = wire.SupervisorStatus(online=True, since=self.started_at)
         await self.link.publish(wire.SUPERVISOR_STATUS_TOPIC, wire.encode(status), retain=True)
+        for job in list(self.jobs.jobs.values()):
+            if self.store.commits(job.id):
+                await self.publish_catalog(job.id)
+
+    async def publish_catalog(self, job_id: str) -> None:
+        """The job's committed checkpoints, retained, for its agents."""
+        job = self.jobs.jobs.get(job_id)
+        if job is None:
+            return
+        msg = self.catalog.message(job_id, job.spec.world_size).model_copy(update={
+            "ended": job.state in (JobState.SUCCEEDED, JobState.CANCELLED)})
+        with contextlib.suppress(LinkDown):
+            await self.link.publish(wire.catalog_topic(job_id), wire.encode(msg), retain=True)
 
     async def _on_message(self, topic: str, payload: bytes) -> None:
         try:
@@ -114,6 +130,12 @@ class Supervisor:
                         self.jobs.wake()
             case wire.RankEvent():
                 self.jobs.on_rank_event(msg)
+            case wire.CkptLanding():
+                job = self.jobs.jobs.get(msg.job)
+                if job is None:
+                    log.warning("dropped: a checkpoint landing of unknown job %s", msg.job)
+                elif self.catalog.on_landing(msg, job.spec.world_size):
+                    await self.publish_catalog(msg.job)
             case wire.NodeBirth():
                 self.registry.on_birth(msg)
                 self.jobs.wake()

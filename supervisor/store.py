@@ -35,6 +35,25 @@ CREATE TABLE IF NOT EXISTS jobs (
     record TEXT NOT NULL,          -- JSON: spec, generation, rank map, timings, exits
     updated_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS ckpt_shards (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    tier TEXT NOT NULL,
+    rank INTEGER NOT NULL,
+    node TEXT NOT NULL,            -- the node that landed it
+    holder TEXT,                   -- where the copy lies (the buddy, for the peer tier)
+    nbytes INTEGER NOT NULL,
+    checksum TEXT NOT NULL,
+    at REAL NOT NULL,
+    PRIMARY KEY (job, step, tier, rank)
+);
+CREATE TABLE IF NOT EXISTS ckpt_commits (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    tier TEXT NOT NULL,
+    committed_at REAL NOT NULL,
+    PRIMARY KEY (job, step, tier)
+);
 """
 
 
@@ -114,6 +133,47 @@ class Store:
         args.append(limit)
         rows = self._db.execute(query, args).fetchall()
         return [Event(r[0], r[1], r[2], r[3], json.loads(r[4])) for r in reversed(rows)]
+
+    # --- the checkpoint catalog -----------------------------------------------------
+
+    def add_shard(self, job: str, step: int, tier: str, rank: int, node: str,
+                  holder: str | None, nbytes: int, checksum: str, at: float) -> None:
+        self._write(
+            "INSERT OR REPLACE INTO ckpt_shards (job, step, tier, rank, node, holder, nbytes, "
+            "checksum, at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (job, step, tier, rank, node, holder, nbytes, checksum, at),
+        )
+
+    def drop_step(self, job: str, step: int, tier: str) -> bool:
+        """Forget a step at a tier (retention removed it); True if anything was known."""
+        cur = self._write("DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ?",
+                          (job, step, tier))
+        self._write("DELETE FROM ckpt_commits WHERE job = ? AND step = ? AND tier = ?",
+                    (job, step, tier))
+        return cur.rowcount > 0
+
+    def shard_ranks(self, job: str, step: int, tier: str) -> int:
+        row = self._db.execute("SELECT COUNT(*) FROM ckpt_shards WHERE job = ? AND step = ? "
+                               "AND tier = ?", (job, step, tier)).fetchone()
+        return int(row[0])
+
+    def add_commit(self, job: str, step: int, tier: str, at: float) -> bool:
+        cur = self._write("INSERT OR IGNORE INTO ckpt_commits (job, step, tier, committed_at) "
+                          "VALUES (?, ?, ?, ?)", (job, step, tier, at))
+        return cur.rowcount > 0
+
+    def commits(self, job: str) -> list[tuple[int, str, float]]:
+        rows = self._db.execute("SELECT step, tier, committed_at FROM ckpt_commits WHERE job = ? "
+                                "ORDER BY step", (job,)).fetchall()
+        return [(int(r[0]), str(r[1]), float(r[2])) for r in rows]
+
+    def shards(self, job: str) -> list[tuple[int, str, int, str, str | None, int, str]]:
+        """(step, tier, rank, node, holder, nbytes, checksum) of every landed shard."""
+        rows = self._db.execute("SELECT step, tier, rank, node, holder, nbytes, checksum FROM "
+                                "ckpt_shards WHERE job = ? ORDER BY step, tier, rank",
+                                (job,)).fetchall()
+        return [(int(r[0]), str(r[1]), int(r[2]), str(r[3]), r[4], int(r[5]), str(r[6]))
+                for r in rows]
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> sqlite3.Cursor:
         try:

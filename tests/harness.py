@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -224,6 +225,10 @@ class Fleet:
         self.api_port = 0
         self.agents: dict[str, Process] = {}
         self.links: list[CuttableLink] = []
+        # The agents' RAM tier, in a tmpfs folder of this test's own, removed at stop.
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else root
+        self.shm_dir = base / f"phalanx-test-{os.getpid()}-{id(self):x}"
+        self.shm_dir.mkdir(parents=True, exist_ok=True)
 
     def start_supervisor(self, *, offline_after_s: float = 4.0, keepalive_s: int = 5,
                          spares: int = 0) -> Process:
@@ -254,7 +259,9 @@ class Fleet:
         port = via.port if via is not None else self.broker.port
         conf = directory / "agentd.toml"
         text = agent_toml(node, directory / "data", port, gpus, rack=rack,
-                          heartbeat_s=heartbeat_s, token_file=self.agent_token_file())
+                          heartbeat_s=heartbeat_s, token_file=self.agent_token_file(),
+                          object_store=self.root / "objects")
+        text += f'shm_dir = "{self.shm_dir}"\n'  # in the [ckpt] section agent_toml ends with
         text = text.replace("keepalive_s = 5", f"keepalive_s = {keepalive_s}\n"
                             "reconnect_max_s = 1.0")
         conf.write_text(text + extra)
@@ -309,6 +316,7 @@ class Fleet:
             self.supervisor.stop()
         for link in self.links:
             link.close()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 
 class RawMqtt:

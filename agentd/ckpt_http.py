@@ -1,0 +1,242 @@
+"""agentd's checkpoint routes: the ranks' unix socket, and the peer tier on the HTTP port.
+
+The unix socket (``PHALANX_AGENT_SOCKET``, mode 0600) serves the rank-side
+protocol that ``ckpt.remote`` documents. The HTTP port serves buddies the
+peer tier's objects (``ckpt.peer`` documents the routes), behind the fleet's
+agent token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import zstandard
+from aiohttp import web
+
+from agentd.ckpt import CkptRequestError
+from ckpt.peer import PEER_KEY_RE, SealCheck
+from ckpt.tiers import fsync_dir
+
+if TYPE_CHECKING:
+    from agentd.daemon import Agent
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"error": message, **extra}, status=status)
+
+
+def make_rank_app(agent: Agent) -> web.Application:
+    ck = agent.ckpt
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except CkptRequestError as exc:
+            return _error(exc.status, str(exc), **exc.extra)
+        except (KeyError, ValueError, TypeError) as exc:
+            return _error(400, f"bad request: {exc!r}")
+        except web.HTTPException:
+            raise
+        except Exception as exc:
+            log.exception("ckpt %s %s failed", request.method, request.path)
+            return _error(500, f"internal error: {exc!r}")
+
+    async def body(request: web.Request) -> dict[str, Any]:
+        data = await request.json()
+        if not isinstance(data, dict):
+            raise ValueError("the body must be a JSON object")
+        return data
+
+    async def hello(request: web.Request) -> web.Response:
+        b = await body(request)
+        job = str(b["job"])
+        plan = ck.plans.get(job)
+        return web.json_response({"tiers": ck.tiers_of(job), "node": agent.node,
+                                  "interval": plan.interval if plan else None})
+
+    async def acquire(request: web.Request) -> web.Response:
+        b = await body(request)
+        job, generation, rank = str(b["job"]), int(b["generation"]), int(b["rank"])
+        got = await ck.acquire(job, generation, rank, int(b["step"]), int(b["nbytes"]),
+                               str(b.get("when_busy", "wait")), float(b.get("timeout", 600)))
+        if "slot" in got and (request.transport is None or request.transport.is_closing()):
+            # The rank went away while it waited: it will never fill the slot.
+            ck.submit(job, generation, rank, int(b["step"]), got["slot"], int(b["nbytes"]),
+                      abort=True)
+        return web.json_response(got)
+
+    async def submit(request: web.Request) -> web.Response:
+        b = await body(request)
+        return web.json_response(ck.submit(
+            str(b["job"]), int(b["generation"]), int(b["rank"]), int(b["step"]),
+            int(b["slot"]), int(b["nbytes"]), bool(b.get("abort", False))))
+
+    async def reserve(request: web.Request) -> web.Response:
+        b = await body(request)
+        paths = await ck.reserve(str(b["job"]), int(b["generation"]), int(b["rank"]),
+                                 int(b["nbytes"]))
+        return web.json_response({"paths": paths})
+
+    async def wait(request: web.Request) -> web.Response:
+        b = await body(request)
+        return web.json_response(await ck.wait(str(b["job"]), int(b["rank"]), int(b["step"]),
+                                               float(b.get("timeout", 3600))))
+
+    async def restore(request: web.Request) -> web.Response:
+        q = request.query
+        step = int(q["step"]) if "step" in q else None
+        return web.json_response({"steps": ck.restore_plan(q["job"], int(q["rank"]), step)})
+
+    async def shard(request: web.Request) -> web.Response:
+        q = request.query
+        data = await ck.fetch(q["job"], int(q["rank"]), int(q["step"]), q["tier"])
+        return web.Response(body=data, content_type="application/octet-stream")
+
+    async def report(request: web.Request) -> web.Response:
+        b = await body(request)
+        log.warning("job %s rank %d: the copy of step %s at tier %s is unusable: %s", b["job"],
+                    int(b["rank"]), b.get("step"), b.get("tier"), b.get("error"),
+                    extra={"job": b["job"], "event": "ckpt_corrupt"})
+        return web.json_response({"ok": True})
+
+    app = web.Application(middlewares=[errors])
+    app.router.add_post("/v1/ckpt/hello", hello)
+    app.router.add_post("/v1/ckpt/acquire", acquire)
+    app.router.add_post("/v1/ckpt/submit", submit)
+    app.router.add_post("/v1/ckpt/reserve", reserve)
+    app.router.add_post("/v1/ckpt/wait", wait)
+    app.router.add_get("/v1/ckpt/restore", restore)
+    app.router.add_get("/v1/ckpt/shard", shard)
+    app.router.add_post("/v1/ckpt/report", report)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def start_rank_socket(agent: Agent, path: Path) -> AsyncIterator[None]:
+    """Serve the rank protocol on a unix socket at ``path`` (mode 0600) until the block ends."""
+    os.makedirs(path.parent, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    runner = web.AppRunner(make_rank_app(agent), access_log=None)
+    await runner.setup()
+    old = os.umask(0o177)
+    try:
+        await web.UnixSite(runner, str(path)).start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise OSError(exc.errno, f"agent rank socket cannot bind {path}: {exc.strerror}") from exc
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    try:
+        yield
+    finally:
+        await runner.cleanup()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def add_peer_routes(app: web.Application, agent: Agent,
+                    authorised: Callable[[web.Request], bool]) -> None:  # fmt: skip
+    """The peer tier's objects, kept for buddies under ``DATA_DIR/ckpt-peer``."""
+    root = agent.ckpt.peer_root
+    pool = agent.ckpt.peer_io
+
+    async def io(fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    def check(request: web.Request) -> web.Response | None:
+        if not authorised(request):
+            return _error(401, "missing or wrong bearer token (http.token_file)")
+        return None
+
+    def key_path(key: str) -> Path | None:
+        return root / key if PEER_KEY_RE.match(key) else None
+
+    async def put(request: web.Request) -> web.StreamResponse:
+        if (denied := check(request)) is not None:
+            return denied
+        path = key_path(request.match_info["key"])
+        if path is None:
+            return _error(400, "not a checkpoint object key")
+        await io(functools.partial(os.makedirs, path.parent, exist_ok=True))
+        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{id(request)}"
+        fd = await io(os.open, tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        seal = SealCheck(path.name.endswith(".zst")) if ".phx" in path.name else None
+        try:
+            async for chunk in request.content.iter_chunked(8 << 20):
+                await io(_write_all, fd, chunk, seal)
+            problem = seal.problem() if seal is not None else None
+            if problem is None:
+                await io(os.fsync, fd)
+        except BaseException as exc:
+            os.close(fd)
+            await io(functools.partial(tmp.unlink, missing_ok=True))
+            if isinstance(exc, zstandard.ZstdError):
+                return _error(422, f"{request.match_info['key']} does not decompress: {exc}")
+            raise
+        os.close(fd)
+        if problem is not None:
+            await io(functools.partial(tmp.unlink, missing_ok=True))
+            log.warning("refused %s pushed by a peer: %s", request.match_info["key"], problem)
+            return _error(422, f"{request.match_info['key']}: {problem}")
+        await io(os.rename, tmp, path)
+        await io(fsync_dir, path.parent)
+        return web.json_response({"stored": request.match_info["key"]})
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        if (denied := check(request)) is not None:
+            return denied
+        path = key_path(request.match_info["key"])
+        if path is None:
+            return _error(400, "not a checkpoint object key")
+        if not path.is_file():
+            return _error(404, f"no {request.match_info['key']} on node {agent.node}")
+        return web.FileResponse(path)
+
+    async def keys(request: web.Request) -> web.Response:
+        if (denied := check(request)) is not None:
+            return denied
+        prefix = request.query.get("prefix", "")
+        if ".." in prefix or prefix.startswith("/"):
+            return _error(400, "bad prefix")
+        return web.json_response(await io(agent.ckpt.peer_store.keys, prefix))
+
+    async def delete(request: web.Request) -> web.Response:
+        if (denied := check(request)) is not None:
+            return denied
+        try:
+            wanted = json.loads(await request.read())["keys"]
+        except (ValueError, KeyError, TypeError):
+            return _error(400, "body must be {\"keys\": [...]}")
+        if not isinstance(wanted, list) or not all(
+                isinstance(k, str) and PEER_KEY_RE.match(k) for k in wanted):
+            return _error(400, "not checkpoint object keys")
+        await io(agent.ckpt.peer_store.delete, wanted)
+        return web.json_response({"deleted": len(wanted)})
+
+    app.router.add_put("/v1/ckpt/peer/objects/{key:.+}", put)
+    app.router.add_get("/v1/ckpt/peer/objects/{key:.+}", get)
+    app.router.add_get("/v1/ckpt/peer/keys", keys)
+    app.router.add_post("/v1/ckpt/peer/delete", delete)
+
+
+def _write_all(fd: int, data: bytes, seal: SealCheck | None = None) -> None:
+    if seal is not None:
+        seal.feed(data)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

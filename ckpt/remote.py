@@ -1,0 +1,181 @@
+"""The rank side of agent mode: ``Checkpointer()`` under Phalanx talks to its agent.
+
+The agent gives every rank ``PHALANX_AGENT_SOCKET``, ``PHALANX_JOB_ID``,
+``PHALANX_GENERATION``, ``RANK`` and ``WORLD_SIZE``. The agent owns the RAM
+tier (its segments in ``/dev/shm`` are named ``ckpt.namespace_for(job, rank)``
+and outlive the rank) and runs the write-down engine; the rank only copies.
+Over the unix socket (HTTP, JSON bodies; served by agentd, mode 0600):
+
+=====  ====================  ==================================================
+POST   /v1/ckpt/hello        the job's checkpoint plan (tiers, interval)
+POST   /v1/ckpt/acquire      a free RAM slot for step S of N bytes: its path
+                             (or ``skipped`` under ``when_busy="skip"``)
+POST   /v1/ckpt/submit       the slot now holds step S: seal it and write it down
+POST   /v1/ckpt/reserve      allocate every slot for N bytes now
+POST   /v1/ckpt/wait         until step S is committed on every configured tier;
+                             409 names a failed tier, 504 the tiers still missing
+GET    /v1/ckpt/restore      committed steps, newest first, each with where a copy
+                             lies, nearest first (RAM or disk: a path to read)
+GET    /v1/ckpt/shard        one shard's bytes from the peer or object tier
+POST   /v1/ckpt/report       a copy the rank found corrupt (logged, reported)
+=====  ====================  ==================================================
+
+A slot is written between acquire and submit by the rank alone (the agent
+never hands a busy slot out again); the agent seals it (xxh3) and carries it
+down, so the training process pays for one memory copy per save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import mmap
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlencode
+
+from ckpt.errors import CheckpointError, ShardRef, TierError
+
+__all__ = ["AgentClient", "AgentEnv"]
+
+ENV_KEYS = ("PHALANX_AGENT_SOCKET", "PHALANX_JOB_ID", "PHALANX_GENERATION", "RANK", "WORLD_SIZE")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentEnv:
+    """What the agent told the rank about itself, from the environment."""
+
+    socket: str
+    job: str
+    generation: int
+    rank: int
+    world_size: int
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> AgentEnv:
+        env = dict(os.environ if environ is None else environ)
+        missing = [k for k in ENV_KEYS if not env.get(k)]
+        if missing:
+            raise CheckpointError(
+                f"Checkpointer() without dir= runs under Phalanx, but {', '.join(missing)} "
+                "is not set (the agent sets it for every rank): pass dir=PATH to run the "
+                "tiers in-process"
+            )
+        try:
+            return cls(env["PHALANX_AGENT_SOCKET"], env["PHALANX_JOB_ID"],
+                       int(env["PHALANX_GENERATION"]), int(env["RANK"]),
+                       int(env["WORLD_SIZE"]))  # fmt: skip
+        except ValueError as exc:
+            raise CheckpointError(f"the Phalanx environment is malformed: {exc}") from exc
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.unix_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class AgentError(CheckpointError):
+    """The agent refused a request or could not be reached."""
+
+
+class AgentClient:
+    """Requests to the node's agent; each call opens a connection (they are cheap)."""
+
+    def __init__(self, env: AgentEnv, *, timeout_s: float = 30.0) -> None:
+        self.env = env
+        self.timeout_s = timeout_s
+        self._maps: dict[str, tuple[int, int, mmap.mmap]] = {}  # path -> (inode, size, map)
+
+    def _ident(self) -> dict[str, Any]:
+        return {"job": self.env.job, "generation": self.env.generation, "rank": self.env.rank}
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
+             query: dict[str, Any] | None = None, timeout: float | None = None,
+             raw: bool = False) -> Any:  # fmt: skip
+        url = path + ("?" + urlencode(query) if query else "")
+        conn = _UnixConnection(self.env.socket, timeout if timeout is not None else self.timeout_s)
+        try:
+            data = json.dumps({**self._ident(), **(body or {})}).encode() if body is not None \
+                else None  # fmt: skip
+            conn.request(method, url, body=data,
+                          headers={"Content-Type": "application/json"} if data else {})
+            resp = conn.getresponse()
+            payload = resp.read()
+        except OSError as exc:
+            raise AgentError(f"the agent at {self.env.socket} did not answer {method} {path}: "
+                             f"{exc}") from exc  # fmt: skip
+        finally:
+            conn.close()
+        if resp.status >= 300:
+            try:
+                error = json.loads(payload)
+            except ValueError:
+                error = {"error": payload[:300].decode(errors="replace")}
+            message = f"agent: {method} {path}: {error.get('error', resp.status)}"
+            ref = ShardRef(job=self.env.job, rank=self.env.rank, step=error.get("step"))
+            if error.get("tier"):
+                raise TierError(message, tier=str(error["tier"]), ref=ref)
+            if resp.status == 504:
+                raise TimeoutError(message)
+            raise AgentError(message, ref=ref)
+        return payload if raw else json.loads(payload)
+
+    # ----------------------------------------------------------------- slot mapping
+
+    def map_slot(self, path: str) -> mmap.mmap:
+        """The rank's shared mapping of one agent-owned slot file (kept and reused)."""
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            known = self._maps.get(path)
+            if known is not None and known[:2] == (st.st_ino, st.st_size):
+                return known[2]
+            if known is not None:
+                with contextlib.suppress(BufferError):
+                    known[2].close()
+            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        finally:
+            os.close(fd)
+        if "torch" in sys.modules:  # a GPU rank: device-to-host copies DMA straight in
+            from ckpt.ram import pin_for_dma
+
+            pin_for_dma(mm, st.st_size)
+        self._maps[path] = (st.st_ino, st.st_size, mm)
+        return mm
+
+    def close(self) -> None:
+        for _ino, _size, mm in self._maps.values():
+            with contextlib.suppress(BufferError):
+                mm.close()
+        self._maps.clear()
+
+
+def read_file(path: str) -> mmap.mmap | None:
+    """A private read map of a shard or slot file; ``None`` when it is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return None
+        # Copy-on-write: tensors decode as views, and writing to them never reaches the file.
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
+    finally:
+        os.close(fd)

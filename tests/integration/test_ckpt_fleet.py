@@ -1,0 +1,252 @@
+"""Checkpoints under Phalanx, end to end: real agents, supervisor, broker and torch ranks.
+
+The example job (examples/tinylm.py, a small model) checkpoints through
+``ckpt.Checkpointer()``; each node's agent writes the shards down its tiers
+(RAM, NVMe, the buddy node, the shared object folder) and the supervisor's
+catalog commits them. Restarts use the real ``start_ranks`` command with a new
+generation, sent on the broker as the supervisor would, on the same nodes. The
+supervisor knows no in-place restart yet (that is the recovery controller), and
+it stops ranks of a generation no live job owns: so the restart tests stop it
+once the catalog has settled. Restores need only the agents (each holds the
+job's retained catalog).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import TOKEN, Fleet, RawMqtt, processes_matching, wait_for
+
+from phalanx import wire
+from phalanx.local import free_port
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+TIERS = ["ram", "nvme", "peer", "object"]
+TINY = ["--vocab", "32", "--dim", "16", "--layers", "1", "--heads", "2", "--seq", "8",
+        "--batch", "2", "--log-every", "1000", "--ckpt-digests"]
+
+
+def cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PHALANX_API": f"http://127.0.0.1:{fleet.api_port}",
+           "PHALANX_TOKEN": TOKEN}
+    return subprocess.run([sys.executable, "-m", "phalanx.cli", *args], capture_output=True,
+                          text=True, timeout=60, env=env)
+
+
+def start_two_racks(fleet: Fleet) -> None:
+    fleet.start_supervisor()
+    fleet.start_agent("n01", rack="rack1")
+    fleet.start_agent("n02", rack="rack2")
+    fleet.wait_state("n01", "up")
+    fleet.wait_state("n02", "up")
+
+
+def tinylm(*args: str) -> list[str]:
+    return [sys.executable, "examples/tinylm.py", *TINY, *args]
+
+
+def catalog(fleet: Fleet, job: str) -> dict[str, Any]:
+    out = cli(fleet, "ckpt", "ls", job, "-o", "json")
+    assert out.returncode == 0, out.stderr
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
+
+
+def committed(fleet: Fleet, job: str) -> dict[int, list[str]]:
+    return {s["step"]: sorted(s["committed"]) for s in catalog(fleet, job)["steps"]}
+
+
+def rank_lines(fleet: Fleet, node: str, job: str, generation: int, rank: int,
+               key: str) -> list[dict[str, Any]]:  # fmt: skip
+    log = fleet.root / "nodes" / node / "data" / "jobs" / job / f"g{generation}" / \
+        f"rank-{rank}.log"
+    found = []
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        if line.startswith("{") and key in line:
+            found.append(json.loads(line))
+    return found
+
+
+def test_checkpoints_land_in_all_four_tiers_are_kept_per_tier_and_ckpt_ls_shows_them(
+    fleet: Fleet,
+) -> None:
+    start_two_racks(fleet)
+    job = fleet.submit(name="ckpt", nodes=2, ranks_per_node=2, workdir=str(REPO),
+                       command=tinylm("--steps", "12", "--ckpt-every", "4"),
+                       checkpoint={"tiers": TIERS, "keep": {"ram": 2, "nvme": 1, "peer": 1,
+                                                            "object": 2}})
+    fleet.wait_job(job["id"], "succeeded", timeout=120)
+
+    # Every step was committed at every tier (the catalog's event log says when) ...
+    events = fleet.client().get(f"/v1/events?job={job['id']}&limit=1000")
+    commits = sorted((e["detail"]["step"], e["detail"]["tier"]) for e in events
+                     if e["kind"] == "ckpt_committed")
+    assert commits == sorted((s, t) for s in (4, 8, 12) for t in TIERS)
+    # ... and is kept per tier: the newest everywhere but in RAM, which the agents free
+    # once the job has ended; the one before only where 2 are kept; none older.
+    wanted = {12: ["nvme", "object", "peer"], 8: ["object"]}
+    wait_for(lambda: committed(fleet, job["id"]) == wanted, 30,
+             f"the catalog to hold {wanted}")
+    table = cli(fleet, "ckpt", "ls", job["id"]).stdout.splitlines()
+    assert table[0].split() == ["STEP", "COMMITTED", "PARTIAL", "SIZE"]
+    assert table[1].split()[:3] == ["12", "nvme,peer,object", "-"]
+    assert table[2].split()[:3] == ["8", "object", "-"]
+    data = fleet.root / "nodes"
+    for node, buddy, ranks in (("n01", "n02", (0, 1)), ("n02", "n01", (2, 3))):
+        for rank in ranks:
+            name = f"rank-{rank:05d}.phx"
+            steps = {"nvme": data / node / "data" / "ckpt" / job["id"],
+                     "peer": data / buddy / "data" / "ckpt-peer" / job["id"],
+                     "object": fleet.root / "objects" / job["id"]}
+            assert sorted(p.name for p in steps["nvme"].iterdir()) == ["000000000012"]
+            assert sorted(p.name for p in steps["peer"].iterdir()) == ["000000000012"]
+            assert sorted(p.name for p in steps["object"].iterdir()) == ["000000000008",
+                                                                         "000000000012"]
+            assert (steps["nvme"] / "000000000012" / name).is_file()
+            assert (steps["peer"] / "000000000012" / f"{name}.zst").is_file()
+            assert (steps["object"] / "000000000012" / f"{name}.zst").is_file()
+    assert list(fleet.shm_dir.iterdir()) == []
+    for step in ("000000000008", "000000000012"):
+        manifest = json.loads((fleet.root / "objects" / job["id"] / step /
+                               "manifest.json").read_bytes())
+        assert [s["rank"] for s in manifest["shards"]] == [0, 1, 2, 3]
+
+
+# --- restarts -------------------------------------------------------------------------------
+
+
+def rank_pid(job: str, rank: int) -> int | None:
+    """The pid of a live rank process of ``job`` (read from its environment)."""
+    for pid in processes_matching("examples/tinylm.py"):
+        try:
+            env = dict(item.split("=", 1) for item in
+                       Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        except OSError:
+            continue
+        if env.get("PHALANX_JOB_ID") == job and env.get("RANK") == str(rank):
+            return pid
+    return None
+
+
+class Gang:
+    """A job of 2 nodes x 2 ranks that checkpointed, then lost a rank to ``kill -9``."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        start_two_racks(fleet)
+        self.mqtt = RawMqtt(fleet.broker.port)
+        self.mqtt.subscribe("phalanx/v1/node/+/rank")
+        self.generation = 1
+        job = fleet.submit(name="ckpt", nodes=2, ranks_per_node=2, workdir=str(REPO),
+                           command=tinylm("--steps", "100000", "--ckpt-every", "3"),
+                           checkpoint={"tiers": TIERS})
+        self.job: str = job["id"]
+        fleet.wait_job(self.job, "running", timeout=60)
+        wait_for(lambda: any(t == sorted(TIERS) for t in committed(fleet, self.job).values()),
+                 90, "a step committed at every tier")
+        pid = wait_for(lambda: rank_pid(self.job, 1), 10, "rank 1's process")
+        os.kill(pid, 9)
+        fleet.wait_job(self.job, "failed", timeout=60)
+        # The agents finish writing down what the ranks saved: wait for the newest step.
+        self.step = wait_for(self._settled, 60, "the newest committed step at every tier")
+        self.peers = {n: wire.PeerAddr(node=n, address=view["address"],
+                                       http_port=view["http_port"])
+                      for n in ("n01", "n02") for view in [fleet.node(n)]}
+        assert fleet.supervisor is not None
+        fleet.supervisor.stop()
+        self.saved = {rank: next(line["digest"] for line in rank_lines(
+            fleet, "n01" if rank < 2 else "n02", self.job, 1, rank, "ckpt_saved")
+            if line["ckpt_saved"] == self.step) for rank in range(4)}
+
+    def _settled(self) -> int | None:
+        """The newest step committed anywhere, once it is committed at every tier (a step
+        that the killed rank never saved stays partial and does not count)."""
+
+        def newest() -> int | None:
+            return max((s for s, t in committed(self.fleet, self.job).items() if t), default=None)
+
+        step = newest()
+        if step is None or committed(self.fleet, self.job)[step] != sorted(TIERS):
+            return None
+        time.sleep(1.0)  # and stays so
+        return step if newest() == step else None
+
+    def restart(self) -> dict[int, dict[str, Any]]:
+        """Start generation G+1 on the same nodes with the real start_ranks command (what
+        the recovery controller will send); every rank restores and exits. Returns each
+        rank's ``ckpt_restored`` line."""
+        self.generation += 1
+        gen, port = self.generation, free_port()
+        for group, (node, buddy) in enumerate((("n01", "n02"), ("n02", "n01"))):
+            args = wire.StartRanksArgs(
+                job=self.job, generation=gen, command=tinylm("--steps", "1"),
+                workdir=str(REPO), world_size=4, group_rank=group, master_addr="127.0.0.1",
+                master_port=port, ranks=[wire.RankSlot(rank=2 * group + i, local_rank=i)
+                                         for i in range(2)],
+                ckpt=wire.CkptPlan(tiers=TIERS, buddy=self.peers[buddy]))
+            self.mqtt.publish(wire.command_topic(node),
+                              wire.encode(wire.Command.new(node, args)))
+
+        def exits() -> list[wire.RankEvent] | None:
+            events = [wire.RankEvent.model_validate_json(p) for t, p in self.mqtt.messages
+                      if t.endswith("/rank")]
+            mine = [e for e in events if e.job == self.job and e.generation == gen]
+            return mine if len(mine) == 4 else None
+
+        ended = wait_for(exits, 120, f"the 4 ranks of generation {gen} to exit")
+        assert sorted((e.rank, e.code) for e in ended) == [(r, 0) for r in range(4)]
+        return {rank: rank_lines(self.fleet, "n01" if rank < 2 else "n02", self.job, gen, rank,
+                                 "ckpt_restored")[-1] for rank in range(4)}
+
+    def tiers_used(self, restored: dict[int, dict[str, Any]]) -> dict[int, str]:
+        for rank, line in restored.items():
+            assert line["ckpt_restored"] == self.step
+            assert line["digest"] == self.saved[rank], f"rank {rank} restored other bits"
+        return {rank: line["from"] for rank, line in restored.items()}
+
+    def node_data(self, node: str) -> Path:
+        return self.fleet.root / "nodes" / node / "data"
+
+
+def test_a_rank_killed_and_restarted_on_its_node_restores_from_ram_bit_for_bit(
+    fleet: Fleet,
+) -> None:
+    gang = Gang(fleet)
+
+    used = gang.tiers_used(gang.restart())
+
+    assert used == {0: "ram", 1: "ram", 2: "ram", 3: "ram"}
+
+
+def test_restore_falls_through_nvme_peer_and_object_store_as_copies_go(fleet: Fleet) -> None:
+    gang = Gang(fleet)
+    step_dir = f"{gang.step:012d}"
+
+    for segment in fleet.shm_dir.glob(f"phalanx-{gang.job}-r*.slot*"):
+        segment.unlink()
+    assert gang.tiers_used(gang.restart()) == {0: "nvme", 1: "nvme", 2: "nvme", 3: "nvme"}
+
+    shard = gang.node_data("n01") / "ckpt" / gang.job / step_dir / "rank-00000.phx"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(data)
+    assert gang.tiers_used(gang.restart()) == {0: "peer", 1: "nvme", 2: "nvme", 3: "nvme"}
+
+    for node in ("n01", "n02"):
+        subprocess.run(["rm", "-rf", str(gang.node_data(node) / "ckpt" / gang.job)], check=True)
+    assert gang.tiers_used(gang.restart()) == {0: "peer", 1: "peer", 2: "peer", 3: "peer"}
+
+    for node in ("n01", "n02"):
+        subprocess.run(["rm", "-rf", str(gang.node_data(node) / "ckpt-peer" / gang.job)],
+                       check=True)
+    assert gang.tiers_used(gang.restart()) == {0: "object", 1: "object", 2: "object",
+                                               3: "object"}
