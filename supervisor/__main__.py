@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from phalanx.logs import configure
 from phalanx.run import run_until_signal
 from phalanx.settings import ConfigError
+from phalanx.systemd import Notifier
 from supervisor.config import load
 from supervisor.daemon import Supervisor
 from supervisor.store import StoreError
@@ -29,12 +30,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     configure(settings.log_level, json_lines=settings.log_json, name="supervisor")
 
+    notifier = Notifier.from_environment()
+
     async def serve(stop: asyncio.Event) -> None:
-        async with Supervisor(settings, token):
+        async with Supervisor(settings, token) as supervisor:
+            notifier.ready(f"serving: API on port {supervisor.api_port}")
             await stop.wait()
 
     try:
-        asyncio.run(run_until_signal(serve))
+        asyncio.run(run_until_signal(serve, notifier))
     except (OSError, StoreError) as exc:
         print(f"phalanx-supervisor: {exc}", file=sys.stderr)
         return 1
