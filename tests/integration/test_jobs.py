@@ -261,3 +261,17 @@ def test_ranks_no_live_job_owns_are_stopped_by_the_supervisor(fleet: Fleet) -> N
 
     wait_for(lambda: processes_matching("sleep 4040") == [] or None, 30,
              "the orphaned ranks to be stopped")
+
+
+def test_an_agent_that_stops_takes_its_ranks_with_it_and_the_job_fails(fleet: Fleet) -> None:
+    two_by_two(fleet)
+    job = fleet.submit(name="underfoot", nodes=2, ranks_per_node=1, grace_period=1,
+                       command=["sleep", "4141"])
+    fleet.wait_job(job["id"], "running")
+    wait_for(lambda: len(processes_matching("sleep 4141")) == 2 or None, 10, "two ranks")
+
+    assert fleet.agents["n02"].stop() == 0  # systemd's SIGTERM on `systemctl stop`
+
+    failed = fleet.wait_job(job["id"], "failed", timeout=30)
+    assert "n02" in failed["reason"]
+    wait_for(lambda: processes_matching("sleep 4141") == [] or None, 15, "no rank left")
