@@ -328,7 +328,10 @@ class CkptService:
         with self._lock:
             stores = [self.stores.pop(k) for k in list(self.stores) if k[0] == job]
         for store in stores:
-            store.engine.close(600.0)
+            try:
+                store.engine.close(600.0)
+            except Exception:
+                log.exception("closing the checkpoint engine of %s rank %d", job, store.rank)
             for step in store.ram.steps(job):
                 store.engine.report(TierEvent("deleted", "ram", ShardKey(job, step, store.rank)))
             with contextlib.suppress(Exception):
@@ -403,7 +406,11 @@ class CkptService:
 
     async def close(self, timeout: float = 30.0) -> None:
         for store in list(self.stores.values()):
-            await self._run(store.engine.close, timeout)
+            try:
+                await self._run(store.engine.close, timeout)
+            except Exception:
+                log.exception("closing the checkpoint engine of %s rank %d", store.job,
+                              store.rank)
             with contextlib.suppress(Exception):
                 if "peer" in store.tiers:  # the disk tier and object store are shared
                     store.tiers["peer"].close()

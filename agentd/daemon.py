@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -196,7 +197,9 @@ class Agent:
             return
         if isinstance(inbound.message, wire.CkptCatalog):
             assert self._group is not None
-            self._group.create_task(self.ckpt.on_catalog(inbound.message), name="ckpt-catalog")
+            self._group.create_task(_logged(self.ckpt.on_catalog(inbound.message),
+                                            f"applying the checkpoint catalog of "
+                                            f"{inbound.message.job}"), name="ckpt-catalog")
             return
         if inbound.message is None:
             return  # a cleared retained catalog
@@ -334,3 +337,14 @@ class Agent:
                 await self.publish_heartbeat()
             except LinkDown as exc:
                 log.warning("heartbeat not sent: %s", exc)
+
+
+async def _logged(work: Awaitable[None], what: str) -> None:
+    """Run a one-off task in the agent's task group; a failure is logged, never fatal (a
+    task group cancels every sibling, heartbeats included, when one child raises)."""
+    try:
+        await work
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("%s failed", what)

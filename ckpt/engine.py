@@ -119,6 +119,7 @@ class Engine:
         self.failures: list[TierError] = []
         self.cond = threading.Condition()
         self.pending = 0
+        self.committed: dict[str, set[int]] = {}  # tier -> steps this engine saw committed
         self.sealq: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self.writeq: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self.threads = [
@@ -148,6 +149,10 @@ class Engine:
                 log.exception("the on_event callback failed")
 
     def fail(self, error: TierError, key: ShardKey, seconds: float = 0.0) -> None:
+        # Kept for wait() without its traceback: the frames would pin the slot's memoryview
+        # and a later growth of the slot could not unmap it.
+        error = error.with_traceback(None)
+        error.__context__ = error.__cause__ = None
         with self.cond:
             self.failures.append(error)
         self.report(TierEvent("failed", error.tier, key, error.path, 0, seconds, str(error)))
@@ -204,8 +209,12 @@ class Engine:
                                       ref=work.key.ref())  # fmt: skip
                     self.fail(error, work.key, time.monotonic() - start)
                     continue
-                self._landed(tier, work.key, work.checksum, len(view), path,
-                             time.monotonic() - start)  # fmt: skip
+                try:
+                    self._landed(tier, work.key, work.checksum, len(view), path,
+                                 time.monotonic() - start)  # fmt: skip
+                except Exception as exc:  # reported, and _done still runs exactly once
+                    self.fail(TierError(f"recording the landing failed: {exc!r}",
+                                        tier=tier.name, ref=work.key.ref()), work.key)
         finally:
             self._done(work)
 
@@ -246,7 +255,14 @@ class Engine:
         """Drop steps older than the ``keep`` newest committed ones at ``tier``."""
         keep = self.keep.get(tier.name, 1)
         try:
+            seen = self.committed.setdefault(tier.name, set())
+            seen.add(key.step)
             committed = tier.steps(key.job)
+            if tier is self.ram:
+                # Sealed is not committed: in agent mode the fleet commits a step only once
+                # every rank has it, so count only the steps committed here.
+                committed = sorted(set(committed) & seen)
+                self.ram.newest_committed = committed[-1] if committed else None
             if key.step not in committed:
                 return  # only a fresh commit at this tier may retire older steps
             oldest_kept = committed[-keep:][0]
@@ -299,6 +315,8 @@ class Engine:
             self.wait(timeout)
         except TierError as exc:  # already reported as a "failed" event
             log.warning("closing with a tier failure not collected by wait(): %s", exc)
+        except TimeoutError as exc:  # the threads stop anyway; what was not written is lost
+            log.error("closing the checkpoint engine with work still queued: %s", exc)
         finally:
             self.sealq.put(None)
             self.writeq.put(None)

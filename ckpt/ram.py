@@ -145,6 +145,9 @@ class RamTier(Tier):
         self.directory = Path(directory)
         self.nslots = slots
         self.keep = keep
+        # The newest step committed at this tier (set by the engine): its slot is never reused
+        # while it is the newest committed copy, whatever newer steps are merely sealed.
+        self.newest_committed: int | None = None
         self.pin = pin  # an agent does not: the rank that copies into a slot pins its own map
         self.cond = threading.Condition()
         self.slots: list[Slot | None] = [None] * slots
@@ -198,7 +201,8 @@ class RamTier(Tier):
         size = HEADER_NBYTES + capacity
         old = self.slots[index]
         if old is not None:
-            old.mm.close()
+            with contextlib.suppress(BufferError):  # a view still exported: unmapped when freed
+                old.mm.close()
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
@@ -272,6 +276,7 @@ class RamTier(Tier):
         live = [s for s in self.slots if s is not None]
         sealed = sorted((s for s in live if s.state == SEALED), key=lambda s: -s.seq)
         protected = {id(s) for s in sealed[: self.keep]}
+        protected |= {id(s) for s in sealed if s.step == self.newest_committed}
         candidates = [s for s in live if not s.busy and not s.pins and id(s) not in protected]
         free = [s for s in candidates if s.state != SEALED]
         if free:

@@ -1,0 +1,78 @@
+"""Engine and RAM-tier behaviours found in review (no fleet needed)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from ckpt import Engine, RamTier, ShardKey, Tier, TierError, TierManifest
+from ckpt.format import plan, write_into
+
+
+class _AgentModeCatalog:
+    """In agent mode a landing only reports; the commit comes later from the supervisor."""
+
+    def landed(self, *args: Any) -> None:
+        return None
+
+
+class _Unreachable(Tier):
+    name = "object"
+    compresses = False
+
+    def put(self, key: ShardKey, shard: Any, checksum: str) -> str:
+        raise TierError("unreachable", tier="object")
+
+    def steps(self, job: str) -> list[int]:
+        return []
+
+    def landed_steps(self, job: str) -> list[int]:
+        return []
+
+    def open(self, key: ShardKey) -> None:
+        return None
+
+    def delete(self, job: str, step: int) -> None:
+        return None
+
+
+def _save(ram: RamTier, engine: Engine, step: int, nbytes: int = 8) -> None:
+    key = ShardKey("j", step, 0)
+    shard = plan({"a": b"x" * nbytes}, ref=key.ref())
+    slot = ram.acquire(key, shard.nbytes, when_busy="wait", timeout=5)
+    write_into(shard, slot.view(shard.nbytes))
+    engine.submit(slot, key)
+    deadline = time.monotonic() + 10
+    while not engine.idle() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_commit_of_the_oldest_sealed_step_keeps_it_in_ram(tmp_path: Path) -> None:
+    ram = RamTier("phalanx-j-r0", job="j", directory=tmp_path, slots=3, keep=2, pin=False)
+    engine = Engine(ram, [], keep={"ram": 2}, catalog=_AgentModeCatalog())  # type: ignore[arg-type]
+    try:
+        for step in (10, 20, 30):  # this rank is ahead; the gang has only committed 10
+            _save(ram, engine, step)
+
+        engine.commit("ram", TierManifest("j", 10, {0: ("x", 1)}), 0)
+
+        assert 10 in ram.steps("j")
+    finally:
+        engine.close(5.0)
+        ram.close()
+
+
+def test_a_slot_grows_after_a_tier_failure(tmp_path: Path) -> None:
+    ram = RamTier("phalanx-j-r0", job="j", directory=tmp_path, slots=2, keep=1, pin=False)
+    engine = Engine(ram, [_Unreachable()], keep={"ram": 1, "object": 1})
+    try:
+        _save(ram, engine, 1)
+        _save(ram, engine, 2)
+
+        _save(ram, engine, 3, nbytes=5 << 20)  # a bigger state: the slot must be remapped
+
+        assert 3 in ram.steps("j")
+    finally:
+        engine.close(5.0)
+        ram.close()
