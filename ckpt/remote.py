@@ -17,7 +17,8 @@ POST   /v1/ckpt/wait         until step S is committed on every configured tier;
 GET    /v1/ckpt/restore      committed steps, newest first, each with where a copy
                              lies, nearest first (RAM or disk: a path to read)
 GET    /v1/ckpt/shard        one shard's bytes from the peer or object tier
-POST   /v1/ckpt/report       a copy the rank found corrupt (logged, reported)
+POST   /v1/ckpt/report       a copy the rank found corrupt (logged by the agent as a
+                             ckpt_corrupt event line; not yet sent to the supervisor)
 =====  ====================  ==================================================
 
 A slot is written between acquire and submit by the rank alone (the agent
