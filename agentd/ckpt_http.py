@@ -24,6 +24,7 @@ from aiohttp import web
 from agentd.ckpt import CkptRequestError
 from ckpt.peer import PEER_KEY_RE, SealCheck
 from ckpt.tiers import fsync_dir
+from phalanx.http import serve
 
 if TYPE_CHECKING:
     from agentd.daemon import Agent
@@ -130,23 +131,20 @@ async def start_rank_socket(agent: Agent, path: Path) -> AsyncIterator[None]:
     os.makedirs(path.parent, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    runner = web.AppRunner(make_rank_app(agent), access_log=None)
-    await runner.setup()
-    old = os.umask(0o177)
-    try:
-        await web.UnixSite(runner, str(path)).start()
-    except OSError as exc:
-        await runner.cleanup()
-        raise OSError(exc.errno, f"agent rank socket cannot bind {path}: {exc.strerror}") from exc
-    finally:
-        os.umask(old)
-    os.chmod(path, 0o600)
-    try:
-        yield
-    finally:
-        await runner.cleanup()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    async with contextlib.AsyncExitStack() as stack:
+        old = os.umask(0o177)  # the socket is born 0600: no window where others can connect
+        try:
+            await stack.enter_async_context(serve(
+                make_rank_app(agent), lambda runner: web.UnixSite(runner, str(path)),
+                f"agent rank socket {path}"))
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def add_peer_routes(app: web.Application, agent: Agent,

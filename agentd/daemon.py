@@ -29,7 +29,7 @@ from agentd.host import sample_host
 from agentd.http import start_http
 from agentd.ranks import RankRunner
 from phalanx import __version__, wire
-from phalanx.link import LinkDown, MqttLink, Will
+from phalanx.link import LinkDown, MqttLink, Outbox, Will
 from phalanx.tasks import supervised
 
 log = logging.getLogger(__name__)
@@ -78,16 +78,20 @@ class Agent:
         self._sampler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpu-sample")
         self._pending_sample: concurrent.futures.Future[NodeSample] | None = None
         self.ledger = CommandLedger(self.node, self._execute)
-        self._rank_events: asyncio.Queue[wire.RankEvent] = asyncio.Queue()
         self.socket_path = settings.socket_path()
         self.ranks = RankRunner(self.node, settings.data_dir, self.socket_path,
                                 self._on_rank_event, gpus=[g.index for g in self.inventory])
-        self._landings: asyncio.Queue[wire.CkptLanding] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        token = ""
+        # The agents' shared HTTP token (peer tier, rank logs), read once; unreadable or
+        # unset, the token routes answer 403.
+        self.http_token = ""
         if settings.http.token_file is not None:
-            with contextlib.suppress(OSError):
-                token = settings.http.token_file.read_text().strip()
+            try:
+                self.http_token = settings.http.token_file.read_text().strip()
+            except OSError as exc:
+                log.error("cannot read http.token_file %s: %s; token routes answer 403",
+                          settings.http.token_file, exc)
+        token = self.http_token
         self.ckpt = CkptService(self.node, settings.data_dir, settings.ckpt.shm_dir,
                                 settings.ckpt.object_store, token, self._publish_landing)
         self.link = MqttLink(
@@ -99,6 +103,8 @@ class Agent:
             on_connect=self._on_connect,
             persistent_session=True,
         )
+        self._rank_events = Outbox(self.link, wire.rank_topic(self.node), "rank event")
+        self._landings = Outbox(self.link, wire.ckpt_topic(self.node), "checkpoint landing")
         self.http_port = 0
         self._group: asyncio.TaskGroup | None = None
         self._loops: list[asyncio.Task[None]] = []
@@ -118,8 +124,8 @@ class Agent:
             await self._stack.enter_async_context(self.link)
             self._group = await self._stack.enter_async_context(asyncio.TaskGroup())
             for name, loop in (("sample", self._sample_loop), ("heartbeat", self._heartbeat_loop),
-                               ("rank-events", self._rank_event_loop),
-                               ("ckpt-landings", self._landing_loop)):
+                               ("rank-events", self._rank_events.run),
+                               ("ckpt-landings", self._landings.run)):
                 self._loops.append(self._group.create_task(supervised(name, loop), name=name))
         except BaseException:
             await self._stack.__aexit__(None, None, None)
@@ -136,7 +142,7 @@ class Agent:
         tb: TracebackType | None,
     ) -> None:
         await self.ranks.stop_all(self.settings.stop_grace_s)
-        await self._flush_rank_events(timeout=2.0)
+        await self._rank_events.flush(timeout=2.0)
         await self.ckpt.close()
         if self.link.connected:
             death = wire.NodeDeath(node=self.node, seq=self._birth_seq, cause="shutdown")
@@ -245,25 +251,12 @@ class Agent:
     async def _on_rank_event(self, event: wire.RankEvent) -> None:
         if event.event == "exited":
             self.ckpt.rank_exited(event.job, event.rank)
-        await self._rank_events.put(event)
+        self._rank_events.put(event)
 
     def _publish_landing(self, msg: wire.CkptLanding) -> None:
         """From the engines' threads: queue a landing for the MQTT loop."""
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._landings.put_nowait, msg)
-
-    async def _landing_loop(self) -> None:
-        """Publish checkpoint landings in order; while the link is down they wait."""
-        while True:
-            msg = await self._landings.get()
-            while True:
-                try:
-                    await self.link.publish(wire.ckpt_topic(self.node), wire.encode(msg),
-                                            timeout=30.0)
-                    break
-                except LinkDown as exc:
-                    log.warning("ckpt landing of job %s step %d not yet sent: %s", msg.job,
-                                msg.step, exc)
+            self._loop.call_soon_threadsafe(self._landings.put, msg)
 
     # --- loops ---------------------------------------------------------------
 
@@ -306,27 +299,6 @@ class Agent:
             if await self.sample_health() and self.link.connected:
                 with contextlib.suppress(LinkDown):
                     await self.publish_heartbeat()
-
-    async def _rank_event_loop(self) -> None:
-        """Publish rank events in order; while the link is down an event waits, never dropped."""
-        while True:
-            event = await self._rank_events.get()
-            while True:
-                try:
-                    await self.link.publish(wire.rank_topic(self.node), wire.encode(event),
-                                            timeout=30.0)
-                    break
-                except LinkDown as exc:
-                    log.warning("rank event for job %s rank %d not yet sent: %s", event.job,
-                                event.rank, exc)
-
-    async def _flush_rank_events(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not self._rank_events.empty() and time.monotonic() < deadline:
-            event = self._rank_events.get_nowait()
-            with contextlib.suppress(LinkDown):
-                await self.link.publish(wire.rank_topic(self.node), wire.encode(event),
-                                        timeout=max(0.1, deadline - time.monotonic()))
 
     async def _heartbeat_loop(self) -> None:
         while True:

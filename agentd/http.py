@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import re
@@ -22,6 +21,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from agentd.ckpt_http import add_peer_routes
+from phalanx.http import bearer_ok, serve
 from phalanx.wire import JOB_ID_PATTERN
 
 if TYPE_CHECKING:
@@ -98,12 +98,10 @@ def make_app(agent: Agent) -> web.Application:
         }
         return web.json_response(body)
 
-    token = _read_token(agent.settings.http.token_file)
+    token = agent.http_token.encode() or None
 
     def authorised(request: web.Request) -> bool:
-        given = request.headers.get("Authorization", "")
-        return token is not None and given.startswith("Bearer ") and hmac.compare_digest(
-            given[7:].strip().encode(), token)
+        return bearer_ok(request, token)
 
     async def rank_log(request: web.Request) -> web.Response:
         if not authorised(request):
@@ -139,16 +137,6 @@ def make_app(agent: Agent) -> web.Application:
     return app
 
 
-def _read_token(path: Path | None) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        return path.read_text().strip().encode() or None
-    except OSError as exc:
-        log.error("cannot read http.token_file %s: %s; token routes answer 403", path, exc)
-        return None
-
-
 def _read_slice(path: Path, offset: int, limit: int) -> tuple[bytes, int]:
     with path.open("rb") as fh:
         size = os.fstat(fh.fileno()).st_size
@@ -159,17 +147,7 @@ def _read_slice(path: Path, offset: int, limit: int) -> tuple[bytes, int]:
 @contextlib.asynccontextmanager
 async def start_http(agent: Agent) -> AsyncIterator[int]:
     """Serve until the block ends; yields the bound port (useful with port 0)."""
-    runner = web.AppRunner(make_app(agent), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, agent.settings.http.host, agent.settings.http.port)
-    try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
-        raise OSError(exc.errno, f"agent HTTP server cannot bind "
-                      f"{agent.settings.http.host}:{agent.settings.http.port}: {exc.strerror}"
-                      ) from exc
-    try:
+    host, port = agent.settings.http.host, agent.settings.http.port
+    async with serve(make_app(agent), lambda runner: web.TCPSite(runner, host, port),
+                     f"agent HTTP server on {host}:{port}") as runner:
         yield int(runner.addresses[0][1])
-    finally:
-        await runner.cleanup()

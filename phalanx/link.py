@@ -14,11 +14,13 @@ import contextlib
 import logging
 import random
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
 import aiomqtt
+from pydantic import BaseModel
 
 from phalanx.settings import MqttSettings
 
@@ -199,3 +201,40 @@ class MqttLink:
             raise
         except Exception:
             log.exception("handler failed on a message from %s; message dropped", topic)
+
+
+class Outbox:
+    """Messages that must reach the broker, in order, on one topic: while the link is down
+    they wait (queued in memory), never dropped. ``run`` is the loop that sends them."""
+
+    def __init__(self, link: MqttLink, topic: str, what: str) -> None:
+        self._link = link
+        self._topic = topic
+        self._what = what
+        self._queue: asyncio.Queue[BaseModel] = asyncio.Queue()
+
+    def put(self, message: BaseModel) -> None:
+        self._queue.put_nowait(message)
+
+    async def run(self) -> None:
+        while True:
+            message = await self._queue.get()
+            while True:
+                try:
+                    await self._link.publish(self._topic, _encode(message), timeout=30.0)
+                    break
+                except LinkDown as exc:
+                    log.warning("%s not yet sent on %s: %s", self._what, self._topic, exc)
+
+    async def flush(self, timeout: float) -> None:
+        """On shutdown: send what is queued, as far as ``timeout`` allows."""
+        deadline = time.monotonic() + timeout
+        while not self._queue.empty() and time.monotonic() < deadline:
+            message = self._queue.get_nowait()
+            with contextlib.suppress(LinkDown):
+                await self._link.publish(self._topic, _encode(message),
+                                         timeout=max(0.1, deadline - time.monotonic()))
+
+
+def _encode(message: BaseModel) -> bytes:
+    return message.model_dump_json().encode()

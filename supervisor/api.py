@@ -27,7 +27,6 @@ Errors are ``{"error": "message"}`` with a 4xx/5xx status.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,6 +36,7 @@ import aiohttp
 from aiohttp import web
 
 from phalanx import wire
+from phalanx.http import bearer_ok, serve
 from phalanx.jobspec import JobSpecError, validate_spec
 from supervisor.registry import Node, RegistryError
 
@@ -57,12 +57,8 @@ def make_app(sup: Supervisor) -> web.Application:
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path != "/healthz":
-            given = request.headers.get("Authorization", "")
-            if not given.startswith("Bearer ") or not hmac.compare_digest(
-                given[7:].strip().encode(), token
-            ):
-                return _error(401, "missing or wrong bearer token (PHALANX_TOKEN)")
+        if request.path != "/healthz" and not bearer_ok(request, token):
+            return _error(401, "missing or wrong bearer token (PHALANX_TOKEN)")
         try:
             return await handler(request)
         except RegistryError as exc:
@@ -226,16 +222,6 @@ def make_app(sup: Supervisor) -> web.Application:
 @contextlib.asynccontextmanager
 async def start_api(sup: Supervisor) -> AsyncIterator[int]:
     api = sup.settings.api
-    runner = web.AppRunner(make_app(sup), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, api.host, api.port)
-    try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
-        raise OSError(exc.errno, f"supervisor API cannot bind {api.host}:{api.port}: "
-                      f"{exc.strerror}") from exc
-    try:
+    async with serve(make_app(sup), lambda runner: web.TCPSite(runner, api.host, api.port),
+                     f"supervisor API on {api.host}:{api.port}") as runner:
         yield int(runner.addresses[0][1])
-    finally:
-        await runner.cleanup()
