@@ -192,11 +192,11 @@ def main() -> None:
         done = step + 1
         if checkpointer is not None and args.ckpt_every and done % args.ckpt_every == 0:
             state = capture(done, model, opt, sched)
-            checkpointer.save(done, state)
-            saved = True
-            if args.ckpt_digests:
+            if args.ckpt_digests:  # before the save: a rank killed right after it left one
                 print(json.dumps({"ckpt_saved": done, "rank": rank, "digest": digest(state)}),
                       flush=True)
+            checkpointer.save(done, state)
+            saved = True
     if checkpointer is not None:
         if saved:
             checkpointer.wait()
@@ -205,6 +205,10 @@ def main() -> None:
         print(json.dumps({"done": True, "steps": args.steps, "first_loss": round(first_loss, 4),
                           "last_loss": round(last_loss, 4),
                           "improved": last_loss < first_loss}), flush=True)
+    # Every rank reaches the end before any tears down, and the wait hands the GIL to gloo's
+    # workers: one still freeing its last collective after the interpreter began to finalize
+    # aborts the rank ("terminate called without an active exception", pytorch#179291).
+    dist.barrier()
     dist.destroy_process_group()
 
 

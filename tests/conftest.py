@@ -25,8 +25,10 @@ def fleet(tmp_path: Path, broker: Broker, request: pytest.FixtureRequest) -> Ite
     f.stop()
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:  # show the daemons' logs with the failure
-        for log in sorted((tmp_path / "logs").glob("*.log")):
-            sys.stderr.write(f"\n----- {log.name} -----\n{log.read_text(errors='replace')[-4000:]}")
+        ranks = sorted((tmp_path / "nodes").glob("*/data/jobs/*/g*/rank-*.log"))
+        for log in [*sorted((tmp_path / "logs").glob("*.log")), *ranks]:
+            name = log.relative_to(tmp_path)
+            sys.stderr.write(f"\n----- {name} -----\n{log.read_text(errors='replace')[-4000:]}")
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
