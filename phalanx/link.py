@@ -26,6 +26,8 @@ from phalanx.settings import MqttSettings
 
 log = logging.getLogger(__name__)
 
+CLOSE_TIMEOUT_S = 5.0
+
 Handler = Callable[[str, bytes], Awaitable[None]]
 
 
@@ -101,6 +103,15 @@ class MqttLink:
     ) -> None:
         if self._task is not None:
             self._task.cancel()
+            # aiomqtt waits for the broker's answer to its DISCONNECT without a timeout; a
+            # link cancelled while it was still connecting has been seen to wait forever
+            # there. Closing the process closes the socket anyway (the broker then sends
+            # the will): never let a daemon's shutdown hang on it.
+            done, _ = await asyncio.wait({self._task}, timeout=CLOSE_TIMEOUT_S)
+            if not done:
+                log.warning("the MQTT link to %s:%d did not close within %gs; leaving it",
+                            self._settings.host, self._settings.port, CLOSE_TIMEOUT_S)
+                return
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
