@@ -3,8 +3,10 @@
 ``TreeEncoder`` turns a state into the header's ``tree`` and the list of blobs
 (tensors, arrays, bytes) with their offsets in the data region;
 ``write_blobs`` copies them there; ``TreeDecoder`` rebuilds the state from an
-untrusted tree, checking every node. The node kinds are listed in
-``ckpt.format``'s docstring, which owns the byte layout around them.
+untrusted tree, checking every node, and can copy tensors and arrays into the
+matching ones of a live state (``into``) instead of allocating new ones. The
+node kinds are listed in ``ckpt.format``'s docstring, which owns the byte
+layout around them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 import struct
 import sys
 from collections import OrderedDict
-from collections.abc import Set
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -200,12 +202,33 @@ def write_blobs(view: memoryview, data_start: int, blobs: tuple[Blob, ...]) -> i
     return pos
 
 
+def _child(target: object, key: object) -> object:
+    """What ``into`` holds where the shard's tree holds ``key`` (``None``: nothing)."""
+    if isinstance(target, Mapping):
+        try:
+            return target.get(key)
+        except TypeError:  # a key the mapping cannot hash or compare
+            return None
+    if type(target) in (list, tuple) and type(key) is int and key < len(target):  # type: ignore[arg-type]
+        return target[key]  # type: ignore[index]
+    return None
+
+
 class TreeDecoder:
-    """Rebuilds a state from a validated header's tree; checks every node."""
+    """Rebuilds a state from a validated header's tree; checks every node.
+
+    With ``into`` (a state of the same structure, say the live model and
+    optimizer state), a tensor or array whose place in ``into`` holds one of
+    the same type, dtype and shape is copied into that one and returned; any
+    other gets a new one, and its place is listed in ``fresh``. The copies run
+    in ``finish``, once the whole tree is valid, so a shard that fails to
+    decode leaves ``into`` untouched.
+    """
 
     def __init__(
-        self, view: memoryview, data_start: int, data_nbytes: int, copy: bool, ref: ShardRef
-    ) -> None:
+        self, view: memoryview, data_start: int, data_nbytes: int, copy: bool, ref: ShardRef,
+        into: object = None,
+    ) -> None:  # fmt: skip
         self.view = view
         self.data_start = data_start
         self.data_nbytes = data_nbytes
@@ -213,6 +236,22 @@ class TreeDecoder:
         self.ref = ref
         self.high_water = 0
         self.shared: dict[int, tuple[tuple[Json, ...], object]] = {}
+        self.into = into
+        self.copies: list[Callable[[], None]] = []
+        self.fresh: list[str] = []
+
+    def decode(self, tree: Json) -> Any:
+        """The state; with ``into``, its matching tensors filled from the shard."""
+        state = self.node(tree, "tree", 0, self.into)
+        self.finish()
+        return state
+
+    def finish(self) -> None:
+        """Copy into ``into``'s tensors and arrays (the tree is valid by now)."""
+        copies, self.copies = self.copies, []
+        with torch.no_grad():
+            for copy in copies:
+                copy()
 
     def bad(self, where: str, why: str) -> FormatError:
         return FormatError(f"header field {where}: {why}", ref=self.ref)
@@ -236,13 +275,16 @@ class TreeDecoder:
             raise self.bad(where, f"{name!r} must be an array")
         return value
 
-    def node(self, node: Json, where: str, depth: int) -> Any:
+    def node(self, node: Json, where: str, depth: int, target: object = None) -> Any:
         if node is None or type(node) in (bool, int, float, str):
             return node
         if depth >= MAX_DEPTH:
             raise self.bad(where, f"nested deeper than {MAX_DEPTH} levels")
         if type(node) is list:
-            return [self.node(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(node)]
+            return [
+                self.node(v, f"{where}[{i}]", depth + 1, _child(target, i))
+                for i, v in enumerate(node)
+            ]
         tag = node.get("t") if type(node) is dict else None
         if type(tag) is not str:
             raise self.bad(where, "an object node needs a string tag t")
@@ -251,16 +293,16 @@ class TreeDecoder:
         if tag in ("tuple", "size"):
             self.fields(node, where, {"t", "v"})
             items = [
-                self.node(v, f"{where}[{i}]", depth + 1)
+                self.node(v, f"{where}[{i}]", depth + 1, _child(target, i))
                 for i, v in enumerate(self.list_field(node, "v", where))
             ]
             if tag == "size" and not all(is_uint(i) and i < 1 << 63 for i in items):
                 raise self.bad(where, "a torch.Size holds non-negative integers only")
             return tuple(items) if tag == "tuple" else torch.Size(items)
         if tag in ("dict", "odict"):
-            return self.mapping(node, where, depth)
+            return self.mapping(node, where, depth, target)
         if tag in BLOB_TAGS:
-            return self.blob(node, where)
+            return self.blob(node, where, target)
         raise self.bad(where, f"unknown node {short(tag)}")
 
     def float_bits(self, node: dict[str, Json], where: str) -> float:
@@ -286,7 +328,9 @@ class TreeDecoder:
             return tuple(self.key(k, where, depth + 1) for k in self.list_field(node, "v", where))
         raise self.bad(where, "a dict key must be a str, int, float, bool, None or a tuple of them")
 
-    def mapping(self, node: dict[str, Json], where: str, depth: int) -> dict[Any, Any]:
+    def mapping(
+        self, node: dict[str, Json], where: str, depth: int, target: object = None
+    ) -> dict[Any, Any]:
         tag = node["t"]
         self.fields(node, where, {"t", "k", "v"}, {"m"} if tag == "odict" else set())
         keys = [
@@ -300,7 +344,7 @@ class TreeDecoder:
         for k, v in zip(keys, values, strict=True):
             if k in out:
                 raise self.bad(where, f"duplicate key {k!r}")
-            out[k] = self.node(v, f"{where}[{short(k)}]", depth + 1)
+            out[k] = self.node(v, f"{where}[{short(k)}]", depth + 1, _child(target, k))
         if "m" in node:
             metadata = self.node(node["m"], f"{where}._metadata", depth + 1)
             if not isinstance(metadata, dict):
@@ -337,7 +381,7 @@ class TreeDecoder:
             raise self.bad(where, f"shape must be at most {MAX_NDIM} non-negative integers")
         return shape
 
-    def blob(self, node: dict[str, Json], where: str) -> Any:
+    def blob(self, node: dict[str, Json], where: str, target: object = None) -> Any:
         tag = node["t"]
         if tag in ("bytes", "bytearray"):
             self.fields(node, where, {"t", "o", "n"})
@@ -370,16 +414,18 @@ class TreeDecoder:
                     where, "grad must be a boolean, true only for a float or complex dtype"
                 )
             return self.claim(
-                node, where, lambda: self.tensor(dtype, shape, start, node["n"], where, tag, grad)
-            )
+                node, where,
+                lambda: self.tensor(dtype, shape, start, node["n"], where, tag, grad, target),
+            )  # fmt: skip
         if node["dtype"] not in NUMPY_DTYPES:
             raise self.bad(where, f"numpy dtype {short(node['dtype'])} is not in the allow-list")
         np: Any = _numpy(self.ref)
         dtype_np = np.dtype(node["dtype"]).newbyteorder("<")
         start = self.region(node, where, dtype_np.itemsize, shape)
         return self.claim(
-            node, where, lambda: self.array(np, dtype_np, shape, start, node["n"], where, tag)
-        )
+            node, where,
+            lambda: self.array(np, dtype_np, shape, start, node["n"], where, tag, target),
+        )  # fmt: skip
 
     def claim(self, node: dict[str, Json], where: str, make: Any) -> Any:
         """Regions are disjoint and in order, except one value reached twice."""
@@ -400,8 +446,12 @@ class TreeDecoder:
         self.shared[offset] = (descriptor, value)
         return value
 
-    def tensor(self, dtype: torch.dtype, shape: list[int], start: int, n: int,
-               where: str, tag: str, grad: bool) -> torch.Tensor:  # fmt: skip
+    def tensor(self, dtype: torch.dtype, shape: list[int], start: int, n: int, where: str,
+               tag: str, grad: bool, target: object = None) -> torch.Tensor:  # fmt: skip
+        kind = torch.nn.Parameter if tag == "param" else torch.Tensor
+        dst = target if isinstance(target, torch.Tensor) and type(target) is kind \
+            and target.dtype == dtype and list(target.shape) == shape \
+            and target.device.type != "meta" else None  # fmt: skip
         if n == 0:
             out = torch.empty(shape, dtype=dtype)
         elif self.view.readonly:  # torch cannot guard read-only memory: copy into owned memory
@@ -411,9 +461,14 @@ class TreeDecoder:
             # (set_rng_state) reads a storage from its start and ignores the offset, and
             # saving or sending the tensor must not drag the whole shard along.
             out = torch.frombuffer(self.view, dtype=dtype, count=n // dtype.itemsize, offset=start)
-            out = out.clone().view(shape) if self.copy else out.view(shape)
+            out = out.clone().view(shape) if self.copy and dst is None else out.view(shape)
         if dtype == torch.bool and n and bool(out.reshape(-1).view(torch.uint8).gt(1).any()):
             raise self.bad(where, "a bool tensor holds bytes other than 0 and 1")
+        if dst is not None:
+            self.copies.append(lambda: _fill(dst, out, grad if tag == "param" else None))
+            return dst
+        if self.into is not None:
+            self.fresh.append(where)
         if tag != "param":
             return out
         try:
@@ -422,8 +477,9 @@ class TreeDecoder:
             raise self.bad(where, f"cannot be a Parameter: {exc}") from exc
 
     def array(
-        self, np: Any, dtype: Any, shape: list[int], start: int, n: int, where: str, tag: str
-    ) -> Any:
+        self, np: Any, dtype: Any, shape: list[int], start: int, n: int, where: str, tag: str,
+        target: object = None,
+    ) -> Any:  # fmt: skip
         out = (
             np.frombuffer(self.view, dtype, n // dtype.itemsize, start) if n else np.empty(0, dtype)
         )
@@ -432,7 +488,19 @@ class TreeDecoder:
             raise self.bad(where, "a bool array holds bytes other than 0 and 1")
         if tag == "npscalar":
             return out[()]
+        if (type(target) is np.ndarray and target.dtype == dtype  # type: ignore[attr-defined]
+                and list(target.shape) == shape and target.flags.writeable):  # type: ignore[attr-defined]
+            self.copies.append(lambda: np.copyto(target, out, casting="equiv"))
+            return target
+        if self.into is not None:
+            self.fresh.append(where)
         return out.copy() if self.copy else out
+
+
+def _fill(dst: torch.Tensor, src: torch.Tensor, grad: bool | None) -> None:
+    dst.copy_(src)
+    if grad is not None and dst.requires_grad != grad:
+        dst.requires_grad_(grad)
 
 
 def _numpy(ref: ShardRef) -> Any:

@@ -32,7 +32,14 @@ from typing import Any
 import xxhash
 
 from ckpt.engine import Engine, EventKind, LocalCatalog, TierEvent
-from ckpt.errors import CheckpointError, FormatError, ShardCorrupt, ShardMismatch, TierError
+from ckpt.errors import (
+    CheckpointError,
+    FormatError,
+    ShardCorrupt,
+    ShardMismatch,
+    ShardRef,
+    TierError,
+)
 from ckpt.format import ShardPlan, plan, write_into
 from ckpt.objects import ObjectStore, ObjectTier, open_store
 from ckpt.policy import Interval
@@ -41,6 +48,10 @@ from ckpt.remote import AgentClient, AgentEnv, AgentError, read_file
 from ckpt.tiers import DiskTier, Pacing, ShardKey, Tier, check_job
 
 __all__ = ["Checkpointer"]
+
+
+class ShardGone(CheckpointError):
+    """The copy a restore plan listed was not there when read."""
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +124,7 @@ class Checkpointer:
         self.stalls: list[float] = []
         self.skipped: list[int] = []
         self.restored_from: str | None = None
+        self.restored_fresh: list[str] = []  # where restore(into=) made new tensors
         self._on_event = on_event
         if ram_namespace is None:
             where = xxhash.xxh64_hexdigest(str(self.dir).encode())[:10]
@@ -146,12 +158,15 @@ class Checkpointer:
         self.stalls = []
         self.skipped = []
         self.restored_from = None
+        self.restored_fresh = []
         self._on_event = on_event
         hello = self.agent.call("POST", "/v1/ckpt/hello", {"world_size": env.world_size})
         self.tier_names: list[str] = list(hello.get("tiers", []))
         if interval == 1 and hello.get("interval") is not None:  # the job spec's, by default
             interval = hello["interval"]
-        self.policy = Interval.of(interval, mtbf_s if mtbf_s is not None else 6 * 3600.0)
+        if mtbf_s is None:  # the fleet's, as the supervisor learned or was told it
+            mtbf_s = hello.get("mtbf_s") or 6 * 3600.0
+        self.policy = Interval.of(interval, mtbf_s)
 
     def _build_tiers(
         self, specs: Sequence[TierSpec] | None, store: str | ObjectStore | None,
@@ -170,7 +185,8 @@ class Checkpointer:
                     store = str(self.dir / "objects")
                 if not isinstance(store, ObjectStore):
                     store = open_store(str(store), pacing=self.pacing)
-                built.append(ObjectTier(store, compression=compression, pacing=self.pacing))
+                built.append(ObjectTier(store, compression=compression, pacing=self.pacing,
+                                        level=self.pacing.compress_level))  # fmt: skip
             elif spec == "ram":
                 continue  # always there, always first
             else:
@@ -279,7 +295,7 @@ class Checkpointer:
 
     # ----------------------------------------------------------------- restoring
 
-    def restore(self, step: int | None = None) -> tuple[int, Any] | None:
+    def restore(self, step: int | None = None, *, into: object = None) -> tuple[int, Any] | None:
         """``(step, state)`` of the latest committed step (or ``step``), from the
         nearest tier with a verified copy; ``None`` when no tier has one.
 
@@ -287,9 +303,26 @@ class Checkpointer:
         ``corrupt`` event) and the next tier is tried; with ``step=None`` an
         older step is tried when no tier has a good copy of the newest.
         Nothing is ever unpickled.
+
+        Under Phalanx the step (``step=None``) is the one the whole gang restores
+        from, which the supervisor picks; a bad copy is reported to it and the
+        next tier tried, but a rank with no good copy of that step raises a
+        ``CheckpointError`` (naming the step and the tiers tried) rather than
+        restore an older step than its peers; so does a job whose committed
+        steps no rank set can read whole (the error says which rank lacks what).
+
+        ``into``: a state of the same structure, such as the live
+        ``{"model": model.state_dict(), "optimizer": opt.state_dict()}``. Each
+        saved tensor whose place there holds a tensor of the same type, dtype
+        and shape is copied into it (a RAM restore is then one copy into memory
+        already touched, or one host-to-device copy for a GPU tensor) and the
+        returned state holds that tensor; any other comes back as a new tensor,
+        and its place is listed in ``restored_fresh`` (and logged). ``into`` is
+        written only from a copy that verified and decoded whole.
         """
+        self.restored_fresh = []
         if self.agent is not None:
-            return self._restore_via_agent(step)
+            return self._restore_via_agent(step, into)
         tiers: list[Tier] = [self.ram, *self.tiers]
         listed: dict[str, set[int]] = {}
         for tier in tiers:
@@ -307,7 +340,7 @@ class Checkpointer:
                 if s not in listed[tier.name]:
                     continue
                 try:
-                    state = self._read(tier, key)
+                    state = self._read(tier, key, into)
                 except (ShardCorrupt, FormatError, ShardMismatch, TierError) as exc:
                     last_error = exc
                     self._report_read_failure(exc, key, tier.name)
@@ -316,46 +349,79 @@ class Checkpointer:
                     self.restored_from = tier.name
                     log.info("restored step %d of %s rank %d from tier %s", s, self.job,
                              self.rank, tier.name)  # fmt: skip
+                    self._note_fresh(into, s)
                     return s, state[0]
         if step is not None and last_error is not None:
             raise last_error
         return None
 
-    def _restore_via_agent(self, step: int | None) -> tuple[int, Any] | None:
+    def _note_fresh(self, into: object, step: int) -> None:
+        if into is not None and self.restored_fresh:
+            log.warning("restore of step %d into the given state: %d value(s) had no tensor "
+                        "of the same type, dtype and shape there and came back new: %s",
+                        step, len(self.restored_fresh),
+                        ", ".join(self.restored_fresh[:10]))  # fmt: skip
+
+    def _restore_via_agent(self, step: int | None, into: object = None) -> tuple[int, Any] | None:
         assert self.agent is not None
         query: dict[str, Any] = {"job": self.job, "rank": self.rank}
         if step is not None:
             query["step"] = step
         found = self.agent.call("GET", "/v1/ckpt/restore", query=query)
+        if found.get("unavailable"):
+            # Committed steps exist but none this whole gang can read: starting from
+            # scratch here would silently diverge from the other ranks.
+            raise CheckpointError(f"no checkpoint to restore rank {self.rank} from: "
+                                  f"{found['unavailable']}", ref=ShardRef(job=self.job,
+                                                                          rank=self.rank))
         last_error: CheckpointError | None = None
         for entry in found["steps"]:
             key = ShardKey(self.job, int(entry["step"]), self.rank)
             for where in entry["candidates"]:
+                tier = str(where["tier"])
                 try:
-                    state = self._read_via_agent(where, key)
-                except (ShardCorrupt, FormatError, ShardMismatch, TierError, AgentError) as exc:
-                    last_error = exc
+                    state = self._read_via_agent(where, key, into)
+                    if state is None:
+                        raise ShardGone(f"the copy of step {key.step} at tier {tier} is gone",
+                                        ref=key.ref(where.get("path")))
+                except (ShardCorrupt, FormatError, ShardMismatch, ShardGone, TierError,
+                        AgentError, TimeoutError) as exc:  # fmt: skip
+                    last_error = exc if isinstance(exc, CheckpointError) else TierError(
+                        str(exc), tier=tier, ref=key.ref())
                     log.warning("restore of step %d rank %d from tier %s failed: %s", key.step,
-                                self.rank, where["tier"], exc)  # fmt: skip
-                    with contextlib.suppress(CheckpointError):
-                        self.agent.call("POST", "/v1/ckpt/report", {
-                            "step": key.step, "tier": where["tier"], "error": str(exc)})
+                                self.rank, tier, exc)  # fmt: skip
+                    # Only a copy proven bad (it does not verify or parse, or a local file
+                    # is gone) is reported: the catalog then drops it. A network error or a
+                    # timeout says nothing about the copy.
+                    definite = isinstance(exc, ShardCorrupt | FormatError | ShardMismatch) or (
+                        isinstance(exc, ShardGone) and "path" in where)
+                    if definite:
+                        with contextlib.suppress(CheckpointError, TimeoutError):
+                            self.agent.call("POST", "/v1/ckpt/report", {
+                                "step": key.step, "tier": tier, "error": str(exc)})
                     continue
-                if state is not None:
-                    self.restored_from = str(where["tier"])
-                    log.info("restored step %d of %s rank %d from tier %s", key.step, self.job,
-                             self.rank, self.restored_from)  # fmt: skip
-                    return key.step, state[0]
-        if step is not None and last_error is not None:
-            raise last_error
+                self.restored_from = str(where["tier"])
+                log.info("restored step %d of %s rank %d from tier %s", key.step, self.job,
+                         self.rank, self.restored_from)  # fmt: skip
+                self._note_fresh(into, key.step)
+                return key.step, state[0]
+            # The agent names the one step the whole gang restores from: never fall back
+            # to another on this rank's own.
+            raise CheckpointError(
+                f"rank {self.rank} has no readable copy of step {key.step} (tried "
+                f"{', '.join(str(w['tier']) for w in entry['candidates']) or 'no tier'}): "
+                f"{last_error or 'no copy reachable from this node'}", ref=key.ref())
         return None
 
-    def _read_via_agent(self, where: dict[str, Any], key: ShardKey) -> tuple[Any] | None:
+    def _read_via_agent(self, where: dict[str, Any], key: ShardKey,
+                        into: object = None) -> tuple[Any] | None:  # fmt: skip
         from ckpt.format import decode
         from ckpt.ram import read_slot_view
 
         assert self.agent is not None
         tier, expected, path = str(where["tier"]), where.get("checksum"), where.get("path")
+        fresh: list[str] = []
+        self.restored_fresh = fresh
         if path is not None:
             mm = read_file(str(path))
             if mm is None:
@@ -366,32 +432,42 @@ class Checkpointer:
                     if view is None:
                         return None
                     try:
-                        state = decode(view, copy=True, expected=expected, ref=key.ref(path))
+                        state = decode(view, copy=True, expected=expected, ref=key.ref(path),
+                                       into=into, fresh=fresh)  # fmt: skip
                     finally:
                         with contextlib.suppress(BufferError):
                             view.release()
                 else:
-                    state = decode(mm, expected=expected, ref=key.ref(path))
+                    state = decode(mm, expected=expected, ref=key.ref(path), into=into,
+                                   fresh=fresh)  # fmt: skip
             finally:
                 with contextlib.suppress(BufferError):  # tensors still view a disk map
                     mm.close()
             return (state,)
-        data = self.agent.call("GET", "/v1/ckpt/shard", query={
-            "job": self.job, "rank": self.rank, "step": key.step, "tier": tier},
-            raw=True, timeout=self.wait_timeout_s)  # fmt: skip
-        if not data:
+        nbytes = where.get("nbytes")
+        if type(nbytes) is not int or nbytes < 0:
+            raise AgentError(f"the agent's restore plan lists no size for step {key.step} at "
+                             f"tier {tier}: {nbytes!r}", ref=key.ref())  # fmt: skip
+        # One buffer of the catalog's size, filled as the body streams in; a longer body
+        # is refused, never buffered.
+        data = self.agent.fetch_shard(tier, key.step, nbytes, timeout=self.wait_timeout_s)
+        if data is None:
             return None
-        return (decode(bytearray(data), expected=expected, ref=key.ref(f"{tier}:")),)
+        return (decode(data, expected=expected, ref=key.ref(f"{tier}:"), into=into,
+                       fresh=fresh),)  # fmt: skip
 
-    def _read(self, tier: Tier, key: ShardKey) -> tuple[Any] | None:
+    def _read(self, tier: Tier, key: ShardKey, into: object = None) -> tuple[Any] | None:
         from ckpt.format import decode
 
         stored = tier.open(key)
         if stored is None:
             return None
+        fresh: list[str] = []
+        self.restored_fresh = fresh
         try:
             state = decode(stored.buffer, copy=stored.reused, expected=stored.expected,
-                           ref=key.ref(stored.path))  # fmt: skip
+                           ref=key.ref(stored.path), into=into,
+                           fresh=fresh)  # fmt: skip
         finally:
             stored.close()
         return (state,)

@@ -1,6 +1,7 @@
 """The write-down engine: seals each saved shard, then carries it down the tiers.
 
-Two background threads (reniced by ``Pacing.nice``, 0 by default: see there):
+Two background threads (reniced by ``Pacing.nice``, or ``SCHED_IDLE`` with
+``Pacing.idle``; both off by default: see there):
 
 * ``ckpt-seal`` checksums a shard in its RAM slot (``format.seal``, xxh3 at
   memory speed, off the training path) and marks the slot sealed: the step is
@@ -168,7 +169,7 @@ class Engine:
         self.sealq.put(_Work(slot, key))
 
     def _loop(self, q: queue.SimpleQueue[_Work | None], step: Callable[[_Work], None]) -> None:
-        lower_thread_priority(self.pacing.nice)
+        lower_thread_priority(self.pacing.nice, self.pacing.idle)
         while (work := q.get()) is not None:
             try:
                 step(work)

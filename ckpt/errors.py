@@ -108,12 +108,18 @@ class UnsupportedValue(CheckpointError, TypeError):
 class TierError(CheckpointError):
     """A tier could not store, list, read or delete a shard (a full disk, an
     unreachable object store). ``tier`` names the tier; ``path`` where it failed.
-    A failing tier never costs a checkpoint committed there or at another tier."""
+    A failing tier never costs a checkpoint committed there or at another tier.
+    ``corrupt``: the tier answered, and what it holds is bad (it does not
+    decompress, or is longer than its manifest says), as opposed to a tier that
+    could not be reached or read."""
 
-    def __init__(self, message: str, *, tier: str, ref: ShardRef | None = None) -> None:
+    def __init__(self, message: str, *, tier: str, ref: ShardRef | None = None,
+                 corrupt: bool = False) -> None:  # fmt: skip
         self.tier = tier
+        self.corrupt = corrupt
         super().__init__(f"tier {tier}: {message}", ref=ref)
         self.reason = message
 
     def __reduce__(self) -> tuple[object, tuple[str]]:
-        return (functools.partial(type(self), tier=self.tier, ref=self.ref), (self.reason,))
+        return (functools.partial(type(self), tier=self.tier, ref=self.ref,
+                                  corrupt=self.corrupt), (self.reason,))

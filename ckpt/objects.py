@@ -11,24 +11,32 @@ Two stores: ``LocalFolderStore`` (a folder; the embedded default) and
 ``S3Store`` (any S3-protocol server through aiobotocore; its event loop runs
 in a thread the store owns, and every call has a timeout).
 ``open_store("s3://bucket/prefix")`` / ``open_store("file:///path")`` picks one.
+
+Nothing read from a store is trusted to be small: a shard is read as a
+``ShardReader`` (decompressed in pieces of at most ``PART_NBYTES``, never past
+the manifest's ``nbytes``), and ``ObjectStore.get`` (manifests, listings) stops
+at ``MAX_GET_NBYTES``. A zstd bomb or a lying size ends in a ``TierError``
+naming the object, never in gigabytes of memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
 import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import IO, Any, Final, TypeVar, cast
 from urllib.parse import urlparse
 
 import xxhash
 import zstandard
 
 from ckpt.errors import CheckpointError, TierError
+from ckpt.format import BufferLike
 from ckpt.tiers import (
     MANIFEST_NAME,
     Pacing,
@@ -38,15 +46,36 @@ from ckpt.tiers import (
     TierManifest,
     checked_chunks,
     digest_text,
+    parse_part,
     parse_step,
+    part_name,
     step_dir,
     write_file_atomic,
 )
 
-__all__ = ["LocalFolderStore", "ObjectStore", "ObjectTier", "S3Store", "open_store"]
+__all__ = [
+    "LocalFolderStore",
+    "ObjectStore",
+    "ObjectTier",
+    "ObjectTooLarge",
+    "S3Store",
+    "ShardReader",
+    "open_store",
+]
 
 T = TypeVar("T")
 PART_NBYTES: Final = 8 << 20  # S3 multipart parts: at least 5 MiB but the last
+MAX_GET_NBYTES: Final = 64 << 20  # ObjectStore.get: manifests and listings, never shards
+
+
+class ObjectTooLarge(OSError):
+    """An object (or what it decompresses to) is longer than its reader allows;
+    ``what`` names it, ``limit`` is the allowance in bytes."""
+
+    def __init__(self, what: str, limit: int, detail: str = "") -> None:
+        self.what = what
+        self.limit = limit
+        super().__init__(f"{what} is larger than the {limit}-byte limit{detail}")
 
 
 class ObjectStore(ABC):
@@ -71,8 +100,20 @@ class ObjectStore(ABC):
     def delete(self, keys: list[str]) -> None:
         """Remove keys (absent ones are ignored)."""
 
-    def get(self, key: str) -> bytes:
-        return b"".join(self.get_stream(key))
+    def get(self, key: str, *, max_nbytes: int = MAX_GET_NBYTES) -> bytes:
+        """A small object whole (a manifest); ``ObjectTooLarge`` past ``max_nbytes``."""
+        out = bytearray()
+        pieces = self.get_stream(key)
+        try:
+            for piece in pieces:
+                out += piece
+                if len(out) > max_nbytes:
+                    raise ObjectTooLarge(f"{self.url}{key}", max_nbytes)
+        finally:
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()  # a generator: let go of its file or connection now
+        return bytes(out)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Let go of connections and threads."""
@@ -312,55 +353,116 @@ class ObjectTier(Tier):
         yield from chunker.finish()  # type: ignore[no-untyped-call]
 
     def commit(self, manifest: TierManifest) -> None:
-        manifest = TierManifest(manifest.job, manifest.step, manifest.shards,
-                                self.compression, manifest.committed_at)  # fmt: skip
-        where = f"{manifest.job}/{step_dir(manifest.step)}/{MANIFEST_NAME}"
-        try:
-            self.store.put_stream(where, [manifest.to_json()])
-        except Exception as exc:
-            raise self._fail("writing the manifest", where, exc) from exc
+        """Write the step's manifest, last. A partial manifest (one node's ranks) goes to
+        its own part, ``JOB/STEP/manifest-rFIRST-rLAST.json``, then the step manifest
+        (every node writes the same one, listing no shard) marks the step committed."""
+        step = f"{manifest.job}/{step_dir(manifest.step)}"
+        writes = []
+        if manifest.partial and manifest.shards:
+            part = TierManifest(manifest.job, manifest.step, manifest.shards, self.compression,
+                                manifest.committed_at, manifest.world_size)  # fmt: skip
+            first, last = min(manifest.shards), max(manifest.shards)
+            writes.append((f"{step}/{part_name(first, last)}", part))
+            manifest = TierManifest(manifest.job, manifest.step, {}, self.compression,
+                                    manifest.committed_at, manifest.world_size)  # fmt: skip
+        else:
+            manifest = TierManifest(manifest.job, manifest.step, manifest.shards,
+                                    self.compression, manifest.committed_at,
+                                    manifest.world_size)  # fmt: skip
+        writes.append((f"{step}/{MANIFEST_NAME}", manifest))
+        for where, content in writes:
+            try:
+                self.store.put_stream(where, [content.to_json()])
+            except Exception as exc:
+                raise self._fail("writing the manifest", where, exc) from exc
 
-    def manifest(self, job: str, step: int) -> TierManifest | None:
+    def manifest(self, job: str, step: int, rank: int | None = None) -> TierManifest | None:
+        """The step's manifest; for a step committed in parts, with the part that lists
+        ``rank`` merged in (found by its name: one listing, one read)."""
         where = f"{job}/{step_dir(step)}/{MANIFEST_NAME}"
         try:
-            return TierManifest.from_json(self.store.get(where), where=self.store.url + where)
+            found = TierManifest.from_json(self.store.get(where), where=self.store.url + where)
         except FileNotFoundError:
             return None
         except CheckpointError:
             return None
         except Exception as exc:
             raise self._fail("reading", where, exc) from exc
+        if not found.partial or rank is None or rank in found.shards:
+            return found
+        shards = dict(found.shards)
+        for key in self._step_keys(job).get(step, []):
+            span = parse_part(key.rsplit("/", 1)[-1])
+            if span is None or not span[0] <= rank <= span[1]:
+                continue
+            try:
+                part = TierManifest.from_json(self.store.get(key), where=self.store.url + key)
+            except (FileNotFoundError, CheckpointError):
+                continue
+            except Exception as exc:
+                raise self._fail("reading", key, exc) from exc
+            if part.job == job and part.step == step:
+                shards.update(part.shards)
+            if rank in shards:
+                break
+        return TierManifest(found.job, found.step, shards, found.compression,
+                            found.committed_at, found.world_size)  # fmt: skip
 
-    def open(self, key: ShardKey) -> StoredShard | None:
-        manifest = self.manifest(key.job, key.step)
-        if manifest is None or key.rank not in manifest.shards:
+    def reader(self, key: ShardKey, nbytes: int | None = None,
+               checksum: str | None = None) -> ShardReader | None:  # fmt: skip
+        """Rank ``key.rank``'s shard of a committed step, to read in bounded pieces, or
+        ``None`` when this tier has none. ``nbytes``, when the caller knows it (the
+        catalog's), must be what the step's manifest lists. With the catalog's
+        ``checksum`` and ``nbytes`` too, a step committed in parts whose part for this
+        rank is not written yet (its node died first) is still read, against them."""
+        manifest = self.manifest(key.job, key.step, key.rank)
+        if manifest is None:
             return None
-        expected, nbytes = manifest.shards[key.rank]
+        if key.rank in manifest.shards:
+            expected, listed = manifest.shards[key.rank]
+        elif manifest.partial and checksum is not None and nbytes is not None:
+            expected, listed = checksum, nbytes
+        else:
+            return None
         where = self._key(key)
-        buffer = bytearray(nbytes)
-        view = memoryview(buffer)
-        pos = 0
+        url = self.store.url + where
+        if listed < 0 or (nbytes is not None and listed != nbytes):
+            wanted = f", not the {nbytes} bytes the catalog lists" if nbytes is not None else ""
+            raise TierError(f"the manifest of {url} lists {listed} bytes{wanted}",
+                            tier=self.name, ref=key.ref(url))  # fmt: skip
+        raw = self.store.get_stream(where)
         try:
-            stream = self.store.get_stream(where)
-            if manifest.compression == "zstd":
-                decompressor = zstandard.ZstdDecompressor().decompressobj()
-                stream = (decompressor.decompress(piece) for piece in stream)
-            for piece in stream:
-                end = min(pos + len(piece), nbytes)
-                view[pos:end] = piece[: end - pos]
-                pos += len(piece)
+            first = next(raw, b"")
         except FileNotFoundError:
             return None
-        except zstandard.ZstdError as exc:
-            raise TierError(
-                f"{self.store.url}{where} does not decompress: {exc}",
-                tier=self.name, ref=key.ref(self.store.url + where),
-            ) from exc  # fmt: skip
         except Exception as exc:
             raise self._fail("downloading", where, exc, key) from exc
-        if pos != nbytes:  # decode reports the truncation or excess as a corrupt shard
-            buffer = buffer[: min(pos, nbytes)] if pos < nbytes else buffer + b"\0"
-        return StoredShard(key, buffer, self.store.url + where, expected=expected)
+        return ShardReader(self.name, key, url, listed, expected, first, raw,
+                           compressed=manifest.compression == "zstd")  # fmt: skip
+
+    def open(self, key: ShardKey) -> StoredShard | None:
+        reader = self.reader(key)
+        if reader is None:
+            return None
+        # The manifest's size is not trusted with memory: an anonymous map costs only the
+        # pages written, so a manifest that lies upward holds no more than the content.
+        buffer: BufferLike = b""
+        if reader.nbytes:
+            try:
+                buffer = mmap.mmap(-1, reader.nbytes,
+                                   flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_NORESERVE", 0))
+            except (OSError, OverflowError) as exc:
+                reader.close()
+                raise TierError(f"{reader.url}: no room for the {reader.nbytes} bytes its "
+                                f"manifest lists: {exc}", tier=self.name,
+                                ref=key.ref(reader.url)) from exc  # fmt: skip
+        view = memoryview(buffer)
+        with contextlib.closing(reader):
+            for piece in reader:
+                view[reader.received - len(piece) : reader.received] = piece
+        if reader.received < reader.nbytes:  # decode reports the truncation as corrupt
+            view = view[: reader.received]
+        return StoredShard(key, view, reader.url, expected=reader.expected)
 
     def _step_keys(self, job: str) -> dict[int, list[str]]:
         try:
@@ -393,6 +495,80 @@ class ObjectTier(Tier):
 
     def close(self) -> None:
         self.store.close()
+
+
+class ShardReader:
+    """One shard's content from an object store, as an iterator of pieces of at most
+    ``PART_NBYTES``: zstd is decompressed one bounded piece at a time (a bomb never
+    expands in memory) and the content may not run past ``nbytes`` (a ``TierError``
+    naming the object as soon as it does). A short content just ends: ``received``
+    says how much came, for the caller to compare with ``nbytes``. Every failure is a
+    ``TierError``; ``close`` lets go of the connection or file."""
+
+    def __init__(self, tier: str, key: ShardKey, url: str, nbytes: int, expected: str,
+                 first: bytes, raw: Iterator[bytes], *, compressed: bool) -> None:  # fmt: skip
+        self.tier = tier
+        self.key = key
+        self.url = url
+        self.nbytes = nbytes
+        self.expected = expected
+        self.received = 0
+        self._raw = raw
+        self._source = _IterReader(first, raw)
+        self._zstd = zstandard.ZstdDecompressor().stream_reader(
+            cast(IO[bytes], self._source), read_size=1 << 17, read_across_frames=True,
+            closefd=False) if compressed else None  # fmt: skip
+
+    def __iter__(self) -> ShardReader:
+        return self
+
+    def __next__(self) -> bytes:
+        # One byte past nbytes is enough to know the content is too long.
+        want = min(PART_NBYTES, self.nbytes - self.received + 1)
+        try:
+            piece = self._zstd.read(want) if self._zstd is not None else self._source.read(want)
+        except zstandard.ZstdError as exc:
+            self.close()
+            raise TierError(f"{self.url} does not decompress: {exc}", tier=self.tier,
+                            ref=self.key.ref(self.url), corrupt=True) from exc  # fmt: skip
+        except Exception as exc:
+            self.close()
+            raise TierError(f"downloading {self.url} failed: {exc}", tier=self.tier,
+                            ref=self.key.ref(self.url)) from exc  # fmt: skip
+        if not piece:
+            self.close()
+            raise StopIteration
+        self.received += len(piece)
+        if self.received > self.nbytes:
+            self.close()
+            raise TierError(f"{self.url} holds more than the {self.nbytes} bytes its manifest "
+                            "lists: refused", tier=self.tier, ref=self.key.ref(self.url),
+                            corrupt=True)  # fmt: skip
+        return piece
+
+    def close(self) -> None:
+        close = getattr(self._raw, "close", None)
+        if close is not None:
+            with contextlib.suppress(ValueError):  # still running in another thread: GC closes
+                close()
+
+
+class _IterReader:
+    """``read(n)`` over an iterator of byte pieces: at most ``n`` bytes a call."""
+
+    def __init__(self, first: bytes, rest: Iterator[bytes]) -> None:
+        self.pending = memoryview(first)
+        self.rest = rest
+
+    def read(self, n: int = -1) -> bytes:
+        while not self.pending:
+            piece = next(self.rest, None)
+            if piece is None:
+                return b""
+            self.pending = memoryview(piece)
+        n = len(self.pending) if n < 0 else n
+        out, self.pending = self.pending[:n], self.pending[n:]
+        return bytes(out)
 
 
 def _regroup(pieces: Iterable[memoryview]) -> Iterator[bytes]:

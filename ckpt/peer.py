@@ -13,50 +13,76 @@ GET       /v1/ckpt/peer/keys?prefix=P      JSON list of keys under ``P``
 POST      /v1/ckpt/peer/delete             body ``{"keys": [...]}``
 ========  ===============================  =====================================
 
-A key is ``JOB/STEP/rank-RANK.phx[.zst]`` or ``JOB/STEP/manifest.json``; the
-buddy refuses any other (no path tricks). The buddy checks every shard it is
+A key is ``JOB/STEP/rank-RANK.phx[.zst]``, ``JOB/STEP/manifest.json`` or a
+manifest part ``JOB/STEP/manifest-rFIRST-rLAST.json``; the buddy refuses any
+other (no path tricks). The buddy checks every shard it is
 sent as it streams in (``SealCheck``: decompressed, its content must hash to
 the digest its seal records), so a shard that lands at the peer tier is a
-verified one; a mismatch is refused (422) and nothing is stored. Every call has a timeout; errors
-are ``OSError``s that ``ObjectTier`` turns into a ``TierError`` naming the URL.
+verified one; a mismatch is refused (422) and nothing is stored. A body, or
+what it decompresses to, past the buddy's ``ckpt.peer_max_shard_bytes`` is
+refused (413) as soon as it crosses the limit: zstd is decompressed in pieces
+of at most ``DECOMPRESS_PIECE`` bytes, so a bomb never expands in memory.
+Every call has a timeout; errors are ``OSError``s that ``ObjectTier`` turns
+into a ``TierError`` naming the URL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
 import struct
-from collections.abc import Iterable, Iterator
-from typing import Final
+from collections.abc import Callable, Iterable, Iterator
+from typing import IO, Final, cast
 from urllib.parse import quote
 
 import xxhash
 import zstandard
 
 from ckpt.format import CHECKSUM_ALGORITHM, SEAL_MAGIC, TRAILER_NBYTES
-from ckpt.objects import PART_NBYTES, ObjectStore
+from ckpt.objects import MAX_GET_NBYTES, PART_NBYTES, ObjectStore, ObjectTooLarge
 
 __all__ = ["PEER_KEY_RE", "HttpPeerStore", "SealCheck"]
 
+DECOMPRESS_PIECE: Final = 1 << 20  # SealCheck's largest piece of decompressed output
+_ANSWER_NBYTES: Final = 1 << 16  # the most of a buddy's short JSON answer ever read
+
 PEER_KEY_RE: Final = re.compile(
-    r"^[a-z0-9][a-z0-9-]{0,80}/\d{12}/(rank-\d{5}\.phx(\.zst)?|manifest\.json)$"
+    r"^[a-z0-9][a-z0-9-]{0,80}/\d{12}/"
+    r"(rank-\d{5}\.phx(\.zst)?|manifest\.json|manifest-r\d{5}-r\d{5}\.json)$"
 )
 
 
 class SealCheck:
     """Checks a shard's seal while it streams in (zstd-compressed or not): every byte but
-    the trailer hashed, the trailer's length and digest compared at the end."""
+    the trailer hashed, the trailer's length and digest compared at the end.
 
-    def __init__(self, compressed: bool) -> None:
-        self.decompressor = zstandard.ZstdDecompressor().decompressobj() if compressed else None
+    Compressed input is decompressed in pieces of at most ``DECOMPRESS_PIECE`` bytes
+    (a zstd bomb never expands in memory), and ``feed`` raises ``ObjectTooLarge`` as
+    soon as the content passes ``max_nbytes`` (``None``: no limit)."""
+
+    def __init__(self, compressed: bool, max_nbytes: int | None = None,
+                 what: str = "the shard") -> None:  # fmt: skip
+        self.max_nbytes = max_nbytes
+        self.what = what
         self.hasher = xxhash.xxh3_128()
         self.tail = b""
         self.total = 0
+        self.writer = zstandard.ZstdDecompressor().stream_writer(
+            cast(IO[bytes], _Sink(self._take)), write_size=DECOMPRESS_PIECE,
+            write_return_read=True) if compressed else None  # fmt: skip
 
     def feed(self, data: bytes) -> None:
-        if self.decompressor is not None:
-            data = self.decompressor.decompress(data)
+        if self.writer is not None:
+            self.writer.write(data)  # calls _take with each decompressed piece
+        else:
+            self._take(data)
+
+    def _take(self, data: bytes) -> None:
+        if self.max_nbytes is not None and self.total + len(data) > self.max_nbytes:
+            raise ObjectTooLarge(f"{self.what} (decompressed)" if self.writer else self.what,
+                                 self.max_nbytes)  # fmt: skip
         self.total += len(data)
         pending = self.tail + data
         if len(pending) > TRAILER_NBYTES:
@@ -75,6 +101,17 @@ class SealCheck:
             return (f"content hashes to {CHECKSUM_ALGORITHM}:{self.hasher.hexdigest()}, not the "
                     f"sealed {CHECKSUM_ALGORITHM}:{digest.hex()}")
         return None
+
+
+class _Sink:
+    """The file a zstd stream writer writes its decompressed pieces to."""
+
+    def __init__(self, take: Callable[[bytes], None]) -> None:
+        self.take = take
+
+    def write(self, data: bytes) -> int:
+        self.take(data)
+        return len(data)
 
 
 class PeerError(OSError):
@@ -101,7 +138,7 @@ class HttpPeerStore(ObjectStore):
 
     def _check(self, resp: http.client.HTTPResponse, what: str) -> None:
         if resp.status == 404:
-            resp.read()
+            resp.read(_ANSWER_NBYTES)
             raise FileNotFoundError(f"{what}: not on peer {self.node}")
         if resp.status >= 300:
             body = resp.read(500).decode(errors="replace")
@@ -110,12 +147,22 @@ class HttpPeerStore(ObjectStore):
     def put_stream(self, key: str, parts: Iterable[bytes]) -> None:
         conn = self._conn()
         try:
-            conn.request("PUT", "/v1/ckpt/peer/objects/" + quote(key), body=_nonempty(parts),
-                         headers={**self._headers(), "Content-Type": "application/octet-stream"},
-                         encode_chunked=True)  # fmt: skip
+            try:
+                conn.request("PUT", "/v1/ckpt/peer/objects/" + quote(key),
+                             body=_nonempty(parts), headers={
+                                 **self._headers(), "Content-Type": "application/octet-stream"},
+                             encode_chunked=True)  # fmt: skip
+            except OSError as exc:
+                # The buddy may have refused the body part-way (413): say why, if it did.
+                answer = None
+                with contextlib.suppress(OSError, http.client.HTTPException):
+                    answer = conn.getresponse()
+                if answer is not None:
+                    self._check(answer, f"PUT {key}")
+                raise PeerError(f"PUT {key}: sending to peer {self.node} failed: {exc}") from exc
             resp = conn.getresponse()
             self._check(resp, f"PUT {key}")
-            resp.read()
+            resp.read(_ANSWER_NBYTES)
         finally:
             conn.close()
 
@@ -137,7 +184,11 @@ class HttpPeerStore(ObjectStore):
                          headers=self._headers())  # fmt: skip
             resp = conn.getresponse()
             self._check(resp, f"listing {prefix}")
-            found = json.loads(resp.read())
+            body = resp.read(MAX_GET_NBYTES + 1)
+            if len(body) > MAX_GET_NBYTES:
+                raise ObjectTooLarge(f"the listing of {prefix} from peer {self.node}",
+                                     MAX_GET_NBYTES)  # fmt: skip
+            found = json.loads(body)
         finally:
             conn.close()
         if not isinstance(found, list) or not all(isinstance(k, str) for k in found):
@@ -153,7 +204,7 @@ class HttpPeerStore(ObjectStore):
                          headers={**self._headers(), "Content-Type": "application/json"})
             resp = conn.getresponse()
             self._check(resp, f"deleting {len(keys)} keys")
-            resp.read()
+            resp.read(_ANSWER_NBYTES)
         finally:
             conn.close()
 

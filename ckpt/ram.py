@@ -8,9 +8,9 @@ the rank (``kill -9`` included), and a restarted rank, or any process that
 knows the namespace, maps them back by name. Standalone, the ``Checkpointer``
 creates them and leaves them behind only if it dies.
 
-Slots are allocated once, their pages allocated and mapped up front
-(``fallocate`` + ``MAP_POPULATE``: the first save copies at the speed of a
-touched buffer), and reused. A slot is *busy* from the moment a save starts
+Slots are allocated once, their pages allocated and mapped writable up front
+(``fallocate``, ``MAP_POPULATE`` and ``MADV_POPULATE_WRITE``: the first save
+copies at the speed of a touched buffer), and reused. A slot is *busy* from the moment a save starts
 copying into it until the write-down has finished reading it, and a busy slot
 is never handed out: a new save never overwrites a buffer still being written
 down. The ``keep`` most recently sealed slots are *protected*: the newest
@@ -42,7 +42,7 @@ from ckpt.errors import ShardRef, TierError
 from ckpt.format import CHECKSUM_ALGORITHM
 from ckpt.tiers import ShardKey, StoredShard, Tier, check_job
 
-__all__ = ["RamTier", "Slot", "namespace_for", "read_slot_view"]
+__all__ = ["RamTier", "Slot", "namespace_for", "populate_for_write", "read_slot_view"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,20 @@ class Slot:
     @property
     def checksum(self) -> str:
         return f"{CHECKSUM_ALGORITHM}:{self.digest.hex()}"
+
+
+_MADV_POPULATE_WRITE: Final = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+
+
+def populate_for_write(mm: mmap.mmap) -> None:
+    """Map every page of a shared mapping writable now, content unchanged.
+
+    ``MAP_POPULATE`` maps a shared file's existing pages read-only, so the first
+    write to each still faults: measured through an agent at 1 GiB, the first
+    save into each slot took 0.20-0.30 s against 0.09-0.12 s once populated.
+    A kernel without ``MADV_POPULATE_WRITE`` leaves it to the faults."""
+    with contextlib.suppress(OSError, ValueError):
+        mm.madvise(_MADV_POPULATE_WRITE)
 
 
 def pin_for_dma(mm: mmap.mmap, nbytes: int) -> None:
@@ -218,6 +232,7 @@ class RamTier(Tier):
                 f"cannot allocate {size} bytes of shared memory at {path}: {exc}",
                 tier=self.name, ref=ShardRef(path=str(path)),
             ) from exc  # fmt: skip
+        populate_for_write(mm)
         if self.pin:
             pin_for_dma(mm, size)
         slot = Slot(index, path, mm, capacity)

@@ -14,11 +14,14 @@ POST   /v1/ckpt/submit       the slot now holds step S: seal it and write it dow
 POST   /v1/ckpt/reserve      allocate every slot for N bytes now
 POST   /v1/ckpt/wait         until step S is committed on every configured tier;
                              409 names a failed tier, 504 the tiers still missing
-GET    /v1/ckpt/restore      committed steps, newest first, each with where a copy
-                             lies, nearest first (RAM or disk: a path to read)
-GET    /v1/ckpt/shard        one shard's bytes from the peer or object tier
-POST   /v1/ckpt/report       a copy the rank found corrupt (logged by the agent as a
-                             ckpt_corrupt event line; not yet sent to the supervisor)
+GET    /v1/ckpt/restore      the step the gang restores from (or the one asked for),
+                             with where this rank's copy lies, nearest first (RAM
+                             or disk: a path to read); ``unavailable`` says why
+                             there is none when committed steps exist
+GET    /v1/ckpt/shard        one shard's bytes from the peer or object tier, streamed,
+                             its Content-Length the catalog's size (empty: no copy)
+POST   /v1/ckpt/report       a copy the rank found corrupt or gone: the agent tells
+                             the supervisor, whose catalog stops offering it
 =====  ====================  ==================================================
 
 A slot is written between acquire and submit by the rank alone (the agent
@@ -36,12 +39,14 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, NoReturn
 from urllib.parse import urlencode
 
-from ckpt.errors import CheckpointError, ShardRef, TierError
+from ckpt.errors import CheckpointError, ShardCorrupt, ShardRef, TierError
 
 __all__ = ["AgentClient", "AgentEnv"]
+
+_ERROR_NBYTES: Final = 1 << 16  # the most of an error answer ever read
 
 ENV_KEYS = ("PHALANX_AGENT_SOCKET", "PHALANX_JOB_ID", "PHALANX_GENERATION", "RANK", "WORLD_SIZE")
 
@@ -123,18 +128,65 @@ class AgentClient:
         finally:
             conn.close()
         if resp.status >= 300:
-            try:
-                error = json.loads(payload)
-            except ValueError:
-                error = {"error": payload[:300].decode(errors="replace")}
-            message = f"agent: {method} {path}: {error.get('error', resp.status)}"
-            ref = ShardRef(job=self.env.job, rank=self.env.rank, step=error.get("step"))
-            if error.get("tier"):
-                raise TierError(message, tier=str(error["tier"]), ref=ref)
-            if resp.status == 504:
-                raise TimeoutError(message)
-            raise AgentError(message, ref=ref)
+            self._refused(method, path, resp.status, payload)
         return payload if raw else json.loads(payload)
+
+    def _refused(self, method: str, path: str, status: int, payload: bytes) -> NoReturn:
+        try:
+            error = json.loads(payload)
+        except ValueError:
+            error = {"error": payload[:300].decode(errors="replace")}
+        if not isinstance(error, dict):
+            error = {"error": str(error)[:300]}
+        message = f"agent: {method} {path}: {error.get('error', status)}"
+        ref = ShardRef(job=self.env.job, rank=self.env.rank, step=error.get("step"))
+        if error.get("corrupt"):  # the tier's copy is bad, not the tier unreachable
+            raise ShardCorrupt(message, ref=ref)
+        if error.get("tier"):
+            raise TierError(message, tier=str(error["tier"]), ref=ref)
+        if status == 504:
+            raise TimeoutError(message)
+        raise AgentError(message, ref=ref)
+
+    def fetch_shard(self, tier: str, step: int, nbytes: int, *,
+                    timeout: float | None = None) -> bytearray | None:  # fmt: skip
+        """This rank's shard of ``step`` from the peer or object tier, through the agent,
+        read into one buffer of ``nbytes`` (the size the restore plan lists); ``None``
+        when the tier has no copy. A body of any other size is a ``TierError`` naming
+        the tier: a longer one is refused before its excess is read, never buffered."""
+        ref = ShardRef(job=self.env.job, rank=self.env.rank, step=step, path=f"{tier}:")
+        query = urlencode({"job": self.env.job, "rank": self.env.rank, "step": step,
+                           "tier": tier})  # fmt: skip
+        conn = _UnixConnection(self.env.socket, timeout if timeout is not None else self.timeout_s)
+        try:
+            conn.request("GET", "/v1/ckpt/shard?" + query)
+            resp = conn.getresponse()
+            if resp.status >= 300:
+                self._refused("GET", "/v1/ckpt/shard", resp.status, resp.read(_ERROR_NBYTES))
+            if resp.length == 0:
+                return None
+            if resp.length is not None and resp.length > nbytes:
+                raise TierError(f"the agent sends {resp.length} bytes for step {step}, more than "
+                                f"the {nbytes} the catalog lists: refused", tier=tier, ref=ref)
+            buffer = bytearray(nbytes)
+            view = memoryview(buffer)
+            got = 0
+            while got < nbytes and (n := resp.readinto(view[got:])):
+                got += n
+            if got == 0 and resp.length is None:
+                return None  # an empty body: the tier has no copy
+            if got < nbytes:
+                raise TierError(f"the copy of step {step} ended after {got} of its {nbytes} "
+                                "bytes", tier=tier, ref=ref)  # fmt: skip
+            if resp.read(1):
+                raise TierError(f"the agent sends more than the {nbytes} bytes the catalog "
+                                f"lists for step {step}: refused", tier=tier, ref=ref)
+            return buffer
+        except (OSError, http.client.HTTPException) as exc:
+            raise TierError(f"reading the copy of step {step} through the agent at "
+                            f"{self.env.socket} failed: {exc!r}", tier=tier, ref=ref) from exc
+        finally:
+            conn.close()
 
     # ----------------------------------------------------------------- slot mapping
 
@@ -152,6 +204,9 @@ class AgentClient:
             mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         finally:
             os.close(fd)
+        from ckpt.ram import populate_for_write
+
+        populate_for_write(mm)  # else the first save into it pays a fault per page
         if "torch" in sys.modules:  # a GPU rank: device-to-host copies DMA straight in
             from ckpt.ram import pin_for_dma
 

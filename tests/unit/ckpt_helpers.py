@@ -3,12 +3,17 @@ a bit-exact comparison, and a tier whose writes a test can hold back."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+import subprocess
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from ckpt import ShardKey, StoredShard, Tier, verify
@@ -95,3 +100,18 @@ class GatedTier(Tier):
 
     def delete(self, job: str, step: int) -> None:
         self.landed.pop(step, None)
+
+
+@contextlib.contextmanager
+def small_tmpfs(mnt: Path, size: str = "4m") -> Iterator[Path]:
+    """A real tmpfs of ``size`` mounted at ``mnt`` (made if missing) for the block; the
+    test is skipped where mounting is not permitted (it needs root, as in a container)."""
+    mnt.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                          capture_output=True, check=False)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {done.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import zstandard
 from ckpt_helpers import assert_bit_identical, training_state
 
-from ckpt import Checkpointer, S3Store, TierError
+import ckpt
+from ckpt import Checkpointer, ObjectTier, S3Store, ShardKey, TierError
 from ckpt.objects import PART_NBYTES
+from ckpt.tiers import TierManifest
 
 moto_server = pytest.importorskip("moto.moto_server.threaded_moto_server")
 
@@ -91,3 +94,23 @@ def test_an_unreachable_object_store_is_a_tier_error_and_disk_still_commits(
         assert c.tiers[0].steps("local") == [1]
     finally:
         c.close()
+
+
+def test_a_zstd_bomb_in_s3_is_refused_at_the_manifest_size_and_the_store_still_answers(
+    bucket: S3Store,
+) -> None:
+    tier = ObjectTier(bucket)
+    key = ShardKey("local", 1, 0)
+    shard = ckpt.encode({"w": torch.ones(10)}, ref=key.ref())
+    checksum = ckpt.verify(shard)
+    tier.put(key, memoryview(shard), checksum)
+    tier.commit(TierManifest("local", 1, {0: (checksum, len(shard))}))
+    compressor = zstandard.ZstdCompressor(level=1).compressobj()
+    zeros = bytes(1 << 20)
+    bomb = b"".join([compressor.compress(zeros) for _ in range(1024)] + [compressor.flush()])
+    bucket.put_stream(key.relpath(".zst"), [bomb])  # 1 GiB of zeros in about 32 KiB
+
+    for _ in range(2):  # the abandoned download let go of its connection
+        with pytest.raises(TierError, match=f"more than the {len(shard)} bytes its manifest"):
+            tier.open(key)
+    assert tier.steps("local") == [1]

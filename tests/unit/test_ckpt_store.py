@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from ckpt_helpers import GatedTier, assert_bit_identical, training_state
+from ckpt_helpers import GatedTier, assert_bit_identical, small_tmpfs, training_state
 
 import ckpt.tiers
 from ckpt import Checkpointer, DiskTier, TierError, TierEvent, UnsafeShard
@@ -205,16 +205,8 @@ def test_a_full_disk_keeps_the_last_committed_step_and_names_tier_and_path(
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A real 4 MiB tmpfs, where mounting is permitted (root in a container)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                          capture_output=True, check=False)  # fmt: skip
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small filesystem here: {done.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_really_full_filesystem_keeps_the_committed_step_and_reports_enospc(

@@ -1,0 +1,404 @@
+"""Memory bounds of the checkpoint store's readers: nothing a peer, an object store or a
+manifest says about a size is trusted with memory.
+
+Real payloads against real servers and files: zstd bombs, bodies past a limit, and
+copies whose size lies, sent to a buddy's peer routes (aiohttp on a loopback port),
+read from an object tier's folder, and streamed to a rank through the agent
+(``AgentHarness``) or a fake agent on a unix socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import http.client
+import json
+import os
+import tracemalloc
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import zstandard
+from aiohttp import web
+from ckpt_helpers import assert_bit_identical
+from test_ckpt_agent_mode import JOB, AgentHarness
+
+import ckpt
+from agentd.ckpt_http import add_peer_routes
+from agentd.config import CkptSettings
+from ckpt import Checkpointer, CheckpointError, LocalFolderStore, ObjectTier, ShardKey, TierError
+from ckpt.objects import ObjectTooLarge
+from ckpt.peer import HttpPeerStore, PeerError, SealCheck
+from ckpt.remote import AgentClient, AgentEnv
+from ckpt.tiers import TierManifest
+from phalanx.http import bearer_ok, serve
+
+GIB = 1 << 30
+MIB = 1 << 20
+TOKEN = "peer-token"
+
+
+@functools.cache
+def zstd_bomb(content_nbytes: int) -> bytes:
+    """Zeros as zstd frames of 256 MiB each: about 32 KiB per GiB of content."""
+    frame_nbytes = 256 * MIB
+    compressor = zstandard.ZstdCompressor(level=1).compressobj()
+    zeros = bytes(MIB)
+    frame = b"".join([compressor.compress(zeros) for _ in range(frame_nbytes // MIB)]
+                     + [compressor.flush()])  # fmt: skip
+    return frame * (content_nbytes // frame_nbytes)
+
+
+def sealed(state: Any, key: ShardKey) -> tuple[bytearray, str]:
+    shard = ckpt.encode(state, ref=key.ref())
+    return shard, ckpt.verify(shard)
+
+
+# --------------------------------------------------------------------------- object tier
+
+
+@pytest.fixture
+def committed(tmp_path: Path) -> Iterator[tuple[ObjectTier, ShardKey, bytearray]]:
+    """An object tier on a real folder holding one committed step of one rank."""
+    tier = ObjectTier(LocalFolderStore(tmp_path / "objects"))
+    key = ShardKey("job-1", 7, 0)
+    shard, checksum = sealed({"w": torch.arange(1000, dtype=torch.float32)}, key)
+    tier.put(key, memoryview(shard), checksum)
+    tier.commit(TierManifest(key.job, key.step, {0: (checksum, len(shard))}))
+    yield tier, key, shard
+    tier.close()
+
+
+def object_path(tier: ObjectTier, key: ShardKey) -> Path:
+    assert isinstance(tier.store, LocalFolderStore)
+    return tier.store.root / key.relpath(".zst")
+
+
+def test_an_object_longer_than_its_manifest_lists_is_a_tier_error_naming_it(
+    committed: tuple[ObjectTier, ShardKey, bytearray],
+) -> None:
+    tier, key, shard = committed
+    object_path(tier, key).write_bytes(zstandard.ZstdCompressor().compress(bytes(shard) + b"x"))
+
+    with pytest.raises(TierError) as refused:
+        tier.open(key)
+
+    assert refused.value.tier == "object"
+    assert f"more than the {len(shard)} bytes its manifest lists" in str(refused.value)
+    assert key.relpath(".zst") in str(refused.value)
+
+
+def test_a_zstd_bomb_in_the_object_store_stops_at_the_manifest_size_in_bounded_memory(
+    committed: tuple[ObjectTier, ShardKey, bytearray],
+) -> None:
+    tier, key, shard = committed
+    object_path(tier, key).write_bytes(zstd_bomb(16 * GIB))
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(TierError, match=f"more than the {len(shard)} bytes"):
+            tier.open(key)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert peak < 64 * MIB  # 16 GiB of content behind it
+
+
+def test_a_manifest_that_lies_upward_costs_only_the_real_content_and_reads_as_corrupt(
+    committed: tuple[ObjectTier, ShardKey, bytearray],
+) -> None:
+    tier, key, shard = committed
+    assert isinstance(tier.store, LocalFolderStore)
+    manifest_path = tier.store.root / key.job / "000000000007" / "manifest.json"
+    raw = json.loads(manifest_path.read_text())
+    raw["shards"][0]["nbytes"] = 1 << 40  # one TiB
+    manifest_path.write_text(json.dumps(raw))
+
+    try:
+        stored = tier.open(key)
+    except TierError as exc:  # a system that refuses even to reserve the address space
+        assert "no room for the 1099511627776 bytes" in str(exc)
+        return
+    assert stored is not None and len(memoryview(stored.buffer)) == len(shard)
+    with pytest.raises(CheckpointError):
+        ckpt.decode(stored.buffer, expected=stored.expected, ref=key.ref())
+
+
+def test_an_object_tier_refuses_a_manifest_size_other_than_the_catalogs(
+    committed: tuple[ObjectTier, ShardKey, bytearray],
+) -> None:
+    tier, key, shard = committed
+
+    with pytest.raises(TierError, match=f"lists {len(shard)} bytes, not the 99 bytes the "
+                                        "catalog lists"):  # fmt: skip
+        tier.reader(key, 99)
+
+
+def test_an_object_store_get_stops_at_its_limit(
+    committed: tuple[ObjectTier, ShardKey, bytearray],
+) -> None:
+    tier, key, _ = committed
+
+    with pytest.raises(ObjectTooLarge, match="larger than the 100-byte limit") as refused:
+        tier.store.get(key.relpath(".zst"), max_nbytes=100)
+
+    assert key.relpath(".zst") in refused.value.what
+
+
+# --------------------------------------------------------------------------- peer tier
+
+
+def test_a_seal_check_stops_decompressing_a_zstd_bomb_at_its_limit_in_bounded_memory() -> None:
+    bomb = zstd_bomb(16 * GIB)
+    seal = SealCheck(True, 64 * MIB, "job-1/000000000001/rank-00000.phx.zst")
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ObjectTooLarge, match=r"\(decompressed\) is larger than the "
+                                                 f"{64 * MIB}-byte limit"):  # fmt: skip
+            for start in range(0, len(bomb), 64 << 10):
+                seal.feed(bomb[start : start + (64 << 10)])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert seal.total <= 64 * MIB
+    assert peak < 16 * MIB
+
+
+@pytest.fixture
+async def buddy(tmp_path: Path) -> AsyncIterator[tuple[HttpPeerStore, Path]]:
+    """A buddy's peer routes on a loopback port, refusing shards past 8 MiB."""
+    root = tmp_path / "ckpt-peer"
+    pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="test-peer")
+    agent = SimpleNamespace(
+        node="n02",
+        ckpt=SimpleNamespace(peer_root=root, peer_io=pool, peer_store=LocalFolderStore(root)),
+    )
+    app = web.Application()
+    add_peer_routes(app, agent, lambda request: bearer_ok(request, TOKEN.encode()),  # type: ignore[arg-type]
+                    max_shard_bytes=CkptSettings(peer_max_shard_bytes=8 * MIB).peer_max_shard_bytes)
+    async with serve(app, lambda runner: web.TCPSite(runner, "127.0.0.1", 0),
+                     "test buddy") as runner:  # fmt: skip
+        port = runner.addresses[0][1]
+        yield HttpPeerStore("n02", "127.0.0.1", port, TOKEN, timeout_s=60), root
+    pool.shutdown(wait=True)
+
+
+def stored_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
+
+
+async def test_a_buddy_refuses_a_zstd_bomb_with_413_naming_the_limit_and_stores_nothing(
+    buddy: tuple[HttpPeerStore, Path],
+) -> None:
+    store, root = buddy
+
+    with pytest.raises(PeerError) as refused:
+        await asyncio.to_thread(store.put_stream, "job-1/000000000001/rank-00000.phx.zst",
+                                [zstd_bomb(GIB)])  # fmt: skip
+
+    assert "answered 413" in str(refused.value)
+    assert "content (decompressed) is larger than the 8388608-byte limit" in str(refused.value)
+    assert "peer_max_shard_bytes is 8388608" in str(refused.value)
+    assert stored_files(root) == []
+
+
+async def test_a_buddy_refuses_a_streamed_body_past_its_limit_with_413_and_stores_nothing(
+    buddy: tuple[HttpPeerStore, Path],
+) -> None:
+    store, root = buddy
+    pieces = [os.urandom(MIB) for _ in range(12)]
+
+    with pytest.raises(PeerError, match=r"answered 413.*larger than the"):
+        await asyncio.to_thread(store.put_stream, "job-1/000000000001/rank-00000.phx", pieces)
+
+    assert stored_files(root) == []
+
+
+async def test_a_buddy_refuses_a_declared_length_past_its_limit_before_reading_the_body(
+    buddy: tuple[HttpPeerStore, Path],
+) -> None:
+    store, root = buddy
+
+    def put_headers_only() -> tuple[int, dict[str, Any]]:
+        conn = http.client.HTTPConnection(store.address, store.port, timeout=30)
+        try:
+            conn.putrequest("PUT", "/v1/ckpt/peer/objects/job-1/000000000001/rank-00000.phx")
+            conn.putheader("Authorization", f"Bearer {TOKEN}")
+            conn.putheader("Content-Length", str(1 << 40))
+            conn.endheaders()  # and never a byte of the TiB it announced
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read())
+        finally:
+            conn.close()
+
+    status, answer = await asyncio.to_thread(put_headers_only)
+
+    assert status == 413
+    assert answer["limit"] == 8 * MIB and "1099511627776 bytes" in answer["error"]
+    assert stored_files(root) == []
+
+
+async def test_a_buddy_stores_a_sealed_compressed_shard_under_its_limit(
+    buddy: tuple[HttpPeerStore, Path],
+) -> None:
+    store, root = buddy
+    key = ShardKey("job-1", 1, 0)
+    shard, _ = sealed({"w": torch.zeros(MIB)}, key)  # 4 MiB of content: under the limit
+
+    await asyncio.to_thread(store.put_stream, key.relpath(".zst"),
+                            [zstandard.ZstdCompressor(level=1).compress(bytes(shard))])
+
+    assert stored_files(root) == [root / key.relpath(".zst")]
+
+
+# --------------------------------------------------------------------------- the rank route
+
+
+@pytest.fixture
+def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AgentHarness]:
+    (tmp_path / "shm").mkdir()
+    harness = AgentHarness(tmp_path)
+    for key, value in harness.env().items():
+        monkeypatch.setenv(key, value)
+    yield harness
+    harness.close()
+
+
+def leave_only_the_object_copy(agent: AgentHarness, step: int) -> bytes:
+    """Remove the RAM and NVMe copies of ``step``; the shard's bytes, as sealed."""
+    for segment in (agent.root / "shm").iterdir():
+        segment.unlink()
+    nvme = agent.root / "data" / "ckpt" / ShardKey(JOB, step, 0).relpath()
+    shard = nvme.read_bytes()
+    nvme.unlink()
+    return shard
+
+
+def save_and_commit(state: Any, step: int) -> None:
+    c = Checkpointer()
+    c.save(step, state)
+    c.wait(timeout=60)
+    c.close()
+
+
+def test_a_rank_restores_a_shard_of_many_pieces_streamed_from_the_object_tier(
+    agent: AgentHarness,
+) -> None:
+    state = {"w": torch.randn(5 * MIB), "step": 3}  # 20 MiB: three pieces on the wire
+    save_and_commit(state, 3)
+    leave_only_the_object_copy(agent, 3)
+
+    reader = Checkpointer()
+    found = reader.restore(step=3)
+
+    assert found is not None and found[0] == 3 and reader.restored_from == "object"
+    assert_bit_identical(found[1], state)
+
+
+def test_an_object_copy_longer_than_the_catalog_lists_is_refused_by_the_agent(
+    agent: AgentHarness,
+) -> None:
+    save_and_commit({"w": torch.ones(100)}, 4)
+    shard = leave_only_the_object_copy(agent, 4)
+    obj = agent.root / "objects" / ShardKey(JOB, 4, 0).relpath(".zst")
+    obj.write_bytes(zstandard.ZstdCompressor().compress(shard + b"\0" * MIB))
+
+    with pytest.raises(CheckpointError, match=f"more than the {len(shard)} bytes its manifest"):
+        Checkpointer().restore(step=4)
+
+
+def test_an_object_copy_that_runs_long_mid_body_is_cut_off_and_the_rank_refuses_it(
+    agent: AgentHarness,
+) -> None:
+    save_and_commit({"w": torch.randn(3 * MIB)}, 5)  # 12 MiB: the excess is in piece two
+    shard = leave_only_the_object_copy(agent, 5)
+    obj = agent.root / "objects" / ShardKey(JOB, 5, 0).relpath(".zst")
+    obj.write_bytes(zstandard.ZstdCompressor().compress(shard + b"\0" * MIB))
+
+    with pytest.raises(CheckpointError, match=f"ended after {8 * MIB} of its {len(shard)} bytes"):
+        Checkpointer().restore(step=5)
+
+
+# --------------------------------------------------------------------------- the rank's reader
+
+
+@contextlib.asynccontextmanager
+async def fake_agent(socket: Path, handler: Any) -> AsyncIterator[AgentClient]:
+    """A unix-socket server answering ``GET /v1/ckpt/shard`` with ``handler``."""
+    app = web.Application()
+    app.router.add_get("/v1/ckpt/shard", handler)
+    async with serve(app, lambda runner: web.UnixSite(runner, str(socket)), "fake agent"):
+        yield AgentClient(AgentEnv(str(socket), JOB, 1, 0, 1), timeout_s=30)
+
+
+async def test_the_rank_refuses_an_announced_length_past_the_catalogs_size(
+    tmp_path: Path,
+) -> None:
+    async def longer(request: web.Request) -> web.Response:
+        return web.Response(body=bytes(2000))
+
+    async with fake_agent(tmp_path / "a.sock", longer) as client:
+        with pytest.raises(TierError, match="sends 2000 bytes for step 1, more than the 1000"):
+            await asyncio.to_thread(client.fetch_shard, "object", 1, 1000)
+
+
+async def test_the_rank_stops_reading_an_endless_body_one_byte_past_the_catalogs_size(
+    tmp_path: Path,
+) -> None:
+    async def endless(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()  # chunked, no length announced
+        await resp.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            while True:
+                await resp.write(bytes(MIB))
+        return resp
+
+    async with fake_agent(tmp_path / "a.sock", endless) as client:
+        with pytest.raises(TierError, match="sends more than the 3000000 bytes"):
+            await asyncio.to_thread(client.fetch_shard, "peer", 1, 3_000_000)
+
+
+async def test_the_rank_reports_a_body_shorter_than_announced_as_a_tier_error(
+    tmp_path: Path,
+) -> None:
+    async def short(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        resp.content_length = 1000
+        await resp.prepare(request)
+        await resp.write(bytes(600))
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
+    async with fake_agent(tmp_path / "a.sock", short) as client:
+        with pytest.raises(TierError, match="ended after 600 of its 1000 bytes"):
+            await asyncio.to_thread(client.fetch_shard, "object", 1, 1000)
+
+
+async def test_the_rank_reads_a_body_of_the_catalogs_size_into_one_buffer(
+    tmp_path: Path,
+) -> None:
+    body = os.urandom(3 * MIB + 5)
+
+    async def exact(request: web.Request) -> web.Response:
+        return web.Response(body=body)
+
+    async def absent(request: web.Request) -> web.Response:
+        return web.Response(body=b"")
+
+    async with fake_agent(tmp_path / "a.sock", exact) as client:
+        got = await asyncio.to_thread(client.fetch_shard, "object", 1, len(body))
+    async with fake_agent(tmp_path / "b.sock", absent) as client:
+        gone = await asyncio.to_thread(client.fetch_shard, "object", 1, len(body))
+
+    assert isinstance(got, bytearray) and got == body
+    assert gone is None
