@@ -15,7 +15,7 @@ topic                                  publisher  retain   payload
 ``phalanx/v1/node/{node}/ack``         agent      no       :class:`CommandAck`
 ``phalanx/v1/node/{node}/rank``        agent      no       :class:`RankEvent`
 ``phalanx/v1/node/{node}/ckpt``        agent      no       :class:`CkptLanding`
-``phalanx/v1/job/{job}/ckpt``          supervisor yes      :class:`CkptCatalog`
+``phalanx/v1/job/{job}/ckpt/{node}``   supervisor yes      :class:`CkptCatalog`
 ``phalanx/v1/supervisor/status``       supervisor yes      :class:`SupervisorStatus`
 =====================================  =========  =======  ==========================
 
@@ -204,7 +204,9 @@ class CkptLanding(_Msg):
 
     ``landed`` means the bytes are whole and checked against the seal; ``deleted``
     that retention removed them; ``failed`` that the tier could not take them
-    (``error`` says why). For the peer tier ``holder`` is the buddy that keeps the copy.
+    (``error`` says why); ``corrupt`` that a rank found the copy unusable when it
+    restored (``error`` says why: the catalog stops offering it). For the peer tier
+    ``holder`` is the buddy that keeps the copy.
     """
 
     kind: Literal["ckpt"] = "ckpt"
@@ -213,22 +215,35 @@ class CkptLanding(_Msg):
     step: int = Field(ge=0)
     rank: int = Field(ge=0)
     tier: CkptTierName
-    event: Literal["landed", "deleted", "failed"] = "landed"
+    event: Literal["landed", "deleted", "failed", "corrupt"] = "landed"
     nbytes: int = Field(default=0, ge=0)
     checksum: str = ""
     holder: str | None = None
     error: str = ""
+    generation: int = Field(default=0, ge=0, description="the job generation whose rank "
+                            "saved the shard (0: not known, an agent restarted since)")
     at: float
+
+
+class PeerAddr(_Msg):
+    """A buddy node's agent, where the peer tier pushes this node's shards."""
+
+    node: NodeId
+    address: str
+    http_port: int = Field(ge=1, le=65535)
 
 
 class CkptShard(_Msg):
     rank: int = Field(ge=0)
     checksum: str
     nbytes: int = Field(ge=0)
+    peer: PeerAddr | None = Field(default=None, description="the buddy holding this rank's "
+                                  "peer-tier copy of the step, where it is committed there")
 
 
 class CkptStep(_Msg):
-    """A step committed at one tier or more: when, and every rank's checksum and size."""
+    """A step committed at one tier or more: when, and the checksum and size of the
+    shards of the ranks the receiving node holds or runs."""
 
     step: int = Field(ge=0)
     committed: dict[CkptTierName, float] = Field(description="tier -> commit time")
@@ -236,17 +251,29 @@ class CkptStep(_Msg):
 
 
 class CkptCatalog(_Msg):
-    """The committed checkpoints of one job, as the supervisor's catalog holds them.
+    """The committed checkpoints of one job, as one node needs them.
 
-    Retained, so an agent that (re)connects learns them at once; republished on
-    every commit or deletion. Only the newest ``MAX_CATALOG_STEPS`` steps are listed,
-    fewer for a job of many ranks (each step lists every rank's checksum).
+    One message per (job, node), retained on ``phalanx/v1/job/JOB/ckpt/NODE``, so
+    an agent that (re)connects learns them at once; republished on every commit
+    or deletion. It lists every committed step (the newest ``MAX_CATALOG_STEPS``)
+    with the tiers it is committed at, and the shards of the ranks this node runs
+    now or landed before: its size grows with the ranks per node, not with the job.
+
+    ``restore_step`` is the newest step every rank of the current generation can
+    read from where it now runs (a RAM or NVMe copy on its node, the peer copy on a
+    live buddy, the object store); the whole gang restores from it, so that no rank
+    falls back to an older step on its own. ``None`` with committed steps listed
+    means none is readable by every rank (``restore_note`` says which rank lacks what).
     """
 
     kind: Literal["ckpt_catalog"] = "ckpt_catalog"
     job: str
+    node: NodeId
     world_size: int = Field(ge=1)
+    generation: int = Field(default=0, ge=0, description="the job's generation when sent")
     steps: list[CkptStep] = Field(default_factory=list)
+    restore_step: int | None = None
+    restore_note: str = ""
     ended: bool = Field(default=False, description="the job succeeded or was cancelled: "
                         "agents free its RAM tier (the lower tiers keep what `keep` says)")
 
@@ -288,14 +315,6 @@ class RankSlot(_Msg):
 JOB_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,80}$"
 
 
-class PeerAddr(_Msg):
-    """A buddy node's agent, where the peer tier pushes this node's shards."""
-
-    node: NodeId
-    address: str
-    http_port: int = Field(ge=1, le=65535)
-
-
 class CkptPlan(_Msg):
     """How the agent writes this job's checkpoints down (from the job spec)."""
 
@@ -305,6 +324,8 @@ class CkptPlan(_Msg):
         default="auto", description="what ``Checkpointer.due`` uses: steps (int), "
         "seconds (float) or 'auto'")
     buddy: PeerAddr | None = Field(default=None, description="the peer tier's target")
+    mtbf_s: float | None = Field(default=None, gt=0, description="the job's mean time between "
+                                 "failures (the fleet's node MTBF over its nodes), for 'auto'")
 
 
 class StartRanksArgs(_Msg):
@@ -435,10 +456,10 @@ def ckpt_topic(node: str) -> str:
 _JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,80}$")
 
 
-def catalog_topic(job: str) -> str:
+def catalog_topic(job: str, node: str) -> str:
     if not _JOB_ID_RE.match(job):
         raise ValueError(f"invalid job id {job!r}")
-    return f"{PREFIX}/job/{job}/ckpt"
+    return f"{PREFIX}/job/{job}/ckpt/{_node(node)}"
 
 
 SUPERVISOR_STATUS_TOPIC = f"{PREFIX}/supervisor/status"
@@ -455,7 +476,7 @@ SUPERVISOR_SUBSCRIPTIONS = (
 
 
 def agent_subscriptions(node: str) -> tuple[str, ...]:
-    return (command_topic(node), f"{PREFIX}/job/+/ckpt")
+    return (command_topic(node), f"{PREFIX}/job/+/ckpt/{_node(node)}")
 
 
 _MODELS: dict[str, type[_Msg]] = {
@@ -468,7 +489,7 @@ _MODELS: dict[str, type[_Msg]] = {
     "ckpt": CkptLanding,
 }
 _TOPIC_RE = re.compile(r"^phalanx/v1/node/([^/]+)/(birth|death|heartbeat|cmd|ack|rank|ckpt)$")
-_CATALOG_RE = re.compile(r"^phalanx/v1/job/([^/]+)/ckpt$")
+_CATALOG_RE = re.compile(r"^phalanx/v1/job/([^/]+)/ckpt/([^/]+)$")
 
 
 @dataclass(frozen=True)
@@ -507,7 +528,10 @@ def parse(topic: str, payload: bytes | bytearray | str | None) -> Inbound:
         if catalog.job != job_match.group(1):
             raise WireError(topic, f"payload names job {catalog.job!r} but the topic names "
                                    f"{job_match.group(1)!r}")
-        return Inbound(None, catalog)
+        if catalog.node != job_match.group(2):
+            raise WireError(topic, f"payload names node {catalog.node!r} but the topic names "
+                                   f"{job_match.group(2)!r}")
+        return Inbound(catalog.node, catalog)
     match = _TOPIC_RE.match(topic)
     if match is None:
         raise WireError(topic, "not a phalanx/v1 topic")

@@ -4,10 +4,13 @@ Agents report every shard that lands at (or is deleted from) a tier
 (``CkptLanding``). A step is *committed* at a tier once every rank of the job
 has a shard there, each checked against its seal by the agent that stored it;
 the catalog (in the supervisor's SQLite store) then records the commit and
-the job's ``CkptCatalog`` is published, retained, on ``phalanx/v1/job/JOB/ckpt``.
+one ``CkptCatalog`` per node of the job is published, retained, on
+``phalanx/v1/job/JOB/ckpt/NODE``.
 Agents write the step's manifest at their tiers and apply retention when
 they see it, and answer their ranks' restores from it. A deletion (retention)
-removes the step at that tier from the catalog.
+removes the step at that tier from the catalog; so does a rank's report that its
+copy there is corrupt or gone. ``gang_step`` picks the one step the whole gang
+restores from.
 
 ``pick_buddies`` chooses each node's peer-tier buddy: a pure function.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 from phalanx import wire
@@ -51,9 +54,55 @@ def pick_buddies(nodes: Sequence[str], racks: Mapping[str, str]) -> dict[str, st
     return {ring[i]: ring[(i + best) % size] for i in range(size)}
 
 
+def gang_step(committed: Mapping[int, Mapping[str, float]],
+              where: Mapping[tuple[int, int, str], tuple[str, str | None]], world_size: int,
+              placement: Mapping[int, str], alive: Set[str] | None,
+              reachable: Set[str] | None = None) -> tuple[int | None, str]:
+    """The newest committed step every rank can read from where it runs, and why none
+    is when none is (``""`` otherwise).
+
+    Rank ``r`` can read step ``s`` when ``s`` is committed at the object store; or at
+    the peer tier and the buddy holding r's copy is alive; or at RAM or NVMe and r
+    runs on the node that landed that copy, alive. A rank with no place in
+    ``placement`` (the job is not running) is taken to run where it landed. With
+    ``reachable`` (the nodes whose address is known), a buddy must be in it too.
+    """
+
+    def readable(step: int, rank: int, tiers: Mapping[str, float]) -> bool:
+        node = placement.get(rank)
+        for tier in ("ram", "nvme", "peer"):
+            if tier not in tiers or (step, rank, tier) not in where:
+                continue
+            landed, holder = where[(step, rank, tier)]
+            at = holder if tier == "peer" else landed
+            if at is None or (alive is not None and at not in alive):
+                continue
+            if tier == "peer" and reachable is not None and at not in reachable:
+                continue  # the agent could not find the buddy holding it
+            if tier == "peer" or node is None or node == landed:
+                return True
+        return False
+
+    note = ""
+    for step in sorted(committed, reverse=True):
+        tiers = committed[step]
+        if "object" in tiers:
+            return step, ""  # every rank's shard is in the shared store
+        blocked = next((r for r in range(world_size) if not readable(step, r, tiers)), None)
+        if blocked is None:
+            return step, ""
+        note = note or (f"rank {blocked} (on {placement.get(blocked) or 'no node'}) can read "
+                        f"no copy of step {step} (committed at {', '.join(sorted(tiers))})")
+    return None, note
+
+
 class CheckpointCatalog:
     def __init__(self, store: Store) -> None:
         self.store = store
+        # The ranks landed so far of each step not yet committed at a tier, loaded from the
+        # store once: counting them in SQL on every landing grew with the square of the ranks.
+        # The generation that counts for each step and tier: the newest that landed there.
+        self._landed: dict[tuple[str, int, str], tuple[int, set[int]]] = {}
 
     def on_landing(self, msg: wire.CkptLanding, world_size: int) -> bool:
         """Record a landing or deletion; True when a commit appeared or went."""
@@ -62,16 +111,52 @@ class CheckpointCatalog:
                 "job": msg.job, "step": msg.step, "rank": msg.rank, "tier": msg.tier,
                 "error": msg.error})
             return False
+        if msg.event == "corrupt":
+            # A rank could not use this copy: the step is no longer whole at that tier.
+            self.store.add_event("ckpt_corrupt", msg.node, {
+                "job": msg.job, "step": msg.step, "rank": msg.rank, "tier": msg.tier,
+                "error": msg.error})
+            log.warning("job %s: rank %d found its copy of step %d at tier %s unusable: %s",
+                        msg.job, msg.rank, msg.step, msg.tier, msg.error)
+            self._landed.pop((msg.job, msg.step, msg.tier), None)
+            return self.store.drop_shard(msg.job, msg.step, msg.tier, msg.rank)
         if msg.event == "deleted":
             # Retention is the same on every node, and one agent's deletion at a shared
             # tier (the object store) removes every rank's shard: the step is gone there.
+            self._landed.pop((msg.job, msg.step, msg.tier), None)
             return self.store.drop_step(msg.job, msg.step, msg.tier)
+        key = (msg.job, msg.step, msg.tier)
+        if key not in self._landed:
+            rows = self.store.shard_ranks(*key)
+            newest = max(rows.values(), default=msg.generation)
+            self._landed[key] = (newest, {r for r, g in rows.items() if g == newest})
+        generation, ranks = self._landed[key]
+        went = False
+        if msg.generation < generation:
+            # An older generation's write-down, late, of a step a newer one saves again:
+            # it must not make a commit of two generations' shards.
+            log.info("job %s: ignored rank %d's shard of step %d at tier %s from generation "
+                     "%d: generation %d saves that step now", msg.job, msg.rank, msg.step,
+                     msg.tier, msg.generation, generation)
+            return False
+        if msg.generation > generation:
+            # A newer generation saves this step again (it restored an older one): what the
+            # older generation left at this tier is stale or overwritten, its commit too.
+            went = any(s == msg.step and t == msg.tier for s, t, _ in self.store.commits(msg.job))
+            self.store.drop_step(msg.job, msg.step, msg.tier)
+            generation, ranks = msg.generation, set()
+            self._landed[key] = (generation, ranks)
         self.store.add_shard(msg.job, msg.step, msg.tier, msg.rank, msg.node, msg.holder,
-                             msg.nbytes, msg.checksum, msg.at)
-        if self.store.shard_ranks(msg.job, msg.step, msg.tier) < world_size:
-            return False
+                             msg.nbytes, msg.checksum, msg.at, msg.generation)
+        ranks.add(msg.rank)
+        if len(ranks) < world_size:
+            return went
+        del self._landed[key]  # complete: a redelivery or a corrupt report reloads it
+        for older in [k for k in self._landed if k[0] == msg.job and k[2] == msg.tier
+                      and k[1] < msg.step]:
+            del self._landed[older]  # most likely never complete; reloaded if it does
         if not self.store.add_commit(msg.job, msg.step, msg.tier, time.time()):
-            return False
+            return went
         self.store.add_event("ckpt_committed", None, {"job": msg.job, "step": msg.step,
                                                       "tier": msg.tier})
         log.info("job %s: step %d committed at tier %s", msg.job, msg.step, msg.tier,
@@ -79,23 +164,70 @@ class CheckpointCatalog:
                         "tier": msg.tier})
         return True
 
-    def message(self, job: str, world_size: int) -> wire.CkptCatalog:
-        """The job's committed steps, newest ``MAX_CATALOG_STEPS``, for the agents."""
+    def forget(self) -> None:
+        """Drop what is cached of the store (after a write was rolled back)."""
+        self._landed.clear()
+
+    def messages(self, job: str, world_size: int, *, generation: int = 0,
+                 placement: Mapping[int, str] | None = None,
+                 peers: Mapping[str, wire.PeerAddr] | None = None,
+                 alive: Set[str] | None = None, ended: bool = False,
+                 nodes: Sequence[str] = ()) -> list[wire.CkptCatalog]:
+        """The job's catalog as each node needs it: one message per node that runs a rank
+        of the job (``placement``: rank -> node, the current generation), landed a shard,
+        or is named in ``nodes`` (the last generation's, when the job has ended).
+
+        Every message lists the committed steps (the newest ``MAX_CATALOG_STEPS``, fewer
+        when the node holds many ranks) and the shards of that node's ranks only, so
+        its size does not grow with the job. ``peers`` gives the address of each node
+        that can hold a peer copy; ``alive`` the nodes not offline (default: all).
+        """
+        placement = dict(placement or {})
+        peers = peers or {}
         committed: dict[int, dict[str, float]] = {}
         for step, tier, at in self.store.commits(job):
             committed.setdefault(step, {})[tier] = at
-        # Every step lists every rank's checksum (~80 bytes each): fewer steps for big jobs,
-        # so that the message stays under the wire's payload limit.
-        fit = max(1, (wire.MAX_PAYLOAD_BYTES * 3 // 4) // (80 * world_size))
-        keep = sorted(committed)[-min(wire.MAX_CATALOG_STEPS, fit):]
-        shards: dict[int, dict[int, wire.CkptShard]] = {s: {} for s in keep}
-        for step, _tier, rank, _node, _holder, nbytes, checksum in self.store.shards(job):
-            if step in shards and rank not in shards[step]:
-                shards[step][rank] = wire.CkptShard(rank=rank, checksum=checksum, nbytes=nbytes)
-        return wire.CkptCatalog(job=job, world_size=world_size, steps=[
-            wire.CkptStep(step=s, committed=committed[s],
-                          shards=sorted(shards[s].values(), key=lambda x: x.rank))
-            for s in keep])
+        shards: dict[tuple[int, int], tuple[str, int]] = {}  # (step, rank) -> checksum, nbytes
+        where: dict[tuple[int, int, str], tuple[str, str | None]] = {}  # -> node, holder
+        landed_on: dict[str, set[int]] = {}
+        for step, tier, rank, node, holder, nbytes, checksum in self.store.committed_shards(job):
+            shards.setdefault((step, rank), (checksum, nbytes))
+            where[(step, rank, tier)] = (node, holder)
+            landed_on.setdefault(node, set()).add(rank)
+        restore_step, note = gang_step(committed, where, world_size, placement, alive,
+                                       set(peers) if peers else None)
+        if not committed and self.store.ever_committed(job):
+            # A rank must not start afresh while its peers would have restored.
+            note = ("every step the job committed is gone from the catalog (deleted, or "
+                    "reported corrupt or unreadable): nothing the whole gang can restore")
+        runs: dict[str, set[int]] = {}
+        for rank, node in placement.items():
+            runs.setdefault(node, set()).add(rank)
+        out = []
+        for node in sorted(set(runs) | set(landed_on) | self.store.shard_nodes(job) | set(nodes)):
+            ranks = sorted(runs.get(node, set()) | landed_on.get(node, set()))
+            # ~200 bytes per shard listed: stay well under the wire's payload limit.
+            fit = max(1, (wire.MAX_PAYLOAD_BYTES // 2) // (200 * max(1, len(ranks)) + 100))
+            keep = sorted(committed)[-min(wire.MAX_CATALOG_STEPS, fit):]
+            if restore_step is not None and restore_step not in keep:
+                keep = sorted([restore_step, *keep[1:]])  # the gang's step is always listed
+            steps = []
+            for step in keep:
+                listed = []
+                for rank in ranks:
+                    if (step, rank) not in shards:
+                        continue
+                    checksum, nbytes = shards[(step, rank)]
+                    holder = where.get((step, rank, "peer"), (None, None))[1]
+                    listed.append(wire.CkptShard(
+                        rank=rank, checksum=checksum, nbytes=nbytes,
+                        peer=peers.get(holder) if holder and "peer" in committed[step] else None))
+                steps.append(wire.CkptStep(step=step, committed=committed[step], shards=listed))
+            out.append(wire.CkptCatalog(job=job, node=node, world_size=world_size,
+                                        generation=generation, steps=steps,
+                                        restore_step=restore_step, restore_note=note,
+                                        ended=ended))  # fmt: skip
+        return out
 
     def view(self, job: str, world_size: int, tiers: Sequence[str]) -> dict[str, Any]:
         """Every step with a shard anywhere: committed tiers, and partial ones (ranks there)."""

@@ -55,6 +55,15 @@ class SupervisorSettings(BaseSettings):
         "job's end or a node change also start one)."
     )
     spares: int = Field(default=0, ge=0, description="Healthy idle nodes held back as hot spares.")
+    ckpt_node_mtbf_h: float = Field(
+        default=5000.0, gt=0,
+        description="A node's mean time between failures, in hours, for jobs checkpointing "
+        "at `interval: auto` until enough failures are seen to learn it (5,000 h: about "
+        "what large GPU fleets report, e.g. one interruption every ~3 h on 2,048 nodes).")
+    ckpt_mtbf_min_failures: int = Field(
+        default=5, ge=1,
+        description="Node failures (lost, or drained automatically) the event log must hold "
+        "before the fleet's learned node MTBF replaces ckpt_node_mtbf_h.")
     teams: dict[str, TeamSettings] = Field(
         default_factory=dict, description="Per-team GPU quota and fair-share weight."
     )

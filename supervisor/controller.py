@@ -21,6 +21,7 @@ from phalanx import wire
 from phalanx.jobspec import FromFile, JobSpec
 from supervisor.catalog import pick_buddies
 from supervisor.jobs import Job, JobState, RankPlace
+from supervisor.mtbf import NodeMtbf, node_mtbf
 from supervisor.registry import NodeState, Refused, RegistryError
 from supervisor.scheduler import (
     ClusterNode,
@@ -50,6 +51,7 @@ class JobController:
     def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
         self.store = sup.store
+        self._mtbf: tuple[float, NodeMtbf] | None = None  # (monotonic time, the fleet's)
         self.jobs: dict[str, Job] = {
             job_id: Job.from_record(job_id, rec) for job_id, rec in self.store.load_jobs().items()
         }
@@ -354,6 +356,9 @@ class JobController:
             if ack.status != wire.AckStatus.DONE:
                 raise LaunchError(f"node {nodes[0]} could not allocate a port: {ack.detail}")
             job.master_port = int(ack.result["port"])
+            # The ranks restore first thing: their nodes must know this generation's
+            # restore step (or that there is none) before; their agents wait for it.
+            await self.sup.publish_catalog(job.id)
             acks = await asyncio.gather(*(
                 self.sup.command(node, self._start_args(job, i, node), timeout=timeout)
                 for i, node in enumerate(nodes)
@@ -422,8 +427,15 @@ class JobController:
         if isinstance(spec.interval, dict):
             kind, value = next(iter(spec.interval.items()))
             interval = int(value) if kind == "steps" else float(value)
+        now = time.monotonic()
+        if self._mtbf is None or now - self._mtbf[0] > 60.0:  # one event-log scan a minute
+            settings = self.sup.settings
+            self._mtbf = (now, node_mtbf(self.store,
+                                         configured_s=settings.ckpt_node_mtbf_h * 3600.0,
+                                         min_failures=settings.ckpt_mtbf_min_failures))
+        mtbf = self._mtbf[1]
         return wire.CkptPlan(tiers=list(spec.tiers), keep=dict(spec.keep), interval=interval,
-                             buddy=buddy)
+                             buddy=buddy, mtbf_s=mtbf.for_job(len(job.nodes)))
 
     async def _stop_after_settling(self, job: Job) -> None:
         """A restarted supervisor knows no node yet: give the job's nodes one offline timeout
@@ -487,8 +499,9 @@ class JobController:
         self._save(job)
         log.info("job %s: %s -> %s (%s)", job.id, before.value, to.value, why,
                  extra={"job": job.id, "event": "job_state", "state": to.value})
-        if to in (JobState.SUCCEEDED, JobState.CANCELLED) and self.store.commits(job.id):
-            # Its agents free the RAM tier once the catalog says the job ended.
+        if to in (JobState.SUCCEEDED, JobState.CANCELLED):
+            # Its agents free the RAM tier once the catalog says the job ended. (A failed
+            # job keeps it, for a restart; freeing it then is the recovery work's.)
             task = asyncio.create_task(self.sup.publish_catalog(job.id), name="ckpt-ended")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

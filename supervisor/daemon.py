@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Coroutine
 from types import TracebackType
+from typing import Any
 
 from phalanx import wire
 from phalanx.link import LinkDown, MqttLink, Will
@@ -16,10 +18,15 @@ from supervisor.catalog import CheckpointCatalog
 from supervisor.config import SupervisorSettings
 from supervisor.controller import JobController
 from supervisor.jobs import JobState
-from supervisor.registry import Registry
+from supervisor.registry import NodeState, Registry
 from supervisor.store import Store
 
 log = logging.getLogger(__name__)
+
+
+LANDING_BATCH_S = 0.05
+CATALOG_RETRY_S = 2.0
+MAX_QUEUED_LANDINGS = 1_000_000  # ~a checkpoint step of 250k ranks at every tier
 
 
 class CommandTimeout(TimeoutError):
@@ -50,6 +57,14 @@ class Supervisor:
             persistent_session=True,  # rank events sent while we restart are queued for us
         )
         self.catalog = CheckpointCatalog(self.store)
+        self._catalog_sent: dict[str, bytes] = {}  # topic -> the payload last published
+        self._landings: list[wire.CkptLanding] = []
+        self._landing_flush: asyncio.TimerHandle | None = None
+        self._catalog_retry: asyncio.TimerHandle | None = None
+        self._catalog_retry_jobs: set[str] = set()
+        self._catalog_locks: dict[str, asyncio.Lock] = {}
+        self._catalog_tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
         self.jobs = JobController(self)
         self.api_port = 0
         self._stack = contextlib.AsyncExitStack()
@@ -90,25 +105,125 @@ class Supervisor:
         for future in self._acks.values():
             future.cancel()
         await self._stack.__aexit__(exc_type, exc, tb)
+        # The link is closed: no landing comes any more. Record those acknowledged to the
+        # broker (the catalogs are published again on the next start).
+        self._closed = True
+        for handle in (self._landing_flush, self._catalog_retry):
+            if handle is not None:
+                handle.cancel()
+        for task in list(self._catalog_tasks):
+            task.cancel()
+        with contextlib.suppress(Exception):
+            self._record_landings()
         self.store.close()
         log.info("supervisor stopped")
 
     async def _on_connect(self) -> None:
         status = wire.SupervisorStatus(online=True, since=self.started_at)
         await self.link.publish(wire.SUPERVISOR_STATUS_TOPIC, wire.encode(status), retain=True)
+        self._catalog_sent.clear()  # the broker may have lost retained messages: send again
         for job in list(self.jobs.jobs.values()):
-            if self.store.commits(job.id):
+            if not job.state.final or self.store.commits(job.id):
                 await self.publish_catalog(job.id)
 
     async def publish_catalog(self, job_id: str) -> None:
-        """The job's committed checkpoints, retained, for its agents."""
-        job = self.jobs.jobs.get(job_id)
-        if job is None:
+        """The job's committed checkpoints, one retained message per node that needs them
+        (an unchanged one is not sent again).
+
+        One publish per job at a time: messages built before another change must all be
+        out before the next are built, or a stale one could stay retained on a node while
+        the cache says it is current. A publish the link refuses is tried again."""
+        lock = self._catalog_locks.setdefault(job_id, asyncio.Lock())
+        async with lock:
+            job = self.jobs.jobs.get(job_id)
+            if job is None:
+                return
+            ended = job.state in (JobState.SUCCEEDED, JobState.CANCELLED)
+            placement = {} if job.state.final else {p.rank: p.node for p in job.ranks}
+            peers, alive = {}, set()
+            for node in self.registry.nodes.values():
+                if node.state != NodeState.OFFLINE:
+                    alive.add(node.id)
+                if node.birth is not None and node.birth.http_port:
+                    peers[node.id] = wire.PeerAddr(node=node.id, address=node.birth.address,
+                                                   http_port=node.birth.http_port)
+            messages = self.catalog.messages(
+                job_id, job.spec.world_size, generation=job.generation, placement=placement,
+                peers=peers, alive=alive, ended=ended, nodes=job.nodes)
+            for msg in messages:
+                topic = wire.catalog_topic(job_id, msg.node)
+                payload = wire.encode(msg)
+                if self._catalog_sent.get(topic) == payload:
+                    continue
+                try:
+                    await self.link.publish(topic, payload, retain=True)
+                except LinkDown as exc:
+                    log.warning("job %s: the checkpoint catalog for %s was not published (%s): "
+                                "trying again", job_id, msg.node, exc)
+                    self._catalog_retry_jobs.add(job_id)
+                    self._schedule(CATALOG_RETRY_S, "_catalog_retry", self._retry_catalogs)
+                    return
+                self._catalog_sent[topic] = payload
+
+    def _schedule(self, delay: float, slot: str,
+                  fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``fn`` once, ``delay`` seconds from now, unless already scheduled in ``slot``."""
+        if self._closed or getattr(self, slot) is not None:
             return
-        msg = self.catalog.message(job_id, job.spec.world_size).model_copy(update={
-            "ended": job.state in (JobState.SUCCEEDED, JobState.CANCELLED)})
-        with contextlib.suppress(LinkDown):
-            await self.link.publish(wire.catalog_topic(job_id), wire.encode(msg), retain=True)
+
+        def fire() -> None:
+            setattr(self, slot, None)
+            task = asyncio.create_task(fn(), name=slot.strip("_"))
+            self._catalog_tasks.add(task)
+            task.add_done_callback(self._catalog_tasks.discard)
+
+        setattr(self, slot, asyncio.get_running_loop().call_later(delay, fire))
+
+    async def _retry_catalogs(self) -> None:
+        jobs, self._catalog_retry_jobs = self._catalog_retry_jobs, set()
+        for job_id in sorted(jobs):
+            await self.publish_catalog(job_id)
+
+    def _record_landings(self) -> set[str]:
+        """Record the queued landings in one transaction; the jobs whose catalog changed.
+        On a store error the landings go back to the queue (acknowledged to the broker,
+        they exist nowhere else) and are tried again."""
+        batch, self._landings = self._landings, []
+        changed: set[str] = set()
+        try:
+            with self.store.batch():
+                for msg in batch:
+                    job = self.jobs.jobs.get(msg.job)
+                    if job is None:
+                        log.warning("dropped: a checkpoint landing of unknown job %s", msg.job)
+                    elif self.catalog.on_landing(msg, job.spec.world_size):
+                        changed.add(msg.job)
+        except Exception as exc:
+            self.catalog.forget()  # the transaction was rolled back: so is what it counted
+            self._landings[:0] = batch[-MAX_QUEUED_LANDINGS:]
+            lost = len(self._landings) - MAX_QUEUED_LANDINGS
+            if lost > 0:
+                del self._landings[:lost]
+                log.error("dropped the %d oldest checkpoint landings: the store has failed "
+                          "for too long", lost)
+            log.error("recording %d checkpoint landing(s) failed, trying again: %s",
+                      len(batch), exc)
+            raise
+        return changed
+
+    async def flush_landings(self) -> None:
+        """Record the landings received since the last flush, then publish the catalogs
+        that changed."""
+        if self._landing_flush is not None:
+            self._landing_flush.cancel()
+            self._landing_flush = None
+        try:
+            changed = self._record_landings()
+        except Exception:
+            self._schedule(CATALOG_RETRY_S, "_landing_flush", self.flush_landings)
+            return
+        for job_id in sorted(changed):
+            await self.publish_catalog(job_id)
 
     async def _on_message(self, topic: str, payload: bytes) -> None:
         try:
@@ -131,11 +246,9 @@ class Supervisor:
             case wire.RankEvent():
                 self.jobs.on_rank_event(msg)
             case wire.CkptLanding():
-                job = self.jobs.jobs.get(msg.job)
-                if job is None:
-                    log.warning("dropped: a checkpoint landing of unknown job %s", msg.job)
-                elif self.catalog.on_landing(msg, job.spec.world_size):
-                    await self.publish_catalog(msg.job)
+                # A step brings a landing per rank and tier: record them in batches.
+                self._landings.append(msg)
+                self._schedule(LANDING_BATCH_S, "_landing_flush", self.flush_landings)
             case wire.NodeBirth():
                 self.registry.on_birth(msg)
                 self.jobs.wake()

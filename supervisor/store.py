@@ -8,9 +8,11 @@ that a change acknowledged to an operator is on disk.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ CREATE TABLE IF NOT EXISTS ckpt_shards (
     nbytes INTEGER NOT NULL,
     checksum TEXT NOT NULL,
     at REAL NOT NULL,
+    generation INTEGER NOT NULL DEFAULT 0,  -- the job generation whose rank saved it
     PRIMARY KEY (job, step, tier, rank)
 );
 CREATE TABLE IF NOT EXISTS ckpt_commits (
@@ -83,11 +86,38 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(SCHEMA)
+            columns = {r[1] for r in self._db.execute("PRAGMA table_info(ckpt_shards)")}
+            if "generation" not in columns:  # a store from before landings had one
+                self._db.execute("ALTER TABLE ckpt_shards ADD COLUMN generation INTEGER NOT "
+                                 "NULL DEFAULT 0")
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot open the supervisor store {path}: {exc}") from exc
 
     def close(self) -> None:
         self._db.close()
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Run the writes of the block as one transaction: one fsync for all of them (the
+        checkpoint catalog takes thousands of landings per step). Nested blocks join the
+        outer one; an error rolls the whole block back."""
+        if self._db.in_transaction:
+            yield
+            return
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot write the supervisor store {self.path}: {exc}") from exc
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        try:
+            self._db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._db.execute("ROLLBACK")
+            raise StoreError(f"cannot write the supervisor store {self.path}: {exc}") from exc
 
     def load_nodes(self) -> dict[str, dict[str, Any]]:
         rows = self._db.execute("SELECT id, record FROM nodes").fetchall()
@@ -134,14 +164,30 @@ class Store:
         rows = self._db.execute(query, args).fetchall()
         return [Event(r[0], r[1], r[2], r[3], json.loads(r[4])) for r in reversed(rows)]
 
+    def first_events(self, kind: str) -> dict[str, float]:
+        """Per node, the time of its first event of ``kind``."""
+        rows = self._db.execute("SELECT node, MIN(ts) FROM events WHERE kind = ? AND node IS NOT "
+                                "NULL GROUP BY node", (kind,)).fetchall()
+        return {str(r[0]): float(r[1]) for r in rows}
+
+    def count_node_failures(self) -> int:
+        """Nodes lost (offline but by a clean shutdown) or drained automatically."""
+        row = self._db.execute(
+            "SELECT COUNT(*) FROM events WHERE (kind = 'state_changed' AND "
+            "json_extract(detail, '$.state') = 'offline' AND "
+            "json_extract(detail, '$.cause') != 'clean shutdown') OR "
+            "(kind = 'node_drained' AND json_extract(detail, '$.by') = 'auto')").fetchone()
+        return int(row[0])
+
     # --- the checkpoint catalog -----------------------------------------------------
 
     def add_shard(self, job: str, step: int, tier: str, rank: int, node: str,
-                  holder: str | None, nbytes: int, checksum: str, at: float) -> None:
+                  holder: str | None, nbytes: int, checksum: str, at: float,
+                  generation: int = 0) -> None:  # fmt: skip
         self._write(
             "INSERT OR REPLACE INTO ckpt_shards (job, step, tier, rank, node, holder, nbytes, "
-            "checksum, at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (job, step, tier, rank, node, holder, nbytes, checksum, at),
+            "checksum, at, generation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (job, step, tier, rank, node, holder, nbytes, checksum, at, generation),
         )
 
     def drop_step(self, job: str, step: int, tier: str) -> bool:
@@ -152,10 +198,20 @@ class Store:
                     (job, step, tier))
         return cur.rowcount > 0
 
-    def shard_ranks(self, job: str, step: int, tier: str) -> int:
-        row = self._db.execute("SELECT COUNT(*) FROM ckpt_shards WHERE job = ? AND step = ? "
-                               "AND tier = ?", (job, step, tier)).fetchone()
-        return int(row[0])
+    def drop_shard(self, job: str, step: int, tier: str, rank: int) -> bool:
+        """Forget one rank's copy of a step at a tier, and with it the step's commit there
+        (a step is committed at a tier only while every rank's shard is); True if known."""
+        cur = self._write("DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ? "
+                          "AND rank = ?", (job, step, tier, rank))
+        self._write("DELETE FROM ckpt_commits WHERE job = ? AND step = ? AND tier = ?",
+                    (job, step, tier))
+        return cur.rowcount > 0
+
+    def shard_ranks(self, job: str, step: int, tier: str) -> dict[int, int]:
+        """The ranks with a shard of ``step`` at ``tier``, and the generation of each."""
+        rows = self._db.execute("SELECT rank, generation FROM ckpt_shards WHERE job = ? AND "
+                                "step = ? AND tier = ?", (job, step, tier)).fetchall()
+        return {int(r[0]): int(r[1]) for r in rows}
 
     def add_commit(self, job: str, step: int, tier: str, at: float) -> bool:
         cur = self._write("INSERT OR IGNORE INTO ckpt_commits (job, step, tier, committed_at) "
@@ -166,6 +222,28 @@ class Store:
         rows = self._db.execute("SELECT step, tier, committed_at FROM ckpt_commits WHERE job = ? "
                                 "ORDER BY step", (job,)).fetchall()
         return [(int(r[0]), str(r[1]), float(r[2])) for r in rows]
+
+    def committed_shards(self, job: str) -> list[tuple[int, str, int, str, str | None, int, str]]:
+        """Like ``shards``, for the (step, tier) pairs committed only."""
+        rows = self._db.execute(
+            "SELECT s.step, s.tier, s.rank, s.node, s.holder, s.nbytes, s.checksum "
+            "FROM ckpt_shards s JOIN ckpt_commits c "
+            "ON s.job = c.job AND s.step = c.step AND s.tier = c.tier "
+            "WHERE s.job = ? ORDER BY s.step, s.tier, s.rank", (job,)).fetchall()
+        return [(int(r[0]), str(r[1]), int(r[2]), str(r[3]), r[4], int(r[5]), str(r[6]))
+                for r in rows]
+
+    def ever_committed(self, job: str) -> bool:
+        """Whether a step of ``job`` was ever committed at a tier (its event log says)."""
+        row = self._db.execute("SELECT 1 FROM events WHERE kind = 'ckpt_committed' AND "
+                               "json_extract(detail, '$.job') = ? LIMIT 1", (job,)).fetchone()
+        return row is not None
+
+    def shard_nodes(self, job: str) -> set[str]:
+        """The nodes that landed a shard of ``job`` that is still known."""
+        rows = self._db.execute("SELECT DISTINCT node FROM ckpt_shards WHERE job = ?",
+                                (job,)).fetchall()
+        return {str(r[0]) for r in rows}
 
     def shards(self, job: str) -> list[tuple[int, str, int, str, str | None, int, str]]:
         """(step, tier, rank, node, holder, nbytes, checksum) of every landed shard."""

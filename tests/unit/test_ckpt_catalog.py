@@ -44,13 +44,16 @@ def test_a_step_is_committed_at_a_tier_only_once_every_rank_landed_there(tmp_pat
     catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
 
     assert catalog.on_landing(landing(5, 0), world_size=2) is False
-    assert catalog.message("j-1", 2).steps == []
+    assert [(m.node, m.steps) for m in catalog.messages("j-1", 2)] == [("n01", [])]
     assert catalog.on_landing(landing(5, 1, node="n02"), world_size=2) is True
     assert catalog.on_landing(landing(5, 1, node="n02"), world_size=2) is False  # redelivery
 
-    msg = catalog.message("j-1", 2)
-    assert [(s.step, sorted(s.committed)) for s in msg.steps] == [(5, ["nvme"])]
-    assert [(s.rank, s.nbytes) for s in msg.steps[0].shards] == [(0, 100), (1, 101)]
+    n01, n02 = catalog.messages("j-1", 2)
+    assert (n01.node, n02.node) == ("n01", "n02")
+    assert [(s.step, sorted(s.committed)) for s in n01.steps] == [(5, ["nvme"])]
+    # Each node hears of its own ranks' shards only.
+    assert [(s.rank, s.nbytes) for s in n01.steps[0].shards] == [(0, 100)]
+    assert [(s.rank, s.nbytes) for s in n02.steps[0].shards] == [(1, 101)]
     view = catalog.view("j-1", 2, ["ram", "nvme"])
     assert view["steps"][0]["partial"] == {} and view["steps"][0]["where"]["nvme"] == {
         "0": "n01", "1": "n02"}
@@ -64,21 +67,93 @@ def test_a_deleted_step_leaves_the_catalog_at_that_tier_only(tmp_path: Path) -> 
 
     assert catalog.on_landing(landing(5, 0, "object", "deleted"), world_size=2) is True
 
-    assert [sorted(s.committed) for s in catalog.message("j-1", 2).steps] == [["nvme"]]
+    assert [sorted(s.committed) for s in catalog.messages("j-1", 2)[0].steps] == [["nvme"]]
 
 
-def test_the_catalog_message_is_retained_per_job_and_checks_its_topic() -> None:
-    msg = wire.CkptCatalog(job="j-1", world_size=1, steps=[wire.CkptStep(
+def test_the_catalog_message_is_retained_per_job_and_node_and_checks_its_topic() -> None:
+    msg = wire.CkptCatalog(job="j-1", node="n01", world_size=1, steps=[wire.CkptStep(
         step=3, committed={"ram": 1.0}, shards=[wire.CkptShard(rank=0, checksum="c", nbytes=1)])])
 
-    parsed = wire.parse(wire.catalog_topic("j-1"), wire.encode(msg))
+    parsed = wire.parse(wire.catalog_topic("j-1", "n01"), wire.encode(msg))
 
-    assert parsed.message == msg
-    assert wire.parse(wire.catalog_topic("j-1"), b"").message is None
+    assert parsed.message == msg and parsed.node == "n01"
+    assert wire.parse(wire.catalog_topic("j-1", "n01"), b"").message is None
     with pytest.raises(wire.WireError, match="names job"):
-        wire.parse(wire.catalog_topic("j-2"), wire.encode(msg))
+        wire.parse(wire.catalog_topic("j-2", "n01"), wire.encode(msg))
+    with pytest.raises(wire.WireError, match="names node"):
+        wire.parse(wire.catalog_topic("j-1", "n02"), wire.encode(msg))
     assert isinstance(wire.parse(wire.ckpt_topic("n01"), wire.encode(landing(1, 0))).message,
                       wire.CkptLanding)
+
+
+def test_the_message_of_a_node_stays_small_however_many_ranks_the_job_has(
+    tmp_path: Path,
+) -> None:
+    world, per_node = 4096, 8  # one step of the old per-job message overflowed at ~2,400
+    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    for step in (10, 20):
+        for rank in range(world):
+            catalog.on_landing(landing(step, rank, "object", node=f"n{rank // per_node:04d}"),
+                               world_size=world)
+    placement = {r: f"n{r // per_node:04d}" for r in range(world)}
+
+    messages = catalog.messages("j-1", world, placement=placement)
+
+    assert len(messages) == world // per_node
+    for msg in (messages[0], messages[-1]):
+        payload = wire.encode(msg)
+        assert len(payload) < wire.MAX_PAYLOAD_BYTES // 8
+        assert wire.parse(wire.catalog_topic("j-1", msg.node), payload).message == msg
+        assert [s.step for s in msg.steps] == [10, 20] and msg.restore_step == 20
+        assert len(msg.steps[-1].shards) == per_node
+
+
+def test_the_gang_restores_from_the_newest_step_every_rank_can_read_where_it_runs(
+    tmp_path: Path,
+) -> None:
+    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    for rank, node, buddy in ((0, "n01", "n02"), (1, "n02", "n01")):
+        for step, tiers in ((10, ("nvme", "object")), (20, ("ram", "nvme", "peer")),
+                            (30, ("ram",))):
+            for tier in tiers:
+                msg = landing(step, rank, tier, node=node)
+                if tier == "peer":
+                    msg = msg.model_copy(update={"holder": buddy})
+                catalog.on_landing(msg, world_size=2)
+
+    def restore(placement: dict[int, str], alive: set[str]) -> int | None:
+        msgs = catalog.messages("j-1", 2, placement=placement, alive=alive)
+        assert len({m.restore_step for m in msgs}) == 1  # one step for the whole gang
+        return msgs[0].restore_step
+
+    both = {"n01", "n02", "n03"}
+    assert restore({0: "n01", 1: "n02"}, both) == 30           # each rank's own RAM
+    # n02 died; a spare n03 takes rank 1: step 30 was only in n02's RAM, step 20's peer
+    # copy of rank 1 lives on n01, alive.
+    assert restore({0: "n01", 1: "n03"}, {"n01", "n03"}) == 20
+    # n01 is gone too and rank 0 moved: only the object store has a copy for everyone.
+    assert restore({0: "n03", 1: "n04"}, {"n03", "n04"}) == 10
+    msg = catalog.messages("j-1", 2, placement={0: "n03", 1: "n04"}, alive={"n03", "n04"})[0]
+    assert msg.restore_note == ""
+    catalog.on_landing(landing(10, 0, "object", "corrupt"), world_size=2)
+    msgs = catalog.messages("j-1", 2, placement={0: "n03", 1: "n04"}, alive={"n03", "n04"})
+    assert msgs[0].restore_step is None
+    assert "rank 0 (on n03) can read no copy of step 30" in msgs[0].restore_note
+
+
+def test_a_rank_reporting_a_corrupt_copy_uncommits_the_step_at_that_tier_only(
+    tmp_path: Path,
+) -> None:
+    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    for tier in ("nvme", "object"):
+        for rank in (0, 1):
+            catalog.on_landing(landing(5, rank, tier, node=f"n0{rank + 1}"), world_size=2)
+
+    assert catalog.on_landing(landing(5, 1, "nvme", "corrupt", node="n02"), world_size=2)
+
+    view = catalog.view("j-1", 2, ["nvme", "object"])["steps"][0]
+    assert sorted(view["committed"]) == ["object"] and view["partial"] == {"nvme": 1}
+    assert "ckpt_corrupt" in [e.kind for e in catalog.store.events(limit=5)]
 
 
 def test_checkpointer_without_dir_outside_phalanx_says_what_is_missing(
@@ -111,3 +186,51 @@ def test_a_buddy_accepts_a_sealed_shard_and_refuses_one_with_a_flipped_bit(
     assert check(bytes(shard)) is None
     assert "content hashes to" in (check(bytes(bad)) or "")
     assert "truncated" in (check(bytes(shard[:-5])) or "")
+
+
+def test_landings_recorded_in_one_batch_commit_once_and_a_failed_batch_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "state.db")
+    catalog = CheckpointCatalog(store)
+
+    with store.batch():
+        committed = [catalog.on_landing(landing(5, rank), world_size=3) for rank in range(3)]
+    assert committed == [False, False, True]
+    assert store.commits("j-1")[0][:2] == (5, "nvme")
+
+    with pytest.raises(RuntimeError), store.batch():
+        catalog.on_landing(landing(6, 0), world_size=3)
+        raise RuntimeError("the flush failed half way")
+    catalog.forget()
+    assert store.shard_ranks("j-1", 6, "nvme") == {}
+    for rank in range(3):  # the landings come again: the step still commits, once
+        committed.append(catalog.on_landing(landing(6, rank), world_size=3))
+    assert committed[3:] == [False, False, True]
+
+
+def test_a_step_saved_again_by_a_newer_generation_never_commits_two_generations_shards(
+    tmp_path: Path,
+) -> None:
+    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+
+    def land(rank: int, generation: int) -> bool:
+        msg = landing(8, rank).model_copy(update={"generation": generation,
+                                                  "checksum": f"g{generation}r{rank}"})
+        return catalog.on_landing(msg, world_size=2)
+
+    # Generation 1 saved step 8 on rank 0 only, then failed; generation 2 restored an
+    # older step and saves step 8 again. Rank 0's generation-1 shard does not count.
+    assert land(0, 1) is False
+    assert land(1, 2) is False
+    assert land(0, 1) is False  # a late write-down of generation 1: ignored
+    assert land(0, 2) is True   # committed with generation 2's shards only
+    msg = catalog.messages("j-1", 2)[0]
+    assert [s.checksum for s in msg.steps[0].shards] == ["g2r0", "g2r1"]
+    # A committed step saved again by a newer generation is no longer committed there
+    # until every rank of that generation landed it.
+    assert land(1, 3) is True
+    assert catalog.messages("j-1", 2)[0].steps == []
+    assert land(0, 3) is True
+    assert [s.checksum for s in catalog.messages("j-1", 2)[0].steps[0].shards] == ["g3r0",
+                                                                                  "g3r1"]

@@ -229,9 +229,10 @@ def test_topic_builders_reject_invalid_node_ids(builder: Callable[[str], object]
 
 def test_topic_builders_put_the_node_under_the_versioned_prefix() -> None:
     assert wire.birth_topic("n1") == "phalanx/v1/node/n1/birth"
-    assert wire.agent_subscriptions("n1") == ("phalanx/v1/node/n1/cmd", "phalanx/v1/job/+/ckpt")
+    assert wire.agent_subscriptions("n1") == ("phalanx/v1/node/n1/cmd",
+                                              "phalanx/v1/job/+/ckpt/n1")
     assert wire.ckpt_topic("n1") == "phalanx/v1/node/n1/ckpt"
-    assert wire.catalog_topic("j-1") == "phalanx/v1/job/j-1/ckpt"
+    assert wire.catalog_topic("j-1", "n1") == "phalanx/v1/job/j-1/ckpt/n1"
 
 
 def test_command_new_sets_a_deadline_ttl_seconds_after_issued_at() -> None:

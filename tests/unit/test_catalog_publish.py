@@ -1,0 +1,107 @@
+"""The supervisor publishes each node's catalog; two publishes of one job never interleave.
+
+The link is a stand-in at the I/O boundary that makes one PUBACK slow (the fault
+injected); the catalog, its SQLite store and ``Supervisor.publish_catalog`` are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from phalanx import wire
+from supervisor.catalog import CheckpointCatalog
+from supervisor.daemon import Supervisor
+from supervisor.jobs import JobState, RankPlace
+from supervisor.store import Store, StoreError
+
+WORLD = 8
+NODES = [f"n{i:02d}" for i in range(WORLD)]
+
+
+def landing(step: int, rank: int, event: str = "landed") -> wire.CkptLanding:
+    return wire.CkptLanding(node=NODES[rank], job="j-1", step=step, rank=rank, tier="object",
+                            event=event, nbytes=100,  # type: ignore[arg-type]
+                            checksum=f"xxh3_128:{rank:032x}", at=time.time())
+
+
+class SlowLink:
+    """Publishes land in ``retained``; the one for n02 announcing step 5 is slow."""
+
+    def __init__(self) -> None:
+        self.retained: dict[str, bytes] = {}
+
+    async def publish(self, topic: str, payload: bytes, retain: bool = False,
+                      timeout: float = 5.0) -> None:  # fmt: skip
+        slow = topic.endswith("/n02") and b'"restore_step":5' in payload
+        await asyncio.sleep(0.2 if slow else 0.01)
+        self.retained[topic] = payload
+
+
+def test_a_publish_started_before_a_change_never_leaves_its_stale_catalog_behind(
+    tmp_path: Path,
+) -> None:
+    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    job = types.SimpleNamespace(
+        state=JobState.RUNNING, generation=1, nodes=NODES, spec=types.SimpleNamespace(
+            world_size=WORLD),
+        ranks=[RankPlace(rank=r, node=NODES[r], local_rank=0) for r in range(WORLD)])
+    link = SlowLink()
+    sup = types.SimpleNamespace(
+        jobs=types.SimpleNamespace(jobs={"j-1": job}), registry=types.SimpleNamespace(nodes={}),
+        catalog=catalog, link=link, _catalog_sent={}, _catalog_locks={},
+        _catalog_retry_jobs=set())
+
+    async def scenario() -> None:
+        for rank in range(WORLD):
+            catalog.on_landing(landing(4, rank), WORLD)
+        await Supervisor.publish_catalog(sup, "j-1")  # type: ignore[arg-type]
+        for rank in range(WORLD):
+            catalog.on_landing(landing(5, rank), WORLD)
+        first = asyncio.create_task(Supervisor.publish_catalog(sup, "j-1"))  # type: ignore[arg-type]
+        await asyncio.sleep(0.025)  # it has reached n00 and n01, n02 is slow
+        catalog.on_landing(landing(5, 3, "corrupt"), WORLD)  # step 5 is not whole any more
+        second = asyncio.create_task(Supervisor.publish_catalog(sup, "j-1"))  # type: ignore[arg-type]
+        await asyncio.gather(first, second)
+
+    asyncio.run(scenario())
+
+    steps = set()
+    for node in NODES:
+        msg = wire.parse(wire.catalog_topic("j-1", node),
+                         link.retained[wire.catalog_topic("j-1", node)]).message
+        assert isinstance(msg, wire.CkptCatalog)
+        steps.add(msg.restore_step)
+    assert steps == {4}  # every node restores the step that is still committed
+
+
+def test_landings_a_failed_store_write_rolled_back_are_queued_again_and_commit_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = Store(tmp_path / "state.db")
+    catalog = CheckpointCatalog(store)
+    job = types.SimpleNamespace(spec=types.SimpleNamespace(world_size=2))
+    sup = types.SimpleNamespace(jobs=types.SimpleNamespace(jobs={"j-1": job}), store=store,
+                                catalog=catalog, _landings=[landing(5, 0), landing(5, 1)])
+    real_batch = store.batch
+
+    @contextlib.contextmanager
+    def full_disk() -> Iterator[None]:  # the fault: the transaction cannot commit
+        with real_batch():
+            yield
+            raise StoreError("cannot write the supervisor store: database or disk is full")
+
+    monkeypatch.setattr(store, "batch", full_disk)
+    with pytest.raises(StoreError):
+        Supervisor._record_landings(sup)  # type: ignore[arg-type]
+    assert len(sup._landings) == 2 and store.commits("j-1") == []
+
+    monkeypatch.setattr(store, "batch", real_batch)
+    assert Supervisor._record_landings(sup) == {"j-1"}  # type: ignore[arg-type]
+    assert sup._landings == [] and [c[0] for c in store.commits("j-1")] == [5]
