@@ -38,6 +38,7 @@ from ckpt import (
     LocalFolderStore,
     ObjectStore,
     ObjectTier,
+    Pacing,
     RamTier,
     ShardKey,
     Tier,
@@ -47,6 +48,7 @@ from ckpt import (
     namespace_for,
     open_store,
 )
+from ckpt.objects import ShardReader
 from ckpt.peer import HttpPeerStore
 from ckpt.ram import Slot
 from phalanx import wire
@@ -55,6 +57,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PLAN = wire.CkptPlan(tiers=["ram", "nvme", "object"])
 TIER_ORDER = ("ram", "nvme", "peer", "object")
+CATALOG_WAIT_S = 3.0
 
 
 class CkptRequestError(Exception):
@@ -78,6 +81,7 @@ class RankStore:
     landed: set[tuple[str, int]] = field(default_factory=set)
     applied: set[tuple[str, int]] = field(default_factory=set)
     committed_upto: dict[str, int] = field(default_factory=dict)  # tier -> newest applied
+    generation_of: dict[int, int] = field(default_factory=dict)  # step -> generation saving it
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -92,16 +96,18 @@ class _Reporter:
     def landed(self, tier: str, key: ShardKey, checksum: str, nbytes: int) -> TierManifest | None:
         if self.store is not None:
             self.store.landed.add((tier, key.step))
+        generation = self.store.generation_of.get(key.step, 0) if self.store else 0
         self.service.publish(wire.CkptLanding(
             node=self.service.node, job=key.job, step=key.step, rank=key.rank,
-            tier=tier,
-            nbytes=nbytes, checksum=checksum, holder=self.holder.get(tier), at=time.time()))
+            tier=tier, nbytes=nbytes, checksum=checksum, holder=self.holder.get(tier),
+            generation=generation, at=time.time()))
         return None
 
 
 class CkptService:
     def __init__(self, node: str, data_dir: Path, shm_dir: Path, object_store: str,
-                 token: str, publish: Callable[[wire.CkptLanding], None]) -> None:  # fmt: skip
+                 token: str, publish: Callable[[wire.CkptLanding], None], *,
+                 pacing: Pacing | None = None) -> None:  # fmt: skip
         self.node = node
         self.publish_threadsafe = publish
         self.shm_dir = shm_dir
@@ -112,7 +118,8 @@ class CkptService:
         self._objects: ObjectStore | None = None
         # One disk tier for every rank: it removes unfinished writes once, at start (a
         # second instance's rescan would delete another rank's write in flight).
-        self.disk = DiskTier(self.disk_root, name="nvme")
+        self.pacing = pacing if pacing is not None else Pacing()  # ckpt.write_nice etc.
+        self.disk = DiskTier(self.disk_root, name="nvme", pacing=self.pacing)
         self.peer_store = LocalFolderStore(self.peer_root)  # what buddies push to us
         self.plans: dict[str, wire.CkptPlan] = {}
         self.generations: dict[str, int] = {}
@@ -125,6 +132,12 @@ class CkptService:
         # us must never queue behind them (two agents would wait on each other).
         self.slow = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="ckpt-req")
         self.peer_io = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="ckpt-peer")
+        # Catalog application writes manifests at every tier (a buddy, the object store):
+        # its own threads, so that a slow or black-holed tier never holds up a rank's save.
+        self.commits = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="ckpt-commit")
+        self._appliers: dict[str, asyncio.Task[None]] = {}
+        self._reapply: set[str] = set()  # jobs whose latest catalog some store has not seen
+        self._closing = False
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.slow, fn, *args)
@@ -136,7 +149,7 @@ class CkptService:
 
     def objects(self) -> ObjectStore:
         if self._objects is None:
-            self._objects = open_store(self.object_url)
+            self._objects = open_store(self.object_url, pacing=self.pacing)
         return self._objects
 
     def configure(self, job: str, generation: int, plan: wire.CkptPlan | None) -> None:
@@ -172,10 +185,12 @@ class CkptService:
             elif name == "peer" and plan.buddy is not None:
                 b = plan.buddy
                 tiers[name] = ObjectTier(HttpPeerStore(b.node, b.address, b.http_port,
-                                                       self.token), name="peer")
+                                                       self.token), name="peer",
+                                         level=self.pacing.compress_level)
                 holder["peer"] = b.node
             elif name == "object":
-                tiers[name] = ObjectTier(self.objects(), name="object")
+                tiers[name] = ObjectTier(self.objects(), name="object",
+                                         level=self.pacing.compress_level)
         return tiers, holder
 
     def tiers_of(self, job: str) -> list[str]:
@@ -184,6 +199,34 @@ class CkptService:
         return [t for t in tiers if t != "peer" or plan.buddy is not None]
 
     def store(self, job: str, rank: int) -> RankStore:
+        """Rank ``rank``'s tiers for ``job``, made on first use.
+
+        A new store starts out knowing what this node's tiers already hold of the rank
+        (the agent restarted since the rank saved), so that a step the catalog commits
+        later still gets its manifest here and counts for retention, and retention never
+        takes a committed step for an unknown one: the RAM tier's sealed slots and the
+        disk's shards at once; the peer and object tiers (network calls, never on the
+        event loop) from one listing each, in a thread that holds ``store.lock`` until
+        it is done, so that no catalog is applied to the store before then."""
+
+        def seed_remote(store: RankStore, remote: list[ObjectTier]) -> None:
+            try:
+                for tier in remote:
+                    suffix = ".zst" if tier.compression else ""
+                    try:
+                        keys = tier.store.keys(f"{job}/")
+                    except Exception as exc:
+                        log.warning("ckpt: job %s rank %d: cannot list the %s tier, so steps "
+                                    "landed there before a restart are unknown here: %s", job,
+                                    rank, tier.name, exc)  # fmt: skip
+                        continue
+                    for key in keys:
+                        step = key.split("/")[1] if key.count("/") == 2 else ""
+                        if step.isdigit() and ShardKey(job, int(step), rank).relpath(suffix) == key:
+                            store.landed.add((tier.name, int(step)))
+            finally:
+                store.lock.release()
+
         with self._lock:
             found = self.stores.get((job, rank))
             if found is not None:
@@ -194,13 +237,33 @@ class CkptService:
             tiers, holder = self._tiers(job)
             reporter = _Reporter(self, holder)
             engine = Engine(ram, list(tiers.values()), keep=keep, catalog=reporter,
-                            on_event=self._on_event)  # fmt: skip
+                            pacing=self.pacing, on_event=self._on_event)  # fmt: skip
             store = RankStore(job, rank, ram, engine, tiers, reporter)
+            store.landed.update(("ram", step) for step in ram.steps(job))
+            if "nvme" in tiers:
+                try:
+                    store.landed.update(("nvme", step) for step in self.disk.landed_steps(job)
+                                        if self.disk.path(ShardKey(job, step, rank)).is_file())
+                except TierError as exc:
+                    log.warning("ckpt: job %s rank %d: %s", job, rank, exc)
+            remote = [t for t in tiers.values() if isinstance(t, ObjectTier)]
+            if remote:
+                store.lock.acquire()  # released by seed_remote's thread
+                try:
+                    threading.Thread(target=seed_remote, args=(store, remote), daemon=True,
+                                     name=f"ckpt-seed-{job}-r{rank}").start()
+                except BaseException:
+                    store.lock.release()
+                    raise
             reporter.store = store
             self.stores[(job, rank)] = store
             log.info("ckpt: job %s rank %d: tiers %s", job, rank,
                      ", ".join(["ram", *tiers]))  # fmt: skip
-            return store
+        if job in self.catalogs:
+            # A store made after the job's latest catalog (a rank moved here, an agent
+            # restart): what it already holds gets its manifests now, not at the next commit.
+            self._kick_applier(job)
+        return store
 
     def _on_event(self, event: TierEvent) -> None:
         if event.kind not in ("failed", "deleted") or event.tier not in TIER_ORDER:
@@ -246,6 +309,9 @@ class CkptService:
         if abort:
             store.ram.release(slot, keep_content=False)
             return {"aborted": True}
+        store.generation_of[step] = generation
+        for old in sorted(store.generation_of)[:-64]:  # far older than anything in flight
+            del store.generation_of[old]
         store.engine.submit(slot, ShardKey(job, step, rank))
         return {"submitted": step}
 
@@ -296,14 +362,49 @@ class CkptService:
     # --- the catalog ------------------------------------------------------------------
 
     async def on_catalog(self, catalog: wire.CkptCatalog) -> None:
+        """Take the newest catalog of a job; one applier per job works through it.
+
+        Catalogs can come faster than manifests are written (a slow buddy or object
+        store): the applier always applies the latest one, skipping those it missed."""
+        if catalog.node != self.node:
+            log.warning("dropped: a checkpoint catalog of job %s for node %s", catalog.job,
+                        catalog.node)
+            return
         self.catalogs[catalog.job] = catalog
-        stores = [s for (job, _), s in list(self.stores.items()) if job == catalog.job]
-        for store in stores:
-            await self._run(self._apply, store, catalog)
-        if catalog.ended:
-            await self._run(self._free_ram, catalog.job)
         async with self.changed:
-            self.changed.notify_all()
+            self.changed.notify_all()  # a restore may be waiting for this generation
+        self._kick_applier(catalog.job)
+
+    def _kick_applier(self, job: str) -> None:
+        """Have the job's applier (started if need be) apply its latest catalog to every
+        store of the job, new ones included. Called on the event loop."""
+        self._reapply.add(job)
+        running = self._appliers.get(job)
+        if (running is None or running.done()) and not self._closing:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # not on the loop: the next catalog applies it
+                return
+            self._appliers[job] = loop.create_task(self._applier(job), name=f"ckpt-apply-{job}")
+
+    async def _applier(self, job: str) -> None:
+        loop = asyncio.get_running_loop()
+        while job in self._reapply and (catalog := self.catalogs.get(job)) is not None:
+            self._reapply.discard(job)
+            stores = [s for (j, _), s in list(self.stores.items()) if j == job]
+            for store in stores:
+                try:
+                    await loop.run_in_executor(self.commits, self._apply, store, catalog)
+                except Exception:
+                    log.exception("applying the checkpoint catalog of %s rank %d", job,
+                                  store.rank)
+            if catalog.ended:
+                try:
+                    await loop.run_in_executor(self.commits, self._free_ram, job)
+                except Exception:
+                    log.exception("freeing the RAM tier of job %s", job)
+            async with self.changed:
+                self.changed.notify_all()
 
     def _apply(self, store: RankStore, catalog: wire.CkptCatalog) -> None:
         """Commit, at this node's tiers, the steps the supervisor found complete."""
@@ -316,7 +417,8 @@ class CkptService:
                         continue
                     store.applied.add(mark)
                     manifest = TierManifest(catalog.job, entry.step, shards,
-                                            committed_at=entry.committed[tier])  # fmt: skip
+                                            committed_at=entry.committed[tier],
+                                            world_size=catalog.world_size)  # fmt: skip
                     if not store.engine.commit(tier, manifest, store.rank):
                         continue  # a failed manifest write: wait() raises it
                     # Only now, with the manifest written here, is the step readable here.
@@ -347,64 +449,132 @@ class CkptService:
 
     # --- restoring --------------------------------------------------------------------
 
-    def restore_plan(self, job: str, rank: int, step: int | None) -> list[dict[str, Any]]:
-        """Committed steps, newest first (or just ``step``), each with the places this
-        node can read rank ``rank``'s copy from, nearest first."""
-        catalog = self.catalogs.get(job)
-        if catalog is None:
-            return []
-        entries = sorted(catalog.steps, key=lambda e: -e.step)
-        if step is not None:
-            entries = [e for e in entries if e.step == step]
-        store = self.store(job, rank)
-        out = []
-        for entry in entries:
-            shard = next((s for s in entry.shards if s.rank == rank), None)
-            if shard is None:
-                continue
-            base = {"checksum": shard.checksum, "nbytes": shard.nbytes}
-            candidates = []
-            for tier in TIER_ORDER:
-                if tier not in entry.committed:
-                    continue
-                if tier == "ram":
-                    slot = store.ram.find(entry.step)
-                    if slot is not None and slot.path.exists():
-                        candidates.append({"tier": tier, "path": str(slot.path), **base})
-                elif tier == "nvme":
-                    shard_path = self.disk_root / ShardKey(job, entry.step, rank).relpath()
-                    if shard_path.exists():
-                        candidates.append({"tier": tier, "path": str(shard_path), **base})
-                elif tier in store.tiers:
-                    candidates.append({"tier": tier, **base})
-            out.append({"step": entry.step, "candidates": candidates})
-        return out
+    async def _catalog_for(self, job: str) -> wire.CkptCatalog | None:
+        """The job's catalog, once it is of the generation started here (the supervisor
+        sends it before the ranks' start; give a late one ``CATALOG_WAIT_S``)."""
+        wanted = self.generations.get(job, 0)
+        deadline = time.monotonic() + CATALOG_WAIT_S
+        async with self.changed:
+            while (catalog := self.catalogs.get(job)) is None or catalog.generation < wanted:
+                if catalog is None and wanted == 0:
+                    return None
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    if catalog is None:
+                        raise CkptRequestError(
+                            f"job {job}: no checkpoint catalog came for generation {wanted} "
+                            f"within {CATALOG_WAIT_S:g} s: cannot tell which step the gang "
+                            "restores from", status=503)
+                    log.warning("job %s: restoring from the catalog of generation %d: none "
+                                "of generation %d came", job, catalog.generation, wanted)
+                    return catalog
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), remaining)
+        return catalog
 
-    async def fetch(self, job: str, rank: int, step: int, tier: str) -> bytes:
+    async def restore_plan(self, job: str, rank: int, step: int | None) -> dict[str, Any]:
+        """Where rank ``rank`` can read its copy of ``step``, nearest first.
+
+        Without a step, the step is the catalog's ``restore_step``: the one the whole gang
+        restores from. A rank never picks an older one on its own; when no step is readable
+        by every rank, ``unavailable`` says why."""
+        try:
+            catalog = await self._catalog_for(job)
+        except CkptRequestError as exc:
+            return {"steps": [], "unavailable": str(exc)}
+        if catalog is None:
+            return {"steps": []}
+        if not catalog.steps:  # nothing committed yet, or (with a note) nothing left
+            return {"steps": [], "unavailable": f"job {job}: {catalog.restore_note}"} \
+                if catalog.restore_note else {"steps": []}
+        wanted = step if step is not None else catalog.restore_step
+        entries = [e for e in catalog.steps if e.step == wanted]
+        if not entries:
+            why = (f"step {step} is not committed" if step is not None else
+                   catalog.restore_note or "no committed step is readable by every rank")
+            return {"steps": [], "unavailable": f"job {job}: {why}"}
+        entry = entries[0]
+        shard = next((s for s in entry.shards if s.rank == rank), None)
+        if shard is None:
+            return {"steps": [], "unavailable": f"job {job}: the catalog lists no shard of rank "
+                                                f"{rank} for step {entry.step}"}
         store = self.store(job, rank)
-        found = store.tiers.get(tier)
-        if found is None or tier in ("ram", "nvme"):
+        base = {"checksum": shard.checksum, "nbytes": shard.nbytes}
+        candidates = []
+        for tier in TIER_ORDER:
+            if tier not in entry.committed:
+                continue
+            if tier == "ram":
+                slot = store.ram.find(entry.step)
+                if slot is not None and slot.path.exists():
+                    candidates.append({"tier": tier, "path": str(slot.path), **base})
+            elif tier == "nvme":
+                shard_path = self.disk_root / ShardKey(job, entry.step, rank).relpath()
+                if shard_path.exists():
+                    candidates.append({"tier": tier, "path": str(shard_path), **base})
+            elif self.read_tier(job, rank, entry.step, tier) is not None:
+                candidates.append({"tier": tier, **base})
+        return {"steps": [{"step": entry.step, "candidates": candidates}]}
+
+    def read_tier(self, job: str, rank: int, step: int, tier: str) -> Tier | None:
+        """The tier to read rank ``rank``'s copy of ``step`` from, for ``peer`` and
+        ``object``: the peer copy is read from the buddy the catalog says holds it (the
+        rank may have moved since, or its node's buddy changed)."""
+        store = self.store(job, rank)
+        if tier == "object":
+            return store.tiers.get("object") or ObjectTier(self.objects(), name="object")
+        if tier != "peer":
+            return None
+        catalog = self.catalogs.get(job)
+        entry = next((e for e in catalog.steps if e.step == step), None) if catalog else None
+        shard = next((s for s in entry.shards if s.rank == rank), None) if entry else None
+        if shard is None or shard.peer is None:
+            return store.tiers.get("peer")
+        if shard.peer.node == self.node:  # this node holds the copy a buddy pushed here
+            return ObjectTier(self.peer_store, name="peer")
+        return ObjectTier(HttpPeerStore(shard.peer.node, shard.peer.address,
+                                        shard.peer.http_port, self.token), name="peer")
+
+    def report(self, job: str, rank: int, step: int, tier: str, error: str) -> None:
+        """A rank found its copy unusable (corrupt, or gone): tell the supervisor, whose
+        catalog stops offering it (the step is no longer whole at that tier)."""
+        if tier not in TIER_ORDER:
+            raise CkptRequestError(f"unknown tier {tier!r}")
+        log.warning("job %s rank %d: the copy of step %d at tier %s is unusable: %s", job,
+                    rank, step, tier, error, extra={"job": job, "event": "ckpt_corrupt"})
+        self.publish(wire.CkptLanding(node=self.node, job=job, step=step, rank=rank,
+                                      tier=tier, event="corrupt", error=error[:2000],
+                                      at=time.time()))
+
+    async def fetch(self, job: str, rank: int, step: int, tier: str) -> ShardReader | None:
+        """Rank ``rank``'s shard of ``step`` at the peer or object tier, to stream to the
+        rank in bounded pieces (never whole in memory); ``None`` when that tier has no
+        copy. The size is the catalog's for that rank and step: a copy whose manifest
+        says otherwise is refused here, one that runs past it while read is cut off."""
+        found = self.read_tier(job, rank, step, tier) if tier in ("peer", "object") else None
+        if not isinstance(found, ObjectTier):
             raise CkptRequestError(f"tier {tier!r} is not fetched through the agent for job "
                                    f"{job}", status=404, tier=tier)
-
-        def read() -> bytes:
-            stored = found.open(ShardKey(job, step, rank))
-            if stored is None:
-                return b""
-            try:
-                return bytes(stored.buffer)
-            finally:
-                stored.close()
-
+        catalog = self.catalogs.get(job)
+        entry = next((e for e in catalog.steps if e.step == step), None) if catalog else None
+        shard = next((s for s in entry.shards if s.rank == rank), None) if entry else None
+        if shard is None:
+            raise CkptRequestError(f"job {job}: the catalog lists no shard of rank {rank} for "
+                                   f"step {step}", status=404, tier=tier, step=step)
         try:
-            data: bytes = await self._run(read)
-            return data
+            reader: ShardReader | None = await self._run(
+                found.reader, ShardKey(job, step, rank), shard.nbytes, shard.checksum)
         except TierError as exc:
-            raise CkptRequestError(str(exc), status=502, tier=tier, step=step) from exc
+            raise CkptRequestError(str(exc), status=502, tier=tier, step=step,
+                                   corrupt=exc.corrupt) from exc
+        return reader
 
     # --- lifetime -----------------------------------------------------------------
 
     async def close(self, timeout: float = 30.0) -> None:
+        self._closing = True
+        for task in self._appliers.values():
+            task.cancel()
         for store in list(self.stores.values()):
             try:
                 await self._run(store.engine.close, timeout)
@@ -420,3 +590,4 @@ class CkptService:
                 self._objects.close()
         self.slow.shutdown(wait=False, cancel_futures=True)
         self.peer_io.shutdown(wait=False, cancel_futures=True)
+        self.commits.shutdown(wait=False, cancel_futures=True)

@@ -22,6 +22,9 @@ import zstandard
 from aiohttp import web
 
 from agentd.ckpt import CkptRequestError
+from agentd.config import CkptSettings
+from ckpt.errors import TierError
+from ckpt.objects import ObjectTooLarge
 from ckpt.peer import PEER_KEY_RE, SealCheck
 from ckpt.tiers import fsync_dir
 from phalanx.http import serve
@@ -66,7 +69,8 @@ def make_rank_app(agent: Agent) -> web.Application:
         job = str(b["job"])
         plan = ck.plans.get(job)
         return web.json_response({"tiers": ck.tiers_of(job), "node": agent.node,
-                                  "interval": plan.interval if plan else None})
+                                  "interval": plan.interval if plan else None,
+                                  "mtbf_s": plan.mtbf_s if plan else None})
 
     async def acquire(request: web.Request) -> web.Response:
         b = await body(request)
@@ -99,19 +103,56 @@ def make_rank_app(agent: Agent) -> web.Application:
     async def restore(request: web.Request) -> web.Response:
         q = request.query
         step = int(q["step"]) if "step" in q else None
-        return web.json_response({"steps": ck.restore_plan(q["job"], int(q["rank"]), step)})
+        return web.json_response(await ck.restore_plan(q["job"], int(q["rank"]), step))
 
-    async def shard(request: web.Request) -> web.Response:
+    async def shard(request: web.Request) -> web.StreamResponse:
+        """The shard streamed from its tier, piece by piece, with the catalog's size as its
+        Content-Length; an empty body when the tier has no copy. A copy that fails or
+        turns out longer or shorter once bytes went out is cut off mid-body: the rank
+        sees a short read and tries its next tier."""
         q = request.query
-        data = await ck.fetch(q["job"], int(q["rank"]), int(q["step"]), q["tier"])
-        return web.Response(body=data, content_type="application/octet-stream")
+        job, rank, step, tier = q["job"], int(q["rank"]), int(q["step"]), q["tier"]
+        reader = await ck.fetch(job, rank, step, tier)
+        if reader is None:
+            return web.Response(body=b"", content_type="application/octet-stream")
+        loop = asyncio.get_running_loop()
+
+        def pull() -> bytes:
+            return next(reader, b"")
+
+        try:
+            try:  # the first piece before any header: an early failure is a JSON error
+                piece = await loop.run_in_executor(ck.slow, pull)
+            except TierError as exc:
+                raise CkptRequestError(str(exc), status=502, tier=tier, step=step,
+                                       corrupt=exc.corrupt) from exc
+            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            resp.content_length = reader.nbytes
+            await resp.prepare(request)
+            try:
+                while piece:
+                    await resp.write(piece)
+                    piece = await loop.run_in_executor(ck.slow, pull)
+                if reader.received != reader.nbytes:
+                    raise TierError(f"{reader.url} ended after {reader.received} of the "
+                                    f"{reader.nbytes} bytes its manifest lists", tier=tier,
+                                    ref=reader.key.ref(reader.url))  # fmt: skip
+            except TierError as exc:
+                log.warning("job %s rank %d: cut off the copy of step %d from tier %s: %s",
+                            job, rank, step, tier, exc,
+                            extra={"job": job, "event": "ckpt_corrupt"})  # fmt: skip
+                resp.force_close()
+                if request.transport is not None:
+                    request.transport.close()  # the rank sees fewer bytes than announced
+            return resp
+        finally:
+            await loop.run_in_executor(ck.slow, reader.close)  # a store's close may block
 
     async def report(request: web.Request) -> web.Response:
         b = await body(request)
-        log.warning("job %s rank %d: the copy of step %s at tier %s is unusable: %s", b["job"],
-                    int(b["rank"]), b.get("step"), b.get("tier"), b.get("error"),
-                    extra={"job": b["job"], "event": "ckpt_corrupt"})
-        return web.json_response({"ok": True})
+        ck.report(str(b["job"]), int(b["rank"]), int(b["step"]), str(b["tier"]),
+                  str(b.get("error", "")))
+        return web.json_response({"reported": True})
 
     app = web.Application(middlewares=[errors])
     app.router.add_post("/v1/ckpt/hello", hello)
@@ -148,10 +189,16 @@ async def start_rank_socket(agent: Agent, path: Path) -> AsyncIterator[None]:
 
 
 def add_peer_routes(app: web.Application, agent: Agent,
-                    authorised: Callable[[web.Request], bool]) -> None:  # fmt: skip
-    """The peer tier's objects, kept for buddies under ``DATA_DIR/ckpt-peer``."""
+                    authorised: Callable[[web.Request], bool], *,
+                    max_shard_bytes: int | None = None) -> None:  # fmt: skip
+    """The peer tier's objects, kept for buddies under ``DATA_DIR/ckpt-peer``: each body
+    (and what it decompresses to) is at most ``max_shard_bytes`` (the agent's
+    ``ckpt.peer_max_shard_bytes``; ``None``: that setting's default), refused with 413
+    as soon as it crosses it; nothing is stored then."""
     root = agent.ckpt.peer_root
     pool = agent.ckpt.peer_io
+    max_limit = max_shard_bytes or CkptSettings().peer_max_shard_bytes  # content, decompressed
+    body_limit = max_limit + max_limit // 128 + (1 << 17)  # room for zstd's worst-case growth
 
     async def io(fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -167,15 +214,24 @@ def add_peer_routes(app: web.Application, agent: Agent,
     async def put(request: web.Request) -> web.StreamResponse:
         if (denied := check(request)) is not None:
             return denied
-        path = key_path(request.match_info["key"])
+        key = request.match_info["key"]
+        path = key_path(key)
         if path is None:
             return _error(400, "not a checkpoint object key")
+        if request.content_length is not None and request.content_length > body_limit:
+            return too_large(key, ObjectTooLarge(f"a body of {request.content_length} bytes",
+                                                 body_limit))  # fmt: skip
         await io(functools.partial(os.makedirs, path.parent, exist_ok=True))
         tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{id(request)}"
         fd = await io(os.open, tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        seal = SealCheck(path.name.endswith(".zst")) if ".phx" in path.name else None
+        seal = SealCheck(path.name.endswith(".zst"), max_limit, "its content") \
+            if ".phx" in path.name else None  # fmt: skip
+        received = 0
         try:
             async for chunk in request.content.iter_chunked(8 << 20):
+                received += len(chunk)
+                if received > body_limit:
+                    raise ObjectTooLarge("its body", body_limit)
                 await io(_write_all, fd, chunk, seal)
             problem = seal.problem() if seal is not None else None
             if problem is None:
@@ -184,16 +240,23 @@ def add_peer_routes(app: web.Application, agent: Agent,
             os.close(fd)
             await io(functools.partial(tmp.unlink, missing_ok=True))
             if isinstance(exc, zstandard.ZstdError):
-                return _error(422, f"{request.match_info['key']} does not decompress: {exc}")
+                return _error(422, f"{key} does not decompress: {exc}")
+            if isinstance(exc, ObjectTooLarge):
+                return too_large(key, exc)
             raise
         os.close(fd)
         if problem is not None:
             await io(functools.partial(tmp.unlink, missing_ok=True))
-            log.warning("refused %s pushed by a peer: %s", request.match_info["key"], problem)
-            return _error(422, f"{request.match_info['key']}: {problem}")
+            log.warning("refused %s pushed by a peer: %s", key, problem)
+            return _error(422, f"{key}: {problem}")
         await io(os.rename, tmp, path)
         await io(fsync_dir, path.parent)
-        return web.json_response({"stored": request.match_info["key"]})
+        return web.json_response({"stored": key})
+
+    def too_large(key: str, exc: ObjectTooLarge) -> web.Response:
+        log.warning("refused %s pushed by a peer: %s", key, exc)
+        return _error(413, f"refused {key}: {exc} (ckpt.peer_max_shard_bytes is {max_limit})",
+                      limit=max_limit)
 
     async def get(request: web.Request) -> web.StreamResponse:
         if (denied := check(request)) is not None:

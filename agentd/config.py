@@ -124,6 +124,26 @@ class CkptSettings(_Section):
         "the usual AWS_* environment) or a folder (`file:///path`, shared by the fleet so "
         "any node restores from it). Empty: DATA_DIR/ckpt-objects.",
     )
+    write_nice: int = Field(
+        default=0, ge=0, le=19,
+        description="CPU niceness of the agent's write-down threads (checksums, disk writes, "
+        "zstd). Measured with bench/ckpt.py (1 GiB, 2 cores saturated by the training "
+        "loop): nice 10 stretched the write-down from 6 s to 34 s without saving the loop "
+        "any compute; nice 19 spared the loop but took 262 s. Raise it only where the "
+        "ranks' CPU work matters more than how soon checkpoints are durable.",
+    )
+    compress_level: int = Field(
+        default=1, ge=-7, le=22,
+        description="zstd level of the peer and object tiers (negative: zstd's fast levels). "
+        "Level 1 takes ~2.4 s of CPU per GiB on the reference machine.",
+    )
+    peer_max_shard_bytes: int = Field(
+        default=64 << 30,
+        ge=1 << 20,
+        description="The largest object a buddy may push to this node's peer tier, in bytes "
+        "of content (a zstd body counts decompressed): a larger one is refused with 413 as "
+        "soon as it crosses the limit, and nothing is stored. Default 64 GiB.",
+    )
     socket: Path | None = Field(
         default=None,
         description="The unix socket ranks reach the agent at (PHALANX_AGENT_SOCKET). "

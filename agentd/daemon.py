@@ -28,6 +28,7 @@ from agentd.health import HealthClassifier
 from agentd.host import sample_host
 from agentd.http import start_http
 from agentd.ranks import RankRunner
+from ckpt import Pacing
 from phalanx import __version__, wire
 from phalanx.link import LinkDown, MqttLink, Outbox, Will
 from phalanx.tasks import supervised
@@ -93,7 +94,9 @@ class Agent:
                           settings.http.token_file, exc)
         token = self.http_token
         self.ckpt = CkptService(self.node, settings.data_dir, settings.ckpt.shm_dir,
-                                settings.ckpt.object_store, token, self._publish_landing)
+                                settings.ckpt.object_store, token, self._publish_landing,
+                                pacing=Pacing(nice=settings.ckpt.write_nice,
+                                              compress_level=settings.ckpt.compress_level))
         self.link = MqttLink(
             settings.mqtt.resolved(),
             f"agentd-{self.node}",

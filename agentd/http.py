@@ -130,7 +130,8 @@ def make_app(agent: Agent) -> web.Application:
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     app = web.Application()
-    add_peer_routes(app, agent, authorised)
+    add_peer_routes(app, agent, authorised,
+                    max_shard_bytes=agent.settings.ckpt.peer_max_shard_bytes)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/jobs/{job}/ranks/{rank}/log", rank_log)

@@ -282,6 +282,11 @@ class RankRunner:
             pid, job = int(entry["pid"]), str(entry["job"])
             try:
                 environ = Path(f"/proc/{pid}/environ").read_bytes()
+                for _ in range(20):  # reads empty while the process is in an exec
+                    if environ:
+                        break
+                    time.sleep(0.05)
+                    environ = Path(f"/proc/{pid}/environ").read_bytes()
             except OSError:
                 continue  # gone already
             if f"PHALANX_JOB_ID={job}".encode() not in environ.split(b"\0"):

@@ -116,9 +116,16 @@ def test_checkpoints_land_in_all_four_tiers_are_kept_per_tier_and_ckpt_ls_shows_
             assert (steps["object"] / "000000000012" / f"{name}.zst").is_file()
     assert list(fleet.shm_dir.iterdir()) == []
     for step in ("000000000008", "000000000012"):
-        manifest = json.loads((fleet.root / "objects" / job["id"] / step /
-                               "manifest.json").read_bytes())
-        assert [s["rank"] for s in manifest["shards"]] == [0, 1, 2, 3]
+        # Each node wrote the checksums of its own ranks (one part each), then the step's
+        # manifest, which lists no shard itself.
+        folder = fleet.root / "objects" / job["id"] / step
+        manifest = json.loads((folder / "manifest.json").read_bytes())
+        assert (manifest["world_size"], manifest["shards"]) == (4, [])
+        parts = sorted(folder.glob("manifest-r*.json"))
+        assert [p.name for p in parts] == ["manifest-r00000-r00001.json",
+                                           "manifest-r00002-r00003.json"]
+        assert [s["rank"] for p in parts for s in json.loads(p.read_bytes())["shards"]] == [
+            0, 1, 2, 3]
 
 
 # --- restarts -------------------------------------------------------------------------------

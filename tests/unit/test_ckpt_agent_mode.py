@@ -9,22 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import pickle
 import stat
+import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from ckpt_helpers import assert_bit_identical, training_state
+import torch
+import zstandard
+from ckpt_helpers import assert_bit_identical, small_tmpfs, training_state
 
 from agentd.ckpt import CkptService
 from agentd.ckpt_http import start_rank_socket
-from ckpt import Checkpointer, TierError
+from ckpt import Checkpointer, CheckpointError, TierError
+from ckpt.format import FormatError, decode, seal, verify
 from ckpt.remote import AgentError
+from ckpt.tiers import step_dir
 from phalanx import wire
 from supervisor.catalog import CheckpointCatalog
 from supervisor.store import Store
@@ -33,10 +40,18 @@ JOB = "job-1"
 
 
 class AgentHarness:
-    def __init__(self, root: Path) -> None:
+    """One agent's checkpoint service and rank socket on a loop of their own, fed by a real
+    catalog. ``deliver=False``: the catalog commits what lands, but this agent never hears
+    of it (a restart before the catalog came, say); ``catalog``: the supervisor's catalog
+    of an earlier agent on the same node."""
+
+    def __init__(self, root: Path, *, deliver: bool = True,
+                 catalog: CheckpointCatalog | None = None) -> None:  # fmt: skip
         self.root = root
+        self.deliver = deliver
+        self.landings: list[wire.CkptLanding] = []  # every message the agent published
         self.loop = asyncio.new_event_loop()
-        self.catalog = CheckpointCatalog(Store(root / "sup" / "state.db"))
+        self.catalog = catalog or CheckpointCatalog(Store(root / "sup" / "state.db"))
         self.service: CkptService | None = None
         self.socket = root / "agent.sock"
         self.ready = threading.Event()
@@ -60,11 +75,13 @@ class AgentHarness:
         await self.service.close()
 
     def _landing(self, msg: wire.CkptLanding) -> None:  # from the engine's threads
+        self.landings.append(msg)
+
         def on_loop() -> None:
             assert self.service is not None
-            if self.catalog.on_landing(msg, world_size=1):
+            if self.catalog.on_landing(msg, world_size=1) and self.deliver:
                 task = asyncio.ensure_future(
-                    self.service.on_catalog(self.catalog.message(JOB, 1)))
+                    self.service.on_catalog(self.catalog.messages(JOB, 1, generation=1)[0]))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
 
@@ -81,12 +98,33 @@ class AgentHarness:
         self.loop.close()
 
 
-@pytest.fixture
-def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AgentHarness]:
-    (tmp_path / "shm").mkdir()
-    harness = AgentHarness(tmp_path)
+def start_agent(root: Path, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> AgentHarness:
+    (root / "shm").mkdir(exist_ok=True)
+    harness = AgentHarness(root, **kwargs)
     for key, value in harness.env().items():
         monkeypatch.setenv(key, value)
+    return harness
+
+
+@pytest.fixture
+def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AgentHarness]:
+    harness = start_agent(tmp_path, monkeypatch)
+    yield harness
+    harness.close()
+
+
+@pytest.fixture
+def small_nvme(tmp_path: Path) -> Iterator[Path]:
+    """A real 4 MiB tmpfs where the agent's NVMe tier lives (``DATA_DIR/ckpt``), where
+    mounting is permitted (root in a container)."""
+    with small_tmpfs(tmp_path / "data" / "ckpt") as mnt:
+        yield mnt
+
+
+@pytest.fixture
+def agent_on_small_nvme(small_nvme: Path, monkeypatch: pytest.MonkeyPatch,
+                        ) -> Iterator[AgentHarness]:  # fmt: skip
+    harness = start_agent(small_nvme.parents[1], monkeypatch)
     yield harness
     harness.close()
 
@@ -94,6 +132,60 @@ def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AgentHarn
 def committed_tiers(agent: AgentHarness, step: int) -> list[str]:
     view: dict[str, Any] = agent.catalog.view(JOB, 1, [])
     return sorted(next((s["committed"] for s in view["steps"] if s["step"] == step), {}))
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s")
+        time.sleep(0.05)
+
+
+def nvme_shard(agent: AgentHarness, step: int) -> Path:
+    return agent.root / "data" / "ckpt" / JOB / step_dir(step) / "rank-00000.phx"
+
+
+def object_shard(agent: AgentHarness, step: int) -> Path:
+    return agent.root / "objects" / JOB / step_dir(step) / "rank-00000.phx.zst"
+
+
+def reported(agent: AgentHarness, event: str) -> list[wire.CkptLanding]:
+    return [m for m in agent.landings if m.event == event]
+
+
+class Exploit:
+    """Unpickled, it runs a shell command that creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def padded(payload: bytes, nbytes: int) -> bytes:
+    """A payload the size the catalog lists for the shard (a pickle ignores what follows
+    its STOP opcode), so that no size check stands between it and the decoder."""
+    assert len(payload) <= nbytes
+    return payload + bytes(nbytes - len(payload))
+
+
+def lying_shard(step: int, payload: bytes) -> bytes:
+    """A well-formed, correctly sealed .phx whose header lies: a float32 tensor of 2**40
+    elements (4 TiB) said to lie in the 64 data bytes, which hold a pickle."""
+    header = json.dumps({"data": 64, "meta": {"job": JOB, "step": step, "rank": 0},
+                         "tree": {"t": "dict", "k": ["w"], "v": [{
+                             "t": "tensor", "dtype": "float32", "shape": [1 << 40], "o": 0,
+                             "n": 64}]}}).encode()
+    data_start = -(-(32 + len(header)) // 64) * 64
+    nbytes = data_start + 64 + 32
+    shard = bytearray(nbytes)
+    shard[:32] = struct.pack("<8sIIQQ", b"PHXSHARD", 1, len(header), nbytes, 0)
+    shard[32 : 32 + len(header)] = header
+    shard[data_start : data_start + 64] = padded(payload[:64], 64)
+    seal(shard)
+    return bytes(shard)
 
 
 def test_save_lands_in_agent_owned_ram_and_wait_returns_once_every_tier_committed(
@@ -163,3 +255,155 @@ def test_wait_names_the_tier_that_failed_while_the_others_commit(agent: AgentHar
     while committed_tiers(agent, 6) != ["nvme", "ram"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert committed_tiers(agent, 6) == ["nvme", "ram"]
+
+
+# --- a full disk, a crafted shard -------------------------------------------------------------
+
+
+def test_a_full_nvme_tier_fails_there_alone_and_keeps_its_last_committed_step(
+    agent_on_small_nvme: AgentHarness, small_nvme: Path,
+) -> None:
+    agent = agent_on_small_nvme
+    kept = {**training_state(), "w": torch.ones(256 << 10)}  # 1 MiB, on a 4 MiB filesystem
+    c = Checkpointer()
+    c.save(1, kept)
+    c.wait(timeout=60)
+
+    c.save(2, {"w": torch.ones(3 << 20)})  # 12 MiB: cannot fit
+
+    with pytest.raises(TierError, match="disk is full") as failed:
+        c.wait(timeout=60)
+    assert failed.value.tier == "nvme" and str(small_nvme) in str(failed.value)
+    assert [(m.step, m.tier) for m in reported(agent, "failed")] == [(2, "nvme")]
+    error = reported(agent, "failed")[0].error
+    assert str(nvme_shard(agent, 2)) in error and "disk is full" in error
+    wait_until(lambda: committed_tiers(agent, 2) == ["object", "ram"],
+               "step 2 committed at the other tiers")
+    assert not nvme_shard(agent, 2).exists() and not list(small_nvme.rglob("*.tmp-*"))
+    assert (nvme_shard(agent, 1).parent / "manifest.json").is_file()
+    assert "nvme" in committed_tiers(agent, 1)
+    reader = Checkpointer()
+    found = reader.restore(1)
+    assert found is not None and found[0] == 1 and reader.restored_from == "nvme"
+    assert_bit_identical(found[1], kept)
+    c.save(3, {"w": torch.full((1000,), 3.0)})  # one that fits: the tier takes it again
+    c.wait(timeout=60)
+    assert committed_tiers(agent, 3) == ["nvme", "object", "ram"]
+    c.close()
+
+
+def test_a_pickle_planted_as_the_nvme_shard_never_runs_and_restore_uses_the_object_store(
+    agent: AgentHarness,
+) -> None:
+    state = training_state()
+    c = Checkpointer()
+    c.save(5, state)
+    c.wait(timeout=60)
+    c.close()
+    for segment in (agent.root / "shm").iterdir():
+        segment.unlink()
+    marker = agent.root / "pwned"
+    shard = nvme_shard(agent, 5)
+    shard.write_bytes(padded(pickle.dumps({"w": Exploit(marker)}), shard.stat().st_size))
+
+    reader = Checkpointer()
+    found = reader.restore()
+
+    assert found is not None and found[0] == 5 and reader.restored_from == "object"
+    assert_bit_identical(found[1], state)
+    assert not marker.exists()
+    corrupt = reported(agent, "corrupt")
+    assert [(m.step, m.tier) for m in corrupt] == [(5, "nvme")]
+    assert "refusing to read a pickle stream" in corrupt[0].error
+
+
+def test_a_torch_save_file_in_the_object_store_and_a_lying_shard_on_nvme_are_both_refused(
+    agent: AgentHarness,
+) -> None:
+    c = Checkpointer()
+    c.save(6, {"w": torch.arange(100_000.0)})
+    c.wait(timeout=60)
+    c.close()
+    for segment in (agent.root / "shm").iterdir():
+        segment.unlink()
+    marker = agent.root / "pwned"
+    nbytes = nvme_shard(agent, 6).stat().st_size  # what the catalog lists
+    zipped = agent.root / "exploit.pt"
+    torch.save({"w": Exploit(marker)}, zipped)
+    object_shard(agent, 6).write_bytes(
+        zstandard.ZstdCompressor().compress(padded(zipped.read_bytes(), nbytes)))
+    lie = lying_shard(6, pickle.dumps(Exploit(marker)))
+    verify(lie)  # sealed as a real shard would be: only the checks make it safe
+    with pytest.raises(FormatError, match="shape"):
+        decode(lie)
+    nvme_shard(agent, 6).write_bytes(lie)
+
+    with pytest.raises(CheckpointError, match="no readable copy of step 6"):
+        Checkpointer().restore()
+
+    assert not marker.exists()
+    corrupt = {m.tier: m.error for m in reported(agent, "corrupt")}
+    assert sorted(corrupt) == ["nvme", "object"]
+    assert "but xxh3_128:" in corrupt["nvme"] and "expected" in corrupt["nvme"]
+    assert "refusing to read a zip archive" in corrupt["object"]
+
+
+# --- an agent restart -------------------------------------------------------------------------
+
+
+def test_steps_landed_before_an_agent_restart_get_their_manifest_and_retention_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    states = {step: {"w": torch.full((1000,), float(step))} for step in (1, 2, 3)}
+    first = start_agent(tmp_path, monkeypatch, deliver=False)  # stops before the catalog comes
+    try:
+        c = Checkpointer()
+        for step in (1, 2):
+            c.save(step, states[step])
+        wait_until(lambda: committed_tiers(first, 2) == ["nvme", "object", "ram"],
+                   "the catalog to commit step 2 everywhere")
+        c.close()
+    finally:
+        first.close()
+    nvme = tmp_path / "data" / "ckpt" / JOB
+    objects = tmp_path / "objects" / JOB
+    assert not (nvme / step_dir(2) / "manifest.json").exists()
+    second = start_agent(tmp_path, monkeypatch, catalog=first.catalog)  # same dirs, new agent
+    try:
+        c = Checkpointer()
+        c.save(3, states[3])
+        c.wait(timeout=60)  # the catalog now commits 3, and lists 1 and 2 as committed
+
+        # keep is 2 at nvme and object: step 2 keeps its copies, with a manifest; 1 goes.
+        for tier in (nvme, objects):
+            assert sorted(p.name for p in tier.iterdir()) == [step_dir(2), step_dir(3)]
+            assert (tier / step_dir(2) / "manifest.json").is_file()
+        deleted = {(m.tier, m.step) for m in second.landings if m.event == "deleted"}
+        assert {("nvme", 1), ("object", 1)} <= deleted
+        for segment in (tmp_path / "shm").iterdir():
+            segment.unlink()
+        reader = Checkpointer()
+        found = reader.restore(2)
+        assert found is not None and reader.restored_from == "nvme"
+        assert_bit_identical(found[1], states[2])
+        c.close()
+    finally:
+        second.close()
+
+
+def test_interval_auto_uses_the_job_mtbf_the_supervisor_sent_with_the_plan(
+    agent: AgentHarness,
+) -> None:
+    async def configure() -> None:
+        assert agent.service is not None
+        agent.service.configure(JOB, 1, wire.CkptPlan(tiers=["ram", "nvme"], interval="auto",
+                                                      mtbf_s=7200.0))
+
+    asyncio.run_coroutine_threadsafe(configure(), agent.loop).result(10)
+
+    with Checkpointer() as ckpt:
+        assert (ckpt.policy.kind, ckpt.policy.mtbf_s) == ("auto", 7200.0)
+        ckpt.policy.saved(0, 0.5)  # a 0.5 s stall: checkpoint every sqrt(2 x 0.5 x 7200) s
+        assert ckpt.policy.seconds() == pytest.approx(84.85, abs=0.01)
+    with Checkpointer(mtbf_s=800.0) as ckpt:  # the user's own figure wins
+        assert ckpt.policy.mtbf_s == 800.0

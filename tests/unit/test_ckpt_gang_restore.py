@@ -1,0 +1,221 @@
+"""A gang restores from one step, and a moved rank reads the peer copy where it lies.
+
+Node n02 of a 2-node job died; a spare, n03, runs its rank 1 now. The step's
+copies of rank 1 are on n02's disk (gone with it) and, as its peer copy, on
+n01 (the buddy n02 pushed to). The supervisor's real catalog picks the step
+the whole gang can read and names the holder; the spare's real agent service
+reads the copy from n01's real peer routes over HTTP, although its own buddy
+is another node. Ranks are ``Checkpointer()`` on the spare's rank socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from aiohttp import web
+from ckpt_helpers import assert_bit_identical, training_state
+
+from agentd.ckpt import CkptService
+from agentd.ckpt_http import add_peer_routes, start_rank_socket
+from ckpt import (
+    Checkpointer,
+    CheckpointError,
+    LocalFolderStore,
+    ObjectTier,
+    ShardKey,
+    TierManifest,
+    encode,
+    verify,
+)
+from phalanx import wire
+from phalanx.http import bearer_ok
+from phalanx.local import free_port
+from supervisor.catalog import CheckpointCatalog
+from supervisor.store import Store
+
+JOB = "job-1"
+TOKEN = "agent-token"
+STEP = 5
+
+
+class Node:
+    """One agent's checkpoint service, its rank socket and its peer routes on TCP."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        self.root, self.name = root, name
+        (root / "shm").mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.socket = root / "agent.sock"
+        self.landings: list[wire.CkptLanding] = []
+        self.loop = asyncio.new_event_loop()
+        self.service: CkptService | None = None
+        self.stop: asyncio.Event | None = None
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),),
+                                       daemon=True)
+        self.thread.start()
+        assert self.ready.wait(10)
+
+    async def _main(self) -> None:
+        self.stop = asyncio.Event()
+        self.service = CkptService(self.name, self.root / "data", self.root / "shm",
+                                   (self.root / "objects").as_uri(), TOKEN, self.landings.append)
+        agent = SimpleNamespace(ckpt=self.service, node=self.name)
+        app = web.Application()
+        add_peer_routes(app, agent, lambda request: bearer_ok(request, TOKEN.encode()))  # type: ignore[arg-type]
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+        async with start_rank_socket(agent, self.socket):  # type: ignore[arg-type]
+            self.ready.set()
+            await self.stop.wait()
+        await runner.cleanup()
+        await self.service.close()
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def peer(self) -> wire.PeerAddr:
+        return wire.PeerAddr(node=self.name, address="127.0.0.1", http_port=self.port)
+
+    def close(self) -> None:
+        assert self.stop is not None
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(30)
+        self.loop.close()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    n01, n03 = Node(tmp_path / "n01", "n01"), Node(tmp_path / "n03", "n03")
+    catalog = CheckpointCatalog(Store(tmp_path / "sup" / "state.db"))
+    state = training_state(seed=1)
+    # Rank 1's step, as n02 left it on its buddy n01 before it died: a zstd peer copy and
+    # the manifest part n02 wrote for its ranks.
+    shard = encode(state)
+    checksum = verify(shard)
+    peer = ObjectTier(LocalFolderStore(tmp_path / "n01" / "data" / "ckpt-peer"), name="peer")
+    peer.put(ShardKey(JOB, STEP, 1), memoryview(shard), checksum)
+    peer.commit(TierManifest(JOB, STEP, {1: (checksum, len(shard))}, world_size=2))
+    for rank, node, holder in ((0, "n01", "n02"), (1, "n02", "n01")):
+        for tier in ("nvme", "peer"):
+            catalog.on_landing(wire.CkptLanding(
+                node=node, job=JOB, step=STEP, rank=rank, tier=tier, nbytes=len(shard),  # type: ignore[arg-type]
+                checksum=checksum, holder=holder if tier == "peer" else None, at=1.0),
+                world_size=2)
+    # The spare's own buddy is another node (unreachable): the copy must come from n01.
+    n03.call(_configure(n03, wire.CkptPlan(tiers=["ram", "nvme", "peer"], buddy=wire.PeerAddr(
+        node="n04", address="127.0.0.1", http_port=free_port()))))
+    for key, value in {"PHALANX_AGENT_SOCKET": str(n03.socket), "PHALANX_JOB_ID": JOB,
+                       "PHALANX_GENERATION": "2", "RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    yield {"n01": n01, "n03": n03, "catalog": catalog, "state": state,
+           "copy": tmp_path / "n01" / "data" / "ckpt-peer" / JOB / f"{STEP:012d}"}
+    n03.close()
+    n01.close()
+
+
+async def _configure(node: Node, plan: wire.CkptPlan) -> None:
+    assert node.service is not None
+    node.service.configure(JOB, 2, plan)
+
+
+def send_catalog(fleet: dict[str, Any], alive: set[str]) -> wire.CkptCatalog:
+    """What the supervisor sends n03 when it launches generation 2 with rank 1 there."""
+    n01, n03 = fleet["n01"], fleet["n03"]
+    messages = fleet["catalog"].messages(JOB, 2, generation=2, placement={0: "n01", 1: "n03"},
+                                         peers={"n01": n01.peer()}, alive=alive)
+    mine = next(m for m in messages if m.node == "n03")
+    assert n03.service is not None
+    n03.call(n03.service.on_catalog(mine))
+    return mine
+
+
+def test_a_rank_moved_to_a_spare_restores_the_gang_step_from_the_buddy_holding_its_copy(
+    fleet: dict[str, Any],
+) -> None:
+    sent = send_catalog(fleet, alive={"n01", "n03"})
+    assert sent.restore_step == STEP
+
+    with Checkpointer() as ckpt:
+        found = ckpt.restore()
+
+    assert found is not None and found[0] == STEP and ckpt.restored_from == "peer"
+    assert_bit_identical(found[1], fleet["state"])
+
+
+def test_no_rank_restores_alone_when_the_gang_has_no_step_every_rank_can_read(
+    fleet: dict[str, Any],
+) -> None:
+    sent = send_catalog(fleet, alive={"n03"})  # n01 died too: rank 0 has no copy left
+    assert sent.restore_step is None
+
+    with Checkpointer() as ckpt, pytest.raises(CheckpointError, match=r"can read no copy"):
+        ckpt.restore()
+
+
+def test_a_corrupt_peer_copy_is_reported_and_the_catalog_stops_offering_it(
+    fleet: dict[str, Any],
+) -> None:
+    send_catalog(fleet, alive={"n01", "n03"})
+    shard = fleet["copy"] / "rank-00001.phx.zst"
+    shard.write_bytes(shard.read_bytes()[:-64] + bytes(64))
+
+    with Checkpointer() as ckpt, pytest.raises(CheckpointError, match=r"no readable copy"):
+        ckpt.restore()
+
+    reports = [m for m in fleet["n03"].landings if m.event == "corrupt"]
+    assert [(m.rank, m.step, m.tier) for m in reports] == [(1, STEP, "peer")]
+    assert fleet["catalog"].on_landing(reports[0], world_size=2) is True
+    view = fleet["catalog"].view(JOB, 2, ["nvme", "peer"])["steps"][0]
+    assert sorted(view["committed"]) == ["nvme"]
+    assert send_catalog(fleet, alive={"n01", "n03"}).restore_step is None
+
+
+def test_an_unreachable_holder_is_no_corrupt_copy_and_nothing_is_reported(
+    fleet: dict[str, Any],
+) -> None:
+    # The buddy holding rank 1's copy does not answer where the catalog says it is.
+    n03 = fleet["n03"]
+    gone = wire.PeerAddr(node="n01", address="127.0.0.1", http_port=free_port())
+    mine = next(m for m in fleet["catalog"].messages(
+        JOB, 2, generation=2, placement={0: "n01", 1: "n03"}, peers={"n01": gone},
+        alive={"n01", "n03"}) if m.node == "n03")
+    n03.call(n03.service.on_catalog(mine))
+
+    with Checkpointer() as ckpt, pytest.raises(CheckpointError, match=r"no readable copy"):
+        ckpt.restore()
+
+    # A network error says nothing about the copy: the catalog keeps it.
+    assert [m for m in n03.landings if m.event == "corrupt"] == []
+
+
+def test_a_rank_whose_catalog_never_came_refuses_to_start_afresh(
+    fleet: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("agentd.ckpt.CATALOG_WAIT_S", 0.5)
+    # Generation 2 started on n03, but its catalog was lost on the way.
+    with Checkpointer() as ckpt, pytest.raises(CheckpointError, match=r"no checkpoint catalog"):
+        ckpt.restore()
+
+
+def test_the_gang_step_is_listed_even_when_newer_steps_fill_the_message(
+    fleet: dict[str, Any],
+) -> None:
+    catalog = fleet["catalog"]
+    for step in range(10, 40):  # 30 newer steps, only in the RAM of n02, which died
+        for rank in (0, 1):
+            catalog.on_landing(wire.CkptLanding(
+                node="n02", job=JOB, step=step, rank=rank, tier="ram", nbytes=1,
+                checksum="x", at=1.0), world_size=2)
+
+    sent = send_catalog(fleet, alive={"n01", "n03"})
+
+    assert sent.restore_step == STEP
+    assert STEP in [s.step for s in sent.steps] and len(sent.steps) == wire.MAX_CATALOG_STEPS
