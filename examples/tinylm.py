@@ -25,6 +25,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from typing import Any
 
@@ -205,12 +206,25 @@ def main() -> None:
         print(json.dumps({"done": True, "steps": args.steps, "first_loss": round(first_loss, 4),
                           "last_loss": round(last_loss, 4),
                           "improved": last_loss < first_loss}), flush=True)
-    # Every rank reaches the end before any tears down, and the wait hands the GIL to gloo's
-    # workers: one still freeing its last collective after the interpreter began to finalize
-    # aborts the rank ("terminate called without an active exception", pytorch#179291).
-    dist.barrier()
+    dist.barrier()  # no rank tears down (rank 0 hosts the rendezvous store) before all are done
     dist.destroy_process_group()
+
+
+def exit_now() -> None:
+    """End the process without finalizing the interpreter.
+
+    gloo's worker threads outlive ``destroy_process_group`` while DDP holds the
+    group; one that frees its last collective (tensors with Python objects) after
+    the interpreter began to finalize takes the GIL, is made to exit inside a C++
+    destructor and aborts the rank: "terminate called without an active
+    exception", signal 6, after a run that succeeded (pytorch#179291; a barrier
+    first only moved it into the barrier's own work). Nothing is left to finalize.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     main()
+    exit_now()
