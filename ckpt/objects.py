@@ -32,11 +32,10 @@ from pathlib import Path
 from typing import IO, Any, Final, TypeVar, cast
 from urllib.parse import urlparse
 
-import xxhash
 import zstandard
 
 from ckpt.errors import CheckpointError, TierError
-from ckpt.format import BufferLike
+from ckpt.format import BufferLike, Hasher
 from ckpt.tiers import (
     MANIFEST_NAME,
     Pacing,
@@ -329,7 +328,7 @@ class ObjectTier(Tier):
 
     def put(self, key: ShardKey, shard: memoryview, checksum: str) -> str:
         where = self._key(key)
-        hasher = xxhash.xxh3_128()
+        hasher = Hasher()
         pieces = checked_chunks(shard, self.pacing.chunk_bytes, hasher, len(shard) - 32)
         parts = self._compressed(pieces) if self.compression else _regroup(pieces)
         try:

@@ -37,10 +37,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Final, cast
 from urllib.parse import quote
 
-import xxhash
 import zstandard
 
-from ckpt.format import CHECKSUM_ALGORITHM, SEAL_MAGIC, TRAILER_NBYTES
+from ckpt.format import CHECKSUM_ALGORITHM, SEAL_MAGIC, TRAILER_NBYTES, Hasher
 from ckpt.objects import MAX_GET_NBYTES, PART_NBYTES, ObjectStore, ObjectTooLarge
 
 __all__ = ["PEER_KEY_RE", "HttpPeerStore", "SealCheck"]
@@ -66,7 +65,7 @@ class SealCheck:
                  what: str = "the shard") -> None:  # fmt: skip
         self.max_nbytes = max_nbytes
         self.what = what
-        self.hasher = xxhash.xxh3_128()
+        self.hasher = Hasher()
         self.tail = b""
         self.total = 0
         self.writer = zstandard.ZstdDecompressor().stream_writer(

@@ -41,10 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-import xxhash
-
 from ckpt.errors import CheckpointError, ShardRef, TierError
-from ckpt.format import CHECKSUM_ALGORITHM, BufferLike
+from ckpt.format import CHECKSUM_ALGORITHM, BufferLike, Hasher
 
 __all__ = [
     "DiskTier",
@@ -477,7 +475,7 @@ class DiskTier(Tier):
 
     def put(self, key: ShardKey, shard: memoryview, checksum: str) -> str:
         path = self.path(key)
-        hasher = xxhash.xxh3_128()
+        hasher = Hasher()
         body_end = len(shard) - 32
         write_file_atomic(
             path,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import pickle
 import random
 import struct
@@ -18,6 +19,7 @@ import pytest
 import torch
 import xxhash
 
+import ckpt.format as ckpt_format
 from ckpt import (
     CheckpointError,
     FormatError,
@@ -36,6 +38,7 @@ from ckpt import (
     verify,
     write_into,
 )
+from ckpt.format import Hasher
 
 try:
     import numpy as np
@@ -409,6 +412,99 @@ def test_verify_rejects_a_shard_whose_checksum_is_not_the_expected_one() -> None
     other = checksum(encode({"w": torch.ones(1)}))
     with pytest.raises(ShardCorrupt, match="was expected"):
         verify(small_shard(), other)
+
+
+
+# --------------------------------------------------------------------------- the seal in pieces
+
+
+@pytest.fixture
+def small_seal_chunk(monkeypatch: pytest.MonkeyPatch) -> int:
+    """64 MiB pieces made 4 KiB, so a shard of a few KiB spans many."""
+    monkeypatch.setattr(ckpt_format, "SEAL_CHUNK", 4096)
+    return 4096
+
+
+def many_piece_shard() -> bytearray:
+    return encode({"w": torch.arange(10_000, dtype=torch.float32), "step": 7})
+
+
+def test_a_shard_seals_in_pieces_and_verifies_them_in_parallel(small_seal_chunk: int) -> None:
+    shard = many_piece_shard()
+    assert len(shard) > 9 * small_seal_chunk
+    body = memoryview(shard)[:-32]
+    pieces = [xxhash.xxh3_128(body[o : o + small_seal_chunk]).digest()
+              for o in range(0, len(body), small_seal_chunk)]  # fmt: skip
+    expected = "xxh3_128:" + xxhash.xxh3_128(b"".join(pieces)).hexdigest()
+
+    assert seal(shard) == expected
+    assert verify(shard) == expected  # on the verifying pool: several pieces at once
+    assert ckpt_format._pool is not None
+
+
+def test_a_flipped_byte_in_a_later_piece_is_detected(small_seal_chunk: int) -> None:
+    shard = many_piece_shard()
+    for i in (small_seal_chunk * 3 + 5, len(shard) - 33):
+        damaged = bytearray(shard)
+        damaged[i] ^= 0x01
+        with pytest.raises(ShardCorrupt, match="content hashes to"):
+            verify(damaged)
+
+
+@pytest.mark.parametrize("piece", [1, 7, 4096, 5000, 1 << 20])
+def test_the_streaming_hasher_agrees_with_the_seal_however_the_bytes_arrive(
+    small_seal_chunk: int, piece: int,
+) -> None:
+    shard = many_piece_shard()
+    hasher = Hasher()
+    body = memoryview(shard)[:-32]
+    for o in range(0, len(body), piece):
+        hasher.update(body[o : o + piece])
+    assert "xxh3_128:" + hasher.hexdigest() == verify(shard)
+
+
+def test_a_shard_of_exactly_whole_pieces_hashes_alike_streamed_or_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    shard = many_piece_shard()
+    body_nbytes = len(shard) - 32
+    monkeypatch.setattr(ckpt_format, "SEAL_CHUNK", body_nbytes // 4 if body_nbytes % 4 == 0
+                        else body_nbytes)  # fmt: skip
+    hasher = Hasher()
+    hasher.update(memoryview(shard)[:-32])
+    assert "xxh3_128:" + hasher.hexdigest() == seal(shard) == verify(shard)
+
+
+def test_version_1_shards_sealed_whole_are_still_verified_and_read(small_seal_chunk: int) -> None:
+    data = struct.pack("<2f", 1.5, -2.0) + bytes(3 * small_seal_chunk)
+    shard = shard_with_tree({"t": "dict", "k": [0], "v": [tensor_node()]}, data)
+    assert shard[8:12] == (1).to_bytes(4, "little")
+    whole = "xxh3_128:" + xxhash.xxh3_128(memoryview(shard)[:-32]).hexdigest()
+    hasher = Hasher()
+    for o in range(0, len(shard) - 32, 1000):
+        hasher.update(memoryview(shard)[o : min(o + 1000, len(shard) - 32)])
+
+    assert verify(shard) == whole == "xxh3_128:" + hasher.hexdigest()
+    assert decode(shard)[0].tolist() == [1.5, -2.0]
+    damaged = bytearray(shard)
+    damaged[-40] ^= 0x01
+    with pytest.raises(ShardCorrupt):
+        verify(damaged)
+
+
+def test_an_unknown_format_version_is_refused_naming_the_ones_read() -> None:
+    shard = small_shard()
+    shard[8:12] = (3).to_bytes(4, "little")
+    with pytest.raises(FormatError, match="version 3 is not supported \\(this reads 1, 2\\)"):
+        decode(shard, verify=False)
+
+
+def test_a_forked_child_verifies_on_its_own_pool(small_seal_chunk: int) -> None:
+    shard = many_piece_shard()
+    expected = verify(shard)  # the parent's pool now has threads the child will not
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        assert pool.apply(verify, (bytes(shard),)) == expected
 
 
 @pytest.mark.parametrize("keep", [0, 7, 31, 100, -64, -33, -32, -1])
