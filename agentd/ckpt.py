@@ -186,11 +186,11 @@ class CkptService:
                 b = plan.buddy
                 tiers[name] = ObjectTier(HttpPeerStore(b.node, b.address, b.http_port,
                                                        self.token), name="peer",
-                                         level=self.pacing.compress_level)
+                                         level=self.pacing.compress_level, pacing=self.pacing)
                 holder["peer"] = b.node
             elif name == "object":
                 tiers[name] = ObjectTier(self.objects(), name="object",
-                                         level=self.pacing.compress_level)
+                                         level=self.pacing.compress_level, pacing=self.pacing)
         return tiers, holder
 
     def tiers_of(self, job: str) -> list[str]:

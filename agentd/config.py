@@ -137,6 +137,12 @@ class CkptSettings(_Section):
         description="zstd level of the peer and object tiers (negative: zstd's fast levels). "
         "Level 1 takes ~2.4 s of CPU per GiB on the reference machine.",
     )
+    compress_min_saving: float = Field(
+        default=0.10, ge=0.0, lt=1.0,
+        description="The peer and object tiers compress a chunk (8 MiB) only when a 128 KiB "
+        "sample of it shrinks by at least this fraction; other chunks go as raw zstd frames. "
+        "fp32 noise saves 7.6% at level 1 (sent raw), bf16 22% (compressed). 0: always.",
+    )
     peer_max_shard_bytes: int = Field(
         default=64 << 30,
         ge=1 << 20,

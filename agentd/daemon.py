@@ -95,8 +95,10 @@ class Agent:
         token = self.http_token
         self.ckpt = CkptService(self.node, settings.data_dir, settings.ckpt.shm_dir,
                                 settings.ckpt.object_store, token, self._publish_landing,
-                                pacing=Pacing(nice=settings.ckpt.write_nice,
-                                              compress_level=settings.ckpt.compress_level))
+                                pacing=Pacing(
+                                    nice=settings.ckpt.write_nice,
+                                    compress_level=settings.ckpt.compress_level,
+                                    compress_min_saving=settings.ckpt.compress_min_saving))
         self.link = MqttLink(
             settings.mqtt.resolved(),
             f"agentd-{self.node}",

@@ -1,8 +1,9 @@
 """The object-store tier: zstd-compressed shards and a manifest written last.
 
 ``ObjectTier`` stores each shard as ``PREFIX/JOB/STEP/rank-RANK.phx.zst``
-(streamed through zstd level 1 by default: an object store's bandwidth is
-below zstd's throughput, so compression pays there) and, once the step is
+(streamed through zstd level 1 by default, one frame per chunk; a chunk
+whose sample would not shrink by ``Pacing.compress_min_saving`` goes as a raw
+frame: zstd only where it pays) and, once the step is
 committed, ``PREFIX/JOB/STEP/manifest.json`` listing every rank's checksum,
 size and the compression: the copy describes itself, and a step without a
 manifest is not listed.
@@ -346,10 +347,19 @@ class ObjectTier(Tier):
         return self.store.url + where
 
     def _compressed(self, pieces: Iterable[memoryview]) -> Iterator[bytes]:
-        chunker = zstandard.ZstdCompressor(level=self.level).chunker(chunk_size=PART_NBYTES)
-        for piece in pieces:
-            yield from chunker.compress(piece)
-        yield from chunker.finish()  # type: ignore[no-untyped-call]
+        """One zstd frame per piece, regrouped into parts: a piece whose sample would not
+        shrink by ``pacing.compress_min_saving`` goes as a raw frame (see ``Pacing``)."""
+        compressor = zstandard.ZstdCompressor(level=self.level)
+        min_saving = self.pacing.compress_min_saving
+
+        def frames() -> Iterator[bytes | memoryview]:
+            for piece in pieces:
+                if min_saving > 0 and not _compression_pays(compressor, piece, min_saving):
+                    yield from zstd_raw_frame(piece)
+                else:
+                    yield compressor.compress(piece)
+
+        return _regroup(frames())
 
     def commit(self, manifest: TierManifest) -> None:
         """Write the step's manifest, last. A partial manifest (one node's ranks) goes to
@@ -570,12 +580,46 @@ class _IterReader:
         return bytes(out)
 
 
-def _regroup(pieces: Iterable[memoryview]) -> Iterator[bytes]:
-    """Uncompressed pieces regrouped into parts of ``PART_NBYTES``."""
-    pending = bytearray()
+_SAMPLE_NBYTES: Final = 128 << 10
+_ZSTD_MAGIC: Final = b"\x28\xb5\x2f\xfd"
+_RAW_BLOCK_NBYTES: Final = 128 << 10
+
+
+def _compression_pays(compressor: zstandard.ZstdCompressor, piece: memoryview,
+                      min_saving: float) -> bool:  # fmt: skip
+    """Whether 128 KiB from the middle of ``piece`` shrink by ``min_saving``."""
+    start = max(0, (len(piece) - _SAMPLE_NBYTES) // 2)
+    sample = piece[start : start + _SAMPLE_NBYTES]
+    return len(compressor.compress(sample)) <= len(sample) * (1 - min_saving)
+
+
+def zstd_raw_frame(data: memoryview) -> list[bytes | memoryview]:
+    """``data`` as one zstd frame of raw (stored) blocks, RFC 8878 section 3.1.1, in
+    pieces that view ``data`` (no copy): any zstd decoder reads their concatenation.
+    Frame header: no content size, no checksum, a 128 KiB window (descriptor 0x38);
+    blocks of at most 128 KiB, each behind a 3-byte header (last-block bit, type 0 =
+    raw, size)."""
+    out: list[bytes | memoryview] = [_ZSTD_MAGIC + b"\x00\x38"]
+    n = len(data)
+    for start in range(0, max(n, 1), _RAW_BLOCK_NBYTES):
+        size = min(_RAW_BLOCK_NBYTES, n - start)
+        last = start + _RAW_BLOCK_NBYTES >= n
+        out += [((size << 3) | last).to_bytes(3, "little"), data[start : start + size]]
+    return out
+
+
+def _regroup(pieces: Iterable[BufferLike]) -> Iterator[bytes]:
+    """Pieces regrouped into parts of ``PART_NBYTES``, each part copied once."""
+    pending: list[memoryview] = []
+    held = 0
     for piece in pieces:
-        pending += piece
-        while len(pending) >= PART_NBYTES:
-            yield bytes(pending[:PART_NBYTES])
-            del pending[:PART_NBYTES]
-    yield bytes(pending)
+        view = memoryview(piece).cast("B")
+        while len(view):
+            take = min(len(view), PART_NBYTES - held)
+            pending.append(view[:take])
+            held += take
+            view = view[take:]
+            if held == PART_NBYTES:
+                yield b"".join(pending)
+                pending, held = [], 0
+    yield b"".join(pending)

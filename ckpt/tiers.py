@@ -236,6 +236,12 @@ class Pacing:
     2.4 s of CPU per GiB here and saves 8% on fp32 noise; level -3 costs 0.5 s
     and saves nothing on it: a store whose bandwidth is well above the
     compressor's is better served by ``compression=None``.
+    ``compress_min_saving``: zstd goes where it pays. Each chunk is compressed
+    only when 128 KiB from its middle shrink by at least this fraction at that
+    level (the sample costs ~1.5% of compressing the chunk); any other goes as
+    a raw zstd frame, one copy. Measured at level 1: fp32 noise saves 7.6%
+    (sent raw at the default 0.10), bf16 noise 22% (compressed); a state's
+    JSON header and zero padding always compress. 0 compresses everything.
 
     ``nice`` lowers the writer threads' CPU priority (Linux sets it per
     thread) and ``idle`` puts them in ``SCHED_IDLE`` (they run only on a core
@@ -260,6 +266,7 @@ class Pacing:
     direct_io: bool = True
     idle: bool = False
     compress_level: int = 1
+    compress_min_saving: float = 0.10
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.sync_bytes < self.chunk_bytes:
@@ -268,6 +275,9 @@ class Pacing:
             raise ValueError(f"Pacing.nice is {self.nice}; it must be in [0, 19]")
         if not -7 <= self.compress_level <= 22:
             raise ValueError(f"Pacing.compress_level is {self.compress_level}; zstd takes -7..22")
+        if not 0 <= self.compress_min_saving < 1:
+            raise ValueError(f"Pacing.compress_min_saving is {self.compress_min_saving}; it "
+                             "must be in [0, 1)")  # fmt: skip
 
 
 class Throttle:
