@@ -408,6 +408,7 @@ class CkptService:
 
     def _apply(self, store: RankStore, catalog: wire.CkptCatalog) -> None:
         """Commit, at this node's tiers, the steps the supervisor found complete."""
+        protect = {catalog.restore_step} if catalog.restore_step is not None else set()
         with store.lock:
             for entry in sorted(catalog.steps, key=lambda e: e.step):
                 shards = {s.rank: (s.checksum, s.nbytes) for s in entry.shards}
@@ -419,7 +420,9 @@ class CkptService:
                     manifest = TierManifest(catalog.job, entry.step, shards,
                                             committed_at=entry.committed[tier],
                                             world_size=catalog.world_size)  # fmt: skip
-                    if not store.engine.commit(tier, manifest, store.rank):
+                    fleet = {e.step for e in catalog.steps if tier in e.committed}
+                    if not store.engine.commit(tier, manifest, store.rank,
+                                               fleet_committed=fleet, protect=protect):
                         continue  # a failed manifest write: wait() raises it
                     # Only now, with the manifest written here, is the step readable here.
                     store.committed_upto[tier] = max(entry.step,

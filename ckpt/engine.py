@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -234,11 +234,19 @@ class Engine:
         if tier is not self.ram:
             self._retain(tier, key)
 
-    def commit(self, tier_name: str, manifest: TierManifest, rank: int) -> bool:
+    def commit(self, tier_name: str, manifest: TierManifest, rank: int, *,
+               fleet_committed: Collection[int] = (), protect: Collection[int] = ()) -> bool:
         """Commit a step that an outside catalog (the supervisor's) found complete at a
         tier, then apply retention there: the agent's path, where ``Catalog.landed``
         only reports and the commit comes later. False when the tier is not
-        configured here or its manifest could not be written (reported)."""
+        configured here or its manifest could not be written (reported).
+
+        ``fleet_committed``: the steps the catalog holds committed at this tier; they
+        count toward ``keep`` even where this tier has no manifest of them yet (a
+        step whose manifest write is still queued, or that landed before an agent
+        restart), so retention never deletes one of the ``keep`` newest the fleet
+        committed. ``protect``: steps never deleted (the step the gang restores
+        from)."""
         key = ShardKey(manifest.job, manifest.step, rank)
         tier = next((t for t in [self.ram, *self.tiers] if t.name == tier_name), None)
         if tier is None:
@@ -249,10 +257,12 @@ class Engine:
             self.fail(exc, key)
             return False
         self.report(TierEvent("committed", tier.name, key))
-        self._retain(tier, key)  # RAM too: a slot past ``keep`` is freed (unless still busy)
+        # RAM too: a slot past ``keep`` is freed (unless still busy)
+        self._retain(tier, key, fleet_committed, protect)
         return True
 
-    def _retain(self, tier: Tier, key: ShardKey) -> None:
+    def _retain(self, tier: Tier, key: ShardKey, fleet_committed: Collection[int] = (),
+                protect: Collection[int] = ()) -> None:  # fmt: skip
         """Drop steps older than the ``keep`` newest committed ones at ``tier``."""
         keep = self.keep.get(tier.name, 1)
         try:
@@ -266,9 +276,10 @@ class Engine:
                 self.ram.newest_committed = committed[-1] if committed else None
             if key.step not in committed:
                 return  # only a fresh commit at this tier may retire older steps
-            oldest_kept = committed[-keep:][0]
+            counted = sorted(set(committed) | set(fleet_committed))
+            oldest_kept = counted[-keep:][0]
             for step in tier.landed_steps(key.job):
-                if step < oldest_kept:
+                if step < oldest_kept and step not in protect:
                     tier.delete(key.job, step)
                     self.report(TierEvent("deleted", tier.name, ShardKey(key.job, step, key.rank)))
         except TierError as exc:

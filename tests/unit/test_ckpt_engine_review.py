@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckpt import Engine, RamTier, ShardKey, Tier, TierError, TierManifest
+from ckpt import DiskTier, Engine, RamTier, ShardKey, Tier, TierError, TierManifest
 from ckpt.format import plan, write_into
 
 
@@ -73,6 +73,62 @@ def test_a_slot_grows_after_a_tier_failure(tmp_path: Path) -> None:
         _save(ram, engine, 3, nbytes=5 << 20)  # a bigger state: the slot must be remapped
 
         assert 3 in ram.steps("j")
+    finally:
+        engine.close(5.0)
+        ram.close()
+
+
+def _agent_engine_with_disk(tmp_path: Path, keep: int) -> tuple[RamTier, DiskTier, Engine]:
+    (tmp_path / "shm").mkdir()
+    ram = RamTier("phalanx-j-r0", job="j", directory=tmp_path / "shm", slots=2, keep=1,
+                  pin=False)  # fmt: skip
+    disk = DiskTier(tmp_path / "disk", name="nvme")
+    engine = Engine(ram, [disk], keep={"ram": 1, "nvme": keep},
+                    catalog=_AgentModeCatalog())  # type: ignore[arg-type]  # fmt: skip
+    for step in (10, 20, 30):
+        _save(ram, engine, step)
+    assert disk.landed_steps("j") == [10, 20, 30]
+    return ram, disk, engine
+
+
+def _manifest(step: int) -> TierManifest:
+    return TierManifest("j", step, {0: ("x", 1)})
+
+
+def test_retention_counts_steps_the_fleet_committed_that_have_no_manifest_here(
+    tmp_path: Path,
+) -> None:
+    ram, disk, engine = _agent_engine_with_disk(tmp_path, keep=2)
+    try:
+        # The fleet committed 10 and 20 at nvme; 10's manifest was never written here
+        # (it landed before an agent restart). keep=2: both stay.
+        engine.commit("nvme", _manifest(20), 0, fleet_committed={10, 20})
+        assert disk.landed_steps("j") == [10, 20, 30]
+
+        engine.commit("nvme", _manifest(30), 0, fleet_committed={10, 20, 30})
+        assert disk.landed_steps("j") == [20, 30]
+    finally:
+        engine.close(5.0)
+        ram.close()
+
+
+def test_without_the_fleets_view_retention_would_take_a_committed_step(tmp_path: Path) -> None:
+    ram, disk, engine = _agent_engine_with_disk(tmp_path, keep=2)
+    try:
+        engine.commit("nvme", _manifest(20), 0)  # only what this tier's manifests say
+
+        assert disk.landed_steps("j") == [20, 30]  # 10 went: why the agent passes the fleet's
+    finally:
+        engine.close(5.0)
+        ram.close()
+
+
+def test_the_step_the_gang_restores_from_is_never_deleted(tmp_path: Path) -> None:
+    ram, disk, engine = _agent_engine_with_disk(tmp_path, keep=1)
+    try:
+        engine.commit("nvme", _manifest(30), 0, fleet_committed={10, 20, 30}, protect={10})
+
+        assert disk.landed_steps("j") == [10, 30]
     finally:
         engine.close(5.0)
         ram.close()
