@@ -109,7 +109,9 @@ def make_rank_app(agent: Agent) -> web.Application:
         """The shard streamed from its tier, piece by piece, with the catalog's size as its
         Content-Length; an empty body when the tier has no copy. A copy that fails or
         turns out longer or shorter once bytes went out is cut off mid-body: the rank
-        sees a short read and tries its next tier."""
+        sees a short read and tries its next tier. One proven bad here (it does not
+        decompress, runs past its size, or the store's answer ends short) is reported to
+        the supervisor here, since the rank cannot tell it from a cut connection."""
         q = request.query
         job, rank, step, tier = q["job"], int(q["rank"]), int(q["step"]), q["tier"]
         reader = await ck.fetch(job, rank, step, tier)
@@ -134,13 +136,17 @@ def make_rank_app(agent: Agent) -> web.Application:
                     await resp.write(piece)
                     piece = await loop.run_in_executor(ck.slow, pull)
                 if reader.received != reader.nbytes:
+                    # The store ended its answer without an error: the copy itself is short
+                    # (a cut transfer raises instead). Only here is that known for sure.
                     raise TierError(f"{reader.url} ended after {reader.received} of the "
                                     f"{reader.nbytes} bytes its manifest lists", tier=tier,
-                                    ref=reader.key.ref(reader.url))  # fmt: skip
+                                    ref=reader.key.ref(reader.url), corrupt=True)  # fmt: skip
             except TierError as exc:
-                log.warning("job %s rank %d: cut off the copy of step %d from tier %s: %s",
-                            job, rank, step, tier, exc,
-                            extra={"job": job, "event": "ckpt_corrupt"})  # fmt: skip
+                if exc.corrupt:  # the rank sees only a cut-off read and cannot tell
+                    ck.report(job, rank, step, tier, str(exc))
+                else:
+                    log.warning("job %s rank %d: cut off the copy of step %d from tier %s: %s",
+                                job, rank, step, tier, exc, extra={"job": job})  # fmt: skip
                 resp.force_close()
                 if request.transport is not None:
                     request.transport.close()  # the rank sees fewer bytes than announced

@@ -178,6 +178,24 @@ def test_a_corrupt_peer_copy_is_reported_and_the_catalog_stops_offering_it(
     assert send_catalog(fleet, alive={"n01", "n03"}).restore_step is None
 
 
+@pytest.mark.parametrize("keep", [0.5, 0.9])
+def test_a_truncated_peer_copy_is_reported_by_the_agent_that_streamed_it(
+    fleet: dict[str, Any], keep: float,
+) -> None:
+    send_catalog(fleet, alive={"n01", "n03"})
+    shard = fleet["copy"] / "rank-00001.phx.zst"
+    body = shard.read_bytes()
+    shard.write_bytes(body[: int(len(body) * keep)])  # the buddy serves all it has
+
+    with Checkpointer() as ckpt, pytest.raises(CheckpointError, match=r"no readable copy"):
+        ckpt.restore()
+
+    reports = [m for m in fleet["n03"].landings if m.event == "corrupt"]
+    assert [(m.rank, m.step, m.tier) for m in reports] == [(1, STEP, "peer")]
+    assert fleet["catalog"].on_landing(reports[0], world_size=2) is True
+    assert send_catalog(fleet, alive={"n01", "n03"}).restore_step is None
+
+
 def test_an_unreachable_holder_is_no_corrupt_copy_and_nothing_is_reported(
     fleet: dict[str, Any],
 ) -> None:
