@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 from phalanx import wire
-from supervisor.store import Store
+from supervisor.store import CatalogQueries, Store
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,8 @@ class CheckpointCatalog:
                  placement: Mapping[int, str] | None = None,
                  peers: Mapping[str, wire.PeerAddr] | None = None,
                  alive: Set[str] | None = None, ended: bool = False,
-                 nodes: Sequence[str] = ()) -> list[wire.CkptCatalog]:
+                 nodes: Sequence[str] = (),
+                 store: CatalogQueries | None = None) -> list[wire.CkptCatalog]:
         """The job's catalog as each node needs it: one message per node that runs a rank
         of the job (``placement``: rank -> node, the current generation), landed a shard,
         or is named in ``nodes`` (the last generation's, when the job has ended).
@@ -181,22 +182,25 @@ class CheckpointCatalog:
         when the node holds many ranks) and the shards of that node's ranks only, so
         its size does not grow with the job. ``peers`` gives the address of each node
         that can hold a peer copy; ``alive`` the nodes not offline (default: all).
+        ``store``: where to read (default: the catalog's store), such as a snapshot
+        when the messages are built off the event loop.
         """
+        db = store if store is not None else self.store
         placement = dict(placement or {})
         peers = peers or {}
         committed: dict[int, dict[str, float]] = {}
-        for step, tier, at in self.store.commits(job):
+        for step, tier, at in db.commits(job):
             committed.setdefault(step, {})[tier] = at
         shards: dict[tuple[int, int], tuple[str, int]] = {}  # (step, rank) -> checksum, nbytes
         where: dict[tuple[int, int, str], tuple[str, str | None]] = {}  # -> node, holder
         landed_on: dict[str, set[int]] = {}
-        for step, tier, rank, node, holder, nbytes, checksum in self.store.committed_shards(job):
+        for step, tier, rank, node, holder, nbytes, checksum in db.committed_shards(job):
             shards.setdefault((step, rank), (checksum, nbytes))
             where[(step, rank, tier)] = (node, holder)
             landed_on.setdefault(node, set()).add(rank)
         restore_step, note = gang_step(committed, where, world_size, placement, alive,
                                        set(peers) if peers else None)
-        if not committed and self.store.ever_committed(job):
+        if not committed and db.ever_committed(job):
             # A rank must not start afresh while its peers would have restored.
             note = ("every step the job committed is gone from the catalog (deleted, or "
                     "reported corrupt or unreadable): nothing the whole gang can restore")
@@ -204,7 +208,7 @@ class CheckpointCatalog:
         for rank, node in placement.items():
             runs.setdefault(node, set()).add(rank)
         out = []
-        for node in sorted(set(runs) | set(landed_on) | self.store.shard_nodes(job) | set(nodes)):
+        for node in sorted(set(runs) | set(landed_on) | db.shard_nodes(job) | set(nodes)):
             ranks = sorted(runs.get(node, set()) | landed_on.get(node, set()))
             # ~200 bytes per shard listed: stay well under the wire's payload limit.
             fit = max(1, (wire.MAX_PAYLOAD_BYTES // 2) // (200 * max(1, len(ranks)) + 100))

@@ -77,7 +77,41 @@ class Event:
                 "detail": self.detail}
 
 
-class Store:
+class CatalogQueries:
+    """The checkpoint catalog's reads, on ``self._db``: the store's own connection, or a
+    snapshot's (``Store.snapshot``)."""
+
+    _db: sqlite3.Connection
+
+    def commits(self, job: str) -> list[tuple[int, str, float]]:
+        rows = self._db.execute("SELECT step, tier, committed_at FROM ckpt_commits WHERE job = ? "
+                                "ORDER BY step", (job,)).fetchall()
+        return [(int(r[0]), str(r[1]), float(r[2])) for r in rows]
+
+    def committed_shards(self, job: str) -> list[tuple[int, str, int, str, str | None, int, str]]:
+        """Like ``shards``, for the (step, tier) pairs committed only."""
+        rows = self._db.execute(
+            "SELECT s.step, s.tier, s.rank, s.node, s.holder, s.nbytes, s.checksum "
+            "FROM ckpt_shards s JOIN ckpt_commits c "
+            "ON s.job = c.job AND s.step = c.step AND s.tier = c.tier "
+            "WHERE s.job = ? ORDER BY s.step, s.tier, s.rank", (job,)).fetchall()
+        return [(int(r[0]), str(r[1]), int(r[2]), str(r[3]), r[4], int(r[5]), str(r[6]))
+                for r in rows]
+
+    def ever_committed(self, job: str) -> bool:
+        """Whether a step of ``job`` was ever committed at a tier (its event log says)."""
+        row = self._db.execute("SELECT 1 FROM events WHERE kind = 'ckpt_committed' AND "
+                               "json_extract(detail, '$.job') = ? LIMIT 1", (job,)).fetchone()
+        return row is not None
+
+    def shard_nodes(self, job: str) -> set[str]:
+        """The nodes that landed a shard of ``job`` that is still known."""
+        rows = self._db.execute("SELECT DISTINCT node FROM ckpt_shards WHERE job = ?",
+                                (job,)).fetchall()
+        return {str(r[0]) for r in rows}
+
+
+class Store(CatalogQueries):
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
@@ -95,6 +129,26 @@ class Store:
 
     def close(self) -> None:
         self._db.close()
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[CatalogQueries]:
+        """The catalog's reads on a connection of their own, for another thread: one read
+        transaction, so they see one committed state (WAL: never a batch in progress on
+        the store's connection, never one that is rolled back), while the event loop
+        keeps writing."""
+        try:
+            db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True,
+                                 isolation_level=None, check_same_thread=False)  # fmt: skip
+            db.execute("BEGIN")
+            db.execute("SELECT 1 FROM ckpt_commits LIMIT 1").fetchall()  # the snapshot starts
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot read the supervisor store {self.path}: {exc}") from exc
+        view = CatalogQueries()
+        view._db = db
+        try:
+            yield view
+        finally:
+            db.close()
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -217,33 +271,6 @@ class Store:
         cur = self._write("INSERT OR IGNORE INTO ckpt_commits (job, step, tier, committed_at) "
                           "VALUES (?, ?, ?, ?)", (job, step, tier, at))
         return cur.rowcount > 0
-
-    def commits(self, job: str) -> list[tuple[int, str, float]]:
-        rows = self._db.execute("SELECT step, tier, committed_at FROM ckpt_commits WHERE job = ? "
-                                "ORDER BY step", (job,)).fetchall()
-        return [(int(r[0]), str(r[1]), float(r[2])) for r in rows]
-
-    def committed_shards(self, job: str) -> list[tuple[int, str, int, str, str | None, int, str]]:
-        """Like ``shards``, for the (step, tier) pairs committed only."""
-        rows = self._db.execute(
-            "SELECT s.step, s.tier, s.rank, s.node, s.holder, s.nbytes, s.checksum "
-            "FROM ckpt_shards s JOIN ckpt_commits c "
-            "ON s.job = c.job AND s.step = c.step AND s.tier = c.tier "
-            "WHERE s.job = ? ORDER BY s.step, s.tier, s.rank", (job,)).fetchall()
-        return [(int(r[0]), str(r[1]), int(r[2]), str(r[3]), r[4], int(r[5]), str(r[6]))
-                for r in rows]
-
-    def ever_committed(self, job: str) -> bool:
-        """Whether a step of ``job`` was ever committed at a tier (its event log says)."""
-        row = self._db.execute("SELECT 1 FROM events WHERE kind = 'ckpt_committed' AND "
-                               "json_extract(detail, '$.job') = ? LIMIT 1", (job,)).fetchone()
-        return row is not None
-
-    def shard_nodes(self, job: str) -> set[str]:
-        """The nodes that landed a shard of ``job`` that is still known."""
-        rows = self._db.execute("SELECT DISTINCT node FROM ckpt_shards WHERE job = ?",
-                                (job,)).fetchall()
-        return {str(r[0]) for r in rows}
 
     def shards(self, job: str) -> list[tuple[int, str, int, str, str | None, int, str]]:
         """(step, tier, rank, node, holder, nbytes, checksum) of every landed shard."""

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import types
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -44,19 +46,24 @@ class SlowLink:
         self.retained[topic] = payload
 
 
-def test_a_publish_started_before_a_change_never_leaves_its_stale_catalog_behind(
-    tmp_path: Path,
-) -> None:
-    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+def supervisor_of(catalog: CheckpointCatalog, link: SlowLink) -> types.SimpleNamespace:
+    """What ``Supervisor.publish_catalog`` reads, around one running job on ``NODES``."""
     job = types.SimpleNamespace(
         state=JobState.RUNNING, generation=1, nodes=NODES, spec=types.SimpleNamespace(
             world_size=WORLD),
         ranks=[RankPlace(rank=r, node=NODES[r], local_rank=0) for r in range(WORLD)])
-    link = SlowLink()
-    sup = types.SimpleNamespace(
+    return types.SimpleNamespace(
         jobs=types.SimpleNamespace(jobs={"j-1": job}), registry=types.SimpleNamespace(nodes={}),
-        catalog=catalog, link=link, _catalog_sent={}, _catalog_locks={},
-        _catalog_retry_jobs=set())
+        catalog=catalog, store=catalog.store, link=link, _catalog_sent={}, _catalog_locks={},
+        _catalog_retry_jobs=set(), _catalog_builder=ThreadPoolExecutor(1))
+
+
+def test_a_publish_started_before_a_change_never_leaves_its_stale_catalog_behind(
+    tmp_path: Path,
+) -> None:
+    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    link = SlowLink()
+    sup = supervisor_of(catalog, link)
 
     async def scenario() -> None:
         for rank in range(WORLD):
@@ -105,3 +112,52 @@ def test_landings_a_failed_store_write_rolled_back_are_queued_again_and_commit_l
     monkeypatch.setattr(store, "batch", real_batch)
     assert Supervisor._record_landings(sup) == {"j-1"}  # type: ignore[arg-type]
     assert sup._landings == [] and [c[0] for c in store.commits("j-1")] == [5]
+
+
+def test_a_snapshot_sees_committed_rows_only_never_a_batch_in_progress(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.db")
+    store.add_commit("j-1", 4, "nvme", 1.0)
+    seen: list[list[int]] = []
+
+    def read() -> None:
+        with store.snapshot() as snapshot:
+            seen.append([step for step, _, _ in snapshot.commits("j-1")])
+
+    with store.batch():
+        store.add_commit("j-1", 5, "nvme", 2.0)
+        with ThreadPoolExecutor(1) as pool:  # the builder's thread, as publish_catalog uses
+            pool.submit(read).result()
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(read).result()
+
+    assert seen == [[4], [4, 5]]
+    assert [s for s, _, _ in store.commits("j-1")] == [4, 5]
+
+
+def test_the_event_loop_keeps_running_while_a_catalog_is_built(tmp_path: Path) -> None:
+    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    for rank in range(WORLD):
+        catalog.on_landing(landing(4, rank), WORLD)
+    real = catalog.messages
+    loop_ran = threading.Event()
+    during: list[bool] = []
+
+    def messages(*args: object, **kwargs: object) -> list[wire.CkptCatalog]:
+        # A long build (a job of many thousand ranks): only a loop that is free sets it.
+        during.append(loop_ran.wait(10))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    catalog.messages = messages  # type: ignore[method-assign]
+    link = SlowLink()
+    sup = supervisor_of(catalog, link)
+
+    async def scenario() -> None:
+        publish = asyncio.create_task(Supervisor.publish_catalog(sup, "j-1"))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)  # the publish has started its build
+        loop_ran.set()  # what a heartbeat handler needs: the loop's turn, mid-build
+        await publish
+
+    asyncio.run(scenario())
+
+    assert during == [True]
+    assert len(link.retained) == WORLD
