@@ -168,6 +168,11 @@ class CheckpointCatalog:
         """Drop what is cached of the store (after a write was rolled back)."""
         self._landed.clear()
 
+    def forget_job(self, job: str) -> None:
+        """Drop what is cached of one job (it ended); a later landing reloads it."""
+        for key in [k for k in self._landed if k[0] == job]:
+            del self._landed[key]
+
     def messages(self, job: str, world_size: int, *, generation: int = 0,
                  placement: Mapping[int, str] | None = None,
                  peers: Mapping[str, wire.PeerAddr] | None = None,

@@ -183,6 +183,11 @@ class Supervisor:
                     self._schedule(CATALOG_RETRY_S, "_catalog_retry", self._retry_catalogs)
                     return
                 self._catalog_sent[topic] = payload
+            if ended:  # out, retained: the cache of a job that will not change need not stay
+                prefix = f"{wire.PREFIX}/job/{job_id}/ckpt/"
+                for topic in [t for t in self._catalog_sent if t.startswith(prefix)]:
+                    del self._catalog_sent[topic]
+                self.catalog.forget_job(job_id)
 
     def _schedule(self, delay: float, slot: str,
                   fn: Callable[[], Coroutine[Any, Any, None]]) -> None:

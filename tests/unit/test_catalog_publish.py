@@ -161,3 +161,23 @@ def test_the_event_loop_keeps_running_while_a_catalog_is_built(tmp_path: Path) -
 
     assert during == [True]
     assert len(link.retained) == WORLD
+
+
+def test_an_ended_jobs_catalog_goes_out_and_leaves_no_cache_behind(tmp_path: Path) -> None:
+    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    for rank in range(WORLD):
+        catalog.on_landing(landing(4, rank), WORLD)
+    catalog.on_landing(landing(8, 0), WORLD)  # a step that never completed
+    link = SlowLink()
+    sup = supervisor_of(catalog, link)
+    sup.jobs.jobs["j-1"].state = JobState.SUCCEEDED
+    assert any(key[0] == "j-1" for key in catalog._landed)
+
+    asyncio.run(Supervisor.publish_catalog(sup, "j-1"))  # type: ignore[arg-type]
+
+    for node in NODES:
+        msg = wire.parse(wire.catalog_topic("j-1", node),
+                         link.retained[wire.catalog_topic("j-1", node)]).message
+        assert isinstance(msg, wire.CkptCatalog) and msg.ended and msg.restore_step == 4
+    assert sup._catalog_sent == {}
+    assert not any(key[0] == "j-1" for key in catalog._landed)
