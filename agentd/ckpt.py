@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 DEFAULT_PLAN = wire.CkptPlan(tiers=["ram", "nvme", "object"])
 TIER_ORDER = ("ram", "nvme", "peer", "object")
 CATALOG_WAIT_S = 3.0
+LISTING_TTL_S = 60.0  # a remote tier's listing of a job serves this node's ranks this long
+_Listing = concurrent.futures.Future[list[str]]
 
 
 class CkptRequestError(Exception):
@@ -127,6 +129,8 @@ class CkptService:
         self.catalogs: dict[str, wire.CkptCatalog] = {}
         self.changed = asyncio.Condition()
         self._lock = threading.Lock()
+        # (job, tier url) -> (when, the keys under JOB/): one listing for the node's ranks
+        self._listings: dict[tuple[str, str], tuple[float, _Listing]] = {}
         # Own thread pools, never the loop's default one: a rank waiting for a slot, or a
         # commit pushing a manifest to a buddy, can block for long, and a buddy's pushes to
         # us must never queue behind them (two agents would wait on each other).
@@ -193,6 +197,29 @@ class CkptService:
                                          level=self.pacing.compress_level, pacing=self.pacing)
         return tiers, holder
 
+    def _listing(self, job: str, tier: ObjectTier) -> list[str]:
+        """The keys under ``JOB/`` at a remote tier, listed once for every rank of this
+        node whose store starts within ``LISTING_TTL_S`` (each listing names every rank's
+        shard of every step; a buddy that does not answer is waited for once, not once
+        per rank). A failed listing is shared too, for as long."""
+        cache_key = (job, tier.store.url)
+        now = time.monotonic()
+        with self._lock:
+            for stale in [k for k, (at, _) in self._listings.items() if now - at > LISTING_TTL_S]:
+                del self._listings[stale]
+            entry = self._listings.get(cache_key)
+            owner = entry is None
+            if entry is None:
+                entry = (now, concurrent.futures.Future())
+                self._listings[cache_key] = entry
+        listing = entry[1]
+        if owner:
+            try:
+                listing.set_result(tier.store.keys(f"{job}/"))
+            except Exception as exc:
+                listing.set_exception(exc)
+        return listing.result()
+
     def tiers_of(self, job: str) -> list[str]:
         plan = self.plans.get(job, DEFAULT_PLAN)
         tiers = [t for t in TIER_ORDER if t in plan.tiers or t == "ram"]
@@ -214,7 +241,7 @@ class CkptService:
                 for tier in remote:
                     suffix = ".zst" if tier.compression else ""
                     try:
-                        keys = tier.store.keys(f"{job}/")
+                        keys = self._listing(job, tier)
                     except Exception as exc:
                         log.warning("ckpt: job %s rank %d: cannot list the %s tier, so steps "
                                     "landed there before a restart are unknown here: %s", job,

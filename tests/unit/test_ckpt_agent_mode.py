@@ -28,7 +28,7 @@ from ckpt_helpers import assert_bit_identical, small_tmpfs, training_state
 
 from agentd.ckpt import CkptService
 from agentd.ckpt_http import start_rank_socket
-from ckpt import Checkpointer, CheckpointError, TierError
+from ckpt import Checkpointer, CheckpointError, LocalFolderStore, TierError
 from ckpt.format import FormatError, decode, seal, verify
 from ckpt.remote import AgentError
 from ckpt.tiers import step_dir
@@ -407,3 +407,28 @@ def test_interval_auto_uses_the_job_mtbf_the_supervisor_sent_with_the_plan(
         assert ckpt.policy.seconds() == pytest.approx(84.85, abs=0.01)
     with Checkpointer(mtbf_s=800.0) as ckpt:  # the user's own figure wins
         assert ckpt.policy.mtbf_s == 800.0
+
+
+def test_the_ranks_of_a_node_share_one_listing_of_a_remote_tier(
+    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    listed: list[str] = []
+    real_keys = LocalFolderStore.keys
+
+    def counted(self: LocalFolderStore, prefix: str) -> list[str]:
+        listed.append(prefix)
+        return real_keys(self, prefix)
+
+    monkeypatch.setattr(LocalFolderStore, "keys", counted)
+    (agent.root / "objects" / JOB / step_dir(3)).mkdir(parents=True)
+    # What a restarted agent finds of its ranks there: rank 2 landed step 3.
+    (agent.root / "objects" / JOB / step_dir(3) / "rank-00002.phx.zst").write_bytes(b"x")
+    assert agent.service is not None
+
+    stores = [agent.service.store(JOB, rank) for rank in range(4)]
+    for store in stores:  # each seeding thread holds its store's lock until it is done
+        with store.lock:
+            pass
+
+    assert listed == [f"{JOB}/"]
+    assert [sorted(s.landed) for s in stores] == [[], [], [("object", 3)], []]
