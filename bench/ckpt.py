@@ -46,31 +46,25 @@
 The state is fp32 tensors of 16 MiB to 256 MiB, like a model's parameters and
 Adam moments. Timings on a shared machine vary: compare within one run.
 
-Measured at 1 GiB on the 2-core development machine, 5 saves, three runs
-while other jobs shared it (``memcpy_s`` 0.074-0.091 s):
+Measured at 1 GiB on the 2-core development machine (``memcpy_s`` 0.07-0.10
+s; the VM's background load moves every figure by 20-50% between runs, so
+compare within one run). Format v2 (seal in 64 MiB pieces, verified on both
+cores) and zstd where it pays, ``python bench/ckpt.py --size-gib 1 --saves 5``:
 
-* stall 0.079-0.17 s, the first 0.11-0.16 s (0.9-1.8x memcpy); through the
-  agent 0.095-0.24 s (it grows over the saves while the agent's retention
-  and catalog work from the last commit overlap the next copy). DCP as it
-  comes 0.38-0.61 s; DCP warm 0.07-0.12 s after a first save of 0.40-0.51 s:
-  a single copy is the floor, which a warm stager reaches too, so "3x better
-  than DCP" holds only against its default (new staging memory every call).
-* NVMe tier 0.63-1.03 s against raw write + fsync 0.79-0.94 s (O_DIRECT from
-  the RAM slot; raw O_DIRECT 0.63-0.85 s).
-* RAM restore into a live state 0.19 s, 0.19-0.29 s through the agent: one
-  checksum pass plus one copy, 2.1-2.6x the best memcpy; into new tensors
-  2.3-3.2 s on this VM (first-touch faults), ``torch.load`` 0.8-2.2 s.
-* compute lost, disk only: 0.22-0.39 s/GiB (writer CPU 0.21-0.23 s/GiB;
-  DLRover 0.8); NVMe + object store with zstd level 1: 3.1-3.4 s/GiB (writer
-  CPU 2.7-2.9 s/GiB, nearly all zstd); through the agent 3.7-4.4 s/GiB.
-
-The same on a quiet machine (nothing else running; ``memcpy_s`` 0.084 s):
-stall 0.086-0.112 s (1.34x memcpy worst), through the agent 0.081-0.140 s
-(1.67x); DCP as it comes 0.40-0.93 s (3.6x our worst), warm 0.13-0.45 s;
-NVMe tier 0.78 s against raw write + fsync 0.97 s (raw O_DIRECT 0.57 s); RAM
-restore into a live state 0.184 s (2.2x; through the agent 0.178 s), into new
-tensors 2.9 s, ``torch.load`` 1.28 s; compute lost 0.25 s/GiB disk only, 4.1
-s/GiB with zstd (4.6 through the agent).
+* stall 0.10-0.16 s (first 0.13 s; 1.34x memcpy first, 1.59x worst); through
+  the agent 0.08-0.17 s (1.75x worst; 1.14-2.0x over five runs). ``torch.save``
+  + fsync 1.5-1.8 s; DCP as it comes 0.63-0.92 s (4.0x our worst), warm
+  0.09-0.11 s after a first save of 0.79 s.
+* NVMe tier 0.61 s against raw write + fsync 0.66 s (raw O_DIRECT 0.48 s).
+* RAM restore into a live state 0.10-0.13 s on its own (1.45-1.68x memcpy,
+  six runs of a restore loop; 1.24-1.55x in three bench runs), 0.24 s in the
+  full run after the DCP and torch.save baselines (2.5x); through the agent
+  0.14-0.19 s (1.4-2.2x). Into new tensors 1.2-2.0 s (first-touch faults),
+  ``torch.load`` 1.8 s. The seal used to be one xxh3 pass on one core: 2.2x.
+* compute lost, disk only: 0.31 s/GiB (writer CPU 0.26 s/GiB; DLRover 0.8).
+  NVMe + object store: 2.3 s/GiB (writer CPU 1.24 s/GiB: the fp32 noise
+  saves 7.6% under zstd, so its chunks go raw); every chunk through zstd
+  (``full_zstd_always``): 4.6 s/GiB (writer CPU 3.6 s/GiB).
 """
 
 from __future__ import annotations
