@@ -274,8 +274,9 @@ class CkptCatalog(_Msg):
     steps: list[CkptStep] = Field(default_factory=list)
     restore_step: int | None = None
     restore_note: str = ""
-    ended: bool = Field(default=False, description="the job succeeded or was cancelled: "
-                        "agents free its RAM tier (the lower tiers keep what `keep` says)")
+    ended: bool = Field(default=False, description="the job succeeded or was cancelled, or "
+                        "failed `ckpt_failed_ram_linger_s` ago: agents free its RAM tier (the "
+                        "lower tiers keep what `keep` says)")
 
 
 MAX_CATALOG_STEPS = 16

@@ -18,7 +18,7 @@ from supervisor.api import start_api
 from supervisor.catalog import CheckpointCatalog
 from supervisor.config import SupervisorSettings
 from supervisor.controller import JobController
-from supervisor.jobs import JobState
+from supervisor.jobs import Job, JobState
 from supervisor.registry import NodeState, Registry
 from supervisor.store import Store, StoreError
 
@@ -68,6 +68,7 @@ class Supervisor:
         # Catalog messages are built here, off the event loop: for a 16,384-rank job one
         # build took 1.5-1.9 s (SQLite rows and pydantic models), which held heartbeats.
         self._catalog_builder = ThreadPoolExecutor(1, thread_name_prefix="catalog")
+        self._ram_lingers: dict[str, asyncio.TimerHandle] = {}  # failed job -> RAM freed then
         self._closed = False
         self.jobs = JobController(self)
         self.api_port = 0
@@ -112,7 +113,7 @@ class Supervisor:
         # The link is closed: no landing comes any more. Record those acknowledged to the
         # broker (the catalogs are published again on the next start).
         self._closed = True
-        for handle in (self._landing_flush, self._catalog_retry):
+        for handle in (self._landing_flush, self._catalog_retry, *self._ram_lingers.values()):
             if handle is not None:
                 handle.cancel()
         for task in list(self._catalog_tasks):
@@ -143,7 +144,7 @@ class Supervisor:
             job = self.jobs.jobs.get(job_id)
             if job is None:
                 return
-            ended = job.state in (JobState.SUCCEEDED, JobState.CANCELLED)
+            ended = self._ram_freed(job)
             placement = {} if job.state.final else {p.rank: p.node for p in job.ranks}
             peers, alive = {}, set()
             for node in self.registry.nodes.values():
@@ -188,6 +189,28 @@ class Supervisor:
                 for topic in [t for t in self._catalog_sent if t.startswith(prefix)]:
                     del self._catalog_sent[topic]
                 self.catalog.forget_job(job_id)
+
+    def _ram_freed(self, job: Job) -> bool:
+        """Whether the job's nodes free its RAM tier now (the catalog says ``ended``): it
+        succeeded or was cancelled, or it failed ``ckpt_failed_ram_linger_s`` ago. A job
+        that failed later than that gets its catalog sent again when the time is up."""
+        if job.state in (JobState.SUCCEEDED, JobState.CANCELLED):
+            return True
+        if job.state is not JobState.FAILED:
+            return False
+        left = (job.ended_at or 0.0) + self.settings.ckpt_failed_ram_linger_s - time.time()
+        if left <= 0:
+            return True
+        if job.id not in self._ram_lingers and not self._closed:
+
+            def fire() -> None:
+                self._ram_lingers.pop(job.id, None)
+                task = asyncio.create_task(self.publish_catalog(job.id), name="ckpt-free-ram")
+                self._catalog_tasks.add(task)
+                task.add_done_callback(self._catalog_tasks.discard)
+
+            self._ram_lingers[job.id] = asyncio.get_running_loop().call_later(left, fire)
+        return False
 
     def _schedule(self, delay: float, slot: str,
                   fn: Callable[[], Coroutine[Any, Any, None]]) -> None:

@@ -231,7 +231,7 @@ class Fleet:
         self.shm_dir.mkdir(parents=True, exist_ok=True)
 
     def start_supervisor(self, *, offline_after_s: float = 4.0, keepalive_s: int = 5,
-                         spares: int = 0) -> Process:
+                         spares: int = 0, extra: str = "") -> Process:
         self.api_port = self.api_port or free_port()
         directory = self.root / "supervisor"
         directory.mkdir(parents=True, exist_ok=True)
@@ -240,7 +240,7 @@ class Fleet:
         conf.write_text(
             f'state_dir = "{directory / "state"}"\noffline_after_s = {offline_after_s}\n'
             f'agent_token_file = "{self.agent_token_file()}"\nschedule_interval_s = 0.5\n'
-            f"spares = {spares}\n"
+            f"spares = {spares}\n{extra}"
             f"[mqtt]\nport = {self.broker.port}\nkeepalive_s = {keepalive_s}\n"
             "reconnect_max_s = 1.0\n"
             f'[api]\nport = {self.api_port}\ntoken_file = "{directory / "token"}"\n'

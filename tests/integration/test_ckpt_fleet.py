@@ -42,8 +42,8 @@ def cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=60, env=env)
 
 
-def start_two_racks(fleet: Fleet) -> None:
-    fleet.start_supervisor()
+def start_two_racks(fleet: Fleet, supervisor_extra: str = "") -> None:
+    fleet.start_supervisor(extra=supervisor_extra)
     fleet.start_agent("n01", rack="rack1")
     fleet.start_agent("n02", rack="rack2")
     fleet.wait_state("n01", "up")
@@ -126,6 +126,25 @@ def test_checkpoints_land_in_all_four_tiers_are_kept_per_tier_and_ckpt_ls_shows_
                                            "manifest-r00002-r00003.json"]
         assert [s["rank"] for p in parts for s in json.loads(p.read_bytes())["shards"]] == [
             0, 1, 2, 3]
+
+
+def test_a_failed_jobs_nodes_free_its_ram_tier_once_the_linger_is_over(fleet: Fleet) -> None:
+    start_two_racks(fleet, supervisor_extra="ckpt_failed_ram_linger_s = 5.0\n")
+    job = fleet.submit(name="ckpt", nodes=2, ranks_per_node=2, workdir=str(REPO),
+                       command=tinylm("--steps", "100000", "--ckpt-every", "3"),
+                       checkpoint={"tiers": ["ram", "nvme"]})
+    wait_for(lambda: any(t == ["nvme", "ram"] for t in committed(fleet, job["id"]).values()),
+             90, "a step committed in RAM and on NVMe")
+    os.kill(wait_for(lambda: rank_pid(job["id"], 1), 10, "rank 1's process"), 9)
+    fleet.wait_job(job["id"], "failed", timeout=60)
+
+    # For a restart in place, the RAM tier stays a while (a job that failed keeps it) ...
+    segments = sorted(p.name for p in fleet.shm_dir.glob(f"phalanx-{job['id']}-r*"))
+    assert len(segments) >= 4, segments
+    # ... then the nodes free it; NVMe keeps the committed step.
+    wait_for(lambda: not any(fleet.shm_dir.glob(f"phalanx-{job['id']}-r*")), 60,
+             "the RAM tier of the failed job to be freed")
+    assert any(t == ["nvme"] for t in committed(fleet, job["id"]).values())
 
 
 # --- restarts -------------------------------------------------------------------------------

@@ -49,13 +49,17 @@ class SlowLink:
 def supervisor_of(catalog: CheckpointCatalog, link: SlowLink) -> types.SimpleNamespace:
     """What ``Supervisor.publish_catalog`` reads, around one running job on ``NODES``."""
     job = types.SimpleNamespace(
-        state=JobState.RUNNING, generation=1, nodes=NODES, spec=types.SimpleNamespace(
-            world_size=WORLD),
+        id="j-1", state=JobState.RUNNING, generation=1, nodes=NODES, ended_at=None,
+        spec=types.SimpleNamespace(world_size=WORLD),
         ranks=[RankPlace(rank=r, node=NODES[r], local_rank=0) for r in range(WORLD)])
-    return types.SimpleNamespace(
+    sup = types.SimpleNamespace(
         jobs=types.SimpleNamespace(jobs={"j-1": job}), registry=types.SimpleNamespace(nodes={}),
         catalog=catalog, store=catalog.store, link=link, _catalog_sent={}, _catalog_locks={},
-        _catalog_retry_jobs=set(), _catalog_builder=ThreadPoolExecutor(1))
+        _catalog_retry_jobs=set(), _catalog_builder=ThreadPoolExecutor(1),
+        settings=types.SimpleNamespace(ckpt_failed_ram_linger_s=900.0), _ram_lingers={},
+        _catalog_tasks=set(), _closed=False)
+    sup._ram_freed = types.MethodType(Supervisor._ram_freed, sup)
+    return sup
 
 
 def test_a_publish_started_before_a_change_never_leaves_its_stale_catalog_behind(
@@ -181,3 +185,30 @@ def test_an_ended_jobs_catalog_goes_out_and_leaves_no_cache_behind(tmp_path: Pat
         assert isinstance(msg, wire.CkptCatalog) and msg.ended and msg.restore_step == 4
     assert sup._catalog_sent == {}
     assert not any(key[0] == "j-1" for key in catalog._landed)
+
+
+@pytest.mark.parametrize(("failed_ago", "ended"), [(10.0, False), (1000.0, True)])
+def test_a_failed_jobs_catalog_frees_ram_only_once_the_linger_is_over(
+    tmp_path: Path, failed_ago: float, ended: bool,
+) -> None:
+    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    for rank in range(WORLD):
+        catalog.on_landing(landing(4, rank), WORLD)
+    link = SlowLink()
+    sup = supervisor_of(catalog, link)  # linger: 900 s
+    job = sup.jobs.jobs["j-1"]
+    job.state, job.ended_at = JobState.FAILED, time.time() - failed_ago
+
+    async def scenario() -> bool:
+        await Supervisor.publish_catalog(sup, "j-1")  # type: ignore[arg-type]
+        pending = "j-1" in sup._ram_lingers  # the catalog is sent again when time is up
+        for handle in sup._ram_lingers.values():
+            handle.cancel()
+        return pending
+
+    resend_scheduled = asyncio.run(scenario())
+
+    msg = wire.parse(wire.catalog_topic("j-1", NODES[0]),
+                     link.retained[wire.catalog_topic("j-1", NODES[0])]).message
+    assert isinstance(msg, wire.CkptCatalog) and msg.ended is ended
+    assert resend_scheduled is not ended
