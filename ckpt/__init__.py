@@ -21,6 +21,7 @@ from ckpt.errors import (
     TierError,
     UnsafeShard,
     UnsupportedValue,
+    UnsupportedVersion,
 )
 from ckpt.format import (
     CHECKSUM_ALGORITHM,
@@ -70,6 +71,7 @@ __all__ = [
     "TierManifest",
     "UnsafeShard",
     "UnsupportedValue",
+    "UnsupportedVersion",
     "checksum",
     "decode",
     "encode",

@@ -39,6 +39,7 @@ from ckpt.errors import (
     ShardMismatch,
     ShardRef,
     TierError,
+    UnsupportedVersion,
 )
 from ckpt.format import ShardPlan, plan, write_into
 from ckpt.objects import ObjectStore, ObjectTier, open_store
@@ -393,7 +394,8 @@ class Checkpointer:
                     # Only a copy proven bad (it does not verify or parse, or a local file
                     # is gone) is reported: the catalog then drops it. A network error or a
                     # timeout says nothing about the copy.
-                    definite = isinstance(exc, ShardCorrupt | FormatError | ShardMismatch) or (
+                    definite = (isinstance(exc, ShardCorrupt | FormatError | ShardMismatch)
+                                and not isinstance(exc, UnsupportedVersion)) or (
                         isinstance(exc, ShardGone) and "path" in where)
                     if definite:
                         with contextlib.suppress(CheckpointError, TimeoutError):
@@ -475,7 +477,8 @@ class Checkpointer:
     def _report_read_failure(self, exc: CheckpointError, key: ShardKey,
                              tier: str | None = None) -> None:  # fmt: skip
         name = tier if tier is not None else getattr(exc, "tier", "?")
-        corrupt = isinstance(exc, ShardCorrupt | FormatError | ShardMismatch)
+        corrupt = (isinstance(exc, ShardCorrupt | FormatError | ShardMismatch)
+                   and not isinstance(exc, UnsupportedVersion))  # a newer writer's: not bad
         kind: EventKind = "corrupt" if corrupt else "failed"
         self.engine.report(TierEvent(kind, name, key, exc.path, 0, 0.0, str(exc)))
 

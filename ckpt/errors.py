@@ -93,6 +93,11 @@ class UnsafeShard(FormatError):
     """The bytes are a pickle stream or a ``torch.save`` archive; never loaded."""
 
 
+class UnsupportedVersion(FormatError):
+    """A shard of a format version this reader does not know (a newer writer, say during
+    a rolling upgrade): not proof that the copy is bad, so it is not reported as one."""
+
+
 class ShardCorrupt(CheckpointError):
     """The bytes differ from the ones that were sealed (checksum, truncation)."""
 

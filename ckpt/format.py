@@ -78,6 +78,7 @@ from ckpt.errors import (
     ShardRef,
     UnsafeShard,
     UnsupportedValue,
+    UnsupportedVersion,
 )
 
 __all__ = [
@@ -392,7 +393,7 @@ def _read_preamble(view: memoryview, ref: ShardRef) -> tuple[int, int]:
         raise ShardCorrupt(f"shard is {len(view)} bytes, truncated inside its preamble", ref=ref)
     _, version, header_nbytes, nbytes, reserved = _PREAMBLE.unpack(head)
     if version not in VERSIONS:
-        raise FormatError(
+        raise UnsupportedVersion(
             f"shard format version {version} is not supported (this reads "
             f"{', '.join(map(str, VERSIONS))})", ref=ref,
         )  # fmt: skip

@@ -131,6 +131,29 @@ def test_a_flipped_byte_on_disk_is_detected_and_the_next_tier_is_used(
     assert [e.tier for e in corrupt] == ["disk"] and corrupt[0].path == str(shard)
 
 
+def test_a_shard_of_a_newer_format_version_falls_through_without_a_corrupt_report(
+    tmp_path: Path, ckpts: list[Checkpointer]
+) -> None:
+    state = {"w": torch.randn(1000)}
+    c = open_ckpt(ckpts, tmp_path, object_store=str(tmp_path / "bucket"))
+    c.save(3, state)
+    c.close()
+    shard = disk_shard(tmp_path, 3)
+    data = bytearray(shard.read_bytes())
+    data[8:12] = (99).to_bytes(4, "little")  # as a newer writer would, mid rolling upgrade
+    shard.write_bytes(data)
+    events: list[TierEvent] = []
+    fresh = open_ckpt(ckpts, tmp_path, object_store=str(tmp_path / "bucket"),
+                      on_event=events.append)  # fmt: skip
+
+    found = fresh.restore()
+
+    assert found is not None and fresh.restored_from == "object"
+    assert_bit_identical(state, found[1])
+    (failed,) = [e for e in events if e.tier == "disk"]
+    assert failed.kind == "failed" and "version 99 is not supported" in (failed.error or "")
+
+
 def test_a_shard_crafted_to_execute_code_on_load_does_not_run(
     tmp_path: Path, ckpts: list[Checkpointer]
 ) -> None:
