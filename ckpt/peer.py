@@ -171,8 +171,14 @@ class HttpPeerStore(ObjectStore):
             conn.request("GET", "/v1/ckpt/peer/objects/" + quote(key), headers=self._headers())
             resp = conn.getresponse()
             self._check(resp, f"GET {key}")
+            announced = resp.length
             while piece := resp.read(PART_NBYTES):
                 yield piece
+            # http.client ends a body cut short without an error: a buddy that restarted
+            # mid-answer must read as a failed transfer, never as a short (corrupt) copy.
+            if resp.length:
+                raise PeerError(f"GET {key}: peer {self.node} closed the connection "
+                                f"{resp.length} bytes short of the {announced} it announced")
         finally:
             conn.close()
 

@@ -192,6 +192,32 @@ async def buddy(tmp_path: Path) -> AsyncIterator[tuple[HttpPeerStore, Path]]:
     pool.shutdown(wait=True)
 
 
+async def test_a_buddy_that_cuts_its_answer_short_is_a_failed_transfer_not_a_short_copy(
+    tmp_path: Path,
+) -> None:
+    # http.client ends a body cut short without an error; the peer store must not.
+    async def cut(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        resp.content_length = 1000
+        await resp.prepare(request)
+        await resp.write(bytes(600))
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/ckpt/peer/objects/{key:.+}", cut)
+    async with serve(app, lambda runner: web.TCPSite(runner, "127.0.0.1", 0),
+                     "cutting buddy") as runner:  # fmt: skip
+        store = HttpPeerStore("n02", "127.0.0.1", runner.addresses[0][1], TOKEN, timeout_s=10)
+
+        def read() -> int:
+            return sum(map(len, store.get_stream("job-1/000000000005/rank-00001.phx.zst")))
+
+        with pytest.raises(PeerError, match="closed the connection 400 bytes short of the 1000"):
+            await asyncio.to_thread(read)
+
+
 def stored_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
 
