@@ -276,7 +276,9 @@ class Engine:
                 self.ram.newest_committed = committed[-1] if committed else None
             if key.step not in committed:
                 return  # only a fresh commit at this tier may retire older steps
-            counted = sorted(set(committed) | set(fleet_committed))
+            # Fleet steps newer than this one are not committed here yet: counting them
+            # would retire this very step before a newer one is readable at this tier.
+            counted = sorted(set(committed) | {s for s in fleet_committed if s <= key.step})
             oldest_kept = counted[-keep:][0]
             for step in tier.landed_steps(key.job):
                 if step < oldest_kept and step not in protect:

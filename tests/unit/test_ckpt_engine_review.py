@@ -132,3 +132,19 @@ def test_the_step_the_gang_restores_from_is_never_deleted(tmp_path: Path) -> Non
     finally:
         engine.close(5.0)
         ram.close()
+
+
+def test_a_step_committed_here_stays_until_the_fleets_newer_step_is_committed_here(
+    tmp_path: Path,
+) -> None:
+    ram, disk, engine = _agent_engine_with_disk(tmp_path, keep=1)
+    try:
+        # One catalog commits 20 and 30 at nvme; this node writes 20's manifest first.
+        engine.commit("nvme", _manifest(20), 0, fleet_committed={20, 30})
+        assert disk.landed_steps("j") == [20, 30]  # 10 went; 20 stays until 30 is readable
+
+        engine.commit("nvme", _manifest(30), 0, fleet_committed={20, 30})
+        assert disk.landed_steps("j") == [30]
+    finally:
+        engine.close(5.0)
+        ram.close()
