@@ -201,7 +201,7 @@ class CkptService:
         """The keys under ``JOB/`` at a remote tier, listed once for every rank of this
         node whose store starts within ``LISTING_TTL_S`` (each listing names every rank's
         shard of every step; a buddy that does not answer is waited for once, not once
-        per rank). A failed listing is shared too, for as long."""
+        per rank). A failed listing fails the ranks waiting on it, and is not kept."""
         cache_key = (job, tier.store.url)
         now = time.monotonic()
         with self._lock:
@@ -216,8 +216,13 @@ class CkptService:
         if owner:
             try:
                 listing.set_result(tier.store.keys(f"{job}/"))
-            except Exception as exc:
+            except BaseException as exc:  # the ranks waiting on it get it; the next one lists
                 listing.set_exception(exc)
+                with self._lock:
+                    if self._listings.get(cache_key) is entry:
+                        del self._listings[cache_key]
+                if not isinstance(exc, Exception):
+                    raise
         return listing.result()
 
     def tiers_of(self, job: str) -> list[str]:
