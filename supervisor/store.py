@@ -147,6 +147,8 @@ class Store(CatalogQueries):
         view._db = db
         try:
             yield view
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot read the supervisor store {self.path}: {exc}") from exc
         finally:
             db.close()
 
