@@ -65,10 +65,11 @@ class SupervisorSettings(BaseSettings):
         description="Node failures (lost, or drained automatically) the event log must hold "
         "before the fleet's learned node MTBF replaces ckpt_node_mtbf_h.")
     ckpt_failed_ram_linger_s: float = Field(
-        default=900.0, ge=0,
-        description="How long the nodes of a failed job keep its RAM checkpoint tier (a "
-        "restart on the same nodes restores from memory) before they free it; the other "
-        "tiers keep their copies.")
+        default=0.0, ge=0,
+        description="How long the nodes of a failed job keep its RAM checkpoint tier before "
+        "they free it (the other tiers keep their copies). Nothing restarts a failed job, so "
+        "by default it goes at once; a linger keeps the newest step in memory for a tool "
+        "that restarts the failed gang's ranks by hand.")
     teams: dict[str, TeamSettings] = Field(
         default_factory=dict, description="Per-team GPU quota and fair-share weight."
     )

@@ -500,8 +500,8 @@ class JobController:
         log.info("job %s: %s -> %s (%s)", job.id, before.value, to.value, why,
                  extra={"job": job.id, "event": "job_state", "state": to.value})
         if to.final:
-            # Its agents free the RAM tier once the catalog says the job ended; a failed
-            # job's nodes keep it for ckpt_failed_ram_linger_s, for a restart in place.
+            # Its agents free the RAM tier once the catalog says the job ended (a failed
+            # job's, after ckpt_failed_ram_linger_s).
             task = asyncio.create_task(self.sup.publish_catalog(job.id), name="ckpt-ended")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

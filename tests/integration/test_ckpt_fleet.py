@@ -168,7 +168,8 @@ class Gang:
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
-        start_two_racks(fleet)
+        # The job fails; its RAM tier stays for the restarts the test sends by hand.
+        start_two_racks(fleet, supervisor_extra="ckpt_failed_ram_linger_s = 3600\n")
         self.mqtt = RawMqtt(fleet.broker.port)
         self.mqtt.subscribe("phalanx/v1/node/+/rank")
         self.generation = 1
