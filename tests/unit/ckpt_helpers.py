@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt import ShardKey, StoredShard, Tier, verify
+from ckpt import Checkpointer, ShardKey, StoredShard, Tier, verify
 
 
 def training_state(seed: int = 0, width: int = 64) -> dict[str, Any]:
@@ -115,3 +115,9 @@ def small_tmpfs(mnt: Path, size: str = "4m") -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def open_ckpt(opened: list[Checkpointer], path: Path, **kwargs: Any) -> Checkpointer:
+    c = Checkpointer(dir=path, **kwargs)
+    opened.append(c)
+    return c

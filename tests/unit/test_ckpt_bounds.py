@@ -192,21 +192,23 @@ async def buddy(tmp_path: Path) -> AsyncIterator[tuple[HttpPeerStore, Path]]:
     pool.shutdown(wait=True)
 
 
+async def cut_short(request: web.Request) -> web.StreamResponse:
+    """Announce 1000 bytes, send 600, close the connection."""
+    resp = web.StreamResponse()
+    resp.content_length = 1000
+    await resp.prepare(request)
+    await resp.write(bytes(600))
+    assert request.transport is not None
+    request.transport.close()
+    return resp
+
+
 async def test_a_buddy_that_cuts_its_answer_short_is_a_failed_transfer_not_a_short_copy(
     tmp_path: Path,
 ) -> None:
     # http.client ends a body cut short without an error; the peer store must not.
-    async def cut(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse()
-        resp.content_length = 1000
-        await resp.prepare(request)
-        await resp.write(bytes(600))
-        assert request.transport is not None
-        request.transport.close()
-        return resp
-
     app = web.Application()
-    app.router.add_get("/v1/ckpt/peer/objects/{key:.+}", cut)
+    app.router.add_get("/v1/ckpt/peer/objects/{key:.+}", cut_short)
     async with serve(app, lambda runner: web.TCPSite(runner, "127.0.0.1", 0),
                      "cutting buddy") as runner:  # fmt: skip
         store = HttpPeerStore("n02", "127.0.0.1", runner.addresses[0][1], TOKEN, timeout_s=10)
@@ -396,16 +398,7 @@ async def test_the_rank_stops_reading_an_endless_body_one_byte_past_the_catalogs
 async def test_the_rank_reports_a_body_shorter_than_announced_as_a_tier_error(
     tmp_path: Path,
 ) -> None:
-    async def short(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse()
-        resp.content_length = 1000
-        await resp.prepare(request)
-        await resp.write(bytes(600))
-        assert request.transport is not None
-        request.transport.close()
-        return resp
-
-    async with fake_agent(tmp_path / "a.sock", short) as client:
+    async with fake_agent(tmp_path / "a.sock", cut_short) as client:
         with pytest.raises(TierError, match="ended after 600 of its 1000 bytes"):
             await asyncio.to_thread(client.fetch_shard, "object", 1, 1000)
 

@@ -3,37 +3,18 @@ through a real agent, and never writes them from a copy that does not verify."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from ckpt_helpers import assert_bit_identical, training_state
+from ckpt_helpers import assert_bit_identical, open_ckpt, training_state
 from test_ckpt_agent_mode import AgentHarness
 
 from ckpt import Checkpointer, FormatError, ShardCorrupt, decode, encode, seal
 from ckpt.tiers import step_dir
-
-
-@pytest.fixture
-def ckpts() -> Iterator[list[Checkpointer]]:
-    opened: list[Checkpointer] = []
-    yield opened
-    for c in opened:
-        with contextlib.suppress(Exception):
-            c.close(timeout=30)
-        if c.agent is None:
-            c.ram.unlink()
-
-
-def open_ckpt(opened: list[Checkpointer], path: Path, **kwargs: Any) -> Checkpointer:
-    c = Checkpointer(dir=path, **kwargs)
-    opened.append(c)
-    return c
 
 
 def live_state() -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import pickle
@@ -20,30 +19,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from ckpt_helpers import GatedTier, assert_bit_identical, small_tmpfs, training_state
+from ckpt_helpers import GatedTier, assert_bit_identical, open_ckpt, small_tmpfs, training_state
 
 import ckpt.tiers
 from ckpt import Checkpointer, DiskTier, TierError, TierEvent, UnsafeShard
 from ckpt.tiers import MANIFEST_NAME, step_dir
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def ckpts() -> Iterator[list[Checkpointer]]:
-    """Checkpointers a test opens; each is closed and its RAM segments removed."""
-    opened: list[Checkpointer] = []
-    yield opened
-    for c in opened:
-        with contextlib.suppress(Exception):
-            c.close(timeout=30)
-        c.ram.unlink()
-
-
-def open_ckpt(opened: list[Checkpointer], path: Path, **kwargs: Any) -> Checkpointer:
-    c = Checkpointer(dir=path, **kwargs)
-    opened.append(c)
-    return c
 
 
 def disk_shard(root: Path, step: int) -> Path:
