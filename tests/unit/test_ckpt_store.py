@@ -12,7 +12,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,16 +92,18 @@ def test_restore_uses_the_object_store_after_disk_is_gone(
     assert_bit_identical(state, found[1])
 
 
-def test_a_flipped_byte_on_disk_is_detected_and_the_next_tier_is_used(
-    tmp_path: Path, ckpts: list[Checkpointer]
-) -> None:
+def restore_after_changing_the_disk_copy(
+    tmp_path: Path, ckpts: list[Checkpointer], change: Callable[[bytearray], None],
+) -> list[TierEvent]:
+    """Save step 3 to disk and an object store, ``change`` the disk copy's bytes, restore
+    anew: it must come from the object store, bit for bit. The events it reported."""
     state = {"w": torch.randn(1000)}
     c = open_ckpt(ckpts, tmp_path, object_store=str(tmp_path / "bucket"))
     c.save(3, state)
     c.close()
     shard = disk_shard(tmp_path, 3)
     data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x01
+    change(data)
     shard.write_bytes(data)
     events: list[TierEvent] = []
     fresh = open_ckpt(ckpts, tmp_path, object_store=str(tmp_path / "bucket"),
@@ -109,30 +111,28 @@ def test_a_flipped_byte_on_disk_is_detected_and_the_next_tier_is_used(
     found = fresh.restore()
     assert found is not None and fresh.restored_from == "object"
     assert_bit_identical(state, found[1])
-    corrupt = [e for e in events if e.kind == "corrupt"]
-    assert [e.tier for e in corrupt] == ["disk"] and corrupt[0].path == str(shard)
+    return [e for e in events if e.tier == "disk"]
+
+
+def test_a_flipped_byte_on_disk_is_detected_and_the_next_tier_is_used(
+    tmp_path: Path, ckpts: list[Checkpointer]
+) -> None:
+    def flip(data: bytearray) -> None:
+        data[len(data) // 2] ^= 0x01
+
+    (corrupt,) = restore_after_changing_the_disk_copy(tmp_path, ckpts, flip)
+
+    assert corrupt.kind == "corrupt" and corrupt.path == str(disk_shard(tmp_path, 3))
 
 
 def test_a_shard_of_a_newer_format_version_falls_through_without_a_corrupt_report(
     tmp_path: Path, ckpts: list[Checkpointer]
 ) -> None:
-    state = {"w": torch.randn(1000)}
-    c = open_ckpt(ckpts, tmp_path, object_store=str(tmp_path / "bucket"))
-    c.save(3, state)
-    c.close()
-    shard = disk_shard(tmp_path, 3)
-    data = bytearray(shard.read_bytes())
-    data[8:12] = (99).to_bytes(4, "little")  # as a newer writer would, mid rolling upgrade
-    shard.write_bytes(data)
-    events: list[TierEvent] = []
-    fresh = open_ckpt(ckpts, tmp_path, object_store=str(tmp_path / "bucket"),
-                      on_event=events.append)  # fmt: skip
+    def newer(data: bytearray) -> None:  # as a newer writer would, mid rolling upgrade
+        data[8:12] = (99).to_bytes(4, "little")
 
-    found = fresh.restore()
+    (failed,) = restore_after_changing_the_disk_copy(tmp_path, ckpts, newer)
 
-    assert found is not None and fresh.restored_from == "object"
-    assert_bit_identical(state, found[1])
-    (failed,) = [e for e in events if e.tier == "disk"]
     assert failed.kind == "failed" and "version 99 is not supported" in (failed.error or "")
 
 
