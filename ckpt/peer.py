@@ -39,7 +39,7 @@ from urllib.parse import quote
 
 import zstandard
 
-from ckpt.format import CHECKSUM_ALGORITHM, SEAL_MAGIC, TRAILER_NBYTES, Hasher
+from ckpt.format import CHECKSUM_ALGORITHM, SEAL_MAGIC, TRAILER_NBYTES, BufferLike, Hasher
 from ckpt.objects import MAX_GET_NBYTES, PART_NBYTES, ObjectStore, ObjectTooLarge
 
 __all__ = ["PEER_KEY_RE", "HttpPeerStore", "SealCheck"]
@@ -120,6 +120,8 @@ class PeerError(OSError):
 class HttpPeerStore(ObjectStore):
     """Objects on a buddy agent; see the module docstring."""
 
+    parts_in_turn = True  # http.client sends each chunk before it asks for the next
+
     def __init__(self, node: str, address: str, port: int, token: str, *,
                  timeout_s: float = 60.0) -> None:  # fmt: skip
         self.node = node
@@ -143,7 +145,7 @@ class HttpPeerStore(ObjectStore):
             body = resp.read(500).decode(errors="replace")
             raise PeerError(f"{what}: peer {self.node} answered {resp.status}: {body}")
 
-    def put_stream(self, key: str, parts: Iterable[bytes]) -> None:
+    def put_stream(self, key: str, parts: Iterable[BufferLike]) -> None:
         conn = self._conn()
         try:
             try:
@@ -214,7 +216,7 @@ class HttpPeerStore(ObjectStore):
             conn.close()
 
 
-def _nonempty(parts: Iterable[bytes]) -> Iterator[bytes]:
+def _nonempty(parts: Iterable[BufferLike]) -> Iterator[BufferLike]:
     # http.client ends a chunked body at the first empty chunk: never send one early.
     for part in parts:
         if part:
