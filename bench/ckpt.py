@@ -9,6 +9,10 @@
   memory (the disk's speed); ``raw_direct_write_s`` the same with O_DIRECT.
 * ``phalanx.stall_s``: how long ``save`` holds the training loop, per save
   (the first included), standalone, RAM slots reserved up front;
+  ``stall_over_adjacent_memcpy`` each stall over the faster of two copies
+  of the same bytes timed just before and just after that save (the limit as
+  the machine was then: on this VM the copy alone moves 1.5-2x between
+  seconds);
   ``cold_first_stall_s`` a cold instance whose first save allocates them;
   ``tier_write_s`` how long each tier took to write the shard down.
 * ``agent``: the same through a real agent checkpoint service
@@ -125,35 +129,52 @@ def drop_cache(path: Path) -> None:
                 os.close(fd)
 
 
-def memcpy_limit(state: dict[str, Any], reps: int, threads: int = 0) -> float:
-    """Best time to copy the state's tensors into one touched buffer; ``threads`` > 0
-    splits the tensors over that many Python threads (each copy_ releases the GIL)."""
-    flat = torch.empty(nbytes_of(state), dtype=torch.uint8)
-    flat.zero_()  # touched
-    jobs, pos = [], 0
-    for t in state["model"].values():
-        n = t.numel() * 4
-        jobs.append((flat[pos : pos + n].view(torch.float32), t))
-        pos += n
+class Memcpy:
+    """The state's tensors copied into one touched buffer: the limit a save is held to.
 
-    def copy(part: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    ``threads`` > 0 splits the tensors over that many Python threads (each copy_
+    releases the GIL); 0 copies them in turn with torch's own threads."""
+
+    def __init__(self, state: dict[str, Any], threads: int = 0) -> None:
+        self.threads = threads
+        flat = torch.empty(nbytes_of(state), dtype=torch.uint8)
+        flat.zero_()  # touched
+        self.jobs, pos = [], 0
+        for t in state["model"].values():
+            n = t.numel() * 4
+            self.jobs.append((flat[pos : pos + n].view(torch.float32), t))
+            pos += n
+
+    @staticmethod
+    def _copy(part: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for dst, src in part:
             dst.copy_(src)
 
-    best = float("inf")
-    for _ in range(reps):
+    def seconds(self) -> float:
         start = time.perf_counter()
-        if threads <= 1:
-            copy(jobs)
+        if self.threads <= 1:
+            self._copy(self.jobs)
         else:
-            workers = [threading.Thread(target=copy, args=(jobs[i::threads],))
-                       for i in range(threads)]  # fmt: skip
+            workers = [threading.Thread(target=self._copy, args=(self.jobs[i :: self.threads],))
+                       for i in range(self.threads)]  # fmt: skip
             for w in workers:
                 w.start()
             for w in workers:
                 w.join()
-        best = min(best, time.perf_counter() - start)
-    return best
+        return time.perf_counter() - start
+
+
+def memcpy_limit(state: dict[str, Any], reps: int, threads: int = 0) -> float:
+    """The best of ``reps`` copies (see ``Memcpy``)."""
+    copy = Memcpy(state, threads)
+    return min(copy.seconds() for _ in range(reps))
+
+
+def adjacent_ratios(stalls: list[float], copies: list[tuple[float, float]]) -> list[float]:
+    """Each save's stall over the faster of the copies timed just before and after it:
+    the limit as the machine was at that moment (a VM's background load moves the copy
+    itself by 1.5-2x between runs seconds apart)."""
+    return [stall / min(pair) for stall, pair in zip(stalls, copies, strict=True)]
 
 
 def memcpy_by_threads(state: dict[str, Any]) -> dict[str, float]:
@@ -391,13 +412,18 @@ def agent_mode(root: Path, state: dict[str, Any], saves: int, nbytes: int,
         start = time.perf_counter()
         c.reserve(state)
         reserve_s = time.perf_counter() - start
-        waits = []
+        waits, copies = [], []
+        memcpy = Memcpy(state)
         for step in range(1, saves + 1):
+            before = memcpy.seconds()
             c.save(step, state)
+            copies.append((before, memcpy.seconds()))
             start = time.perf_counter()
             c.wait(timeout=600)
             waits.append(time.perf_counter() - start)
+        del memcpy
         out: dict[str, Any] = {"stall_s": list(c.stalls), "first_stall_s": c.stalls[0],
+                               "stall_over_adjacent_memcpy": adjacent_ratios(c.stalls, copies),
                                "reserve_s": reserve_s, "wait_s": waits}  # fmt: skip
         into = touched_like(state)
         out["restore_s"] = {"ram": timed_restore(c, state),
@@ -483,14 +509,20 @@ def main() -> None:
         start = time.perf_counter()
         c.reserve(state)
         reserve_s = time.perf_counter() - start
+        memcpy = Memcpy(state)
+        copies = []
         for step in range(1, args.saves + 1):
             state["step"] = step
+            before = memcpy.seconds()
             c.save(step, state)
+            copies.append((before, memcpy.seconds()))
             c.wait()  # one at a time, so each stall and tier time stands alone
+        del memcpy
         landed = [e for e in c.events if e.kind == "landed" and e.key.step == args.saves]
         sealed = [e for e in c.events if e.kind == "sealed" and e.key.step == args.saves]
         out["phalanx"] = {
             "stall_s": list(c.stalls),
+            "stall_over_adjacent_memcpy": adjacent_ratios(c.stalls, copies),
             "first_stall_s": c.stalls[0],
             "cold_first_stall_s": cold_first,
             "reserve_s": reserve_s,
@@ -567,6 +599,7 @@ def main() -> None:
             # The worst of a few saves follows the VM's background load; the median less so.
             "median_stall_over_memcpy": statistics.median(ph["stall_s"]) / out["memcpy_s"],
             "first_stall_over_memcpy": ph["first_stall_s"] / out["memcpy_s"],
+            "worst_stall_over_adjacent_memcpy": max(ph["stall_over_adjacent_memcpy"]),
             "disk_tier_speed_vs_raw": out["raw_write_fsync_s"] / ph["tier_write_s"]["disk"],
             "ram_restore_over_memcpy": restore["ram"] / out["memcpy_s"],
             "ram_restore_into_over_memcpy": restore["ram_into"] / out["memcpy_s"],
@@ -583,6 +616,8 @@ def main() -> None:
                 max(out["agent"]["stall_s"]) / out["memcpy_s"])
             targets["agent_median_stall_over_memcpy"] = (
                 statistics.median(out["agent"]["stall_s"]) / out["memcpy_s"])
+            targets["agent_worst_stall_over_adjacent_memcpy"] = max(
+                out["agent"]["stall_over_adjacent_memcpy"])
             targets["agent_ram_restore_into_over_memcpy"] = (
                 out["agent"]["restore_s"]["ram_into"] / out["memcpy_s"])
         out["targets"] = targets
