@@ -413,7 +413,10 @@ class ObjectTier(Tier):
             raise self._fail("reading", where, exc) from exc
         if not found.partial or rank is None or rank in found.shards:
             return found
-        shards = dict(found.shards)
+        # Parts are named by the span of ranks they list, so a step saved again after the
+        # gang was placed anew (a step no tier had committed) can leave an older part
+        # whose span also holds ``rank``: the newest part that lists it wins.
+        newest: TierManifest | None = None
         for key in self._step_keys(job).get(step, []):
             span = parse_part(key.rsplit("/", 1)[-1])
             if span is None or not span[0] <= rank <= span[1]:
@@ -424,10 +427,10 @@ class ObjectTier(Tier):
                 continue
             except Exception as exc:
                 raise self._fail("reading", key, exc) from exc
-            if part.job == job and part.step == step:
-                shards.update(part.shards)
-            if rank in shards:
-                break
+            if (part.job == job and part.step == step and rank in part.shards
+                    and (newest is None or part.committed_at >= newest.committed_at)):  # fmt: skip
+                newest = part
+        shards = {**found.shards, **(newest.shards if newest is not None else {})}
         return TierManifest(found.job, found.step, shards, found.compression,
                             found.committed_at, found.world_size)  # fmt: skip
 
@@ -436,15 +439,16 @@ class ObjectTier(Tier):
         """Rank ``key.rank``'s shard of a committed step, to read in bounded pieces, or
         ``None`` when this tier has none. ``nbytes``, when the caller knows it (the
         catalog's), must be what the step's manifest lists. With the catalog's
-        ``checksum`` and ``nbytes`` too, a step committed in parts whose part for this
-        rank is not written yet (its node died first) is still read, against them."""
+        ``checksum`` and ``nbytes`` too, a step committed in parts is read against them,
+        not against its part for this rank: one that is not written yet (its node died
+        first) or one an earlier placement of the gang left (see ``manifest``)."""
         manifest = self.manifest(key.job, key.step, key.rank)
         if manifest is None:
             return None
-        if key.rank in manifest.shards:
+        if manifest.partial and checksum is not None and nbytes is not None:
+            expected, listed = checksum, nbytes  # what the fleet committed wins over a part
+        elif key.rank in manifest.shards:
             expected, listed = manifest.shards[key.rank]
-        elif manifest.partial and checksum is not None and nbytes is not None:
-            expected, listed = checksum, nbytes
         else:
             return None
         where = self._key(key)

@@ -107,3 +107,49 @@ def test_the_catalog_checksum_reads_a_rank_whose_node_died_before_writing_its_pa
     assert wrong is not None
     with pytest.raises(CheckpointError):
         decode(bytearray(b"".join(wrong)), expected="xxh3_128:" + "0" * 32)
+
+
+def test_a_step_saved_again_after_the_gang_moved_reads_its_newest_part(tmp_path: Path) -> None:
+    """Ranks 0-3 on one node wrote part r0-r3 of step 9 and a node died before the step
+    was committed anywhere; the gang, placed anew on two nodes, saved step 9 again with
+    other bytes: parts r0-r1 and r2-r3. The older part's span still holds every rank."""
+    tier = ObjectTier(LocalFolderStore(tmp_path / "objects"))
+    world = 4
+    before = {r: put_shard(tier, 9, r) for r in range(world)}
+    tier.commit(TierManifest(JOB, 9, before, committed_at=1.0, world_size=world + 1))
+    again = {}
+    for rank in range(world):
+        shard = encode({"rank": rank, "step": 9, "generation": 2})
+        again[rank] = (verify(shard), len(shard))
+        tier.put(ShardKey(JOB, 9, rank), memoryview(shard), again[rank][0])
+    for ranks in ([0, 1], [2, 3]):
+        tier.commit(TierManifest(JOB, 9, {r: again[r] for r in ranks}, committed_at=2.0,
+                                 world_size=world + 1))  # fmt: skip
+
+    for rank in range(world):
+        key = ShardKey(JOB, 9, rank)
+        found = tier.manifest(JOB, 9, rank)
+        assert found is not None and found.shards[rank] == again[rank]
+        stored = tier.open(key)
+        assert stored is not None
+        try:
+            assert decode(stored.buffer, copy=True, expected=stored.expected)["generation"] == 2
+        finally:
+            stored.close()
+        reader = tier.reader(key, again[rank][1], again[rank][0])  # the catalog's own
+        assert reader is not None
+        assert decode(bytearray(b"".join(reader)), expected=again[rank][0])["rank"] == rank
+
+
+def test_the_catalog_checksum_wins_over_a_part_that_lists_other_bytes(tmp_path: Path) -> None:
+    tier = ObjectTier(LocalFolderStore(tmp_path / "objects"))
+    old = put_shard(tier, 5, 0)
+    tier.commit(TierManifest(JOB, 5, {0: old}, committed_at=3.0, world_size=2))
+    shard = encode({"rank": 0, "step": 5, "saved": "again"})  # a part left from before says
+    committed = (verify(shard), len(shard))  # otherwise, its clock ahead of this node's
+    tier.put(ShardKey(JOB, 5, 0), memoryview(shard), committed[0])
+
+    reader = tier.reader(ShardKey(JOB, 5, 0), committed[1], committed[0])
+
+    assert reader is not None and reader.expected == committed[0]
+    assert decode(bytearray(b"".join(reader)), expected=committed[0])["saved"] == "again"
