@@ -108,7 +108,7 @@ class _Reporter:
 
 class CkptService:
     def __init__(self, node: str, data_dir: Path, shm_dir: Path, object_store: str,
-                 token: str, publish: Callable[[wire.CkptLanding], None], *,
+                 token: str, publish: Callable[[wire.CkptLanding | wire.CkptReleased], None], *,
                  pacing: Pacing | None = None) -> None:  # fmt: skip
         self.node = node
         self.publish_threadsafe = publish
@@ -148,7 +148,7 @@ class CkptService:
 
     # --- plumbing ---------------------------------------------------------------
 
-    def publish(self, msg: wire.CkptLanding) -> None:
+    def publish(self, msg: wire.CkptLanding | wire.CkptReleased) -> None:
         self.publish_threadsafe(msg)
 
     def objects(self) -> ObjectStore:
@@ -435,6 +435,8 @@ class CkptService:
                     await loop.run_in_executor(self.commits, self._free_ram, job)
                 except Exception:
                     log.exception("freeing the RAM tier of job %s", job)
+                else:
+                    self._let_go(job, catalog)
             async with self.changed:
                 self.changed.notify_all()
 
@@ -459,6 +461,18 @@ class CkptService:
                     # Only now, with the manifest written here, is the step readable here.
                     store.committed_upto[tier] = max(entry.step,
                                                      store.committed_upto.get(tier, -1))
+
+    def _let_go(self, job: str, catalog: wire.CkptCatalog) -> None:
+        """The job ended and its RAM tier is free: forget it, and tell the supervisor, which
+        then clears the catalog the broker keeps for this node."""
+        if self.catalogs.get(job) is catalog:
+            del self.catalogs[job]
+        self.plans.pop(job, None)
+        self.generations.pop(job, None)
+        with self._lock:
+            for listed in [k for k in self._listings if k[0] == job]:
+                del self._listings[listed]
+        self.publish(wire.CkptReleased(node=self.node, job=job, at=time.time()))
 
     def _free_ram(self, job: str) -> None:
         """The job ended: finish its write-downs, then remove its RAM segments."""

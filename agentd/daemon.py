@@ -258,8 +258,8 @@ class Agent:
             self.ckpt.rank_exited(event.job, event.rank)
         self._rank_events.put(event)
 
-    def _publish_landing(self, msg: wire.CkptLanding) -> None:
-        """From the engines' threads: queue a landing for the MQTT loop."""
+    def _publish_landing(self, msg: wire.CkptLanding | wire.CkptReleased) -> None:
+        """From the engines' threads (or the loop): queue a report for the MQTT loop."""
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._landings.put, msg)
 

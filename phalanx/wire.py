@@ -14,7 +14,8 @@ topic                                  publisher  retain   payload
 ``phalanx/v1/node/{node}/cmd``         supervisor no       :class:`Command`
 ``phalanx/v1/node/{node}/ack``         agent      no       :class:`CommandAck`
 ``phalanx/v1/node/{node}/rank``        agent      no       :class:`RankEvent`
-``phalanx/v1/node/{node}/ckpt``        agent      no       :class:`CkptLanding`
+``phalanx/v1/node/{node}/ckpt``        agent      no       :class:`CkptLanding`,
+                                                           :class:`CkptReleased`
 ``phalanx/v1/job/{job}/ckpt/{node}``   supervisor yes      :class:`CkptCatalog`
 ``phalanx/v1/supervisor/status``       supervisor yes      :class:`SupervisorStatus`
 =====================================  =========  =======  ==========================
@@ -37,7 +38,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 PREFIX = "phalanx/v1"
 MAX_PAYLOAD_BYTES = 256 * 1024
@@ -222,6 +223,18 @@ class CkptLanding(_Msg):
     error: str = ""
     generation: int = Field(default=0, ge=0, description="the job generation whose rank "
                             "saved the shard (0: not known, an agent restarted since)")
+    at: float
+
+
+class CkptReleased(_Msg):
+    """A node let go of an ended job's checkpoints here: its catalog said ``ended`` and
+    the agent finished the job's write-downs and freed its RAM tier. The supervisor
+    then clears the job's retained catalog for the node, which the broker would
+    otherwise deliver at every reconnect for good. Same topic as ``CkptLanding``."""
+
+    kind: Literal["ckpt_released"] = "ckpt_released"
+    node: NodeId
+    job: str
     at: float
 
 
@@ -414,7 +427,8 @@ class SupervisorStatus(_Msg):
 
 
 Message = (NodeBirth | NodeDeath | Heartbeat | Command | CommandAck | SupervisorStatus
-           | RankEvent | CkptLanding | CkptCatalog)
+           | RankEvent | CkptLanding | CkptReleased | CkptCatalog)
+CkptReport = Annotated[CkptLanding | CkptReleased, Field(discriminator="kind")]
 
 
 # --- topics --------------------------------------------------------------
@@ -487,8 +501,9 @@ _MODELS: dict[str, type[_Msg]] = {
     "cmd": Command,
     "ack": CommandAck,
     "rank": RankEvent,
-    "ckpt": CkptLanding,
+    "ckpt": CkptLanding,  # or CkptReleased: see _CKPT_REPORT
 }
+_CKPT_REPORT: TypeAdapter[CkptLanding | CkptReleased] = TypeAdapter(CkptReport)
 _TOPIC_RE = re.compile(r"^phalanx/v1/node/([^/]+)/(birth|death|heartbeat|cmd|ack|rank|ckpt)$")
 _CATALOG_RE = re.compile(r"^phalanx/v1/job/([^/]+)/ckpt/([^/]+)$")
 
@@ -541,19 +556,26 @@ def parse(topic: str, payload: bytes | bytearray | str | None) -> Inbound:
         raise WireError(topic, f"invalid node id {node!r}")
     if not payload:
         return Inbound(node, None)
-    message = _validate(topic, _MODELS[kind], payload)
+    if kind == "ckpt":
+        message = _validate(topic, _CKPT_REPORT, payload, "CkptLanding or CkptReleased")
+    else:
+        message = _validate(topic, _MODELS[kind], payload)
     named = getattr(message, "node", node)
     if named != node:
         raise WireError(topic, f"payload names node {named!r} but the topic names {node!r}")
     return Inbound(node, message)
 
 
-def _validate(topic: str, model: type[_Msg], payload: bytes) -> Message:
+def _validate(topic: str, model: type[_Msg] | TypeAdapter[Any], payload: bytes,
+              name: str = "") -> Message:  # fmt: skip
     try:
+        if isinstance(model, TypeAdapter):
+            return model.validate_json(payload)  # type: ignore[no-any-return]
         return model.model_validate_json(payload)  # type: ignore[return-value]
     except ValidationError as exc:
         errors = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
             for err in exc.errors()[:5]
         )
-        raise WireError(topic, f"{model.__name__} invalid: {errors}") from exc
+        raise WireError(topic, f"{name or getattr(model, '__name__', model)} invalid: "
+                               f"{errors}") from exc

@@ -129,6 +129,8 @@ class Supervisor:
         await self.link.publish(wire.SUPERVISOR_STATUS_TOPIC, wire.encode(status), retain=True)
         self._catalog_sent.clear()  # the broker may have lost retained messages: send again
         for job in list(self.jobs.jobs.values()):
+            if job.state.final and self.store.ended_catalogs_released(job.id):
+                continue  # every node let go of it: nothing left to tell
             if not job.state.final or self.store.commits(job.id):
                 await self.publish_catalog(job.id)
 
@@ -166,6 +168,12 @@ class Supervisor:
             try:
                 built = await asyncio.get_running_loop().run_in_executor(
                     self._catalog_builder, build)
+                if ended:
+                    # A node that let go of the job needs nothing more; the others' rows go
+                    # in before the first message is out, as its release may come at once.
+                    done = self.store.ended_catalogs_let_go(job_id)
+                    built = [m for m in built if m[0] not in done]
+                    self.store.ended_catalogs_sent(job_id, [target for target, _, _ in built])
             except StoreError as exc:
                 log.error("job %s: cannot build the checkpoint catalog: %s: trying again",
                           job_id, exc)
@@ -189,6 +197,29 @@ class Supervisor:
                 for topic in [t for t in self._catalog_sent if t.startswith(prefix)]:
                     del self._catalog_sent[topic]
                 self.catalog.forget_job(job_id)
+
+    async def _clear_ended_catalog(self, msg: wire.CkptReleased) -> None:
+        """A node let go of an ended job: clear the job's catalog retained for it, so the
+        broker stops delivering it at every reconnect.
+
+        Every release clears, even one for a node cleared before: the clear goes out
+        after the catalog that node answered, and under the job's publish lock, so no
+        catalog is left retained behind it. A clear the link refuses waits for the next
+        release (the agent gets the catalog again when it reconnects)."""
+        try:
+            async with self._catalog_locks.setdefault(msg.job, asyncio.Lock()):
+                if not self.store.ended_catalog_went_to(msg.job, msg.node):
+                    return  # not an ended job of that node's
+                await self.link.publish(wire.catalog_topic(msg.job, msg.node), b"",
+                                        retain=True)  # fmt: skip
+                self.store.ended_catalog_released(msg.job, msg.node, time.time())
+        except (LinkDown, StoreError) as exc:
+            log.warning("job %s: the ended catalog for %s was not cleared: %s", msg.job,
+                        msg.node, exc)
+            return
+        if self.store.ended_catalogs_released(msg.job):
+            log.info("job %s: every node let go of its checkpoints; its catalogs are cleared",
+                     msg.job)
 
     def _ram_freed(self, job: Job) -> bool:
         """Whether the job's nodes free its RAM tier now (the catalog says ``ended``): it
@@ -296,6 +327,8 @@ class Supervisor:
                 # A step brings a landing per rank and tier: record them in batches.
                 self._landings.append(msg)
                 self._schedule(LANDING_BATCH_S, "_landing_flush", self.flush_landings)
+            case wire.CkptReleased():
+                await self._clear_ended_catalog(msg)
             case wire.NodeBirth():
                 self.registry.on_birth(msg)
                 self.jobs.wake()

@@ -57,6 +57,12 @@ CREATE TABLE IF NOT EXISTS ckpt_commits (
     committed_at REAL NOT NULL,
     PRIMARY KEY (job, step, tier)
 );
+CREATE TABLE IF NOT EXISTS ckpt_ended_catalogs (
+    job TEXT NOT NULL,
+    node TEXT NOT NULL,            -- a node the job's ended catalog was published for, retained
+    released_at REAL,              -- when its agent let go of the job and the catalog was
+    PRIMARY KEY (job, node)        -- cleared from the broker (NULL: not yet)
+);
 """
 
 
@@ -273,6 +279,35 @@ class Store(CatalogQueries):
         cur = self._write("INSERT OR IGNORE INTO ckpt_commits (job, step, tier, committed_at) "
                           "VALUES (?, ?, ?, ?)", (job, step, tier, at))
         return cur.rowcount > 0
+
+    def ended_catalogs_sent(self, job: str, nodes: list[str]) -> None:
+        """The job's ended catalog goes out, retained, to ``nodes``."""
+        with self.batch():
+            for node in nodes:
+                self._write("INSERT OR IGNORE INTO ckpt_ended_catalogs (job, node) VALUES (?, ?)",
+                            (job, node))
+
+    def ended_catalog_went_to(self, job: str, node: str) -> bool:
+        """Whether ``job``'s ended catalog was published for ``node``."""
+        row = self._db.execute("SELECT 1 FROM ckpt_ended_catalogs WHERE job = ? AND node = ?",
+                               (job, node)).fetchone()
+        return row is not None
+
+    def ended_catalog_released(self, job: str, node: str, at: float) -> None:
+        self._write("UPDATE ckpt_ended_catalogs SET released_at = ? WHERE job = ? AND node = ? "
+                    "AND released_at IS NULL", (at, job, node))
+
+    def ended_catalogs_let_go(self, job: str) -> set[str]:
+        """The nodes that let go of the job, their ended catalogs cleared."""
+        rows = self._db.execute("SELECT node FROM ckpt_ended_catalogs WHERE job = ? AND "
+                                "released_at IS NOT NULL", (job,)).fetchall()
+        return {str(r[0]) for r in rows}
+
+    def ended_catalogs_released(self, job: str) -> bool:
+        """Whether the job's ended catalog went out and every node it went to let go."""
+        row = self._db.execute("SELECT COUNT(*), COUNT(released_at) FROM ckpt_ended_catalogs "
+                               "WHERE job = ?", (job,)).fetchone()
+        return bool(row[0]) and row[0] == row[1]
 
     def shards(self, job: str) -> list[tuple[int, str, int, str, str | None, int, str]]:
         """(step, tier, rank, node, holder, nbytes, checksum) of every landed shard."""

@@ -76,6 +76,17 @@ def rank_lines(fleet: Fleet, node: str, job: str, generation: int, rank: int,
     return found
 
 
+def retained_catalogs(fleet: Fleet, job: str, listen_s: float = 1.0) -> dict[str, bytes]:
+    """The job's catalogs the broker keeps, as a client subscribing now is handed them."""
+    raw = RawMqtt(fleet.broker.port)
+    try:
+        raw.subscribe(f"{wire.PREFIX}/job/{job}/ckpt/+")
+        time.sleep(listen_s)
+        return {t: p for t, p in raw.messages if p}
+    finally:
+        raw.close()
+
+
 def test_checkpoints_land_in_all_four_tiers_are_kept_per_tier_and_ckpt_ls_shows_them(
     fleet: Fleet,
 ) -> None:
@@ -127,6 +138,23 @@ def test_checkpoints_land_in_all_four_tiers_are_kept_per_tier_and_ckpt_ls_shows_
         assert [s["rank"] for p in parts for s in json.loads(p.read_bytes())["shards"]] == [
             0, 1, 2, 3]
 
+    # Both nodes let go of the ended job, so the broker keeps none of its catalogs (it
+    # would hand a reconnecting node one per job the node ever ran) ...
+    wait_for(lambda: not retained_catalogs(fleet, job["id"]), 30,
+             "the ended job's retained catalogs to be cleared")
+    # ... and a restarted supervisor does not publish them again.
+    watcher = RawMqtt(fleet.broker.port)
+    watcher.subscribe(f"{wire.PREFIX}/job/{job['id']}/ckpt/+")
+    assert fleet.supervisor is not None
+    fleet.supervisor.stop()
+    fleet.start_supervisor()
+    fleet.wait_state("n01", "up")
+    fleet.wait_state("n02", "up")
+    time.sleep(2.0)
+    watcher.close()
+    assert [t for t, p in watcher.messages if p] == []
+    assert committed(fleet, job["id"]) == wanted  # the catalog itself stays
+
 
 def test_a_failed_jobs_nodes_free_its_ram_tier_once_the_linger_is_over(fleet: Fleet) -> None:
     start_two_racks(fleet, supervisor_extra="ckpt_failed_ram_linger_s = 5.0\n")
@@ -145,6 +173,8 @@ def test_a_failed_jobs_nodes_free_its_ram_tier_once_the_linger_is_over(fleet: Fl
     wait_for(lambda: not any(fleet.shm_dir.glob(f"phalanx-{job['id']}-r*")), 60,
              "the RAM tier of the failed job to be freed")
     assert any(t == ["nvme"] for t in committed(fleet, job["id"]).values())
+    wait_for(lambda: not retained_catalogs(fleet, job["id"]), 30,
+             "the failed job's retained catalogs to be cleared")
 
 
 # --- restarts -------------------------------------------------------------------------------

@@ -212,3 +212,72 @@ def test_a_failed_jobs_catalog_frees_ram_only_once_the_linger_is_over(
                      link.retained[wire.catalog_topic("j-1", NODES[0])]).message
     assert isinstance(msg, wire.CkptCatalog) and msg.ended is ended
     assert resend_scheduled is not ended
+
+
+class HeldLink(SlowLink):
+    """Publishes to n02 wait until ``release`` is set (a slow PUBACK); a cleared retained
+    message is an empty payload, as the broker keeps none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def publish(self, topic: str, payload: bytes, retain: bool = False,
+                      timeout: float = 5.0) -> None:  # fmt: skip
+        if topic.endswith("/n02") and payload:
+            await self.release.wait()
+        self.retained[topic] = payload
+
+
+def released(node: str) -> wire.CkptReleased:
+    return wire.CkptReleased(node=node, job="j-1", at=time.time())
+
+
+def test_a_node_that_let_go_is_cleared_even_when_a_catalog_for_it_was_in_flight(
+    tmp_path: Path,
+) -> None:
+    """n02 answers the first ended catalog while a second publish of the job (a late
+    landing changed it) is on its way to n02: the clear must not land before it."""
+    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    for rank in range(WORLD):
+        catalog.on_landing(landing(4, rank), WORLD)
+    link = HeldLink()
+    sup = supervisor_of(catalog, link)
+    sup.jobs.jobs["j-1"].state = JobState.SUCCEEDED
+    topic = wire.catalog_topic("j-1", "n02")
+
+    async def scenario() -> None:
+        link.release.set()
+        await Supervisor.publish_catalog(sup, "j-1")  # type: ignore[arg-type]
+        link.release.clear()
+        second = asyncio.create_task(Supervisor.publish_catalog(sup, "j-1"))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)  # it waits on n02's PUBACK
+        clear = asyncio.create_task(Supervisor._clear_ended_catalog(sup, released("n02")))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        link.release.set()
+        await asyncio.gather(second, clear)
+        # n02's agent answers the second catalog too, as it does every one it is handed.
+        await Supervisor._clear_ended_catalog(sup, released("n02"))  # type: ignore[arg-type]
+
+    asyncio.run(scenario())
+
+    assert link.retained[topic] == b""
+    assert catalog.store.ended_catalogs_let_go("j-1") == {"n02"}
+    assert not catalog.store.ended_catalogs_released("j-1")  # the other nodes still hold it
+    for node in NODES:
+        asyncio.run(Supervisor._clear_ended_catalog(sup, released(node)))  # type: ignore[arg-type]
+    assert catalog.store.ended_catalogs_released("j-1")
+    assert all(link.retained[wire.catalog_topic("j-1", n)] == b"" for n in NODES)
+
+
+def test_a_release_for_a_job_whose_catalog_never_ended_clears_nothing(tmp_path: Path) -> None:
+    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    for rank in range(WORLD):
+        catalog.on_landing(landing(4, rank), WORLD)
+    link = SlowLink()
+    sup = supervisor_of(catalog, link)  # the job runs
+    asyncio.run(Supervisor.publish_catalog(sup, "j-1"))  # type: ignore[arg-type]
+
+    asyncio.run(Supervisor._clear_ended_catalog(sup, released("n03")))  # type: ignore[arg-type]
+
+    assert link.retained[wire.catalog_topic("j-1", "n03")] != b""

@@ -79,6 +79,10 @@ ROUND_TRIPS: list[tuple[str, Callable[[], wire.Message]]] = [
     ("cmd", lambda: Command.new(NODE, ResampleArgs())),
     ("cmd", lambda: Command.new(NODE, RebirthArgs())),
     ("ack", _ack),
+    ("ckpt", lambda: wire.CkptLanding(node=NODE, job="j-1", step=4, rank=0, tier="nvme",
+                                      nbytes=10, checksum="xxh3_128:" + "0" * 32,
+                                      at=1700000003.0)),
+    ("ckpt", lambda: wire.CkptReleased(node=NODE, job="j-1", at=1700000004.0)),
 ]
 
 TOPIC_OF = {
@@ -87,6 +91,7 @@ TOPIC_OF = {
     "heartbeat": wire.heartbeat_topic,
     "cmd": wire.command_topic,
     "ack": wire.ack_topic,
+    "ckpt": wire.ckpt_topic,
 }
 
 
@@ -150,6 +155,15 @@ def test_json_of_another_message_schema_raises_wire_error_naming_the_topic() -> 
         parse(topic, wire.encode(_heartbeat()))
 
     assert caught.value.topic == topic
+
+
+def test_a_checkpoint_report_of_neither_kind_raises_wire_error_naming_both() -> None:
+    topic = wire.ckpt_topic(NODE)
+
+    with pytest.raises(WireError, match="CkptLanding or CkptReleased invalid"):
+        parse(topic, json.dumps({"kind": "ckpt_gone", "node": NODE, "job": "j"}).encode())
+    with pytest.raises(WireError, match="job"):
+        parse(topic, json.dumps({"kind": "ckpt_released", "node": NODE, "at": 1.0}).encode())
 
 
 def test_a_payload_with_an_extra_field_raises_wire_error() -> None:
