@@ -72,17 +72,23 @@ class SealCheck:
             cast(IO[bytes], _Sink(self._take)), write_size=DECOMPRESS_PIECE,
             write_return_read=True) if compressed else None  # fmt: skip
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         if self.writer is not None:
             self.writer.write(data)  # calls _take with each decompressed piece
         else:
             self._take(data)
 
-    def _take(self, data: bytes) -> None:
+    def _take(self, data: BufferLike) -> None:
         if self.max_nbytes is not None and self.total + len(data) > self.max_nbytes:
             raise ObjectTooLarge(f"{self.what} (decompressed)" if self.writer else self.what,
                                  self.max_nbytes)  # fmt: skip
         self.total += len(data)
+        if len(data) >= TRAILER_NBYTES:  # hash what was held back and all but the new tail,
+            view = memoryview(data)  # never joining them: a piece may be 8 MiB
+            self.hasher.update(self.tail)
+            self.hasher.update(view[:-TRAILER_NBYTES])
+            self.tail = bytes(view[-TRAILER_NBYTES:])
+            return
         pending = self.tail + data
         if len(pending) > TRAILER_NBYTES:
             self.hasher.update(pending[:-TRAILER_NBYTES])
@@ -120,7 +126,7 @@ class PeerError(OSError):
 class HttpPeerStore(ObjectStore):
     """Objects on a buddy agent; see the module docstring."""
 
-    parts_in_turn = True  # http.client sends each chunk before it asks for the next
+    parts_in_turn = True  # put_stream sends each part before it asks for the next
 
     def __init__(self, node: str, address: str, port: int, token: str, *,
                  timeout_s: float = 60.0) -> None:  # fmt: skip
@@ -149,10 +155,21 @@ class HttpPeerStore(ObjectStore):
         conn = self._conn()
         try:
             try:
-                conn.request("PUT", "/v1/ckpt/peer/objects/" + quote(key),
-                             body=_nonempty(parts), headers={
-                                 **self._headers(), "Content-Type": "application/octet-stream"},
-                             encode_chunked=True)  # fmt: skip
+                conn.putrequest("PUT", "/v1/ckpt/peer/objects/" + quote(key))
+                for name, value in {**self._headers(), "Transfer-Encoding": "chunked",
+                                    "Content-Type": "application/octet-stream"}.items():
+                    conn.putheader(name, value)
+                conn.endheaders()
+                # Chunked by hand: http.client's encode_chunked joins each part and its
+                # framing into new bytes, two copies and fresh memory per part (2.0 s of
+                # CPU per GiB on loopback here, 0.3 s without); this sends the part itself.
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    if len(view):  # an empty chunk would end the body
+                        conn.send(b"%X\r\n" % len(view))
+                        conn.send(view)
+                        conn.send(b"\r\n")
+                conn.send(b"0\r\n\r\n")
             except OSError as exc:
                 # The buddy may have refused the body part-way (413): say why, if it did.
                 answer = None
@@ -216,8 +233,3 @@ class HttpPeerStore(ObjectStore):
             conn.close()
 
 
-def _nonempty(parts: Iterable[BufferLike]) -> Iterator[BufferLike]:
-    # http.client ends a chunked body at the first empty chunk: never send one early.
-    for part in parts:
-        if part:
-            yield part
