@@ -39,6 +39,7 @@ from ckpt.errors import CheckpointError, TierError
 from ckpt.format import BufferLike, Hasher
 from ckpt.tiers import (
     MANIFEST_NAME,
+    AlignedBuffer,
     Pacing,
     ShardKey,
     StoredShard,
@@ -343,7 +344,7 @@ class ObjectTier(Tier):
         where = self._key(key)
         hasher = Hasher()
         pieces = checked_chunks(shard, self.pacing.chunk_bytes, hasher, len(shard) - 32)
-        buffer = _PartBuffer() if self.store.parts_in_turn else None
+        buffer = AlignedBuffer(PART_NBYTES) if self.store.parts_in_turn else None
         parts = self._compressed(pieces, buffer) if self.compression else _regroup(pieces, buffer)
         try:
             self.store.put_stream(where, parts)
@@ -360,7 +361,7 @@ class ObjectTier(Tier):
         return self.store.url + where
 
     def _compressed(self, pieces: Iterable[memoryview],
-                    buffer: _PartBuffer | None) -> Iterator[BufferLike]:  # fmt: skip
+                    buffer: AlignedBuffer | None) -> Iterator[BufferLike]:  # fmt: skip
         """One zstd frame per piece, regrouped into parts: a piece whose sample would not
         shrink by ``pacing.compress_min_saving`` goes as a raw frame (see ``Pacing``)."""
         compressor = zstandard.ZstdCompressor(level=self.level)
@@ -626,20 +627,11 @@ def zstd_raw_frame(data: memoryview) -> list[bytes | memoryview]:
     return out
 
 
-class _PartBuffer:
-    """One page-aligned ``PART_NBYTES`` buffer that ``_regroup`` refills for every
-    part, for a store whose ``put_stream`` takes its parts in turn."""
-
-    def __init__(self) -> None:
-        self.memory = mmap.mmap(-1, PART_NBYTES)
-        self.view = memoryview(self.memory)
-
-
 def _regroup(pieces: Iterable[BufferLike],
-             buffer: _PartBuffer | None = None) -> Iterator[BufferLike]:  # fmt: skip
+             buffer: AlignedBuffer | None = None) -> Iterator[BufferLike]:  # fmt: skip
     """Pieces regrouped into parts of ``PART_NBYTES``, each part copied once: joined
-    into new bytes, or into ``buffer`` (each part yielded is a view of it, good until
-    the next is asked for)."""
+    into new bytes, or into ``buffer`` (``PART_NBYTES`` long; each part yielded is a
+    view of it, good until the next is asked for)."""
     pending: list[memoryview] = []
     held = 0
     for piece in pieces:

@@ -376,6 +376,119 @@ def _aligned_prefix(view: memoryview) -> int:
     return 0 if address % _DIRECT_ALIGN else len(view) - len(view) % _DIRECT_ALIGN
 
 
+class AlignedBuffer:
+    """A page-aligned buffer of ``nbytes`` (an anonymous map): what an ``O_DIRECT`` write
+    takes from memory, for bytes that do not already lie in such memory."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.memory = mmap.mmap(-1, nbytes)
+        self.view = memoryview(self.memory)
+
+
+class AtomicFile:
+    """A file written piece by piece under a temp name beside ``path``, and on a clean
+    exit from its ``with`` block fsynced, renamed to ``path`` and its directory fsynced.
+    On any error the temp file is removed and an ``OSError`` becomes a ``TierError``
+    naming the path (``ENOSPC`` says the disk is full). ``written``: the bytes so far.
+
+    ``direct`` asks for ``O_DIRECT`` (with ``pacing.direct_io``): pieces that are
+    page-aligned go by DMA from their memory, bypassing the page cache; the first
+    piece that is not (a short tail) and everything after it go through the cache;
+    a filesystem that refuses ``O_DIRECT`` gets the cache throughout.
+    """
+
+    def __init__(self, path: Path, *, pacing: Pacing, tier: str, ref: ShardRef,
+                 direct: bool = False) -> None:  # fmt: skip
+        self.path = path
+        self.pacing = pacing
+        self.tier = tier
+        self.ref = ref
+        self.tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{next(_tmp_counter)}"
+        self.throttle = Throttle(pacing.max_bytes_per_s)
+        self.written = self.synced = 0
+        self.fd = -1
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                              0o644)  # fmt: skip
+        except BaseException as exc:
+            raise self._failed(exc) from exc
+        self.direct = direct and pacing.direct_io and _set_direct(self.fd, True)
+
+    def __enter__(self) -> AtomicFile:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:  # fmt: skip
+        if exc is None:
+            try:
+                self._commit()
+                return
+            except BaseException as failed:
+                exc = failed
+        self.abort()
+        if isinstance(exc, OSError):
+            raise self._failed(exc) from exc
+        if exc_type is None:  # the commit's own error, not an OSError
+            raise exc
+
+    def write(self, piece: BufferLike) -> None:
+        view = memoryview(piece).cast("B")
+        if self.direct:
+            aligned = _aligned_prefix(view)
+            while aligned:
+                try:
+                    n = os.write(self.fd, view[:aligned])
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    n = 0  # this file or device refuses it after all
+                if n <= 0:
+                    break
+                view, aligned = view[n:], aligned - n
+                self.written += n
+                self.synced = self.written  # nothing of it sits in the page cache
+                self.throttle(n)
+                if n % _DIRECT_ALIGN:  # a short write: the offset is unaligned now
+                    break
+            if view:
+                self.direct = _set_direct(self.fd, False)
+        while view:
+            n = os.write(self.fd, view)
+            view = view[n:]
+            self.written += n
+            self.throttle(n)
+        if self.written - self.synced >= self.pacing.sync_bytes:
+            os.fdatasync(self.fd)
+            if self.pacing.drop_cache:
+                os.posix_fadvise(self.fd, self.synced, self.written - self.synced,
+                                 os.POSIX_FADV_DONTNEED)  # fmt: skip
+            self.synced = self.written
+
+    def _commit(self) -> None:
+        os.fsync(self.fd)
+        if self.pacing.drop_cache:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(self.fd)
+        self.fd = -1
+        os.rename(self.tmp, self.path)
+        fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        """Close and remove the temp file (nothing was renamed into place)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.tmp.unlink(missing_ok=True)
+
+    def _failed(self, exc: BaseException) -> BaseException:
+        if not isinstance(exc, OSError):
+            return exc
+        why = "the disk is full" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
+        return TierError(f"writing {self.path} failed: {why}", tier=self.tier,
+                         ref=self.ref.merged(ShardRef(path=str(self.path))))  # fmt: skip
+
+
 def write_file_atomic(
     path: Path,
     pieces: Iterable[BufferLike],
@@ -385,72 +498,12 @@ def write_file_atomic(
     ref: ShardRef,
     direct: bool = False,
 ) -> int:
-    """Write ``pieces`` to a temp name beside ``path``, fsync, rename, fsync the
-    directory. Returns the bytes written. On any error the temp file is removed
-    and a ``TierError`` names the path (``ENOSPC`` says the disk is full).
-
-    ``direct`` asks for ``O_DIRECT`` (with ``pacing.direct_io``): pieces that
-    are page-aligned go by DMA from their memory, bypassing the page cache; the
-    first piece that is not (a short tail) and everything after it go through
-    the cache; a filesystem that refuses ``O_DIRECT`` gets the cache throughout.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{next(_tmp_counter)}"
-    throttle = Throttle(pacing.max_bytes_per_s)
-    written = synced = 0
-    fd = -1
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        direct = direct and pacing.direct_io and _set_direct(fd, True)
+    """Write ``pieces`` to ``path`` as an ``AtomicFile`` (see there: temp name, fsync,
+    rename, ``O_DIRECT`` with ``direct``). Returns the bytes written."""
+    with AtomicFile(path, pacing=pacing, tier=tier, ref=ref, direct=direct) as out:
         for piece in pieces:
-            view = memoryview(piece).cast("B")
-            if direct:
-                aligned = _aligned_prefix(view)
-                while aligned:
-                    try:
-                        n = os.write(fd, view[:aligned])
-                    except OSError as exc:
-                        if exc.errno != errno.EINVAL:
-                            raise
-                        n = 0  # this file or device refuses it after all
-                    if n <= 0:
-                        break
-                    view, aligned = view[n:], aligned - n
-                    written += n
-                    synced = written  # nothing of it sits in the page cache
-                    throttle(n)
-                    if n % _DIRECT_ALIGN:  # a short write: the offset is unaligned now
-                        break
-                if view:
-                    direct = _set_direct(fd, False)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-                written += n
-                throttle(n)
-            if written - synced >= pacing.sync_bytes:
-                os.fdatasync(fd)
-                if pacing.drop_cache:
-                    os.posix_fadvise(fd, synced, written - synced, os.POSIX_FADV_DONTNEED)
-                synced = written
-        os.fsync(fd)
-        if pacing.drop_cache:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-        fd = -1
-        os.rename(tmp, path)
-        fsync_dir(path.parent)
-        return written
-    except BaseException as exc:
-        if fd >= 0:
-            os.close(fd)
-        tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            why = "the disk is full" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
-            raise TierError(
-                f"writing {path} failed: {why}", tier=tier, ref=ref.merged(ShardRef(path=str(path)))
-            ) from exc
-        raise
+            out.write(piece)
+    return out.written
 
 
 class DiskTier(Tier):

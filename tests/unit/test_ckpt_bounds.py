@@ -26,7 +26,7 @@ import pytest
 import torch
 import zstandard
 from aiohttp import web
-from ckpt_helpers import assert_bit_identical
+from ckpt_helpers import assert_bit_identical, small_tmpfs
 from test_ckpt_agent_mode import JOB, AgentHarness
 
 import ckpt
@@ -36,7 +36,7 @@ from ckpt import Checkpointer, CheckpointError, LocalFolderStore, ObjectTier, Sh
 from ckpt.objects import ObjectTooLarge
 from ckpt.peer import HttpPeerStore, PeerError, SealCheck
 from ckpt.remote import AgentClient, AgentEnv
-from ckpt.tiers import TierManifest
+from ckpt.tiers import Pacing, TierManifest
 from phalanx.http import bearer_ok, serve
 
 GIB = 1 << 30
@@ -173,23 +173,33 @@ def test_a_seal_check_stops_decompressing_a_zstd_bomb_at_its_limit_in_bounded_me
     assert peak < 16 * MIB
 
 
-@pytest.fixture
-async def buddy(tmp_path: Path) -> AsyncIterator[tuple[HttpPeerStore, Path]]:
-    """A buddy's peer routes on a loopback port, refusing shards past 8 MiB."""
-    root = tmp_path / "ckpt-peer"
+@contextlib.asynccontextmanager
+async def running_buddy(root: Path, limit: int) -> AsyncIterator[HttpPeerStore]:
+    """A buddy's peer routes on a loopback port, keeping objects under ``root`` and
+    refusing shards past ``limit`` bytes."""
     pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="test-peer")
     agent = SimpleNamespace(
         node="n02",
-        ckpt=SimpleNamespace(peer_root=root, peer_io=pool, peer_store=LocalFolderStore(root)),
+        ckpt=SimpleNamespace(peer_root=root, peer_io=pool, peer_store=LocalFolderStore(root),
+                             pacing=Pacing()),
     )
     app = web.Application()
     add_peer_routes(app, agent, lambda request: bearer_ok(request, TOKEN.encode()),  # type: ignore[arg-type]
-                    max_shard_bytes=CkptSettings(peer_max_shard_bytes=8 * MIB).peer_max_shard_bytes)
-    async with serve(app, lambda runner: web.TCPSite(runner, "127.0.0.1", 0),
-                     "test buddy") as runner:  # fmt: skip
-        port = runner.addresses[0][1]
-        yield HttpPeerStore("n02", "127.0.0.1", port, TOKEN, timeout_s=60), root
-    pool.shutdown(wait=True)
+                    max_shard_bytes=CkptSettings(peer_max_shard_bytes=limit).peer_max_shard_bytes)
+    try:
+        async with serve(app, lambda runner: web.TCPSite(runner, "127.0.0.1", 0),
+                         "test buddy") as runner:  # fmt: skip
+            yield HttpPeerStore("n02", "127.0.0.1", runner.addresses[0][1], TOKEN, timeout_s=60)
+    finally:
+        pool.shutdown(wait=True)
+
+
+@pytest.fixture
+async def buddy(tmp_path: Path) -> AsyncIterator[tuple[HttpPeerStore, Path]]:
+    """A buddy refusing shards past 8 MiB."""
+    root = tmp_path / "ckpt-peer"
+    async with running_buddy(root, 8 * MIB) as store:
+        yield store, root
 
 
 async def cut_short(request: web.Request) -> web.StreamResponse:
@@ -286,6 +296,40 @@ async def test_a_buddy_stores_a_sealed_compressed_shard_under_its_limit(
                             [zstandard.ZstdCompressor(level=1).compress(bytes(shard))])
 
     assert stored_files(root) == [root / key.relpath(".zst")]
+
+
+async def test_a_buddy_stores_a_shard_of_many_parts_bit_for_bit_whatever_the_pieces(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "ckpt-peer"
+    key = ShardKey("job-1", 2, 0)
+    shard, _ = sealed({"w": torch.randn(5 * MIB + 333)}, key)  # 20 MiB and an odd tail
+    pieces = [bytes(shard[i : i + 3 * MIB + 1]) for i in range(0, len(shard), 3 * MIB + 1)]
+
+    async with running_buddy(root, 64 * MIB) as store:
+        await asyncio.to_thread(store.put_stream, key.relpath(), pieces)
+
+    assert stored_files(root) == [root / key.relpath()]  # no temp file left beside it
+    assert (root / key.relpath()).read_bytes() == bytes(shard)
+
+
+async def test_a_buddy_whose_disk_is_full_answers_507_naming_it_and_keeps_what_it_had(
+    tmp_path: Path,
+) -> None:
+    with small_tmpfs(tmp_path / "small", "4m") as root:
+        kept, _ = sealed({"w": torch.ones(128 << 10)}, ShardKey("job-1", 1, 0))  # 512 KiB
+        big, _ = sealed({"w": torch.ones(MIB + 5)}, ShardKey("job-1", 2, 0))  # 4 MiB: no room
+        async with running_buddy(root, 64 * MIB) as store:
+            await asyncio.to_thread(store.put_stream, "job-1/000000000001/rank-00000.phx",
+                                    [bytes(kept)])  # fmt: skip
+            with pytest.raises(PeerError) as full:
+                await asyncio.to_thread(store.put_stream, "job-1/000000000002/rank-00000.phx",
+                                        [bytes(big)])  # fmt: skip
+
+        assert "answered 507" in str(full.value) and "disk is full" in str(full.value)
+        assert "000000000002/rank-00000.phx" in str(full.value)
+        assert stored_files(root) == [root / "job-1/000000000001/rank-00000.phx"]
+        assert (root / "job-1/000000000001/rank-00000.phx").read_bytes() == bytes(kept)
 
 
 # --------------------------------------------------------------------------- the rank route

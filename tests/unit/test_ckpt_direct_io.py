@@ -13,7 +13,7 @@ import pytest
 
 from ckpt import DiskTier, LocalFolderStore, ObjectTier, Pacing, ShardKey, tiers
 from ckpt.format import BufferLike, checksum
-from ckpt.objects import PART_NBYTES, _PartBuffer, _regroup
+from ckpt.objects import PART_NBYTES, _regroup
 from ckpt.tiers import TierManifest
 
 
@@ -94,7 +94,7 @@ def test_the_folder_object_store_writes_whole_parts_by_direct_io(
 def test_parts_refilled_into_one_buffer_are_the_parts_joined(sizes: list[int]) -> None:
     pieces = [os.urandom(n) for n in sizes]
     joined = [bytes(part) for part in _regroup(pieces)]
-    buffer = _PartBuffer()
+    buffer = tiers.AlignedBuffer(PART_NBYTES)
     refilled = [bytes(part) for part in _regroup(pieces, buffer)]  # copied before the next
 
     assert refilled == joined
