@@ -20,6 +20,9 @@
   own, with a real supervisor catalog committing what lands): ``stall_s`` per
   save, ``wait_s`` until committed on RAM, NVMe and object store, restores
   from its RAM slot, and the compute lost while it writes down.
+* ``peer``: the peer tier alone, pushing to a buddy (agentd's peer routes in a
+  process of their own on a loopback port): ``write_s``, the CPU of the
+  sender's write-down threads and of the buddy, and restores from it.
 * ``torch_save_fsync_stall_s``; ``dcp_async_save``: torch's
   ``torch.distributed.checkpoint.async_save`` (single process, no group) as
   it comes (each call makes a new stager: every save stages into newly
@@ -35,9 +38,12 @@
   ``disk`` (NVMe tier only, like DLRover, which writes to disk only) and
   ``full`` (NVMe + object store with zstd where it pays: on this fp32 noise,
   which saves 7.6%, the chunks go raw) and ``full_zstd_always`` (every chunk
-  through zstd, ``compress_min_saving=0``); ``writer_cpu_s_per_gib`` is the
-  CPU the write-down threads used (robust to other load, which the matmul
-  rates are not: on a shared machine read it first). With ``--variants`` the
+  through zstd, ``compress_min_saving=0``), and ``all_tiers`` (NVMe, the
+  peer tier to the buddy and the object store; the buddy runs on the same
+  cores, and its CPU is counted with the writers': in a fleet the buddy is a
+  node that trains too); ``writer_cpu_s_per_gib`` is the CPU the write-down
+  threads used (robust to other load, which the matmul rates are not: on a
+  shared machine read it first). With ``--variants`` the
   disk-only one again with writer threads at nice 19 and at SCHED_IDLE (not
   the full one: a zstd writer at SCHED_IDLE next to a loop that keeps every
   core busy gets ~2% of a core and takes minutes per GiB).
@@ -80,6 +86,7 @@ import mmap
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -87,7 +94,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +105,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
-from ckpt import Checkpointer, Pacing, ShardKey  # noqa: E402
+from ckpt import Checkpointer, LocalFolderStore, ObjectTier, Pacing, ShardKey  # noqa: E402
+from ckpt.peer import HttpPeerStore  # noqa: E402
 
 GIB = 1 << 30
 
@@ -270,8 +278,9 @@ def compute_lost(save_and_poll: Callable[[], Callable[[], bool]], nbytes: int,
             "writer_cpu_s_per_gib": writer_cpu / gib}  # fmt: skip
 
 
-def standalone_loss(root: Path, state: dict[str, Any], tiers: list[str], pacing: Pacing,
-                    nbytes: int, namespace: str) -> dict[str, Any]:  # fmt: skip
+def standalone_loss(root: Path, state: dict[str, Any], tiers: list[Any], pacing: Pacing,
+                    nbytes: int, namespace: str,
+                    other_writers: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
     c = Checkpointer(dir=root, tiers=tiers, object_store=str(root / "objects"), keep=1,
                      pacing=pacing, ram_namespace=f"{namespace}-{root.name}")  # fmt: skip
     try:
@@ -284,6 +293,7 @@ def standalone_loss(root: Path, state: dict[str, Any], tiers: list[str], pacing:
             return lambda: not c.engine.idle()
 
         stats = [f"/proc/self/task/{t.native_id}/stat" for t in c.engine.threads]
+        stats += other_writers  # a buddy's process: its CPU is a node's too
         out: dict[str, Any] = dict(compute_lost(save, nbytes, stats))
         c.wait()
         out["tier_write_s"] = {e.tier: e.seconds for e in c.events
@@ -342,6 +352,96 @@ def timed_restore(c: Checkpointer, state: dict[str, Any], into: Any = None) -> f
     if into is not None:
         assert found[1]["model"]["p0"] is into["model"]["p0"] and not c.restored_fresh
     return seconds
+
+
+# --------------------------------------------------------------------------- peer tier
+
+
+def serve_buddy(root: Path, port: int) -> None:
+    """A buddy node's side of the peer tier, in a process of its own: agentd's peer
+    routes (the seal check, the O_DIRECT staging) on a loopback port. Stops on SIGTERM."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from aiohttp import web
+
+    from agentd.ckpt_http import add_peer_routes
+
+    pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="ckpt-peer")
+    agent = SimpleNamespace(node="buddy", ckpt=SimpleNamespace(
+        peer_root=root, peer_io=pool, pacing=Pacing(), peer_store=LocalFolderStore(root)))
+    app = web.Application()
+    add_peer_routes(app, agent, lambda request: True,  # type: ignore[arg-type]
+                    max_shard_bytes=64 * GIB)  # fmt: skip
+    web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True)
+
+
+class Buddy:
+    """``serve_buddy`` in a child process, and peer tiers pushing to it."""
+
+    def __init__(self, root: Path) -> None:
+        from phalanx.local import free_port
+
+        self.port = free_port()
+        self.child = subprocess.Popen([sys.executable, __file__, "--serve-buddy", str(root),
+                                       "--buddy-port", str(self.port)])  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if self.child.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the bench's buddy did not start "
+                                       f"(exit {self.child.poll()})") from None
+                time.sleep(0.05)
+        self.stat = f"/proc/{self.child.pid}/stat"
+
+    def tier(self, pacing: Pacing) -> ObjectTier:
+        """A peer tier as an agent builds one: zstd where it pays, over HTTP."""
+        return ObjectTier(HttpPeerStore("buddy", "127.0.0.1", self.port, "-"), name="peer",
+                          pacing=pacing, level=pacing.compress_level)  # fmt: skip
+
+    def stop(self) -> None:
+        self.child.send_signal(signal.SIGTERM)
+        try:
+            self.child.wait(60)
+        except subprocess.TimeoutExpired:
+            self.child.kill()
+            self.child.wait()
+
+
+def peer_tier(root: Path, state: dict[str, Any], buddy: Buddy, pacing: Pacing,
+              namespace: str) -> dict[str, Any]:  # fmt: skip
+    """One save written down to the peer tier alone: how long, the sender's and the
+    buddy's CPU, and restores from it (into new tensors and into a live state)."""
+    c = Checkpointer(dir=root, tiers=[buddy.tier(pacing)], keep=1, pacing=pacing,
+                     ram_namespace=f"{namespace}-{root.name}")  # fmt: skip
+    try:
+        c.reserve(state)
+        stats = [f"/proc/self/task/{t.native_id}/stat" for t in c.engine.threads]
+        mine, theirs = cpu_seconds(stats), cpu_seconds([buddy.stat])
+        c.save(1, state)
+        c.wait()
+        out: dict[str, Any] = {
+            "write_s": next(e.seconds for e in c.events
+                            if e.kind == "landed" and e.tier == "peer"),
+            "sender_cpu_s": cpu_seconds(stats) - mine,
+            "buddy_cpu_s": cpu_seconds([buddy.stat]) - theirs,
+        }  # fmt: skip
+        into = touched_like(state)
+        key = ShardKey("local", 1, 0)
+        for name, target in (("restore_s", None), ("restore_into_s", into)):
+            start = time.perf_counter()
+            got = c._read(c.tiers[0], key, target)
+            out[name] = time.perf_counter() - start
+            assert got is not None and torch.equal(got[0]["model"]["p0"], state["model"]["p0"])
+            del got
+        return out
+    finally:
+        c.close()
+        c.ram.unlink()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- agent mode
@@ -466,14 +566,19 @@ def main() -> None:
     parser.add_argument("--variants", action="store_true",
                         help="also measure the compute loss with writers at nice 19 and SCHED_IDLE")
     parser.add_argument("--skip", default="", help="comma-separated sections to leave out: "
-                        "baselines, dcp, agent, compute")  # fmt: skip
+                        "baselines, dcp, peer, agent, compute")  # fmt: skip
     parser.add_argument("--agent-nice", type=int, default=0,
                         help="niceness of the agent's write-down threads (agentd's "
                         "ckpt.write_nice; default 0, as there)")
     parser.add_argument("--serve-agent", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-buddy", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--buddy-port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_agent:
         serve_agent(Path(args.serve_agent), args.agent_nice)
+        return
+    if args.serve_buddy:
+        serve_buddy(Path(args.serve_buddy), args.buddy_port)
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # still print what was measured
     skip = set(filter(None, args.skip.split(",")))
@@ -487,6 +592,7 @@ def main() -> None:
         "size_gib": nbytes / GIB, "pacing": {f: getattr(pacing, f) for f in pacing.__slots__},
         "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
     }  # fmt: skip
+    buddy: Buddy | None = None
     try:
         out["memcpy_s"] = memcpy_limit(state, 3)
         out["memcpy_s_by_threads"] = memcpy_by_threads(state)
@@ -571,6 +677,12 @@ def main() -> None:
             del loaded
         out["restore_s"] = restore
 
+        buddy = None if "peer" in skip else Buddy(root / "buddy")
+        if buddy is not None:
+            out["peer"] = peer_tier(root / "peer", state, buddy, pacing, namespace)
+            restore["peer"] = out["peer"]["restore_s"]
+            restore["peer_into"] = out["peer"]["restore_into_s"]
+
         if "dcp" not in skip:
             out["dcp_async_save"] = dcp_stalls(state, root, min(args.saves, 3), warm=False)
             out["dcp_async_save"]["warm"] = dcp_stalls(state, root, min(args.saves, 3), warm=True)
@@ -585,6 +697,10 @@ def main() -> None:
             for name, tiers, p in runs:
                 compute[name] = standalone_loss(root / f"loss-{name}", state, tiers, p, nbytes,
                                                 namespace)  # fmt: skip
+            if buddy is not None:  # every tier: the buddy's CPU counts as the writers'
+                compute["all_tiers"] = standalone_loss(
+                    root / "loss-all", state, ["disk", buddy.tier(pacing), "object"], pacing,
+                    nbytes, namespace, [buddy.stat])  # fmt: skip
             out["compute"] = compute
 
         if "agent" not in skip:
@@ -625,6 +741,8 @@ def main() -> None:
         out["error"] = repr(exc)  # what was measured so far still gets printed
         raise
     finally:
+        if buddy is not None:
+            buddy.stop()
         shutil.rmtree(root, ignore_errors=True)
         for segment in Path("/dev/shm").glob(f"{namespace}-*.slot*"):  # if a step failed
             segment.unlink(missing_ok=True)
