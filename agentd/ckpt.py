@@ -51,6 +51,7 @@ from ckpt import (
 from ckpt.objects import ShardReader
 from ckpt.peer import HttpPeerStore
 from ckpt.ram import Slot
+from ckpt.tiers import place_writer_thread
 from phalanx import wire
 
 log = logging.getLogger(__name__)
@@ -135,10 +136,16 @@ class CkptService:
         # commit pushing a manifest to a buddy, can block for long, and a buddy's pushes to
         # us must never queue behind them (two agents would wait on each other).
         self.slow = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="ckpt-req")
-        self.peer_io = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="ckpt-peer")
+        # Both take CPU from the node (a buddy's pushes checked and staged, manifests written):
+        # on the write-down's CPUs and niceness, as the engines' writers are.
+        self.peer_io = concurrent.futures.ThreadPoolExecutor(
+            4, thread_name_prefix="ckpt-peer", initializer=place_writer_thread,
+            initargs=(self.pacing,))  # fmt: skip
         # Catalog application writes manifests at every tier (a buddy, the object store):
         # its own threads, so that a slow or black-holed tier never holds up a rank's save.
-        self.commits = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="ckpt-commit")
+        self.commits = concurrent.futures.ThreadPoolExecutor(
+            4, thread_name_prefix="ckpt-commit", initializer=place_writer_thread,
+            initargs=(self.pacing,))  # fmt: skip
         self._appliers: dict[str, asyncio.Task[None]] = {}
         self._reapply: set[str] = set()  # jobs whose latest catalog some store has not seen
         self._closing = False

@@ -7,6 +7,7 @@ explained next to it; they follow what large GPU fleets drain on in practice
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -132,6 +133,25 @@ class CkptSettings(_Section):
         "any compute; nice 19 spared the loop but took 262 s. Raise it only where the "
         "ranks' CPU work matters more than how soon checkpoints are durable.",
     )
+    write_cpus: list[int] = Field(
+        default_factory=list,
+        description="CPUs the agent's write-down runs on (its checkpoint writer threads and "
+        "the threads that take a buddy's pushes), kept free of the ranks, which this "
+        "node's agent starts on the other CPUs: the write-down off the training cores, on "
+        "a node with cores to spare. Empty (the default): anywhere, ranks too.",
+    )
+
+    @field_validator("write_cpus")
+    @classmethod
+    def _usable_cpus(cls, cpus: list[int]) -> list[int]:
+        usable = os.sched_getaffinity(0)
+        if unknown := sorted(set(cpus) - usable):
+            raise ValueError(f"CPU(s) {unknown} are not among this node's usable CPUs "
+                             f"({','.join(map(str, sorted(usable)))})")
+        if set(cpus) >= usable:
+            raise ValueError("that leaves the ranks no CPU: keep at least one out of it")
+        return sorted(set(cpus))
+
     compress_level: int = Field(
         default=1, ge=-7, le=22,
         description="zstd level of the peer and object tiers (negative: zstd's fast levels). "

@@ -81,7 +81,8 @@ class Agent:
         self.ledger = CommandLedger(self.node, self._execute)
         self.socket_path = settings.socket_path()
         self.ranks = RankRunner(self.node, settings.data_dir, self.socket_path,
-                                self._on_rank_event, gpus=[g.index for g in self.inventory])
+                                self._on_rank_event, gpus=[g.index for g in self.inventory],
+                                not_on_cpus=set(settings.ckpt.write_cpus))  # fmt: skip
         self._loop: asyncio.AbstractEventLoop | None = None
         # The agents' shared HTTP token (peer tier, rank logs), read once; unreadable or
         # unset, the token routes answer 403.
@@ -98,7 +99,8 @@ class Agent:
                                 pacing=Pacing(
                                     nice=settings.ckpt.write_nice,
                                     compress_level=settings.ckpt.compress_level,
-                                    compress_min_saving=settings.ckpt.compress_min_saving))
+                                    compress_min_saving=settings.ckpt.compress_min_saving,
+                                    cpus=tuple(settings.ckpt.write_cpus)))
         self.link = MqttLink(
             settings.mqtt.resolved(),
             f"agentd-{self.node}",

@@ -54,9 +54,13 @@ Reporter = Callable[[wire.RankEvent], Awaitable[None]]
 
 class RankRunner:
     def __init__(self, node: str, data_dir: Path, socket_path: Path, report: Reporter,
-                 gpus: list[int] | None = None) -> None:
+                 gpus: list[int] | None = None, not_on_cpus: set[int] | None = None) -> None:
         self.node = node
         self.gpus = list(gpus or [])
+        # The CPUs the ranks run on: all this agent may use but those kept for its
+        # checkpoint write-down (ckpt.write_cpus); None: no restriction.
+        usable = os.sched_getaffinity(0)
+        self.cpus = usable - not_on_cpus if not_on_cpus and usable - not_on_cpus else None
         self.data_dir = data_dir
         self.socket_path = socket_path
         self._report = report
@@ -157,6 +161,8 @@ class RankRunner:
                     await self._stop(req.job, req.generation, grace_s=5.0)
                     raise CommandError(f"job {req.job}: cannot start {req.command[0]!r} on "
                                        f"node {self.node}: {exc.strerror or exc}") from exc
+            if self.cpus is not None:
+                self._keep_off_write_cpus(proc.pid)
             rank = Rank(req.job, req.generation, slot, proc, log_path, time.time())
             self._ranks[(req.job, slot.rank)] = rank
             self._record()
@@ -168,6 +174,16 @@ class RankRunner:
                      slot.rank, proc.pid, extra={"job": req.job, "rank": slot.rank,
                                                  "event": "rank_started"})
         return {"pids": pids}
+
+    def _keep_off_write_cpus(self, pid: int) -> None:
+        """Put a rank just started on ``self.cpus``. It has only just exec'd (a rank's
+        interpreter takes far longer to start threads, importing torch), and every
+        thread and child it makes inherits it; a rank may widen it again itself."""
+        assert self.cpus is not None
+        try:
+            os.sched_setaffinity(pid, self.cpus)
+        except OSError as exc:  # gone already (its exit is reported), or refused
+            log.warning("could not keep rank process %d off the write-down CPUs: %s", pid, exc)
 
     def _assign_gpus(self, req: wire.StartRanksArgs) -> list[wire.RankSlot]:
         """Give each slot a GPU no other job holds, in index order, and claim them."""

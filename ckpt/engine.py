@@ -33,7 +33,7 @@ from typing import Literal, Protocol
 from ckpt.errors import CheckpointError, TierError
 from ckpt.format import seal
 from ckpt.ram import RamTier, Slot
-from ckpt.tiers import Pacing, ShardKey, Tier, TierManifest, lower_thread_priority
+from ckpt.tiers import Pacing, ShardKey, Tier, TierManifest, place_writer_thread
 
 __all__ = ["Catalog", "Engine", "EventKind", "LocalCatalog", "TierEvent"]
 
@@ -169,7 +169,7 @@ class Engine:
         self.sealq.put(_Work(slot, key))
 
     def _loop(self, q: queue.SimpleQueue[_Work | None], step: Callable[[_Work], None]) -> None:
-        lower_thread_priority(self.pacing.nice, self.pacing.idle)
+        place_writer_thread(self.pacing)
         while (work := q.get()) is not None:
             try:
                 step(work)

@@ -256,6 +256,12 @@ class Pacing:
     trades compute for time: the agent's full write-down (zstd included) took
     6 s at nice 0, 34 s at nice 10 with no compute saved, 262 s at nice 19
     (agentd's ``ckpt.write_nice``).
+
+    ``cpus`` keeps the writer threads on those CPUs (empty: wherever the
+    scheduler puts them): the way to take the write-down off the training
+    cores where a node has cores the ranks do not use (agentd's
+    ``ckpt.write_cpus``, which also keeps the ranks off them). A CPU this
+    process may not use is refused here.
     """
 
     chunk_bytes: int = 8 << 20
@@ -267,8 +273,15 @@ class Pacing:
     idle: bool = False
     compress_level: int = 1
     compress_min_saving: float = 0.10
+    cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.cpus:
+            usable = os.sched_getaffinity(0)
+            if not set(self.cpus) <= usable:
+                raise ValueError(f"Pacing.cpus {sorted(self.cpus)}: CPU(s) "
+                                 f"{sorted(set(self.cpus) - usable)} are not among those this "
+                                 f"process may use ({_cpu_list(usable)})")  # fmt: skip
         if self.chunk_bytes <= 0 or self.sync_bytes < self.chunk_bytes:
             raise ValueError("Pacing needs chunk_bytes > 0 and sync_bytes >= chunk_bytes")
         if not 0 <= self.nice <= 19:
@@ -313,6 +326,22 @@ def lower_thread_priority(nice: int, idle: bool = False) -> None:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError as exc:
             log.debug("could not make the writer thread SCHED_IDLE: %s", exc)
+
+
+def place_writer_thread(pacing: Pacing) -> None:
+    """Apply ``pacing``'s niceness, ``SCHED_IDLE`` and CPUs to the calling thread (Linux:
+    pid 0 of ``sched_setaffinity`` is the calling thread). Not fatal where refused."""
+    lower_thread_priority(pacing.nice, pacing.idle)
+    if pacing.cpus:
+        try:
+            os.sched_setaffinity(0, pacing.cpus)
+        except OSError as exc:
+            log.warning("could not keep the writer thread on CPUs %s: %s",
+                        _cpu_list(pacing.cpus), exc)  # fmt: skip
+
+
+def _cpu_list(cpus: Iterable[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
 
 
 def chunks(view: memoryview, size: int) -> Iterator[memoryview]:

@@ -275,3 +275,18 @@ def test_a_bad_secret_value_is_not_echoed_in_the_error(tmp_path: Path) -> None:
 
     assert "mqtt.password" in str(err.value)
     assert "982734982734" not in str(err.value)
+
+
+def test_write_cpus_name_cpus_this_node_has_and_leave_the_ranks_one(tmp_path: Path) -> None:
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < 2:
+        pytest.skip("one usable CPU: nothing can be kept for the write-down")
+    kept = agentd.config.load(["--config", str(_toml(
+        tmp_path, f"[ckpt]\nwrite_cpus = [{usable[-1]}, {usable[-1]}]\n"))])
+    assert kept.ckpt.write_cpus == [usable[-1]]
+
+    with pytest.raises(ConfigError, match=r"ckpt\.write_cpus.*4095.*not among"):
+        agentd.config.load(["--config", str(_toml(tmp_path, "[ckpt]\nwrite_cpus = [4095]\n"))])
+    with pytest.raises(ConfigError, match=r"ckpt\.write_cpus.*leaves the ranks no CPU"):
+        agentd.config.load(["--config", str(_toml(
+            tmp_path, f"[ckpt]\nwrite_cpus = {usable}\n"))])
