@@ -468,7 +468,10 @@ def serve_agent(root: Path, nice: int) -> None:
         catalog = CheckpointCatalog(Store(root / "sup" / "state.db"))
         tasks: set[asyncio.Future[None]] = set()
 
-        def landing(msg: wire.CkptLanding) -> None:  # from the engine's threads
+        def landing(msg: wire.CkptLanding | wire.CkptReleased) -> None:  # from any thread
+            if not isinstance(msg, wire.CkptLanding):
+                return  # the job never ends here
+
             def on_loop() -> None:
                 if catalog.on_landing(msg, world_size=1):
                     task = asyncio.ensure_future(service.on_catalog(

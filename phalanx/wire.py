@@ -38,7 +38,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+)
 
 PREFIX = "phalanx/v1"
 MAX_PAYLOAD_BYTES = 256 * 1024
@@ -428,7 +436,18 @@ class SupervisorStatus(_Msg):
 
 Message = (NodeBirth | NodeDeath | Heartbeat | Command | CommandAck | SupervisorStatus
            | RankEvent | CkptLanding | CkptReleased | CkptCatalog)
-CkptReport = Annotated[CkptLanding | CkptReleased, Field(discriminator="kind")]
+
+
+def _ckpt_kind(value: Any) -> str:
+    """Which message a ``ckpt`` payload is: its ``kind``, ``ckpt`` (a landing) when it
+    names none, as a landing's ``kind`` has a default."""
+    kind = value.get("kind", "ckpt") if isinstance(value, dict) else getattr(value, "kind", "")
+    return kind if isinstance(kind, str) else ""
+
+
+CkptReport = Annotated[Annotated[CkptLanding, Tag("ckpt")]
+                       | Annotated[CkptReleased, Tag("ckpt_released")],
+                       Discriminator(_ckpt_kind)]  # fmt: skip
 
 
 # --- topics --------------------------------------------------------------

@@ -61,6 +61,8 @@ class Supervisor:
         self._catalog_sent: dict[str, bytes] = {}  # topic -> the payload last published
         self._landings: list[wire.CkptLanding] = []
         self._landing_flush: asyncio.TimerHandle | None = None
+        self._releases: list[wire.CkptReleased] = []
+        self._release_flush: asyncio.TimerHandle | None = None
         self._catalog_retry: asyncio.TimerHandle | None = None
         self._catalog_retry_jobs: set[str] = set()
         self._catalog_locks: dict[str, asyncio.Lock] = {}
@@ -113,7 +115,8 @@ class Supervisor:
         # The link is closed: no landing comes any more. Record those acknowledged to the
         # broker (the catalogs are published again on the next start).
         self._closed = True
-        for handle in (self._landing_flush, self._catalog_retry, *self._ram_lingers.values()):
+        for handle in (self._landing_flush, self._release_flush, self._catalog_retry,
+                       *self._ram_lingers.values()):  # fmt: skip
             if handle is not None:
                 handle.cancel()
         for task in list(self._catalog_tasks):
@@ -198,28 +201,41 @@ class Supervisor:
                     del self._catalog_sent[topic]
                 self.catalog.forget_job(job_id)
 
-    async def _clear_ended_catalog(self, msg: wire.CkptReleased) -> None:
-        """A node let go of an ended job: clear the job's catalog retained for it, so the
+    async def flush_releases(self) -> None:
+        """Clear the catalogs of ended jobs that nodes let go of since the last flush."""
+        batch, self._releases = self._releases, []
+        nodes: dict[str, set[str]] = {}
+        for msg in batch:
+            nodes.setdefault(msg.job, set()).add(msg.node)
+        for job, let_go in sorted(nodes.items()):
+            await self.clear_ended_catalogs(job, let_go)
+
+    async def clear_ended_catalogs(self, job: str, let_go: set[str]) -> None:
+        """Nodes let go of an ended job: clear the job's catalog retained for each, so the
         broker stops delivering it at every reconnect.
 
         Every release clears, even one for a node cleared before: the clear goes out
         after the catalog that node answered, and under the job's publish lock, so no
         catalog is left retained behind it. A clear the link refuses waits for the next
         release (the agent gets the catalog again when it reconnects)."""
+        cleared: list[str] = []
         try:
-            async with self._catalog_locks.setdefault(msg.job, asyncio.Lock()):
-                if not self.store.ended_catalog_went_to(msg.job, msg.node):
-                    return  # not an ended job of that node's
-                await self.link.publish(wire.catalog_topic(msg.job, msg.node), b"",
-                                        retain=True)  # fmt: skip
-                self.store.ended_catalog_released(msg.job, msg.node, time.time())
+            async with self._catalog_locks.setdefault(job, asyncio.Lock()):
+                try:
+                    for node in sorted(let_go & self.store.ended_catalogs_sent_to(job)):
+                        await self.link.publish(wire.catalog_topic(job, node), b"", retain=True)
+                        cleared.append(node)
+                finally:
+                    if cleared:
+                        self.store.ended_catalogs_cleared(job, cleared, time.time())
+                released = self.store.ended_catalogs_released(job)
         except (LinkDown, StoreError) as exc:
-            log.warning("job %s: the ended catalog for %s was not cleared: %s", msg.job,
-                        msg.node, exc)
+            log.warning("job %s: ended catalogs not cleared for %s: %s", job,
+                        ", ".join(sorted(let_go - set(cleared))), exc)
             return
-        if self.store.ended_catalogs_released(msg.job):
+        if released and cleared:
             log.info("job %s: every node let go of its checkpoints; its catalogs are cleared",
-                     msg.job)
+                     job)
 
     def _ram_freed(self, job: Job) -> bool:
         """Whether the job's nodes free its RAM tier now (the catalog says ``ended``): it
@@ -328,7 +344,10 @@ class Supervisor:
                 self._landings.append(msg)
                 self._schedule(LANDING_BATCH_S, "_landing_flush", self.flush_landings)
             case wire.CkptReleased():
-                await self._clear_ended_catalog(msg)
+                # Every node of an ended job answers at once: clear them in batches, off this
+                # loop, which heartbeats and acks must never queue behind.
+                self._releases.append(msg)
+                self._schedule(LANDING_BATCH_S, "_release_flush", self.flush_releases)
             case wire.NodeBirth():
                 self.registry.on_birth(msg)
                 self.jobs.wake()

@@ -287,15 +287,18 @@ class Store(CatalogQueries):
                 self._write("INSERT OR IGNORE INTO ckpt_ended_catalogs (job, node) VALUES (?, ?)",
                             (job, node))
 
-    def ended_catalog_went_to(self, job: str, node: str) -> bool:
-        """Whether ``job``'s ended catalog was published for ``node``."""
-        row = self._db.execute("SELECT 1 FROM ckpt_ended_catalogs WHERE job = ? AND node = ?",
-                               (job, node)).fetchone()
-        return row is not None
+    def ended_catalogs_sent_to(self, job: str) -> set[str]:
+        """The nodes ``job``'s ended catalog was published for."""
+        rows = self._db.execute("SELECT node FROM ckpt_ended_catalogs WHERE job = ?",
+                                (job,)).fetchall()
+        return {str(r[0]) for r in rows}
 
-    def ended_catalog_released(self, job: str, node: str, at: float) -> None:
-        self._write("UPDATE ckpt_ended_catalogs SET released_at = ? WHERE job = ? AND node = ? "
-                    "AND released_at IS NULL", (at, job, node))
+    def ended_catalogs_cleared(self, job: str, nodes: list[str], at: float) -> None:
+        """The job's ended catalogs of ``nodes`` were cleared from the broker."""
+        with self.batch():
+            for node in nodes:
+                self._write("UPDATE ckpt_ended_catalogs SET released_at = ? WHERE job = ? AND "
+                            "node = ? AND released_at IS NULL", (at, job, node))
 
     def ended_catalogs_let_go(self, job: str) -> set[str]:
         """The nodes that let go of the job, their ended catalogs cleared."""

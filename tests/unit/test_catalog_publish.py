@@ -229,10 +229,6 @@ class HeldLink(SlowLink):
         self.retained[topic] = payload
 
 
-def released(node: str) -> wire.CkptReleased:
-    return wire.CkptReleased(node=node, job="j-1", at=time.time())
-
-
 def test_a_node_that_let_go_is_cleared_even_when_a_catalog_for_it_was_in_flight(
     tmp_path: Path,
 ) -> None:
@@ -252,20 +248,19 @@ def test_a_node_that_let_go_is_cleared_even_when_a_catalog_for_it_was_in_flight(
         link.release.clear()
         second = asyncio.create_task(Supervisor.publish_catalog(sup, "j-1"))  # type: ignore[arg-type]
         await asyncio.sleep(0.05)  # it waits on n02's PUBACK
-        clear = asyncio.create_task(Supervisor._clear_ended_catalog(sup, released("n02")))  # type: ignore[arg-type]
+        clear = asyncio.create_task(Supervisor.clear_ended_catalogs(sup, "j-1", {"n02"}))  # type: ignore[arg-type]
         await asyncio.sleep(0.05)
         link.release.set()
         await asyncio.gather(second, clear)
         # n02's agent answers the second catalog too, as it does every one it is handed.
-        await Supervisor._clear_ended_catalog(sup, released("n02"))  # type: ignore[arg-type]
+        await Supervisor.clear_ended_catalogs(sup, "j-1", {"n02"})  # type: ignore[arg-type]
 
     asyncio.run(scenario())
 
     assert link.retained[topic] == b""
     assert catalog.store.ended_catalogs_let_go("j-1") == {"n02"}
     assert not catalog.store.ended_catalogs_released("j-1")  # the other nodes still hold it
-    for node in NODES:
-        asyncio.run(Supervisor._clear_ended_catalog(sup, released(node)))  # type: ignore[arg-type]
+    asyncio.run(Supervisor.clear_ended_catalogs(sup, "j-1", set(NODES)))  # type: ignore[arg-type]
     assert catalog.store.ended_catalogs_released("j-1")
     assert all(link.retained[wire.catalog_topic("j-1", n)] == b"" for n in NODES)
 
@@ -278,6 +273,44 @@ def test_a_release_for_a_job_whose_catalog_never_ended_clears_nothing(tmp_path: 
     sup = supervisor_of(catalog, link)  # the job runs
     asyncio.run(Supervisor.publish_catalog(sup, "j-1"))  # type: ignore[arg-type]
 
-    asyncio.run(Supervisor._clear_ended_catalog(sup, released("n03")))  # type: ignore[arg-type]
+    asyncio.run(Supervisor.clear_ended_catalogs(sup, "j-1", {"n03"}))  # type: ignore[arg-type]
 
     assert link.retained[wire.catalog_topic("j-1", "n03")] != b""
+
+
+def test_releases_are_cleared_in_batches_off_the_message_loop(tmp_path: Path) -> None:
+    """The message handler only queues a release: a whole gang's answers are cleared by
+    one flush, in one store transaction, while the loop takes the next message."""
+    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    for rank in range(WORLD):
+        catalog.on_landing(landing(4, rank), WORLD)
+    link = SlowLink()
+    sup = supervisor_of(catalog, link)
+    sup.jobs.jobs["j-1"].state = JobState.SUCCEEDED
+    sup.bad_messages, sup._releases, sup._release_flush = 0, [], None
+    for name in ("_on_message", "_schedule", "flush_releases", "clear_ended_catalogs"):
+        setattr(sup, name, types.MethodType(getattr(Supervisor, name), sup))
+    batches: list[list[str]] = []
+    real_batch = catalog.store.batch
+
+    @contextlib.contextmanager
+    def counted() -> Iterator[None]:
+        batches.append([])
+        with real_batch():
+            yield
+
+    async def scenario() -> None:
+        await Supervisor.publish_catalog(sup, "j-1")  # type: ignore[arg-type]
+        catalog.store.batch = counted  # type: ignore[method-assign]
+        for node in NODES:
+            msg = wire.CkptReleased(node=node, job="j-1", at=time.time())
+            await sup._on_message(wire.ckpt_topic(node), wire.encode(msg))
+        # Handled, and nothing cleared yet: the handler published nothing itself.
+        assert all(link.retained[wire.catalog_topic("j-1", n)] != b"" for n in NODES)
+        await asyncio.sleep(0.5)  # the flush
+
+    asyncio.run(scenario())
+
+    assert all(link.retained[wire.catalog_topic("j-1", n)] == b"" for n in NODES)
+    assert catalog.store.ended_catalogs_released("j-1")
+    assert len(batches) == 1

@@ -49,7 +49,8 @@ class AgentHarness:
                  catalog: CheckpointCatalog | None = None) -> None:  # fmt: skip
         self.root = root
         self.deliver = deliver
-        self.landings: list[wire.CkptLanding] = []  # every message the agent published
+        self.landings: list[wire.CkptLanding] = []  # every landing the agent published
+        self.released: list[wire.CkptReleased] = []  # every job it let go of
         self.loop = asyncio.new_event_loop()
         self.catalog = catalog or CheckpointCatalog(Store(root / "sup" / "state.db"))
         self.service: CkptService | None = None
@@ -74,7 +75,10 @@ class AgentHarness:
             await self.stop.wait()
         await self.service.close()
 
-    def _landing(self, msg: wire.CkptLanding) -> None:  # from the engine's threads
+    def _landing(self, msg: wire.CkptLanding | wire.CkptReleased) -> None:  # from any thread
+        if isinstance(msg, wire.CkptReleased):
+            self.released.append(msg)
+            return
         self.landings.append(msg)
 
         def on_loop() -> None:
@@ -205,6 +209,34 @@ def test_save_lands_in_agent_owned_ram_and_wait_returns_once_every_tier_committe
     step, restored = Checkpointer().restore()  # type: ignore[misc]
     assert step == 3
     assert_bit_identical(restored, state)
+
+
+def test_an_ended_jobs_catalog_frees_its_ram_forgets_the_job_and_tells_the_supervisor(
+    agent: AgentHarness,
+) -> None:
+    c = Checkpointer()
+    c.save(3, training_state())
+    c.wait(timeout=60)
+    c.close()
+    assert list((agent.root / "shm").glob(f"phalanx-{JOB}-r0.slot*"))
+    assert agent.service is not None
+    service = agent.service
+
+    agent.deliver = False  # from now on the supervisor's catalogs all say "ended"
+    ended = agent.catalog.messages(JOB, 1, generation=1, ended=True)[0]
+    asyncio.run_coroutine_threadsafe(service.on_catalog(ended), agent.loop).result(30)
+    wait_until(lambda: len(agent.released) == 1, "the agent to say it let go of the job")
+
+    assert agent.released[0].job == JOB and agent.released[0].node == "n01"
+    assert not list((agent.root / "shm").glob(f"phalanx-{JOB}-r*"))
+    assert JOB not in service.catalogs and JOB not in service.plans
+    assert JOB not in service.generations
+    assert nvme_shard(agent, 3).exists()  # the lower tiers keep what keep says
+
+    # The broker hands the catalog again (a reconnect before the supervisor cleared it):
+    # nothing is left to free, and the agent answers again, so the clear is sent again.
+    asyncio.run_coroutine_threadsafe(service.on_catalog(ended), agent.loop).result(30)
+    wait_until(lambda: len(agent.released) == 2, "a second answer")
 
 
 def test_restore_skips_a_corrupt_nvme_copy_for_the_object_store(agent: AgentHarness) -> None:

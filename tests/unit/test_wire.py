@@ -166,6 +166,14 @@ def test_a_checkpoint_report_of_neither_kind_raises_wire_error_naming_both() -> 
         parse(topic, json.dumps({"kind": "ckpt_released", "node": NODE, "at": 1.0}).encode())
 
 
+def test_a_landing_that_names_no_kind_still_parses_as_a_landing() -> None:
+    landing = ROUND_TRIPS[-2][1]()
+    data = json.loads(wire.encode(landing))
+    del data["kind"]
+
+    assert parse(wire.ckpt_topic(NODE), json.dumps(data).encode()).message == landing
+
+
 def test_a_payload_with_an_extra_field_raises_wire_error() -> None:
     topic = wire.death_topic(NODE)
     data = json.loads(wire.encode(NodeDeath(node=NODE, seq=1)))
