@@ -239,10 +239,11 @@ def add_peer_routes(app: web.Application, agent: Agent,
         # The body lands in one page-aligned buffer that goes to disk by O_DIRECT each
         # time it fills, as the NVMe tier writes: through the page cache, a GiB took
         # 2-3 s of this node's CPU (the fsync writing it back) next to its training.
-        staged = Staging(out, seal)
+        staged: Staging | None = None
         received = 0
         problem: str | None = None
         try:
+            staged = Staging(out, seal)
             async for chunk in request.content.iter_chunked(PART_NBYTES):
                 received += len(chunk)
                 if received > body_limit:
@@ -260,6 +261,9 @@ def add_peer_routes(app: web.Application, agent: Agent,
             if isinstance(exc, TierError):
                 return cannot_store(key, exc)
             raise
+        finally:
+            if staged is not None:
+                staged.buffer.close()
         if problem is not None:
             await io(out.abort)
             log.warning("refused %s pushed by a peer: %s", key, problem)

@@ -38,6 +38,7 @@ import zstandard
 from ckpt.errors import CheckpointError, TierError
 from ckpt.format import BufferLike, Hasher
 from ckpt.tiers import (
+    LOCAL_FILESYSTEMS,
     MANIFEST_NAME,
     AlignedBuffer,
     Pacing,
@@ -47,9 +48,11 @@ from ckpt.tiers import (
     TierManifest,
     checked_chunks,
     digest_text,
+    filesystem_type,
     parse_part,
     parse_step,
     part_name,
+    place_writer_thread,
     step_dir,
     write_file_atomic,
 )
@@ -127,9 +130,10 @@ class ObjectStore(ABC):
 class LocalFolderStore(ObjectStore):
     """Objects as files under a folder, each written to a temp name and renamed.
 
-    Page-aligned parts go by ``O_DIRECT`` where the filesystem takes it (with
-    ``pacing.direct_io``), as the NVMe tier writes: no copy into the page cache and
-    no writeback by the kernel's threads next to the training loop."""
+    On a local filesystem (``LOCAL_FILESYSTEMS``) page-aligned parts go by ``O_DIRECT``
+    (with ``pacing.direct_io``), as the NVMe tier writes: no copy into the page cache
+    and no writeback by the kernel's threads next to the training loop. A folder shared
+    over the network is written through the cache (``direct`` says which)."""
 
     parts_in_turn = True
 
@@ -138,11 +142,12 @@ class LocalFolderStore(ObjectStore):
         self.root.mkdir(parents=True, exist_ok=True)
         self.url = self.root.resolve().as_uri()
         self.pacing = pacing if pacing is not None else Pacing()
+        self.direct = filesystem_type(self.root) in LOCAL_FILESYSTEMS
 
     def put_stream(self, key: str, parts: Iterable[BufferLike]) -> None:
         write_file_atomic(self.root / key, parts, pacing=self.pacing, tier="object",
                           ref=ShardKey("-", 0, 0).ref(str(self.root / key)),
-                          direct=True)  # fmt: skip
+                          direct=self.direct)  # fmt: skip
 
     def get_stream(self, key: str) -> Iterator[bytes]:
         with open(self.root / key, "rb") as f:
@@ -173,7 +178,8 @@ class S3Store(ObjectStore):
 
     Credentials, region and endpoint follow botocore's usual sources (the
     ``AWS_*`` environment, config files) unless given. ``timeout_s`` bounds
-    every call.
+    every call. The loop's thread (TLS, request signing) runs on ``pacing``'s
+    CPUs and niceness, as the write-down's threads do.
     """
 
     def __init__(
@@ -186,6 +192,7 @@ class S3Store(ObjectStore):
         access_key: str | None = None,
         secret_key: str | None = None,
         timeout_s: float = 120.0,
+        pacing: Pacing | None = None,
     ) -> None:
         from aiobotocore.config import AioConfig  # type: ignore[import-untyped]
         from aiobotocore.session import get_session  # type: ignore[import-untyped]
@@ -195,7 +202,13 @@ class S3Store(ObjectStore):
         self.url = f"s3://{bucket}/{self.prefix}"
         self.timeout_s = timeout_s
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="ckpt-s3", daemon=True)
+        placed = pacing if pacing is not None else Pacing()
+
+        def run() -> None:
+            place_writer_thread(placed)
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, name="ckpt-s3", daemon=True)
         self.thread.start()
         config = AioConfig(
             connect_timeout=min(10.0, timeout_s), read_timeout=timeout_s,
@@ -221,7 +234,8 @@ class S3Store(ObjectStore):
 
     def put_stream(self, key: str, parts: Iterable[BufferLike]) -> None:
         full = self.prefix + key
-        it = iter(parts)
+        # botocore takes bytes for a body, not views (this store gets bytes: parts_in_turn).
+        it = (p if isinstance(p, bytes | bytearray) else bytes(p) for p in parts)
         first = next(it, b"")
         second = next(it, None)
         if second is None:
@@ -304,7 +318,7 @@ def open_store(url: str, *, pacing: Pacing | None = None) -> ObjectStore:
     if parsed.scheme == "s3":
         if not parsed.netloc:
             raise ValueError(f"object_store {url!r}: an s3 URL needs a bucket (s3://BUCKET/PREFIX)")
-        return S3Store(parsed.netloc, parsed.path)
+        return S3Store(parsed.netloc, parsed.path, pacing=pacing)
     if parsed.scheme in ("", "file"):
         return LocalFolderStore(parsed.path if parsed.scheme else url, pacing=pacing)
     raise ValueError(f"object_store {url!r}: the scheme must be s3 or file")
@@ -352,6 +366,9 @@ class ObjectTier(Tier):
             raise
         except Exception as exc:
             raise self._fail("uploading", where, exc, key) from exc
+        finally:
+            if buffer is not None:
+                buffer.close()
         if digest_text(hasher) != checksum:
             self.store.delete([where])
             raise TierError(

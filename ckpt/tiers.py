@@ -25,6 +25,7 @@ The layout of a file-backed tier under its root::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import json
@@ -405,6 +406,35 @@ def _aligned_prefix(view: memoryview) -> int:
     return 0 if address % _DIRECT_ALIGN else len(view) - len(view) % _DIRECT_ALIGN
 
 
+# Filesystems on this node's own devices (or memory), where O_DIRECT is the fast path. On a
+# network or FUSE filesystem (NFS, Lustre, CephFS, ...) it makes every write wait for the
+# server with no write-behind, and some FUSE filesystems take the flag and misbehave.
+LOCAL_FILESYSTEMS: Final = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs",
+                                      "bcachefs"})  # fmt: skip
+
+
+def filesystem_type(path: Path, mountinfo: str | None = None) -> str | None:
+    """The type of the filesystem ``path`` lies on (``/proc/self/mountinfo``: the mount
+    point that is the longest prefix of the resolved path), ``None`` if not known."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return None
+    target = str(path.resolve())
+    best, kind = -1, None
+    for line in mountinfo.splitlines():
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not rest:
+            continue
+        point = parts[4].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:
+            best, kind = len(point), rest.split()[0]
+    return kind
+
+
 class AlignedBuffer:
     """A page-aligned buffer of ``nbytes`` (an anonymous map): what an ``O_DIRECT`` write
     takes from memory, for bytes that do not already lie in such memory."""
@@ -412,6 +442,12 @@ class AlignedBuffer:
     def __init__(self, nbytes: int) -> None:
         self.memory = mmap.mmap(-1, nbytes)
         self.view = memoryview(self.memory)
+
+    def close(self) -> None:
+        """Unmap it now (a view of it still held elsewhere keeps it until that goes)."""
+        with contextlib.suppress(BufferError):
+            self.view.release()
+            self.memory.close()
 
 
 class AtomicFile:
@@ -462,6 +498,14 @@ class AtomicFile:
             raise exc
 
     def write(self, piece: BufferLike) -> None:
+        """Append ``piece``; a ``TierError`` naming the path if that fails (the file is
+        left for the ``with`` block's exit, or ``abort``, to remove)."""
+        try:
+            self._write(piece)
+        except OSError as exc:
+            raise self._failed(exc) from exc
+
+    def _write(self, piece: BufferLike) -> None:
         view = memoryview(piece).cast("B")
         if self.direct:
             aligned = _aligned_prefix(view)

@@ -318,7 +318,8 @@ async def test_a_buddy_whose_disk_is_full_answers_507_naming_it_and_keeps_what_i
 ) -> None:
     with small_tmpfs(tmp_path / "small", "4m") as root:
         kept, _ = sealed({"w": torch.ones(128 << 10)}, ShardKey("job-1", 1, 0))  # 512 KiB
-        big, _ = sealed({"w": torch.ones(MIB + 5)}, ShardKey("job-1", 2, 0))  # 4 MiB: no room
+        # 12 MiB: the disk fills while the first 8 MiB part goes out, mid-body
+        big, _ = sealed({"w": torch.ones(3 * MIB)}, ShardKey("job-1", 2, 0))
         async with running_buddy(root, 64 * MIB) as store:
             await asyncio.to_thread(store.put_stream, "job-1/000000000001/rank-00000.phx",
                                     [bytes(kept)])  # fmt: skip

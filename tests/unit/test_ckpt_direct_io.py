@@ -124,3 +124,37 @@ def test_populating_a_shared_slot_for_write_keeps_its_content(tmp_path: Path) ->
     assert mm[:] == content
     mm.close()
     assert path.read_bytes() == content
+
+
+MOUNTINFO = """\
+22 27 0:21 / /proc rw,relatime - proc proc rw
+27 1 253:0 / / rw,relatime - ext4 /dev/vda rw
+40 27 0:50 / /mnt/shared rw,relatime - nfs4 server:/export rw,vers=4.2
+41 40 0:51 / /mnt/shared/scratch rw,relatime - xfs /dev/nvme0n1 rw
+42 27 0:52 / /mnt/my\\040disk rw,relatime - fuse.s3fs s3fs rw
+"""
+
+
+@pytest.mark.parametrize(("path", "kind"), [
+    ("/mnt/shared/ckpt", "nfs4"), ("/mnt/shared", "nfs4"), ("/mnt/sharedx/a", "ext4"),
+    ("/mnt/shared/scratch/a", "xfs"), ("/mnt/my disk/a", "fuse.s3fs"), ("/var/tmp", "ext4"),
+])  # fmt: skip
+def test_the_filesystem_of_a_path_is_that_of_its_deepest_mount(path: str, kind: str) -> None:
+    assert tiers.filesystem_type(Path(path), MOUNTINFO) == kind
+
+
+def test_a_folder_on_a_network_filesystem_is_written_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert LocalFolderStore(tmp_path / "local").direct  # this test's own disk
+    monkeypatch.setattr("ckpt.objects.filesystem_type", lambda path: "nfs4")
+    shared = LocalFolderStore(tmp_path / "shared")
+    asked: list[bool] = []
+    real = tiers._set_direct
+    monkeypatch.setattr(tiers, "_set_direct", lambda fd, on: asked.append(on) or real(fd, on))
+    tier = ObjectTier(shared, compression=None)
+    for view in shard_in_shared_memory(PART_NBYTES + 4096):
+        tier.put(ShardKey("job", 1, 0), view, checksum(view))
+        assert (tmp_path / "shared" / "job/000000000001/rank-00000.phx").read_bytes() == bytes(view)
+
+    assert not shared.direct and asked == []
