@@ -28,7 +28,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -137,15 +137,17 @@ class CkptService:
         # us must never queue behind them (two agents would wait on each other).
         self.slow = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="ckpt-req")
         # Both take CPU from the node (a buddy's pushes checked and staged, manifests written):
-        # on the write-down's CPUs and niceness, as the engines' writers are.
+        # on the write-down's CPUs, as the engines' writers are; not niced, so that a buddy
+        # pushing to this node never waits on a starved reader (its socket times out).
+        on_write_cpus = replace(self.pacing, nice=0, idle=False)
         self.peer_io = concurrent.futures.ThreadPoolExecutor(
             4, thread_name_prefix="ckpt-peer", initializer=place_writer_thread,
-            initargs=(self.pacing,))  # fmt: skip
+            initargs=(on_write_cpus,))  # fmt: skip
         # Catalog application writes manifests at every tier (a buddy, the object store):
         # its own threads, so that a slow or black-holed tier never holds up a rank's save.
         self.commits = concurrent.futures.ThreadPoolExecutor(
             4, thread_name_prefix="ckpt-commit", initializer=place_writer_thread,
-            initargs=(self.pacing,))  # fmt: skip
+            initargs=(on_write_cpus,))  # fmt: skip
         self._appliers: dict[str, asyncio.Task[None]] = {}
         self._reapply: set[str] = set()  # jobs whose latest catalog some store has not seen
         self._closing = False

@@ -144,6 +144,8 @@ class CkptSettings(_Section):
     @field_validator("write_cpus")
     @classmethod
     def _usable_cpus(cls, cpus: list[int]) -> list[int]:
+        if not cpus:
+            return cpus
         usable = os.sched_getaffinity(0)
         if unknown := sorted(set(cpus) - usable):
             raise ValueError(f"CPU(s) {unknown} are not among this node's usable CPUs "

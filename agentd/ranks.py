@@ -59,8 +59,9 @@ class RankRunner:
         self.gpus = list(gpus or [])
         # The CPUs the ranks run on: all this agent may use but those kept for its
         # checkpoint write-down (ckpt.write_cpus); None: no restriction.
-        usable = os.sched_getaffinity(0)
-        self.cpus = usable - not_on_cpus if not_on_cpus and usable - not_on_cpus else None
+        self.cpus: set[int] | None = None
+        if not_on_cpus and (others := os.sched_getaffinity(0) - not_on_cpus):
+            self.cpus = others
         self.data_dir = data_dir
         self.socket_path = socket_path
         self._report = report
@@ -176,14 +177,20 @@ class RankRunner:
         return {"pids": pids}
 
     def _keep_off_write_cpus(self, pid: int) -> None:
-        """Put a rank just started on ``self.cpus``. It has only just exec'd (a rank's
-        interpreter takes far longer to start threads, importing torch), and every
-        thread and child it makes inherits it; a rank may widen it again itself."""
+        """Put a rank just started on ``self.cpus``: every thread it has (it has only just
+        exec'd: a rank's interpreter takes far longer to start threads, importing torch),
+        and so every thread and child it makes from now on; it may widen them itself."""
         assert self.cpus is not None
         try:
-            os.sched_setaffinity(pid, self.cpus)
-        except OSError as exc:  # gone already (its exit is reported), or refused
-            log.warning("could not keep rank process %d off the write-down CPUs: %s", pid, exc)
+            threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            threads = [pid]
+        for tid in threads:
+            try:
+                os.sched_setaffinity(tid, self.cpus)
+            except OSError as exc:  # gone already (its exit is reported), or refused
+                log.warning("could not keep rank process %d (thread %d) off the write-down "
+                            "CPUs: %s", pid, tid, exc)
 
     def _assign_gpus(self, req: wire.StartRanksArgs) -> list[wire.RankSlot]:
         """Give each slot a GPU no other job holds, in index order, and claim them."""
