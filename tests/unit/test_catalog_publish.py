@@ -229,17 +229,24 @@ class HeldLink(SlowLink):
         self.retained[topic] = payload
 
 
+def ended_job(tmp_path: Path,
+              link: SlowLink) -> tuple[CheckpointCatalog, types.SimpleNamespace]:  # fmt: skip
+    """A job that committed step 4 on every rank and succeeded."""
+    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    for rank in range(WORLD):
+        catalog.on_landing(landing(4, rank), WORLD)
+    sup = supervisor_of(catalog, link)
+    sup.jobs.jobs["j-1"].state = JobState.SUCCEEDED
+    return catalog, sup
+
+
 def test_a_node_that_let_go_is_cleared_even_when_a_catalog_for_it_was_in_flight(
     tmp_path: Path,
 ) -> None:
     """n02 answers the first ended catalog while a second publish of the job (a late
     landing changed it) is on its way to n02: the clear must not land before it."""
-    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
-    for rank in range(WORLD):
-        catalog.on_landing(landing(4, rank), WORLD)
     link = HeldLink()
-    sup = supervisor_of(catalog, link)
-    sup.jobs.jobs["j-1"].state = JobState.SUCCEEDED
+    catalog, sup = ended_job(tmp_path, link)
     topic = wire.catalog_topic("j-1", "n02")
 
     async def scenario() -> None:
@@ -281,12 +288,8 @@ def test_a_release_for_a_job_whose_catalog_never_ended_clears_nothing(tmp_path: 
 def test_releases_are_cleared_in_batches_off_the_message_loop(tmp_path: Path) -> None:
     """The message handler only queues a release: a whole gang's answers are cleared by
     one flush, in one store transaction, while the loop takes the next message."""
-    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
-    for rank in range(WORLD):
-        catalog.on_landing(landing(4, rank), WORLD)
     link = SlowLink()
-    sup = supervisor_of(catalog, link)
-    sup.jobs.jobs["j-1"].state = JobState.SUCCEEDED
+    catalog, sup = ended_job(tmp_path, link)
     sup.bad_messages, sup._releases, sup._release_flush = 0, [], None
     for name in ("_on_message", "_schedule", "flush_releases", "clear_ended_catalogs"):
         setattr(sup, name, types.MethodType(getattr(Supervisor, name), sup))
