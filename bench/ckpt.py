@@ -14,7 +14,9 @@
   the machine was then: on this VM the copy alone moves 1.5-2x between
   seconds);
   ``cold_first_stall_s`` a cold instance whose first save allocates them;
-  ``tier_write_s`` how long each tier took to write the shard down.
+  ``tier_write_s`` how long each tier took to write the shard down, both at
+  once, and ``tier_write_alone_s`` each on its own (the folder object store
+  shares this machine's one disk with the NVMe tier: a remote store would not).
 * ``agent``: the same through a real agent checkpoint service
   (``agentd.ckpt.CkptService`` behind its rank socket, in a process of its
   own, with a real supervisor catalog committing what lands): ``stall_s`` per
@@ -411,6 +413,24 @@ class Buddy:
             self.child.wait()
 
 
+def tier_alone(root: Path, state: dict[str, Any], tier: str, pacing: Pacing,
+               namespace: str) -> float:  # fmt: skip
+    """How long one save takes to write down to ``tier`` with no other tier writing: the
+    folder object store shares this machine's one disk with the NVMe tier, which a
+    remote store does not."""
+    c = Checkpointer(dir=root, tiers=[tier], object_store=str(root / "objects"), keep=1,
+                     pacing=pacing, ram_namespace=f"{namespace}-{root.name}")  # fmt: skip
+    try:
+        c.reserve(state)
+        c.save(1, state)
+        c.wait()
+        return next(e.seconds for e in c.events if e.kind == "landed" and e.tier == tier)
+    finally:
+        c.close()
+        c.ram.unlink()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def peer_tier(root: Path, state: dict[str, Any], buddy: Buddy, pacing: Pacing,
               namespace: str) -> dict[str, Any]:  # fmt: skip
     """One save written down to the peer tier alone: how long, the sender's and the
@@ -637,7 +657,10 @@ def main() -> None:
             "reserve_s": reserve_s,
             "seal_s": sealed[0].seconds,
             "tier_write_s": {e.tier: e.seconds for e in landed if e.tier != "ram"},
-        }
+            "tier_write_alone_s": {tier: tier_alone(root / f"alone-{tier}", state, tier, pacing,
+                                                    namespace)
+                                   for tier in ("disk", "object")},
+        }  # fmt: skip
 
         # restores, from each tier, into new tensors and into a live state's
         restore: dict[str, float] = {}
@@ -719,7 +742,10 @@ def main() -> None:
             "median_stall_over_memcpy": statistics.median(ph["stall_s"]) / out["memcpy_s"],
             "first_stall_over_memcpy": ph["first_stall_s"] / out["memcpy_s"],
             "worst_stall_over_adjacent_memcpy": max(ph["stall_over_adjacent_memcpy"]),
-            "disk_tier_speed_vs_raw": out["raw_write_fsync_s"] / ph["tier_write_s"]["disk"],
+            "disk_tier_speed_vs_raw": (out["raw_write_fsync_s"]
+                                       / ph["tier_write_alone_s"]["disk"]),
+            "disk_tier_speed_vs_raw_beside_object": (out["raw_write_fsync_s"]
+                                                     / ph["tier_write_s"]["disk"]),
             "ram_restore_over_memcpy": restore["ram"] / out["memcpy_s"],
             "ram_restore_into_over_memcpy": restore["ram_into"] / out["memcpy_s"],
         }
