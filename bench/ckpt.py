@@ -58,25 +58,33 @@
 The state is fp32 tensors of 16 MiB to 256 MiB, like a model's parameters and
 Adam moments. Timings on a shared machine vary: compare within one run.
 
-Measured at 1 GiB on the 2-core development machine (``memcpy_s`` 0.07-0.10
+Measured at 1 GiB on the 2-core development machine (``memcpy_s`` 0.07-0.09
 s; the VM's background load moves every figure by 20-50% between runs, so
-compare within one run). Format v2 (seal in 64 MiB pieces, verified on both
-cores) and zstd where it pays, ``python bench/ckpt.py --size-gib 1 --saves 5``:
+compare within one run), ``python bench/ckpt.py --size-gib 1 --saves 5``, three
+runs (2026-11-22):
 
-* stall 0.10-0.16 s (first 0.13 s; 1.34x memcpy first, 1.59x worst); through
-  the agent 0.08-0.17 s (1.75x worst; 1.14-2.0x over five runs). ``torch.save``
-  + fsync 1.5-1.8 s; DCP as it comes 0.63-0.92 s (4.0x our worst), warm
-  0.09-0.11 s after a first save of 0.79 s.
-* NVMe tier 0.61 s against raw write + fsync 0.66 s (raw O_DIRECT 0.48 s).
-* RAM restore into a live state 0.10-0.13 s on its own (1.45-1.68x memcpy,
-  six runs of a restore loop; 1.24-1.55x in three bench runs), 0.24 s in the
-  full run after the DCP and torch.save baselines (2.5x); through the agent
-  0.14-0.19 s (1.4-2.2x). Into new tensors 1.2-2.0 s (first-touch faults),
-  ``torch.load`` 1.8 s. The seal used to be one xxh3 pass on one core: 2.2x.
-* compute lost, disk only: 0.31 s/GiB (writer CPU 0.26 s/GiB; DLRover 0.8).
-  NVMe + object store: 2.3 s/GiB (writer CPU 1.24 s/GiB: the fp32 noise
-  saves 7.6% under zstd, so its chunks go raw); every chunk through zstd
-  (``full_zstd_always``): 4.6 s/GiB (writer CPU 3.6 s/GiB).
+* stall 0.057-0.09 s: worst over the best memcpy 1.02-1.29x, over the copies
+  beside it 1.01-1.36x; through the agent 0.07-0.15 s, worst 1.43-2.09x
+  (beside it 1.75-2.18x: the copy into the agent's slot varies 0.055-0.19 s
+  with nothing else running, and so does the copy alone). ``torch.save`` +
+  fsync 0.86-2.6 s; DCP as it comes 0.28-0.82 s (3.1-3.9x our worst), warm
+  0.08-0.10 s after a first save of 0.29-0.36 s.
+* NVMe tier alone 0.44-0.61 s against raw write + fsync 0.51-1.52 s (raw
+  O_DIRECT 0.44-0.48 s); beside the folder object store on the same disk
+  0.50-1.04 s. Object tier (folder, by O_DIRECT) 0.58-0.97 s. Peer tier
+  1.4-1.8 s (sender's threads 0.50-0.73 s of CPU, the buddy 1.08-1.34 s,
+  most of it aiohttp reading the body).
+* RAM restore into a live state 0.11-0.13 s (1.49-1.74x memcpy); through
+  the agent 0.10-0.15 s (1.2-2.2x). Into new tensors 0.7-2.4 s and
+  ``torch.load`` 0.67-0.95 s: on this VM a process's fresh memory costs up to
+  2 s/GiB to fault in (memory freed a while ago is given back to the host),
+  whatever allocates it; ``restore(into=...)`` allocates nothing.
+* compute lost, disk only: 0.07-0.25 s/GiB (writer CPU 0.11-0.14; DLRover
+  0.8). NVMe + object store: 0.49-0.74 s/GiB (writer CPU 0.36-0.39; it was
+  2.3 and 1.24 when the folder store wrote through the page cache); through
+  the agent 0.46-1.2 (writer 0.33-0.68). Every chunk through zstd: 1.7-2.2
+  (writer 1.6-1.7). All tiers with the peer: 1.5-2.4 (writers and buddy
+  1.7-2.3).
 """
 
 from __future__ import annotations
