@@ -448,6 +448,8 @@ class CkptService:
                     self._let_go(job, catalog)
             async with self.changed:
                 self.changed.notify_all()
+        if job not in self.catalogs:  # let go of: no catalog will kick this applier again
+            self._appliers.pop(job, None)
 
     def _apply(self, store: RankStore, catalog: wire.CkptCatalog) -> None:
         """Commit, at this node's tiers, the steps the supervisor found complete."""

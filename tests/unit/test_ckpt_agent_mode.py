@@ -231,6 +231,7 @@ def test_an_ended_jobs_catalog_frees_its_ram_forgets_the_job_and_tells_the_super
     assert not list((agent.root / "shm").glob(f"phalanx-{JOB}-r*"))
     assert JOB not in service.catalogs and JOB not in service.plans
     assert JOB not in service.generations
+    wait_until(lambda: JOB not in service._appliers, "the applier to end and be dropped")
     assert nvme_shard(agent, 3).exists()  # the lower tiers keep what keep says
 
     # The broker hands the catalog again (a reconnect before the supervisor cleared it):
