@@ -28,7 +28,7 @@ import mmap
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any, Final, TypeVar, cast
 from urllib.parse import urlparse
@@ -491,23 +491,21 @@ class ObjectTier(Tier):
             return None
         # The manifest's size is not trusted with memory: an anonymous map costs only the
         # pages written, so a manifest that lies upward holds no more than the content.
-        buffer: BufferLike = b""
-        if reader.nbytes:
-            try:
-                buffer = mmap.mmap(-1, reader.nbytes,
-                                   flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_NORESERVE", 0))
-            except (OSError, OverflowError) as exc:
-                reader.close()
-                raise TierError(f"{reader.url}: no room for the {reader.nbytes} bytes its "
-                                f"manifest lists: {exc}", tier=self.name,
-                                ref=key.ref(reader.url)) from exc  # fmt: skip
+        # One byte more than it lists, to tell a content that runs long.
+        try:
+            buffer = mmap.mmap(-1, reader.nbytes + 1,
+                               flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_NORESERVE", 0))
+        except (OSError, OverflowError) as exc:
+            reader.close()
+            raise TierError(f"{reader.url}: no room for the {reader.nbytes} bytes its "
+                            f"manifest lists: {exc}", tier=self.name,
+                            ref=key.ref(reader.url)) from exc  # fmt: skip
         view = memoryview(buffer)
         with contextlib.closing(reader):
-            for piece in reader:
-                view[reader.received - len(piece) : reader.received] = piece
-        if reader.received < reader.nbytes:  # decode reports the truncation as corrupt
-            view = view[: reader.received]
-        return StoredShard(key, view, reader.url, expected=reader.expected)
+            while reader.readinto(view[reader.received : reader.received + PART_NBYTES]):
+                pass
+        # Short, decode reports the truncation as corrupt.
+        return StoredShard(key, view[: reader.received], reader.url, expected=reader.expected)
 
     def _step_keys(self, job: str) -> dict[int, list[str]]:
         try:
@@ -570,8 +568,30 @@ class ShardReader:
     def __next__(self) -> bytes:
         # One byte past nbytes is enough to know the content is too long.
         want = min(PART_NBYTES, self.nbytes - self.received + 1)
+        piece: bytes = self._guarded(lambda source: source.read(want))
+        if not piece:
+            self.close()
+            raise StopIteration
+        self._count(len(piece))
+        return piece
+
+    def readinto(self, view: memoryview) -> int:
+        """Like ``next``, into ``view`` (no piece of its own: ``open`` fills its buffer with
+        it); 0 at the end. ``view`` needs room for one byte past ``nbytes`` to tell a
+        content that runs long."""
+        want = min(len(view), self.nbytes - self.received + 1)
+        n: int = self._guarded(lambda source: source.readinto(view[:want]))
+        if n:
+            self._count(n)
+        else:
+            self.close()
+        return n
+
+    def _guarded(self, read: Callable[[Any], T]) -> T:
+        """``read`` of the content's source (the decompressor, or the raw pieces), every
+        failure a ``TierError`` naming the object (closed)."""
         try:
-            piece = self._zstd.read(want) if self._zstd is not None else self._source.read(want)
+            return read(self._zstd if self._zstd is not None else self._source)
         except zstandard.ZstdError as exc:
             self.close()
             raise TierError(f"{self.url} does not decompress: {exc}", tier=self.tier,
@@ -580,16 +600,14 @@ class ShardReader:
             self.close()
             raise TierError(f"downloading {self.url} failed: {exc}", tier=self.tier,
                             ref=self.key.ref(self.url)) from exc  # fmt: skip
-        if not piece:
-            self.close()
-            raise StopIteration
-        self.received += len(piece)
+
+    def _count(self, n: int) -> None:
+        self.received += n
         if self.received > self.nbytes:
             self.close()
             raise TierError(f"{self.url} holds more than the {self.nbytes} bytes its manifest "
                             "lists: refused", tier=self.tier, ref=self.key.ref(self.url),
                             corrupt=True)  # fmt: skip
-        return piece
 
     def close(self) -> None:
         close = getattr(self._raw, "close", None)
@@ -606,14 +624,27 @@ class _IterReader:
         self.rest = rest
 
     def read(self, n: int = -1) -> bytes:
-        while not self.pending:
-            piece = next(self.rest, None)
-            if piece is None:
-                return b""
-            self.pending = memoryview(piece)
+        if not self._fill():
+            return b""
         n = len(self.pending) if n < 0 else n
         out, self.pending = self.pending[:n], self.pending[n:]
         return bytes(out)
+
+    def readinto(self, view: memoryview) -> int:
+        if not self._fill():
+            return 0
+        n = min(len(view), len(self.pending))
+        view[:n], self.pending = self.pending[:n], self.pending[n:]
+        return n
+
+    def _fill(self) -> bool:
+        """Whether bytes are pending, taking the next piece when none is."""
+        while not self.pending:
+            piece = next(self.rest, None)
+            if piece is None:
+                return False
+            self.pending = memoryview(piece)
+        return True
 
 
 _SAMPLE_NBYTES: Final = 128 << 10
