@@ -326,22 +326,14 @@ class Staging:
         self.out = out
         self.seal = seal
         self.buffer = AlignedBuffer(PART_NBYTES)
-        self.held = 0
 
     def take(self, data: bytes) -> None:
         if self.seal is not None:
             self.seal.feed(data)
-        view = memoryview(data)
-        while view:
-            n = min(len(view), PART_NBYTES - self.held)
-            self.buffer.view[self.held : self.held + n] = view[:n]
-            self.held += n
-            view = view[n:]
-            if self.held == PART_NBYTES:
-                self.out.write(self.buffer.view)
-                self.held = 0
+        for part in self.buffer.fill(data):
+            self.out.write(part)
 
     def finish(self) -> None:
         """Write what is held, then fsync and rename the file into place."""
         with self.out:
-            self.out.write(self.buffer.view[: self.held])
+            self.out.write(self.buffer.rest())

@@ -680,19 +680,21 @@ def _regroup(pieces: Iterable[BufferLike],
     """Pieces regrouped into parts of ``PART_NBYTES``, each part copied once: joined
     into new bytes, or into ``buffer`` (``PART_NBYTES`` long; each part yielded is a
     view of it, good until the next is asked for)."""
+    if buffer is not None:
+        for piece in pieces:
+            yield from buffer.fill(piece)
+        yield buffer.rest()
+        return
     pending: list[memoryview] = []
     held = 0
     for piece in pieces:
         view = memoryview(piece).cast("B")
         while len(view):
             take = min(len(view), PART_NBYTES - held)
-            if buffer is None:
-                pending.append(view[:take])
-            else:
-                buffer.view[held : held + take] = view[:take]
+            pending.append(view[:take])
             held += take
             view = view[take:]
             if held == PART_NBYTES:
-                yield b"".join(pending) if buffer is None else buffer.view
+                yield b"".join(pending)
                 pending, held = [], 0
-    yield b"".join(pending) if buffer is None else buffer.view[:held]
+    yield b"".join(pending)

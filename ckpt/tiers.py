@@ -442,6 +442,25 @@ class AlignedBuffer:
     def __init__(self, nbytes: int) -> None:
         self.memory = mmap.mmap(-1, nbytes)
         self.view = memoryview(self.memory)
+        self.held = 0  # the bytes filled so far
+
+    def fill(self, data: BufferLike) -> Iterator[memoryview]:
+        """Copy ``data`` in after what it holds, yielding the whole buffer each time it
+        is full (the view is good until the next is asked for; it starts over then)."""
+        view = memoryview(data).cast("B")
+        size = len(self.view)
+        while len(view):
+            take = min(len(view), size - self.held)
+            self.view[self.held : self.held + take] = view[:take]
+            self.held += take
+            view = view[take:]
+            if self.held == size:
+                self.held = 0
+                yield self.view
+
+    def rest(self) -> memoryview:
+        """What it holds that was not yielded full."""
+        return self.view[: self.held]
 
     def close(self) -> None:
         """Unmap it now (a view of it still held elsewhere keeps it until that goes)."""
