@@ -121,3 +121,12 @@ def open_ckpt(opened: list[Checkpointer], path: Path, **kwargs: Any) -> Checkpoi
     c = Checkpointer(dir=path, **kwargs)
     opened.append(c)
     return c
+
+
+def saved_ckpt(opened: list[Checkpointer], path: Path, step: int, state: Any,
+               **kwargs: Any) -> Checkpointer:  # fmt: skip
+    """``open_ckpt``, then ``state`` saved at ``step`` and committed at every tier."""
+    c = open_ckpt(opened, path, **kwargs)
+    c.save(step, state)
+    c.wait()
+    return c

@@ -61,12 +61,18 @@ def test_every_rank_reads_its_copy_from_a_step_committed_in_one_part_per_node(
             stored.close()
 
 
-def test_a_rank_whose_part_is_not_written_yet_finds_no_copy_and_retention_takes_the_parts(
-    tmp_path: Path,
-) -> None:
+def one_part_of_two(tmp_path: Path) -> tuple[ObjectTier, dict[int, tuple[str, int]]]:
+    """Step 7 of two ranks: both shards landed, only rank 0's node wrote its part."""
     tier = ObjectTier(LocalFolderStore(tmp_path / "objects"))
     shards = {r: put_shard(tier, 7, r) for r in range(2)}
     tier.commit(TierManifest(JOB, 7, {0: shards[0]}, committed_at=1.0, world_size=2))
+    return tier, shards
+
+
+def test_a_rank_whose_part_is_not_written_yet_finds_no_copy_and_retention_takes_the_parts(
+    tmp_path: Path,
+) -> None:
+    tier, _ = one_part_of_two(tmp_path)
 
     assert tier.open(ShardKey(JOB, 7, 1)) is None  # n02's part is still on its way
     found = tier.manifest(JOB, 7, 0)
@@ -93,9 +99,7 @@ def test_a_whole_manifest_is_still_written_in_one_piece(tmp_path: Path) -> None:
 def test_the_catalog_checksum_reads_a_rank_whose_node_died_before_writing_its_part(
     tmp_path: Path,
 ) -> None:
-    tier = ObjectTier(LocalFolderStore(tmp_path / "objects"))
-    shards = {r: put_shard(tier, 7, r) for r in range(2)}
-    tier.commit(TierManifest(JOB, 7, {0: shards[0]}, committed_at=1.0, world_size=2))
+    tier, shards = one_part_of_two(tmp_path)
     key = ShardKey(JOB, 7, 1)  # rank 1's node landed its shard, then died: no part
 
     assert tier.reader(key, shards[1][1]) is None

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from ckpt_helpers import assert_bit_identical, open_ckpt, training_state
+from ckpt_helpers import assert_bit_identical, open_ckpt, saved_ckpt, training_state
 from test_ckpt_agent_mode import AgentHarness
 
 from ckpt import Checkpointer, FormatError, ShardCorrupt, decode, encode, seal
@@ -51,9 +51,7 @@ def test_restore_from_ram_into_the_live_state_fills_its_tensors_bit_exact(
     tmp_path: Path, ckpts: list[Checkpointer]
 ) -> None:
     saved = training_state()
-    c = open_ckpt(ckpts, tmp_path)
-    c.save(2, saved)
-    c.wait()
+    c = saved_ckpt(ckpts, tmp_path, 2, saved)
     live = live_state()
     pointers = {w: t.data_ptr() for w, t in tensors_of(live).items() if isinstance(t, torch.Tensor)}
 
@@ -87,9 +85,7 @@ def test_a_tensor_that_does_not_match_comes_back_new_and_is_named(
 ) -> None:
     saved = {"w": torch.randn(8), "b": torch.randn(4), "p": torch.nn.Parameter(torch.randn(3)),
              "i": torch.arange(5), "kept": torch.randn(2)}  # fmt: skip
-    c = open_ckpt(ckpts, tmp_path)
-    c.save(1, saved)
-    c.wait()
+    c = saved_ckpt(ckpts, tmp_path, 1, saved)
     live = {"w": torch.zeros(9), "b": torch.zeros(4, dtype=torch.float64),
             "p": torch.zeros(3), "kept": torch.zeros(2)}  # fmt: skip
     untouched = copy.deepcopy({k: v for k, v in live.items() if k != "kept"})
@@ -113,9 +109,7 @@ def test_a_parameter_is_restored_into_a_parameter_with_its_requires_grad(
     tmp_path: Path, ckpts: list[Checkpointer]
 ) -> None:
     saved = {"p": torch.nn.Parameter(torch.randn(6), requires_grad=False)}
-    c = open_ckpt(ckpts, tmp_path)
-    c.save(1, saved)
-    c.wait()
+    c = saved_ckpt(ckpts, tmp_path, 1, saved)
     live = {"p": torch.nn.Parameter(torch.zeros(6))}
 
     found = c.restore(into=live)
@@ -129,9 +123,7 @@ def test_a_corrupt_ram_copy_is_skipped_and_never_written_into_the_live_state(
     tmp_path: Path, ckpts: list[Checkpointer]
 ) -> None:
     saved = training_state()
-    c = open_ckpt(ckpts, tmp_path)
-    c.save(2, saved)
-    c.wait()
+    c = saved_ckpt(ckpts, tmp_path, 2, saved)
     slot = c.ram.find(2)
     assert slot is not None
     view = slot.view()
