@@ -119,6 +119,7 @@ from ckpt import Checkpointer, LocalFolderStore, ObjectTier, Pacing, ShardKey  #
 from ckpt.peer import HttpPeerStore  # noqa: E402
 
 GIB = 1 << 30
+RAM_DIR = "/dev/shm"  # where the RAM tier's slots live, standalone and under an agent
 
 
 def make_state(size_gib: float) -> dict[str, Any]:
@@ -477,7 +478,7 @@ def peer_tier(root: Path, state: dict[str, Any], buddy: Buddy, pacing: Pacing,
 AGENT_JOB = "bench"
 
 
-def serve_agent(root: Path, nice: int) -> None:
+def serve_agent(root: Path, shm: Path, nice: int) -> None:
     """The agent side, in a process of its own: agentd's checkpoint service behind its
     rank socket, and a supervisor catalog that commits what lands and answers with the
     catalog, as MQTT would carry it. Stops on SIGTERM."""
@@ -509,7 +510,7 @@ def serve_agent(root: Path, nice: int) -> None:
 
             loop.call_soon_threadsafe(on_loop)
 
-        service = CkptService("n01", root / "data", root / "shm", (root / "objects").as_uri(),
+        service = CkptService("n01", root / "data", shm, (root / "objects").as_uri(),
                               "", landing, pacing=Pacing(nice=nice))  # fmt: skip
         service.configure(AGENT_JOB, 1, wire.CkptPlan(tiers=["ram", "nvme", "object"],
                                                       keep={"ram": 1, "nvme": 1, "object": 1}))
@@ -524,9 +525,12 @@ def serve_agent(root: Path, nice: int) -> None:
 
 def agent_mode(root: Path, state: dict[str, Any], saves: int, nbytes: int,
                nice: int) -> dict[str, Any]:  # fmt: skip
-    (root / "shm").mkdir(parents=True)
+    root.mkdir(parents=True)
+    # The agent's RAM tier where agentd keeps it (ckpt.shm_dir, /dev/shm): a tmpfs. Slots
+    # in a disk folder would be page cache the kernel writes back under every save.
+    shm = Path(tempfile.mkdtemp(prefix="phalanx-bench-agent-", dir=RAM_DIR))
     child = subprocess.Popen([sys.executable, __file__, "--serve-agent", str(root),
-                              "--agent-nice", str(nice)])  # fmt: skip
+                              "--agent-shm", str(shm), "--agent-nice", str(nice)])  # fmt: skip
     saved_env = {k: os.environ.get(k) for k in ("PHALANX_AGENT_SOCKET", "PHALANX_JOB_ID",
                                                 "PHALANX_GENERATION", "RANK", "WORLD_SIZE")}
     c: Checkpointer | None = None
@@ -584,6 +588,7 @@ def agent_mode(root: Path, state: dict[str, Any], saves: int, nbytes: int,
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- main
@@ -604,9 +609,10 @@ def main() -> None:
     parser.add_argument("--serve-agent", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--serve-buddy", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--buddy-port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--agent-shm", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_agent:
-        serve_agent(Path(args.serve_agent), args.agent_nice)
+        serve_agent(Path(args.serve_agent), Path(args.agent_shm), args.agent_nice)
         return
     if args.serve_buddy:
         serve_buddy(Path(args.serve_buddy), args.buddy_port)
@@ -781,7 +787,7 @@ def main() -> None:
         if buddy is not None:
             buddy.stop()
         shutil.rmtree(root, ignore_errors=True)
-        for segment in Path("/dev/shm").glob(f"{namespace}-*.slot*"):  # if a step failed
+        for segment in Path(RAM_DIR).glob(f"{namespace}-*.slot*"):  # if a step failed
             segment.unlink(missing_ok=True)
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
