@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+import ckpt.ram
 from ckpt import DiskTier, Engine, RamTier, ShardKey, Tier, TierError, TierManifest
 from ckpt.format import plan, write_into
 
@@ -148,3 +153,31 @@ def test_a_step_committed_here_stays_until_the_fleets_newer_step_is_committed_he
     finally:
         engine.close(5.0)
         ram.close()
+
+
+def test_a_ram_tier_on_a_disk_filesystem_says_it_is_not_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(ckpt.ram, "filesystem_type", lambda path: "ext4")
+    monkeypatch.setattr(ckpt.ram, "_warned_dirs", set())
+
+    with caplog.at_level(logging.WARNING, logger="ckpt.ram"):
+        RamTier("phalanx-j-r0", job="j", directory=tmp_path, pin=False).close()
+        RamTier("phalanx-j-r1", job="j", directory=tmp_path, pin=False).close()
+
+    warned = [r.getMessage() for r in caplog.records if "not in memory" in r.getMessage()]
+    assert len(warned) == 1  # once per folder, not once per rank
+    assert str(tmp_path.resolve()) in warned[0] and "ext4" in warned[0]
+
+
+def test_a_ram_tier_in_a_tmpfs_says_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(ckpt.ram, "_warned_dirs", set())
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        assert ckpt.ram.filesystem_type(Path(shm)) == "tmpfs"
+
+        with caplog.at_level(logging.WARNING, logger="ckpt.ram"):
+            RamTier("phalanx-j-r0", job="j", directory=shm, pin=False).close()
+
+    assert "not in memory" not in caplog.text
