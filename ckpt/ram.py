@@ -42,7 +42,16 @@ from ckpt.errors import ShardRef, TierError
 from ckpt.format import CHECKSUM_ALGORITHM
 from ckpt.tiers import ShardKey, StoredShard, Tier, check_job, filesystem_type
 
-__all__ = ["RamTier", "Slot", "namespace_for", "populate_for_write", "read_slot_view"]
+__all__ = [
+    "RamTier",
+    "Slot",
+    "namespace_for",
+    "pin_for_dma",
+    "populate_for_write",
+    "read_slot_view",
+    "unmap",
+    "unpin_for_dma",
+]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +102,12 @@ class Slot:
     digest: bytes = bytes(16)
     busy: bool = False  # being written into, sealed or written down
     pins: int = 0  # readers decoding it
+    pinned: int | None = None  # the address registered with CUDA (pin_for_dma), if it is
+
+    def unmap(self) -> None:
+        """Unpin and close the mapping (see ``unmap``)."""
+        unmap(self.mm, self.pinned)
+        self.pinned = None
 
     def view(self, nbytes: int | None = None) -> memoryview:
         n = self.nbytes if nbytes is None else nbytes
@@ -123,19 +138,59 @@ def populate_for_write(mm: mmap.mmap) -> None:
         mm.madvise(_MADV_POPULATE_WRITE)
 
 
-def pin_for_dma(mm: mmap.mmap, nbytes: int) -> None:
-    """Register the mapping with CUDA so device-to-host copies DMA straight in."""
+_CUDA_HOST_REGISTER_PORTABLE: Final = 1  # pinned for every CUDA context (as torch pins)
+
+
+def pin_for_dma(mm: mmap.mmap, nbytes: int) -> int | None:
+    """Register the mapping with CUDA so device-to-host copies DMA straight in.
+
+    Returns the address registered, to hand to ``unpin_for_dma`` before the map is
+    closed (CUDA holds pinned pages until they are unregistered, mapped or not), or
+    ``None`` without a GPU or when CUDA refused: pinning is an optimisation, never
+    fatal, and a refusal is logged with CUDA's error code."""
     try:
         import torch
 
         if not torch.cuda.is_available():
-            return
+            return None
         import ctypes
 
         address = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-        torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)  # type: ignore[no-untyped-call]
-    except Exception as exc:  # pinning is an optimisation: never fatal
-        log.warning("could not pin a RAM-tier slot for DMA: %s", exc)
+        code = int(torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+            address, nbytes, _CUDA_HOST_REGISTER_PORTABLE))  # fmt: skip
+    except Exception as exc:
+        log.warning("could not pin a RAM-tier slot of %d bytes for DMA: %s", nbytes, exc)
+        return None
+    if code != 0:
+        log.warning("could not pin a RAM-tier slot of %d bytes for DMA: cudaHostRegister "
+                    "returned CUDA error %d (device-to-host copies into it stage through "
+                    "CUDA's own buffers)", nbytes, code)  # fmt: skip
+        return None
+    return address
+
+
+def unpin_for_dma(address: int | None) -> None:
+    """Undo ``pin_for_dma`` (``None``: nothing was pinned); a refusal is logged."""
+    if address is None:
+        return
+    try:
+        import torch
+
+        code = int(torch.cuda.cudart().cudaHostUnregister(address))  # type: ignore[no-untyped-call]
+    except Exception as exc:
+        log.warning("could not unpin a RAM-tier slot at %#x: %s", address, exc)
+        return
+    if code != 0:
+        log.warning("could not unpin a RAM-tier slot at %#x: cudaHostUnregister returned "
+                    "CUDA error %d", address, code)  # fmt: skip
+
+
+def unmap(mm: mmap.mmap, pinned: int | None) -> None:
+    """Unpin a mapping (``pinned``: what ``pin_for_dma`` returned), then close it; a view
+    still exported (tensors decoded from it) keeps it mapped until that view goes."""
+    unpin_for_dma(pinned)
+    with contextlib.suppress(BufferError):
+        mm.close()
 
 
 class RamTier(Tier):
@@ -213,7 +268,8 @@ class RamTier(Tier):
             except OSError as exc:
                 log.warning("tier %s: cannot map %s: %s", self.name, path, exc)
                 continue
-            slot = Slot(index, path, mm, size - HEADER_NBYTES)
+            slot = Slot(index, path, mm, size - HEADER_NBYTES,
+                        pinned=pin_for_dma(mm, size) if self.pin else None)  # fmt: skip
             magic, version, state, step, nbytes, _cap, seq, digest = _HEAD.unpack_from(mm, 0)
             if (
                 magic == _MAGIC
@@ -232,8 +288,7 @@ class RamTier(Tier):
         size = HEADER_NBYTES + capacity
         old = self.slots[index]
         if old is not None:
-            with contextlib.suppress(BufferError):  # a view still exported: unmapped when freed
-                old.mm.close()
+            old.unmap()
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
@@ -250,9 +305,7 @@ class RamTier(Tier):
                 tier=self.name, ref=ShardRef(path=str(path)),
             ) from exc  # fmt: skip
         populate_for_write(mm)
-        if self.pin:
-            pin_for_dma(mm, size)
-        slot = Slot(index, path, mm, capacity)
+        slot = Slot(index, path, mm, capacity, pinned=pin_for_dma(mm, size) if self.pin else None)
         slot.write_head()
         self.slots[index] = slot
         log.info("tier %s: allocated slot %s, %d bytes", self.name, path, size)
@@ -395,8 +448,7 @@ class RamTier(Tier):
         with self.cond:
             for slot in self.slots:
                 if slot is not None and not slot.pins:
-                    with contextlib.suppress(BufferError):  # tensors still view it
-                        slot.mm.close()
+                    slot.unmap()
 
     def unlink(self) -> None:
         """Remove the segments (the owner is done with them)."""

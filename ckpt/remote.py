@@ -31,7 +31,6 @@ down, so the training process pays for one memory copy per save.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import mmap
@@ -43,6 +42,7 @@ from typing import Any, Final, NoReturn
 from urllib.parse import urlencode
 
 from ckpt.errors import CheckpointError, ShardCorrupt, ShardRef, TierError
+from ckpt.ram import pin_for_dma, populate_for_write, unmap
 
 __all__ = ["AgentClient", "AgentEnv"]
 
@@ -105,7 +105,8 @@ class AgentClient:
     def __init__(self, env: AgentEnv, *, timeout_s: float = 30.0) -> None:
         self.env = env
         self.timeout_s = timeout_s
-        self._maps: dict[str, tuple[int, int, mmap.mmap]] = {}  # path -> (inode, size, map)
+        # path -> (inode, size, map, the address pinned for DMA or None)
+        self._maps: dict[str, tuple[int, int, mmap.mmap, int | None]] = {}
 
     def _ident(self) -> dict[str, Any]:
         return {"job": self.env.job, "generation": self.env.generation, "rank": self.env.rank}
@@ -198,26 +199,21 @@ class AgentClient:
             known = self._maps.get(path)
             if known is not None and known[:2] == (st.st_ino, st.st_size):
                 return known[2]
-            if known is not None:
-                with contextlib.suppress(BufferError):
-                    known[2].close()
+            if known is not None:  # the agent grew or replaced the slot: let the old map go
+                unmap(known[2], known[3])
+                del self._maps[path]
             mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         finally:
             os.close(fd)
-        from ckpt.ram import populate_for_write
-
         populate_for_write(mm)  # else the first save into it pays a fault per page
-        if "torch" in sys.modules:  # a GPU rank: device-to-host copies DMA straight in
-            from ckpt.ram import pin_for_dma
-
-            pin_for_dma(mm, st.st_size)
-        self._maps[path] = (st.st_ino, st.st_size, mm)
+        # A GPU rank: device-to-host copies DMA straight in.
+        pinned = pin_for_dma(mm, st.st_size) if "torch" in sys.modules else None
+        self._maps[path] = (st.st_ino, st.st_size, mm, pinned)
         return mm
 
     def close(self) -> None:
-        for _ino, _size, mm in self._maps.values():
-            with contextlib.suppress(BufferError):
-                mm.close()
+        for _ino, _size, mm, pinned in self._maps.values():
+            unmap(mm, pinned)
         self._maps.clear()
 
 
