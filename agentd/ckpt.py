@@ -35,16 +35,19 @@ from typing import Any
 from ckpt import (
     DiskTier,
     Engine,
+    FormatError,
     LocalFolderStore,
     ObjectStore,
     ObjectTier,
     Pacing,
     RamTier,
+    ShardCorrupt,
     ShardKey,
     Tier,
     TierError,
     TierEvent,
     TierManifest,
+    UnsupportedVersion,
     namespace_for,
     open_store,
 )
@@ -360,7 +363,7 @@ class CkptService:
         self._fence(job, generation)
         store = self.store(job, rank)
         await self._run(store.ram.reserve, nbytes)
-        return [str(s.path) for s in store.ram.slots if s is not None]
+        return [str(s.path) for s in store.ram.slots if s is not None and s.path.exists()]
 
     def rank_exited(self, job: str, rank: int) -> None:
         """A rank died between acquire and submit: its slot holds nothing; free it."""
@@ -606,11 +609,10 @@ class CkptService:
                                       tier=tier, event="corrupt", error=error[:2000],
                                       at=time.time()))
 
-    async def fetch(self, job: str, rank: int, step: int, tier: str) -> ShardReader | None:
-        """Rank ``rank``'s shard of ``step`` at the peer or object tier, to stream to the
-        rank in bounded pieces (never whole in memory); ``None`` when that tier has no
-        copy. The size is the catalog's for that rank and step: a copy whose manifest
-        says otherwise is refused here, one that runs past it while read is cut off."""
+    def _remote_copy(self, job: str, rank: int, step: int,
+                     tier: str) -> tuple[ObjectTier, wire.CkptShard]:  # fmt: skip
+        """The peer or object tier to read rank ``rank``'s copy of ``step`` from, and the
+        catalog's entry for that shard (its size and checksum)."""
         found = self.read_tier(job, rank, step, tier) if tier in ("peer", "object") else None
         if not isinstance(found, ObjectTier):
             raise CkptRequestError(f"tier {tier!r} is not fetched through the agent for job "
@@ -621,6 +623,14 @@ class CkptService:
         if shard is None:
             raise CkptRequestError(f"job {job}: the catalog lists no shard of rank {rank} for "
                                    f"step {step}", status=404, tier=tier, step=step)
+        return found, shard
+
+    async def fetch(self, job: str, rank: int, step: int, tier: str) -> ShardReader | None:
+        """Rank ``rank``'s shard of ``step`` at the peer or object tier, to stream to the
+        rank in bounded pieces (never whole in memory); ``None`` when that tier has no
+        copy. The size is the catalog's for that rank and step: a copy whose manifest
+        says otherwise is refused here, one that runs past it while read is cut off."""
+        found, shard = self._remote_copy(job, rank, step, tier)
         try:
             reader: ShardReader | None = await self._run(
                 found.reader, ShardKey(job, step, rank), shard.nbytes, shard.checksum)
@@ -628,6 +638,57 @@ class CkptService:
             raise CkptRequestError(str(exc), status=502, tier=tier, step=step,
                                    corrupt=exc.corrupt) from exc
         return reader
+
+    async def stage(self, job: str, generation: int, rank: int, step: int,
+                    tier: str) -> dict[str, Any]:  # fmt: skip
+        """Rank ``rank``'s copy of ``step`` at the peer or object tier, read into a free
+        RAM slot of its own (``RamTier.stage``: verified against the catalog's checksum
+        before it is sealed), for the rank to restore as a RAM copy: one copy out of
+        memory already touched instead of a stream into fresh memory, and the slot's
+        pages serve its next saves. ``{"path": ...}``; ``{"gone": true}`` when the tier
+        has no copy; ``{"staged": false}`` when no slot is free (the rank streams the
+        copy from ``/v1/ckpt/shard`` then). A copy that does not verify, or runs short or
+        long, is a 502 with ``corrupt`` (the rank reports it).
+
+        The staged copy is not reported to the supervisor: the catalog's RAM tier holds
+        what the gang's saves left there (by generation), and this step is one of those
+        only where a save put it."""
+        self._fence(job, generation)
+        found, shard = self._remote_copy(job, rank, step, tier)
+        store = self.store(job, rank)
+        key = ShardKey(job, step, rank)
+
+        class Gone(Exception):
+            pass
+
+        def fill(view: memoryview) -> None:
+            reader = found.reader(key, shard.nbytes, shard.checksum)
+            if reader is None:
+                raise Gone
+            reader.fill(view)
+
+        before = set(store.ram.steps(job))
+        try:
+            slot = await self._run(store.ram.stage, key, shard.nbytes, fill, shard.checksum)
+        except Gone:
+            return {"gone": True}
+        except UnsupportedVersion as exc:  # a newer writer's copy: not a bad one
+            raise CkptRequestError(f"tier {tier}: {exc.reason}", status=502, tier=tier,
+                                   step=step) from exc  # fmt: skip
+        except (ShardCorrupt, FormatError) as exc:
+            raise CkptRequestError(f"tier {tier}: {exc.reason}", status=502, tier=tier,
+                                   step=step, corrupt=True) from exc  # fmt: skip
+        except TierError as exc:
+            raise CkptRequestError(exc.reason, status=502, tier=tier, step=step,
+                                   corrupt=exc.corrupt) from exc
+        finally:
+            for gone in sorted(before - set(store.ram.steps(job))):  # a sealed slot was reused
+                store.engine.report(TierEvent("deleted", "ram", ShardKey(job, gone, rank)))
+        if slot is None:
+            return {"staged": False}
+        log.info("job %s rank %d: staged step %d from tier %s in RAM for its restore", job,
+                 rank, step, tier, extra={"job": job})  # fmt: skip
+        return {"path": str(slot.path), "slot": slot.index}
 
     # --- lifetime -----------------------------------------------------------------
 

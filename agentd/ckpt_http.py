@@ -155,6 +155,11 @@ def make_rank_app(agent: Agent) -> web.Application:
         finally:
             await loop.run_in_executor(ck.slow, reader.close)  # a store's close may block
 
+    async def stage(request: web.Request) -> web.Response:
+        b = await body(request)
+        return web.json_response(await ck.stage(str(b["job"]), int(b["generation"]),
+                                                int(b["rank"]), int(b["step"]), str(b["tier"])))
+
     async def report(request: web.Request) -> web.Response:
         b = await body(request)
         ck.report(str(b["job"]), int(b["rank"]), int(b["step"]), str(b["tier"]),
@@ -169,6 +174,7 @@ def make_rank_app(agent: Agent) -> web.Application:
     app.router.add_post("/v1/ckpt/wait", wait)
     app.router.add_get("/v1/ckpt/restore", restore)
     app.router.add_get("/v1/ckpt/shard", shard)
+    app.router.add_post("/v1/ckpt/stage", stage)
     app.router.add_post("/v1/ckpt/report", report)
     return app
 

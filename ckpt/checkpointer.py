@@ -203,7 +203,8 @@ class Checkpointer:
             nbytes = plan(state, ref=ShardKey(self.job, 0, self.rank).ref()).nbytes
             reply = self.agent.call("POST", "/v1/ckpt/reserve", {"nbytes": nbytes})
             for path in reply["paths"]:
-                self.agent.map_slot(path)
+                with contextlib.suppress(FileNotFoundError):  # removed since: a save remakes it
+                    self.agent.map_slot(path)
             return
         self.ram.reserve(plan(state, ref=ShardKey(self.job, 0, self.rank).ref()).nbytes)
 
@@ -450,6 +451,23 @@ class Checkpointer:
         if type(nbytes) is not int or nbytes < 0:
             raise AgentError(f"the agent's restore plan lists no size for step {key.step} at "
                              f"tier {tier}: {nbytes!r}", ref=key.ref())  # fmt: skip
+        staged = self._stage_via_agent(tier, key)
+        if staged.get("gone"):
+            return None
+        if staged.get("path"):
+            try:
+                view = read_slot_view(self.agent.map_slot(str(staged["path"])), key.step)
+            except OSError as exc:  # its file removed since (a /dev/shm cleaner): stream it
+                log.warning("cannot map the RAM slot %s the agent staged step %d in: %s",
+                            staged["path"], key.step, exc)  # fmt: skip
+                view = None
+            if view is not None:  # else reused since (not by this rank): stream it
+                try:
+                    return (decode(view, copy=True, expected=expected, ref=key.ref(f"{tier}:"),
+                                   into=into, fresh=fresh),)  # fmt: skip
+                finally:
+                    with contextlib.suppress(BufferError):
+                        view.release()
         # One buffer of the catalog's size, filled as the body streams in; a longer body
         # is refused, never buffered.
         data = self.agent.fetch_shard(tier, key.step, nbytes, timeout=self.wait_timeout_s)
@@ -457,6 +475,23 @@ class Checkpointer:
             return None
         return (decode(data, expected=expected, ref=key.ref(f"{tier}:"), into=into,
                        fresh=fresh),)  # fmt: skip
+
+    def _stage_via_agent(self, tier: str, key: ShardKey) -> dict[str, Any]:
+        """Ask the agent to read the copy into a free RAM slot of this rank's (see
+        ``/v1/ckpt/stage``); ``{}`` from an agent that does not know how (an older one
+        during a rolling upgrade): the copy is streamed then."""
+        assert self.agent is not None
+        try:
+            staged: dict[str, Any] = self.agent.call(
+                "POST", "/v1/ckpt/stage", {"step": key.step, "tier": tier},
+                timeout=self.wait_timeout_s)  # fmt: skip
+        except AgentError as exc:
+            if exc.status != 404:  # the route itself is unknown (a 404 about a copy names
+                raise  # its tier, and is a TierError)
+            log.info("the agent stages no copies in RAM (%s): streaming step %d from %s", exc,
+                     key.step, tier)  # fmt: skip
+            return {}
+        return staged
 
     def _read(self, tier: Tier, key: ShardKey, into: object = None) -> tuple[Any] | None:
         from ckpt.format import decode

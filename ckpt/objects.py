@@ -587,6 +587,24 @@ class ShardReader:
             self.close()
         return n
 
+    def fill(self, view: memoryview) -> None:
+        """Read the whole content into ``view`` (``nbytes`` long) and make sure nothing
+        follows it; closed after. One that ends short or runs long is a ``TierError``
+        naming the object (``corrupt``: the store answered, and what it holds is bad)."""
+        if len(view) != self.nbytes:
+            raise ValueError(f"fill needs a view of {self.nbytes} bytes, not {len(view)}")
+        try:
+            got = 0
+            while got < len(view) and (n := self.readinto(view[got : got + PART_NBYTES])):
+                got += n
+            if got < self.nbytes:
+                raise TierError(f"{self.url} ended after {got} of the {self.nbytes} bytes its "
+                                "manifest lists", tier=self.tier, ref=self.key.ref(self.url),
+                                corrupt=True)  # fmt: skip
+            self.readinto(memoryview(bytearray(1)))  # raises if the content runs long
+        finally:
+            self.close()
+
     def _guarded(self, read: Callable[[Any], T]) -> T:
         """``read`` of the content's source (the decompressor, or the raw pieces), every
         failure a ``TierError`` naming the object (closed)."""

@@ -34,12 +34,13 @@ import re
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
 
-from ckpt.errors import ShardRef, TierError
-from ckpt.format import CHECKSUM_ALGORITHM
+from ckpt.errors import ShardCorrupt, ShardRef, TierError
+from ckpt.format import CHECKSUM_ALGORITHM, shard_nbytes, verify
 from ckpt.tiers import ShardKey, StoredShard, Tier, check_job, filesystem_type
 
 __all__ = [
@@ -318,9 +319,10 @@ class RamTier(Tier):
         with self.cond:
             for index in range(self.nslots):
                 slot = self.slots[index]
-                if slot is None or (slot.capacity < capacity and not slot.busy and not slot.pins
+                if slot is None or ((slot.capacity < capacity or not slot.path.exists())
+                                    and not slot.busy and not slot.pins
                                     and slot.state != SEALED):  # fmt: skip
-                    self._allocate(index, capacity)
+                    self._allocate(index, max(capacity, slot.capacity if slot else 0))
 
     def acquire(
         self, key: ShardKey, nbytes: int, *, when_busy: WhenBusy, timeout: float
@@ -343,10 +345,13 @@ class RamTier(Tier):
                         f"(every one of {self.nslots} is being written down or protected)"
                     )
                 self.cond.wait(left)
+            capacity = -(-nbytes // _GROW_ALIGN) * _GROW_ALIGN
             if isinstance(choice, int):
-                slot = self._allocate(choice, -(-nbytes // _GROW_ALIGN) * _GROW_ALIGN)
-            elif choice.capacity < nbytes:
-                slot = self._allocate(choice.index, -(-nbytes // _GROW_ALIGN) * _GROW_ALIGN)
+                slot = self._allocate(choice, capacity)
+            elif choice.capacity < nbytes or not choice.path.exists():
+                # Too small, or its file was removed under it (a /dev/shm cleaner): a rank
+                # maps a slot by its path, so it gets a new file.
+                slot = self._allocate(choice.index, max(capacity, choice.capacity))
             else:
                 slot = choice
             slot.busy = True
@@ -370,6 +375,40 @@ class RamTier(Tier):
         if empty is not None:
             return empty
         return min(candidates, key=lambda s: s.seq) if candidates else None
+
+    def stage(self, key: ShardKey, nbytes: int, fill: Callable[[memoryview], None],
+              expected: str | None = None) -> Slot | None:  # fmt: skip
+        """Put a copy of ``key`` read from a lower tier into a free slot, to be read as a
+        RAM copy: one copy out of memory already touched, pages the next saves reuse.
+
+        ``fill`` writes the shard's ``nbytes`` into the view it is given (raising when it
+        cannot). The slot is sealed only once the copy verifies (and matches ``expected``,
+        a catalog's checksum); on any failure it is left free and the error raised:
+        ``ShardCorrupt`` for a copy that does not verify, ``UnsupportedVersion`` for one
+        of a format this reader does not know. ``None`` when no slot is free: nothing is
+        waited for, and no busy or protected slot is touched."""
+        slot = self.acquire(key, nbytes, when_busy="skip", timeout=0.0)
+        if slot is None:
+            return None
+        try:
+            view = slot.view(nbytes)
+            try:
+                fill(view)
+                declared = shard_nbytes(view)  # a newer writer's version raises here
+                if declared != nbytes:
+                    raise ShardCorrupt(f"the copy declares {declared} bytes, not the {nbytes} "
+                                       "it was read as", ref=key.ref())  # fmt: skip
+                verify(view, expected, ref=key.ref())
+                digest = bytes(view[nbytes - 16 :])  # the trailer ends with the digest
+            finally:
+                with contextlib.suppress(BufferError):
+                    view.release()
+        except BaseException:
+            self.release(slot, keep_content=False)
+            raise
+        self.sealed(slot, digest)
+        self.release(slot)
+        return slot
 
     def sealed(self, slot: Slot, digest: bytes) -> None:
         """Mark a slot's shard sealed (committed at this tier); it stays busy."""

@@ -18,6 +18,10 @@ GET    /v1/ckpt/restore      the step the gang restores from (or the one asked f
                              with where this rank's copy lies, nearest first (RAM
                              or disk: a path to read); ``unavailable`` says why
                              there is none when committed steps exist
+POST   /v1/ckpt/stage        step S's copy at the peer or object tier, read into a free
+                             RAM slot of the rank's and verified there: its path (read
+                             as a RAM copy), ``gone`` (no copy), or ``staged: false``
+                             (no slot free: stream it instead)
 GET    /v1/ckpt/shard        one shard's bytes from the peer or object tier, streamed,
                              its Content-Length the catalog's size (empty: no copy)
 POST   /v1/ckpt/report       a copy the rank found corrupt or gone: the agent tells
@@ -96,7 +100,13 @@ class _UnixConnection(http.client.HTTPConnection):
 
 
 class AgentError(CheckpointError):
-    """The agent refused a request or could not be reached."""
+    """The agent refused a request (``status``: its HTTP status) or could not be reached
+    (``status`` is ``None``)."""
+
+    def __init__(self, message: str, *, ref: ShardRef | None = None,
+                 status: int | None = None) -> None:  # fmt: skip
+        super().__init__(message, ref=ref)
+        self.status = status
 
 
 class AgentClient:
@@ -147,7 +157,7 @@ class AgentClient:
             raise TierError(message, tier=str(error["tier"]), ref=ref)
         if status == 504:
             raise TimeoutError(message)
-        raise AgentError(message, ref=ref)
+        raise AgentError(message, ref=ref, status=status)
 
     def fetch_shard(self, tier: str, step: int, nbytes: int, *,
                     timeout: float | None = None) -> bytearray | None:  # fmt: skip

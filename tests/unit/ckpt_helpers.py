@@ -130,3 +130,25 @@ def saved_ckpt(opened: list[Checkpointer], path: Path, step: int, state: Any,
     c.save(step, state)
     c.wait()
     return c
+
+
+def hold_every_ram_slot() -> None:
+    """Take every RAM slot the agent can hand this rank (its environment names both)
+    through the rank protocol, and never submit them: no slot is free to stage a copy
+    in (as while an older generation's saves are still being written down, the newest
+    committed step protected), so the agent streams the copy instead."""
+    from ckpt.remote import AgentClient, AgentEnv
+
+    client = AgentClient(AgentEnv.from_environ())
+    for step in range(1001, 1009):
+        got = client.call("POST", "/v1/ckpt/acquire", {
+            "step": step, "nbytes": 4096, "when_busy": "skip", "timeout": 1})  # fmt: skip
+        if got.get("skipped"):
+            assert step > 1001, "no slot was free to take"
+            return
+    raise AssertionError("the agent kept handing out RAM slots")
+
+
+# How a copy at a lower tier reaches a rank under an agent: read by the agent into a free
+# RAM slot of the rank's, or with no slot free, streamed over the socket into its memory.
+COPY_PATHS = pytest.mark.parametrize("path", ["staged", "streamed"])

@@ -26,7 +26,7 @@ import pytest
 import torch
 import zstandard
 from aiohttp import web
-from ckpt_helpers import assert_bit_identical, small_tmpfs
+from ckpt_helpers import COPY_PATHS, assert_bit_identical, hold_every_ram_slot, small_tmpfs
 from test_ckpt_agent_mode import JOB, AgentHarness
 
 import ckpt
@@ -363,42 +363,86 @@ def save_and_commit(state: Any, step: int) -> None:
     c.close()
 
 
-def test_a_rank_restores_a_shard_of_many_pieces_streamed_from_the_object_tier(
-    agent: AgentHarness,
+def staged_in_ram(agent: AgentHarness, step: int) -> bool:
+    """Whether one of rank 0's RAM slot files now holds ``step``, sealed."""
+    from ckpt.ram import read_slot_view
+    from ckpt.remote import read_file
+
+    for segment in (agent.root / "shm").iterdir():
+        mm = read_file(str(segment))
+        if mm is not None and read_slot_view(mm, step) is not None:
+            return True
+    return False
+
+
+@COPY_PATHS
+def test_a_rank_restores_a_shard_of_many_pieces_from_the_object_tier(
+    agent: AgentHarness, path: str
 ) -> None:
     state = {"w": torch.randn(5 * MIB), "step": 3}  # 20 MiB: three pieces on the wire
     save_and_commit(state, 3)
     leave_only_the_object_copy(agent, 3)
+    if path == "streamed":
+        hold_every_ram_slot()
 
     reader = Checkpointer()
-    found = reader.restore(step=3)
+    found = reader.restore(step=3, into={"w": torch.zeros(5 * MIB), "step": 0})
 
     assert found is not None and found[0] == 3 and reader.restored_from == "object"
     assert_bit_identical(found[1], state)
+    assert staged_in_ram(agent, 3) == (path == "staged")
 
 
+@COPY_PATHS
 def test_an_object_copy_longer_than_the_catalog_lists_is_refused_by_the_agent(
-    agent: AgentHarness,
+    agent: AgentHarness, path: str
 ) -> None:
     save_and_commit({"w": torch.ones(100)}, 4)
     shard = leave_only_the_object_copy(agent, 4)
     obj = agent.root / "objects" / ShardKey(JOB, 4, 0).relpath(".zst")
     obj.write_bytes(zstandard.ZstdCompressor().compress(shard + b"\0" * MIB))
+    if path == "streamed":
+        hold_every_ram_slot()
 
     with pytest.raises(CheckpointError, match=f"more than the {len(shard)} bytes its manifest"):
         Checkpointer().restore(step=4)
+    assert not staged_in_ram(agent, 4)
 
 
-def test_an_object_copy_that_runs_long_mid_body_is_cut_off_and_the_rank_refuses_it(
-    agent: AgentHarness,
+@COPY_PATHS
+def test_an_object_copy_that_runs_long_mid_body_is_refused(
+    agent: AgentHarness, path: str
 ) -> None:
     save_and_commit({"w": torch.randn(3 * MIB)}, 5)  # 12 MiB: the excess is in piece two
     shard = leave_only_the_object_copy(agent, 5)
     obj = agent.root / "objects" / ShardKey(JOB, 5, 0).relpath(".zst")
     obj.write_bytes(zstandard.ZstdCompressor().compress(shard + b"\0" * MIB))
+    if path == "streamed":
+        hold_every_ram_slot()
+    # Staged, the agent reads past the end itself; streamed, it cuts the body off.
+    why = (f"more than the {len(shard)} bytes its manifest lists" if path == "staged"
+           else f"ended after {8 * MIB} of its {len(shard)} bytes")  # fmt: skip
 
-    with pytest.raises(CheckpointError, match=f"ended after {8 * MIB} of its {len(shard)} bytes"):
+    with pytest.raises(CheckpointError, match=why):
         Checkpointer().restore(step=5)
+    assert not staged_in_ram(agent, 5)
+
+
+def test_a_staged_copy_that_does_not_verify_is_reported_and_never_sealed_in_ram(
+    agent: AgentHarness,
+) -> None:
+    save_and_commit({"w": torch.randn(MIB)}, 6)
+    shard = bytearray(leave_only_the_object_copy(agent, 6))
+    shard[len(shard) // 2] ^= 0xFF  # one bit of the content, under an intact size and seal
+    obj = agent.root / "objects" / ShardKey(JOB, 6, 0).relpath(".zst")
+    obj.write_bytes(zstandard.ZstdCompressor().compress(bytes(shard)))
+
+    with pytest.raises(CheckpointError, match="content hashes to"):
+        Checkpointer().restore(step=6)
+
+    assert not staged_in_ram(agent, 6)
+    corrupt = [m for m in agent.landings if m.event == "corrupt"]
+    assert [(m.step, m.tier) for m in corrupt] == [(6, "object")]
 
 
 # --------------------------------------------------------------------------- the rank's reader
@@ -466,3 +510,35 @@ async def test_the_rank_reads_a_body_of_the_catalogs_size_into_one_buffer(
 
     assert isinstance(got, bytearray) and got == body
     assert gone is None
+
+
+async def test_a_rank_streams_the_copy_from_an_older_agent_that_stages_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent from before ``/v1/ckpt/stage`` (a rolling upgrade) answers it 404."""
+    state = {"w": torch.randn(MIB), "step": 7}
+    shard = ckpt.encode(state, ref=ShardKey(JOB, 7, 0).ref())
+    plan = {"steps": [{"step": 7, "candidates": [
+        {"tier": "object", "checksum": ckpt.checksum(shard), "nbytes": len(shard)}]}]}
+
+    async def hello(request: web.Request) -> web.Response:
+        return web.json_response({"tiers": ["ram", "object"]})
+
+    async def restore(request: web.Request) -> web.Response:
+        return web.json_response(plan)
+
+    async def shard_route(request: web.Request) -> web.Response:
+        return web.Response(body=bytes(shard))
+
+    app = web.Application()
+    app.router.add_post("/v1/ckpt/hello", hello)
+    app.router.add_get("/v1/ckpt/restore", restore)
+    app.router.add_get("/v1/ckpt/shard", shard_route)
+    socket = tmp_path / "older.sock"
+    for key, value in AgentHarness.env(SimpleNamespace(socket=socket)).items():  # type: ignore[arg-type]
+        monkeypatch.setenv(key, value)
+    async with serve(app, lambda runner: web.UnixSite(runner, str(socket)), "older agent"):
+        found = await asyncio.to_thread(lambda: Checkpointer().restore())
+
+    assert found is not None and found[0] == 7
+    assert_bit_identical(found[1], state)

@@ -181,3 +181,21 @@ def test_a_ram_tier_in_a_tmpfs_says_nothing(
             RamTier("phalanx-j-r0", job="j", directory=shm, pin=False).close()
 
     assert "not in memory" not in caplog.text
+
+
+def test_slots_whose_files_were_removed_get_new_ones_before_a_rank_maps_them() -> None:
+    # A /dev/shm cleaner (systemd's RemoveIPC, an operator) removed the segment files under
+    # a live owner: a rank maps a slot by its path, so handing the old one out would fail.
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        ram = RamTier("phalanx-j-r0", job="j", directory=shm, slots=2, keep=1, pin=False)
+        ram.reserve(1 << 20)
+        for segment in Path(shm).iterdir():
+            segment.unlink()
+
+        ram.reserve(1 << 20)
+        assert sorted(p.name for p in Path(shm).iterdir()) == ["phalanx-j-r0.slot0",
+                                                                "phalanx-j-r0.slot1"]
+        Path(shm, "phalanx-j-r0.slot0").unlink()
+        slot = ram.acquire(ShardKey("j", 1, 0), 4096, when_busy="skip", timeout=1)
+        assert slot is not None and slot.path.exists()
+        ram.unlink()

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from ckpt_helpers import assert_bit_identical, training_state
+from ckpt_helpers import COPY_PATHS, assert_bit_identical, hold_every_ram_slot, training_state
 
 from agentd.ckpt import CkptService
 from agentd.ckpt_http import add_peer_routes, start_rank_socket
@@ -137,11 +137,14 @@ def send_catalog(fleet: dict[str, Any], alive: set[str]) -> wire.CkptCatalog:
     return mine
 
 
+@COPY_PATHS
 def test_a_rank_moved_to_a_spare_restores_the_gang_step_from_the_buddy_holding_its_copy(
-    fleet: dict[str, Any],
+    fleet: dict[str, Any], path: str,
 ) -> None:
     sent = send_catalog(fleet, alive={"n01", "n03"})
     assert sent.restore_step == STEP
+    if path == "streamed":
+        hold_every_ram_slot()
 
     with Checkpointer() as ckpt:
         found = ckpt.restore()
@@ -178,14 +181,19 @@ def test_a_corrupt_peer_copy_is_reported_and_the_catalog_stops_offering_it(
     assert send_catalog(fleet, alive={"n01", "n03"}).restore_step is None
 
 
+@COPY_PATHS
 @pytest.mark.parametrize("keep", [0.5, 0.9])
-def test_a_truncated_peer_copy_is_reported_by_the_agent_that_streamed_it(
-    fleet: dict[str, Any], keep: float,
+def test_a_truncated_peer_copy_is_reported_once_staged_or_streamed(
+    fleet: dict[str, Any], keep: float, path: str,
 ) -> None:
+    # Staged, the agent finds it short and the rank reports it; streamed, the agent
+    # reports it (the rank sees only a cut-off body and cannot tell).
     send_catalog(fleet, alive={"n01", "n03"})
     shard = fleet["copy"] / "rank-00001.phx.zst"
     body = shard.read_bytes()
     shard.write_bytes(body[: int(len(body) * keep)])  # the buddy serves all it has
+    if path == "streamed":
+        hold_every_ram_slot()
 
     with Checkpointer() as ckpt, pytest.raises(CheckpointError, match=r"no readable copy"):
         ckpt.restore()
