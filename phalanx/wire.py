@@ -36,7 +36,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     BaseModel,
@@ -206,6 +206,12 @@ class RankEvent(_Msg):
 # --- checkpoints ------------------------------------------------------------
 
 CkptTierName = Literal["ram", "nvme", "peer", "object"]
+# What the checkpoint store can name (``ckpt.tiers``: a step's folder has 12 digits, a
+# shard's file a 5-digit rank), and what the supervisor's SQLite store holds (i64): a
+# landing past these is refused when parsed, never left to fail in a store batch.
+MAX_STEP: Final = 10**12 - 1
+MAX_RANK: Final = 10**5 - 1
+MAX_I64: Final = 2**63 - 1
 
 
 class CkptLanding(_Msg):
@@ -221,16 +227,17 @@ class CkptLanding(_Msg):
     kind: Literal["ckpt"] = "ckpt"
     node: NodeId
     job: str
-    step: int = Field(ge=0)
-    rank: int = Field(ge=0)
+    step: int = Field(ge=0, le=MAX_STEP)
+    rank: int = Field(ge=0, le=MAX_RANK)
     tier: CkptTierName
     event: Literal["landed", "deleted", "failed", "corrupt"] = "landed"
-    nbytes: int = Field(default=0, ge=0)
+    nbytes: int = Field(default=0, ge=0, le=MAX_I64)
     checksum: str = ""
     holder: str | None = None
     error: str = ""
-    generation: int = Field(default=0, ge=0, description="the job generation whose rank "
-                            "saved the shard (0: not known, an agent restarted since)")
+    generation: int = Field(default=0, ge=0, le=MAX_I64, description="the job generation "
+                            "whose rank saved the shard (0: not known, an agent restarted "
+                            "since)")
     at: float
 
 
@@ -255,9 +262,9 @@ class PeerAddr(_Msg):
 
 
 class CkptShard(_Msg):
-    rank: int = Field(ge=0)
+    rank: int = Field(ge=0, le=MAX_RANK)
     checksum: str
-    nbytes: int = Field(ge=0)
+    nbytes: int = Field(ge=0, le=MAX_I64)
     peer: PeerAddr | None = Field(default=None, description="the buddy holding this rank's "
                                   "peer-tier copy of the step, where it is committed there")
 
@@ -266,7 +273,7 @@ class CkptStep(_Msg):
     """A step committed at one tier or more: when, and the checksum and size of the
     shards of the ranks the receiving node holds or runs."""
 
-    step: int = Field(ge=0)
+    step: int = Field(ge=0, le=MAX_STEP)
     committed: dict[CkptTierName, float] = Field(description="tier -> commit time")
     shards: list[CkptShard]
 

@@ -281,28 +281,55 @@ class Supervisor:
     def _record_landings(self) -> set[str]:
         """Record the queued landings in one transaction; the jobs whose catalog changed.
         On a store error the landings go back to the queue (acknowledged to the broker,
-        they exist nowhere else) and are tried again."""
+        they exist nowhere else) and are tried again. Any other error is one landing the
+        store cannot take (a value past what it holds): recorded one by one then, that
+        one is logged and dropped, and it never holds up the others."""
         batch, self._landings = self._landings, []
-        changed: set[str] = set()
-        try:
-            with self.store.batch():
-                for msg in batch:
-                    job = self.jobs.jobs.get(msg.job)
-                    if job is None:
-                        log.warning("dropped: a checkpoint landing of unknown job %s", msg.job)
-                    elif self.catalog.on_landing(msg, job.spec.world_size):
-                        changed.add(msg.job)
-        except Exception as exc:
-            self.catalog.forget()  # the transaction was rolled back: so is what it counted
-            self._landings[:0] = batch[-MAX_QUEUED_LANDINGS:]
+
+        def record(msgs: list[wire.CkptLanding]) -> set[str]:
+            changed: set[str] = set()
+            try:
+                with self.store.batch():
+                    for msg in msgs:
+                        job = self.jobs.jobs.get(msg.job)
+                        if job is None:
+                            log.warning("dropped: a checkpoint landing of unknown job %s",
+                                        msg.job)  # fmt: skip
+                        elif self.catalog.on_landing(msg, job.spec.world_size):
+                            changed.add(msg.job)
+            except BaseException:
+                self.catalog.forget()  # the transaction was rolled back: so is what it counted
+                raise
+            return changed
+
+        def requeue(msgs: list[wire.CkptLanding], exc: StoreError) -> None:
+            self._landings[:0] = msgs[-MAX_QUEUED_LANDINGS:]
             lost = len(self._landings) - MAX_QUEUED_LANDINGS
             if lost > 0:
                 del self._landings[:lost]
                 log.error("dropped the %d oldest checkpoint landings: the store has failed "
                           "for too long", lost)
             log.error("recording %d checkpoint landing(s) failed, trying again: %s",
-                      len(batch), exc)
+                      len(msgs), exc)  # fmt: skip
+
+        try:
+            return record(batch)
+        except StoreError as exc:
+            requeue(batch, exc)
             raise
+        except Exception as exc:
+            log.error("recording %d checkpoint landing(s) together failed (%r): recording "
+                      "them one by one", len(batch), exc)  # fmt: skip
+        changed: set[str] = set()
+        for index, msg in enumerate(batch):
+            try:
+                changed |= record([msg])
+            except StoreError as exc:
+                requeue(batch[index:], exc)
+                raise
+            except Exception as exc:
+                log.error("dropped a checkpoint landing the store cannot take: %r: %s", exc,
+                          msg.model_dump_json()[:500])  # fmt: skip
         return changed
 
     async def flush_landings(self) -> None:

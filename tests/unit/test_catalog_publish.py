@@ -118,6 +118,24 @@ def test_landings_a_failed_store_write_rolled_back_are_queued_again_and_commit_l
     assert sup._landings == [] and [c[0] for c in store.commits("j-1")] == [5]
 
 
+def test_a_landing_the_store_cannot_take_is_dropped_and_never_holds_up_the_others(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "state.db")
+    catalog = CheckpointCatalog(store)
+    job = types.SimpleNamespace(spec=types.SimpleNamespace(world_size=1))
+    # Past what SQLite holds: the wire refuses it now, but a value a store cannot take
+    # (OverflowError, not a StoreError) must still cost that landing alone.
+    poison = wire.CkptLanding.model_construct(**{**landing(7, 0).model_dump(), "job": "j-2",
+                                                 "step": 2**63})
+    sup = types.SimpleNamespace(jobs=types.SimpleNamespace(jobs={"j-1": job, "j-2": job}),
+                                store=store, catalog=catalog, _landings=[poison, landing(7, 0)])
+
+    assert Supervisor._record_landings(sup) == {"j-1"}  # type: ignore[arg-type]
+    assert sup._landings == [] and [c[0] for c in store.commits("j-1")] == [7]
+    assert store.commits("j-2") == []
+
+
 def test_a_snapshot_sees_committed_rows_only_never_a_batch_in_progress(tmp_path: Path) -> None:
     store = Store(tmp_path / "state.db")
     store.add_commit("j-1", 4, "nvme", 1.0)

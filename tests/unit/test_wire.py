@@ -174,6 +174,24 @@ def test_a_landing_that_names_no_kind_still_parses_as_a_landing() -> None:
     assert parse(wire.ckpt_topic(NODE), json.dumps(data).encode()).message == landing
 
 
+@pytest.mark.parametrize(("field", "value"), [
+    ("step", 10**12), ("rank", 10**5), ("nbytes", 2**63), ("generation", 2**63)])
+def test_a_landing_past_what_the_store_can_name_or_hold_raises_wire_error(
+    field: str, value: int,
+) -> None:
+    data = json.loads(wire.encode(ROUND_TRIPS[-2][1]()))
+    data[field] = value
+
+    with pytest.raises(WireError, match=field):
+        parse(wire.ckpt_topic(NODE), json.dumps(data).encode())
+
+
+def test_the_wire_limits_are_the_checkpoint_stores() -> None:
+    import ckpt.tiers
+
+    assert (wire.MAX_STEP, wire.MAX_RANK) == (ckpt.tiers.MAX_STEP, ckpt.tiers.MAX_RANK)
+
+
 def test_a_payload_with_an_extra_field_raises_wire_error() -> None:
     topic = wire.death_topic(NODE)
     data = json.loads(wire.encode(NodeDeath(node=NODE, seq=1)))
