@@ -62,6 +62,7 @@ _MAGIC: Final = b"PHXSLOT\x00"
 _VERSION: Final = 1
 FREE, WRITING, SEALED = 0, 1, 2
 _GROW_ALIGN: Final = 2 << 20
+_MAX_NBYTES: Final = 2**63 - 1 - HEADER_NBYTES - _GROW_ALIGN  # what the slot header holds
 # Filesystems whose files are memory: a shared map of one is a copy into RAM and nothing more.
 MEMORY_FILESYSTEMS: Final = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 _warned_dirs: set[Path] = set()
@@ -315,6 +316,8 @@ class RamTier(Tier):
     def reserve(self, nbytes: int) -> None:
         """Allocate and touch every slot for shards of up to ``nbytes`` now,
         so that no save pays for it (call it once the state exists)."""
+        if type(nbytes) is not int or not 0 <= nbytes <= _MAX_NBYTES:
+            raise ValueError(f"cannot reserve RAM-tier slots of {nbytes!r} bytes")
         capacity = -(-nbytes // _GROW_ALIGN) * _GROW_ALIGN
         with self.cond:
             for index in range(self.nslots):
@@ -333,6 +336,8 @@ class RamTier(Tier):
         protected; ``"wait"`` waits for one up to ``timeout`` seconds, then
         raises ``TimeoutError``.
         """
+        if type(nbytes) is not int or not 0 <= nbytes <= _MAX_NBYTES:
+            raise ValueError(f"a shard of {nbytes!r} bytes cannot have a RAM-tier slot")
         deadline = time.monotonic() + timeout
         with self.cond:
             while (choice := self._pick()) is None:
@@ -366,7 +371,11 @@ class RamTier(Tier):
         live = [s for s in self.slots if s is not None]
         sealed = sorted((s for s in live if s.state == SEALED), key=lambda s: -s.seq)
         protected = {id(s) for s in sealed[: self.keep]}
-        protected |= {id(s) for s in sealed if s.step == self.newest_committed}
+        # The newest copy of the newest committed step (``find`` reads that one): a step
+        # saved twice must not hold two slots for good.
+        committed = next((s for s in sealed if s.step == self.newest_committed), None)
+        if committed is not None:
+            protected.add(id(committed))
         candidates = [s for s in live if not s.busy and not s.pins and id(s) not in protected]
         free = [s for s in candidates if s.state != SEALED]
         if free:

@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 import mmap
+import operator
 import os
 import re
 import shutil
@@ -58,16 +59,33 @@ log = logging.getLogger(__name__)
 
 MANIFEST_NAME: Final = "manifest.json"
 _STEP_DIGITS: Final = 12
+_RANK_DIGITS: Final = 5
+MAX_STEP: Final = 10**_STEP_DIGITS - 1
+MAX_RANK: Final = 10**_RANK_DIGITS - 1
 _tmp_counter = itertools.count()
 
 
 @dataclass(frozen=True, slots=True, order=True)
 class ShardKey:
-    """Which shard: one rank's state at one step of one job."""
+    """Which shard: one rank's state at one step of one job. A step or rank its files
+    cannot be named by (``MAX_STEP``, ``MAX_RANK``) is a ``ValueError`` naming it."""
 
     job: str
     step: int
     rank: int
+
+    def __post_init__(self) -> None:
+        for name, top, digits in (("step", MAX_STEP, _STEP_DIGITS),
+                                  ("rank", MAX_RANK, _RANK_DIGITS)):  # fmt: skip
+            value = getattr(self, name)
+            try:
+                number = operator.index(value)  # a numpy or torch integer too
+            except TypeError:
+                number = -1
+            if isinstance(value, bool) or not 0 <= number <= top:
+                raise ValueError(f"{name} {value!r} must be an integer in [0, {top}] (the "
+                                 f"{name} is named with {digits} digits in file names)")
+            object.__setattr__(self, name, number)
 
     def ref(self, path: str | None = None) -> ShardRef:
         return ShardRef(job=self.job, step=self.step, rank=self.rank, path=path)

@@ -260,6 +260,29 @@ def test_restore_skips_a_corrupt_nvme_copy_for_the_object_store(agent: AgentHarn
     assert_bit_identical(found[1], state)
 
 
+def test_saving_one_step_twice_does_not_keep_both_ram_slots_from_the_next_save(
+    agent: AgentHarness,
+) -> None:
+    c = Checkpointer(busy_timeout_s=10)  # the harness keeps 1 RAM step: 2 slots
+    c.save(3, {"w": torch.full((1000,), 3.0)})  # the loop's save at step 3 ...
+    c.wait(timeout=60)
+    c.save(3, {"w": torch.full((1000,), 3.0)})  # ... and a final save of the same step
+    c.wait(timeout=60)
+
+    assert c.save(4, {"w": torch.full((1000,), 4.0)})  # timed out: both slots protected
+    c.wait(timeout=60)
+    c.close()
+
+
+def test_a_step_the_store_cannot_name_is_refused_with_400(agent: AgentHarness) -> None:
+    from ckpt.remote import AgentClient, AgentEnv
+
+    client = AgentClient(AgentEnv.from_environ())
+    with pytest.raises(AgentError, match="must be an integer in") as refused:
+        client.call("POST", "/v1/ckpt/acquire", {"step": 10**12, "nbytes": 10})
+    assert refused.value.status == 400
+
+
 def test_a_rank_of_an_older_generation_cannot_save(
     agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -199,3 +199,24 @@ def test_slots_whose_files_were_removed_get_new_ones_before_a_rank_maps_them() -
         slot = ram.acquire(ShardKey("j", 1, 0), 4096, when_busy="skip", timeout=1)
         assert slot is not None and slot.path.exists()
         ram.unlink()
+
+
+def test_a_size_no_slot_can_hold_is_refused_and_leaves_every_slot_free(tmp_path: Path) -> None:
+    ram = RamTier("phalanx-j-r0", job="j", directory=tmp_path, slots=2, keep=1, pin=False)
+    try:
+        for nbytes in (-1, 2**63):
+            with pytest.raises(ValueError, match="cannot have a RAM-tier slot"):
+                ram.acquire(ShardKey("j", 1, 0), nbytes, when_busy="skip", timeout=1)
+        with pytest.raises(ValueError, match="cannot reserve"):
+            ram.reserve(-5)
+
+        assert not any(s is not None and s.busy for s in ram.slots)
+        assert ram.acquire(ShardKey("j", 1, 0), 100, when_busy="skip", timeout=1) is not None
+    finally:
+        ram.unlink()
+
+
+@pytest.mark.parametrize(("step", "rank"), [(-1, 0), (10**12, 0), (0, 10**5), (1.5, 0)])
+def test_a_step_or_rank_no_file_can_be_named_by_is_refused(step: Any, rank: int) -> None:
+    with pytest.raises(ValueError, match=r"(step|rank) .* must be an integer"):
+        ShardKey("j", step, rank)
