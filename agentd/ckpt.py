@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import random
 import re
 import threading
 import time
@@ -62,6 +63,8 @@ log = logging.getLogger(__name__)
 DEFAULT_PLAN = wire.CkptPlan(tiers=["ram", "nvme", "object"])
 TIER_ORDER = ("ram", "nvme", "peer", "object")
 CATALOG_WAIT_S = 3.0
+APPLY_RETRY_MIN_S, APPLY_RETRY_MAX_S = 1.0, 60.0  # writing a failed manifest again
+ENDED_SETTLE_S = 10.0  # an ended job's last landings: how long their commits are awaited
 LISTING_TTL_S = 60.0  # a remote tier's listing of a job serves this node's ranks this long
 _Listing = concurrent.futures.Future[list[str]]
 
@@ -84,10 +87,16 @@ class RankStore:
     tiers: dict[str, Tier]
     reporter: _Reporter
     outstanding: dict[int, Slot] = field(default_factory=dict)  # acquired, not submitted
-    landed: set[tuple[str, int]] = field(default_factory=set)
-    applied: set[tuple[str, int]] = field(default_factory=set)
+    # (tier, step) -> the checksum of the copy this node landed there last (None: landed
+    # before an agent restart, its checksum unknown)
+    landed: dict[tuple[str, int], str | None] = field(default_factory=dict)
+    applied: set[tuple[str, int, str | None]] = field(default_factory=set)  # + the checksum
     committed_upto: dict[str, int] = field(default_factory=dict)  # tier -> newest applied
+    generation: int = 0  # the newest generation that saved here
+    landings: int = 0  # every landing so far (an ended job waits for their commits)
     generation_of: dict[int, int] = field(default_factory=dict)  # step -> generation saving it
+    # tier -> why the newest manifest write there failed (until one there succeeds)
+    commit_errors: dict[str, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -101,7 +110,8 @@ class _Reporter:
 
     def landed(self, tier: str, key: ShardKey, checksum: str, nbytes: int) -> TierManifest | None:
         if self.store is not None:
-            self.store.landed.add((tier, key.step))
+            self.store.landed[(tier, key.step)] = checksum
+            self.store.landings += 1
         generation = self.store.generation_of.get(key.step, 0) if self.store else 0
         self.service.publish(wire.CkptLanding(
             node=self.service.node, job=key.job, step=key.step, rank=key.rank,
@@ -152,6 +162,9 @@ class CkptService:
             4, thread_name_prefix="ckpt-commit", initializer=place_writer_thread,
             initargs=(on_write_cpus,))  # fmt: skip
         self._appliers: dict[str, asyncio.Task[None]] = {}
+        # job -> (the last retry delay, the retry scheduled) after a manifest write failed
+        self._apply_backoff: dict[str, tuple[float, asyncio.TimerHandle | None]] = {}
+        self._ending: dict[str, float] = {}  # ended job -> when its RAM tier goes regardless
         self._reapply: set[str] = set()  # jobs whose latest catalog some store has not seen
         self._closing = False
 
@@ -267,7 +280,7 @@ class CkptService:
                     for key in keys:
                         step = key.split("/")[1] if key.count("/") == 2 else ""
                         if step.isdigit() and ShardKey(job, int(step), rank).relpath(suffix) == key:
-                            store.landed.add((tier.name, int(step)))
+                            store.landed.setdefault((tier.name, int(step)), None)
             finally:
                 store.lock.release()
 
@@ -283,10 +296,11 @@ class CkptService:
             engine = Engine(ram, list(tiers.values()), keep=keep, catalog=reporter,
                             pacing=self.pacing, on_event=self._on_event)  # fmt: skip
             store = RankStore(job, rank, ram, engine, tiers, reporter)
-            store.landed.update(("ram", step) for step in ram.steps(job))
+            store.landed.update((("ram", step), None) for step in ram.steps(job))
             if "nvme" in tiers:
                 try:
-                    store.landed.update(("nvme", step) for step in self.disk.landed_steps(job)
+                    store.landed.update((("nvme", step), None)
+                                        for step in self.disk.landed_steps(job)
                                         if self.disk.path(ShardKey(job, step, rank)).is_file())
                 except TierError as exc:
                     log.warning("ckpt: job %s rank %d: %s", job, rank, exc)
@@ -356,8 +370,22 @@ class CkptService:
         store.generation_of[step] = generation
         for old in sorted(store.generation_of)[:-64]:  # far older than anything in flight
             del store.generation_of[old]
+        if generation > store.generation:  # after an agent restart too: what it found
+            self._renew(store, step)  # on its tiers was an older generation's
+            store.generation = generation
         store.engine.submit(slot, ShardKey(job, step, rank))
         return {"submitted": step}
+
+    @staticmethod
+    def _renew(store: RankStore, step: int) -> None:
+        """A newer generation saves ``step`` here: from it on, what an older one landed and
+        committed is being saved anew (it restored an older step), so that ``wait`` waits
+        for the new commits and the applier writes their manifests, not the old ones."""
+        for key in [k for k in store.landed if k[1] >= step]:
+            del store.landed[key]
+        store.applied = {mark for mark in store.applied if mark[1] < step}
+        for tier, upto in list(store.committed_upto.items()):
+            store.committed_upto[tier] = min(upto, step - 1)
 
     async def reserve(self, job: str, generation: int, rank: int, nbytes: int) -> list[str]:
         self._fence(job, generation)
@@ -393,6 +421,10 @@ class CkptService:
 
         async with self.changed:
             while left := missing():
+                failed = next((t for t in left if t in store.commit_errors), None)
+                if failed is not None:  # written again in the background until it takes
+                    raise CkptRequestError(store.commit_errors[failed], status=409,
+                                           tier=failed, step=step)  # fmt: skip
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CkptRequestError(
@@ -433,16 +465,20 @@ class CkptService:
 
     async def _applier(self, job: str) -> None:
         loop = asyncio.get_running_loop()
+        whole = True
         while job in self._reapply and (catalog := self.catalogs.get(job)) is not None:
             self._reapply.discard(job)
             stores = [s for (j, _), s in list(self.stores.items()) if j == job]
+            whole = True
             for store in stores:
                 try:
-                    await loop.run_in_executor(self.commits, self._apply, store, catalog)
+                    whole &= await loop.run_in_executor(self.commits, self._apply, store,
+                                                        catalog)  # fmt: skip
                 except Exception:
+                    whole = False
                     log.exception("applying the checkpoint catalog of %s rank %d", job,
                                   store.rank)
-            if catalog.ended:
+            if catalog.ended and await self._settled(job, catalog):
                 try:
                     await loop.run_in_executor(self.commits, self._free_ram, job)
                 except Exception:
@@ -453,28 +489,69 @@ class CkptService:
                 self.changed.notify_all()
         if job not in self.catalogs:  # let go of: no catalog will kick this applier again
             self._appliers.pop(job, None)
+            self._apply_backoff.pop(job, None)
+        elif whole:
+            self._apply_backoff.pop(job, None)
+        else:
+            self._retry_applier(job)
 
-    def _apply(self, store: RankStore, catalog: wire.CkptCatalog) -> None:
-        """Commit, at this node's tiers, the steps the supervisor found complete."""
+    def _retry_applier(self, job: str) -> None:
+        """Apply the job's catalog again after a capped, jittered, growing delay: a
+        manifest write failed (a blip of the object store or the buddy), and nothing else
+        would write it before the next commit of the job, if one ever comes."""
+        delay, pending = self._apply_backoff.get(job, (0.0, None))
+        if pending is not None and not pending.cancelled():
+            return
+        delay = min(APPLY_RETRY_MAX_S, max(APPLY_RETRY_MIN_S, delay * 2))
+        wait_s = delay * random.uniform(0.5, 1.0)
+        log.warning("job %s: a checkpoint manifest could not be written: trying again in "
+                    "%.1f s", job, wait_s, extra={"job": job})  # fmt: skip
+
+        def fire() -> None:
+            self._apply_backoff[job] = (delay, None)
+            if not self._closing:
+                self._kick_applier(job)
+
+        self._apply_backoff[job] = (delay, asyncio.get_running_loop().call_later(wait_s, fire))
+
+    def _apply(self, store: RankStore, catalog: wire.CkptCatalog) -> bool:
+        """Commit, at this node's tiers, the steps the supervisor found complete. False
+        when a manifest could not be written: that step stays unapplied at that tier, so
+        that the next pass writes it again (``_applier`` retries with a backoff), and
+        ``wait`` names the tier meanwhile."""
         protect = {catalog.restore_step} if catalog.restore_step is not None else set()
+        whole = True
         with store.lock:
             for entry in sorted(catalog.steps, key=lambda e: e.step):
                 shards = {s.rank: (s.checksum, s.nbytes) for s in entry.shards}
+                theirs = shards[store.rank][0] if store.rank in shards else None
                 for tier in entry.committed:
-                    mark = (tier, entry.step)
-                    if mark in store.applied or mark not in store.landed:
+                    if (tier, entry.step) not in store.landed:
                         continue
-                    store.applied.add(mark)
+                    ours = store.landed.get((tier, entry.step))
+                    if ours is not None and theirs is not None and ours != theirs:
+                        continue  # it commits another save of the step (an older generation's)
+                    mark = (tier, entry.step, theirs)
+                    if mark in store.applied:
+                        continue
                     manifest = TierManifest(catalog.job, entry.step, shards,
                                             committed_at=entry.committed[tier],
                                             world_size=catalog.world_size)  # fmt: skip
                     fleet = {e.step for e in catalog.steps if tier in e.committed}
-                    if not store.engine.commit(tier, manifest, store.rank,
-                                               fleet_committed=fleet, protect=protect):
-                        continue  # a failed manifest write: wait() raises it
+                    try:
+                        if not store.engine.commit(tier, manifest, store.rank,
+                                                   fleet_committed=fleet, protect=protect):
+                            continue  # not a tier of this store
+                    except TierError as exc:
+                        store.commit_errors[tier] = str(exc)
+                        whole = False
+                        continue
+                    store.applied.add(mark)
+                    store.commit_errors.pop(tier, None)
                     # Only now, with the manifest written here, is the step readable here.
                     store.committed_upto[tier] = max(entry.step,
                                                      store.committed_upto.get(tier, -1))
+        return whole
 
     def _let_go(self, job: str, catalog: wire.CkptCatalog) -> None:
         """The job ended and its RAM tier is free: forget it, and tell the supervisor, which
@@ -488,15 +565,42 @@ class CkptService:
                 del self._listings[listed]
         self.publish(wire.CkptReleased(node=self.node, job=job, at=time.time()))
 
+    async def _settled(self, job: str, catalog: wire.CkptCatalog) -> bool:
+        """The job ended: finish its write-downs (the stores stay, so that the commits of
+        what they land still get their manifests here), then whether its RAM tier may go:
+        once every step this node landed is committed where it landed, or is older than
+        what is committed there; else (a catalog committing the last landings may still
+        be on its way) not before ``ENDED_SETTLE_S``, when the applier looks again."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            stores = [s for (j, _), s in self.stores.items() if j == job]
+        for store in stores:
+            try:
+                await loop.run_in_executor(self.commits, store.engine.close, 600.0)
+            except Exception:
+                log.exception("closing the checkpoint engine of %s rank %d", job, store.rank)
+        committed = {(tier, e.step) for e in catalog.steps for tier in e.committed}
+        newest: dict[str, int] = {}
+        for tier, step in committed:
+            newest[tier] = max(step, newest.get(tier, -1))
+        open_ = [(s.rank, tier, step) for s in stores for tier, step in list(s.landed)
+                 if (tier, step) not in committed and step > newest.get(tier, -1)]  # fmt: skip
+        deadline = self._ending.setdefault(job, time.monotonic() + ENDED_SETTLE_S)
+        if not open_ or time.monotonic() >= deadline:
+            self._ending.pop(job, None)
+            return True
+        log.info("job %s ended: freeing its RAM tier once the commits of %d landing(s) come "
+                 "(at most %.0f s)", job, len(open_), deadline - time.monotonic(),
+                 extra={"job": job})  # fmt: skip
+        loop.call_later(deadline - time.monotonic() + 0.05, self._kick_applier, job)
+        return False
+
     def _free_ram(self, job: str) -> None:
-        """The job ended: finish its write-downs, then remove its RAM segments."""
+        """The job ended and its write-downs are done (``_settled``): remove its RAM
+        segments."""
         with self._lock:
             stores = [self.stores.pop(k) for k in list(self.stores) if k[0] == job]
         for store in stores:
-            try:
-                store.engine.close(600.0)
-            except Exception:
-                log.exception("closing the checkpoint engine of %s rank %d", job, store.rank)
             for step in store.ram.steps(job):
                 store.engine.report(TierEvent("deleted", "ram", ShardKey(job, step, store.rank)))
             with contextlib.suppress(Exception):
@@ -694,6 +798,9 @@ class CkptService:
 
     async def close(self, timeout: float = 30.0) -> None:
         self._closing = True
+        for _delay, pending in self._apply_backoff.values():
+            if pending is not None:
+                pending.cancel()
         for task in self._appliers.values():
             task.cancel()
         for store in list(self.stores.values()):

@@ -239,7 +239,9 @@ class Engine:
         """Commit a step that an outside catalog (the supervisor's) found complete at a
         tier, then apply retention there: the agent's path, where ``Catalog.landed``
         only reports and the commit comes later. False when the tier is not
-        configured here or its manifest could not be written (reported).
+        configured here. A manifest that could not be written is reported (a
+        ``failed`` event) and its ``TierError`` raised to the caller, which writes it
+        again later (it is not held for ``wait``: a retry may well succeed).
 
         ``fleet_committed``: the steps the catalog holds committed at this tier; they
         count toward ``keep`` even where this tier has no manifest of them yet (a
@@ -254,8 +256,8 @@ class Engine:
         try:
             tier.commit(manifest)
         except TierError as exc:
-            self.fail(exc, key)
-            return False
+            self.report(TierEvent("failed", exc.tier, key, exc.path, 0, 0.0, str(exc)))
+            raise
         self.report(TierEvent("committed", tier.name, key))
         # RAM too: a slot past ``keep`` is freed (unless still busy)
         self._retain(tier, key, fleet_committed, protect)

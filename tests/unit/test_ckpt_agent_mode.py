@@ -28,7 +28,7 @@ from ckpt_helpers import assert_bit_identical, small_tmpfs, training_state
 
 from agentd.ckpt import CkptService
 from agentd.ckpt_http import start_rank_socket
-from ckpt import Checkpointer, CheckpointError, LocalFolderStore, TierError
+from ckpt import Checkpointer, CheckpointError, LocalFolderStore, ObjectTier, TierError
 from ckpt.format import FormatError, decode, seal, verify
 from ckpt.remote import AgentError
 from ckpt.tiers import step_dir
@@ -49,6 +49,7 @@ class AgentHarness:
                  catalog: CheckpointCatalog | None = None) -> None:  # fmt: skip
         self.root = root
         self.deliver = deliver
+        self.ended = False  # the job ended: the catalogs delivered say so
         self.landings: list[wire.CkptLanding] = []  # every landing the agent published
         self.released: list[wire.CkptReleased] = []  # every job it let go of
         self.loop = asyncio.new_event_loop()
@@ -84,8 +85,8 @@ class AgentHarness:
         def on_loop() -> None:
             assert self.service is not None
             if self.catalog.on_landing(msg, world_size=1) and self.deliver:
-                task = asyncio.ensure_future(
-                    self.service.on_catalog(self.catalog.messages(JOB, 1, generation=1)[0]))
+                task = asyncio.ensure_future(self.service.on_catalog(
+                    self.catalog.messages(JOB, 1, generation=1, ended=self.ended)[0]))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
 
@@ -283,6 +284,38 @@ def test_a_step_the_store_cannot_name_is_refused_with_400(agent: AgentHarness) -
     assert refused.value.status == 400
 
 
+def test_the_last_save_of_an_ended_job_gets_its_manifests_before_its_ram_goes(
+    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    c = Checkpointer()
+    c.save(4, {"w": torch.full((1000,), 4.0)})
+    c.wait(timeout=60)
+    gate = threading.Event()
+    real = LocalFolderStore.put_stream
+
+    def slow(self: LocalFolderStore, key: str, parts: Any) -> None:  # a slow object store
+        if f"/{step_dir(5)}/rank-" in key:
+            assert gate.wait(30)
+        real(self, key, parts)
+
+    monkeypatch.setattr(LocalFolderStore, "put_stream", slow)
+    c.save(5, {"w": torch.full((1000,), 5.0)})  # the last save: the rank exits, no wait
+    c.close()
+    wait_until(lambda: "nvme" in committed_tiers(agent, 5), "step 5 committed at nvme")
+
+    agent.ended = True  # the job succeeded: every catalog from now on says so
+    assert agent.service is not None
+    ended = agent.catalog.messages(JOB, 1, generation=1, ended=True)[0]
+    asyncio.run_coroutine_threadsafe(agent.service.on_catalog(ended), agent.loop).result(30)
+    gate.set()  # the object store catches up while the agent finishes the write-down
+    wait_until(lambda: bool(agent.released), "the agent to let go of the job")
+
+    assert "object" in committed_tiers(agent, 5)
+    assert (agent.root / "objects" / JOB / step_dir(5) / "manifest.json").exists()
+    assert ObjectTier(LocalFolderStore(agent.root / "objects")).steps(JOB)[-1] == 5
+    assert not list((agent.root / "shm").glob(f"phalanx-{JOB}-r*"))
+
+
 def test_a_rank_of_an_older_generation_cannot_save(
     agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -311,6 +344,95 @@ def test_wait_names_the_tier_that_failed_while_the_others_commit(agent: AgentHar
     while committed_tiers(agent, 6) != ["nvme", "ram"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert committed_tiers(agent, 6) == ["nvme", "ram"]
+
+
+def test_a_manifest_the_object_store_refused_once_is_written_again_and_read_back(
+    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = LocalFolderStore.put_stream
+    refused: list[str] = []
+
+    def blip(self: LocalFolderStore, key: str, parts: Any) -> None:  # the fault: one reset
+        if key.endswith("manifest.json") and not refused:
+            refused.append(key)
+            raise ConnectionResetError("connection reset by the object store")
+        real(self, key, parts)
+
+    monkeypatch.setattr(LocalFolderStore, "put_stream", blip)
+    state = {"w": torch.full((1000,), 3.0)}
+    c = Checkpointer()
+    c.save(3, state)
+
+    with pytest.raises(TierError, match="connection reset") as failed:
+        c.wait(timeout=60)
+    assert failed.value.tier == "object" and "object" in committed_tiers(agent, 3)
+    manifest = agent.root / "objects" / JOB / step_dir(3) / "manifest.json"
+    wait_until(manifest.exists, "the manifest written again, with no new catalog")
+    c.wait(timeout=60)  # committed everywhere now
+    c.close()
+
+    for segment in (agent.root / "shm").iterdir():  # the rank restarts elsewhere, say
+        segment.unlink()
+    nvme_shard(agent, 3).unlink()
+    found = Checkpointer().restore()
+    assert found is not None and found[0] == 3 and found[1]["w"].equal(state["w"])
+
+
+def start_generation(agent: AgentHarness, monkeypatch: pytest.MonkeyPatch, generation: int,
+                     ) -> None:  # fmt: skip
+    """The supervisor starts ``generation`` of the job here (its ranks get it)."""
+    async def configure() -> None:
+        assert agent.service is not None
+        agent.service.configure(JOB, generation, agent.service.plans[JOB])
+
+    asyncio.run_coroutine_threadsafe(configure(), agent.loop).result(10)
+    monkeypatch.setenv("PHALANX_GENERATION", str(generation))
+
+
+def saved_10_and_20(agent: AgentHarness) -> None:
+    c = Checkpointer()
+    for step in (10, 20):
+        c.save(step, {"w": torch.full((1000,), float(step))})
+        c.wait(timeout=60)
+    c.close()
+
+
+def test_wait_in_a_generation_that_rolled_back_waits_for_its_own_commit(
+    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    saved_10_and_20(agent)
+    start_generation(agent, monkeypatch, 2)  # generation 2 restores step 10 and trains on
+    assert agent.service is not None
+    agent.service.publish_threadsafe = lambda msg: None  # nothing it lands commits
+    c = Checkpointer()
+    assert c.restore(10) is not None
+    c.save(20, {"w": torch.full((1000,), 20.5)})
+
+    with pytest.raises(TimeoutError):  # generation 1's commit of step 20 is not this one
+        c.wait(timeout=2)
+    c.close()
+
+
+def test_a_step_saved_again_by_a_newer_generation_gets_its_own_manifest_and_reads_back(
+    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    saved_10_and_20(agent)
+    start_generation(agent, monkeypatch, 2)
+    c = Checkpointer()
+    assert c.restore(10) is not None
+    # Not generation 1's shard of step 20: other values, another size.
+    new_state = {"w": torch.full((1000,), 20.5), "loader": {"index": 10**11}}
+    c.save(20, new_state)
+    c.wait(timeout=60)
+    c.close()
+
+    for segment in (agent.root / "shm").iterdir():  # the rank runs on another node now
+        segment.unlink()
+    nvme_shard(agent, 20).unlink()
+    reader = Checkpointer()
+    found = reader.restore(20)
+    assert found is not None and reader.restored_from == "object"
+    assert_bit_identical(found[1], new_state)
 
 
 # --- a full disk, a crafted shard -------------------------------------------------------------
