@@ -298,10 +298,16 @@ def test_restore_falls_through_nvme_peer_and_object_store_as_copies_go(fleet: Fl
     shard.write_bytes(data)
     assert gang.tiers_used(gang.restart()) == {0: "peer", 1: "nvme", 2: "nvme", 3: "nvme"}
 
+    for segment in fleet.shm_dir.glob(f"phalanx-{gang.job}-r*.slot*"):
+        segment.unlink()  # rank 0's copy from the peer was staged there
     for node in ("n01", "n02"):
         subprocess.run(["rm", "-rf", str(gang.node_data(node) / "ckpt" / gang.job)], check=True)
     assert gang.tiers_used(gang.restart()) == {0: "peer", 1: "peer", 2: "peer", 3: "peer"}
+    # The agents staged those copies in their ranks' RAM slots: the next restart reads them.
+    assert gang.tiers_used(gang.restart()) == {0: "ram", 1: "ram", 2: "ram", 3: "ram"}
 
+    for segment in fleet.shm_dir.glob(f"phalanx-{gang.job}-r*.slot*"):
+        segment.unlink()
     for node in ("n01", "n02"):
         subprocess.run(["rm", "-rf", str(gang.node_data(node) / "ckpt-peer" / gang.job)],
                        check=True)
