@@ -1,0 +1,235 @@
+"""The agent's answers to a restoring rank (``ckpt.remote`` lists the routes): which
+step the gang restores from and where this rank's copies lie, nearest first; a copy
+from the peer or the object store streamed, or staged in a free RAM slot of the
+rank's; and the copies a rank found bad, reported to the supervisor.
+
+``Restores`` is a part of ``agentd.ckpt.CkptService``, which holds the state it reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agentd.ckpt_store import TIER_ORDER, CkptRequestError, RankStore
+from ckpt import (
+    FormatError,
+    LocalFolderStore,
+    ObjectStore,
+    ObjectTier,
+    ShardCorrupt,
+    ShardKey,
+    Tier,
+    TierError,
+    TierEvent,
+    UnsupportedVersion,
+)
+from ckpt.objects import ShardReader
+from ckpt.peer import HttpPeerStore
+from phalanx import wire
+
+log = logging.getLogger(__name__)
+
+CATALOG_WAIT_S = 3.0
+
+
+class Restores:
+    """The restore routes of ``CkptService``, which sets what is declared here."""
+
+    node: str
+    token: str
+    disk_root: Path
+    peer_store: LocalFolderStore
+    catalogs: dict[str, wire.CkptCatalog]
+    generations: dict[str, int]
+    changed: asyncio.Condition
+
+    if TYPE_CHECKING:
+        def store(self, job: str, rank: int) -> RankStore: ...
+        def objects(self) -> ObjectStore: ...
+        def publish(self, msg: wire.CkptLanding | wire.CkptReleased) -> None: ...
+        def _fence(self, job: str, generation: int) -> None: ...
+        async def _run(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+    async def _catalog_for(self, job: str) -> wire.CkptCatalog | None:
+        """The job's catalog, once it is of the generation started here (the supervisor
+        sends it before the ranks' start; give a late one ``CATALOG_WAIT_S``)."""
+        wanted = self.generations.get(job, 0)
+        deadline = time.monotonic() + CATALOG_WAIT_S
+        async with self.changed:
+            while (catalog := self.catalogs.get(job)) is None or catalog.generation < wanted:
+                if catalog is None and wanted == 0:
+                    return None
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    if catalog is None:
+                        raise CkptRequestError(
+                            f"job {job}: no checkpoint catalog came for generation {wanted} "
+                            f"within {CATALOG_WAIT_S:g} s: cannot tell which step the gang "
+                            "restores from", status=503)
+                    log.warning("job %s: restoring from the catalog of generation %d: none "
+                                "of generation %d came", job, catalog.generation, wanted)
+                    return catalog
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), remaining)
+        return catalog
+
+    async def restore_plan(self, job: str, rank: int, step: int | None) -> dict[str, Any]:
+        """Where rank ``rank`` can read its copy of ``step``, nearest first.
+
+        Without a step, the step is the catalog's ``restore_step``: the one the whole gang
+        restores from. A rank never picks an older one on its own; when no step is readable
+        by every rank, ``unavailable`` says why."""
+        try:
+            catalog = await self._catalog_for(job)
+        except CkptRequestError as exc:
+            return {"steps": [], "unavailable": str(exc)}
+        if catalog is None:
+            return {"steps": []}
+        if not catalog.steps:  # nothing committed yet, or (with a note) nothing left
+            return {"steps": [], "unavailable": f"job {job}: {catalog.restore_note}"} \
+                if catalog.restore_note else {"steps": []}
+        wanted = step if step is not None else catalog.restore_step
+        entries = [e for e in catalog.steps if e.step == wanted]
+        if not entries:
+            why = (f"step {step} is not committed" if step is not None else
+                   catalog.restore_note or "no committed step is readable by every rank")
+            return {"steps": [], "unavailable": f"job {job}: {why}"}
+        entry = entries[0]
+        shard = next((s for s in entry.shards if s.rank == rank), None)
+        if shard is None:
+            return {"steps": [], "unavailable": f"job {job}: the catalog lists no shard of rank "
+                                                f"{rank} for step {entry.step}"}
+        store = self.store(job, rank)
+        base = {"checksum": shard.checksum, "nbytes": shard.nbytes}
+        candidates = []
+        for tier in TIER_ORDER:
+            if tier not in entry.committed:
+                continue
+            if tier == "ram":
+                slot = store.ram.find(entry.step)
+                if slot is not None and slot.path.exists():
+                    candidates.append({"tier": tier, "path": str(slot.path), **base})
+            elif tier == "nvme":
+                shard_path = self.disk_root / ShardKey(job, entry.step, rank).relpath()
+                if shard_path.exists():
+                    candidates.append({"tier": tier, "path": str(shard_path), **base})
+            elif self.read_tier(job, rank, entry.step, tier) is not None:
+                candidates.append({"tier": tier, **base})
+        return {"steps": [{"step": entry.step, "candidates": candidates}]}
+
+    def read_tier(self, job: str, rank: int, step: int, tier: str) -> Tier | None:
+        """The tier to read rank ``rank``'s copy of ``step`` from, for ``peer`` and
+        ``object``: the peer copy is read from the buddy the catalog says holds it (the
+        rank may have moved since, or its node's buddy changed)."""
+        store = self.store(job, rank)
+        if tier == "object":
+            return store.tiers.get("object") or ObjectTier(self.objects(), name="object")
+        if tier != "peer":
+            return None
+        catalog = self.catalogs.get(job)
+        entry = next((e for e in catalog.steps if e.step == step), None) if catalog else None
+        shard = next((s for s in entry.shards if s.rank == rank), None) if entry else None
+        if shard is None or shard.peer is None:
+            return store.tiers.get("peer")
+        if shard.peer.node == self.node:  # this node holds the copy a buddy pushed here
+            return ObjectTier(self.peer_store, name="peer")
+        return ObjectTier(HttpPeerStore(shard.peer.node, shard.peer.address,
+                                        shard.peer.http_port, self.token), name="peer")
+
+    def report(self, job: str, rank: int, step: int, tier: str, error: str) -> None:
+        """A rank found its copy unusable (corrupt, or gone): tell the supervisor, whose
+        catalog stops offering it (the step is no longer whole at that tier)."""
+        if tier not in TIER_ORDER:
+            raise CkptRequestError(f"unknown tier {tier!r}")
+        log.warning("job %s rank %d: the copy of step %d at tier %s is unusable: %s", job,
+                    rank, step, tier, error, extra={"job": job, "event": "ckpt_corrupt"})
+        self.publish(wire.CkptLanding(node=self.node, job=job, step=step, rank=rank,
+                                      tier=tier, event="corrupt", error=error[:2000],
+                                      at=time.time()))
+
+    def _remote_copy(self, job: str, rank: int, step: int,
+                     tier: str) -> tuple[ObjectTier, wire.CkptShard]:  # fmt: skip
+        """The peer or object tier to read rank ``rank``'s copy of ``step`` from, and the
+        catalog's entry for that shard (its size and checksum)."""
+        found = self.read_tier(job, rank, step, tier) if tier in ("peer", "object") else None
+        if not isinstance(found, ObjectTier):
+            raise CkptRequestError(f"tier {tier!r} is not fetched through the agent for job "
+                                   f"{job}", status=404, tier=tier)
+        catalog = self.catalogs.get(job)
+        entry = next((e for e in catalog.steps if e.step == step), None) if catalog else None
+        shard = next((s for s in entry.shards if s.rank == rank), None) if entry else None
+        if shard is None:
+            raise CkptRequestError(f"job {job}: the catalog lists no shard of rank {rank} for "
+                                   f"step {step}", status=404, tier=tier, step=step)
+        return found, shard
+
+    async def fetch(self, job: str, rank: int, step: int, tier: str) -> ShardReader | None:
+        """Rank ``rank``'s shard of ``step`` at the peer or object tier, to stream to the
+        rank in bounded pieces (never whole in memory); ``None`` when that tier has no
+        copy. The size is the catalog's for that rank and step: a copy whose manifest
+        says otherwise is refused here, one that runs past it while read is cut off."""
+        found, shard = self._remote_copy(job, rank, step, tier)
+        try:
+            reader: ShardReader | None = await self._run(
+                found.reader, ShardKey(job, step, rank), shard.nbytes, shard.checksum)
+        except TierError as exc:
+            raise CkptRequestError(str(exc), status=502, tier=tier, step=step,
+                                   corrupt=exc.corrupt) from exc
+        return reader
+
+    async def stage(self, job: str, generation: int, rank: int, step: int,
+                    tier: str) -> dict[str, Any]:  # fmt: skip
+        """Rank ``rank``'s copy of ``step`` at the peer or object tier, read into a free
+        RAM slot of its own (``RamTier.stage``: verified against the catalog's checksum
+        before it is sealed), for the rank to restore as a RAM copy: one copy out of
+        memory already touched instead of a stream into fresh memory, and the slot's
+        pages serve its next saves. ``{"path": ...}``; ``{"gone": true}`` when the tier
+        has no copy; ``{"staged": false}`` when no slot is free (the rank streams the
+        copy from ``/v1/ckpt/shard`` then). A copy that does not verify, or runs short or
+        long, is a 502 with ``corrupt`` (the rank reports it).
+
+        The staged copy is not reported to the supervisor: the catalog's RAM tier holds
+        what the gang's saves left there (by generation), and this step is one of those
+        only where a save put it."""
+        self._fence(job, generation)
+        found, shard = self._remote_copy(job, rank, step, tier)
+        store = self.store(job, rank)
+        key = ShardKey(job, step, rank)
+
+        class Gone(Exception):
+            pass
+
+        def fill(view: memoryview) -> None:
+            reader = found.reader(key, shard.nbytes, shard.checksum)
+            if reader is None:
+                raise Gone
+            reader.fill(view)
+
+        before = set(store.ram.steps(job))
+        try:
+            slot = await self._run(store.ram.stage, key, shard.nbytes, fill, shard.checksum)
+        except Gone:
+            return {"gone": True}
+        except UnsupportedVersion as exc:  # a newer writer's copy: not a bad one
+            raise CkptRequestError(f"tier {tier}: {exc.reason}", status=502, tier=tier,
+                                   step=step) from exc  # fmt: skip
+        except (ShardCorrupt, FormatError) as exc:
+            raise CkptRequestError(f"tier {tier}: {exc.reason}", status=502, tier=tier,
+                                   step=step, corrupt=True) from exc  # fmt: skip
+        except TierError as exc:
+            raise CkptRequestError(exc.reason, status=502, tier=tier, step=step,
+                                   corrupt=exc.corrupt) from exc
+        finally:
+            for gone in sorted(before - set(store.ram.steps(job))):  # a sealed slot was reused
+                store.engine.report(TierEvent("deleted", "ram", ShardKey(job, gone, rank)))
+        if slot is None:
+            return {"staged": False}
+        log.info("job %s rank %d: staged step %d from tier %s in RAM for its restore", job,
+                 rank, step, tier, extra={"job": job})  # fmt: skip
+        return {"path": str(slot.path), "slot": slot.index}
