@@ -389,23 +389,25 @@ def start_generation(agent: AgentHarness, monkeypatch: pytest.MonkeyPatch, gener
     monkeypatch.setenv("PHALANX_GENERATION", str(generation))
 
 
-def saved_10_and_20(agent: AgentHarness) -> None:
+def rolled_back_to_10(agent: AgentHarness, monkeypatch: pytest.MonkeyPatch) -> Checkpointer:
+    """Generation 1 committed steps 10 and 20; generation 2's rank restored step 10."""
     c = Checkpointer()
     for step in (10, 20):
         c.save(step, {"w": torch.full((1000,), float(step))})
         c.wait(timeout=60)
     c.close()
+    start_generation(agent, monkeypatch, 2)
+    c = Checkpointer()
+    assert c.restore(10) is not None
+    return c
 
 
 def test_wait_in_a_generation_that_rolled_back_waits_for_its_own_commit(
     agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    saved_10_and_20(agent)
-    start_generation(agent, monkeypatch, 2)  # generation 2 restores step 10 and trains on
+    c = rolled_back_to_10(agent, monkeypatch)
     assert agent.service is not None
-    agent.service.publish_threadsafe = lambda msg: None  # nothing it lands commits
-    c = Checkpointer()
-    assert c.restore(10) is not None
+    agent.service.publish_threadsafe = lambda msg: None  # nothing it lands commits now
     c.save(20, {"w": torch.full((1000,), 20.5)})
 
     with pytest.raises(TimeoutError):  # generation 1's commit of step 20 is not this one
@@ -416,10 +418,7 @@ def test_wait_in_a_generation_that_rolled_back_waits_for_its_own_commit(
 def test_a_step_saved_again_by_a_newer_generation_gets_its_own_manifest_and_reads_back(
     agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    saved_10_and_20(agent)
-    start_generation(agent, monkeypatch, 2)
-    c = Checkpointer()
-    assert c.restore(10) is not None
+    c = rolled_back_to_10(agent, monkeypatch)
     # Not generation 1's shard of step 20: other values, another size.
     new_state = {"w": torch.full((1000,), 20.5), "loader": {"index": 10**11}}
     c.save(20, new_state)
