@@ -19,9 +19,12 @@
   shares this machine's one disk with the NVMe tier: a remote store would not).
 * ``agent``: the same through a real agent checkpoint service
   (``agentd.ckpt.CkptService`` behind its rank socket, in a process of its
-  own, with a real supervisor catalog committing what lands): ``stall_s`` per
-  save, ``wait_s`` until committed on RAM, NVMe and object store, restores
-  from its RAM slot, and the compute lost while it writes down.
+  own, its RAM tier in ``/dev/shm`` as agentd keeps it, with a real supervisor
+  catalog committing what lands): ``stall_s`` per save, ``wait_s`` until
+  committed on RAM, NVMe and object store, restores from its RAM slot and,
+  as a spare would (no slot file, no disk copy), ``object_into`` from the
+  object store by way of a RAM slot the agent stages it in, and the compute
+  lost while it writes down.
 * ``peer``: the peer tier alone, pushing to a buddy (agentd's peer routes in a
   process of their own on a loopback port): ``write_s``, the CPU of the
   sender's write-down threads and of the buddy, and restores from it.
@@ -58,33 +61,39 @@
 The state is fp32 tensors of 16 MiB to 256 MiB, like a model's parameters and
 Adam moments. Timings on a shared machine vary: compare within one run.
 
-Measured at 1 GiB on the 2-core development machine (``memcpy_s`` 0.07-0.09
+Measured at 1 GiB on the 2-core development machine (``memcpy_s`` 0.05-0.09
 s; the VM's background load moves every figure by 20-50% between runs, so
 compare within one run), ``python bench/ckpt.py --size-gib 1 --saves 5``, three
-runs (2026-11-22):
+runs (2026-11-23):
 
-* stall 0.057-0.09 s: worst over the best memcpy 1.02-1.29x, over the copies
-  beside it 1.01-1.36x; through the agent 0.07-0.15 s, worst 1.43-2.09x
-  (beside it 1.75-2.18x: the copy into the agent's slot varies 0.055-0.19 s
-  with nothing else running, and so does the copy alone). ``torch.save`` +
-  fsync 0.86-2.6 s; DCP as it comes 0.28-0.82 s (3.1-3.9x our worst), warm
-  0.08-0.10 s after a first save of 0.29-0.36 s.
-* NVMe tier alone 0.44-0.61 s against raw write + fsync 0.51-1.52 s (raw
-  O_DIRECT 0.44-0.48 s); beside the folder object store on the same disk
-  0.50-1.04 s. Object tier (folder, by O_DIRECT) 0.58-0.97 s. Peer tier
-  1.4-1.8 s (sender's threads 0.50-0.73 s of CPU, the buddy 1.08-1.34 s,
-  most of it aiohttp reading the body).
-* RAM restore into a live state 0.11-0.13 s (1.49-1.74x memcpy); through
-  the agent 0.10-0.15 s (1.2-2.2x). Into new tensors 0.7-2.4 s and
-  ``torch.load`` 0.67-0.95 s: on this VM a process's fresh memory costs up to
-  2 s/GiB to fault in (memory freed a while ago is given back to the host),
+* stall 0.048-0.123 s: worst over the copies beside it 1.06-1.30x (over the
+  run's best copy 1.17-1.99x: that copy moves 0.05-0.09 s between runs);
+  through the agent 0.061-0.104 s, worst over the copies beside it 1.20-1.28x.
+  (Until 2026-11-23 this bench gave the agent a RAM tier in a folder on ext4,
+  not in ``/dev/shm``: every save was written back to disk beside the next,
+  and the agent's worst stall read 1.75-2.3x.) ``torch.save`` + fsync
+  0.99-2.9 s; DCP as it comes 0.36-0.81 s (3.1-4.8x our worst), warm
+  0.07-0.11 s after a first save of 0.38-0.53 s.
+* NVMe tier alone 0.62-0.93 s against raw write + fsync 0.72-0.83 s (raw
+  O_DIRECT 0.51-0.64 s): 0.78-1.17x raw; beside the folder object store on the
+  same disk 0.53-0.74 s. Object tier (folder) 0.71-0.94 s. Peer tier 1.6-1.8 s
+  (sender's threads 0.62-0.75 s of CPU, the buddy 1.31-1.48 s, most of it
+  aiohttp reading the body).
+* RAM restore into a live state 0.114-0.144 s (1.25-1.86x the run's best
+  copy; 2.9x in the run whose best copy took 0.049 s); through the agent
+  0.17-0.25 s. Object store into a live state 1.19-1.39 s; through the agent
+  as a spare restores (no slot file, no disk copy: the agent stages the copy in
+  a RAM slot it allocates) 5.6-6.8 s, about 3 s of it the new slot's fresh
+  memory (``reserve_s``: 1.6-2.9 s per GiB on this VM), which the rank's
+  first save would pay otherwise. Into new tensors 0.36-0.45 s from RAM, and
+  ``torch.load`` 1.0-1.5 s: on this VM a process's fresh memory costs up to 2-3
+  s/GiB to fault in (memory freed a while ago is given back to the host),
   whatever allocates it; ``restore(into=...)`` allocates nothing.
-* compute lost, disk only: 0.07-0.25 s/GiB (writer CPU 0.11-0.14; DLRover
-  0.8). NVMe + object store: 0.49-0.74 s/GiB (writer CPU 0.36-0.39; it was
-  2.3 and 1.24 when the folder store wrote through the page cache); through
-  the agent 0.46-1.2 (writer 0.33-0.68). Every chunk through zstd: 1.7-2.2
-  (writer 1.6-1.7). All tiers with the peer: 1.5-2.4 (writers and buddy
-  1.7-2.3).
+* compute lost, disk only: 0.30-0.40 s/GiB (writer CPU 0.15-0.17; DLRover
+  0.8; 0.07-0.25 on 2026-11-22). NVMe + object store: 0.50-1.29 s/GiB (writer
+  CPU 0.47-0.51); through the agent 0.94-1.19 (writer 0.71). Every chunk through
+  zstd: 1.8-2.5 (writer 1.8-1.9). All tiers with the peer: 2.8-3.4 (writers and
+  buddy 2.6-2.9).
 """
 
 from __future__ import annotations
@@ -573,6 +582,15 @@ def agent_mode(root: Path, state: dict[str, Any], saves: int, nbytes: int,
             return waiter.is_alive
 
         out["compute_full"] = compute_lost(save, nbytes, [f"/proc/{child.pid}/stat"])
+
+        # As a spare restores: no RAM slot file, no disk copy; the agent stages the object
+        # store's copy in a RAM slot it allocates (fresh memory), the rank decodes it there.
+        for segment in shm.iterdir():
+            segment.unlink()
+        (root / "data" / "ckpt" / ShardKey(AGENT_JOB, saves + 1, 0).relpath()).unlink()
+        drop_cache(root / "objects")
+        out["restore_s"]["object_into"] = timed_restore(c, state, touched_like(state))
+        out["restored_object_from"] = c.restored_from
         return out
     finally:
         if c is not None:
