@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PLAN = wire.CkptPlan(tiers=["ram", "nvme", "object"])
 APPLY_RETRY_MIN_S, APPLY_RETRY_MAX_S = 1.0, 60.0  # writing a failed manifest again
 ENDED_SETTLE_S = 10.0  # an ended job's last landings: how long their commits are awaited
+ENDED_MANIFEST_RETRY_S = 600.0  # ... and its failed manifest writes retried, at most
 LISTING_TTL_S = 60.0  # a remote tier's listing of a job serves this node's ranks this long
 _Listing = concurrent.futures.Future[list[str]]
 
@@ -315,23 +316,36 @@ class CkptService(Restores):
         if abort:
             store.ram.release(slot, keep_content=False)
             return {"aborted": True}
-        store.generation_of[step] = generation
-        for old in sorted(store.generation_of)[:-64]:  # far older than anything in flight
-            del store.generation_of[old]
-        if generation > store.generation:  # after an agent restart too: what it found
-            self._renew(store, step)  # on its tiers was an older generation's
-            store.generation = generation
-        store.engine.submit(slot, ShardKey(job, step, rank))
+        try:
+            before = store.generation_of.get(step)
+            store.generation_of[step] = generation
+            for old in sorted(store.generation_of)[:-64]:  # far older than any in flight
+                del store.generation_of[old]
+            # A newer generation saves here (after an agent restart too: what it found on its
+            # tiers was an older one's), or saves a step an older one saved here.
+            if generation > store.generation or (before is not None and before < generation):
+                self._renew(store, step)
+                store.generation = max(store.generation, generation)
+            store.engine.submit(slot, ShardKey(job, step, rank))
+        except BaseException:
+            store.ram.release(slot, keep_content=False)  # never left busy
+            raise
         return {"submitted": step}
 
     @staticmethod
     def _renew(store: RankStore, step: int) -> None:
         """A newer generation saves ``step`` here: from it on, what an older one landed and
         committed is being saved anew (it restored an older step), so that ``wait`` waits
-        for the new commits and the applier writes their manifests, not the old ones."""
-        for key in [k for k in store.landed if k[1] >= step]:
-            del store.landed[key]
-        store.applied = {mark for mark in store.applied if mark[1] < step}
+        for the new commits and the applier writes their manifests, not the old ones. Runs
+        on the event loop, lock-free: an ``_apply`` under way sees ``renews`` change and
+        records none of what it commits from ``step`` on."""
+        store.renewed_from, store.renews = step, store.renews + 1
+        for key in [k for k in list(store.landed) if k[1] >= step]:  # list(): one GIL hold
+            store.landed.pop(key, None)
+        store.applied = {mark for mark in list(store.applied) if mark[1] < step}
+        for tier, (failed, _why) in list(store.commit_errors.items()):
+            if failed >= step:
+                store.commit_errors.pop(tier, None)
         for tier, upto in list(store.committed_upto.items()):
             store.committed_upto[tier] = min(upto, step - 1)
 
@@ -369,9 +383,10 @@ class CkptService(Restores):
 
         async with self.changed:
             while left := missing():
-                failed = next((t for t in left if t in store.commit_errors), None)
+                failed = next((t for t in left if store.commit_errors.get(t, (-1, ""))[0]
+                               >= step), None)  # fmt: skip
                 if failed is not None:  # written again in the background until it takes
-                    raise CkptRequestError(store.commit_errors[failed], status=409,
+                    raise CkptRequestError(store.commit_errors[failed][1], status=409,
                                            tier=failed, step=step)  # fmt: skip
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -469,6 +484,7 @@ class CkptService(Restores):
         ``wait`` names the tier meanwhile."""
         protect = {catalog.restore_step} if catalog.restore_step is not None else set()
         whole = True
+        renews = store.renews  # a newer generation's save renews the store meanwhile: see there
         with store.lock:
             for entry in sorted(catalog.steps, key=lambda e: e.step):
                 shards = {s.rank: (s.checksum, s.nbytes) for s in entry.shards}
@@ -491,14 +507,20 @@ class CkptService(Restores):
                                                    fleet_committed=fleet, protect=protect):
                             continue  # not a tier of this store
                     except TierError as exc:
-                        store.commit_errors[tier] = str(exc)
+                        store.commit_errors[tier] = (entry.step, str(exc))
                         whole = False
                         continue
+                    if store.renews != renews and entry.step >= store.renewed_from:
+                        continue  # an older save of the step: the newer one's commit counts
                     store.applied.add(mark)
                     store.commit_errors.pop(tier, None)
                     # Only now, with the manifest written here, is the step readable here.
                     store.committed_upto[tier] = max(entry.step,
                                                      store.committed_upto.get(tier, -1))
+            listed = {(name, e.step) for e in catalog.steps for name in e.committed}
+            for name, (step, _why) in list(store.commit_errors.items()):
+                if (name, step) not in listed:  # no longer committed there: nothing to write
+                    store.commit_errors.pop(name, None)
         return whole
 
     def _let_go(self, job: str, catalog: wire.CkptCatalog) -> None:
@@ -517,8 +539,9 @@ class CkptService(Restores):
         """The job ended: finish its write-downs (the stores stay, so that the commits of
         what they land still get their manifests here), then whether its RAM tier may go:
         once every step this node landed is committed where it landed, or is older than
-        what is committed there; else (a catalog committing the last landings may still
-        be on its way) not before ``ENDED_SETTLE_S``, when the applier looks again."""
+        what is committed there (a catalog committing the last landings may still be on
+        its way: ``ENDED_SETTLE_S`` at most), and every manifest written (one that failed
+        is written again: ``ENDED_MANIFEST_RETRY_S`` at most, then logged as an error)."""
         loop = asyncio.get_running_loop()
         with self._lock:
             stores = [s for (j, _), s in self.stores.items() if j == job]
@@ -533,15 +556,27 @@ class CkptService(Restores):
             newest[tier] = max(step, newest.get(tier, -1))
         open_ = [(s.rank, tier, step) for s in stores for tier, step in list(s.landed)
                  if (tier, step) not in committed and step > newest.get(tier, -1)]  # fmt: skip
-        deadline = self._ending.setdefault(job, time.monotonic() + ENDED_SETTLE_S)
-        if not open_ or time.monotonic() >= deadline:
-            self._ending.pop(job, None)
-            return True
-        log.info("job %s ended: freeing its RAM tier once the commits of %d landing(s) come "
-                 "(at most %.0f s)", job, len(open_), deadline - time.monotonic(),
-                 extra={"job": job})  # fmt: skip
-        loop.call_later(deadline - time.monotonic() + 0.05, self._kick_applier, job)
-        return False
+        failing = [(s.rank, tier, step) for s in stores
+                   for tier, (step, _why) in list(s.commit_errors.items())]  # fmt: skip
+        now = time.monotonic()
+        started = self._ending.setdefault(job, now)
+        if open_ and now < started + ENDED_SETTLE_S:
+            log.info("job %s ended: freeing its RAM tier once the commits of %d landing(s) "
+                     "come (at most %.0f s)", job, len(open_), started + ENDED_SETTLE_S - now,
+                     extra={"job": job})  # fmt: skip
+            loop.call_later(started + ENDED_SETTLE_S - now + 0.05, self._kick_applier, job)
+            return False
+        if failing and now < started + ENDED_MANIFEST_RETRY_S:
+            # The applier writes them again meanwhile (_retry_applier); look again then.
+            loop.call_later(min(APPLY_RETRY_MAX_S, started + ENDED_MANIFEST_RETRY_S - now),
+                            self._kick_applier, job)  # fmt: skip
+            return False
+        if failing:
+            log.error("job %s ended: its RAM tier goes, and these manifests could not be "
+                      "written in %.0f s (rank, tier, step): %s", job, ENDED_MANIFEST_RETRY_S,
+                      failing, extra={"job": job})  # fmt: skip
+        self._ending.pop(job, None)
+        return True
 
     def _free_ram(self, job: str) -> None:
         """The job ended and its write-downs are done (``_settled``): remove its RAM

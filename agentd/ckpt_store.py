@@ -44,8 +44,10 @@ class RankStore:
     committed_upto: dict[str, int] = field(default_factory=dict)  # tier -> newest applied
     generation: int = 0  # the newest generation that saved here
     generation_of: dict[int, int] = field(default_factory=dict)  # step -> generation saving it
-    # tier -> why the newest manifest write there failed (until one there succeeds)
-    commit_errors: dict[str, str] = field(default_factory=dict)
+    # tier -> (step, why) of the newest manifest write there that failed (until one takes)
+    commit_errors: dict[str, tuple[int, str]] = field(default_factory=dict)
+    renews: int = 0  # times a newer generation renewed the store (CkptService._renew) ...
+    renewed_from: int = 0  # ... and the step the last renewal took effect from
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 

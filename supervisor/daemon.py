@@ -282,8 +282,8 @@ class Supervisor:
         """Record the queued landings in one transaction; the jobs whose catalog changed.
         On a store error the landings go back to the queue (acknowledged to the broker,
         they exist nowhere else) and are tried again. Any other error is one landing the
-        store cannot take (a value past what it holds): recorded one by one then, that
-        one is logged and dropped, and it never holds up the others."""
+        store cannot take (a value past what it holds): that one is logged and dropped,
+        and it never holds up the others."""
         batch, self._landings = self._landings, []
 
         def record(msgs: list[wire.CkptLanding]) -> set[str]:
@@ -312,24 +312,26 @@ class Supervisor:
             log.error("recording %d checkpoint landing(s) failed, trying again: %s",
                       len(msgs), exc)  # fmt: skip
 
-        try:
-            return record(batch)
-        except StoreError as exc:
-            requeue(batch, exc)
-            raise
-        except Exception as exc:
-            log.error("recording %d checkpoint landing(s) together failed (%r): recording "
-                      "them one by one", len(batch), exc)  # fmt: skip
-        changed: set[str] = set()
-        for index, msg in enumerate(batch):
+        # One transaction for the batch; a batch that fails for any reason but the store is
+        # split in halves until the landing that fails stands alone (a few transactions,
+        # never one per landing).
+        pending, changed = [batch], set()
+        while pending:
+            chunk = pending.pop(0)
             try:
-                changed |= record([msg])
+                changed |= record(chunk)
             except StoreError as exc:
-                requeue(batch[index:], exc)
+                requeue([msg for part in (chunk, *pending) for msg in part], exc)
+                if changed:  # recorded: their catalogs go out with the retry of catalogs
+                    self._catalog_retry_jobs |= changed
+                    self._schedule(CATALOG_RETRY_S, "_catalog_retry", self._retry_catalogs)
                 raise
             except Exception as exc:
+                if len(chunk) > 1:
+                    pending[:0] = [chunk[: len(chunk) // 2], chunk[len(chunk) // 2 :]]
+                    continue
                 log.error("dropped a checkpoint landing the store cannot take: %r: %s", exc,
-                          msg.model_dump_json()[:500])  # fmt: skip
+                          chunk[0].model_dump_json()[:500])  # fmt: skip
         return changed
 
     async def flush_landings(self) -> None:

@@ -128,12 +128,25 @@ def test_a_landing_the_store_cannot_take_is_dropped_and_never_holds_up_the_other
     # (OverflowError, not a StoreError) must still cost that landing alone.
     poison = wire.CkptLanding.model_construct(**{**landing(7, 0).model_dump(), "job": "j-2",
                                                  "step": 2**63})
+    good = [landing(step, 0) for step in range(1, 65)]
     sup = types.SimpleNamespace(jobs=types.SimpleNamespace(jobs={"j-1": job, "j-2": job}),
-                                store=store, catalog=catalog, _landings=[poison, landing(7, 0)])
+                                store=store, catalog=catalog,
+                                _landings=[*good[:40], poison, *good[40:]])
+    transactions = 0
+    real_batch = store.batch
 
+    @contextlib.contextmanager
+    def counted() -> Iterator[None]:
+        nonlocal transactions
+        transactions += 1
+        with real_batch():
+            yield
+
+    store.batch = counted  # type: ignore[method-assign]
     assert Supervisor._record_landings(sup) == {"j-1"}  # type: ignore[arg-type]
-    assert sup._landings == [] and [c[0] for c in store.commits("j-1")] == [7]
+    assert sup._landings == [] and [c[0] for c in store.commits("j-1")] == list(range(1, 65))
     assert store.commits("j-2") == []
+    assert transactions <= 15  # halves around the one that fails, not one per landing
 
 
 def test_a_snapshot_sees_committed_rows_only_never_a_batch_in_progress(tmp_path: Path) -> None:
