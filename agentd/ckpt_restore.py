@@ -217,13 +217,17 @@ class Restores:
         except Gone:
             return {"gone": True}
         except UnsupportedVersion as exc:  # a newer writer's copy: not a bad one
-            raise CkptRequestError(f"tier {tier}: {exc.reason}", status=502, tier=tier,
+            raise CkptRequestError(f"tier {tier}: {exc}", status=502, tier=tier,
                                    step=step) from exc  # fmt: skip
         except (ShardCorrupt, FormatError) as exc:
-            raise CkptRequestError(f"tier {tier}: {exc.reason}", status=502, tier=tier,
-                                   step=step, corrupt=True) from exc  # fmt: skip
+            raise CkptRequestError(f"tier {tier}: {exc}", status=502, tier=tier, step=step,
+                                   corrupt=True) from exc  # fmt: skip
         except TierError as exc:
-            raise CkptRequestError(exc.reason, status=502, tier=tier, step=step,
+            if exc.tier == store.ram.name:  # no room for a slot (a full /dev/shm), say: the
+                log.warning("job %s rank %d: cannot stage step %d in RAM, streaming it: %s",
+                            job, rank, step, exc, extra={"job": job})  # fmt: skip
+                return {"staged": False}  # copy itself is not in question
+            raise CkptRequestError(str(exc), status=502, tier=tier, step=step,
                                    corrupt=exc.corrupt) from exc
         finally:
             for gone in sorted(before - set(store.ram.steps(job))):  # a sealed slot was reused

@@ -316,6 +316,30 @@ def test_the_last_save_of_an_ended_job_gets_its_manifests_before_its_ram_goes(
     assert not list((agent.root / "shm").glob(f"phalanx-{JOB}-r*"))
 
 
+def test_an_ended_jobs_manifest_that_failed_is_written_again_before_its_ram_goes(
+    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = LocalFolderStore.put_stream
+    refused: list[str] = []
+
+    def blips(self: LocalFolderStore, key: str, parts: Any) -> None:  # the fault: two resets
+        if key.endswith(f"{step_dir(5)}/manifest.json") and len(refused) < 2:
+            refused.append(key)
+            raise ConnectionResetError("connection reset by the object store")
+        real(self, key, parts)
+
+    monkeypatch.setattr(LocalFolderStore, "put_stream", blips)
+    agent.ended = True  # the job ends with this save: every catalog from now on says so
+    c = Checkpointer()
+    c.save(5, {"w": torch.full((1000,), 5.0)})
+    c.close()
+
+    wait_until(lambda: bool(agent.released), "the agent to let go of the job")
+    assert len(refused) == 2 and "object" in committed_tiers(agent, 5)
+    assert ObjectTier(LocalFolderStore(agent.root / "objects")).steps(JOB) == [5]
+    assert not list((agent.root / "shm").glob(f"phalanx-{JOB}-r*"))
+
+
 def test_a_rank_of_an_older_generation_cannot_save(
     agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

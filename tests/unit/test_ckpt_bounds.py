@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import functools
 import http.client
 import json
@@ -426,6 +427,25 @@ def test_an_object_copy_that_runs_long_mid_body_is_refused(
     with pytest.raises(CheckpointError, match=why):
         Checkpointer().restore(step=5)
     assert not staged_in_ram(agent, 5)
+
+
+def test_a_copy_the_agent_has_no_ram_to_stage_is_streamed(
+    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state = {"w": torch.randn(MIB), "step": 8}
+    save_and_commit(state, 8)
+    leave_only_the_object_copy(agent, 8)  # its slot files gone: staging must allocate one
+
+    def full(fd: int, offset: int, length: int) -> None:  # the fault: /dev/shm is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    reader = Checkpointer()
+    found = reader.restore(step=8)
+
+    assert found is not None and reader.restored_from == "object"
+    assert_bit_identical(found[1], state)
+    assert not [m for m in agent.landings if m.event == "corrupt"]
 
 
 def test_a_staged_copy_that_does_not_verify_is_reported_and_never_sealed_in_ram(
