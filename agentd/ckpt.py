@@ -348,6 +348,13 @@ class CkptService(Restores):
                 store.commit_errors.pop(tier, None)
         for tier, upto in list(store.committed_upto.items()):
             store.committed_upto[tier] = min(upto, step - 1)
+        # Retention, too, stops counting them: else the RAM tier would keep the older
+        # save of a newer step and delete the newer generation's saves in its favour.
+        seen = store.engine.committed
+        for tier in list(seen):
+            seen[tier] = {s for s in list(seen[tier]) if s < step}
+        in_ram = set(store.ram.steps(store.job)) & seen.get(store.ram.name, set())
+        store.ram.newest_committed = max(in_ram, default=None)
 
     async def reserve(self, job: str, generation: int, rank: int, nbytes: int) -> list[str]:
         self._fence(job, generation)

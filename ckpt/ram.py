@@ -105,6 +105,7 @@ class Slot:
     busy: bool = False  # being written into, sealed or written down
     pins: int = 0  # readers decoding it
     pinned: int | None = None  # the address registered with CUDA (pin_for_dma), if it is
+    staged: bool = False  # holds a copy read from a lower tier for a restore (RamTier.stage)
 
     def unmap(self) -> None:
         """Unpin and close the mapping (see ``unmap``)."""
@@ -359,7 +360,7 @@ class RamTier(Tier):
                 slot = self._allocate(choice.index, max(capacity, choice.capacity))
             else:
                 slot = choice
-            slot.busy = True
+            slot.busy, slot.staged = True, False
             slot.state, slot.step, slot.nbytes = WRITING, key.step, nbytes
             slot.seq = 1 + max((s.seq for s in self.slots if s is not None), default=0)
             slot.digest = bytes(16)
@@ -369,7 +370,11 @@ class RamTier(Tier):
     def _pick(self) -> Slot | int | None:
         """A slot to reuse, the index of a slot to allocate, or ``None``."""
         live = [s for s in self.slots if s is not None]
-        sealed = sorted((s for s in live if s.state == SEALED), key=lambda s: -s.seq)
+        # A staged copy (``stage``) is a restore's, with a copy below: never among the
+        # ``keep`` newest saves, and the first to go (else a rank that restored an older
+        # step could find every slot protected at its first save).
+        sealed = sorted((s for s in live if s.state == SEALED and not s.staged),
+                        key=lambda s: -s.seq)  # fmt: skip
         protected = {id(s) for s in sealed[: self.keep]}
         # The newest copy of the newest committed step (``find`` reads that one): a step
         # saved twice must not hold two slots for good.
@@ -383,7 +388,7 @@ class RamTier(Tier):
         empty = next((i for i, s in enumerate(self.slots) if s is None), None)
         if empty is not None:
             return empty
-        return min(candidates, key=lambda s: s.seq) if candidates else None
+        return min(candidates, key=lambda s: (not s.staged, s.seq)) if candidates else None
 
     def stage(self, key: ShardKey, nbytes: int, fill: Callable[[memoryview], None],
               expected: str | None = None) -> Slot | None:  # fmt: skip
@@ -415,6 +420,7 @@ class RamTier(Tier):
         except BaseException:
             self.release(slot, keep_content=False)
             raise
+        slot.staged = True
         self.sealed(slot, digest)
         self.release(slot)
         return slot

@@ -439,6 +439,21 @@ def test_wait_in_a_generation_that_rolled_back_waits_for_its_own_commit(
     c.close()
 
 
+def test_after_a_roll_back_the_ram_tier_keeps_the_newer_generations_saves(
+    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    c = rolled_back_to_10(agent, monkeypatch)  # RAM still holds generation 1's step 20
+    state = {"w": torch.full((1000,), 11.0)}
+    c.save(11, state)
+    c.wait(timeout=60)
+    c.close()
+
+    reader = Checkpointer()
+    found = reader.restore(11)
+    assert found is not None and reader.restored_from == "ram"  # not deleted for step 20's sake
+    assert_bit_identical(found[1], state)
+
+
 def test_a_step_saved_again_by_a_newer_generation_gets_its_own_manifest_and_reads_back(
     agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

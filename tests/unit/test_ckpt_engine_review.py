@@ -220,3 +220,29 @@ def test_a_size_no_slot_can_hold_is_refused_and_leaves_every_slot_free(tmp_path:
 def test_a_step_or_rank_no_file_can_be_named_by_is_refused(step: Any, rank: int) -> None:
     with pytest.raises(ValueError, match=r"(step|rank) .* must be an integer"):
         ShardKey("j", step, rank)
+
+
+def test_a_staged_copy_is_never_kept_from_the_next_save() -> None:
+    # A rank that restored an older step S from below while its RAM holds a newer T (the
+    # newest committed there): the slot S was staged in must go to the rank's first save.
+    from ckpt.format import encode
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        ram = RamTier("phalanx-j-r0", job="j", directory=shm, slots=2, keep=1, pin=False)
+        engine = Engine(ram, [], keep={"ram": 1}, catalog=_AgentModeCatalog())  # type: ignore[arg-type]
+        try:
+            _save(ram, engine, 20)
+            engine.commit("ram", TierManifest("j", 20, {0: ("x", 1)}), 0)
+            older = encode({"w": b"s" * 64}, ref=ShardKey("j", 10, 0).ref())
+
+            def fill(view: memoryview) -> None:
+                view[:] = older
+
+            assert ram.stage(ShardKey("j", 10, 0), len(older), fill) is not None
+
+            slot = ram.acquire(ShardKey("j", 11, 0), 64, when_busy="skip", timeout=1)
+            assert slot is not None and slot.step == 11  # the staged slot, T kept
+            assert ram.steps("j") == [20]
+        finally:
+            engine.close(5.0)
+            ram.unlink()
