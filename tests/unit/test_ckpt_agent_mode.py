@@ -155,6 +155,23 @@ def object_shard(agent: AgentHarness, step: int) -> Path:
     return agent.root / "objects" / JOB / step_dir(step) / "rank-00000.phx.zst"
 
 
+def reset_manifest_writes(monkeypatch: pytest.MonkeyPatch, times: int,
+                          ending: str = "manifest.json") -> list[str]:  # fmt: skip
+    """The fault: the object store resets the first ``times`` writes of a key ending so;
+    the keys refused so far."""
+    real = LocalFolderStore.put_stream
+    refused: list[str] = []
+
+    def resets(self: LocalFolderStore, key: str, parts: Any) -> None:
+        if key.endswith(ending) and len(refused) < times:
+            refused.append(key)
+            raise ConnectionResetError("connection reset by the object store")
+        real(self, key, parts)
+
+    monkeypatch.setattr(LocalFolderStore, "put_stream", resets)
+    return refused
+
+
 def reported(agent: AgentHarness, event: str) -> list[wire.CkptLanding]:
     return [m for m in agent.landings if m.event == event]
 
@@ -319,16 +336,7 @@ def test_the_last_save_of_an_ended_job_gets_its_manifests_before_its_ram_goes(
 def test_an_ended_jobs_manifest_that_failed_is_written_again_before_its_ram_goes(
     agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real = LocalFolderStore.put_stream
-    refused: list[str] = []
-
-    def blips(self: LocalFolderStore, key: str, parts: Any) -> None:  # the fault: two resets
-        if key.endswith(f"{step_dir(5)}/manifest.json") and len(refused) < 2:
-            refused.append(key)
-            raise ConnectionResetError("connection reset by the object store")
-        real(self, key, parts)
-
-    monkeypatch.setattr(LocalFolderStore, "put_stream", blips)
+    refused = reset_manifest_writes(monkeypatch, 2, f"{step_dir(5)}/manifest.json")
     agent.ended = True  # the job ends with this save: every catalog from now on says so
     c = Checkpointer()
     c.save(5, {"w": torch.full((1000,), 5.0)})
@@ -373,16 +381,7 @@ def test_wait_names_the_tier_that_failed_while_the_others_commit(agent: AgentHar
 def test_a_manifest_the_object_store_refused_once_is_written_again_and_read_back(
     agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real = LocalFolderStore.put_stream
-    refused: list[str] = []
-
-    def blip(self: LocalFolderStore, key: str, parts: Any) -> None:  # the fault: one reset
-        if key.endswith("manifest.json") and not refused:
-            refused.append(key)
-            raise ConnectionResetError("connection reset by the object store")
-        real(self, key, parts)
-
-    monkeypatch.setattr(LocalFolderStore, "put_stream", blip)
+    reset_manifest_writes(monkeypatch, 1)
     state = {"w": torch.full((1000,), 3.0)}
     c = Checkpointer()
     c.save(3, state)
