@@ -302,8 +302,7 @@ class CkptService(Restores):
                                           "every RAM slot is still being written down"))
             return {"skipped": True, "why": "every RAM slot is still being written down"}
         store.outstanding[slot.index] = slot
-        for gone in sorted(before - set(store.ram.steps(job))):  # a sealed slot was reused
-            store.engine.report(TierEvent("deleted", "ram", ShardKey(job, gone, rank)))
+        store.report_reused(before)
         return {"slot": slot.index, "path": str(slot.path), "capacity": slot.capacity}
 
     def submit(self, job: str, generation: int, rank: int, step: int, index: int, nbytes: int,

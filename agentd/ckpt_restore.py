@@ -26,7 +26,6 @@ from ckpt import (
     ShardKey,
     Tier,
     TierError,
-    TierEvent,
     UnsupportedVersion,
 )
 from ckpt.objects import ShardReader
@@ -132,9 +131,7 @@ class Restores:
             return store.tiers.get("object") or ObjectTier(self.objects(), name="object")
         if tier != "peer":
             return None
-        catalog = self.catalogs.get(job)
-        entry = next((e for e in catalog.steps if e.step == step), None) if catalog else None
-        shard = next((s for s in entry.shards if s.rank == rank), None) if entry else None
+        shard = self._catalog_shard(job, rank, step)
         if shard is None or shard.peer is None:
             return store.tiers.get("peer")
         if shard.peer.node == self.node:  # this node holds the copy a buddy pushed here
@@ -153,6 +150,12 @@ class Restores:
                                       tier=tier, event="corrupt", error=error[:2000],
                                       at=time.time()))
 
+    def _catalog_shard(self, job: str, rank: int, step: int) -> wire.CkptShard | None:
+        """What the job's catalog lists of rank ``rank``'s shard of ``step``, if anything."""
+        catalog = self.catalogs.get(job)
+        entry = next((e for e in catalog.steps if e.step == step), None) if catalog else None
+        return next((s for s in entry.shards if s.rank == rank), None) if entry else None
+
     def _remote_copy(self, job: str, rank: int, step: int,
                      tier: str) -> tuple[ObjectTier, wire.CkptShard]:  # fmt: skip
         """The peer or object tier to read rank ``rank``'s copy of ``step`` from, and the
@@ -161,9 +164,7 @@ class Restores:
         if not isinstance(found, ObjectTier):
             raise CkptRequestError(f"tier {tier!r} is not fetched through the agent for job "
                                    f"{job}", status=404, tier=tier)
-        catalog = self.catalogs.get(job)
-        entry = next((e for e in catalog.steps if e.step == step), None) if catalog else None
-        shard = next((s for s in entry.shards if s.rank == rank), None) if entry else None
+        shard = self._catalog_shard(job, rank, step)
         if shard is None:
             raise CkptRequestError(f"job {job}: the catalog lists no shard of rank {rank} for "
                                    f"step {step}", status=404, tier=tier, step=step)
@@ -230,8 +231,7 @@ class Restores:
             raise CkptRequestError(str(exc), status=502, tier=tier, step=step,
                                    corrupt=exc.corrupt) from exc
         finally:
-            for gone in sorted(before - set(store.ram.steps(job))):  # a sealed slot was reused
-                store.engine.report(TierEvent("deleted", "ram", ShardKey(job, gone, rank)))
+            store.report_reused(before)
         if slot is None:
             return {"staged": False}
         log.info("job %s rank %d: staged step %d from tier %s in RAM for its restore", job,

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckpt import Engine, RamTier, ShardKey, Tier, TierManifest
+from ckpt import Engine, RamTier, ShardKey, Tier, TierEvent, TierManifest
 from ckpt.ram import Slot
 from phalanx import wire
 
@@ -49,6 +49,12 @@ class RankStore:
     renews: int = 0  # times a newer generation renewed the store (CkptService._renew) ...
     renewed_from: int = 0  # ... and the step the last renewal took effect from
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def report_reused(self, before: set[int]) -> None:
+        """Report as deleted at RAM the sealed steps whose slots were reused since the RAM
+        tier held ``before`` (its ``steps`` then)."""
+        for gone in sorted(before - set(self.ram.steps(self.job))):
+            self.engine.report(TierEvent("deleted", "ram", ShardKey(self.job, gone, self.rank)))
 
 
 class Reporter:

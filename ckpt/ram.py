@@ -70,6 +70,12 @@ _warned_dirs: set[Path] = set()
 WhenBusy = Literal["wait", "skip"]
 
 
+def _check_nbytes(nbytes: int, why: str) -> None:
+    """``why`` (with ``{}`` for the size) when no slot header can hold ``nbytes``."""
+    if type(nbytes) is not int or not 0 <= nbytes <= _MAX_NBYTES:
+        raise ValueError(why.format(repr(nbytes)))
+
+
 def namespace_for(job: str, rank: int) -> str:
     """The shared-memory name prefix of one rank's slots, as agent and rank agree on it."""
     return f"phalanx-{check_job(job)}-r{rank}"
@@ -317,8 +323,7 @@ class RamTier(Tier):
     def reserve(self, nbytes: int) -> None:
         """Allocate and touch every slot for shards of up to ``nbytes`` now,
         so that no save pays for it (call it once the state exists)."""
-        if type(nbytes) is not int or not 0 <= nbytes <= _MAX_NBYTES:
-            raise ValueError(f"cannot reserve RAM-tier slots of {nbytes!r} bytes")
+        _check_nbytes(nbytes, "cannot reserve RAM-tier slots of {} bytes")
         capacity = -(-nbytes // _GROW_ALIGN) * _GROW_ALIGN
         with self.cond:
             for index in range(self.nslots):
@@ -337,8 +342,7 @@ class RamTier(Tier):
         protected; ``"wait"`` waits for one up to ``timeout`` seconds, then
         raises ``TimeoutError``.
         """
-        if type(nbytes) is not int or not 0 <= nbytes <= _MAX_NBYTES:
-            raise ValueError(f"a shard of {nbytes!r} bytes cannot have a RAM-tier slot")
+        _check_nbytes(nbytes, "a shard of {} bytes cannot have a RAM-tier slot")
         deadline = time.monotonic() + timeout
         with self.cond:
             while (choice := self._pick()) is None:
