@@ -65,6 +65,7 @@ DEFAULT_PLAN = wire.CkptPlan(tiers=["ram", "nvme", "object"])
 APPLY_RETRY_MIN_S, APPLY_RETRY_MAX_S = 1.0, 60.0  # writing a failed manifest again
 ENDED_SETTLE_S = 10.0  # an ended job's last landings: how long their commits are awaited
 ENDED_MANIFEST_RETRY_S = 600.0  # ... and its failed manifest writes retried, at most
+GENERATIONS_KEPT = 64  # saves whose generation a landing names: far more than are in flight
 LISTING_TTL_S = 60.0  # a remote tier's listing of a job serves this node's ranks this long
 _Listing = concurrent.futures.Future[list[str]]
 
@@ -316,10 +317,10 @@ class CkptService(Restores):
             store.ram.release(slot, keep_content=False)
             return {"aborted": True}
         try:
-            before = store.generation_of.get(step)
-            store.generation_of[step] = generation
-            for old in sorted(store.generation_of)[:-64]:  # far older than any in flight
-                del store.generation_of[old]
+            before = store.generation_of.pop(step, None)
+            store.generation_of[step] = generation  # the newest save last
+            while len(store.generation_of) > GENERATIONS_KEPT:  # the oldest saves go first,
+                del store.generation_of[next(iter(store.generation_of))]  # not the lowest steps
             # A newer generation saves here (after an agent restart too: what it found on its
             # tiers was an older one's), or saves a step an older one saved here.
             if generation > store.generation or (before is not None and before < generation):
