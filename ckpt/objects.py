@@ -140,7 +140,7 @@ class LocalFolderStore(ObjectStore):
     def __init__(self, root: str | os.PathLike[str], *, pacing: Pacing | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.url = self.root.resolve().as_uri()
+        self.url = self.root.resolve().as_uri() + "/"  # + a key: the object's URL
         self.pacing = pacing if pacing is not None else Pacing()
         self.direct = filesystem_type(self.root) in LOCAL_FILESYSTEMS
 

@@ -292,6 +292,31 @@ def test_saving_one_step_twice_does_not_keep_both_ram_slots_from_the_next_save(
     c.close()
 
 
+def test_a_save_the_write_down_cannot_take_leaves_no_ram_slot_busy(
+    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    c = Checkpointer(busy_timeout_s=10)
+    c.save(1, {"w": torch.full((1000,), 1.0)})
+    c.wait(timeout=60)
+    assert agent.service is not None
+    store = agent.service.stores[(JOB, 0)]
+    real = store.engine.submit
+
+    def refuses(*args: Any) -> None:
+        raise OSError("the write-down queue is gone")
+
+    monkeypatch.setattr(store.engine, "submit", refuses)
+    with pytest.raises(AgentError, match="write-down queue is gone"):
+        c.save(2, {"w": torch.full((1000,), 2.0)})
+
+    assert not [s.index for s in store.ram.slots if s is not None and s.busy]
+    monkeypatch.setattr(store.engine, "submit", real)
+    for step in (3, 4):  # both slots serve saves again
+        assert c.save(step, {"w": torch.full((1000,), float(step))})
+        c.wait(timeout=60)
+    c.close()
+
+
 def test_a_step_the_store_cannot_name_is_refused_with_400(agent: AgentHarness) -> None:
     from ckpt.remote import AgentClient, AgentEnv
 
@@ -346,6 +371,23 @@ def test_an_ended_jobs_manifest_that_failed_is_written_again_before_its_ram_goes
     assert len(refused) == 2 and "object" in committed_tiers(agent, 5)
     assert ObjectTier(LocalFolderStore(agent.root / "objects")).steps(JOB) == [5]
     assert not list((agent.root / "shm").glob(f"phalanx-{JOB}-r*"))
+
+
+def test_wait_for_a_later_step_is_not_failed_by_an_older_steps_manifest(
+    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    refused = reset_manifest_writes(monkeypatch, 10**6, f"{step_dir(3)}/manifest.json")
+    c = Checkpointer()
+    c.save(3, {"w": torch.full((1000,), 3.0)})
+    with pytest.raises(TierError, match="connection reset") as failed:
+        c.wait(timeout=60)  # step 3's manifest at the object store fails, again and again
+    manifest = agent.root / "objects" / JOB / step_dir(3) / "manifest.json"
+    assert manifest.as_uri() in str(failed.value)  # the object's URL, as written
+
+    c.save(4, {"w": torch.full((1000,), 4.0)})
+    c.wait(timeout=60)  # step 4 is committed everywhere: step 3's failure is not its own
+    c.close()
+    assert refused and (agent.root / "objects" / JOB / step_dir(4) / "manifest.json").exists()
 
 
 def test_a_rank_of_an_older_generation_cannot_save(
@@ -470,6 +512,58 @@ def test_a_step_saved_again_by_a_newer_generation_gets_its_own_manifest_and_read
     found = reader.restore(20)
     assert found is not None and reader.restored_from == "object"
     assert_bit_identical(found[1], new_state)
+
+
+def test_a_roll_back_past_many_saves_lands_the_newer_generations_saves_as_its_own(
+    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    c = Checkpointer()
+    for step in range(1, 81):  # far more saves than the agent remembers the generation of
+        c.save(step, {"w": torch.full((10,), float(step))})
+    c.wait(timeout=60)
+    c.close()
+    start_generation(agent, monkeypatch, 2)
+    c = Checkpointer()  # generation 2 starts over from step 3 (a restore or a fresh start)
+
+    c.save(3, {"w": torch.full((10,), 3.5)})
+    c.wait(timeout=60)  # generation 2's landings commit: none says generation 0 or 1
+    c.close()
+    assert {m.generation for m in agent.landings if m.step == 3 and m.event == "landed"
+            } == {1, 2}  # fmt: skip
+
+
+def test_a_commit_applied_while_a_newer_generation_saves_the_step_again_does_not_count(
+    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    entered, gate = threading.Event(), threading.Event()
+    real = LocalFolderStore.put_stream
+
+    def slow(self: LocalFolderStore, key: str, parts: Any) -> None:  # a slow object store
+        if key.endswith(f"{step_dir(20)}/manifest.json") and not gate.is_set():
+            entered.set()
+            assert gate.wait(30)
+        real(self, key, parts)
+
+    monkeypatch.setattr(LocalFolderStore, "put_stream", slow)
+    c = Checkpointer()
+    c.save(20, {"w": torch.full((1000,), 20.0)})  # generation 1's save of step 20 ...
+    assert entered.wait(30)  # ... committed: its manifest is being written (store.lock held)
+    c.close()
+    assert agent.service is not None
+    agent.service.publish_threadsafe = lambda msg: None  # nothing it lands commits now
+    start_generation(agent, monkeypatch, 2)
+    c = Checkpointer()
+    c.save(20, {"w": torch.full((1000,), 20.5)})  # generation 2 saves step 20 again
+
+    gate.set()  # generation 1's manifest is written now, after the renewal
+    store = agent.service.stores[(JOB, 0)]
+    wait_until(lambda: (agent.root / "objects" / JOB / step_dir(20) / "manifest.json").exists(),
+               "generation 1's manifest of step 20")
+    with store.lock:  # that _apply is over
+        assert store.committed_upto.get("object", -1) < 20  # not generation 2's commit
+    with pytest.raises(TimeoutError):
+        c.wait(timeout=1)
+    c.close()
 
 
 # --- a full disk, a crafted shard -------------------------------------------------------------
