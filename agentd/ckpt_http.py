@@ -25,9 +25,9 @@ from aiohttp import web
 from agentd.ckpt import CkptRequestError
 from agentd.config import CkptSettings
 from ckpt.errors import ShardRef, TierError
-from ckpt.objects import PART_NBYTES, ObjectTooLarge
+from ckpt.files import AlignedBuffer, AtomicFile
 from ckpt.peer import PEER_KEY_RE, SealCheck
-from ckpt.tiers import AlignedBuffer, AtomicFile
+from ckpt.stores import PART_NBYTES, ObjectTooLarge
 from phalanx.http import serve
 
 if TYPE_CHECKING:

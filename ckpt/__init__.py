@@ -36,11 +36,13 @@ from ckpt.format import (
     verify,
     write_into,
 )
-from ckpt.objects import LocalFolderStore, ObjectStore, ObjectTier, S3Store, open_store
+from ckpt.objects import ObjectTier
+from ckpt.pacing import Pacing
 from ckpt.peer import HttpPeerStore
 from ckpt.policy import Interval
 from ckpt.ram import RamTier, namespace_for
-from ckpt.tiers import DiskTier, Pacing, ShardKey, StoredShard, Tier, TierManifest
+from ckpt.stores import LocalFolderStore, ObjectStore, S3Store, open_store
+from ckpt.tiers import DiskTier, ShardKey, StoredShard, Tier, TierManifest
 
 __all__ = [
     "CHECKSUM_ALGORITHM",

@@ -42,11 +42,13 @@ from ckpt.errors import (
     UnsupportedVersion,
 )
 from ckpt.format import ShardPlan, plan, write_into
-from ckpt.objects import ObjectStore, ObjectTier, open_store
+from ckpt.objects import ObjectTier
+from ckpt.pacing import Pacing
 from ckpt.policy import Interval
 from ckpt.ram import HEADER_NBYTES, RamTier, WhenBusy
 from ckpt.remote import AgentClient, AgentEnv, AgentError, read_file
-from ckpt.tiers import DiskTier, Pacing, ShardKey, Tier, check_job
+from ckpt.stores import ObjectStore, open_store
+from ckpt.tiers import DiskTier, ShardKey, Tier, check_job
 
 __all__ = ["Checkpointer"]
 

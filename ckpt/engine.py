@@ -32,8 +32,9 @@ from typing import Literal, Protocol
 
 from ckpt.errors import CheckpointError, TierError
 from ckpt.format import seal
+from ckpt.pacing import Pacing, place_writer_thread
 from ckpt.ram import RamTier, Slot
-from ckpt.tiers import Pacing, ShardKey, Tier, TierManifest, place_writer_thread
+from ckpt.tiers import ShardKey, Tier, TierManifest
 
 __all__ = ["Catalog", "Engine", "EventKind", "LocalCatalog", "TierEvent"]
 

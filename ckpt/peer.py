@@ -40,7 +40,7 @@ from urllib.parse import quote
 import zstandard
 
 from ckpt.format import CHECKSUM_ALGORITHM, SEAL_MAGIC, TRAILER_NBYTES, BufferLike, Hasher
-from ckpt.objects import MAX_GET_NBYTES, PART_NBYTES, ObjectStore, ObjectTooLarge
+from ckpt.stores import MAX_GET_NBYTES, PART_NBYTES, ObjectStore, ObjectTooLarge
 
 __all__ = ["PEER_KEY_RE", "HttpPeerStore", "SealCheck"]
 

@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Final, Literal
 
 from ckpt.errors import ShardCorrupt, ShardRef, TierError
+from ckpt.files import filesystem_type
 from ckpt.format import CHECKSUM_ALGORITHM, shard_nbytes, verify
-from ckpt.tiers import ShardKey, StoredShard, Tier, check_job, filesystem_type
+from ckpt.tiers import ShardKey, StoredShard, Tier, check_job
 
 __all__ = [
     "RamTier",

@@ -25,9 +25,6 @@ The layout of a file-backed tier under its root::
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import itertools
 import json
 import logging
 import mmap
@@ -35,20 +32,20 @@ import operator
 import os
 import re
 import shutil
-import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 from ckpt.errors import CheckpointError, ShardRef, TierError
+from ckpt.files import write_file_atomic
 from ckpt.format import CHECKSUM_ALGORITHM, BufferLike, Hasher
+from ckpt.pacing import Pacing
 
 __all__ = [
     "DiskTier",
-    "Pacing",
     "ShardKey",
     "StoredShard",
     "Tier",
@@ -62,7 +59,6 @@ _STEP_DIGITS: Final = 12
 _RANK_DIGITS: Final = 5
 MAX_STEP: Final = 10**_STEP_DIGITS - 1
 MAX_RANK: Final = 10**_RANK_DIGITS - 1
-_tmp_counter = itertools.count()
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -230,139 +226,6 @@ class Tier(ABC):
         """Let go of resources (files, connections, threads)."""
 
 
-# --------------------------------------------------------------------------- pacing
-
-
-@dataclass(frozen=True, slots=True)
-class Pacing:
-    """How gently the write-down runs next to the training loop.
-
-    The writer thread writes ``chunk_bytes`` at a time. A shard file goes
-    with ``O_DIRECT`` where it can (``direct_io``): the device reads the bytes
-    straight from the RAM slot by DMA, with no copy into the page cache (on 2
-    cores, 1 GiB took 0.07 s of CPU that way against 0.86 s buffered: the
-    kernel's copy and page-cache bookkeeping are most of what a disk
-    write-down takes from the training loop). Otherwise (a filesystem that
-    refuses ``O_DIRECT``, a source not page-aligned, small files) it writes
-    through the page cache, flushes every ``sync_bytes`` with ``fdatasync``
-    (waiting on the device, not the CPU) and drops what it flushed from the
-    cache (``drop_cache``: the RAM tier already holds the bytes; caching them
-    twice costs memory and reclaim CPU later). ``max_bytes_per_s`` caps the
-    rate (``None``: as fast as the device goes).
-
-    ``compress_level`` is the zstd level of the tiers that compress (the
-    object store; negative levels are zstd's fast ones). Level 1 costs about
-    2.4 s of CPU per GiB here and saves 8% on fp32 noise; level -3 costs 0.5 s
-    and saves nothing on it: a store whose bandwidth is well above the
-    compressor's is better served by ``compression=None``.
-    ``compress_min_saving``: zstd goes where it pays. Each chunk is compressed
-    only when 128 KiB from its middle shrink by at least this fraction at that
-    level (the sample costs ~1.5% of compressing the chunk); any other goes as
-    a raw zstd frame, one copy. Measured at level 1: fp32 noise saves 7.6%
-    (sent raw at the default 0.10), bf16 noise 22% (compressed); a state's
-    JSON header and zero padding always compress. 0 compresses everything.
-
-    ``nice`` lowers the writer threads' CPU priority (Linux sets it per
-    thread) and ``idle`` puts them in ``SCHED_IDLE`` (they run only on a core
-    nothing else wants). Both are off by default. Measured with bench/ckpt.py
-    at 1 GiB on 2 cores, disk tier only (the writer used 0.23 s of CPU either
-    way): at nice 0 the matmul loop lost 0.39 s of compute and the write-down
-    took 1.2 s; at nice 19 it lost 2.0 s over 14 s, and at ``SCHED_IDLE`` 15 s
-    over 136 s. A deprioritized writer that holds the GIL is starved by the
-    loop's own threads, which then wait for the GIL (a priority inversion).
-    Where the engine runs in a process of its own (the agent, under Phalanx)
-    there is no GIL to share, but on cores the loop keeps busy it still only
-    trades compute for time: the agent's full write-down (zstd included) took
-    6 s at nice 0, 34 s at nice 10 with no compute saved, 262 s at nice 19
-    (agentd's ``ckpt.write_nice``).
-
-    ``cpus`` keeps the writer threads on those CPUs (empty: wherever the
-    scheduler puts them): the way to take the write-down off the training
-    cores where a node has cores the ranks do not use (agentd's
-    ``ckpt.write_cpus``, which also keeps the ranks off them). A CPU this
-    process may not use is refused here.
-    """
-
-    chunk_bytes: int = 8 << 20
-    sync_bytes: int = 64 << 20
-    nice: int = 0
-    max_bytes_per_s: float | None = None
-    drop_cache: bool = True
-    direct_io: bool = True
-    idle: bool = False
-    compress_level: int = 1
-    compress_min_saving: float = 0.10
-    cpus: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.cpus:
-            usable = os.sched_getaffinity(0)
-            if not set(self.cpus) <= usable:
-                raise ValueError(f"Pacing.cpus {sorted(self.cpus)}: CPU(s) "
-                                 f"{sorted(set(self.cpus) - usable)} are not among those this "
-                                 f"process may use ({_cpu_list(usable)})")  # fmt: skip
-        if self.chunk_bytes <= 0 or self.sync_bytes < self.chunk_bytes:
-            raise ValueError("Pacing needs chunk_bytes > 0 and sync_bytes >= chunk_bytes")
-        if not 0 <= self.nice <= 19:
-            raise ValueError(f"Pacing.nice is {self.nice}; it must be in [0, 19]")
-        if not -7 <= self.compress_level <= 22:
-            raise ValueError(f"Pacing.compress_level is {self.compress_level}; zstd takes -7..22")
-        if not 0 <= self.compress_min_saving < 1:
-            raise ValueError(f"Pacing.compress_min_saving is {self.compress_min_saving}; it "
-                             "must be in [0, 1)")  # fmt: skip
-
-
-class Throttle:
-    """Sleeps just enough to hold a byte rate (no-op without a cap)."""
-
-    def __init__(self, rate: float | None) -> None:
-        self.rate = rate
-        self.start = time.monotonic()
-        self.done = 0
-
-    def __call__(self, nbytes: int) -> None:
-        if self.rate is None:
-            return
-        self.done += nbytes
-        ahead = self.done / self.rate - (time.monotonic() - self.start)
-        if ahead > 0:
-            time.sleep(ahead)
-
-
-def lower_thread_priority(nice: int, idle: bool = False) -> None:
-    """Make the calling thread nicer, and with ``idle`` put it in ``SCHED_IDLE``
-    (Linux: a thread id is a PRIO_PROCESS target, and pid 0 of
-    ``sched_setscheduler`` is the calling thread)."""
-    if nice > 0 and hasattr(os, "setpriority"):
-        try:
-            tid = threading.get_native_id()
-            current = os.getpriority(os.PRIO_PROCESS, tid)
-            os.setpriority(os.PRIO_PROCESS, tid, max(current, nice))
-        except OSError as exc:  # a sandbox may refuse; pacing still works without it
-            log.debug("could not renice the writer thread: %s", exc)
-    if idle and hasattr(os, "SCHED_IDLE"):
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except OSError as exc:
-            log.debug("could not make the writer thread SCHED_IDLE: %s", exc)
-
-
-def place_writer_thread(pacing: Pacing) -> None:
-    """Apply ``pacing``'s niceness, ``SCHED_IDLE`` and CPUs to the calling thread (Linux:
-    pid 0 of ``sched_setaffinity`` is the calling thread). Not fatal where refused."""
-    lower_thread_priority(pacing.nice, pacing.idle)
-    if pacing.cpus:
-        try:
-            os.sched_setaffinity(0, pacing.cpus)
-        except OSError as exc:
-            log.warning("could not keep the writer thread on CPUs %s: %s",
-                        _cpu_list(pacing.cpus), exc)  # fmt: skip
-
-
-def _cpu_list(cpus: Iterable[int]) -> str:
-    return ",".join(str(c) for c in sorted(cpus))
-
-
 def chunks(view: memoryview, size: int) -> Iterator[memoryview]:
     for start in range(0, len(view), size):
         yield view[start : start + size]
@@ -382,238 +245,6 @@ def digest_text(hasher: Any) -> str:
 
 
 # --------------------------------------------------------------------------- disk
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_DIRECT_ALIGN: Final = 4096  # O_DIRECT: address, length and offset, for any block size
-
-
-def _set_direct(fd: int, on: bool) -> bool:
-    """Turn ``O_DIRECT`` on or off for ``fd``; whether it is now on."""
-    o_direct = getattr(os, "O_DIRECT", 0)
-    if not o_direct:
-        return False
-    import fcntl
-
-    try:
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags | o_direct if on else flags & ~o_direct)
-    except OSError:  # a filesystem without O_DIRECT (tmpfs) refuses it
-        return False
-    return on
-
-
-def _aligned_prefix(view: memoryview) -> int:
-    """How many leading bytes of ``view`` an ``O_DIRECT`` write can take."""
-    if view.readonly or len(view) < _DIRECT_ALIGN:
-        return 0
-    import ctypes
-
-    anchor = ctypes.c_char.from_buffer(view)
-    try:
-        address = ctypes.addressof(anchor)
-    finally:
-        del anchor  # it pins the buffer: release it at once
-    return 0 if address % _DIRECT_ALIGN else len(view) - len(view) % _DIRECT_ALIGN
-
-
-# Filesystems on this node's own devices (or memory), where O_DIRECT is the fast path. On a
-# network or FUSE filesystem (NFS, Lustre, CephFS, ...) it makes every write wait for the
-# server with no write-behind, and some FUSE filesystems take the flag and misbehave.
-LOCAL_FILESYSTEMS: Final = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs",
-                                      "bcachefs"})  # fmt: skip
-
-
-def filesystem_type(path: Path, mountinfo: str | None = None) -> str | None:
-    """The type of the filesystem ``path`` lies on (``/proc/self/mountinfo``: the mount
-    point that is the longest prefix of the resolved path), ``None`` if not known."""
-    if mountinfo is None:
-        try:
-            mountinfo = Path("/proc/self/mountinfo").read_text()
-        except OSError:
-            return None
-    target = str(path.resolve())
-    best, kind = -1, None
-    for line in mountinfo.splitlines():
-        fields, _, rest = line.partition(" - ")
-        parts = fields.split()
-        if len(parts) < 5 or not rest:
-            continue
-        point = parts[4].replace("\\040", " ")
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and len(point) > best:
-            best, kind = len(point), rest.split()[0]
-    return kind
-
-
-class AlignedBuffer:
-    """A page-aligned buffer of ``nbytes`` (an anonymous map): what an ``O_DIRECT`` write
-    takes from memory, for bytes that do not already lie in such memory."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.memory = mmap.mmap(-1, nbytes)
-        self.view = memoryview(self.memory)
-        self.held = 0  # the bytes filled so far
-
-    def fill(self, data: BufferLike) -> Iterator[memoryview]:
-        """Copy ``data`` in after what it holds, yielding the whole buffer each time it
-        is full (the view is good until the next is asked for; it starts over then)."""
-        view = memoryview(data).cast("B")
-        size = len(self.view)
-        while len(view):
-            take = min(len(view), size - self.held)
-            self.view[self.held : self.held + take] = view[:take]
-            self.held += take
-            view = view[take:]
-            if self.held == size:
-                self.held = 0
-                yield self.view
-
-    def rest(self) -> memoryview:
-        """What it holds that was not yielded full."""
-        return self.view[: self.held]
-
-    def close(self) -> None:
-        """Unmap it now (a view of it still held elsewhere keeps it until that goes)."""
-        with contextlib.suppress(BufferError):
-            self.view.release()
-            self.memory.close()
-
-
-class AtomicFile:
-    """A file written piece by piece under a temp name beside ``path``, and on a clean
-    exit from its ``with`` block fsynced, renamed to ``path`` and its directory fsynced.
-    On any error the temp file is removed and an ``OSError`` becomes a ``TierError``
-    naming the path (``ENOSPC`` says the disk is full). ``written``: the bytes so far.
-
-    ``direct`` asks for ``O_DIRECT`` (with ``pacing.direct_io``): pieces that are
-    page-aligned go by DMA from their memory, bypassing the page cache; the first
-    piece that is not (a short tail) and everything after it go through the cache;
-    a filesystem that refuses ``O_DIRECT`` gets the cache throughout.
-    """
-
-    def __init__(self, path: Path, *, pacing: Pacing, tier: str, ref: ShardRef,
-                 direct: bool = False) -> None:  # fmt: skip
-        self.path = path
-        self.pacing = pacing
-        self.tier = tier
-        self.ref = ref
-        self.tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{next(_tmp_counter)}"
-        self.throttle = Throttle(pacing.max_bytes_per_s)
-        self.written = self.synced = 0
-        self.fd = -1
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                              0o644)  # fmt: skip
-        except BaseException as exc:
-            raise self._failed(exc) from exc
-        self.direct = direct and pacing.direct_io and _set_direct(self.fd, True)
-
-    def __enter__(self) -> AtomicFile:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: object) -> None:  # fmt: skip
-        if exc is None:
-            try:
-                self._commit()
-                return
-            except BaseException as failed:
-                exc = failed
-        self.abort()
-        if isinstance(exc, OSError):
-            raise self._failed(exc) from exc
-        if exc_type is None:  # the commit's own error, not an OSError
-            raise exc
-
-    def write(self, piece: BufferLike) -> None:
-        """Append ``piece``; a ``TierError`` naming the path if that fails (the file is
-        left for the ``with`` block's exit, or ``abort``, to remove)."""
-        try:
-            self._write(piece)
-        except OSError as exc:
-            raise self._failed(exc) from exc
-
-    def _write(self, piece: BufferLike) -> None:
-        view = memoryview(piece).cast("B")
-        if self.direct:
-            aligned = _aligned_prefix(view)
-            while aligned:
-                try:
-                    n = os.write(self.fd, view[:aligned])
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    n = 0  # this file or device refuses it after all
-                if n <= 0:
-                    break
-                view, aligned = view[n:], aligned - n
-                self.written += n
-                self.synced = self.written  # nothing of it sits in the page cache
-                self.throttle(n)
-                if n % _DIRECT_ALIGN:  # a short write: the offset is unaligned now
-                    break
-            if view:
-                self.direct = _set_direct(self.fd, False)
-        while view:
-            n = os.write(self.fd, view)
-            view = view[n:]
-            self.written += n
-            self.throttle(n)
-        if self.written - self.synced >= self.pacing.sync_bytes:
-            os.fdatasync(self.fd)
-            if self.pacing.drop_cache:
-                os.posix_fadvise(self.fd, self.synced, self.written - self.synced,
-                                 os.POSIX_FADV_DONTNEED)  # fmt: skip
-            self.synced = self.written
-
-    def _commit(self) -> None:
-        os.fsync(self.fd)
-        if self.pacing.drop_cache:
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(self.fd)
-        self.fd = -1
-        os.rename(self.tmp, self.path)
-        fsync_dir(self.path.parent)
-
-    def abort(self) -> None:
-        """Close and remove the temp file (nothing was renamed into place)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        self.tmp.unlink(missing_ok=True)
-
-    def _failed(self, exc: BaseException) -> BaseException:
-        if not isinstance(exc, OSError):
-            return exc
-        why = "the disk is full" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
-        return TierError(f"writing {self.path} failed: {why}", tier=self.tier,
-                         ref=self.ref.merged(ShardRef(path=str(self.path))))  # fmt: skip
-
-
-def write_file_atomic(
-    path: Path,
-    pieces: Iterable[BufferLike],
-    *,
-    pacing: Pacing,
-    tier: str,
-    ref: ShardRef,
-    direct: bool = False,
-) -> int:
-    """Write ``pieces`` to ``path`` as an ``AtomicFile`` (see there: temp name, fsync,
-    rename, ``O_DIRECT`` with ``direct``). Returns the bytes written."""
-    with AtomicFile(path, pacing=pacing, tier=tier, ref=ref, direct=direct) as out:
-        for piece in pieces:
-            out.write(piece)
-    return out.written
 
 
 class DiskTier(Tier):

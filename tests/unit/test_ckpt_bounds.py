@@ -34,10 +34,11 @@ import ckpt
 from agentd.ckpt_http import add_peer_routes
 from agentd.config import CkptSettings
 from ckpt import Checkpointer, CheckpointError, LocalFolderStore, ObjectTier, ShardKey, TierError
-from ckpt.objects import ObjectTooLarge
+from ckpt.pacing import Pacing
 from ckpt.peer import HttpPeerStore, PeerError, SealCheck
 from ckpt.remote import AgentClient, AgentEnv
-from ckpt.tiers import Pacing, TierManifest
+from ckpt.stores import ObjectTooLarge
+from ckpt.tiers import TierManifest
 from phalanx.http import bearer_ok, serve
 
 GIB = 1 << 30

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpt import DiskTier, LocalFolderStore, ObjectTier, Pacing, ShardKey, tiers
+from ckpt import DiskTier, LocalFolderStore, ObjectTier, Pacing, ShardKey, files
 from ckpt.format import BufferLike, checksum
-from ckpt.objects import PART_NBYTES, _regroup
+from ckpt.objects import _regroup
+from ckpt.stores import PART_NBYTES
 from ckpt.tiers import TierManifest
 
 
@@ -50,14 +51,14 @@ def test_the_folder_object_store_writes_whole_parts_by_direct_io(
     root: Path, compression: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     asked: list[tuple[bool, bool]] = []  # (asked for O_DIRECT on, got it on)
-    real = tiers._set_direct
+    real = files._set_direct
 
     def recorded(fd: int, on: bool) -> bool:
         got = real(fd, on)
         asked.append((on, got))
         return got
 
-    monkeypatch.setattr(tiers, "_set_direct", recorded)
+    monkeypatch.setattr(files, "_set_direct", recorded)
     store = LocalFolderStore(root / "objects")
     aligned: list[int] = []  # of each part, the bytes an O_DIRECT write can take
     put_stream = store.put_stream
@@ -65,7 +66,7 @@ def test_the_folder_object_store_writes_whole_parts_by_direct_io(
     def put_parts(key: str, parts: Iterable[BufferLike]) -> None:
         def seen() -> Iterator[BufferLike]:
             for part in parts:
-                aligned.append(tiers._aligned_prefix(memoryview(part)))
+                aligned.append(files._aligned_prefix(memoryview(part)))
                 yield part
 
         put_stream(key, seen())
@@ -94,7 +95,7 @@ def test_the_folder_object_store_writes_whole_parts_by_direct_io(
 def test_parts_refilled_into_one_buffer_are_the_parts_joined(sizes: list[int]) -> None:
     pieces = [os.urandom(n) for n in sizes]
     joined = [bytes(part) for part in _regroup(pieces)]
-    buffer = tiers.AlignedBuffer(PART_NBYTES)
+    buffer = files.AlignedBuffer(PART_NBYTES)
     refilled = [bytes(part) for part in _regroup(pieces, buffer)]  # copied before the next
 
     assert refilled == joined
@@ -140,18 +141,18 @@ MOUNTINFO = """\
     ("/mnt/shared/scratch/a", "xfs"), ("/mnt/my disk/a", "fuse.s3fs"), ("/var/tmp", "ext4"),
 ])  # fmt: skip
 def test_the_filesystem_of_a_path_is_that_of_its_deepest_mount(path: str, kind: str) -> None:
-    assert tiers.filesystem_type(Path(path), MOUNTINFO) == kind
+    assert files.filesystem_type(Path(path), MOUNTINFO) == kind
 
 
 def test_a_folder_on_a_network_filesystem_is_written_through_the_page_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert LocalFolderStore(tmp_path / "local").direct  # this test's own disk
-    monkeypatch.setattr("ckpt.objects.filesystem_type", lambda path: "nfs4")
+    monkeypatch.setattr("ckpt.stores.filesystem_type", lambda path: "nfs4")
     shared = LocalFolderStore(tmp_path / "shared")
     asked: list[bool] = []
-    real = tiers._set_direct
-    monkeypatch.setattr(tiers, "_set_direct", lambda fd, on: asked.append(on) or real(fd, on))
+    real = files._set_direct
+    monkeypatch.setattr(files, "_set_direct", lambda fd, on: asked.append(on) or real(fd, on))
     tier = ObjectTier(shared, compression=None)
     for view in shard_in_shared_memory(PART_NBYTES + 4096):
         tier.put(ShardKey("job", 1, 0), view, checksum(view))

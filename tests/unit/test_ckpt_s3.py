@@ -14,7 +14,7 @@ from ckpt_helpers import assert_bit_identical, training_state
 
 import ckpt
 from ckpt import Checkpointer, ObjectTier, S3Store, ShardKey, TierError
-from ckpt.objects import PART_NBYTES
+from ckpt.stores import PART_NBYTES
 from ckpt.tiers import TierManifest
 
 moto_server = pytest.importorskip("moto.moto_server.threaded_moto_server")

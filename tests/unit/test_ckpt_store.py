@@ -21,7 +21,7 @@ import pytest
 import torch
 from ckpt_helpers import GatedTier, assert_bit_identical, open_ckpt, small_tmpfs, training_state
 
-import ckpt.tiers
+import ckpt.files
 from ckpt import Checkpointer, DiskTier, TierError, TierEvent, UnsafeShard
 from ckpt.tiers import MANIFEST_NAME, step_dir
 
@@ -182,7 +182,7 @@ def fail_writes_with_enospc(monkeypatch: pytest.MonkeyPatch, after_bytes: int) -
         written[0] += len(data)
         return real_write(fd, data)
 
-    monkeypatch.setattr(ckpt.tiers.os, "write", write)
+    monkeypatch.setattr(ckpt.files.os, "write", write)
 
 
 def test_a_full_disk_keeps_the_last_committed_step_and_names_tier_and_path(

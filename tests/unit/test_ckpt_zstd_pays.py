@@ -17,8 +17,9 @@ import zstandard
 import ckpt
 from ckpt import LocalFolderStore, ObjectTier, ShardKey
 from ckpt.objects import zstd_raw_frame
+from ckpt.pacing import Pacing
 from ckpt.peer import SealCheck
-from ckpt.tiers import Pacing, TierManifest
+from ckpt.tiers import TierManifest
 
 MIB = 1 << 20
 
