@@ -195,9 +195,9 @@ class Restores:
         copy from ``/v1/ckpt/shard`` then). A copy that does not verify, or runs short or
         long, is a 502 with ``corrupt`` (the rank reports it).
 
-        The staged copy is not reported to the supervisor: the catalog's RAM tier holds
-        what the gang's saves left there (by generation), and this step is one of those
-        only where a save put it."""
+        The staged copy is reported to the supervisor as landed at RAM on this node, so
+        that a restart before the rank's next save reads it here too: its checksum is the
+        catalog's, and the catalog counts a copy of a save with that save's generation."""
         self._fence(job, generation)
         found, shard = self._remote_copy(job, rank, step, tier)
         store = self.store(job, rank)
@@ -234,6 +234,11 @@ class Restores:
             store.report_reused(before)
         if slot is None:
             return {"staged": False}
+        store.landed[(store.ram.name, step)] = shard.checksum
+        self.publish(wire.CkptLanding(
+            node=self.node, job=job, step=step, rank=rank, tier=store.ram.name,
+            nbytes=shard.nbytes, checksum=shard.checksum, generation=generation,
+            at=time.time()))  # fmt: skip
         log.info("job %s rank %d: staged step %d from tier %s in RAM for its restore", job,
                  rank, step, tier, extra={"job": job})  # fmt: skip
         return {"path": str(slot.path), "slot": slot.index}

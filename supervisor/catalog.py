@@ -132,6 +132,14 @@ class CheckpointCatalog:
             self._landed[key] = (newest, {r for r, g in rows.items() if g == newest})
         generation, ranks = self._landed[key]
         went = False
+        if msg.generation > generation and msg.checksum:
+            # The bytes of an older generation's save: a copy of it (a restore staged it in
+            # RAM, say), which counts with that save's shards (the tier's, where it is one).
+            saved = {g for g in self.store.saved_in(msg.job, msg.step, msg.rank, msg.checksum)
+                     if g < msg.generation}  # fmt: skip
+            if saved:
+                copied = generation if generation in saved else max(saved)
+                msg = msg.model_copy(update={"generation": copied})
         if msg.generation < generation:
             # An older generation's write-down, late, of a step a newer one saves again:
             # it must not make a commit of two generations' shards.

@@ -57,6 +57,7 @@ CREATE TABLE IF NOT EXISTS ckpt_commits (
     committed_at REAL NOT NULL,
     PRIMARY KEY (job, step, tier)
 );
+CREATE INDEX IF NOT EXISTS ckpt_shards_rank ON ckpt_shards (job, step, rank);
 CREATE TABLE IF NOT EXISTS ckpt_ended_catalogs (
     job TEXT NOT NULL,
     node TEXT NOT NULL,            -- a node the job's ended catalog was published for, retained
@@ -274,6 +275,14 @@ class Store(CatalogQueries):
         rows = self._db.execute("SELECT rank, generation FROM ckpt_shards WHERE job = ? AND "
                                 "step = ? AND tier = ?", (job, step, tier)).fetchall()
         return {int(r[0]): int(r[1]) for r in rows}
+
+    def saved_in(self, job: str, step: int, rank: int, checksum: str) -> set[int]:
+        """The generations whose saves of rank ``rank``'s shard of ``step`` have
+        ``checksum``, at any tier."""
+        rows = self._db.execute("SELECT DISTINCT generation FROM ckpt_shards WHERE job = ? AND "
+                                "step = ? AND rank = ? AND checksum = ?",
+                                (job, step, rank, checksum)).fetchall()  # fmt: skip
+        return {int(r[0]) for r in rows}
 
     def add_commit(self, job: str, step: int, tier: str, at: float) -> bool:
         cur = self._write("INSERT OR IGNORE INTO ckpt_commits (job, step, tier, committed_at) "

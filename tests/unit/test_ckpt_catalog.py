@@ -234,3 +234,26 @@ def test_a_step_saved_again_by_a_newer_generation_never_commits_two_generations_
     assert land(0, 3) is True
     assert [s.checksum for s in catalog.messages("j-1", 2)[0].steps[0].shards] == ["g3r0",
                                                                                   "g3r1"]
+
+
+def test_a_newer_generations_copy_of_a_save_counts_with_that_saves_shards(
+    tmp_path: Path,
+) -> None:
+    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+
+    def land(rank: int, generation: int, checksum: str, node: str) -> bool:
+        msg = landing(8, rank, tier="ram", node=node).model_copy(update={
+            "generation": generation, "checksum": checksum})
+        return catalog.on_landing(msg, world_size=2)
+
+    assert land(0, 1, "g1r0", "n01") is False
+    assert land(1, 1, "g1r1", "n02") is True  # generation 1 saved step 8 in RAM on both
+    # n02 died; generation 2 runs rank 1 on the spare n03, which staged the copy it
+    # restored in RAM: the same bytes, so the same save, and the step stays committed.
+    assert land(1, 2, "g1r1", "n03") is False
+    view = catalog.view("j-1", 2, ["ram"])
+    assert view["steps"][0]["where"]["ram"] == {"0": "n01", "1": "n03"}
+    # A save of step 8 by generation 2 (other bytes) is one again: the old commit goes.
+    assert land(0, 2, "g2r0", "n01") is True
+    step = catalog.view("j-1", 2, ["ram"])["steps"][0]
+    assert step["committed"] == {} and step["partial"] == {"ram": 1}

@@ -153,6 +153,31 @@ def test_a_rank_moved_to_a_spare_restores_the_gang_step_from_the_buddy_holding_i
     assert_bit_identical(found[1], fleet["state"])
 
 
+def test_the_copy_a_spare_staged_is_in_the_catalog_and_a_second_restart_reads_it_from_ram(
+    fleet: dict[str, Any],
+) -> None:
+    catalog, n03 = fleet["catalog"], fleet["n03"]
+    for rank, node in ((0, "n01"), (1, "n02")):  # generation 1 saved the step in RAM too
+        catalog.on_landing(wire.CkptLanding(
+            node=node, job=JOB, step=STEP, rank=rank, tier="ram", nbytes=1,
+            checksum=catalog.messages(JOB, 2)[0].steps[0].shards[0].checksum, generation=1,
+            at=1.0), world_size=2)  # fmt: skip
+    send_catalog(fleet, alive={"n01", "n03"})
+    with Checkpointer() as ckpt:
+        assert ckpt.restore() is not None and ckpt.restored_from == "peer"  # staged in RAM
+
+    staged = [m for m in n03.landings if m.tier == "ram" and m.event == "landed"]
+    assert [(m.rank, m.step, m.generation) for m in staged] == [(1, STEP, 2)]
+    assert catalog.on_landing(staged[0], world_size=2) is False  # still committed in RAM
+    assert catalog.view(JOB, 2, ["ram"])["steps"][0]["where"]["ram"] == {"0": "n01",
+                                                                         "1": "n03"}
+    send_catalog(fleet, alive={"n01", "n03"})  # the gang restarts again before a new save
+    with Checkpointer() as again:
+        found = again.restore()
+    assert found is not None and found[0] == STEP and again.restored_from == "ram"
+    assert_bit_identical(found[1], fleet["state"])
+
+
 def test_no_rank_restores_alone_when_the_gang_has_no_step_every_rank_can_read(
     fleet: dict[str, Any],
 ) -> None:
