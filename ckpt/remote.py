@@ -41,6 +41,7 @@ import mmap
 import os
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn
 from urllib.parse import urlencode
@@ -117,6 +118,7 @@ class AgentClient:
         self.timeout_s = timeout_s
         # path -> (inode, size, map, the address pinned for DMA or None)
         self._maps: dict[str, tuple[int, int, mmap.mmap, int | None]] = {}
+        self._maps_lock = threading.Lock()
 
     def _ident(self) -> dict[str, Any]:
         return {"job": self.env.job, "generation": self.env.generation, "rank": self.env.rank}
@@ -203,6 +205,10 @@ class AgentClient:
 
     def map_slot(self, path: str) -> mmap.mmap:
         """The rank's shared mapping of one agent-owned slot file (kept and reused)."""
+        with self._maps_lock:  # a save, and the slots reserved behind a restore
+            return self._map_slot(path)
+
+    def _map_slot(self, path: str) -> mmap.mmap:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
@@ -222,9 +228,10 @@ class AgentClient:
         return mm
 
     def close(self) -> None:
-        for _ino, _size, mm, pinned in self._maps.values():
-            unmap(mm, pinned)
-        self._maps.clear()
+        with self._maps_lock:
+            for _ino, _size, mm, pinned in self._maps.values():
+                unmap(mm, pinned)
+            self._maps.clear()
 
 
 def read_file(path: str) -> mmap.mmap | None:

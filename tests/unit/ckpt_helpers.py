@@ -152,3 +152,12 @@ def hold_every_ram_slot() -> None:
 # How a copy at a lower tier reaches a rank under an agent: read by the agent into a free
 # RAM slot of the rank's, or with no slot free, streamed over the socket into its memory.
 COPY_PATHS = pytest.mark.parametrize("path", ["staged", "streamed"])
+
+
+def finish_reservations(timeout: float = 30.0) -> None:
+    """Wait for the RAM slots ranks reserve behind a restore (``Checkpointer`` threads
+    ``ckpt-reserve-*``): an agent a test stops must not cut one of those requests off."""
+    for thread in threading.enumerate():
+        if thread.name.startswith("ckpt-reserve-"):
+            thread.join(timeout)
+

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 import zstandard
-from ckpt_helpers import assert_bit_identical, small_tmpfs, training_state
+from ckpt_helpers import assert_bit_identical, finish_reservations, small_tmpfs, training_state
 
 from agentd.ckpt import CkptService
 from agentd.ckpt_http import start_rank_socket
@@ -98,6 +98,7 @@ class AgentHarness:
 
     def close(self) -> None:
         assert self.stop is not None
+        finish_reservations()
         self.loop.call_soon_threadsafe(self.stop.set)
         self.thread.join(30)
         self.loop.close()
@@ -441,6 +442,32 @@ def test_a_manifest_the_object_store_refused_once_is_written_again_and_read_back
     nvme_shard(agent, 3).unlink()
     found = Checkpointer().restore()
     assert found is not None and found[0] == 3 and found[1]["w"].equal(state["w"])
+
+
+def test_a_restore_has_the_agent_allocate_the_ram_slots_for_the_next_saves(
+    agent: AgentHarness,
+) -> None:
+    state = {"w": torch.randn(1 << 18)}  # 1 MiB
+    c = Checkpointer()
+    c.save(1, state)  # one slot of the two allocated, by this save
+    c.wait(timeout=60)
+    c.close()
+    assert agent.service is not None
+    store = agent.service.stores[(JOB, 0)]
+    assert [s is not None for s in store.ram.slots] == [True, False]
+
+    fresh = Checkpointer()  # the rank restarted
+    found = fresh.restore()
+
+    assert found is not None and fresh.restored_from == "ram"
+    wait_until(lambda: all(s is not None and s.capacity >= 1 << 20 and s.path.exists()
+                           for s in store.ram.slots), "the slots allocated")  # fmt: skip
+    assert fresh.agent is not None
+    wait_until(lambda: len(fresh.agent._maps) == len(store.ram.slots),  # type: ignore[union-attr]
+               "the rank to map them")
+    assert fresh.save(2, found[1])
+    fresh.wait(timeout=60)
+    fresh.close()
 
 
 def start_generation(agent: AgentHarness, monkeypatch: pytest.MonkeyPatch, generation: int,

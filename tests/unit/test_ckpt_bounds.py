@@ -27,7 +27,13 @@ import pytest
 import torch
 import zstandard
 from aiohttp import web
-from ckpt_helpers import COPY_PATHS, assert_bit_identical, hold_every_ram_slot, small_tmpfs
+from ckpt_helpers import (
+    COPY_PATHS,
+    assert_bit_identical,
+    finish_reservations,
+    hold_every_ram_slot,
+    small_tmpfs,
+)
 from test_ckpt_agent_mode import JOB, AgentHarness
 
 import ckpt
@@ -560,6 +566,7 @@ async def test_a_rank_streams_the_copy_from_an_older_agent_that_stages_nothing(
         monkeypatch.setenv(key, value)
     async with serve(app, lambda runner: web.UnixSite(runner, str(socket)), "older agent"):
         found = await asyncio.to_thread(lambda: Checkpointer().restore())
+        await asyncio.to_thread(finish_reservations)  # it asks this agent to reserve, too
 
     assert found is not None and found[0] == 7
     assert_bit_identical(found[1], state)

@@ -19,7 +19,13 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from ckpt_helpers import COPY_PATHS, assert_bit_identical, hold_every_ram_slot, training_state
+from ckpt_helpers import (
+    COPY_PATHS,
+    assert_bit_identical,
+    finish_reservations,
+    hold_every_ram_slot,
+    training_state,
+)
 
 from agentd.ckpt import CkptService
 from agentd.ckpt_http import add_peer_routes, start_rank_socket
@@ -86,6 +92,7 @@ class Node:
 
     def close(self) -> None:
         assert self.stop is not None
+        finish_reservations()
         self.loop.call_soon_threadsafe(self.stop.set)
         self.thread.join(30)
         self.loop.close()

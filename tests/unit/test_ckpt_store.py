@@ -77,6 +77,28 @@ def test_restore_uses_disk_after_the_ram_copy_is_gone(
     assert_bit_identical(state, found[1])
 
 
+def test_a_restore_allocates_the_ram_slots_for_the_next_saves_behind_it(
+    tmp_path: Path, ckpts: list[Checkpointer]
+) -> None:
+    state = {"w": torch.randn(1 << 18)}  # 1 MiB
+    c = open_ckpt(ckpts, tmp_path)
+    c.save(1, state)
+    c.close()  # committed on disk: the RAM slots go
+    fresh = open_ckpt(ckpts, tmp_path)
+    assert not [s for s in fresh.ram.slots if s is not None]
+
+    found = fresh.restore()
+
+    assert found is not None and fresh.restored_from == "disk"
+    deadline = time.monotonic() + 30
+    while not all(s is not None and s.capacity >= 1 << 20 for s in fresh.ram.slots):
+        assert time.monotonic() < deadline, "the slots were never allocated"
+        time.sleep(0.02)
+    assert fresh.save(2, found[1]) and fresh.save(3, found[1])
+    fresh.wait()
+    assert fresh.restore() is not None and fresh.restored_from == "ram"
+
+
 def test_restore_uses_the_object_store_after_disk_is_gone(
     tmp_path: Path, ckpts: list[Checkpointer]
 ) -> None:
