@@ -14,6 +14,9 @@
   the machine was then: on this VM the copy alone moves 1.5-2x between
   seconds);
   ``cold_first_stall_s`` a cold instance whose first save allocates them;
+  ``after_restore`` a restart's first two saves: a new instance restores from
+  disk (no RAM slot left), trains 8 s, saves (``restore`` reserves the slots
+  behind it);
   ``tier_write_s`` how long each tier took to write the shard down, both at
   once, and ``tier_write_alone_s`` each on its own (the folder object store
   shares this machine's one disk with the NVMe tier: a remote store would not);
@@ -475,6 +478,34 @@ def disk_beside_raw(root: Path, state: dict[str, Any], pacing: Pacing, namespace
         shutil.rmtree(root, ignore_errors=True)
 
 
+def first_save_after_restore(root: Path, state: dict[str, Any], pacing: Pacing,
+                             namespace: str, train_s: float = 8.0) -> dict[str, float]:  # fmt: skip
+    """A restart: the state restored from disk by a new instance (no RAM slot left), the
+    loop training for ``train_s`` (matrix multiplies), then its first two saves."""
+    c = Checkpointer(dir=root, tiers=["disk"], keep=1, pacing=pacing,
+                     ram_namespace=f"{namespace}-{root.name}")  # fmt: skip
+    c.save(1, state)
+    c.wait()
+    c.close()  # committed on disk: the RAM slots go
+    c = Checkpointer(dir=root, tiers=["disk"], keep=1, pacing=pacing,
+                     ram_namespace=f"{namespace}-{root.name}")  # fmt: skip
+    try:
+        start = time.perf_counter()
+        found = c.restore(into=state)
+        restore_s = time.perf_counter() - start
+        assert found is not None and c.restored_from == "disk"
+        matmul_rate(train_s)
+        for step in (2, 3):
+            c.save(step, state)
+            c.wait()
+        return {"restore_s": restore_s, "first_stall_s": c.stalls[0],
+                "second_stall_s": c.stalls[1]}  # fmt: skip
+    finally:
+        c.close()
+        c.ram.unlink()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def peer_tier(root: Path, state: dict[str, Any], buddy: Buddy, pacing: Pacing,
               namespace: str) -> dict[str, Any]:  # fmt: skip
     """One save written down to the peer tier alone: how long, the sender's and the
@@ -720,6 +751,8 @@ def main() -> None:
                                    for tier in ("disk", "object")},
         }  # fmt: skip
         disk_alone, raw_beside = disk_beside_raw(root / "beside-raw", state, pacing, namespace)
+        out["phalanx"]["after_restore"] = first_save_after_restore(root / "restart", state,
+                                                                   pacing, namespace)  # fmt: skip
         out["phalanx"]["disk_write_beside_raw_s"] = {"disk": disk_alone, "raw": raw_beside}
 
         # restores, from each tier, into new tensors and into a live state's
@@ -801,6 +834,8 @@ def main() -> None:
             # The worst of a few saves follows the VM's background load; the median less so.
             "median_stall_over_memcpy": statistics.median(ph["stall_s"]) / out["memcpy_s"],
             "first_stall_over_memcpy": ph["first_stall_s"] / out["memcpy_s"],
+            "first_stall_after_restore_over_memcpy": (ph["after_restore"]["first_stall_s"]
+                                                      / out["memcpy_s"]),
             "worst_stall_over_adjacent_memcpy": max(ph["stall_over_adjacent_memcpy"]),
             "disk_tier_speed_vs_raw": (out["raw_write_fsync_s"]
                                        / ph["tier_write_alone_s"]["disk"]),
