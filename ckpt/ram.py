@@ -233,6 +233,7 @@ class RamTier(Tier):
         self.pin = pin  # an agent does not: the rank that copies into a slot pins its own map
         self.cond = threading.Condition()
         self.slots: list[Slot | None] = [None] * slots
+        self._allocating: set[int] = set()  # slots being (re)allocated, the lock released
         self._warn_unless_memory()
         self._attach()
 
@@ -293,6 +294,24 @@ class RamTier(Tier):
             slot.write_head()
             self.slots[index] = slot
 
+    def _allocate_unlocked(self, index: int, capacity: int) -> Slot:
+        """(Re)allocate slot ``index`` with ``cond`` released (held on entry and on return):
+        fresh memory takes seconds per GiB, and a reader of this tier (an agent's event
+        loop listing its steps, a save of the rank waiting for another slot) must not wait
+        on it. Meanwhile the slot is out of play: ``_pick`` passes it over, and the slot it
+        replaces (never one a reader holds: not pinned) is busy and no longer sealed."""
+        old = self.slots[index]
+        if old is not None:
+            old.busy, old.state = True, FREE
+        self._allocating.add(index)
+        self.cond.release()
+        try:
+            return self._allocate(index, capacity)
+        finally:
+            self.cond.acquire()
+            self._allocating.discard(index)
+            self.cond.notify_all()
+
     def _allocate(self, index: int, capacity: int) -> Slot:
         path = self._slot_path(index)
         size = HEADER_NBYTES + capacity
@@ -329,10 +348,12 @@ class RamTier(Tier):
         with self.cond:
             for index in range(self.nslots):
                 slot = self.slots[index]
+                if index in self._allocating:
+                    continue
                 if slot is None or ((slot.capacity < capacity or not slot.path.exists())
                                     and not slot.busy and not slot.pins
                                     and slot.state != SEALED):  # fmt: skip
-                    self._allocate(index, max(capacity, slot.capacity if slot else 0))
+                    self._allocate_unlocked(index, max(capacity, slot.capacity if slot else 0))
 
     def acquire(
         self, key: ShardKey, nbytes: int, *, when_busy: WhenBusy, timeout: float
@@ -358,11 +379,11 @@ class RamTier(Tier):
                 self.cond.wait(left)
             capacity = -(-nbytes // _GROW_ALIGN) * _GROW_ALIGN
             if isinstance(choice, int):
-                slot = self._allocate(choice, capacity)
+                slot = self._allocate_unlocked(choice, capacity)
             elif choice.capacity < nbytes or not choice.path.exists():
                 # Too small, or its file was removed under it (a /dev/shm cleaner): a rank
                 # maps a slot by its path, so it gets a new file.
-                slot = self._allocate(choice.index, max(capacity, choice.capacity))
+                slot = self._allocate_unlocked(choice.index, max(capacity, choice.capacity))
             else:
                 slot = choice
             slot.busy, slot.staged = True, False
@@ -374,7 +395,7 @@ class RamTier(Tier):
 
     def _pick(self) -> Slot | int | None:
         """A slot to reuse, the index of a slot to allocate, or ``None``."""
-        live = [s for s in self.slots if s is not None]
+        live = [s for s in self.slots if s is not None and s.index not in self._allocating]
         # A staged copy (``stage``) is a restore's, with a copy below: never among the
         # ``keep`` newest saves, and the first to go (else a rank that restored an older
         # step could find every slot protected at its first save).
@@ -390,7 +411,8 @@ class RamTier(Tier):
         free = [s for s in candidates if s.state != SEALED]
         if free:
             return min(free, key=lambda s: s.seq)
-        empty = next((i for i, s in enumerate(self.slots) if s is None), None)
+        empty = next((i for i, s in enumerate(self.slots)
+                      if s is None and i not in self._allocating), None)  # fmt: skip
         if empty is not None:
             return empty
         return min(candidates, key=lambda s: (not s.staged, s.seq)) if candidates else None

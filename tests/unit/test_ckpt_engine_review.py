@@ -246,3 +246,48 @@ def test_a_staged_copy_is_never_kept_from_the_next_save() -> None:
         finally:
             engine.close(5.0)
             ram.unlink()
+
+
+def test_a_slot_being_allocated_holds_up_no_reader_and_no_save_into_another_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Fresh memory takes seconds per GiB: an agent's event loop listing the tier's steps, or
+    # the rank's save into the other slot, must not wait for a slot reserved behind a restore.
+    import threading
+
+    real = RamTier._allocate
+    inside, gate = threading.Event(), threading.Event()
+
+    def slow(self: RamTier, index: int, capacity: int) -> ckpt.ram.Slot:
+        if index == 1:
+            inside.set()
+            assert gate.wait(30)
+        return real(self, index, capacity)
+
+    monkeypatch.setattr(RamTier, "_allocate", slow)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        ram = RamTier("phalanx-j-r0", job="j", directory=shm, slots=2, keep=1, pin=False)
+        reserving = threading.Thread(target=ram.reserve, args=(1 << 20,))
+        try:
+            first = ram.acquire(ShardKey("j", 1, 0), 4096, when_busy="skip", timeout=1)
+            assert first is not None and first.index == 0
+            ram.release(first, keep_content=False)
+            reserving.start()
+            assert inside.wait(30)  # slot 1 is being allocated
+
+            done: list[object] = []
+            other = threading.Thread(target=lambda: done.extend([
+                ram.steps("j"), ram.acquire(ShardKey("j", 2, 0), 4096, when_busy="wait",
+                                            timeout=30)]))  # fmt: skip
+            other.start()
+            other.join(10)
+            assert not other.is_alive() and done[0] == []  # never waited for slot 1
+            slot = done[1]
+            assert isinstance(slot, ckpt.ram.Slot) and slot.index == 0
+            ram.release(slot, keep_content=False)
+        finally:
+            gate.set()
+            if reserving.is_alive():
+                reserving.join(30)
+            assert all(s is not None and s.capacity >= 1 << 20 for s in ram.slots)
+            ram.unlink()
