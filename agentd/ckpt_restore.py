@@ -195,9 +195,9 @@ class Restores:
         copy from ``/v1/ckpt/shard`` then). A copy that does not verify, or runs short or
         long, is a 502 with ``corrupt`` (the rank reports it).
 
-        The staged copy is reported to the supervisor as landed at RAM on this node, so
-        that a restart before the rank's next save reads it here too: its checksum is the
-        catalog's, and the catalog counts a copy of a save with that save's generation."""
+        The staged copy is reported to the supervisor (``staged`` at RAM on this node, the
+        catalog's checksum), so that a restart before the rank's next save reads it here
+        too: the catalog counts a copy with the shards of the generation that saved it."""
         self._fence(job, generation)
         found, shard = self._remote_copy(job, rank, step, tier)
         store = self.store(job, rank)
@@ -237,8 +237,8 @@ class Restores:
         store.landed[(store.ram.name, step)] = shard.checksum
         self.publish(wire.CkptLanding(
             node=self.node, job=job, step=step, rank=rank, tier=store.ram.name,
-            nbytes=shard.nbytes, checksum=shard.checksum, generation=generation,
-            at=time.time()))  # fmt: skip
+            event="staged", nbytes=shard.nbytes, checksum=shard.checksum,
+            generation=generation, at=time.time()))  # fmt: skip
         log.info("job %s rank %d: staged step %d from tier %s in RAM for its restore", job,
                  rank, step, tier, extra={"job": job})  # fmt: skip
         return {"path": str(slot.path), "slot": slot.index}

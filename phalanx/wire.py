@@ -217,7 +217,9 @@ MAX_I64: Final = 2**63 - 1
 class CkptLanding(_Msg):
     """One rank's shard of one step landed at (or was deleted from) a tier of a node.
 
-    ``landed`` means the bytes are whole and checked against the seal; ``deleted``
+    ``landed`` means the bytes are whole and checked against the seal; ``staged`` that
+    they are a verified copy of a save already landed elsewhere (the catalog's checksum
+    of it), read into a RAM slot for a rank's restore; ``deleted``
     that retention removed them; ``failed`` that the tier could not take them
     (``error`` says why); ``corrupt`` that a rank found the copy unusable when it
     restored (``error`` says why: the catalog stops offering it). For the peer tier
@@ -230,14 +232,14 @@ class CkptLanding(_Msg):
     step: int = Field(ge=0, le=MAX_STEP)
     rank: int = Field(ge=0, le=MAX_RANK)
     tier: CkptTierName
-    event: Literal["landed", "deleted", "failed", "corrupt"] = "landed"
+    event: Literal["landed", "staged", "deleted", "failed", "corrupt"] = "landed"
     nbytes: int = Field(default=0, ge=0, le=MAX_I64)
     checksum: str = ""
     holder: str | None = None
     error: str = ""
     generation: int = Field(default=0, ge=0, le=MAX_I64, description="the job generation "
                             "whose rank saved the shard (0: not known, an agent restarted "
-                            "since)")
+                            "since; for ``staged``, the generation that copied it)")
     at: float
 
 

@@ -126,20 +126,25 @@ class CheckpointCatalog:
             self._landed.pop((msg.job, msg.step, msg.tier), None)
             return self.store.drop_step(msg.job, msg.step, msg.tier)
         key = (msg.job, msg.step, msg.tier)
+        saved: set[int] = set()
+        if msg.event == "staged":
+            # A copy of a save (a restore staged it in RAM): it counts with the shards of
+            # the generation that saved those bytes, never as a save of its own.
+            saved = self.store.saved_in(msg.job, msg.step, msg.rank, msg.checksum)
+            if not saved:
+                log.info("job %s: ignored rank %d's staged copy of step %d at tier %s: no "
+                         "save of it is known", msg.job, msg.rank, msg.step, msg.tier)
+                return False
         if key not in self._landed:
             rows = self.store.shard_ranks(*key)
-            newest = max(rows.values(), default=msg.generation)
+            newest = max(rows.values(), default=max(saved, default=msg.generation))
             self._landed[key] = (newest, {r for r, g in rows.items() if g == newest})
         generation, ranks = self._landed[key]
         went = False
-        if msg.generation > generation and msg.checksum:
-            # The bytes of an older generation's save: a copy of it (a restore staged it in
-            # RAM, say), which counts with that save's shards (the tier's, where it is one).
-            saved = {g for g in self.store.saved_in(msg.job, msg.step, msg.rank, msg.checksum)
-                     if g < msg.generation}  # fmt: skip
-            if saved:
-                copied = generation if generation in saved else max(saved)
-                msg = msg.model_copy(update={"generation": copied})
+        if saved:
+            msg = msg.model_copy(update={
+                "event": "landed", "generation": generation if generation in saved
+                else max(saved)})  # fmt: skip
         if msg.generation < generation:
             # An older generation's write-down, late, of a step a newer one saves again:
             # it must not make a commit of two generations' shards.

@@ -236,24 +236,46 @@ def test_a_step_saved_again_by_a_newer_generation_never_commits_two_generations_
                                                                                   "g3r1"]
 
 
-def test_a_newer_generations_copy_of_a_save_counts_with_that_saves_shards(
-    tmp_path: Path,
-) -> None:
+def test_a_staged_copy_of_a_save_counts_with_that_saves_shards(tmp_path: Path) -> None:
     catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
 
-    def land(rank: int, generation: int, checksum: str, node: str) -> bool:
+    def land(rank: int, generation: int, checksum: str, node: str,
+             event: str = "landed") -> bool:  # fmt: skip
         msg = landing(8, rank, tier="ram", node=node).model_copy(update={
-            "generation": generation, "checksum": checksum})
+            "generation": generation, "checksum": checksum, "event": event})
         return catalog.on_landing(msg, world_size=2)
 
     assert land(0, 1, "g1r0", "n01") is False
     assert land(1, 1, "g1r1", "n02") is True  # generation 1 saved step 8 in RAM on both
     # n02 died; generation 2 runs rank 1 on the spare n03, which staged the copy it
-    # restored in RAM: the same bytes, so the same save, and the step stays committed.
-    assert land(1, 2, "g1r1", "n03") is False
+    # restored in RAM: a copy of generation 1's save, so the step stays committed.
+    assert land(1, 2, "g1r1", "n03", "staged") is False
     view = catalog.view("j-1", 2, ["ram"])
     assert view["steps"][0]["where"]["ram"] == {"0": "n01", "1": "n03"}
+    assert land(1, 2, "nothing saved these bytes", "n03", "staged") is False  # ignored
+    assert catalog.view("j-1", 2, ["ram"])["steps"][0]["where"]["ram"]["1"] == "n03"
     # A save of step 8 by generation 2 (other bytes) is one again: the old commit goes.
     assert land(0, 2, "g2r0", "n01") is True
     step = catalog.view("j-1", 2, ["ram"])["steps"][0]
     assert step["committed"] == {} and step["partial"] == {"ram": 1}
+
+
+def test_a_newer_generations_save_of_the_same_bytes_is_a_save_not_a_copy(
+    tmp_path: Path,
+) -> None:
+    # Generation 2 restored step 8 and trained to step 10 again: rank 0's state came out
+    # bit for bit the same (a shard holds no time or generation), rank 1's did not. Both
+    # are generation 2's saves: the step commits with them, and the agents hear of it.
+    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+
+    def land(rank: int, generation: int, checksum: str) -> bool:
+        msg = landing(10, rank).model_copy(update={"generation": generation,
+                                                   "checksum": checksum})
+        return catalog.on_landing(msg, world_size=2)
+
+    assert land(0, 1, "A0") is False
+    assert land(1, 1, "A1") is True
+    assert land(0, 2, "A0") is True  # generation 1's commit goes: a newer save is coming
+    assert land(1, 2, "B1") is True  # ... and generation 2's comes
+    shards = catalog.messages("j-1", 2)[0].steps[0].shards
+    assert [s.checksum for s in shards] == ["A0", "B1"]

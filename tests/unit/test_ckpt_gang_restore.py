@@ -173,7 +173,7 @@ def test_the_copy_a_spare_staged_is_in_the_catalog_and_a_second_restart_reads_it
     with Checkpointer() as ckpt:
         assert ckpt.restore() is not None and ckpt.restored_from == "peer"  # staged in RAM
 
-    staged = [m for m in n03.landings if m.tier == "ram" and m.event == "landed"]
+    staged = [m for m in n03.landings if m.tier == "ram" and m.event == "staged"]
     assert [(m.rank, m.step, m.generation) for m in staged] == [(1, STEP, 2)]
     assert catalog.on_landing(staged[0], world_size=2) is False  # still committed in RAM
     assert catalog.view(JOB, 2, ["ram"])["steps"][0]["where"]["ram"] == {"0": "n01",
