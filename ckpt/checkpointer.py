@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -61,6 +62,15 @@ class ShardGone(CheckpointError):
 log = logging.getLogger(__name__)
 
 TierSpec = str | Tier
+
+
+def _cuda_device() -> int | None:
+    """The calling thread's current CUDA device, where this process uses CUDA (a thread
+    starts on device 0: a slot pinned from one would open a context on GPU 0)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.current_device())
 
 
 class Checkpointer:
@@ -113,6 +123,7 @@ class Checkpointer:
         self.agent: AgentClient | None = None
         self._last_saved: int | None = None
         self._reserving: threading.Thread | None = None  # see _reserve_behind
+        self._reserved_nbytes = 0  # the shard size the RAM slots were last reserved for
         if dir is None:
             self._init_agent_mode(when_busy, busy_timeout_s, wait_timeout_s, interval, mtbf_s,
                                   on_event)  # fmt: skip
@@ -204,8 +215,11 @@ class Checkpointer:
     def reserve(self, state: object) -> None:
         """Allocate and touch the RAM slots for shards the size of ``state``
         now, so that no save (the first included) pays for it. ``restore`` does
-        this by itself, in the background, for the size of what it restored."""
-        self._reserve(plan(state, ref=ShardKey(self.job, 0, self.rank).ref()).nbytes)
+        this by itself, in the background, for the size of what it restored, and
+        so does a save of a state larger than any before, for the saves after it."""
+        nbytes = plan(state, ref=ShardKey(self.job, 0, self.rank).ref()).nbytes
+        self._reserve(nbytes)
+        self._reserved_nbytes = max(self._reserved_nbytes, nbytes)
 
     def _reserve(self, nbytes: int) -> None:
         if self.agent is not None:
@@ -217,21 +231,31 @@ class Checkpointer:
         self.ram.reserve(nbytes)
 
     def _reserve_behind(self, key: ShardKey, state: object) -> None:
-        """Reserve slots for the size of ``state`` (just restored) in a thread of its own,
-        while the training loop gets going: the first save after a restart then copies
-        into touched memory, as every later one does, instead of holding the loop while
-        fresh memory is faulted in (on a VM, 1.6-2.9 s per GiB). A save that comes
-        first waits for the slot being allocated, as it would have allocated it."""
-        if self._reserving is not None and self._reserving.is_alive():
-            return
+        """Reserve slots for the size of ``state``, just restored, behind the restore (see
+        ``_reserve_nbytes_behind``): the first save after a restart then copies into
+        touched memory, as every later one does."""
         try:
             nbytes = plan(state, ref=key.ref()).nbytes  # the shapes only, here: never raced
         except CheckpointError as exc:
             log.warning("not reserving RAM slots for restored step %d: %s", key.step, exc)
             return
+        self._reserve_nbytes_behind(nbytes)
+
+    def _reserve_nbytes_behind(self, nbytes: int) -> None:
+        """Reserve slots for shards of ``nbytes`` in a thread of its own, while the training
+        loop goes on, rather than have a save hold the loop while fresh memory is faulted
+        in (on a VM, 1.6-2.9 s per GiB). A save that comes first waits for the slot being
+        allocated, as it would have allocated it."""
+        if nbytes <= self._reserved_nbytes or (self._reserving is not None
+                                               and self._reserving.is_alive()):  # fmt: skip
+            return
+        self._reserved_nbytes = nbytes  # once: a failure is logged, and saves allocate
+        device = _cuda_device()  # pinning a slot for DMA there, not on a new thread's GPU 0
 
         def run() -> None:
             try:
+                if device is not None:
+                    sys.modules["torch"].cuda.set_device(device)
                 self._reserve(nbytes)
             except Exception as exc:
                 log.warning("could not allocate the RAM slots ahead of the next save (it "
@@ -258,6 +282,7 @@ class Checkpointer:
             stall = time.perf_counter() - start
             self.stalls.append(stall)
             self.policy.saved(step, stall)
+            self._reserve_nbytes_behind(shard_plan.nbytes)  # the next saves' slots
             return True
         slot = self.ram.acquire(key, shard_plan.nbytes, when_busy=self.when_busy,
                                 timeout=self.busy_timeout_s)  # fmt: skip
@@ -277,6 +302,7 @@ class Checkpointer:
         stall = time.perf_counter() - start
         self.stalls.append(stall)
         self.policy.saved(step, stall)
+        self._reserve_nbytes_behind(shard_plan.nbytes)  # the next saves' slots
         return True
 
     def _save_via_agent(self, key: ShardKey, shard_plan: ShardPlan) -> bool:
@@ -560,7 +586,10 @@ class Checkpointer:
         they stay, so a rerun can restore from them). Under Phalanx the agent
         keeps the tiers: this lets go of the slot mappings only."""
         if self._reserving is not None:
-            self._reserving.join()
+            self._reserving.join(self.wait_timeout_s if timeout is None else timeout)
+            if self._reserving.is_alive():
+                log.warning("closing while the RAM slots reserved behind a save or restore "
+                            "are still being allocated")  # fmt: skip
         if self.agent is not None:
             self.agent.close()
             return

@@ -444,27 +444,26 @@ def test_a_manifest_the_object_store_refused_once_is_written_again_and_read_back
     assert found is not None and found[0] == 3 and found[1]["w"].equal(state["w"])
 
 
-def test_a_restore_has_the_agent_allocate_the_ram_slots_for_the_next_saves(
+def test_a_first_save_and_a_restore_have_the_slots_of_the_next_saves_ready_behind_them(
     agent: AgentHarness,
 ) -> None:
     state = {"w": torch.randn(1 << 18)}  # 1 MiB
     c = Checkpointer()
-    c.save(1, state)  # one slot of the two allocated, by this save
-    c.wait(timeout=60)
-    c.close()
+    c.save(1, state)  # it allocates one slot, and the other behind it
     assert agent.service is not None
     store = agent.service.stores[(JOB, 0)]
-    assert [s is not None for s in store.ram.slots] == [True, False]
+    wait_until(lambda: all(s is not None and s.capacity >= 1 << 20 and s.path.exists()
+                           for s in store.ram.slots), "the slots allocated")  # fmt: skip
+    c.wait(timeout=60)
+    c.close()
 
-    fresh = Checkpointer()  # the rank restarted
+    fresh = Checkpointer()  # the rank restarted: it has mapped no slot yet
     found = fresh.restore()
 
     assert found is not None and fresh.restored_from == "ram"
-    wait_until(lambda: all(s is not None and s.capacity >= 1 << 20 and s.path.exists()
-                           for s in store.ram.slots), "the slots allocated")  # fmt: skip
     assert fresh.agent is not None
     wait_until(lambda: len(fresh.agent._maps) == len(store.ram.slots),  # type: ignore[union-attr]
-               "the rank to map them")
+               "the rank to map them ahead of its first save")
     assert fresh.save(2, found[1])
     fresh.wait(timeout=60)
     fresh.close()

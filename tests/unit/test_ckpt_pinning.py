@@ -127,3 +127,35 @@ def test_a_rank_whose_agent_slot_grew_unpins_its_old_map(cuda: FakeCudart, shm: 
     assert cuda.unregistered == [before] and list(cuda.registered.values()) == [4 << 20]
     client.close()
     assert cuda.registered == {}
+
+
+def test_slots_reserved_behind_a_save_are_pinned_from_the_saving_threads_gpu(
+    cuda: FakeCudart, shm: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A thread starts on CUDA device 0: the rank's thread driving GPU 3 must hand its device
+    # to the thread that reserves (and pins) the next saves' slots, or that thread opens a
+    # context on GPU 0, which another rank uses.
+    import threading
+
+    from ckpt import Checkpointer
+
+    current = threading.local()
+    on_device: dict[int, int] = {}
+    register = cuda.cudaHostRegister
+
+    def registered_on_current(address: int, nbytes: int, flags: int) -> int:
+        on_device[address] = getattr(current, "device", 0)
+        return register(address, nbytes, flags)
+
+    monkeypatch.setattr(cuda, "cudaHostRegister", registered_on_current)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(current, "device", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(current, "device", int(d)))
+    torch.cuda.set_device(3)  # the rank's GPU, set on its training thread
+    c = Checkpointer(dir=shm / "c", tiers=[], ram_dir=shm, ram_namespace="phalanx-j-pin")
+    try:
+        assert c.save(1, {"w": torch.zeros(1 << 18)})  # allocates (pins) one slot ...
+        c.close()  # ... and the other behind it; close waits for that
+        assert len(on_device) == 2 and set(on_device.values()) == {3}
+    finally:
+        c.ram.unlink()

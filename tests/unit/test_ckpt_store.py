@@ -99,6 +99,19 @@ def test_a_restore_allocates_the_ram_slots_for_the_next_saves_behind_it(
     assert fresh.restore() is not None and fresh.restored_from == "ram"
 
 
+def test_a_first_save_allocates_the_slots_of_the_saves_after_it_behind_it(
+    tmp_path: Path, ckpts: list[Checkpointer]
+) -> None:
+    c = open_ckpt(ckpts, tmp_path)  # no reserve(): the first save allocates its slot
+    assert c.save(1, {"w": torch.randn(1 << 18)})  # 1 MiB
+
+    deadline = time.monotonic() + 30
+    while not all(s is not None and s.capacity >= 1 << 20 for s in c.ram.slots):
+        assert time.monotonic() < deadline, "the other slots were never allocated"
+        time.sleep(0.02)
+    c.wait()
+
+
 def test_restore_uses_the_object_store_after_disk_is_gone(
     tmp_path: Path, ckpts: list[Checkpointer]
 ) -> None:
