@@ -368,10 +368,14 @@ class RamTier(Tier):
         deadline = time.monotonic() + timeout
         with self.cond:
             while (choice := self._pick()) is None:
-                if when_busy == "skip":
+                # A slot being allocated (reserved behind a save or a restore) is one about
+                # to be free: "skip" waits for it, within the timeout, as for its own.
+                if when_busy == "skip" and not self._allocating:
                     return None
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    if when_busy == "skip":
+                        return None
                     raise TimeoutError(
                         f"no free RAM-tier slot for step {key.step} after {timeout:g} s "
                         f"(every one of {self.nslots} is being written down or protected)"

@@ -284,6 +284,18 @@ def test_a_slot_being_allocated_holds_up_no_reader_and_no_save_into_another_slot
             assert not other.is_alive() and done[0] == []  # never waited for slot 1
             slot = done[1]
             assert isinstance(slot, ckpt.ram.Slot) and slot.index == 0
+            # Slot 0 busy, slot 1 still being allocated: "skip" waits for slot 1, as it
+            # would have for its own allocation, rather than skip the save.
+            skipping = threading.Thread(target=lambda: done.append(ram.acquire(
+                ShardKey("j", 3, 0), 4096, when_busy="skip", timeout=30)))  # fmt: skip
+            skipping.start()
+            skipping.join(0.5)
+            assert skipping.is_alive()  # waiting, not skipped
+            gate.set()
+            skipping.join(30)
+            third = done[2]
+            assert isinstance(third, ckpt.ram.Slot) and third.index == 1
+            ram.release(third, keep_content=False)
             ram.release(slot, keep_content=False)
         finally:
             gate.set()
