@@ -234,11 +234,8 @@ class Restores:
             store.report_reused(before)
         if slot is None:
             return {"staged": False}
-        store.landed[(store.ram.name, step)] = shard.checksum
-        self.publish(wire.CkptLanding(
-            node=self.node, job=job, step=step, rank=rank, tier=store.ram.name,
-            event="staged", nbytes=shard.nbytes, checksum=shard.checksum,
-            generation=generation, at=time.time()))  # fmt: skip
+        store.reporter.landed(store.ram.name, key, shard.checksum, shard.nbytes,
+                              staged_by=generation)  # fmt: skip
         log.info("job %s rank %d: staged step %d from tier %s in RAM for its restore", job,
                  rank, step, tier, extra={"job": job})  # fmt: skip
         return {"path": str(slot.path), "slot": slot.index}

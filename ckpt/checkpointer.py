@@ -44,7 +44,7 @@ from ckpt.errors import (
     TierError,
     UnsupportedVersion,
 )
-from ckpt.format import ShardPlan, plan, write_into
+from ckpt.format import ShardPlan, decode, plan, write_into
 from ckpt.objects import ObjectTier
 from ckpt.pacing import Pacing
 from ckpt.policy import Interval
@@ -71,6 +71,16 @@ def _cuda_device() -> int | None:
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     return int(torch.cuda.current_device())
+
+
+def _decode_slot(view: memoryview, expected: str | None, ref: ShardRef, into: object,
+                 fresh: list[str]) -> Any:  # fmt: skip
+    """Decode a shard in a RAM slot, copied out (the slot is reused by later saves)."""
+    try:
+        return decode(view, copy=True, expected=expected, ref=ref, into=into, fresh=fresh)
+    finally:
+        with contextlib.suppress(BufferError):
+            view.release()
 
 
 class Checkpointer:
@@ -479,7 +489,6 @@ class Checkpointer:
 
     def _read_via_agent(self, where: dict[str, Any], key: ShardKey,
                         into: object = None) -> tuple[Any] | None:  # fmt: skip
-        from ckpt.format import decode
         from ckpt.ram import read_slot_view
 
         assert self.agent is not None
@@ -495,12 +504,7 @@ class Checkpointer:
                     view = read_slot_view(mm, key.step)
                     if view is None:
                         return None
-                    try:
-                        state = decode(view, copy=True, expected=expected, ref=key.ref(path),
-                                       into=into, fresh=fresh)  # fmt: skip
-                    finally:
-                        with contextlib.suppress(BufferError):
-                            view.release()
+                    state = _decode_slot(view, expected, key.ref(path), into, fresh)
                 else:
                     state = decode(mm, expected=expected, ref=key.ref(path), into=into,
                                    fresh=fresh)  # fmt: skip
@@ -523,12 +527,7 @@ class Checkpointer:
                             staged["path"], key.step, exc)  # fmt: skip
                 view = None
             if view is not None:  # else reused since (not by this rank): stream it
-                try:
-                    return (decode(view, copy=True, expected=expected, ref=key.ref(f"{tier}:"),
-                                   into=into, fresh=fresh),)  # fmt: skip
-                finally:
-                    with contextlib.suppress(BufferError):
-                        view.release()
+                return (_decode_slot(view, expected, key.ref(f"{tier}:"), into, fresh),)
         # One buffer of the catalog's size, filled as the body streams in; a longer body
         # is refused, never buffered.
         data = self.agent.fetch_shard(tier, key.step, nbytes, timeout=self.wait_timeout_s)
@@ -555,7 +554,6 @@ class Checkpointer:
         return staged
 
     def _read(self, tier: Tier, key: ShardKey, into: object = None) -> tuple[Any] | None:
-        from ckpt.format import decode
 
         stored = tier.open(key)
         if stored is None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from ckpt.errors import CheckpointError, TierError
-from ckpt.format import seal
+from ckpt.format import seal, sealed_digest
 from ckpt.pacing import Pacing, place_writer_thread
 from ckpt.ram import RamTier, Slot
 from ckpt.tiers import ShardKey, Tier, TierManifest
@@ -185,8 +185,7 @@ class Engine:
         start = time.monotonic()
         view = work.slot.view()
         work.checksum = seal(view)
-        digest = bytes(view[len(view) - 16 :])  # the trailer ends with the digest
-        self.ram.sealed(work.slot, digest)
+        self.ram.sealed(work.slot, sealed_digest(view))
         seconds = time.monotonic() - start
         self.report(TierEvent("sealed", self.ram.name, work.key, str(work.slot.path),
                               len(view), seconds))  # fmt: skip

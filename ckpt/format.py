@@ -330,6 +330,12 @@ def seal(buffer: BufferLike) -> str:
     return _checksum_text(digest)
 
 
+def sealed_digest(buffer: BufferLike) -> bytes:
+    """The digest a sealed shard's trailer records (not checked: see ``verify``)."""
+    view = _byte_view(buffer)
+    return bytes(_TRAILER.unpack_from(view, len(view) - TRAILER_NBYTES)[2])
+
+
 def verify(buffer: BufferLike, expected: str | None = None, *, ref: ShardRef | None = None) -> str:
     """Check a shard's seal, and ``expected`` if given; returns the checksum.
 

@@ -41,7 +41,7 @@ from typing import Final, Literal
 
 from ckpt.errors import ShardCorrupt, ShardRef, TierError
 from ckpt.files import filesystem_type
-from ckpt.format import CHECKSUM_ALGORITHM, shard_nbytes, verify
+from ckpt.format import CHECKSUM_ALGORITHM, sealed_digest, shard_nbytes, verify
 from ckpt.tiers import ShardKey, StoredShard, Tier, check_job
 
 __all__ = [
@@ -444,7 +444,7 @@ class RamTier(Tier):
                     raise ShardCorrupt(f"the copy declares {declared} bytes, not the {nbytes} "
                                        "it was read as", ref=key.ref())  # fmt: skip
                 verify(view, expected, ref=key.ref())
-                digest = bytes(view[nbytes - 16 :])  # the trailer ends with the digest
+                digest = sealed_digest(view)
             finally:
                 with contextlib.suppress(BufferError):
                     view.release()
