@@ -102,6 +102,33 @@ class CheckpointSpec(_Spec):
 class RestartSpec(_Spec):
     max_restarts: int = Field(default=3, ge=0, description="Recoveries before the job fails.")
     use_spares: bool = Field(default=True, description="Move a failed node's ranks to a spare.")
+    hang_timeout: float | None = Field(
+        default=None, gt=0,
+        description="Seconds without a step from any rank before the gang is hung; `auto` "
+        "(null): 10x the median step time, never under 60 s. Needs `phalanx.rank.step`.",
+    )
+    spare_wait: float = Field(
+        default=600.0, gt=0,
+        description="How long a recovery waits for a spare or a healthy node before the job "
+        "fails; seconds or '10m'.",
+    )
+    backoff: float = Field(
+        default=1.0, ge=0, le=600,
+        description="Seconds before the second restart in a row; doubles with each further "
+        "one, at most 60 s. The first restart is immediate.",
+    )
+
+    @field_validator("hang_timeout", mode="before")
+    @classmethod
+    def _hang_timeout(cls, value: Any) -> Any:
+        if value is None or value == "auto":
+            return None
+        return parse_duration(value)
+
+    @field_validator("spare_wait", mode="before")
+    @classmethod
+    def _spare_wait(cls, value: Any) -> Any:
+        return parse_duration(value)
 
 
 class JobSpec(_Spec):

@@ -71,6 +71,13 @@ class _Msg(BaseModel):
 
 NodeId = Annotated[str, Field(pattern=NODE_ID_PATTERN)]
 
+# What the checkpoint store can name (``ckpt.tiers``: a step's folder has 12 digits, a
+# shard's file a 5-digit rank), and what the supervisor's SQLite store holds (i64): a
+# landing past these is refused when parsed, never left to fail in a store batch.
+MAX_STEP: Final = 10**12 - 1
+MAX_RANK: Final = 10**5 - 1
+MAX_I64: Final = 2**63 - 1
+
 
 # --- health ---------------------------------------------------------------
 
@@ -189,29 +196,43 @@ class Heartbeat(_Msg):
 
 
 class RankEvent(_Msg):
-    """A rank process started or ended on a node (``code`` or ``signal`` set on exit)."""
+    """A rank process started or ended on a node (``code`` or ``signal`` set on exit), or
+    the node's ranks of a job stopped making progress (``hung``).
+
+    ``step`` is the last step the rank reported through ``phalanx.rank.step`` (None: it
+    never reported one). A ``hung`` event names this node's likeliest culprit: a rank
+    whose process is stopped (``stopped``), else the one furthest behind, else the one
+    silent longest; ``idle_s`` is how long the node's ranks have made no progress and
+    ``detail`` says why this rank was named. ``dumps`` lists the flight-recorder dump
+    files the node's ranks left for this generation (NCCL writes them on a timeout).
+
+    ``restored`` (once per rank and generation): the rank restored checkpoint step
+    ``step`` in ``took_s`` seconds (``step`` None: it found nothing to restore).
+    ``stepped`` (once per rank and generation): the rank reported its first step,
+    ``step``. The supervisor times a recovery's restore and first-step phases by them.
+    """
 
     kind: Literal["rank"] = "rank"
     node: NodeId
     job: str
     generation: int = Field(ge=1)
     rank: int = Field(ge=0)
-    event: Literal["started", "exited"]
+    event: Literal["started", "exited", "hung", "restored", "stepped"]
     code: int | None = None
     signal: int | None = None
     pid: int | None = None
+    step: int | None = Field(default=None, ge=0, le=MAX_STEP)
+    stopped: bool = False
+    idle_s: float | None = Field(default=None, ge=0)
+    detail: str = Field(default="", max_length=1000)
+    dumps: list[str] = Field(default_factory=list, max_length=64)
+    took_s: float | None = Field(default=None, ge=0)
     at: float
 
 
 # --- checkpoints ------------------------------------------------------------
 
 CkptTierName = Literal["ram", "nvme", "peer", "object"]
-# What the checkpoint store can name (``ckpt.tiers``: a step's folder has 12 digits, a
-# shard's file a 5-digit rank), and what the supervisor's SQLite store holds (i64): a
-# landing past these is refused when parsed, never left to fail in a store batch.
-MAX_STEP: Final = 10**12 - 1
-MAX_RANK: Final = 10**5 - 1
-MAX_I64: Final = 2**63 - 1
 
 
 class CkptLanding(_Msg):
@@ -381,6 +402,10 @@ class StartRanksArgs(_Msg):
     grace_s: float = Field(default=30.0, gt=0)
     ckpt: CkptPlan | None = Field(default=None, description="the checkpoint tiers; None: "
                                   "the agent's defaults")
+    hang_timeout_s: float | None = Field(
+        default=None, gt=0, description="the ranks are hung once none of this node's has "
+        "reported a step for this long (None: derived from the observed step time, "
+        "never under the agent's floor)")
 
 
 class StopRanksArgs(_Msg):
@@ -399,8 +424,25 @@ class AllocPortArgs(_Msg):
     op: Literal["alloc_port"] = "alloc_port"
 
 
+class BurnInArgs(_Msg):
+    """Run the node's short health test before it is trusted with ranks (a spare, or a
+    node back from a drain): on a GPU a matmul check on every GPU, on the simulated
+    backend a fresh health sample. The ack's result says ``passed`` and why not."""
+
+    op: Literal["burn_in"] = "burn_in"
+
+
+class SaveNowArgs(_Msg):
+    """Ask the job's ranks on this node to checkpoint at their next step (before a
+    preemption); they see it through ``phalanx.rank.step``."""
+
+    op: Literal["save_now"] = "save_now"
+    job: str = Field(pattern=JOB_ID_PATTERN)
+    generation: int = Field(ge=1)
+
+
 CommandArgsType = (PingArgs | ResampleArgs | RebirthArgs | StartRanksArgs | StopRanksArgs
-                   | AllocPortArgs)
+                   | AllocPortArgs | BurnInArgs | SaveNowArgs)
 CommandArgs = Annotated[CommandArgsType, Field(discriminator="op")]
 
 
