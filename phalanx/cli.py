@@ -171,12 +171,14 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     rows = []
     for j in jobs:
         note = j["reason"] or ""
-        if j["state"] == "pending" and j.get("waiting"):
+        if j["state"] in ("pending", "recovering") and j.get("waiting"):
             note = f"{j['waiting']['reason']}: {j['waiting']['detail']}"
+        restarts = f"{j.get('restarts', 0)}/{j.get('max_restarts', '-')}"
         rows.append([j["id"], j["state"], j["team"], str(j["priority"]), str(j["world_size"]),
-                     ",".join(j["nodes"]) or "-", _age(j["submitted_at"]), note or "-"])
-    _emit(args, jobs, _table(rows, ["JOB", "STATE", "TEAM", "PRIO", "RANKS", "NODES", "AGE",
-                                    "REASON"]))
+                     str(j["generation"]), restarts, ",".join(j["nodes"]) or "-",
+                     _age(j["submitted_at"]), note or "-"])
+    _emit(args, jobs, _table(rows, ["JOB", "STATE", "TEAM", "PRIO", "RANKS", "GEN", "RESTARTS",
+                                    "NODES", "AGE", "REASON"]))
     return EXIT_OK
 
 
@@ -186,10 +188,22 @@ def cmd_status(args: argparse.Namespace) -> int:
              f"state:       {j['state']}" + (f" — {j['reason']}" if j["reason"] else ""),
              f"world size:  {j['world_size']}   generation: {j['generation']}   "
              f"master: {j['master'] or '-'}"]
-    if j.get("waiting") and j["state"] == "pending":
+    if j.get("waiting") and j["state"] in ("pending", "recovering"):
         lines.append(f"waiting:     {j['waiting']['reason']}: {j['waiting']['detail']}")
     lines.append(f"submitted:   {_when(j['submitted_at'])}   started: {_when(j['started_at'])}"
                  f"   ended: {_when(j['ended_at'])}")
+    goodput = j.get("goodput") or {}
+    if goodput.get("ettr") is not None:
+        lines.append(f"restarts:    {j.get('restarts', 0)} of {j.get('max_restarts')}   "
+                     f"ETTR: {goodput['ettr'] * 100:.1f}% (lost {goodput['lost_s']:.1f}s of "
+                     f"{goodput['wall_s']:.1f}s)")
+    for incident in j.get("incidents") or []:
+        lines.extend(_incident_lines(incident))
+    if j.get("recovery"):
+        rec = j["recovery"]
+        plan = rec.get("plan") or {}
+        lines.append(f"recovering:  generation {rec.get('generation')}: "
+                     f"{plan.get('reason') or rec.get('phase')}")
     rows = [[str(r["rank"]), r["node"], str(r["local_rank"]),
              "lost" if r["lost"] else ("-" if r["exit_code"] is None and r["signal"] is None
                                        else (f"signal {r['signal']}" if r["signal"] is not None
@@ -200,6 +214,31 @@ def cmd_status(args: argparse.Namespace) -> int:
         table += "\n\n" + _table(rows, ["RANK", "NODE", "LOCAL", "EXIT"])
     _emit(args, j, table)
     return EXIT_OK
+
+
+PHASES = ("detect", "plan", "stop", "launch", "restore", "first_step")
+
+
+def _incident_lines(incident: dict[str, Any]) -> list[str]:
+    """One recovery: what failed, what was done, how long each phase took, what it lost."""
+    failure = (incident.get("failures") or [{}])[0]
+    plan = incident.get("plan") or {}
+    where = f"rank {failure['rank']} on {failure.get('node')}" \
+        if failure.get("rank") is not None else f"node {failure.get('node')}"
+    phases = incident.get("phases") or {}
+    timing = "  ".join(f"{p} {phases[p]:.2f}s" for p in PHASES if phases.get(p) is not None)
+    lost = incident.get("lost_steps")
+    out = [f"generation {incident.get('generation')}: {failure.get('kind')} ({where}) -> "
+           f"{plan.get('action', '-')}: {incident.get('outcome')}",
+           f"    {plan.get('reason', '')}"]
+    if timing:
+        out.append(f"    phases: {timing}")
+    if incident.get("mttr_s") is not None:
+        out.append(f"    MTTR {incident['mttr_s']:.2f}s; restored step "
+                   f"{incident.get('restored_step')}; lost "
+                   f"{'-' if lost is None else lost} step(s), {incident['lost_work_s']:.2f}s "
+                   "of work")
+    return out
 
 
 def _when(ts: float | None) -> str:
@@ -264,7 +303,7 @@ def cmd_local_up(args: argparse.Namespace) -> int:
           f"{args.dir} ...", file=sys.stderr)
     fleet = local.up(Path(args.dir), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                      nodes_per_rack=args.nodes_per_rack, timeout=args.timeout,
-                     broker=args.broker)
+                     broker=args.broker, spares=args.spares)
     print(f"local fleet up: API {fleet.api}; point the CLI at it with:\n"
           f'  eval "$(phalanx local env --dir {args.dir})"', file=sys.stderr)
     return EXIT_OK
@@ -379,6 +418,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--nodes", type=int, default=3)
     sp.add_argument("--gpus-per-node", type=int, default=4)
     sp.add_argument("--nodes-per-rack", type=int, default=2)
+    sp.add_argument("--spares", type=int, default=0,
+                    help="idle nodes the supervisor holds back as hot spares for recovery")
     sp.add_argument("--timeout", type=float, default=60.0)
     sp.add_argument("--broker", choices=["auto", "mosquitto", "embedded"], default="auto",
                     help="auto: Mosquitto where installed, else the embedded amqtt broker")

@@ -199,8 +199,9 @@ def node_name(i: int) -> str:
 
 def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int = 2,
        heartbeat_s: float = 1.0, offline_after_s: float = 4.0,
-       timeout: float = 60.0, broker: str = "auto") -> Fleet:
-    """Start a fleet and return once every agent is up in the supervisor."""
+       timeout: float = 60.0, broker: str = "auto", spares: int = 0) -> Fleet:
+    """Start a fleet and return once every agent is up in the supervisor; ``spares`` of
+    its idle nodes are held back as hot spares."""
     directory = directory.absolute()
     existing: Fleet | None = None
     with contextlib.suppress(LocalFleetError):
@@ -231,6 +232,7 @@ def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int =
         (sup_dir / "supervisor.toml").write_text(
             f'state_dir = "{sup_dir / "state"}"\n'
             f"offline_after_s = {offline_after_s}\n"
+            f"spares = {spares}\n"
             f'agent_token_file = "{agent_token_file}"\n'
             f"[mqtt]\nport = {broker_port}\nkeepalive_s = 5\n"
             f'[api]\nport = {api_port}\ntoken_file = "{token_file}"\n'

@@ -19,9 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx import wire
 from phalanx.jobspec import FromFile, JobSpec
+from supervisor.burnin import BurnIns
 from supervisor.catalog import pick_buddies
 from supervisor.jobs import Job, JobState, RankPlace
 from supervisor.mtbf import NodeMtbf, node_mtbf
+from supervisor.planner import Failure, FailureKind, NodeIncident
+from supervisor.recovery import Recoveries
 from supervisor.registry import NodeState, Refused, RegistryError
 from supervisor.scheduler import (
     ClusterNode,
@@ -64,13 +67,25 @@ class JobController:
         self._missing: dict[tuple[str, str], int] = {}  # (job, node) -> heartbeats without it
         self.last_pass_s = 0.0
         self._started = time.monotonic()
+        self.registry = sup.registry
+        self.settings = sup.settings
+        self.burnins = BurnIns(sup.registry, self._send)
+        self.recoveries = Recoveries(self)
 
     # --- lifecycle -------------------------------------------------------------
 
     def resume(self) -> None:
         """After a restart: finish what a previous supervisor left half done."""
         for job in self.jobs.values():
-            if job.state is JobState.STARTING:
+            if job.state is JobState.STARTING and job.recovery is not None:
+                # A recovery's launch, its outcome unknown: the recovery runs again (its
+                # stop first), once the nodes had a chance to re-announce themselves.
+                job.recovery["phase"] = "plan"
+                self._move(job, JobState.RECOVERING, "supervisor restarted during recovery")
+                self._spawn(job, self._after_settling(self.recoveries.run(job)))
+            elif job.state is JobState.RECOVERING:
+                self._spawn(job, self._after_settling(self.recoveries.run(job)))
+            elif job.state is JobState.STARTING:
                 # The launch's outcome is unknown: stop what may have started, then requeue.
                 job.stop_target = JobState.PENDING
                 job.reason = "supervisor restarted during launch"
@@ -88,12 +103,64 @@ class JobController:
             self._wake.clear()
             self.check_runtimes()
             self.check_nodes()
+            for node in self.burnins.observe():
+                self.burnins.start(node)  # undrained: burned in before it takes work
             self.schedule_pass()
+
+    # --- what the recoveries use -------------------------------------------------
+
+    async def command(self, node: str, args: wire.CommandArgsType,
+                      timeout: float | None = None) -> wire.CommandAck:
+        return await self.sup.command(node, args, timeout=timeout)
+
+    async def _send(self, node: str, args: wire.CommandArgsType,
+                    timeout: float) -> wire.CommandAck:
+        return await self.sup.command(node, args, timeout=timeout)
+
+    def burned_in(self, node: str) -> bool:
+        return self.burnins.passed(node)
+
+    async def burn_in(self, node: str) -> tuple[bool, str]:
+        return await self.burnins.run(node)
+
+    def node_incidents(self) -> list[NodeIncident]:
+        """Every failure any job recorded, by the node it struck (quarantine follows the
+        hardware across jobs)."""
+        out = []
+        for job in self.jobs.values():
+            records = [*job.incidents, *([job.recovery] if job.recovery else [])]
+            for rec in records:
+                for f in rec.get("failures", []):
+                    out.append(NodeIncident(job.id, f["node"], rec.get("fault_at", 0.0)))
+        return out
+
+    def move(self, job: Job, to: JobState, why: str) -> None:
+        self._move(job, to, why)
+
+    def save(self, job: Job) -> None:
+        self._save(job)
+
+    def event(self, kind: str, job: Job, node: str | None = None, **detail: Any) -> None:
+        self._event(kind, job, node, **detail)
+
+    def spawn(self, job: Job, work: Awaitable[None]) -> None:
+        self._spawn(job, work)
+
+    async def launch(self, job: Job, nodes: list[str]) -> None:
+        await self._launch(job, nodes)
+
+    async def _after_settling(self, work: Awaitable[None]) -> None:
+        settle = self._started + self.sup.settings.offline_after_s - time.monotonic()
+        if settle > 0:
+            await asyncio.sleep(settle)
+        await work
 
     def wake(self) -> None:
         self._wake.set()
+        self.recoveries.wake()
 
     async def close(self) -> None:
+        await self.burnins.close()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
@@ -124,6 +191,7 @@ class JobController:
             job.reason = "cancelled by operator"
             self._move(job, JobState.CANCELLED, job.reason)
             return job
+        self.recoveries.abandon(job, "cancelled")  # its task steps aside (checks the state)
         job.stop_target = JobState.CANCELLED
         job.reason = "cancelled by operator"
         if job.state is not JobState.STOPPING:
@@ -137,15 +205,30 @@ class JobController:
 
     def on_rank_event(self, ev: wire.RankEvent) -> None:
         job = self.jobs.get(ev.job)
-        if job is None or ev.generation != job.generation or ev.event != "exited":
+        if job is None or ev.generation > job.generation:
+            return
+        if ev.step is not None and ev.event in ("exited", "hung", "stepped"):
+            job.note_step(ev.generation, ev.step, ev.at)  # an older generation's too
+        if ev.generation != job.generation:
+            return
+        if ev.event in ("restored", "stepped"):
+            self.recoveries.on_progress(job, ev)
+            return
+        if ev.event == "hung":
+            if job.state is JobState.RUNNING:
+                self._event("ranks_hung", job, node=ev.node, rank=ev.rank, step=ev.step,
+                            stopped=ev.stopped, idle_s=ev.idle_s, detail=ev.detail)
+                self.recoveries.on_hang(job, ev)
+            return
+        if ev.event != "exited":
             return
         place = next((r for r in job.ranks if r.rank == ev.rank), None)
         if place is None or place.node != ev.node or place.exited:
             return
         place.code, place.signal = ev.code, ev.signal
         self._event("rank_exited", job, node=ev.node, rank=ev.rank, code=ev.code,
-                    signal=ev.signal, generation=ev.generation)
-        self._after_exit(job, place)
+                    signal=ev.signal, generation=ev.generation, step=ev.step)
+        self._after_exit(job, place, step=ev.step, at=ev.at)
 
     def on_heartbeat(self, beat: wire.Heartbeat) -> None:
         """Reconcile both ways: ranks a node runs that no live job here owns are stopped, and
@@ -198,13 +281,15 @@ class JobController:
         except (TimeoutError, ConnectionError, RegistryError) as exc:
             log.warning("orphan stop of %s on %s not acknowledged: %s", args.job, node, exc)
 
-    def _after_exit(self, job: Job, place: RankPlace) -> None:
+    def _after_exit(self, job: Job, place: RankPlace, *, step: int | None = None,
+                    at: float | None = None) -> None:
         if job.state is JobState.RUNNING:
             if not place.clean:
-                job.stop_target = JobState.FAILED
-                job.reason = place.describe()
-                self._move(job, JobState.STOPPING, job.reason)
-                self._spawn(job, self._stop(job))
+                self.recoveries.on_failure(job, Failure(
+                    FailureKind.RANK_EXIT, place.node, rank=place.rank, code=place.code,
+                    signal=place.signal, step=step, generation=job.generation,
+                    detail="lost: its node no longer runs it" if place.lost else ""),
+                    fault_at=at)
                 return
             if all(r.exited and r.clean for r in job.ranks):
                 job.reason = "every rank exited 0"
@@ -236,11 +321,18 @@ class JobController:
                     continue
                 if node is None or node.state is NodeState.OFFLINE:
                     cause = node.offline_cause if node else "unknown"
-                    self.fail(job, f"node {node_id} went offline ({cause})")
+                    self.recoveries.on_failure(job, Failure(
+                        FailureKind.NODE_OFFLINE, node_id, detail=cause,
+                        generation=job.generation, quarantine=cause != "clean shutdown"))
+                    break
+                if node.state is NodeState.DRAIN and node.drain is not None:
+                    self.recoveries.on_failure(job, Failure(
+                        FailureKind.NODE_DRAIN, node_id, detail=node.drain.reason,
+                        generation=job.generation), fault_at=node.drain.since)
                     break
 
     def fail(self, job: Job, why: str) -> None:
-        if job.state is not JobState.RUNNING:
+        if job.state not in (JobState.RUNNING, JobState.RECOVERING):
             return
         job.stop_target = JobState.FAILED
         job.reason = why
@@ -259,7 +351,8 @@ class JobController:
                 id=node.id, rack=node.birth.topology.rack, gpus=len(node.birth.gpus),
                 gpu_type=node.birth.gpus[0].model,
                 nvlink_domain=node.birth.topology.nvlink_domain,
-                schedulable=node.state is NodeState.UP,
+                # Back from a drain, a node takes work once its burn-in passed.
+                schedulable=node.state is NodeState.UP and not self.burnins.needs(node.id),
             ))
         known = {n.id for n in nodes}
         running, pending = [], []
@@ -300,12 +393,18 @@ class JobController:
         return total
 
     def schedule_pass(self) -> Decisions | None:
-        if not any(j.state is JobState.PENDING for j in self.jobs.values()):
+        # With a spare pool, every pass tops it up (a recovery just took a spare).
+        if not self.sup.settings.spares and \
+                not any(j.state is JobState.PENDING for j in self.jobs.values()):
             return None
         t0 = time.perf_counter()
         decisions = schedule(self.cluster_state())
         self.last_pass_s = time.perf_counter() - t0
+        if decisions.spares != self.spares:
+            self.recoveries.wake()
         self.spares = decisions.spares
+        for spare in self.spares:
+            self.burnins.start(spare)  # a spare is burned in as it enters the pool
         for wait in decisions.waits:
             job = self.jobs[wait.job_id]
             waiting = {"reason": wait.reason.value, "detail": wait.detail}
@@ -386,9 +485,12 @@ class JobController:
         if job.state is not JobState.STARTING:
             return  # cancelled while the ranks were starting: the cancel's stop ends it
         job.started_at = time.time()
+        if job.first_started_at is None:
+            job.first_started_at = job.started_at
         self._move(job, JobState.RUNNING, f"world size {spec.world_size}")
         self._event("job_running", job, generation=job.generation,
                     master=f"{job.master_addr}:{job.master_port}")
+        self.recoveries.on_started(job)
         for place in job.ranks:  # exits that raced the start acks
             if place.exited:
                 self._after_exit(job, place)
@@ -481,7 +583,7 @@ class JobController:
                 raise
             except Exception as exc:
                 log.exception("job %s: controller task failed", job.id)
-                if job.state in (JobState.STARTING, JobState.RUNNING):
+                if job.state in (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING):
                     self.fail(job, f"controller error: {exc}")
             finally:
                 self._inflight[job.id] -= 1
@@ -495,6 +597,8 @@ class JobController:
 
     def _move(self, job: Job, to: JobState, why: str) -> None:
         before = job.state
+        if to.final:
+            self.recoveries.abandon(job, to.value)
         job.move(to, why)
         self._save(job)
         log.info("job %s: %s -> %s (%s)", job.id, before.value, to.value, why,

@@ -4,13 +4,21 @@ States and the only legal moves between them (anything else raises
 :class:`IllegalTransition`)::
 
     pending ──► starting ──► running ──► succeeded
-       │  ▲        │            │
-       │  └────────┴──► stopping ◄┘ ──► failed | cancelled | pending (preempted)
+       │  ▲        │   ▲  │     │  │
+       │  │        │   │  ▼     │  │
+       │  │        │  recovering ◄─┘ ──► failed | cancelled
+       │  │        ▼      │
+       │  └─────── stopping ◄─┘ ──► failed | cancelled | pending (preempted)
        └──► cancelled
 
-A job runs as numbered *generations*: every launch (and, with the recovery
-issue, every in-place restart) increments it, and every command and rank
-event carries it, so nothing from an older generation can touch a newer one.
+``recovering``: a rank, GPU or node failed and the job has restarts left; its
+ranks are stopped everywhere (each node keeps the job's RAM tier), a failed
+node is swapped for a spare, and the next generation starts from the newest
+checkpoint the whole gang can read (:mod:`supervisor.recovery`).
+
+A job runs as numbered *generations*: every launch and every in-place restart
+increments it, and every command and rank event carries it, so nothing from an
+older generation can touch a newer one.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ class JobState(enum.StrEnum):
     STARTING = "starting"
     RUNNING = "running"
     STOPPING = "stopping"
+    RECOVERING = "recovering"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -39,19 +48,27 @@ class JobState(enum.StrEnum):
 
     @property
     def holds_nodes(self) -> bool:
-        return self in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING)
+        return self in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING,
+                        JobState.RECOVERING)
 
 
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.PENDING: frozenset({JobState.STARTING, JobState.CANCELLED}),
-    JobState.STARTING: frozenset({JobState.RUNNING, JobState.STOPPING}),
-    JobState.RUNNING: frozenset({JobState.STOPPING, JobState.SUCCEEDED}),
+    JobState.STARTING: frozenset({JobState.RUNNING, JobState.STOPPING, JobState.RECOVERING}),
+    JobState.RUNNING: frozenset({JobState.STOPPING, JobState.SUCCEEDED, JobState.RECOVERING}),
+    JobState.RECOVERING: frozenset({JobState.STARTING, JobState.STOPPING, JobState.FAILED,
+                                    JobState.CANCELLED}),
     JobState.STOPPING: frozenset({JobState.FAILED, JobState.CANCELLED, JobState.PENDING,
                                   JobState.SUCCEEDED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),
 }
+
+
+MAX_INCIDENTS_KEPT = 200  # per job, in its record; the events keep every one
+MAX_INCIDENTS_SHOWN = 50
+MAX_PROGRESS_GENERATIONS = 8
 
 
 class IllegalTransition(RuntimeError):
@@ -104,6 +121,15 @@ class Job:
     reason: str = ""
     preemptions: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    # Recovery: restarts used, every incident with its phases and lost work (newest
+    # last), the one in progress (persisted: a restarted supervisor finishes it), and
+    # when the job first started (for its ETTR).
+    restarts: int = 0
+    incidents: list[dict[str, Any]] = field(default_factory=list)
+    recovery: dict[str, Any] | None = None
+    first_started_at: float | None = None
+    # Per generation: [first step, its time, last step seen, its time] (for lost work).
+    progress: dict[str, list[float]] = field(default_factory=dict)
 
     @staticmethod
     def new_id(name: str) -> str:
@@ -140,8 +166,48 @@ class Job:
             "waiting": self.waiting,
             "reason": self.reason or None,
             "preemptions": self.preemptions,
+            "restarts": self.restarts,
+            "max_restarts": self.spec.restart.max_restarts,
+            "recovery": self.recovery,
+            "incidents": self.incidents[-MAX_INCIDENTS_SHOWN:],
+            "goodput": self.goodput(),
             "spec": self.spec.redacted(),
         }
+
+    def note_step(self, generation: int, step: int, at: float) -> None:
+        """A rank of ``generation`` reported ``step`` at ``at`` (first or last seen)."""
+        entry = self.progress.setdefault(str(generation), [step, at, step, at])
+        if step < entry[0] or (step == entry[0] and at < entry[1]):
+            entry[0], entry[1] = step, at
+        if step > entry[2] or (step == entry[2] and at > entry[3]):
+            entry[2], entry[3] = step, at
+        if len(self.progress) > MAX_PROGRESS_GENERATIONS:
+            del self.progress[min(self.progress, key=int)]
+
+    def step_time(self, generation: int) -> float | None:
+        """Seconds per step of a generation, from its first and last step seen."""
+        entry = self.progress.get(str(generation))
+        if entry is None or entry[2] <= entry[0] or entry[3] <= entry[1]:
+            return None
+        return (entry[3] - entry[1]) / (entry[2] - entry[0])
+
+    def goodput(self, now: float | None = None) -> dict[str, Any]:
+        """ETTR: time on steps that count over wall time since the first start. Lost: each
+        recovery's downtime (failure to the next generation's first step) and the steps
+        trained after the step it restored, at that generation's step time."""
+        if self.first_started_at is None:
+            return {"ettr": None, "wall_s": 0.0, "lost_s": 0.0, "downtime_s": 0.0,
+                    "lost_work_s": 0.0}
+        end = self.ended_at or (now if now is not None else time.time())
+        wall = max(end - self.first_started_at, 1e-9)
+        down = sum(i.get("downtime_s") or 0.0 for i in self.incidents)
+        work = sum(i.get("lost_work_s") or 0.0 for i in self.incidents)
+        if self.recovery is not None and self.recovery.get("detected_at"):
+            down += max(0.0, end - self.recovery["detected_at"])  # the one going on now
+        lost = min(wall, down + work)
+        return {"ettr": round((wall - lost) / wall, 4), "wall_s": round(wall, 2),
+                "lost_s": round(lost, 2), "downtime_s": round(down, 2),
+                "lost_work_s": round(work, 2)}
 
     def record(self) -> dict[str, Any]:
         return {
@@ -160,6 +226,11 @@ class Job:
             "reason": self.reason,
             "preemptions": self.preemptions,
             "history": self.history[-100:],
+            "restarts": self.restarts,
+            "incidents": self.incidents[-MAX_INCIDENTS_KEPT:],
+            "recovery": self.recovery,
+            "first_started_at": self.first_started_at,
+            "progress": self.progress,
         }
 
     @classmethod
@@ -181,4 +252,9 @@ class Job:
             reason=rec.get("reason", ""),
             preemptions=rec.get("preemptions", 0),
             history=rec.get("history", []),
+            restarts=rec.get("restarts", 0),
+            incidents=list(rec.get("incidents", [])),
+            recovery=rec.get("recovery"),
+            first_started_at=rec.get("first_started_at"),
+            progress=dict(rec.get("progress", {})),
         )

@@ -59,7 +59,7 @@ class Refused(RegistryError):
 
 @dataclass
 class Drain:
-    by: str  # "operator" or "auto"
+    by: str  # "operator", "auto" or "supervisor" (quarantine, failed burn-in)
     reason: str
     since: float
     codes: list[str] = field(default_factory=list)
@@ -213,17 +213,19 @@ class Registry:
             raise UnknownNode(node_id)
         return node
 
-    def drain(self, node_id: str, reason: str) -> Node:
+    def drain(self, node_id: str, reason: str, *, by: str = "operator") -> Node:
+        """Drain a node; ``by`` is "operator", or "supervisor" for a recovery's quarantine
+        or a failed burn-in (lifted, like an operator's, only by an undrain)."""
         node = self.get(node_id)
         if not reason.strip():
             raise RegistryError("a drain needs a reason")
         before = node.state
         if node.drain is not None and node.drain.by == "auto":
-            node.drain.reason = f"{node.drain.reason}; operator: {reason}"
+            node.drain.reason = f"{node.drain.reason}; {by}: {reason}"
         else:
-            node.drain = Drain(by="operator", reason=reason, since=time.time())
-        self._event("node_drained", node, by="operator", reason=reason)
-        self._changed(node, before, cause="operator drain", quiet=True)
+            node.drain = Drain(by=by, reason=reason, since=time.time())
+        self._event("node_drained", node, by=by, reason=reason)
+        self._changed(node, before, cause=f"{by} drain", quiet=True)
         return node
 
     def undrain(self, node_id: str, *, force: bool = False) -> Node:

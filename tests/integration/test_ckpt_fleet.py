@@ -160,7 +160,7 @@ def test_a_failed_jobs_nodes_free_its_ram_tier_once_the_linger_is_over(fleet: Fl
     start_two_racks(fleet, supervisor_extra="ckpt_failed_ram_linger_s = 5.0\n")
     job = fleet.submit(name="ckpt", nodes=2, ranks_per_node=2, workdir=str(REPO),
                        command=tinylm("--steps", "100000", "--ckpt-every", "3"),
-                       checkpoint={"tiers": ["ram", "nvme"]})
+                       checkpoint={"tiers": ["ram", "nvme"]}, restart={"max_restarts": 0})
     wait_for(lambda: any(t == ["nvme", "ram"] for t in committed(fleet, job["id"]).values()),
              90, "a step committed in RAM and on NVMe")
     os.kill(wait_for(lambda: rank_pid(job["id"], 1), 10, "rank 1's process"), 9)
@@ -205,7 +205,7 @@ class Gang:
         self.generation = 1
         job = fleet.submit(name="ckpt", nodes=2, ranks_per_node=2, workdir=str(REPO),
                            command=tinylm("--steps", "100000", "--ckpt-every", "3"),
-                           checkpoint={"tiers": TIERS})
+                           checkpoint={"tiers": TIERS}, restart={"max_restarts": 0})
         self.job: str = job["id"]
         fleet.wait_job(self.job, "running", timeout=60)
         wait_for(lambda: any(t == sorted(TIERS) for t in committed(fleet, self.job).values()),

@@ -124,6 +124,7 @@ def test_cancel_leaves_no_rank_process_behind_even_one_ignoring_sigterm(fleet: F
 def test_a_rank_that_exits_1_fails_the_job_and_stops_its_peers(fleet: Fleet) -> None:
     two_by_two(fleet)
     job = fleet.submit(name="crashy", nodes=2, ranks_per_node=2, grace_period=2,
+                       restart={"max_restarts": 0},
                        command=["bash", "-c",
                                 'if [ "$RANK" = 2 ]; then sleep 1; exit 1; fi; sleep 3333'])
 
@@ -196,6 +197,7 @@ def test_a_restarted_supervisor_finds_a_running_job_running_and_can_still_cancel
 def test_a_job_whose_node_dies_fails_naming_the_node(fleet: Fleet) -> None:
     two_by_two(fleet)
     job = fleet.submit(name="fragile", nodes=2, ranks_per_node=1, grace_period=1,
+                       restart={"max_restarts": 0},
                        command=["sleep", "3737"])
     fleet.wait_job(job["id"], "running")
 
@@ -266,6 +268,7 @@ def test_ranks_no_live_job_owns_are_stopped_by_the_supervisor(fleet: Fleet) -> N
 def test_an_agent_that_stops_takes_its_ranks_with_it_and_the_job_fails(fleet: Fleet) -> None:
     two_by_two(fleet)
     job = fleet.submit(name="underfoot", nodes=2, ranks_per_node=1, grace_period=1,
+                       restart={"max_restarts": 0},
                        command=["sleep", "4141"])
     fleet.wait_job(job["id"], "running")
     wait_for(lambda: len(processes_matching("sleep 4141")) == 2 or None, 10, "two ranks")

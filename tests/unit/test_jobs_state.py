@@ -17,7 +17,8 @@ ILLEGAL = sorted((frm, to) for frm, to in itertools.product(JobState, JobState)
 FINAL = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
 VIEW_KEYS = {"id", "name", "team", "priority", "state", "world_size", "nodes", "ranks",
              "generation", "master", "submitted_at", "started_at", "ended_at", "waiting",
-             "reason", "preemptions", "spec"}
+             "reason", "preemptions", "spec", "restarts", "max_restarts", "recovery",
+             "incidents", "goodput"}
 
 
 def make_spec(**overrides: Any) -> JobSpec:
@@ -98,9 +99,16 @@ def test_whole_life_is_recorded_in_order() -> None:
         "starting", "running", "stopping", "pending", "starting", "running", "succeeded"]
 
 
-def test_only_starting_running_and_stopping_hold_nodes() -> None:
+def test_only_starting_running_stopping_and_recovering_hold_nodes() -> None:
     assert {s for s in JobState if s.holds_nodes} == {
-        JobState.STARTING, JobState.RUNNING, JobState.STOPPING}
+        JobState.STARTING, JobState.RUNNING, JobState.STOPPING, JobState.RECOVERING}
+
+
+def test_recovering_job_restarts_or_ends_but_never_runs_without_a_launch() -> None:
+    assert TRANSITIONS[JobState.RECOVERING] == {
+        JobState.STARTING, JobState.STOPPING, JobState.FAILED, JobState.CANCELLED}
+    assert JobState.RECOVERING in TRANSITIONS[JobState.RUNNING]
+    assert JobState.RECOVERING in TRANSITIONS[JobState.STARTING]
 
 
 # --- record ------------------------------------------------------------------------------
