@@ -19,6 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from agentd.burnin import burn_in
 from agentd.ckpt import CkptService
 from agentd.ckpt_http import start_rank_socket
 from agentd.commands import CommandLedger
@@ -27,6 +28,7 @@ from agentd.gpu.base import GpuBackend, GpuInfo, NodeSample
 from agentd.health import HealthClassifier
 from agentd.host import sample_host
 from agentd.http import start_http
+from agentd.progress import ProgressMonitor, socket_beside
 from agentd.ranks import RankRunner
 from ckpt import Pacing
 from phalanx import __version__, wire
@@ -80,9 +82,15 @@ class Agent:
         self._pending_sample: concurrent.futures.Future[NodeSample] | None = None
         self.ledger = CommandLedger(self.node, self._execute)
         self.socket_path = settings.socket_path()
+        # The ranks' training channel (phalanx.rank.step): their progress, hang detection.
+        progress_socket = socket_beside(self.socket_path)
         self.ranks = RankRunner(self.node, settings.data_dir, self.socket_path,
                                 self._on_rank_event, gpus=[g.index for g in self.inventory],
-                                not_on_cpus=set(settings.ckpt.write_cpus))  # fmt: skip
+                                not_on_cpus=set(settings.ckpt.write_cpus),
+                                progress_socket=progress_socket,
+                                last_step=self._last_step)  # fmt: skip
+        self.progress = ProgressMonitor(self.node, progress_socket, settings.data_dir,
+                                        self._on_rank_event, self.ranks.pids)
         self._loop: asyncio.AbstractEventLoop | None = None
         # The agents' shared HTTP token (peer tier, rank logs), read once; unreadable or
         # unset, the token routes answer 403.
@@ -128,6 +136,7 @@ class Agent:
             await self.sample_health()
             self.http_port = await self._stack.enter_async_context(start_http(self))
             await self._stack.enter_async_context(start_rank_socket(self, self.socket_path))
+            await self._stack.enter_async_context(self.progress)
             await self._stack.enter_async_context(self.link)
             self._group = await self._stack.enter_async_context(asyncio.TaskGroup())
             for name, loop in (("sample", self._sample_loop), ("heartbeat", self._heartbeat_loop),
@@ -241,10 +250,25 @@ class Agent:
             case wire.StartRanksArgs():
                 if cmd.args.generation >= self.ckpt.generations.get(cmd.args.job, 0):
                     self.ckpt.configure(cmd.args.job, cmd.args.generation, cmd.args.ckpt)
+                # Before the ranks start: their first reports find the generation known.
+                self.progress.begin(cmd.args.job, cmd.args.generation, cmd.args.hang_timeout_s)
                 return await self.ranks.start(cmd.args)
             case wire.StopRanksArgs():
+                self.progress.end(cmd.args.job, cmd.args.generation)
                 return await self.ranks.stop(cmd.args.job, cmd.args.generation,
                                              grace_s=cmd.args.grace_s)
+            case wire.BurnInArgs():
+                await self.sample_health()
+                result = await burn_in(self.backend.name, self.health,
+                                       [g.index for g in self.inventory])
+                log.info("burn-in %s: %s", "passed" if result.passed else "failed",
+                         "; ".join(result.reasons) or "-",
+                         extra={"node": self.node, "event": "burn_in"})
+                return result.as_result()
+            case wire.SaveNowArgs():
+                here = sorted(self.ranks.pids(cmd.args.job, cmd.args.generation))
+                return {"ranks": self.progress.request_save(cmd.args.job, cmd.args.generation,
+                                                            here)}
             case wire.AllocPortArgs():
                 return {"port": self.ranks.free_port()}
             case wire.RebirthArgs():
@@ -258,7 +282,11 @@ class Agent:
     async def _on_rank_event(self, event: wire.RankEvent) -> None:
         if event.event == "exited":
             self.ckpt.rank_exited(event.job, event.rank)
+            self.progress.rank_exited(event.job, event.generation, event.rank)
         self._rank_events.put(event)
+
+    def _last_step(self, job: str, generation: int, rank: int) -> int | None:
+        return self.progress.last_step(job, generation, rank)
 
     def _publish_landing(self, msg: wire.CkptLanding | wire.CkptReleased) -> None:
         """From the engines' threads (or the loop): queue a report for the MQTT loop."""

@@ -2,7 +2,8 @@
 
 Each rank is a child process in its own session (so a stop kills its whole
 tree), with the torch.distributed environment and its output in a per-rank
-log file under ``DATA_DIR/jobs/JOB/gGEN/rank-N.log``. Commands are fenced by
+log file under ``DATA_DIR/jobs/JOB/gGEN/rank-N.log``, and the progress socket its
+``phalanx.rank.step`` reports to (``PHALANX_PROGRESS_SOCKET``). Commands are fenced by
 generation: a start for an older generation than one already started is
 refused, a stop for generation G stops every generation up to G, and a start
 of generation G first stops what still runs of the generations before it.
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from agentd.commands import CommandError
+from agentd.progress import socket_beside
 from phalanx import wire
 
 log = logging.getLogger(__name__)
@@ -50,11 +52,16 @@ class Rank:
 
 
 Reporter = Callable[[wire.RankEvent], Awaitable[None]]
+StepLookup = Callable[[str, int, int], int | None]  # (job, generation, rank) -> last step
 
 
 class RankRunner:
     def __init__(self, node: str, data_dir: Path, socket_path: Path, report: Reporter,
-                 gpus: list[int] | None = None, not_on_cpus: set[int] | None = None) -> None:
+                 gpus: list[int] | None = None, not_on_cpus: set[int] | None = None, *,
+                 progress_socket: Path | None = None,
+                 last_step: StepLookup | None = None) -> None:  # fmt: skip
+        """``progress_socket``: where ranks report steps (default: beside ``socket_path``);
+        ``last_step``: the step a rank reported last, for its exit event."""
         self.node = node
         self.gpus = list(gpus or [])
         # The CPUs the ranks run on: all this agent may use but those kept for its
@@ -64,6 +71,8 @@ class RankRunner:
             self.cpus = others
         self.data_dir = data_dir
         self.socket_path = socket_path
+        self.progress_socket = progress_socket or socket_beside(socket_path)
+        self._last_step = last_step
         self._report = report
         self._ranks: dict[tuple[str, int], Rank] = {}  # (job, rank) -> current process
         self._generation: dict[str, int] = {}  # job -> highest generation started
@@ -83,6 +92,11 @@ class RankRunner:
                 jobs.setdefault((r.job, r.generation), []).append(r.slot.rank)
         return [wire.JobRanks(job=j, generation=g, ranks=sorted(ranks))
                 for (j, g), ranks in sorted(jobs.items())]
+
+    def pids(self, job: str, generation: int) -> dict[int, int]:
+        """The live ranks of that job generation here, and their pids."""
+        return {r.slot.rank: r.proc.pid for r in self._ranks.values()
+                if r.job == job and r.generation == generation and not r.done.is_set()}
 
     def log_path(self, job: str, rank: int) -> Path | None:
         r = self._ranks.get((job, rank))
@@ -243,6 +257,7 @@ class RankRunner:
             "PHALANX_GENERATION": str(req.generation),
             "PHALANX_NODE": self.node,
             "PHALANX_AGENT_SOCKET": str(self.socket_path),
+            "PHALANX_PROGRESS_SOCKET": str(self.progress_socket),
         })
         return env
 
@@ -257,6 +272,9 @@ class RankRunner:
         self._generation[job] = max(self._generation.get(job, 0), generation)
         for r in victims:
             _killpg(r.proc.pid, signal.SIGTERM)
+            # A stopped process (SIGSTOP, a debugger let go) gets its SIGTERM only once it
+            # runs again; SIGKILL would need no SIGCONT, but the grace is for a clean exit.
+            _killpg(r.proc.pid, signal.SIGCONT)
         if victims:
             waits = [asyncio.create_task(r.done.wait()) for r in victims]
             _, pending = await asyncio.wait(waits, timeout=grace_s)
@@ -337,9 +355,17 @@ class RankRunner:
         log.info("job %s gen %d: rank %d exited (code %s, signal %s)", rank.job,
                  rank.generation, rank.slot.rank, rank.code, rank.signal,
                  extra={"job": rank.job, "rank": rank.slot.rank, "event": "rank_exited"})
+        step = None
+        if self._last_step is not None:
+            try:
+                step = self._last_step(rank.job, rank.generation, rank.slot.rank)
+            except Exception:
+                log.exception("could not look up the last step of job %s rank %d", rank.job,
+                              rank.slot.rank)
         event = wire.RankEvent(node=self.node, job=rank.job, generation=rank.generation,
                                rank=rank.slot.rank, event="exited", code=rank.code,
-                               signal=rank.signal, pid=rank.proc.pid, at=time.time())
+                               signal=rank.signal, pid=rank.proc.pid, step=step,
+                               at=time.time())
         with contextlib.suppress(Exception):
             await self._report(event)
 

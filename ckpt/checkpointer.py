@@ -393,7 +393,13 @@ class Checkpointer:
         """
         self.restored_fresh = []
         if self.agent is not None:
-            return self._restore_via_agent(step, into)
+            t0 = time.perf_counter()
+            found = self._restore_via_agent(step, into)
+            if found is not None:  # the agent times the gang's restore with it
+                import phalanx.rank
+
+                phalanx.rank.restored(found[0], time.perf_counter() - t0)
+            return found
         tiers: list[Tier] = [self.ram, *self.tiers]
         listed: dict[str, set[int]] = {}
         for tier in tiers:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import time
@@ -149,12 +150,13 @@ async def test_rank_gets_the_nccl_fail_fast_and_flight_recorder_settings(
         tmp_path / "data" / "jobs" / JOB / "g1" / "nccl-trace-rank-2-")
 
 
-async def test_rank_gets_its_job_generation_node_and_agent_socket(
+async def test_rank_gets_its_job_generation_node_and_agent_sockets(
         runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
     env = await rank_env(runner, reporter, start_args("", generation=4), rank=2)
     assert {k: v for k, v in env.items() if k.startswith("PHALANX_")} == {
         "PHALANX_JOB_ID": JOB, "PHALANX_GENERATION": "4", "PHALANX_NODE": NODE,
-        "PHALANX_AGENT_SOCKET": str(tmp_path / "agent.sock")}
+        "PHALANX_AGENT_SOCKET": str(tmp_path / "agent.sock"),
+        "PHALANX_PROGRESS_SOCKET": str(tmp_path / "agent.progress")}
 
 
 async def test_rank_does_not_inherit_the_agents_own_settings(
@@ -286,6 +288,21 @@ async def test_stop_kills_a_rank_that_traps_sigterm_after_the_grace(
     (event,) = await reporter.wait_for(1)
     assert event.signal == signal.SIGKILL
     assert "got TERM" in log.read_text()
+
+
+async def test_stop_ends_a_stopped_rank_with_sigterm_without_waiting_for_the_grace(
+        runner: RankRunner, reporter: Reporter) -> None:
+    started = await runner.start(start_args("exec sleep 300", ranks=slots(0)))
+    os.kill(started["pids"][0], signal.SIGSTOP)
+    assert wait_until(lambda: psutil.Process(started["pids"][0]).status()
+                      == psutil.STATUS_STOPPED)
+
+    began = time.monotonic()
+    await runner.stop(JOB, 1, grace_s=60.0)
+
+    (event,) = await reporter.wait_for(1)
+    assert event.signal == signal.SIGTERM
+    assert time.monotonic() - began < WAIT_S
 
 
 async def test_stop_returns_once_the_ranks_are_gone(runner: RankRunner) -> None:

@@ -1,0 +1,137 @@
+"""Burn-in: the node's short health test before it is trusted with ranks.
+
+Every backend: a fresh health sample, judged by the agent's classifier, must not be
+``drain``. On real GPUs (the NVML backend) where torch with CUDA is importable, each
+GPU also multiplies two seeded random matrices and the product is checked against
+the CPU's. The matmul runs in a child process (``python -m agentd.burnin --gpus
+0,1``), so that the agent never holds a CUDA context, and a wedged GPU costs a
+timeout, not the agent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx import wire
+
+log = logging.getLogger(__name__)
+
+MATMUL_SIZE = 1024  # a 1024^3 matmul: under a millisecond on a GPU, ~0.1 s on the CPU
+MATMUL_ROUNDS = 3
+# Largest error allowed, relative to the largest entry of the float64 CPU product: fp32
+# accumulation over 1024 terms errs ~1e-6; a flipped exponent or mantissa bit, far more.
+MATMUL_TOLERANCE = 1e-4
+MATMUL_TIMEOUT_S = 120.0  # the child, torch import and CUDA start included
+
+
+@dataclass(frozen=True)
+class BurnIn:
+    """The outcome: ``passed``, else why not; ``checks`` names the tests that ran."""
+
+    passed: bool
+    reasons: list[str] = field(default_factory=list)
+    checks: list[str] = field(default_factory=list)
+
+    def as_result(self) -> dict[str, Any]:
+        return {"passed": self.passed, "reasons": list(self.reasons), "checks": list(self.checks)}
+
+
+def health_failures(health: wire.Health) -> list[str]:
+    """The reasons a health sample fails a burn-in: its ``drain`` ones."""
+    if health.status is not wire.HealthStatus.DRAIN:
+        return []
+    return [f"{r.code}{f' on GPU {r.gpu}' if r.gpu is not None else ''}: {r.detail}"
+            for r in health.reasons if r.severity == "drain"]
+
+
+async def burn_in(backend: str, health: wire.Health, gpus: Sequence[int], *,
+                  timeout_s: float = MATMUL_TIMEOUT_S) -> BurnIn:  # fmt: skip
+    """Judge a node by ``health`` (a sample taken for the burn-in) and, on the ``nvml``
+    backend with torch and CUDA at hand, a matmul check of each of ``gpus``."""
+    reasons = health_failures(health)
+    checks = ["health"]
+    if backend == "nvml" and gpus and importlib.util.find_spec("torch") is not None:
+        failures = await matmul_check(gpus, timeout_s=timeout_s)
+        if failures is not None:
+            checks.append("matmul")
+            reasons.extend(failures)
+    return BurnIn(passed=not reasons, reasons=reasons, checks=checks)
+
+
+async def matmul_check(gpus: Sequence[int], *, timeout_s: float = MATMUL_TIMEOUT_S,
+                       python: str = sys.executable) -> list[str] | None:  # fmt: skip
+    """Run the matmul check of ``gpus`` (NVML indices) in a child process; the failures,
+    or None when the child finds no CUDA."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's indices are then NVML's
+    proc = await asyncio.create_subprocess_exec(
+        python, "-m", "agentd.burnin", "--gpus", ",".join(map(str, gpus)), env=env,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        return [f"matmul check did not finish in {timeout_s:.0f}s (a GPU hangs?)"]
+    try:
+        result = json.loads(out.decode().strip().splitlines()[-1])
+        if not result["cuda"]:
+            return None
+        return [str(f) for f in result["failures"]]
+    except (ValueError, IndexError, KeyError, TypeError):
+        tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        return [f"matmul check failed (exit {proc.returncode}): {tail[0][:300]}"]
+
+
+def _matmul(gpus: Sequence[int]) -> dict[str, Any]:
+    """The child's work: each GPU's product of two seeded matrices against the CPU's."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"cuda": False, "failures": []}
+    torch.backends.cuda.matmul.allow_tf32 = False  # the check is about fp32 arithmetic
+    g = torch.Generator().manual_seed(1234)
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, generator=g)
+    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, generator=g)
+    expected = a.double() @ b.double()
+    scale = float(expected.abs().max())
+    failures = []
+    for index in gpus:
+        try:
+            device = torch.device("cuda", index)
+            da, db = a.to(device), b.to(device)
+            worst = 0.0
+            for _ in range(MATMUL_ROUNDS):
+                got = (da @ db).double().cpu()
+                worst = max(worst, float((got - expected).abs().max()) / scale)
+            if not worst <= MATMUL_TOLERANCE:  # NaN fails too
+                failures.append(f"matmul on GPU {index}: error {worst:.2e} relative to the "
+                                f"CPU's product > {MATMUL_TOLERANCE:.0e}")
+        except Exception as exc:
+            failures.append(f"matmul on GPU {index}: {type(exc).__name__}: {exc}"[:500])
+    return {"cuda": True, "failures": failures}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m agentd.burnin")
+    ap.add_argument("--gpus", required=True, help="comma-separated GPU indices")
+    args = ap.parse_args(argv)
+    gpus = [int(i) for i in args.gpus.split(",") if i]
+    print(json.dumps(_matmul(gpus)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

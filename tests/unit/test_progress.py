@@ -1,0 +1,534 @@
+"""The training channel: phalanx.rank.step against the agent's ProgressMonitor, on real
+unix datagram sockets, and hang detection over real rank processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+import phalanx.rank
+from agentd.progress import HANG_FLOOR_S, ProgressMonitor, hang_timeout, socket_beside
+from agentd.ranks import RankRunner
+from phalanx import progress, wire
+from phalanx.progress import ProgressError, Requests, StepReport
+from phalanx.rank import RankChannel
+
+NODE = "n1"
+JOB = "tinylm-abc123"
+WAIT_S = 10.0  # bound on waiting for something the other side does
+CHECK_S = 0.05  # the monitor's hang check interval in these tests
+HANG_S = 1.0  # hang timeout given with the start in these tests
+
+
+class Reporter:
+    """Collects the events the monitor (and a runner) report."""
+
+    def __init__(self) -> None:
+        self.events: list[wire.RankEvent] = []
+
+    async def __call__(self, event: wire.RankEvent) -> None:
+        self.events.append(event)
+
+    def of(self, kind: str) -> list[wire.RankEvent]:
+        return [e for e in self.events if e.event == kind]
+
+
+async def eventually(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {WAIT_S}s: {what}")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def reporter() -> Reporter:
+    return Reporter()
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    return socket_beside(tmp_path / "agent.sock")
+
+
+@pytest.fixture
+async def node(tmp_path: Path, path: Path, reporter: Reporter,
+               ) -> AsyncIterator[tuple[RankRunner, ProgressMonitor]]:  # fmt: skip
+    """A runner and a monitor wired as the agent wires them."""
+    runners: list[RankRunner] = []
+    monitor = ProgressMonitor(NODE, path, tmp_path / "data", reporter,
+                              lambda job, gen: runners[0].pids(job, gen),
+                              check_interval_s=CHECK_S)
+    runner = RankRunner(NODE, tmp_path / "data", tmp_path / "agent.sock", reporter,
+                        progress_socket=path, last_step=monitor.last_step)
+    runners.append(runner)
+    async with monitor:
+        try:
+            yield runner, monitor
+        finally:
+            await runner.stop_all(grace_s=1.0)
+
+
+@pytest.fixture
+def runner(node: tuple[RankRunner, ProgressMonitor]) -> RankRunner:
+    return node[0]
+
+
+@pytest.fixture
+def monitor(node: tuple[RankRunner, ProgressMonitor]) -> ProgressMonitor:
+    return node[1]
+
+
+async def send_raw(path: Path, data: bytes) -> None:
+    """Send one datagram as any local process could, waiting while the queue is full."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:
+        raw.setblocking(False)
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            try:
+                raw.sendto(data, str(path))
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.01)
+
+
+def channel(path: Path, *, rank: int = 0, generation: int = 1) -> RankChannel:
+    return RankChannel(path, job=JOB, generation=generation, rank=rank)
+
+
+@pytest.fixture
+def channels() -> Iterator[list[RankChannel]]:
+    made: list[RankChannel] = []
+    yield made
+    for c in made:
+        c.close()
+
+
+async def reported(monitor: ProgressMonitor, rank: int, step: int,
+                   generation: int = 1) -> None:  # fmt: skip
+    def check() -> bool:
+        r = monitor.progress(JOB, generation).get(rank)
+        return r is not None and r.step >= step
+    await eventually(check, f"rank {rank} reports step {step}")
+
+
+# --- the rank API against the agent ------------------------------------------------------
+
+
+async def test_a_step_reaches_the_agent_with_its_scalars(
+        monitor: ProgressMonitor, path: Path, channels: list[RankChannel]) -> None:
+    monitor.begin(JOB, 1)
+    ch = channel(path, rank=3)
+    channels.append(ch)
+
+    requests = ch.step(7, loss=2.5, tokens=4096, lr=3e-4)
+
+    assert requests == Requests(save_now=False)
+    await reported(monitor, 3, 7)
+    status = monitor.progress(JOB, 1)[3]
+    assert (status.step, status.pid) == (7, os.getpid())
+    assert status.scalars == {"loss": 2.5, "tokens": 4096.0, "lr": 3e-4}
+    assert abs(status.reported_at - time.time()) < WAIT_S
+    assert (ch.sent, ch.drops) == (1, 0)
+
+
+async def test_the_module_level_step_uses_the_agents_environment(
+        monitor: ProgressMonitor, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monitor.begin(JOB, 2)
+    monkeypatch.setattr(phalanx.rank, "_default", None)
+    monkeypatch.setenv("PHALANX_PROGRESS_SOCKET", str(path))
+    monkeypatch.setenv("PHALANX_JOB_ID", JOB)
+    monkeypatch.setenv("PHALANX_GENERATION", "2")
+    monkeypatch.setenv("RANK", "5")
+    try:
+        phalanx.rank.step(11, loss=1.0)
+        await reported(monitor, 5, 11, generation=2)
+        assert phalanx.rank.drops() == 0
+    finally:
+        phalanx.rank.channel().close()
+
+
+def test_step_without_the_environment_variable_does_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PHALANX_PROGRESS_SOCKET", raising=False)
+    monkeypatch.setattr(phalanx.rank, "_default", None)
+
+    requests = phalanx.rank.step(1, loss=0.5)
+
+    assert not requests
+    assert not phalanx.rank.channel().enabled
+    assert (phalanx.rank.channel().sent, phalanx.rank.drops()) == (0, 0)
+
+
+def test_an_environment_without_the_jobs_ids_gives_a_channel_that_does_nothing(
+        path: Path) -> None:
+    for env in ({"PHALANX_PROGRESS_SOCKET": str(path)},
+                {"PHALANX_PROGRESS_SOCKET": str(path), "PHALANX_JOB_ID": "Not A Job",
+                 "PHALANX_GENERATION": "1", "RANK": "0"},
+                {"PHALANX_PROGRESS_SOCKET": str(path), "PHALANX_JOB_ID": JOB,
+                 "PHALANX_GENERATION": "one", "RANK": "0"}):
+        ch = RankChannel.from_environment(env)
+        assert not ch.enabled
+        assert not ch.step(1, loss=1.0)
+
+
+def test_reports_nobody_listens_to_are_counted_as_drops(tmp_path: Path,
+                                                         channels: list[RankChannel]) -> None:
+    ch = channel(tmp_path / "no-agent.progress")
+    channels.append(ch)
+
+    results = [ch.step(s, loss=1.0) for s in range(5)]
+
+    assert not any(results)
+    assert (ch.sent, ch.drops) == (0, 5)
+
+
+def test_reports_beyond_a_full_agent_queue_are_dropped_without_blocking(
+        path: Path, channels: list[RankChannel]) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as deaf:  # an agent that never reads
+        deaf.bind(str(path))
+        ch = channel(path)
+        channels.append(ch)
+
+        for s in range(200):
+            ch.step(s, loss=1.0)
+
+    assert ch.drops > 0
+    assert ch.sent + ch.drops == 200
+
+
+def test_a_report_that_cannot_be_encoded_is_dropped_not_raised(
+        path: Path, channels: list[RankChannel]) -> None:
+    ch = channel(path)
+    channels.append(ch)
+
+    ch.step(1, **{"not a name": 1.0})
+    ch.step(-1, loss=1.0)
+    ch.step(2, **{f"s{i}": 1.0 for i in range(progress.MAX_SCALARS + 1)})
+
+    assert ch.drops == 3
+
+
+def test_a_closed_channel_does_nothing(path: Path) -> None:
+    ch = channel(path)
+    ch.close()
+
+    assert not ch.step(1, loss=1.0)
+    assert (ch.sent, ch.drops) == (0, 0)
+
+
+# --- the agent's side ----------------------------------------------------------------------
+
+
+async def test_garbage_datagrams_are_counted_and_the_agent_keeps_receiving(
+        monitor: ProgressMonitor, path: Path, channels: list[RankChannel]) -> None:
+    monitor.begin(JOB, 1)
+    report = json.loads(progress.encode_report(StepReport(JOB, 1, 0, 1, 3, time.time())))
+    garbage = [b"", b"\xff\xfe\x00", b"[1, 2]", b"{", b'{"v": 1}', b"x" * 5000,
+               json.dumps({**report, "v": 2}).encode(),
+               json.dumps({**report, "step": "3"}).encode(),
+               json.dumps({**report, "rank": -1}).encode(),
+               json.dumps({**report, "job": "Bad/Job"}).encode(),
+               json.dumps({**report, "scalars": {"loss": "low"}}).encode(),
+               json.dumps({**report, "extra": 1}).encode(),
+               b"[" * 100_000]
+    for data in garbage:
+        await send_raw(path, data)
+    ch = channel(path, rank=1)
+    channels.append(ch)
+    ch.step(4, loss=1.0)
+
+    await reported(monitor, 1, 4)
+    assert monitor.garbage == len(garbage)
+    assert 0 not in monitor.progress(JOB, 1)
+
+
+async def test_a_nan_loss_and_an_infinite_grad_norm_are_recorded(
+        monitor: ProgressMonitor, path: Path, channels: list[RankChannel]) -> None:
+    monitor.begin(JOB, 1)
+    ch = channel(path)
+    channels.append(ch)
+
+    ch.step(9, loss=math.nan, grad_norm=math.inf)
+
+    await reported(monitor, 0, 9)
+    scalars = monitor.progress(JOB, 1)[0].scalars
+    assert math.isnan(scalars["loss"])
+    assert scalars["grad_norm"] == math.inf
+
+
+async def test_reports_of_an_older_generation_are_ignored(
+        monitor: ProgressMonitor, path: Path, channels: list[RankChannel]) -> None:
+    monitor.begin(JOB, 1)
+    monitor.begin(JOB, 2)
+    old, new = channel(path, generation=1), channel(path, generation=2)
+    channels += [old, new]
+
+    old.step(500, loss=1.0)
+    new.step(3, loss=1.0)
+
+    await reported(monitor, 0, 3, generation=2)
+    assert monitor.progress(JOB, 2)[0].step == 3
+    assert monitor.progress(JOB, 1) == {}
+    assert monitor.fenced == 1
+
+
+async def test_a_ranks_first_step_and_its_restore_are_reported_once_each(
+        monitor: ProgressMonitor, path: Path, channels: list[RankChannel],
+        reporter: Reporter) -> None:
+    monitor.begin(JOB, 2)
+    rank = channel(path, generation=2)
+    channels.append(rank)
+
+    rank.restored(40, 1.25)
+    rank.restored(40, 1.25)  # a second restore of the same rank is not news
+    rank.step(40, loss=1.0)
+    rank.step(41, loss=1.0)
+    await reported(monitor, 0, 41, generation=2)
+    await eventually(lambda: len(reporter.of("stepped")) == 1, "the first step's event")
+
+    (restored,) = reporter.of("restored")
+    assert (restored.generation, restored.rank, restored.step, restored.took_s) == (
+        2, 0, 40, 1.25)
+    (stepped,) = reporter.of("stepped")
+    assert (stepped.generation, stepped.rank, stepped.step) == (2, 0, 40)
+    assert monitor.progress(JOB, 2)[0].step == 41  # a restore is not a step
+
+
+async def test_reports_of_a_job_not_started_here_are_ignored(
+        monitor: ProgressMonitor, path: Path, channels: list[RankChannel]) -> None:
+    monitor.begin(JOB, 1)
+    stranger, ours = channel(path, generation=2), channel(path, generation=1)
+    channels += [stranger, ours]
+
+    stranger.step(1, loss=1.0)
+    ours.step(1, loss=1.0)
+
+    await reported(monitor, 0, 1)
+    assert monitor.unknown == 1
+    assert monitor.progress(JOB, 2) == {}
+
+
+async def test_save_now_is_delivered_once_to_each_rank(
+        monitor: ProgressMonitor, path: Path, channels: list[RankChannel]) -> None:
+    monitor.begin(JOB, 1)
+    ranks = [channel(path, rank=0), channel(path, rank=1)]
+    channels += ranks
+
+    assert monitor.request_save(JOB, 1, [0, 1]) == [0, 1]
+    seen: dict[int, list[bool]] = {0: [], 1: []}
+    for step in range(4):
+        for n, ch in enumerate(ranks):
+            seen[n].append(ch.step(step, loss=1.0).save_now)
+            await reported(monitor, n, step)  # the reply is read by the next call
+
+    assert seen == {0: [False, True, False, False], 1: [False, True, False, False]}
+
+
+async def test_save_now_for_another_generation_asks_nobody(monitor: ProgressMonitor) -> None:
+    monitor.begin(JOB, 2)
+
+    assert monitor.request_save(JOB, 1, [0]) == []
+    assert monitor.request_save(JOB, 3, [0]) == []
+
+
+def test_replies_from_another_socket_than_the_agents_are_ignored(
+        path: Path, channels: list[RankChannel]) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as agent, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as other:
+        agent.bind(str(path))
+        ch = channel(path)
+        channels.append(ch)
+        ch.step(0)
+        _, rank_address = agent.recvfrom(4096)
+        save = progress.encode_requests(Requests(save_now=True))
+        other.sendto(save, rank_address)
+        assert not ch.step(1)
+        agent.sendto(save, rank_address)
+        assert ch.step(2).save_now
+
+
+def test_decode_raises_progress_error_on_garbage() -> None:
+    for data in (b"nope", b"{}", b'{"v": 1, "save_now": 1}'):
+        with pytest.raises(ProgressError):
+            progress.decode_requests(data)
+    with pytest.raises(ProgressError):
+        progress.decode_report(b'{"v": 1}')
+
+
+def test_a_report_round_trips_through_its_encoding() -> None:
+    report = StepReport(JOB, 3, 7, 4242, 120, 1718000000.2534964,
+                        {"loss": 2.0, "lr": 1e-05, "up": math.inf, "down": -math.inf,
+                         "tiny": 5e-324, "big": 1.7976931348623157e308, "tokens": 4096})
+
+    assert progress.decode_report(progress.encode_report(report)) == report
+
+
+def test_a_nan_scalar_is_encoded_as_json_nan() -> None:
+    data = progress.encode_report(StepReport(JOB, 1, 0, 1, 0, 0.0, {"loss": math.nan}))
+
+    assert json.loads(data)["scalars"]["loss"] != json.loads(data)["scalars"]["loss"]
+    assert math.isnan(progress.decode_report(data).scalars["loss"])
+
+
+def test_the_channels_limits_are_the_wires() -> None:
+    assert (progress.JOB_ID_PATTERN, progress.MAX_STEP, progress.MAX_RANK) == (
+        wire.JOB_ID_PATTERN, wire.MAX_STEP, wire.MAX_RANK)
+
+
+def test_the_automatic_hang_timeout_is_ten_median_steps_never_under_the_floor() -> None:
+    assert hang_timeout(None, []) == HANG_FLOOR_S
+    assert hang_timeout(None, [1.0, 2.0, 30.0]) == HANG_FLOOR_S
+    assert hang_timeout(None, [9.0, 10.0, 11.0, 500.0]) == pytest.approx(105.0)
+    assert hang_timeout(5.0, [10.0]) == 5.0
+
+
+def test_the_progress_socket_lies_beside_the_rank_socket(tmp_path: Path) -> None:
+    assert socket_beside(tmp_path / "agent.sock") == tmp_path / "agent.progress"
+    long = tmp_path / ("x" * 120) / "agent.sock"
+    assert len(os.fsencode(socket_beside(long))) <= 107
+
+
+async def test_the_progress_socket_is_private_to_the_agents_user(
+        monitor: ProgressMonitor, path: Path) -> None:
+    assert (await asyncio.to_thread(path.stat)).st_mode & 0o777 == 0o600
+
+
+# --- hang detection over real rank processes -------------------------------------------------
+
+# A rank that reports a step every 20 ms until LAST_STEP_<rank> (then keeps living) or until
+# FREEZE_FILE exists (as ranks blocked in a collective do).
+RANK_SCRIPT = r"""
+import os, sys, time
+import phalanx.rank
+rank = int(os.environ["RANK"])
+last = int(os.environ.get(f"LAST_STEP_{rank}", "1000000000"))
+freeze = os.environ.get("FREEZE_FILE", "")
+step = 0
+while True:
+    if step <= last and not (freeze and os.path.exists(freeze)):
+        phalanx.rank.step(step, loss=1.0 / (step + 1))
+        step += 1
+    time.sleep(0.02)
+"""
+
+
+def start(monitor: ProgressMonitor, script: str = RANK_SCRIPT, *, generation: int = 1,
+          env: dict[str, str] | None = None, hang_s: float | None = HANG_S,
+          ranks: tuple[int, ...] = (0, 1)) -> wire.StartRanksArgs:  # fmt: skip
+    args = wire.StartRanksArgs(
+        job=JOB, generation=generation, command=[sys.executable, "-c", script], workdir="/",
+        env=dict(env or {}), world_size=len(ranks), group_rank=0, master_addr="127.0.0.1",
+        master_port=29511, grace_s=1.0, hang_timeout_s=hang_s,
+        ranks=[wire.RankSlot(rank=r, local_rank=i) for i, r in enumerate(ranks)])
+    monitor.begin(JOB, generation, hang_s)  # as the agent does, before the ranks start
+    return args
+
+
+async def test_a_stopped_rank_is_named_when_the_ranks_hang(
+        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter,
+        tmp_path: Path) -> None:
+    freeze = tmp_path / "freeze"
+    pids = (await runner.start(start(monitor, env={"FREEZE_FILE": str(freeze)})))["pids"]
+    await reported(monitor, 0, 3)
+    await reported(monitor, 1, 3)
+
+    os.kill(pids[1], signal.SIGSTOP)
+    freeze.touch()  # rank 0 now waits on rank 1, as in a collective
+    await eventually(lambda: bool(reporter.of("hung")), "a hung event")
+
+    (event,) = reporter.of("hung")
+    assert (event.node, event.job, event.generation, event.rank) == (NODE, JOB, 1, 1)
+    assert event.stopped is True
+    assert event.pid == pids[1]
+    assert event.step == monitor.last_step(JOB, 1, 1)
+    assert f"process {pids[1]} stopped (state T) since step {event.step}" == event.detail
+    assert event.idle_s is not None and event.idle_s >= HANG_S
+
+
+async def test_the_rank_furthest_behind_is_named_when_none_is_stopped(
+        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter,
+        tmp_path: Path) -> None:
+    dump = tmp_path / "data" / "jobs" / JOB / "g1" / "nccl-trace-rank-0-"
+    freeze = tmp_path / "freeze"
+    await runner.start(start(monitor, env={"LAST_STEP_1": "5", "FREEZE_FILE": str(freeze)}))
+    dump.parent.mkdir(parents=True, exist_ok=True)
+    dump.write_text("flight recorder")
+    await reported(monitor, 1, 5)
+    await reported(monitor, 0, 10)
+    freeze.touch()
+
+    await eventually(lambda: bool(reporter.of("hung")), "a hung event")
+
+    (event,) = reporter.of("hung")
+    assert (event.rank, event.step, event.stopped) == (1, 5, False)
+    assert "behind the others at step 5" in event.detail
+    assert event.dumps == [str(dump)]
+
+
+async def test_no_hang_is_reported_before_the_first_step(
+        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter) -> None:
+    await runner.start(start(monitor, "import time; time.sleep(300)", hang_s=0.1))
+
+    await asyncio.sleep(0.5)
+
+    assert await monitor.check() == []
+    assert reporter.events == []
+
+
+async def test_one_hung_event_per_generation_and_a_new_generation_rearms_it(
+        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter) -> None:
+    env = {"LAST_STEP_0": "3", "LAST_STEP_1": "3"}
+    await runner.start(start(monitor, env=env))
+    await eventually(lambda: bool(reporter.of("hung")), "a hung event")
+    await asyncio.sleep(HANG_S + 10 * CHECK_S)
+    assert [e.generation for e in reporter.of("hung")] == [1]
+
+    await runner.start(start(monitor, env=env, generation=2))
+    await eventually(lambda: len(reporter.of("hung")) == 2, "a hung event of generation 2")
+
+    assert [e.generation for e in reporter.of("hung")] == [1, 2]
+
+
+async def test_no_hang_is_reported_once_the_generation_is_stopped(
+        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter) -> None:
+    await runner.start(start(monitor, env={"LAST_STEP_0": "3", "LAST_STEP_1": "3"}))
+    await reported(monitor, 0, 3)
+    monitor.end(JOB, 1)  # as the agent does, before it stops the ranks
+
+    await asyncio.sleep(HANG_S + 10 * CHECK_S)
+
+    assert reporter.of("hung") == []
+
+
+async def test_the_exit_event_carries_the_last_step_the_rank_reported(
+        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter) -> None:
+    script = "import phalanx.rank\nfor s in range(8): phalanx.rank.step(s, loss=1.0)"
+    await runner.start(start(monitor, script, ranks=(0,)))
+
+    await eventually(lambda: bool(reporter.of("exited")), "the rank's exit")
+
+    (event,) = reporter.of("exited")
+    assert (event.code, event.step) == (0, 7)
+    assert reporter.of("hung") == []
+
+
+async def test_the_exit_event_of_a_rank_that_never_reported_has_no_step(
+        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter) -> None:
+    await runner.start(start(monitor, "pass", ranks=(0,)))
+
+    await eventually(lambda: bool(reporter.of("exited")), "the rank's exit")
+
+    assert reporter.of("exited")[0].step is None
