@@ -126,10 +126,14 @@ class LocalFolderStore(ObjectStore):
         base = self.root / prefix
         if not base.is_dir():
             return []
-        return sorted(
-            str(p.relative_to(self.root)) for p in base.rglob("*")
-            if p.is_file() and not p.name.startswith(".")
-        )  # fmt: skip
+        # os.walk, not rglob: another node's retention may remove a step's folder while
+        # this walks it (rglob then raises FileNotFoundError; os.walk skips it).
+        found = []
+        for folder, _dirs, files in os.walk(base):
+            for name in files:
+                if not name.startswith("."):
+                    found.append(str((Path(folder) / name).relative_to(self.root)))
+        return sorted(found)
 
     def delete(self, keys: list[str]) -> None:
         dirs = set()

@@ -16,6 +16,14 @@ committed checkpoint if the job has one, from the nearest tier that holds a
 good copy. ``--ckpt-digests`` makes every rank log a digest of each state it
 saves and of the state it resumes with (what the tests compare bit for bit).
 Run by hand (no agent), it does not checkpoint.
+
+Every step is reported to the agent with ``phalanx.rank.step`` (loss, tokens, lr),
+which is how the agent sees hung ranks; when the agent asks for a checkpoint
+(``save_now``, before a preemption) the ranks agree on the step with one small
+all-reduce and save at once, besides the ``--ckpt-every`` cadence. Rank 0's last
+line carries the digest of the final state. ``--fail-at-step N`` (with
+``--fail-rank R``) makes rank R raise at the start of step N in every run: a
+deterministic bug, for the tests.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+import phalanx.rank
 
 
 class TokenStream:
@@ -114,6 +124,26 @@ def load(state: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer,
     return int(state["data"]["position"])
 
 
+def settle_buckets(ddp: DistributedDataParallel, batch: torch.Tensor, loss_fn: nn.Module,
+                   vocab: int) -> None:
+    """One forward and backward whose gradients are thrown away, before the first step
+    after a restore.
+
+    DDP runs its first iteration with gradient buckets in parameter order, then rebuilds
+    them in the order gradients became ready; gloo and NCCL reduce a bucket in chunks,
+    so another layout sums each gradient in another order. A run that never stopped
+    used the rebuilt layout at this step: without this pass the resumed run would drift
+    from it by rounding, and never be bit-identical. It changes no weight and draws
+    no random number (no dropout); its gradients are discarded.
+    """
+    rng = torch.get_rng_state()
+    logits = ddp(batch[:, :-1])
+    loss_fn(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1)).backward()
+    for p in ddp.parameters():
+        p.grad = None
+    torch.set_rng_state(rng)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=150)
@@ -130,6 +160,12 @@ def main() -> None:
                     help="under Phalanx: checkpoint every N steps (0: never)")
     ap.add_argument("--ckpt-digests", action="store_true",
                     help="log a digest of every saved and restored state")
+    ap.add_argument("--fail-at-step", type=int, default=None,
+                    help="test only: --fail-rank raises at the start of this step, every run")
+    ap.add_argument("--fail-rank", type=int, default=0, help="the rank --fail-at-step fails")
+    ap.add_argument("--step-sleep", type=float, default=0.0,
+                    help="seconds each step sleeps (a bigger model's pace, for demos and "
+                    "tests; changes no number)")
     args = ap.parse_args()
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -160,16 +196,24 @@ def main() -> None:
         found = checkpointer.restore()
         if found is not None:
             start = load(found[1], model, opt, sched)
+            settle_buckets(ddp, stream.get(start * world + rank).to(device), loss_fn,
+                           args.vocab)
             line: dict[str, Any] = {"ckpt_restored": found[0], "rank": rank,
                                     "from": checkpointer.restored_from}
             if args.ckpt_digests:
                 line["digest"] = digest(capture(start, model, opt, sched))
             print(json.dumps(line), flush=True)
     saved = False
+    # Requests to save now seen by this rank so far, and the most any rank had seen at the
+    # last save on request: every rank hears of a request at its own step, so the ranks
+    # agree (an all-reduce MAX) and all save at the same step, once per request.
+    save_requests = saved_requests = 0
 
     first_loss = last_loss = math.nan
     window_start, window_tokens = time.perf_counter(), 0
     for step in range(start, args.steps):
+        if step == args.fail_at_step and rank == args.fail_rank:
+            raise RuntimeError(f"injected failure at step {step}")
         batch = stream.get(step * world + rank).to(device)
         logits = ddp(batch[:, :-1])
         loss = loss_fn(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
@@ -184,6 +228,11 @@ def main() -> None:
         if step == start:
             first_loss = mean
         last_loss = mean
+        tokens = batch[:, 1:].numel() * world
+        if phalanx.rank.step(step, loss=mean, tokens=tokens, lr=sched.get_last_lr()[0]):
+            save_requests += 1
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             now = time.perf_counter()
             rate = window_tokens / max(now - window_start, 1e-9)
@@ -191,13 +240,22 @@ def main() -> None:
                               "lr": sched.get_last_lr()[0]}), flush=True)
             window_start, window_tokens = now, 0
         done = step + 1
-        if checkpointer is not None and args.ckpt_every and done % args.ckpt_every == 0:
+        on_request = False
+        if checkpointer is not None:
+            agreed = torch.tensor([save_requests], device=device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            if int(agreed.item()) > saved_requests:
+                saved_requests, on_request = int(agreed.item()), True
+        if checkpointer is not None and (
+                on_request or (args.ckpt_every and done % args.ckpt_every == 0)):
             state = capture(done, model, opt, sched)
             if args.ckpt_digests:  # before the save: a rank killed right after it left one
                 print(json.dumps({"ckpt_saved": done, "rank": rank, "digest": digest(state)}),
                       flush=True)
             checkpointer.save(done, state)
             saved = True
+            if on_request:
+                print(json.dumps({"ckpt_saved_on_request": done, "rank": rank}), flush=True)
     if checkpointer is not None:
         if saved:
             checkpointer.wait()
@@ -205,7 +263,9 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({"done": True, "steps": args.steps, "first_loss": round(first_loss, 4),
                           "last_loss": round(last_loss, 4),
-                          "improved": last_loss < first_loss}), flush=True)
+                          "improved": last_loss < first_loss,
+                          "digest": digest(capture(args.steps, model, opt, sched))}),
+              flush=True)
     dist.barrier()  # no rank tears down (rank 0 hosts the rendezvous store) before all are done
     dist.destroy_process_group()
 

@@ -8,7 +8,10 @@ manifest that every node writes alike. Real files, real shards.
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -157,3 +160,23 @@ def test_the_catalog_checksum_wins_over_a_part_that_lists_other_bytes(tmp_path: 
 
     assert reader is not None and reader.expected == committed[0]
     assert decode(bytearray(b"".join(reader)), expected=committed[0])["saved"] == "again"
+
+
+def test_folder_store_listing_skips_a_step_folder_removed_while_it_walks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ckpt.stores import LocalFolderStore
+
+    store = LocalFolderStore(tmp_path)
+    for step in ("000000000010", "000000000020"):
+        store.put_stream(f"job/{step}/rank-00000.phx", [b"x"])
+    real_scandir = os.scandir
+
+    def scandir_after_retention(path: Any) -> Any:
+        # Another node's retention removes step 10 just as this walk reaches it.
+        if str(path).endswith("000000000010"):
+            shutil.rmtree(path, ignore_errors=True)
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir_after_retention)
+    assert store.keys("job") == ["job/000000000020/rank-00000.phx"]
