@@ -510,6 +510,7 @@ class JobController:
                    for r in job.ranks if r.node == node],
             grace_s=spec.grace_period,
             ckpt=self._ckpt_plan(job, node),
+            hang_timeout_s=spec.restart.hang_timeout,
         )
 
     def _ckpt_plan(self, job: Job, node: str) -> wire.CkptPlan:

@@ -274,7 +274,7 @@ class Recoveries:
         """Before the second restart in a row and later ones: backoff, doubling."""
         streak = 0
         for incident in reversed(job.incidents):
-            if incident.get("outcome") != "recovered" or incident.get("ran_s", 1e9) > 300:
+            if incident.get("outcome") != "recovered" or (incident.get("ran_s") or 1e9) > 300:
                 break
             streak += 1
         if streak == 0 or job.spec.restart.backoff <= 0:

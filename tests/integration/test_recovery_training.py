@@ -1,0 +1,243 @@
+"""Recovery of a real training job: tinylm with checkpoints, faults injected mid-run.
+
+Each case ends with the job ``succeeded`` and rank 0's final digest (every bit
+of the model, optimizer, scheduler and RNG state after the last step) equal to
+that of an undisturbed run of the same command: the recovered run is the run
+that never failed. The undisturbed digest comes from the same command run as
+four plain torch.distributed processes (gloo), no Phalanx at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import Fleet, processes_matching, wait_for
+
+from agentd.gpu.sim import inject
+from phalanx.local import free_port
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 120
+TINY = ["--vocab", "32", "--dim", "16", "--layers", "1", "--heads", "2", "--seq", "8",
+        "--batch", "2", "--log-every", "1000", "--steps", str(STEPS), "--ckpt-every", "10",
+        "--step-sleep", "0.04"]
+TIERS = ["ram", "nvme", "peer", "object"]
+
+
+def tinylm(*extra: str) -> list[str]:
+    return [sys.executable, "examples/tinylm.py", *TINY, *extra]
+
+
+@cache
+def undisturbed_digest(*extra: str) -> str:
+    """Rank 0's final digest of the same training, run as 4 plain processes."""
+    port = free_port()
+    procs = []
+    for rank in range(4):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        env = {k: v for k, v in env.items() if not k.startswith("PHALANX_")}
+        procs.append(subprocess.Popen(tinylm("--step-sleep", "0"), cwd=REPO, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outs = [p.communicate(timeout=240)[0].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    return str(json.loads(outs[0].strip().splitlines()[-1])["digest"])
+
+
+def start(fleet: Fleet, *, nodes: int = 3, spares: int = 1, extra: str = "") -> None:
+    fleet.start_supervisor(spares=spares, extra=extra)
+    for i in range(nodes):
+        fleet.start_agent(f"n{i + 1:02d}", rack=f"rack{i % 2 + 1}")
+    for i in range(nodes):
+        fleet.wait_state(f"n{i + 1:02d}", "up")
+
+
+def submit(fleet: Fleet, name: str, *extra: str, **spec: Any) -> str:
+    job = fleet.submit(name=name, nodes=2, ranks_per_node=2, workdir=str(REPO),
+                       command=tinylm(*extra), grace_period=5, env={"OMP_NUM_THREADS": "1"},
+                       checkpoint={"tiers": TIERS, "interval": {"steps": 10}}, **spec)
+    job_id: str = job["id"]
+    return job_id
+
+
+def committed_step(fleet: Fleet, job: str, at_least: int, tier: str = "object") -> int | None:
+    events = fleet.client().get(f"/v1/events?job={job}&limit=1000")
+    steps = [e["detail"]["step"] for e in events
+             if e["kind"] == "ckpt_committed" and e["detail"]["tier"] == tier]
+    newest = max(steps, default=-1)
+    return newest if newest >= at_least else None
+
+
+def rank_pid(job: str, rank: int, generation: int | None = None) -> int | None:
+    for pid in processes_matching("examples/tinylm.py"):
+        try:
+            env = dict(item.split("=", 1) for item in
+                       Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        except OSError:
+            continue
+        if env.get("PHALANX_JOB_ID") == job and env.get("RANK") == str(rank) and (
+                generation is None or env.get("PHALANX_GENERATION") == str(generation)):
+            return pid
+    return None
+
+
+def final_digest(fleet: Fleet, job: dict[str, Any]) -> str:
+    node = next(r["node"] for r in job["ranks"] if r["rank"] == 0)
+    log = fleet.root / "nodes" / node / "data" / "jobs" / job["id"] / \
+        f"g{job['generation']}" / "rank-0.log"
+    last = json.loads(log.read_text().strip().splitlines()[-1])
+    assert last["done"] is True
+    return str(last["digest"])
+
+
+def restored_from(fleet: Fleet, job: dict[str, Any]) -> dict[int, str]:
+    out = {}
+    for r in job["ranks"]:
+        log = fleet.root / "nodes" / r["node"] / "data" / "jobs" / job["id"] / \
+            f"g{job['generation']}" / f"rank-{r['rank']}.log"
+        for line in log.read_text().splitlines():
+            if line.startswith("{") and "ckpt_restored" in line:
+                out[r["rank"]] = json.loads(line)["from"]
+    return out
+
+
+def test_a_rank_killed_with_sigkill_restarts_in_place_and_ends_bit_identical(
+    fleet: Fleet,
+) -> None:
+    start(fleet)
+    job = submit(fleet, "kill")
+    running = fleet.wait_job(job, "running", timeout=60)
+    wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed")
+
+    os.kill(wait_for(lambda: rank_pid(job, 3), 10, "rank 3"), signal.SIGKILL)
+
+    done = fleet.wait_job(job, "succeeded", timeout=180)
+    assert done["nodes"] == running["nodes"]
+    assert done["restarts"] == 1
+    (incident,) = done["incidents"]
+    assert incident["plan"]["action"] == "restart_in_place"
+    assert incident["restored_step"] >= 20
+    assert set(restored_from(fleet, done).values()) == {"ram"}
+    assert final_digest(fleet, done) == undisturbed_digest()
+    phases = incident["phases"]
+    assert all(phases.get(p) is not None for p in ("detect", "plan", "stop", "launch",
+                                                   "restore", "first_step")), phases
+
+
+def test_ecc_error_moves_the_ranks_to_the_spare_which_restores_remotely_bit_identical(
+    fleet: Fleet,
+) -> None:
+    start(fleet)
+    job = submit(fleet, "ecc")
+    running = fleet.wait_job(job, "running", timeout=60)
+    wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed at every tier")
+    victim = running["nodes"][1]
+
+    inject(fleet.sim_file(victim), 0, "ecc-dbe")
+
+    done = fleet.wait_job(job, "succeeded", timeout=180)
+    assert victim not in done["nodes"]
+    spare = done["nodes"][1]
+    (incident,) = done["incidents"]
+    planned = incident["plan"]["restore_from"]
+    assert {planned["0"], planned["1"]} == {"ram"}  # the healthy node reads its own RAM
+    assert {planned["2"], planned["3"]} <= {"peer", "object"}  # the spare had no copy
+    froms = restored_from(fleet, done)
+    assert set(froms) == {0, 1, 2, 3}  # (the spare's agent staged its copy in RAM first)
+    assert fleet.node(victim)["state"] == "drain"
+    assert final_digest(fleet, done) == undisturbed_digest()
+    assert spare != victim
+
+
+def test_a_stopped_rank_is_detected_as_a_hang_named_and_recovered(fleet: Fleet) -> None:
+    start(fleet)
+    job = submit(fleet, "hang", restart={"hang_timeout": 4})
+    fleet.wait_job(job, "running", timeout=60)
+    wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed")
+    pid = wait_for(lambda: rank_pid(job, 2), 10, "rank 2")
+
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    recovering = wait_for(lambda: (j := fleet.job(job))["state"] == "recovering" and j, 30,
+                          "the hang to be detected")
+    detected_after = time.monotonic() - stopped_at
+
+    assert detected_after < 4 + 10  # the hang timeout plus a few reports' worth
+    assert "hung" in recovering["reason"] and "rank 2" in recovering["reason"]
+    done = fleet.wait_job(job, "succeeded", timeout=180)
+    (incident,) = done["incidents"]
+    assert incident["failures"][0]["kind"] == "hang"
+    assert incident["failures"][0]["rank"] == 2
+    assert final_digest(fleet, done) == undisturbed_digest()
+
+
+def test_a_crash_at_the_same_step_every_time_fails_fast_as_following_the_code(
+    fleet: Fleet,
+) -> None:
+    start(fleet)
+    job = submit(fleet, "buggy", "--fail-at-step", "35", "--fail-rank", "1")
+
+    failed = fleet.wait_job(job, "failed", timeout=180)
+
+    assert "follows the code" in failed["reason"]
+    assert failed["restarts"] <= 1
+    assert all(i["plan"]["swaps"] == [] for i in failed["incidents"] if i.get("plan"))
+    for node in ("n01", "n02", "n03"):
+        assert fleet.node(node)["state"] == "up"  # no node blamed, no spare used
+
+
+def test_a_supervisor_restarted_during_a_recovery_finishes_it(fleet: Fleet) -> None:
+    start(fleet)
+    job = submit(fleet, "sup")
+    running = fleet.wait_job(job, "running", timeout=60)
+    wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed")
+    assert fleet.supervisor is not None
+    victim = running["nodes"][1]
+
+    inject(fleet.sim_file(victim), 0, "xid-79")
+    wait_for(lambda: fleet.job(job)["state"] in ("recovering", "starting") or None, 30,
+             "the recovery to start")
+    fleet.supervisor.stop()
+    fleet.start_supervisor(spares=1)
+
+    done = fleet.wait_job(job, "succeeded", timeout=180)
+    assert victim not in done["nodes"]
+    assert final_digest(fleet, done) == undisturbed_digest()
+
+
+def test_a_rank_of_the_old_generation_resumed_after_the_restart_cannot_join_or_commit(
+    fleet: Fleet,
+) -> None:
+    start(fleet)
+    job = submit(fleet, "stale")
+    running = fleet.wait_job(job, "running", timeout=60)
+    wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed")
+    victim = running["nodes"][1]
+    # The node freezes whole (agent and a rank): its stop can never land, so the frozen
+    # rank of generation 1 outlives the restart on the spare.
+    frozen = wait_for(lambda: rank_pid(job, 2, generation=1), 10, "rank 2")
+    fleet.agents[victim].signal(signal.SIGSTOP)
+    os.kill(frozen, signal.SIGSTOP)
+    wait_for(lambda: (fleet.job(job)["generation"] == 2 and fleet.job(job)["state"] == "running")
+             or None, 90, "generation 2 running on the spare")
+
+    os.kill(frozen, signal.SIGCONT)  # it wakes up in a world that moved on
+    fleet.agents[victim].signal(signal.SIGCONT)
+
+    done = fleet.wait_job(job, "succeeded", timeout=180)
+    assert victim not in done["nodes"]
+    assert final_digest(fleet, done) == undisturbed_digest()
+    # The stale rank joined nothing: it died (or was stopped as an orphan) on its own.
+    wait_for(lambda: rank_pid(job, 2, generation=1) is None or None, 60,
+             "the stale rank to be gone")
