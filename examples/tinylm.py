@@ -20,7 +20,8 @@ Run by hand (no agent), it does not checkpoint.
 Every step is reported to the agent with ``phalanx.rank.step`` (loss, tokens, lr),
 which is how the agent sees hung ranks; when the agent asks for a checkpoint
 (``save_now``, before a preemption) the ranks agree on the step with one small
-all-reduce and save at once, besides the ``--ckpt-every`` cadence. Rank 0's last
+all-reduce and save at once, besides the ``--ckpt-every`` cadence, then hold,
+training no further, until the supervisor stops them. Rank 0's last
 line carries the digest of the final state. ``--fail-at-step N`` (with
 ``--fail-rank R``) makes rank R raise at the start of step N in every run: a
 deterministic bug, for the tests.
@@ -144,6 +145,12 @@ def settle_buckets(ddp: DistributedDataParallel, batch: torch.Tensor, loss_fn: n
     torch.set_rng_state(rng)
 
 
+def hold_until_stopped() -> None:
+    """Wait, training no further, for the stop that follows a save on request."""
+    while True:
+        time.sleep(1.0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=150)
@@ -255,7 +262,11 @@ def main() -> None:
             checkpointer.save(done, state)
             saved = True
             if on_request:
-                print(json.dumps({"ckpt_saved_on_request": done, "rank": rank}), flush=True)
+                # The supervisor asks before it stops the job (a preemption): train no
+                # further, so no step is trained twice when the job resumes from this one.
+                print(json.dumps({"ckpt_saved_on_request": done, "rank": rank,
+                                  "holding": True}), flush=True)
+                hold_until_stopped()
     if checkpointer is not None:
         if saved:
             checkpointer.wait()

@@ -18,11 +18,10 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from phalanx import wire
-from phalanx.jobspec import FromFile, JobSpec
+from phalanx.jobspec import JobSpec
 from supervisor.burnin import BurnIns
-from supervisor.catalog import pick_buddies
 from supervisor.jobs import Job, JobState, RankPlace
-from supervisor.mtbf import NodeMtbf, node_mtbf
+from supervisor.orders import GangOrders
 from supervisor.planner import Failure, FailureKind, NodeIncident
 from supervisor.recovery import Recoveries
 from supervisor.registry import NodeState, Refused, RegistryError
@@ -54,7 +53,6 @@ class JobController:
     def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
         self.store = sup.store
-        self._mtbf: tuple[float, NodeMtbf] | None = None  # (monotonic time, the fleet's)
         self.jobs: dict[str, Job] = {
             job_id: Job.from_record(job_id, rec) for job_id, rec in self.store.load_jobs().items()
         }
@@ -71,6 +69,7 @@ class JobController:
         self.settings = sup.settings
         self.burnins = BurnIns(sup.registry, self._send)
         self.recoveries = Recoveries(self)
+        self.orders = GangOrders(self)
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -139,6 +138,9 @@ class JobController:
 
     def save(self, job: Job) -> None:
         self._save(job)
+
+    async def stop(self, job: Job) -> None:
+        await self._stop(job)
 
     def event(self, kind: str, job: Job, node: str | None = None, **detail: Any) -> None:
         self._event(kind, job, node, **detail)
@@ -420,7 +422,7 @@ class JobController:
                 self._event("job_preempted", victim, by=pre.for_job_id,
                             lost_gpu_seconds=round(pre.lost_work, 1))
                 self._move(victim, JobState.STOPPING, victim.reason)
-                self._spawn(victim, self._stop(victim))
+                self._spawn(victim, self.orders.preempt(victim))
         for start in decisions.starts:
             job = self.jobs[start.job_id]
             if start.preempts:
@@ -459,7 +461,8 @@ class JobController:
             # restore step (or that there is none) before; their agents wait for it.
             await self.sup.publish_catalog(job.id)
             acks = await asyncio.gather(*(
-                self.sup.command(node, self._start_args(job, i, node), timeout=timeout)
+                self.sup.command(node, self.orders.start_args(job, i, node),
+                                 timeout=timeout)
                 for i, node in enumerate(nodes)
             ), return_exceptions=True)
             problems = []
@@ -495,50 +498,6 @@ class JobController:
             if place.exited:
                 self._after_exit(job, place)
                 break
-
-    def _start_args(self, job: Job, group_rank: int, node: str) -> wire.StartRanksArgs:
-        spec = job.spec
-        env: dict[str, str | wire.EnvFromFile] = {
-            k: wire.EnvFromFile(from_file=str(v.from_file)) if isinstance(v, FromFile) else v
-            for k, v in spec.env.items()
-        }
-        return wire.StartRanksArgs(
-            job=job.id, generation=job.generation, command=spec.command, workdir=spec.workdir,
-            env=env, world_size=spec.world_size, group_rank=group_rank,
-            master_addr=job.master_addr or "", master_port=job.master_port or 1,
-            ranks=[wire.RankSlot(rank=r.rank, local_rank=r.local_rank)
-                   for r in job.ranks if r.node == node],
-            grace_s=spec.grace_period,
-            ckpt=self._ckpt_plan(job, node),
-            hang_timeout_s=spec.restart.hang_timeout,
-        )
-
-    def _ckpt_plan(self, job: Job, node: str) -> wire.CkptPlan:
-        """The job's checkpoint tiers for one node, with the buddy its peer copies go to."""
-        spec = job.spec.checkpoint
-        racks = {}
-        for n in job.nodes:
-            known = self.sup.registry.nodes.get(n)
-            racks[n] = known.birth.topology.rack if known and known.birth else ""
-        buddy = None
-        name = pick_buddies(job.nodes, racks).get(node) if "peer" in spec.tiers else None
-        found = self.sup.registry.nodes.get(name) if name else None
-        if found is not None and found.birth is not None and found.birth.http_port:
-            buddy = wire.PeerAddr(node=found.id, address=found.birth.address,
-                                  http_port=found.birth.http_port)
-        interval: str | float | int = "auto"
-        if isinstance(spec.interval, dict):
-            kind, value = next(iter(spec.interval.items()))
-            interval = int(value) if kind == "steps" else float(value)
-        now = time.monotonic()
-        if self._mtbf is None or now - self._mtbf[0] > 60.0:  # one event-log scan a minute
-            settings = self.sup.settings
-            self._mtbf = (now, node_mtbf(self.store,
-                                         configured_s=settings.ckpt_node_mtbf_h * 3600.0,
-                                         min_failures=settings.ckpt_mtbf_min_failures))
-        mtbf = self._mtbf[1]
-        return wire.CkptPlan(tiers=list(spec.tiers), keep=dict(spec.keep), interval=interval,
-                             buddy=buddy, mtbf_s=mtbf.for_job(len(job.nodes)))
 
     async def _stop_after_settling(self, job: Job) -> None:
         """A restarted supervisor knows no node yet: give the job's nodes one offline timeout

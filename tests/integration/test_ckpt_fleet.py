@@ -256,7 +256,8 @@ class Gang:
         def exits() -> list[wire.RankEvent] | None:
             events = [wire.RankEvent.model_validate_json(p) for t, p in self.mqtt.messages
                       if t.endswith("/rank")]
-            mine = [e for e in events if e.job == self.job and e.generation == gen]
+            mine = [e for e in events if e.job == self.job and e.generation == gen
+                    and e.event == "exited"]
             return mine if len(mine) == 4 else None
 
         ended = wait_for(exits, 120, f"the 4 ranks of generation {gen} to exit")

@@ -241,3 +241,93 @@ def test_a_rank_of_the_old_generation_resumed_after_the_restart_cannot_join_or_c
     # The stale rank joined nothing: it died (or was stopped as an orphan) on its own.
     wait_for(lambda: rank_pid(job, 2, generation=1) is None or None, 60,
              "the stale rank to be gone")
+
+
+def test_a_preempted_job_checkpoints_first_and_resumes_from_that_step_on_its_return(
+    fleet: Fleet,
+) -> None:
+    start(fleet, nodes=2, spares=0)
+    job = submit(fleet, "victim", "--ckpt-digests", priority=10, preemptible=True)
+    fleet.wait_job(job, "running", timeout=60)
+    wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed")
+
+    urgent = fleet.submit(name="urgent", nodes=2, ranks_per_node=1, priority=900,
+                          command=["bash", "-c", "sleep 2"])
+
+    fleet.wait_job(urgent["id"], "succeeded", timeout=120)
+    done = fleet.wait_job(job, "succeeded", timeout=240)
+    events = fleet.client().get(f"/v1/events?job={job}&limit=1000")
+    (saved,) = [e["detail"] for e in events if e["kind"] == "job_preempt_checkpoint"]
+    assert saved["committed"] is True
+    step = saved["step"]
+    assert step > 20
+    for r in done["ranks"]:  # the resumed generation restored exactly the step saved ...
+        log = fleet.root / "nodes" / r["node"] / "data" / "jobs" / job / \
+            f"g{done['generation']}" / f"rank-{r['rank']}.log"
+        restored = [json.loads(line)["ckpt_restored"] for line in log.read_text().splitlines()
+                    if "ckpt_restored" in line]
+        assert restored == [step]
+    # ... and the preempted one trained no step past it: it saved on request and held.
+    held = []
+    for log in (fleet.root / "nodes").glob(f"*/data/jobs/{job}/g1/rank-*.log"):
+        held += [json.loads(line)["ckpt_saved_on_request"]
+                 for line in log.read_text().splitlines() if "ckpt_saved_on_request" in line]
+    assert held == [step] * 4
+    assert final_digest(fleet, done) == undisturbed_digest()
+
+
+TORCHRUN_STYLE = '''
+import os, sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")  # env:// rendezvous, as torchrun sets it up
+rank = dist.get_rank()
+snap = f"snapshot-{rank}.pt"
+start, total = 0, torch.zeros(1)
+if os.path.exists(snap):  # its own snapshots, nothing of Phalanx
+    saved = torch.load(snap)
+    start, total = saved["step"], saved["total"]
+for step in range(start, 60):
+    x = torch.ones(1) * (step + 1)
+    dist.all_reduce(x)
+    total += x
+    if (step + 1) % 10 == 0:
+        torch.save({"step": step + 1, "total": total}, snap + ".tmp")
+        os.replace(snap + ".tmp", snap)
+    time.sleep(0.05)
+print("total", float(total[0]), flush=True)
+dist.barrier()
+'''
+
+
+def test_a_torchrun_style_script_that_knows_nothing_of_phalanx_is_restarted_in_place(
+    fleet: Fleet, tmp_path: Path,
+) -> None:
+    start(fleet, nodes=2, spares=0)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(TORCHRUN_STYLE)
+    job = fleet.submit(name="plain", nodes=2, ranks_per_node=1, workdir=str(work),
+                       command=[sys.executable, "train.py"], grace_period=2,
+                       env={"OMP_NUM_THREADS": "1"})["id"]
+    fleet.wait_job(job, "running", timeout=60)
+    wait_for(lambda: (work / "snapshot-1.pt").exists() or None, 60, "a first snapshot")
+
+    os.kill(wait_for(lambda: rank_pid_of(job, 1, "train.py"), 10, "rank 1"), signal.SIGKILL)
+
+    done = fleet.wait_job(job, "succeeded", timeout=120)
+    assert (done["generation"], done["restarts"]) == (2, 1)
+    log = fleet.root / "nodes" / done["nodes"][0] / "data" / "jobs" / job / "g2" / \
+        "rank-0.log"
+    # sum over steps of 2 * (step + 1): the same as a run that never crashed
+    assert log.read_text().strip().splitlines()[-1] == f"total {2.0 * 60 * 61 / 2}"
+
+
+def rank_pid_of(job: str, rank: int, marker: str) -> int | None:
+    for pid in processes_matching(marker):
+        try:
+            env = dict(item.split("=", 1) for item in
+                       Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        except OSError:
+            continue
+        if env.get("PHALANX_JOB_ID") == job and env.get("RANK") == str(rank):
+            return pid
+    return None
