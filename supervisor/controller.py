@@ -321,13 +321,19 @@ class JobController:
                 node = self.sup.registry.nodes.get(node_id)
                 if node is not None and settling and node.last_seen == 0.0:
                     continue
+                if node is not None and node.state is NodeState.OFFLINE and \
+                        not self.sup.offline_confirmed(node.offline_at):
+                    continue  # perhaps the broker restarting: confirmed in a moment
                 if node is None or node.state is NodeState.OFFLINE:
                     cause = node.offline_cause if node else "unknown"
                     self.recoveries.on_failure(job, Failure(
                         FailureKind.NODE_OFFLINE, node_id, detail=cause,
                         generation=job.generation, quarantine=cause != "clean shutdown"))
                     break
-                if node.state is NodeState.DRAIN and node.drain is not None:
+                # A drain for the node's health is a hardware failure under the job; an
+                # operator's drain lets the job finish (a rolling upgrade waits for it).
+                if node.state is NodeState.DRAIN and node.drain is not None \
+                        and node.drain.by == "auto":
                     self.recoveries.on_failure(job, Failure(
                         FailureKind.NODE_DRAIN, node_id, detail=node.drain.reason,
                         generation=job.generation), fault_at=node.drain.since)

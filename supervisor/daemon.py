@@ -26,6 +26,12 @@ log = logging.getLogger(__name__)
 
 
 LANDING_BATCH_S = 0.05
+# Last wills that arrive this long before the supervisor loses the broker itself were
+# most likely sent by a broker going down, not by dying nodes.
+WILL_SUSPECT_S = 5.0
+# A node offline is a failure of its jobs once it has been offline this long with the
+# supervisor's own link up all along (a broker restart sends every node's will first).
+OFFLINE_CONFIRM_S = 2.0
 CATALOG_RETRY_S = 2.0
 MAX_QUEUED_LANDINGS = 1_000_000  # ~a checkpoint step of 250k ranks at every tier
 
@@ -45,6 +51,10 @@ class Supervisor:
         self.registry = Registry(self.store, offline_after_s=settings.offline_after_s)
         self.started_at = time.time()
         self.bad_messages = 0
+        # When the link to the broker last came up (None: down) and went down, on the
+        # registry's clock: a node offline is acted on only once the link stayed up.
+        self.link_since: float | None = None
+        self.link_lost_at: float | None = None
         self._acks: dict[str, asyncio.Future[wire.CommandAck]] = {}
         self._rebirth_asked: dict[str, float] = {}
         self.link = MqttLink(
@@ -128,6 +138,18 @@ class Supervisor:
         log.info("supervisor stopped")
 
     async def _on_connect(self) -> None:
+        # Back on the broker: every node gets a whole heartbeat timeout to be heard again
+        # before it is judged offline (it may have been reconnecting too), and the last
+        # wills the broker sent as it went down are taken back.
+        if self.link_lost_at is not None:
+            revived = self.registry.revive(self.link_lost_at - WILL_SUSPECT_S)
+            if revived:
+                log.info("back on the broker: %s went offline by a last will as the "
+                         "broker went down; waiting for them to reconnect",
+                         ", ".join(revived))
+        self.link_lost_at = None
+        self.link_since = self.registry.clock()
+        self.registry.heard_all_now()
         status = wire.SupervisorStatus(online=True, since=self.started_at)
         await self.link.publish(wire.SUPERVISOR_STATUS_TOPIC, wire.encode(status), retain=True)
         self._catalog_sent.clear()  # the broker may have lost retained messages: send again
@@ -258,6 +280,15 @@ class Supervisor:
 
             self._ram_lingers[job.id] = asyncio.get_running_loop().call_later(left, fire)
         return False
+
+    def offline_confirmed(self, offline_at: float) -> bool:
+        """Whether a node offline since ``offline_at`` (registry clock) is offline for sure:
+        the supervisor's link has been up for ``OFFLINE_CONFIRM_S`` since then (a will the
+        broker sent as it went down is taken back when the link returns, see
+        :meth:`Registry.revive`)."""
+        if not self.link.connected or self.link_since is None:
+            return False
+        return self.registry.clock() - max(offline_at, self.link_since) >= OFFLINE_CONFIRM_S
 
     def _schedule(self, delay: float, slot: str,
                   fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -425,5 +456,12 @@ class Supervisor:
         interval = max(0.1, min(1.0, self.settings.offline_after_s / 4))
         while True:
             await asyncio.sleep(interval)
+            if not self.link.connected:
+                # Cut off from the broker, the supervisor hears no heartbeat: that says
+                # nothing of the nodes (a broker restart is not a failure of every node).
+                if self.link_lost_at is None:
+                    self.link_lost_at = self.registry.clock()
+                    self.link_since = None
+                continue
             if self.registry.check_timeouts():
                 self.jobs.wake()

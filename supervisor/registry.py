@@ -79,6 +79,7 @@ class Node:
     birth_seq: int = -1
     last_seen: float = 0.0  # time.monotonic() of the last birth or heartbeat
     last_seen_wall: float = 0.0
+    offline_at: float = 0.0  # the registry's clock when it last went offline
 
     @property
     def state(self) -> NodeState:
@@ -189,8 +190,33 @@ class Registry:
             return
         before = node.state
         node.online = False
+        node.offline_at = self.clock()
         node.offline_cause = "clean shutdown" if death.cause == "shutdown" else "last will"
         self._changed(node, before, cause=node.offline_cause)
+
+    def heard_all_now(self) -> None:
+        """Count every online node as heard from now (the supervisor's own link to the
+        broker was down: their silence meanwhile is not theirs)."""
+        now = self.clock()
+        for node in self.nodes.values():
+            if node.online:
+                node.last_seen = max(node.last_seen, now)
+
+    def revive(self, since: float) -> list[str]:
+        """Nodes that went offline by their last will at or after ``since`` (the broker
+        published it as it went down, not the node): online again, as heard now, so that
+        they come back with a new birth or time out as usual. Returns their ids."""
+        now = self.clock()
+        back = []
+        for node in self.nodes.values():
+            if not node.online and node.offline_cause == "last will" and \
+                    node.offline_at >= since and node.birth is not None:
+                before = node.state
+                node.online = True
+                node.last_seen = now
+                self._changed(node, before, cause="will sent as the broker went down")
+                back.append(node.id)
+        return back
 
     def check_timeouts(self) -> list[str]:
         """Mark nodes offline whose heartbeats stopped; returns their ids."""
@@ -200,6 +226,7 @@ class Registry:
             if node.online and now - node.last_seen > self.offline_after_s:
                 before = node.state
                 node.online = False
+                node.offline_at = now
                 node.offline_cause = f"no heartbeat for {now - node.last_seen:.1f}s"
                 self._changed(node, before, cause="heartbeat timeout")
                 gone.append(node.id)

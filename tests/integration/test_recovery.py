@@ -8,6 +8,8 @@ final digests compared) are in test_recovery_training.py.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from harness import Fleet, processes_matching, wait_for
 
@@ -143,3 +145,33 @@ def test_with_no_spare_the_job_waits_recovering_until_a_node_is_undrained(
     done = fleet.wait_job(job["id"], "succeeded", timeout=60)
     assert done["nodes"] == ["n01", "n02"]
     assert events(fleet, job["id"], "recovery_waiting")
+
+
+def test_a_broker_restart_is_not_a_failure_and_the_job_keeps_running(fleet: Fleet) -> None:
+    fleet_of(fleet, 2)
+    job = fleet.submit(name="steady", nodes=2, ranks_per_node=1, command=["sleep", "600"])
+    fleet.wait_job(job["id"], "running")
+
+    fleet.broker.stop()
+    time.sleep(6.0)  # longer than the supervisor's offline_after_s (4 s)
+    fleet.broker.start()
+    time.sleep(8.0)  # the daemons reconnect; heartbeats resume
+
+    view = fleet.job(job["id"])
+    assert (view["state"], view["generation"], view["restarts"]) == ("running", 1, 0)
+    for node in ("n01", "n02"):
+        assert fleet.node(node)["state"] == "up"
+    fleet.client().post(f"/v1/jobs/{job['id']}/cancel")
+    fleet.wait_job(job["id"], "cancelled", timeout=30)
+
+
+def test_an_operators_drain_lets_the_running_job_finish_where_it_is(fleet: Fleet) -> None:
+    fleet_of(fleet, 3, spares=1)
+    job = fleet.submit(name="upgrade", nodes=2, ranks_per_node=1, grace_period=1,
+                       command=["bash", "-c", "sleep 4"])
+    running = fleet.wait_job(job["id"], "running")
+
+    fleet.client().post(f"/v1/nodes/{running['nodes'][0]}/drain", {"reason": "kernel upgrade"})
+
+    done = fleet.wait_job(job["id"], "succeeded", timeout=30)
+    assert (done["generation"], done["restarts"], done["nodes"]) == (1, 0, running["nodes"])

@@ -331,6 +331,34 @@ def test_check_timeouts_leaves_a_node_that_beat_recently(registry: Registry,
     assert registry.get("fresh").state is NodeState.UP
 
 
+def test_nodes_heard_all_now_get_a_whole_timeout_again(registry: Registry,
+                                                        clock: Clock) -> None:
+    registry.on_birth(_birth("quiet"))
+    clock.now += OFFLINE_AFTER_S - 1  # the supervisor's own link was down meanwhile
+    registry.heard_all_now()
+    clock.now += OFFLINE_AFTER_S - 1
+
+    assert registry.check_timeouts() == []
+    clock.now += 2
+    assert registry.check_timeouts() == ["quiet"]
+
+
+def test_wills_the_broker_sent_as_it_went_down_are_taken_back(registry: Registry,
+                                                              clock: Clock) -> None:
+    registry.on_birth(_birth("early"))
+    registry.on_birth(_birth("late"))
+    registry.on_death(wire.NodeDeath(node="early", seq=1, cause="lost"))
+    clock.now += 30.0
+    link_lost = clock.now
+    registry.on_death(wire.NodeDeath(node="late", seq=1, cause="lost"))
+
+    assert registry.revive(since=link_lost - 5.0) == ["late"]
+    assert registry.get("late").state is NodeState.UP
+    assert registry.get("early").state is NodeState.OFFLINE  # died long before: it stays
+    clock.now += OFFLINE_AFTER_S + 1
+    assert registry.check_timeouts() == ["late"]  # and if it does not come back, it goes
+
+
 def test_a_node_is_not_timed_out_twice(registry: Registry, clock: Clock) -> None:
     registry.on_birth(_birth())
     clock.now += OFFLINE_AFTER_S + 1
