@@ -114,8 +114,9 @@ class RestartSpec(_Spec):
     )
     backoff: float = Field(
         default=1.0, ge=0, le=600,
-        description="Seconds before the second restart in a row; doubles with each further "
-        "one, at most 60 s. The first restart is immediate.",
+        description="Seconds to wait before restarting a generation that a recovery started "
+        "and that failed again within a minute; doubles with each such failure in a row, at "
+        "most 60 s. Other restarts are immediate.",
     )
 
     @field_validator("hang_timeout", mode="before")

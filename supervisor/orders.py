@@ -73,10 +73,15 @@ class GangOrders:
     async def preempt(self, job: Job) -> None:
         """Checkpoint a preempted job first: its ranks are asked to save at their next step
         (``save_now``), and the stop waits, within the grace period, for that save to be
-        committed at the nearest tier any node can restore from; then it stops."""
+        committed at the nearest tier any node can restore from; then it stops. A job
+        that never committed a checkpoint is stopped at once."""
         tiers = job.spec.checkpoint.tiers
         tier = next((t for t in ("peer", "object", "nvme", "ram") if t in tiers), None)
-        before = max((s for s, t, _ in self.ctl.store.commits(job.id) if t == tier), default=-1)
+        commits = self.ctl.store.commits(job.id)
+        if not commits and not self.ctl.store.ever_committed(job.id):
+            await self.ctl.stop(job)  # it never checkpointed: nothing to wait for
+            return
+        before = max((s for s, t, _ in commits if t == tier), default=-1)
         args = wire.SaveNowArgs(job=job.id, generation=max(job.generation, 1))
         timeout = self.ctl.settings.command_timeout_s
         acks = await asyncio.gather(*(self.ctl.command(n, args, timeout=timeout)

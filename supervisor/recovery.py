@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 5.0  # the most a recovery waits for a rank to take SIGTERM before SIGKILL
 BACKOFF_MAX_S = 60.0
+QUICK_FAILURE_S = 60.0  # a generation a recovery started that fails sooner is a crash loop
 BURN_IN_TIMEOUT_S = 60.0
 HANG_COLLECT_S = 1.5  # after a node reports a hang, how long the others get to report theirs
 WAIT_POLL_S = 1.0
@@ -271,17 +272,17 @@ class Recoveries:
         return job.state is JobState.RECOVERING
 
     async def _backoff(self, job: Job) -> bool:
-        """Before the second restart in a row and later ones: backoff, doubling."""
-        streak = 0
-        for incident in reversed(job.incidents):
-            if incident.get("outcome") != "recovered" or (incident.get("ran_s") or 1e9) > 300:
-                break
-            streak += 1
-        if streak == 0 or job.spec.restart.backoff <= 0:
-            return True
-        delay = min(BACKOFF_MAX_S, job.spec.restart.backoff * 2 ** (streak - 1))
+        """Wait before restarting a generation that a recovery started and that failed
+        again within ``QUICK_FAILURE_S``: ``restart.backoff``, doubling with each such
+        failure in a row (a crash loop), at most ``BACKOFF_MAX_S``."""
         assert job.recovery is not None
+        ran = _ran(job, job.recovery["fault_at"])
+        delay = backoff_delay([i.get("ran_s") for i in job.incidents], ran,
+                              job.spec.restart.backoff)
+        if delay <= 0:
+            return True
         job.recovery["backoff_s"] = delay
+        self.ctl.save(job)
         await asyncio.sleep(delay)
         return job.state is JobState.RECOVERING
 
@@ -383,10 +384,7 @@ class Recoveries:
             if step_time is not None:
                 lost_work = lost_steps * step_time
         end = resumed_at if resumed_at is not None else time.time()
-        previous = job.incidents[-1] if job.incidents else None
-        ran = None
-        if previous is not None and previous.get("resumed_at"):
-            ran = rec["fault_at"] - previous["resumed_at"]
+        ran = _ran(job, rec["fault_at"])
         incident = {
             "generation": old,
             "next_generation": rec.get("generation_new"),
@@ -411,6 +409,30 @@ class Recoveries:
                        generation=job.generation, phases=incident["phases"],
                        mttr_s=incident["mttr_s"], lost_steps=lost_steps,
                        restored_step=restored)
+
+
+def _ran(job: Job, fault_at: float) -> float | None:
+    """How long the failed generation ran: since the last recovery resumed the job, or
+    since its first start (None: not known)."""
+    previous = job.incidents[-1] if job.incidents else None
+    since = previous.get("resumed_at") if previous is not None else job.first_started_at
+    return None if since is None else max(0.0, fault_at - since)
+
+
+def backoff_delay(ran_before: list[float | None], ran_now: float | None,
+                  base: float) -> float:
+    """Seconds to wait before a restart. ``ran_before``: how long each generation that
+    failed before ran (oldest first), ``ran_now`` the one failing now. The first failure
+    and any after a generation that ran ``QUICK_FAILURE_S`` or longer restart at once;
+    each quick failure in a row after a recovery doubles the wait from ``base``."""
+    if base <= 0 or not ran_before or ran_now is None or ran_now >= QUICK_FAILURE_S:
+        return 0.0
+    streak = 1
+    for ran in reversed(ran_before[1:]):  # the first generation was no recovery's
+        if ran is None or ran >= QUICK_FAILURE_S:
+            break
+        streak += 1
+    return float(min(BACKOFF_MAX_S, base * 2 ** (streak - 1)))
 
 
 def _recovering(job: Job) -> bool:

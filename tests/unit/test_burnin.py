@@ -1,0 +1,138 @@
+"""Burn-in: the supervisor's side, over a real registry and store; the agent's answer is
+a hand-written fake at the command boundary."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from phalanx import wire
+from supervisor.burnin import BurnIns
+from supervisor.registry import NodeState, Registry
+from supervisor.store import Store
+
+OK = wire.Health(status=wire.HealthStatus.OK)
+
+
+def birth(node: str, seq: int = 1) -> wire.NodeBirth:
+    return wire.NodeBirth(
+        node=node, seq=seq, hostname=node, address="127.0.0.1", http_port=9400,
+        gpus=[wire.GpuDescriptor(index=0, uuid=f"GPU-{node}", model="H100",
+                                 memory_bytes=80 * 2**30)],
+        gpu_backend="sim", topology=wire.Topology(rack="r1"), version="0",
+        started_at=0.0, health=OK)
+
+
+class Agents:
+    """Answers burn-in commands as the agents would: passed unless told otherwise."""
+
+    def __init__(self) -> None:
+        self.failing: dict[str, str] = {}
+        self.silent: set[str] = set()
+        self.asked: list[str] = []
+
+    async def send(self, node: str, args: wire.CommandArgsType,
+                   timeout: float) -> wire.CommandAck:
+        assert isinstance(args, wire.BurnInArgs)
+        self.asked.append(node)
+        if node in self.silent:
+            raise TimeoutError(f"no ack from node {node!r} within {timeout}s")
+        passed = node not in self.failing
+        return wire.CommandAck(id="x", node=node, status=wire.AckStatus.DONE,
+                               result={"passed": passed,
+                                       "reasons": [self.failing.get(node, "")] if not passed
+                                       else []},
+                               acked_at=0.0)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    store = Store(tmp_path / "state.db")
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def registry(store: Store) -> Registry:
+    registry = Registry(store, offline_after_s=15.0)
+    for node in ("n1", "n2"):
+        registry.on_birth(birth(node))
+    return registry
+
+
+@pytest.fixture
+def agents() -> Agents:
+    return Agents()
+
+
+async def test_a_node_that_passes_is_trusted_until_it_is_drained(
+    registry: Registry, agents: Agents,
+) -> None:
+    burnins = BurnIns(registry, agents.send)
+
+    assert await burnins.run("n1") == (True, "")
+
+    assert burnins.passed("n1")
+    registry.drain("n1", "cable swap")
+    burnins.observe()
+    assert not burnins.passed("n1")
+
+
+async def test_a_node_that_fails_is_drained_by_the_supervisor_with_the_reason(
+    registry: Registry, agents: Agents,
+) -> None:
+    agents.failing["n2"] = "ecc_dbe on GPU 0"
+    burnins = BurnIns(registry, agents.send)
+
+    passed, why = await burnins.run("n2")
+
+    assert not passed
+    assert "ecc_dbe on GPU 0" in why
+    node = registry.get("n2")
+    assert node.state is NodeState.DRAIN
+    assert node.drain is not None and node.drain.by == "supervisor"
+    assert "failed burn-in" in node.drain.reason
+
+
+async def test_an_undrained_node_is_not_schedulable_until_its_burn_in_passes(
+    registry: Registry, agents: Agents,
+) -> None:
+    burnins = BurnIns(registry, agents.send)
+    registry.drain("n1", "repair")
+    burnins.observe()
+    registry.undrain("n1")
+
+    assert burnins.observe() == ["n1"]
+    assert burnins.needs("n1")
+    burnins.start("n1")
+    for _ in range(100):
+        if burnins.passed("n1"):
+            break
+        await asyncio.sleep(0.01)
+
+    assert not burnins.needs("n1")
+    assert burnins.observe() == []
+
+
+async def test_a_burn_in_that_gets_no_answer_neither_passes_nor_drains(
+    registry: Registry, agents: Agents,
+) -> None:
+    agents.silent.add("n1")
+    burnins = BurnIns(registry, agents.send)
+
+    passed, why = await burnins.run("n1")
+
+    assert not passed and "did not run" in why
+    assert registry.get("n1").state is NodeState.UP
+
+
+async def test_a_pass_holds_for_one_birth_only(registry: Registry, agents: Agents) -> None:
+    burnins = BurnIns(registry, agents.send)
+    await burnins.run("n1")
+
+    registry.on_birth(birth("n1", seq=2))  # the agent restarted: the node may have changed
+
+    assert not burnins.passed("n1")
