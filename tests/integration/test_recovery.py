@@ -175,3 +175,19 @@ def test_an_operators_drain_lets_the_running_job_finish_where_it_is(fleet: Fleet
 
     done = fleet.wait_job(job["id"], "succeeded", timeout=30)
     assert (done["generation"], done["restarts"], done["nodes"]) == (1, 0, running["nodes"])
+
+
+def test_a_job_that_waits_for_a_node_longer_than_spare_wait_fails_saying_so(
+    fleet: Fleet,
+) -> None:
+    fleet_of(fleet, 2)
+    job = fleet.submit(name="stranded", nodes=2, ranks_per_node=1, grace_period=1,
+                       restart={"spare_wait": 3}, command=["sleep", "600"])
+    fleet.wait_job(job["id"], "running")
+
+    inject(fleet.sim_file("n02"), 0, "gpu-lost")
+
+    failed = fleet.wait_job(job["id"], "failed", timeout=30)
+    assert "restart.spare_wait" in failed["reason"]
+    assert failed["incidents"][-1]["outcome"] == "failed"
+    assert wait_for(lambda: processes_matching("sleep 600") == [] or None, 10, "no rank left")
