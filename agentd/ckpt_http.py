@@ -98,8 +98,10 @@ def make_rank_app(agent: Agent) -> web.Application:
 
     async def wait(request: web.Request) -> web.Response:
         b = await body(request)
-        return web.json_response(await ck.wait(str(b["job"]), int(b["rank"]), int(b["step"]),
-                                               float(b.get("timeout", 3600))))
+        job, rank = str(b["job"]), int(b["rank"])
+        with agent.progress.waiting(job, rank):  # a rank waiting on commits is not hung
+            return web.json_response(await ck.wait(job, rank, int(b["step"]),
+                                                   float(b.get("timeout", 3600))))
 
     async def restore(request: web.Request) -> web.Response:
         q = request.query

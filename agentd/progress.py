@@ -36,7 +36,7 @@ import statistics
 import tempfile
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -130,6 +130,7 @@ class _Generation:
     ended: bool = False  # stopped, superseded, or a rank exited: no hang detection
     save_now: set[int] = field(default_factory=set)  # ranks yet to be asked
     restored: set[int] = field(default_factory=set)  # ranks whose restore was reported
+    waiting: dict[int, int] = field(default_factory=dict)  # rank -> checkpoint waits open
 
 
 class ProgressMonitor:
@@ -237,6 +238,25 @@ class ProgressMonitor:
         if generation > self._current.get(job, 0):  # stopped before it started: fenced too
             self.begin(job, generation)
             self._gens[(job, generation)].ended = True
+
+    @contextlib.contextmanager
+    def waiting(self, job: str, rank: int) -> Iterator[None]:
+        """A rank of ``job``'s current generation waits for its checkpoints to commit
+        (``Checkpointer.wait``, typically after its last step): no step comes meanwhile,
+        and that is no hang. The node's idle clock starts again when the wait ends."""
+        gen = self._gens.get((job, self._current.get(job, 0)))
+        if gen is None:
+            yield
+            return
+        gen.waiting[rank] = gen.waiting.get(rank, 0) + 1
+        try:
+            yield
+        finally:
+            gen.waiting[rank] -= 1
+            if not gen.waiting[rank]:
+                del gen.waiting[rank]
+            if gen.last_progress is not None:
+                gen.last_progress = self._clock()
 
     def rank_exited(self, job: str, generation: int, rank: int) -> None:
         """A rank of that generation ended here: its exit event is the news, not a hang of
@@ -382,7 +402,7 @@ class ProgressMonitor:
                 if not live and now - gen.touched > FORGET_AFTER_S:
                     del self._gens[key]
                 continue
-            if gen.last_progress is None or not live:
+            if gen.last_progress is None or not live or gen.waiting:
                 continue
             idle = now - gen.last_progress
             if idle < hang_timeout(gen.hang_timeout_s, _intervals(gen)):

@@ -513,6 +513,18 @@ async def test_no_hang_is_reported_once_the_generation_is_stopped(
     assert reporter.of("hung") == []
 
 
+async def test_no_hang_is_reported_while_a_rank_waits_for_its_checkpoints_to_commit(
+        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter) -> None:
+    await runner.start(start(monitor, env={"LAST_STEP_0": "3", "LAST_STEP_1": "3"}))
+    await reported(monitor, 0, 3)
+
+    with monitor.waiting(JOB, 0):  # Checkpointer.wait after the last step, a long commit
+        await asyncio.sleep(HANG_S + 10 * CHECK_S)
+        assert reporter.of("hung") == []
+    # Once the wait is over, silence counts again, from then on.
+    await eventually(lambda: bool(reporter.of("hung")), "the hang after the wait")
+
+
 async def test_the_exit_event_carries_the_last_step_the_rank_reported(
         monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter) -> None:
     script = "import phalanx.rank\nfor s in range(8): phalanx.rank.step(s, loss=1.0)"
