@@ -44,6 +44,12 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
 
 def make_rank_app(agent: Agent) -> web.Application:
     ck = agent.ckpt
+    # The ranks' progress (absent where only the checkpoint routes are served, as in
+    # tests): a rank waiting on its checkpoints is not hung.
+    progress = getattr(agent, "progress", None)
+
+    def waiting(job: str, rank: int) -> contextlib.AbstractContextManager[None]:
+        return progress.waiting(job, rank) if progress is not None else contextlib.nullcontext()
 
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -76,8 +82,10 @@ def make_rank_app(agent: Agent) -> web.Application:
     async def acquire(request: web.Request) -> web.Response:
         b = await body(request)
         job, generation, rank = str(b["job"]), int(b["generation"]), int(b["rank"])
-        got = await ck.acquire(job, generation, rank, int(b["step"]), int(b["nbytes"]),
-                               str(b.get("when_busy", "wait")), float(b.get("timeout", 600)))
+        with waiting(job, rank):  # waiting for a slot to drain is no hang
+            got = await ck.acquire(job, generation, rank, int(b["step"]), int(b["nbytes"]),
+                                   str(b.get("when_busy", "wait")),
+                                   float(b.get("timeout", 600)))
         if "slot" in got and (request.transport is None or request.transport.is_closing()):
             # The rank went away while it waited: it will never fill the slot.
             ck.submit(job, generation, rank, int(b["step"]), got["slot"], int(b["nbytes"]),
@@ -99,7 +107,7 @@ def make_rank_app(agent: Agent) -> web.Application:
     async def wait(request: web.Request) -> web.Response:
         b = await body(request)
         job, rank = str(b["job"]), int(b["rank"])
-        with agent.progress.waiting(job, rank):  # a rank waiting on commits is not hung
+        with waiting(job, rank):  # a rank waiting on commits is not hung
             return web.json_response(await ck.wait(job, rank, int(b["step"]),
                                                    float(b.get("timeout", 3600))))
 

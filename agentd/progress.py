@@ -126,7 +126,7 @@ class _Generation:
     touched: float  # monotonic
     ranks: dict[int, _Rank] = field(default_factory=dict)
     last_progress: float | None = None  # monotonic, the node's last new step
-    hung: bool = False  # the event was sent
+    hung_at: float | None = None  # when the event was last sent (again every timeout)
     ended: bool = False  # stopped, superseded, or a rank exited: no hang detection
     save_now: set[int] = field(default_factory=set)  # ranks yet to be asked
     restored: set[int] = field(default_factory=set)  # ranks whose restore was reported
@@ -201,6 +201,9 @@ class ProgressMonitor:
                 self._task.cancel()
             if self._group is not None:
                 await self._group.__aexit__(None, None, None)
+            for told in list(self._told):  # a first step or restore being reported
+                told.cancel()
+            await asyncio.gather(*self._told, return_exceptions=True)
         finally:
             self._close()
 
@@ -272,8 +275,11 @@ class ProgressMonitor:
         gen = self._gens.get((job, generation))
         if gen is None or gen.ended or self._current.get(job) != generation:
             return []
-        gen.save_now.update(ranks)
-        return sorted(set(ranks))
+        # Only ranks that report steps ever hear of it: asking the others would make the
+        # supervisor wait its whole grace period for a save that cannot come.
+        asked = set(ranks) & set(gen.ranks)
+        gen.save_now.update(asked)
+        return sorted(asked)
 
     def last_step(self, job: str, generation: int, rank: int) -> int | None:
         gen = self._gens.get((job, generation))
@@ -398,16 +404,20 @@ class ProgressMonitor:
         events = []
         for key, gen in list(self._gens.items()):
             live = self._live(gen.job, gen.generation)
-            if gen.ended or gen.hung or self._current.get(gen.job) != gen.generation:
+            if gen.ended or self._current.get(gen.job) != gen.generation:
                 if not live and now - gen.touched > FORGET_AFTER_S:
                     del self._gens[key]
                 continue
             if gen.last_progress is None or not live or gen.waiting:
                 continue
             idle = now - gen.last_progress
-            if idle < hang_timeout(gen.hang_timeout_s, _intervals(gen)):
+            timeout = hang_timeout(gen.hang_timeout_s, _intervals(gen))
+            if idle < timeout:
+                gen.hung_at = None
                 continue
-            gen.hung = True
+            if gen.hung_at is not None and now - gen.hung_at < timeout:
+                continue  # told; told again each timeout while it lasts (a report can be lost)
+            gen.hung_at = now
             event = await self._hung_event(gen, live, idle)
             log.warning("job %s gen %d: ranks on this node made no progress for %.1fs; rank "
                         "%d is the likeliest culprit: %s", gen.job, gen.generation, idle,

@@ -23,7 +23,7 @@ from supervisor.burnin import BurnIns
 from supervisor.jobs import Job, JobState, RankPlace
 from supervisor.orders import GangOrders
 from supervisor.planner import Failure, FailureKind, NodeIncident
-from supervisor.recovery import Recoveries
+from supervisor.recovery import BURN_IN_TIMEOUT_S, Recoveries
 from supervisor.registry import NodeState, Refused, RegistryError
 from supervisor.scheduler import (
     ClusterNode,
@@ -67,7 +67,7 @@ class JobController:
         self._started = time.monotonic()
         self.registry = sup.registry
         self.settings = sup.settings
-        self.burnins = BurnIns(sup.registry, self._send)
+        self.burnins = BurnIns(sup.registry, self._send, timeout_s=BURN_IN_TIMEOUT_S)
         self.recoveries = Recoveries(self)
         self.orders = GangOrders(self)
 
@@ -79,11 +79,13 @@ class JobController:
             if job.state is JobState.STARTING and job.recovery is not None:
                 # A recovery's launch, its outcome unknown: the recovery runs again (its
                 # stop first), once the nodes had a chance to re-announce themselves.
+                # The generation it launched is the one to stop now.
                 job.recovery["phase"] = "plan"
+                job.recovery["generation"] = job.generation
                 self._move(job, JobState.RECOVERING, "supervisor restarted during recovery")
-                self._spawn(job, self._after_settling(self.recoveries.run(job)))
+                self._spawn(job, self._after_settling(job))
             elif job.state is JobState.RECOVERING:
-                self._spawn(job, self._after_settling(self.recoveries.run(job)))
+                self._spawn(job, self._after_settling(job))
             elif job.state is JobState.STARTING:
                 # The launch's outcome is unknown: stop what may have started, then requeue.
                 job.stop_target = JobState.PENDING
@@ -130,7 +132,8 @@ class JobController:
             records = [*job.incidents, *([job.recovery] if job.recovery else [])]
             for rec in records:
                 for f in rec.get("failures", []):
-                    out.append(NodeIncident(job.id, f["node"], rec.get("fault_at", 0.0)))
+                    if f.get("quarantine", True):  # not a node stopped on purpose
+                        out.append(NodeIncident(job.id, f["node"], rec.get("fault_at", 0.0)))
         return out
 
     def move(self, job: Job, to: JobState, why: str) -> None:
@@ -151,11 +154,13 @@ class JobController:
     async def launch(self, job: Job, nodes: list[str]) -> None:
         await self._launch(job, nodes)
 
-    async def _after_settling(self, work: Awaitable[None]) -> None:
+    async def _after_settling(self, job: Job) -> None:
+        """Run a recovery a previous supervisor left, once the nodes had one offline
+        timeout to announce themselves."""
         settle = self._started + self.sup.settings.offline_after_s - time.monotonic()
         if settle > 0:
             await asyncio.sleep(settle)
-        await work
+        await self.recoveries.run(job)
 
     def wake(self) -> None:
         self._wake.set()
@@ -366,9 +371,13 @@ class JobController:
         running, pending = [], []
         for job in self.jobs.values():
             spec = job.spec
-            if job.state.holds_nodes and all(n in known for n in job.nodes):
+            held = list(job.nodes)
+            if job.recovery is not None:  # the nodes its relaunch will use are held too
+                held += [n for n in (job.recovery.get("plan") or {}).get("nodes", [])
+                         if n not in held]
+            if job.state.holds_nodes and all(n in known for n in held):
                 running.append(RunningJob(
-                    id=job.id, team=spec.team, priority=spec.priority, nodes=tuple(job.nodes),
+                    id=job.id, team=spec.team, priority=spec.priority, nodes=tuple(held),
                     gpus_per_node=spec.ranks_per_node, preemptible=spec.preemptible,
                     start_time=job.started_at or now, max_runtime=spec.max_runtime,
                 ))
@@ -461,7 +470,8 @@ class JobController:
             job.master_addr = rank0.birth.address
             ack = await self.sup.command(nodes[0], wire.AllocPortArgs(), timeout=timeout)
             if ack.status != wire.AckStatus.DONE:
-                raise LaunchError(f"node {nodes[0]} could not allocate a port: {ack.detail}")
+                raise LaunchError(f"node {nodes[0]} could not allocate a port: {ack.detail}",
+                                  nodes[0])
             job.master_port = int(ack.result["port"])
             # The ranks restore first thing: their nodes must know this generation's
             # restore step (or that there is none) before; their agents wait for it.
@@ -471,21 +481,29 @@ class JobController:
                                  timeout=timeout)
                 for i, node in enumerate(nodes)
             ), return_exceptions=True)
-            problems = []
+            problems, failed = [], []
             for node, result in zip(nodes, acks, strict=True):
                 if isinstance(result, asyncio.CancelledError):
                     raise result
                 if isinstance(result, BaseException):
                     problems.append(f"{node}: {result}")
+                    failed.append(node)
                 elif result.status != wire.AckStatus.DONE:
                     problems.append(f"{node}: {result.detail}")
+                    failed.append(node)
             if problems:
-                raise LaunchError("; ".join(problems))
+                raise LaunchError("; ".join(problems), failed[0])
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # LinkDown, a timeout, a bad ack: never stay in starting
             if job.state is not JobState.STARTING:
                 return  # cancelled meanwhile: that stop owns the job now
+            if job.recovery is not None:
+                # A recovery's launch: recovered again (its stop covers this generation),
+                # charged to the budget, rather than the job failed with restarts left.
+                node = getattr(exc, "node", None) or job.nodes[0]
+                self.recoveries.relaunch_failed(job, node, str(exc))
+                return
             job.stop_target = JobState.FAILED
             job.reason = f"launch failed: {exc}"
             self._move(job, JobState.STOPPING, job.reason)
@@ -584,5 +602,9 @@ class JobController:
 
 
 class LaunchError(RuntimeError):
-    pass
+    """A gang launch that failed; ``node``: the first node that did not start its part."""
+
+    def __init__(self, message: str, node: str | None = None) -> None:
+        super().__init__(message)
+        self.node = node
 

@@ -141,8 +141,12 @@ class Supervisor:
         # Back on the broker: every node gets a whole heartbeat timeout to be heard again
         # before it is judged offline (it may have been reconnecting too), and the last
         # wills the broker sent as it went down are taken back.
-        if self.link_lost_at is not None:
-            revived = self.registry.revive(self.link_lost_at - WILL_SUSPECT_S)
+        lost_at = self.link_lost_at
+        if lost_at is None and self.link_since is not None:
+            # Down and up again between two looks of the timeout loop: it was lost just now.
+            lost_at = self.registry.clock() - 1.0
+        if lost_at is not None:
+            revived = self.registry.revive(lost_at - WILL_SUSPECT_S)
             if revived:
                 log.info("back on the broker: %s went offline by a last will as the "
                          "broker went down; waiting for them to reconnect",

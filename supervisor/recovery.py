@@ -37,6 +37,7 @@ from supervisor.jobs import Job, JobState
 from supervisor.planner import (
     Action,
     CatalogView,
+    Cause,
     Failure,
     FailureKind,
     JobView,
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 5.0  # the most a recovery waits for a rank to take SIGTERM before SIGKILL
 BACKOFF_MAX_S = 60.0
 QUICK_FAILURE_S = 60.0  # a generation a recovery started that fails sooner is a crash loop
-BURN_IN_TIMEOUT_S = 60.0
+BURN_IN_TIMEOUT_S = 150.0  # the agent's GPU matmul check may take 120 s (agentd.burnin)
 HANG_COLLECT_S = 1.5  # after a node reports a hang, how long the others get to report theirs
 WAIT_POLL_S = 1.0
 
@@ -107,6 +108,8 @@ class Recoveries:
         job = self.ctl.jobs.get(key[0])
         if not reports or job is None or job.generation != key[1]:
             return
+        if any(r.clean for r in job.ranks):
+            return  # a rank finished: the others wait for it at the end, they are not hung
         # A stopped process first, then the rank furthest behind, then the longest silent.
         culprit = min(reports, key=lambda e: (not e.stopped, e.step if e.step is not None
                                               else -1, -(e.idle_s or 0.0)))
@@ -122,23 +125,33 @@ class Recoveries:
 
     async def run(self, job: Job) -> None:
         rec = job.recovery
-        assert rec is not None
+        if rec is None or not _recovering(job):
+            return  # cancelled before it began
         failures = [_failure(f) for f in rec["failures"]]
         phases: dict[str, float] = rec.setdefault("phases", {})
         old_generation = int(rec["generation"])
         stopped = rec.get("phase") not in (None, "plan")
         while True:
-            if not _recovering(job):
+            if not _recovering(job) or job.recovery is not rec:
                 return  # cancelled meanwhile: that stop owns the job
+            if time.time() - rec["detected_at"] > job.spec.restart.spare_wait + BACKOFF_MAX_S \
+                    + BURN_IN_TIMEOUT_S:
+                self._fail(job, Plan(Action.FAIL, "no recovery within restart.spare_wait "
+                                     f"({job.spec.restart.spare_wait:.0f}s): "
+                                     f"{rec.get('plan', {}).get('reason', '')}",
+                                     Cause.SOFTWARE))
+                return
             t0 = time.perf_counter()
             plan = self.plan(job, failures)
             phases["plan"] = round(time.perf_counter() - t0, 4)
-            rec["plan"] = _plan_record(plan)
-            self.ctl.save(job)
-            self.ctl.event("recovery_planned", job, action=plan.action.value,
-                           cause=plan.cause.value, reason=plan.reason,
-                           nodes=list(plan.nodes), swaps=[list(s) for s in plan.swaps],
-                           restore_step=plan.restore_step)
+            record = _plan_record(plan)
+            if record != rec.get("plan"):  # a waiting recovery plans again and again
+                rec["plan"] = record
+                self.ctl.save(job)
+                self.ctl.event("recovery_planned", job, action=plan.action.value,
+                               cause=plan.cause.value, reason=plan.reason,
+                               nodes=list(plan.nodes), swaps=[list(s) for s in plan.swaps],
+                               restore_step=plan.restore_step)
             self._quarantine(job, plan, failures)
             if not stopped:
                 t0 = time.perf_counter()
@@ -150,13 +163,7 @@ class Recoveries:
             if not _recovering(job):
                 return
             if plan.action is Action.FAIL:
-                self._finish(job, plan, outcome="failed")
-                job.recovery = None
-                job.reason = plan.reason
-                self.ctl.move(job, JobState.FAILED, plan.reason)
-                self.ctl.event("job_failed", job, reason=plan.reason,
-                               generation=job.generation)
-                self.ctl.wake()
+                self._fail(job, plan)
                 return
             if plan.action is Action.WAIT:
                 if not await self._wait_for_nodes(job, plan):
@@ -166,9 +173,31 @@ class Recoveries:
             if not await self._backoff(job):
                 return
             if not await self._burn_in_swaps(job, plan):
-                continue  # a replacement failed its burn-in (now drained): plan again
-            break
+                continue  # a replacement failed its burn-in: plan again without it
+            if not _recovering(job) or job.recovery is not rec:
+                return
+            plan = self.plan(job, failures)  # the fleet may have moved while we waited
+            if plan.action in (Action.RESTART_IN_PLACE, Action.REPLACE) and all(
+                    self.ctl.burned_in(b) for _, b in plan.swaps):
+                break
+        rec["plan"] = _plan_record(plan)
         await self._relaunch(job, plan)
+
+    def _fail(self, job: Job, plan: Plan) -> None:
+        self._finish(job, plan, outcome="failed")
+        job.recovery = None
+        job.reason = plan.reason
+        job.waiting = None
+        self.ctl.move(job, JobState.FAILED, plan.reason)
+        self.ctl.event("job_failed", job, reason=plan.reason, generation=job.generation)
+        self.ctl.wake()
+
+    def relaunch_failed(self, job: Job, node: str, why: str) -> None:
+        """The recovery's launch failed (a start not acknowledged, a port not found): the
+        incident ends so, and a new recovery starts from it, charged to the budget."""
+        self.abandon(job, "launch_failed")
+        self.on_failure(job, Failure(FailureKind.RANK_EXIT, node, detail=f"launch failed: "
+                                     f"{why}"[:900], generation=job.generation))
 
     def plan(self, job: Job, failures: list[Failure]) -> Plan:
         ctl = self.ctl
@@ -176,6 +205,9 @@ class Recoveries:
         for other in ctl.jobs.values():
             if other.id != job.id and other.state.holds_nodes:
                 busy.update(other.nodes)
+                if other.recovery is not None:  # held for its relaunch
+                    busy.update((other.recovery.get("plan") or {}).get("nodes", []))
+        rejected = set((job.recovery or {}).get("rejected", []))
         spares = set(ctl.spares)
         nodes: dict[str, NodeView] = {}
         for node in ctl.registry.nodes.values():
@@ -186,7 +218,7 @@ class Recoveries:
                 nvlink_domain=node.birth.topology.nvlink_domain or "",
                 gpu_type=node.birth.gpus[0].model, gpus=len(node.birth.gpus),
                 state=node.state.value, busy=node.id in busy, spare=node.id in spares,
-                burned_in=not ctl.burnins.needs(node.id))
+                burned_in=not ctl.burnins.needs(node.id) and node.id not in rejected)
         committed: dict[int, dict[str, float]] = {}
         for step, tier, at in ctl.store.commits(job.id):
             committed.setdefault(step, {})[tier] = at
@@ -199,6 +231,10 @@ class Recoveries:
             restored_step=i.get("restored_step"))
             for i in job.incidents for f in i["failures"][:1])
         detected = job.recovery["detected_at"] if job.recovery else time.time()
+        for f in failures:  # back after a clean shutdown (an upgrade): burn it in to reuse it
+            known = ctl.registry.nodes.get(f.node)
+            if not f.quarantine and known is not None and known.state is NodeState.UP:
+                ctl.burnins.start(f.node)
         cleared = frozenset(n for n in job.nodes
                             if ctl.burnins.passed_since(n, detected))
         view = JobView(id=job.id, nodes=tuple(job.nodes),
@@ -259,12 +295,7 @@ class Recoveries:
         if left <= 0:
             why = (f"no spare or healthy node within restart.spare_wait "
                    f"({job.spec.restart.spare_wait:.0f}s): {plan.reason}")
-            fail = Plan(Action.FAIL, why, plan.cause)
-            self._finish(job, fail, outcome="failed")
-            job.recovery, job.reason, job.waiting = None, why, None
-            self.ctl.move(job, JobState.FAILED, why)
-            self.ctl.event("job_failed", job, reason=why, generation=job.generation)
-            self.ctl.wake()
+            self._fail(job, Plan(Action.FAIL, why, plan.cause))
             return False
         self._wake.clear()
         with contextlib.suppress(TimeoutError):
@@ -293,13 +324,19 @@ class Recoveries:
             passed, why = await self.ctl.burn_in(spare)
             if not passed:
                 self.ctl.event("spare_rejected", job, node=spare, replacing=failed, reason=why)
+                if job.recovery is not None:  # not again in this recovery (drained, or mute)
+                    job.recovery.setdefault("rejected", []).append(spare)
                 return False
         return True
 
     async def _relaunch(self, job: Job, plan: Plan) -> None:
         rec = job.recovery
-        assert rec is not None
-        job.restarts += 1
+        if rec is None or not _recovering(job):
+            return
+        if not rec.get("restart_counted"):  # a relaunch run again after a restart: once
+            job.restarts += 1
+            rec["restart_counted"] = True
+        rec["awaiting"] = {"restored": {}, "stepped": {}}
         rec["phase"] = "launch"
         rec["launch_started_at"] = time.time()
         rec["restored_step"] = plan.restore_step
@@ -320,31 +357,46 @@ class Recoveries:
     def on_started(self, job: Job) -> None:
         """The relaunched generation runs (every start acked): the incident is recorded
         now, as recovered at this time; the ranks' ``restored`` and ``stepped`` events
-        then time its restore and first-step phases (ranks that report no steps leave
-        them unknown)."""
+        (some may have come already) then time its restore and first-step phases (ranks
+        that report no steps leave them unknown)."""
         rec = job.recovery
         if rec is None or "launch_started_at" not in rec:
             return
         now = time.time()
         rec["phases"]["launch"] = round(max(0.0, now - rec["launch_started_at"]), 3)
         rec["generation_new"] = job.generation
+        awaiting = rec.pop("awaiting", None) or {"restored": {}, "stepped": {}}
         self._finish(job, None, outcome="recovered", resumed_at=now)
-        job.incidents[-1]["awaiting"] = {"restored": {}, "stepped": {}}
+        incident = job.incidents[-1]
+        incident["awaiting"] = awaiting
         job.recovery = None
+        self._maybe_timed(job, incident)
         self.ctl.save(job)
 
     def on_progress(self, job: Job, ev: wire.RankEvent) -> None:
-        """A ``restored`` or ``stepped`` event of a relaunched generation."""
-        incident = job.incidents[-1] if job.incidents else None
-        if incident is None or incident.get("next_generation") != ev.generation or \
-                "awaiting" not in incident:
-            return
-        awaiting = incident["awaiting"]
+        """A ``restored`` or ``stepped`` event of a relaunched generation (it may come
+        before the launch is acknowledged everywhere)."""
+        rec = job.recovery
+        if rec is not None and "awaiting" in rec and job.state is JobState.STARTING:
+            awaiting = rec["awaiting"]
+            incident = None
+        else:
+            incident = job.incidents[-1] if job.incidents else None
+            if incident is None or incident.get("next_generation") != ev.generation or \
+                    "awaiting" not in incident:
+                return
+            awaiting = incident["awaiting"]
         if ev.event == "restored":
             awaiting["restored"][str(ev.rank)] = [ev.at, ev.took_s or 0.0]
         elif ev.event == "stepped":
             awaiting["stepped"][str(ev.rank)] = ev.at
-        if len(awaiting["stepped"]) < job.spec.world_size:
+        if incident is not None:
+            self._maybe_timed(job, incident)
+
+    def _maybe_timed(self, job: Job, incident: dict[str, Any]) -> None:
+        """Once every rank of the new generation stepped: the incident's last phases."""
+        awaiting = incident.get("awaiting")
+        if awaiting is None or len(awaiting["stepped"]) < job.spec.world_size:
             return
         del incident["awaiting"]
         phases = incident["phases"]
@@ -363,8 +415,8 @@ class Recoveries:
         incident["downtime_s"] = round(max(0.0, first_step_at - incident["fault_at"]), 3)
         incident["mttr_s"] = incident["downtime_s"]
         self.ctl.save(job)
-        self.ctl.event("recovery_timed", job, generation=ev.generation, phases=phases,
-                       mttr_s=incident["mttr_s"])
+        self.ctl.event("recovery_timed", job, generation=incident.get("next_generation"),
+                       phases=phases, mttr_s=incident["mttr_s"])
 
     def _finish(self, job: Job, plan: Plan | None, *, outcome: str,
                 resumed_at: float | None = None) -> None:
