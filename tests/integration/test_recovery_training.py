@@ -160,6 +160,29 @@ def test_ecc_error_moves_the_ranks_to_the_spare_which_restores_remotely_bit_iden
     assert spare != victim
 
 
+def test_losing_the_rank_0_nodes_agent_moves_its_ranks_and_the_rendezvous_to_the_spare(
+    fleet: Fleet,
+) -> None:
+    start(fleet)
+    job = submit(fleet, "lost")
+    running = fleet.wait_job(job, "running", timeout=60)
+    wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed at every tier")
+    victim = running["nodes"][0]  # hosts rank 0 and the rendezvous
+
+    fleet.agents[victim].kill9()
+
+    done = fleet.wait_job(job, "succeeded", timeout=180)
+    assert victim not in done["nodes"]
+    (incident,) = done["incidents"]
+    assert incident["failures"][0]["kind"] == "node_offline"
+    assert done["nodes"][0] == incident["plan"]["swaps"][0][1]  # the spare is GROUP_RANK 0
+    assert final_digest(fleet, done) == undisturbed_digest()
+    # The dead agent's ranks outlived it; back (systemd restarts it), it reaps them.
+    fleet.start_agent(victim, rack=fleet.node(victim)["rack"])
+    wait_for(lambda: rank_pid(job, 0, generation=1) is None or None, 30,
+             "the old generation's ranks on the lost node to be reaped")
+
+
 def test_a_stopped_rank_is_detected_as_a_hang_named_and_recovered(fleet: Fleet) -> None:
     start(fleet)
     job = submit(fleet, "hang", restart={"hang_timeout": 4})
