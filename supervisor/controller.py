@@ -312,7 +312,7 @@ class JobController:
         now = time.time()
         for job in self.jobs.values():
             if (job.state is JobState.RUNNING and job.started_at is not None
-                    and now - job.started_at > job.spec.max_runtime):
+                    and now - job.started_at + job.ran_before_s > job.spec.max_runtime):
                 self.fail(job, f"max_runtime of {job.spec.max_runtime:.0f}s exceeded")
 
     def check_nodes(self) -> None:
@@ -547,6 +547,7 @@ class JobController:
         target = job.stop_target or JobState.FAILED
         if target is JobState.PENDING:
             job.started_at = None
+            job.ran_before_s = 0.0
             job.nodes, job.ranks = [], []
         self._move(job, target, job.reason)
         self._event(f"job_{target.value}", job, reason=job.reason, generation=job.generation)

@@ -128,6 +128,9 @@ class Job:
     incidents: list[dict[str, Any]] = field(default_factory=list)
     recovery: dict[str, Any] | None = None
     first_started_at: float | None = None
+    # Seconds the generations before the current one ran since the job last started
+    # (recoveries keep counting against max_runtime; a preemption starts it afresh).
+    ran_before_s: float = 0.0
     # Per generation: [first step, its time, last step seen, its time] (for lost work).
     progress: dict[str, list[float]] = field(default_factory=dict)
 
@@ -230,6 +233,7 @@ class Job:
             "incidents": self.incidents[-MAX_INCIDENTS_KEPT:],
             "recovery": self.recovery,
             "first_started_at": self.first_started_at,
+            "ran_before_s": self.ran_before_s,
             "progress": self.progress,
         }
 
@@ -256,5 +260,6 @@ class Job:
             incidents=list(rec.get("incidents", [])),
             recovery=rec.get("recovery"),
             first_started_at=rec.get("first_started_at"),
+            ran_before_s=rec.get("ran_before_s", 0.0),
             progress=dict(rec.get("progress", {})),
         )

@@ -79,6 +79,8 @@ class Recoveries:
         if job.state not in (JobState.RUNNING, JobState.STARTING) or job.recovery is not None:
             return
         now = time.time()
+        if job.started_at is not None:  # max_runtime counts every generation's run
+            job.ran_before_s += max(0.0, (fault_at or now) - job.started_at)
         job.recovery = {
             "generation": job.generation,
             "failures": [_failure_record(failure)],
