@@ -131,6 +131,7 @@ class _Generation:
     save_now: set[int] = field(default_factory=set)  # ranks yet to be asked
     restored: set[int] = field(default_factory=set)  # ranks whose restore was reported
     waiting: dict[int, int] = field(default_factory=dict)  # rank -> checkpoint waits open
+    finished: set[int] = field(default_factory=set)  # ranks past their last step
 
 
 class ProgressMonitor:
@@ -340,6 +341,9 @@ class ProgressMonitor:
             return
         now = self._clock()
         gen.touched = now
+        if report.kind == "finished":
+            gen.finished.add(report.rank)  # past its last step: its silence is no hang
+            return
         if report.kind == "restored":
             if report.rank not in gen.restored:  # once per rank: what the supervisor times
                 gen.restored.add(report.rank)
@@ -408,7 +412,7 @@ class ProgressMonitor:
                 if not live and now - gen.touched > FORGET_AFTER_S:
                     del self._gens[key]
                 continue
-            if gen.last_progress is None or not live or gen.waiting:
+            if gen.last_progress is None or not live or gen.waiting or gen.finished:
                 continue
             idle = now - gen.last_progress
             timeout = hang_timeout(gen.hang_timeout_s, _intervals(gen))

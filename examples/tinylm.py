@@ -267,6 +267,7 @@ def main() -> None:
                 print(json.dumps({"ckpt_saved_on_request": done, "rank": rank,
                                   "holding": True}), flush=True)
                 hold_until_stopped()
+    phalanx.rank.finished(args.steps)  # the final wait and barrier are no hang
     if checkpointer is not None:
         if saved:
             checkpointer.wait()

@@ -41,7 +41,7 @@ _JOB_RE = re.compile(JOB_ID_PATTERN)
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
 _REPORT_KEYS = frozenset({"v", "job", "generation", "rank", "pid", "kind", "step", "at",
                           "scalars"})
-KINDS: Final = ("step", "restored")
+KINDS: Final = ("step", "restored", "finished")
 
 
 class ProgressError(ValueError):
@@ -53,7 +53,9 @@ class StepReport:
     """One rank finished ``step`` at wall time ``at``; ``scalars`` are its figures.
 
     ``kind="restored"``: the rank restored checkpoint ``step`` instead (once, at its
-    start), ``scalars["took_s"]`` the seconds it took."""
+    start), ``scalars["took_s"]`` the seconds it took. ``kind="finished"``: the rank took
+    its last step, ``step``; what it does from now on (evaluation, export, waiting for
+    the others) is no hang."""
 
     job: str
     generation: int

@@ -47,7 +47,8 @@ from phalanx.progress import (
     report_prefix,
 )
 
-__all__ = ["ENV_SOCKET", "RankChannel", "Requests", "channel", "drops", "restored", "step"]
+__all__ = ["ENV_SOCKET", "RankChannel", "Requests", "channel", "drops", "finished",
+           "restored", "step"]
 
 log = logging.getLogger(__name__)
 
@@ -135,12 +136,19 @@ class RankChannel:
     def restored(self, step: int, took_s: float) -> None:
         """Report that this rank restored checkpoint ``step`` in ``took_s`` seconds (once,
         before its first step: the supervisor times a recovery's restore with it)."""
+        self._send_kind("restored", step, {"took_s": took_s})
+
+    def finished(self, step: int) -> None:
+        """Report that this rank took its last step, ``step``: whatever it does next
+        (evaluation, export, waiting in a barrier) is not a hang."""
+        self._send_kind("finished", step, {})
+
+    def _send_kind(self, kind: str, step: int, scalars: Mapping[str, float]) -> None:
         sock = self._sock
         if sock is None:
             return
         try:
-            data = encode_step(self._prefix, step, time.time(), {"took_s": took_s},
-                               kind="restored")
+            data = encode_step(self._prefix, step, time.time(), scalars, kind=kind)
             sock.sendto(data, socket.MSG_DONTWAIT, self.path)  # type: ignore[arg-type]
             self.sent += 1
         except (ProgressError, OSError):
@@ -221,6 +229,13 @@ def restored(step: int, took_s: float) -> None:
     ``ckpt.Checkpointer.restore`` calls it under Phalanx; a script restoring by other
     means may call it itself."""
     channel().restored(step, took_s)
+
+
+def finished(step: int) -> None:
+    """Report that this rank took its last step, ``step``: call it after the training
+    loop, before evaluation, export or the final barrier, none of which is then taken
+    for a hang."""
+    channel().finished(step)
 
 
 def drops() -> int:

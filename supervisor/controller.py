@@ -215,7 +215,8 @@ class JobController:
         if job is None or ev.generation > job.generation:
             return
         if ev.step is not None and ev.event in ("exited", "hung", "stepped"):
-            job.note_step(ev.generation, ev.step, ev.at)  # an older generation's too
+            # (a hung rank took its last step idle_s before the report)
+            job.note_step(ev.generation, ev.step, ev.at - (ev.idle_s or 0.0))
         if ev.generation != job.generation:
             return
         if ev.event in ("restored", "stepped"):

@@ -182,7 +182,9 @@ class Job:
         entry = self.progress.setdefault(str(generation), [step, at, step, at])
         if step < entry[0] or (step == entry[0] and at < entry[1]):
             entry[0], entry[1] = step, at
-        if step > entry[2] or (step == entry[2] and at > entry[3]):
+        # The last step, at the earliest time it was heard of (an exit reported after a
+        # stop says the step, not when it was taken).
+        if step > entry[2] or (step == entry[2] and at < entry[3]):
             entry[2], entry[3] = step, at
         if len(self.progress) > MAX_PROGRESS_GENERATIONS:
             del self.progress[min(self.progress, key=int)]

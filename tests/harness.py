@@ -367,3 +367,19 @@ def processes_matching(marker: str) -> list[int]:
         if marker in cmdline and state != "Z" and int(entry.name) != os.getpid():
             found.append(int(entry.name))
     return found
+
+
+def rank_pid(job: str, rank: int, *, generation: int | None = None,
+             marker: str = "examples/tinylm.py") -> int | None:
+    """The pid of a live rank process of ``job`` (its command line holds ``marker``),
+    read from its environment; of ``generation`` only, when given."""
+    for pid in processes_matching(marker):
+        try:
+            env = dict(item.split("=", 1) for item in
+                       Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        except OSError:
+            continue
+        if env.get("PHALANX_JOB_ID") == job and env.get("RANK") == str(rank) and (
+                generation is None or env.get("PHALANX_GENERATION") == str(generation)):
+            return pid
+    return None

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import TOKEN, Fleet, RawMqtt, processes_matching, wait_for
+from harness import TOKEN, Fleet, RawMqtt, rank_pid, wait_for
 
 from phalanx import wire
 from phalanx.local import free_port
@@ -178,19 +178,6 @@ def test_a_failed_jobs_nodes_free_its_ram_tier_once_the_linger_is_over(fleet: Fl
 
 
 # --- restarts -------------------------------------------------------------------------------
-
-
-def rank_pid(job: str, rank: int) -> int | None:
-    """The pid of a live rank process of ``job`` (read from its environment)."""
-    for pid in processes_matching("examples/tinylm.py"):
-        try:
-            env = dict(item.split("=", 1) for item in
-                       Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
-        except OSError:
-            continue
-        if env.get("PHALANX_JOB_ID") == job and env.get("RANK") == str(rank):
-            return pid
-    return None
 
 
 class Gang:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Fleet, processes_matching, wait_for
+from harness import Fleet, rank_pid, wait_for
 
 from agentd.gpu.sim import inject
 from phalanx.local import free_port
@@ -79,17 +79,11 @@ def committed_step(fleet: Fleet, job: str, at_least: int, tier: str = "object") 
     return newest if newest >= at_least else None
 
 
-def rank_pid(job: str, rank: int, generation: int | None = None) -> int | None:
-    for pid in processes_matching("examples/tinylm.py"):
-        try:
-            env = dict(item.split("=", 1) for item in
-                       Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
-        except OSError:
-            continue
-        if env.get("PHALANX_JOB_ID") == job and env.get("RANK") == str(rank) and (
-                generation is None or env.get("PHALANX_GENERATION") == str(generation)):
-            return pid
-    return None
+def running_after_a_commit(fleet: Fleet, job: str) -> dict[str, Any]:
+    """The job's view once it runs and has step 20 committed at every tier."""
+    running = fleet.wait_job(job, "running", timeout=60)
+    wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed at every tier")
+    return running
 
 
 def final_digest(fleet: Fleet, job: dict[str, Any]) -> str:
@@ -117,8 +111,7 @@ def test_a_rank_killed_with_sigkill_restarts_in_place_and_ends_bit_identical(
 ) -> None:
     start(fleet)
     job = submit(fleet, "kill")
-    running = fleet.wait_job(job, "running", timeout=60)
-    wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed")
+    running = running_after_a_commit(fleet, job)
 
     os.kill(wait_for(lambda: rank_pid(job, 3), 10, "rank 3"), signal.SIGKILL)
 
@@ -140,8 +133,7 @@ def test_ecc_error_moves_the_ranks_to_the_spare_which_restores_remotely_bit_iden
 ) -> None:
     start(fleet)
     job = submit(fleet, "ecc")
-    running = fleet.wait_job(job, "running", timeout=60)
-    wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed at every tier")
+    running = running_after_a_commit(fleet, job)
     victim = running["nodes"][1]
 
     inject(fleet.sim_file(victim), 0, "ecc-dbe")
@@ -165,8 +157,7 @@ def test_losing_the_rank_0_nodes_agent_moves_its_ranks_and_the_rendezvous_to_the
 ) -> None:
     start(fleet)
     job = submit(fleet, "lost")
-    running = fleet.wait_job(job, "running", timeout=60)
-    wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed at every tier")
+    running = running_after_a_commit(fleet, job)
     victim = running["nodes"][0]  # hosts rank 0 and the rendezvous
 
     fleet.agents[victim].kill9()
@@ -186,8 +177,7 @@ def test_losing_the_rank_0_nodes_agent_moves_its_ranks_and_the_rendezvous_to_the
 def test_a_stopped_rank_is_detected_as_a_hang_named_and_recovered(fleet: Fleet) -> None:
     start(fleet)
     job = submit(fleet, "hang", restart={"hang_timeout": 4})
-    fleet.wait_job(job, "running", timeout=60)
-    wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed")
+    running_after_a_commit(fleet, job)
     pid = wait_for(lambda: rank_pid(job, 2), 10, "rank 2")
 
     os.kill(pid, signal.SIGSTOP)
@@ -223,8 +213,7 @@ def test_a_crash_at_the_same_step_every_time_fails_fast_as_following_the_code(
 def test_a_supervisor_restarted_during_a_recovery_finishes_it(fleet: Fleet) -> None:
     start(fleet)
     job = submit(fleet, "sup")
-    running = fleet.wait_job(job, "running", timeout=60)
-    wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed")
+    running = running_after_a_commit(fleet, job)
     assert fleet.supervisor is not None
     victim = running["nodes"][1]
 
@@ -244,8 +233,7 @@ def test_a_rank_of_the_old_generation_resumed_after_the_restart_cannot_join_or_c
 ) -> None:
     start(fleet)
     job = submit(fleet, "stale")
-    running = fleet.wait_job(job, "running", timeout=60)
-    wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed")
+    running = running_after_a_commit(fleet, job)
     victim = running["nodes"][1]
     # The node freezes whole (agent and a rank): its stop can never land, so the frozen
     # rank of generation 1 outlives the restart on the spare.
@@ -271,8 +259,7 @@ def test_a_preempted_job_checkpoints_first_and_resumes_from_that_step_on_its_ret
 ) -> None:
     start(fleet, nodes=2, spares=0)
     job = submit(fleet, "victim", "--ckpt-digests", priority=10, preemptible=True)
-    fleet.wait_job(job, "running", timeout=60)
-    wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed")
+    running_after_a_commit(fleet, job)
 
     urgent = fleet.submit(name="urgent", nodes=2, ranks_per_node=1, priority=900,
                           command=["bash", "-c", "sleep 2"])
@@ -334,7 +321,7 @@ def test_a_torchrun_style_script_that_knows_nothing_of_phalanx_is_restarted_in_p
     fleet.wait_job(job, "running", timeout=60)
     wait_for(lambda: (work / "snapshot-1.pt").exists() or None, 60, "a first snapshot")
 
-    os.kill(wait_for(lambda: rank_pid_of(job, 1, "train.py"), 10, "rank 1"), signal.SIGKILL)
+    os.kill(wait_for(lambda: rank_pid(job, 1, marker="train.py"), 10, "rank 1"), signal.SIGKILL)
 
     done = fleet.wait_job(job, "succeeded", timeout=120)
     assert (done["generation"], done["restarts"]) == (2, 1)
@@ -342,15 +329,3 @@ def test_a_torchrun_style_script_that_knows_nothing_of_phalanx_is_restarted_in_p
         "rank-0.log"
     # sum over steps of 2 * (step + 1): the same as a run that never crashed
     assert log.read_text().strip().splitlines()[-1] == f"total {2.0 * 60 * 61 / 2}"
-
-
-def rank_pid_of(job: str, rank: int, marker: str) -> int | None:
-    for pid in processes_matching(marker):
-        try:
-            env = dict(item.split("=", 1) for item in
-                       Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
-        except OSError:
-            continue
-        if env.get("PHALANX_JOB_ID") == job and env.get("RANK") == str(rank):
-            return pid
-    return None

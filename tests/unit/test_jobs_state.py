@@ -245,3 +245,29 @@ def test_new_job_id_starts_with_the_name() -> None:
     job_id = Job.new_id("tinylm")
     assert job_id.startswith("tinylm-")
     assert len(job_id) == len("tinylm-") + 6
+
+
+# --- progress and goodput --------------------------------------------------------------
+
+
+def test_step_time_comes_from_the_first_and_last_step_heard_of() -> None:
+    job = make_job()
+    job.note_step(1, 10, 100.0)  # the generation's first step
+    job.note_step(1, 30, 110.0)  # its last, when the rank reported it
+    job.note_step(1, 30, 125.0)  # the exit that a later stop caused says the same step
+
+    assert job.step_time(1) == 0.5
+
+
+def test_goodput_counts_each_incidents_downtime_and_lost_work_against_wall_time() -> None:
+    job = make_job(JobState.RUNNING)
+    job.first_started_at = 1000.0
+    job.incidents = [{"downtime_s": 6.0, "lost_work_s": 4.0}]
+
+    view = job.goodput(now=1100.0)
+
+    assert (view["ettr"], view["wall_s"], view["lost_s"]) == (0.9, 100.0, 10.0)
+
+
+def test_a_job_never_started_has_no_ettr() -> None:
+    assert make_job().goodput()["ettr"] is None

@@ -423,6 +423,8 @@ step = 0
 while True:
     if step <= last and not (freeze and os.path.exists(freeze)):
         phalanx.rank.step(step, loss=1.0 / (step + 1))
+        if step == last and os.environ.get("FINISH"):
+            phalanx.rank.finished(step)  # then lives on, as in an evaluation or a barrier
         step += 1
     time.sleep(0.02)
 """
@@ -527,6 +529,17 @@ async def test_no_hang_is_reported_while_a_rank_waits_for_its_checkpoints_to_com
         assert reporter.of("hung") == []
     # Once the wait is over, silence counts again, from then on.
     await eventually(lambda: bool(reporter.of("hung")), "the hang after the wait")
+
+
+async def test_no_hang_is_reported_after_a_rank_says_it_took_its_last_step(
+        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter) -> None:
+    await runner.start(start(monitor, env={"LAST_STEP_0": "3", "LAST_STEP_1": "5",
+                                           "FINISH": "1"}))
+    await reported(monitor, 1, 5)
+
+    await asyncio.sleep(HANG_S + 10 * CHECK_S)
+
+    assert reporter.of("hung") == []
 
 
 async def test_the_exit_event_carries_the_last_step_the_rank_reported(
