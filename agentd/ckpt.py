@@ -131,6 +131,16 @@ class CkptService(Restores, Commits):
 
         A new plan (another buddy after a move, say) applies to the ranks' stores at
         once; their RAM slots stay."""
+        if generation > self.generations.get(job, 0):
+            # What an older generation's write-downs failed at is not the new one's: its
+            # ranks' final wait() must not raise it (a buddy that died with its node).
+            with self._lock:
+                stores = [s for (j, _), s in self.stores.items() if j == job]
+            for store in stores:
+                if dropped := store.engine.forget_failures():
+                    log.info("job %s generation %d starts: %d failure(s) of an older "
+                             "generation's write-down dropped (%s)", job, generation,
+                             len(dropped), dropped[0])
         self.generations[job] = max(self.generations.get(job, 0), generation)
         new = plan or DEFAULT_PLAN
         if self.plans.get(job) == new:

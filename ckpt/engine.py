@@ -321,6 +321,14 @@ class Engine:
                             "; ".join(str(f) for f in failures[1:]))  # fmt: skip
             raise first
 
+    def forget_failures(self) -> list[TierError]:
+        """Drop the failures no ``wait`` collected (a newer generation of the job starts:
+        an older one's failed write-down, say to a buddy that died, is not its own; each
+        was reported as a ``failed`` event already). Returns them."""
+        with self.cond:
+            dropped, self.failures = self.failures, []
+        return dropped
+
     def close(self, timeout: float) -> None:
         """Finish the queued work (up to ``timeout``), then stop the threads."""
         with self.cond:

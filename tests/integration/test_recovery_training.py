@@ -28,7 +28,7 @@ from phalanx.local import free_port
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 120
+STEPS = 200  # ~12 s: a fault injected after step 20 strikes well before the end
 TINY = ["--vocab", "32", "--dim", "16", "--layers", "1", "--heads", "2", "--seq", "8",
         "--batch", "2", "--log-every", "1000", "--steps", str(STEPS), "--ckpt-every", "10",
         "--step-sleep", "0.04"]

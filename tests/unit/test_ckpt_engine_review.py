@@ -83,6 +83,23 @@ def test_a_slot_grows_after_a_tier_failure(tmp_path: Path) -> None:
         ram.close()
 
 
+def test_failures_forgotten_for_a_new_generation_are_not_raised_by_its_wait(
+    tmp_path: Path,
+) -> None:
+    ram = RamTier("phalanx-j-r0", job="j", directory=tmp_path, slots=2, keep=1, pin=False)
+    engine = Engine(ram, [_Unreachable()], keep={"ram": 1, "object": 1})
+    try:
+        _save(ram, engine, 1)  # the older generation's write-down fails; nobody waits
+
+        (dropped,) = engine.forget_failures()
+
+        assert dropped.tier == "object"
+        engine.wait(5.0)  # the new generation's wait does not raise the old failure
+    finally:
+        engine.close(5.0)
+        ram.close()
+
+
 def _agent_engine_with_disk(tmp_path: Path, keep: int) -> tuple[RamTier, DiskTier, Engine]:
     (tmp_path / "shm").mkdir()
     ram = RamTier("phalanx-j-r0", job="j", directory=tmp_path / "shm", slots=2, keep=1,
