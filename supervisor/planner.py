@@ -10,10 +10,11 @@ The rules, in the order they are applied:
    now ``drain`` or ``offline``, or when that node was involved in a failure of
    another job within ``node_window_s`` (quarantine follows the hardware);
    otherwise it is a software failure of the process and its nodes are healthy.
-2. **Follows the code.** A software failure whose exit (code or signal) and
-   step match an earlier failure of the job, or whose rank failed the same way
-   on another node, is the code's, not the hardware's: the job fails with that
-   reason; no spare and no restart is spent on it.
+2. **Follows the code.** A software failure at the same step as an earlier rank
+   exit of the job (whichever rank and exit were reported first: a bystander
+   that aborted when the culprit died is often first), or whose rank failed the
+   same way on another node, is the code's, not the hardware's: the job fails
+   with that reason; no spare and no restart is spent on it.
 3. **Budget.** A job that has used ``max_restarts`` recoveries fails, with its
    history; so does one whose last three recoveries restored the same step
    (no checkpoint progress).
@@ -258,19 +259,23 @@ def _hardware_nodes(job: JobView, failures: Sequence[Failure], nodes: Mapping[st
 
 
 def _follows_the_code(job: JobView, failures: Sequence[Failure]) -> str:
+    """A rank exit at the same step as an earlier one (whatever the exit: the first rank
+    reported may be a bystander that aborted when the culprit died), or the same rank's
+    same exit on another node."""
     for f in failures:
         if f.kind is not FailureKind.RANK_EXIT or (f.code is None and f.signal is None):
             continue
+        exit_ = f"signal {f.signal}" if f.signal is not None else f"code {f.code}"
         for past in job.history:
-            if past.kind is not FailureKind.RANK_EXIT:
+            if past.kind is not FailureKind.RANK_EXIT or \
+                    (past.code is None and past.signal is None):
                 continue
-            if (past.code, past.signal) != (f.code, f.signal):
-                continue
-            exit_ = f"signal {f.signal}" if f.signal is not None else f"code {f.code}"
             if f.step is not None and past.step == f.step:
                 return (f"the failure follows the code: rank {f.rank} failed with {exit_} at "
-                        f"step {f.step} again, after a restore (rank {past.rank} did the same "
-                        f"on node {past.node}); not retried")
+                        f"step {f.step}, where the gang failed before too (rank {past.rank} "
+                        f"on node {past.node}), after a restore; not retried")
+            if (past.code, past.signal) != (f.code, f.signal):
+                continue
             if f.rank is not None and past.rank == f.rank and past.node != f.node:
                 return (f"the failure follows the code: rank {f.rank} failed with {exit_} on "
                         f"node {past.node} and again on node {f.node}; not retried")

@@ -252,14 +252,17 @@ def test_same_code_at_another_step_on_another_rank_is_retried() -> None:
     assert p.action is Action.RESTART_IN_PLACE
 
 
-def test_different_exit_code_at_the_same_step_is_retried() -> None:
-    j = job(history=[past("b", rank=9, code=2, step=100)])
+def test_another_exit_at_the_same_step_still_follows_the_code() -> None:
+    # The first exit reported was a bystander's abort (signal 6); now the culprit's own.
+    j = job(history=[past("b", rank=9, code=None, signal=6, step=100)])
     p = plan(j, exit_("a", 0, code=1, step=100), fleet(*gang("a", "b")))
-    assert p.action is Action.RESTART_IN_PLACE
+    assert p.action is Action.FAIL
+    assert "follows the code" in p.reason
 
 
 def test_signal_does_not_match_an_exit_code_of_the_same_number() -> None:
-    j = job(history=[past("b", rank=0, code=9, signal=None, step=100)])
+    # Same rank on another node, but a signal 9 is not an exit code 9.
+    j = job(history=[past("b", rank=0, code=9, signal=None, step=50)])
     p = plan(j, exit_("a", 0, code=None, signal=9, step=100), fleet(*gang("a", "b")))
     assert p.action is Action.RESTART_IN_PLACE
 
@@ -302,7 +305,7 @@ def test_hardware_failure_is_replaced_even_when_it_repeats_an_exit() -> None:
 
 
 def test_any_of_several_failures_that_follows_the_code_fails_the_job() -> None:
-    j = job(history=[past("b", rank=9, code=3, step=100)])
+    j = job(history=[past("b", rank=1, code=3, step=50)])
     p = plan(j, [exit_("a", 0, code=1, step=100), exit_("a", 1, code=3, step=100)],
              fleet(*gang("a", "b")))
     assert p.action is Action.FAIL and "rank 1" in p.reason
@@ -341,34 +344,34 @@ def test_spent_budget_still_quarantines_the_failed_node() -> None:
 
 
 def test_restoring_the_same_step_a_fourth_time_fails_for_no_checkpoint_progress() -> None:
-    j = job(history=[past(code=c, restored=100) for c in (1, 2, 3)])
+    j = job(history=[past(code=c, restored=100, step=100 + c) for c in (1, 2, 3)])
     p = plan(j, exit_("a", code=4), fleet(*gang("a", "b")), catalog(j, {100: ["ram"]}))
     assert (p.action, p.nodes) == (Action.FAIL, ())
     assert "no checkpoint progress" in p.reason and "step 100" in p.reason
 
 
 def test_a_newer_committed_step_is_progress_after_three_same_restores() -> None:
-    j = job(history=[past(code=c, restored=100) for c in (1, 2, 3)])
+    j = job(history=[past(code=c, restored=100, step=100 + c) for c in (1, 2, 3)])
     cat = catalog(j, {100: ["ram"], 200: ["ram"]})
     p = plan(j, exit_("a", code=4), fleet(*gang("a", "b")), cat)
     assert (p.action, p.restore_step) == (Action.RESTART_IN_PLACE, 200)
 
 
 def test_two_same_restores_are_not_enough_to_fail() -> None:
-    j = job(history=[past(code=c, restored=100) for c in (1, 2)])
+    j = job(history=[past(code=c, restored=100, step=100 + c) for c in (1, 2)])
     p = plan(j, exit_("a", code=4), fleet(*gang("a", "b")), catalog(j, {100: ["ram"]}))
     assert p.action is Action.RESTART_IN_PLACE
 
 
 def test_same_restores_that_are_not_the_last_three_do_not_count() -> None:
-    j = job(history=[past(code=c, restored=r) for c, r in ((1, 100), (2, 100), (3, 100),
-                                                           (4, 50))])
+    j = job(history=[past(code=c, restored=r, step=100 + c)
+                     for c, r in ((1, 100), (2, 100), (3, 100), (4, 50))])
     p = plan(j, exit_("a", code=5), fleet(*gang("a", "b")), catalog(j, {100: ["ram"]}))
     assert p.action is Action.RESTART_IN_PLACE
 
 
 def test_no_checkpoint_progress_after_a_hardware_failure_quarantines_the_node() -> None:
-    j = job(history=[past(code=c, restored=100) for c in (1, 2, 3)])
+    j = job(history=[past(code=c, restored=100, step=100 + c) for c in (1, 2, 3)])
     nodes = fleet(*gang("a"), node("b", state="offline", busy=True), node("s", spare=True))
     p = plan(j, lost("b"), nodes, catalog(j, {100: ["object"]}))
     assert (p.action, p.quarantine, p.nodes) == (Action.FAIL, ("b",), ())
