@@ -79,7 +79,8 @@ class Recoveries:
         if job.state not in (JobState.RUNNING, JobState.STARTING) or job.recovery is not None:
             return
         now = time.time()
-        if job.started_at is not None:  # max_runtime counts every generation's run
+        if job.state is JobState.RUNNING and job.started_at is not None:
+            # max_runtime counts every generation's run (a failed launch ran none)
             job.ran_before_s += max(0.0, (fault_at or now) - job.started_at)
         job.recovery = {
             "generation": job.generation,
