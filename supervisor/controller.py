@@ -67,7 +67,7 @@ class JobController:
         self._started = time.monotonic()
         self.registry = sup.registry
         self.settings = sup.settings
-        self.burnins = BurnIns(sup.registry, self._send, timeout_s=BURN_IN_TIMEOUT_S)
+        self.burnins = BurnIns(sup.registry, self.command, timeout_s=BURN_IN_TIMEOUT_S)
         self.recoveries = Recoveries(self)
         self.orders = GangOrders(self)
 
@@ -113,16 +113,6 @@ class JobController:
     async def command(self, node: str, args: wire.CommandArgsType,
                       timeout: float | None = None) -> wire.CommandAck:
         return await self.sup.command(node, args, timeout=timeout)
-
-    async def _send(self, node: str, args: wire.CommandArgsType,
-                    timeout: float) -> wire.CommandAck:
-        return await self.sup.command(node, args, timeout=timeout)
-
-    def burned_in(self, node: str) -> bool:
-        return self.burnins.passed(node)
-
-    async def burn_in(self, node: str) -> tuple[bool, str]:
-        return await self.burnins.run(node)
 
     def node_incidents(self) -> list[NodeIncident]:
         """Every failure any job recorded, by the node it struck (quarantine follows the

@@ -181,7 +181,7 @@ class Recoveries:
                 return
             plan = self.plan(job, failures)  # the fleet may have moved while we waited
             if plan.action in (Action.RESTART_IN_PLACE, Action.REPLACE) and all(
-                    self.ctl.burned_in(b) for _, b in plan.swaps):
+                    self.ctl.burnins.passed(b) for _, b in plan.swaps):
                 break
         rec["plan"] = _plan_record(plan)
         await self._relaunch(job, plan)
@@ -322,9 +322,9 @@ class Recoveries:
 
     async def _burn_in_swaps(self, job: Job, plan: Plan) -> bool:
         for failed, spare in plan.swaps:
-            if self.ctl.burned_in(spare):
+            if self.ctl.burnins.passed(spare):
                 continue
-            passed, why = await self.ctl.burn_in(spare)
+            passed, why = await self.ctl.burnins.run(spare)
             if not passed:
                 self.ctl.event("spare_rejected", job, node=spare, replacing=failed, reason=why)
                 if job.recovery is not None:  # not again in this recovery (drained, or mute)
