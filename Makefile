@@ -6,7 +6,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint format install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,7 +21,12 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 test: lint
 	$(BIN)/pytest

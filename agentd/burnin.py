@@ -50,12 +50,16 @@ def health_failures(health: wire.Health) -> list[str]:
     """The reasons a health sample fails a burn-in: its ``drain`` ones."""
     if health.status is not wire.HealthStatus.DRAIN:
         return []
-    return [f"{r.code}{f' on GPU {r.gpu}' if r.gpu is not None else ''}: {r.detail}"
-            for r in health.reasons if r.severity == "drain"]
+    return [
+        f"{r.code}{f' on GPU {r.gpu}' if r.gpu is not None else ''}: {r.detail}"
+        for r in health.reasons
+        if r.severity == "drain"
+    ]
 
 
-async def burn_in(backend: str, health: wire.Health, gpus: Sequence[int], *,
-                  timeout_s: float = MATMUL_TIMEOUT_S) -> BurnIn:  # fmt: skip
+async def burn_in(
+    backend: str, health: wire.Health, gpus: Sequence[int], *, timeout_s: float = MATMUL_TIMEOUT_S
+) -> BurnIn:
     """Judge a node by ``health`` (a sample taken for the burn-in) and, on the ``nvml``
     backend with torch and CUDA at hand, a matmul check of each of ``gpus``."""
     reasons = health_failures(health)
@@ -68,16 +72,24 @@ async def burn_in(backend: str, health: wire.Health, gpus: Sequence[int], *,
     return BurnIn(passed=not reasons, reasons=reasons, checks=checks)
 
 
-async def matmul_check(gpus: Sequence[int], *, timeout_s: float = MATMUL_TIMEOUT_S,
-                       python: str = sys.executable) -> list[str] | None:  # fmt: skip
+async def matmul_check(
+    gpus: Sequence[int], *, timeout_s: float = MATMUL_TIMEOUT_S, python: str = sys.executable
+) -> list[str] | None:
     """Run the matmul check of ``gpus`` (NVML indices) in a child process; the failures,
     or None when the child finds no CUDA."""
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's indices are then NVML's
     proc = await asyncio.create_subprocess_exec(
-        python, "-m", "agentd.burnin", "--gpus", ",".join(map(str, gpus)), env=env,
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
+        python,
+        "-m",
+        "agentd.burnin",
+        "--gpus",
+        ",".join(map(str, gpus)),
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
     except TimeoutError:
@@ -117,8 +129,10 @@ def _matmul(gpus: Sequence[int]) -> dict[str, Any]:
                 got = (da @ db).double().cpu()
                 worst = max(worst, float((got - expected).abs().max()) / scale)
             if not worst <= MATMUL_TOLERANCE:  # NaN fails too
-                failures.append(f"matmul on GPU {index}: error {worst:.2e} relative to the "
-                                f"CPU's product > {MATMUL_TOLERANCE:.0e}")
+                failures.append(
+                    f"matmul on GPU {index}: error {worst:.2e} relative to the "
+                    f"CPU's product > {MATMUL_TOLERANCE:.0e}"
+                )
         except Exception as exc:
             failures.append(f"matmul on GPU {index}: {type(exc).__name__}: {exc}"[:500])
     return {"cuda": True, "failures": failures}

@@ -66,9 +66,17 @@ _Listing = concurrent.futures.Future[list[str]]
 
 
 class CkptService(Restores, Commits):
-    def __init__(self, node: str, data_dir: Path, shm_dir: Path, object_store: str,
-                 token: str, publish: Callable[[wire.CkptLanding | wire.CkptReleased], None], *,
-                 pacing: Pacing | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        node: str,
+        data_dir: Path,
+        shm_dir: Path,
+        object_store: str,
+        token: str,
+        publish: Callable[[wire.CkptLanding | wire.CkptReleased], None],
+        *,
+        pacing: Pacing | None = None,
+    ) -> None:
         self.node = node
         self.publish_threadsafe = publish
         self.shm_dir = shm_dir
@@ -99,13 +107,19 @@ class CkptService(Restores, Commits):
         # pushing to this node never waits on a starved reader (its socket times out).
         on_write_cpus = replace(self.pacing, nice=0, idle=False)
         self.peer_io = concurrent.futures.ThreadPoolExecutor(
-            4, thread_name_prefix="ckpt-peer", initializer=place_writer_thread,
-            initargs=(on_write_cpus,))  # fmt: skip
+            4,
+            thread_name_prefix="ckpt-peer",
+            initializer=place_writer_thread,
+            initargs=(on_write_cpus,),
+        )
         # Catalog application writes manifests at every tier (a buddy, the object store):
         # its own threads, so that a slow or black-holed tier never holds up a rank's save.
         self.commits = concurrent.futures.ThreadPoolExecutor(
-            4, thread_name_prefix="ckpt-commit", initializer=place_writer_thread,
-            initargs=(on_write_cpus,))  # fmt: skip
+            4,
+            thread_name_prefix="ckpt-commit",
+            initializer=place_writer_thread,
+            initargs=(on_write_cpus,),
+        )
         self._appliers: dict[str, asyncio.Task[None]] = {}
         # job -> (the last retry delay, the retry scheduled) after a manifest write failed
         self._apply_backoff: dict[str, tuple[float, asyncio.TimerHandle | None]] = {}
@@ -138,9 +152,14 @@ class CkptService(Restores, Commits):
                 stores = [s for (j, _), s in self.stores.items() if j == job]
             for store in stores:
                 if dropped := store.engine.forget_failures():
-                    log.info("job %s generation %d starts: %d failure(s) of an older "
-                             "generation's write-down dropped (%s)", job, generation,
-                             len(dropped), dropped[0])
+                    log.info(
+                        "job %s generation %d starts: %d failure(s) of an older "
+                        "generation's write-down dropped (%s)",
+                        job,
+                        generation,
+                        len(dropped),
+                        dropped[0],
+                    )
         self.generations[job] = max(self.generations.get(job, 0), generation)
         new = plan or DEFAULT_PLAN
         if self.plans.get(job) == new:
@@ -168,13 +187,20 @@ class CkptService(Restores, Commits):
                 tiers[name] = self.disk
             elif name == "peer" and plan.buddy is not None:
                 b = plan.buddy
-                tiers[name] = ObjectTier(HttpPeerStore(b.node, b.address, b.http_port,
-                                                       self.token), name="peer",
-                                         level=self.pacing.compress_level, pacing=self.pacing)
+                tiers[name] = ObjectTier(
+                    HttpPeerStore(b.node, b.address, b.http_port, self.token),
+                    name="peer",
+                    level=self.pacing.compress_level,
+                    pacing=self.pacing,
+                )
                 holder["peer"] = b.node
             elif name == "object":
-                tiers[name] = ObjectTier(self.objects(), name="object",
-                                         level=self.pacing.compress_level, pacing=self.pacing)
+                tiers[name] = ObjectTier(
+                    self.objects(),
+                    name="object",
+                    level=self.pacing.compress_level,
+                    pacing=self.pacing,
+                )
         return tiers, holder
 
     def _listing(self, job: str, tier: ObjectTier) -> list[str]:
@@ -228,9 +254,14 @@ class CkptService(Restores, Commits):
                     try:
                         keys = self._listing(job, tier)
                     except Exception as exc:
-                        log.warning("ckpt: job %s rank %d: cannot list the %s tier, so steps "
-                                    "landed there before a restart are unknown here: %s", job,
-                                    rank, tier.name, exc)  # fmt: skip
+                        log.warning(
+                            "ckpt: job %s rank %d: cannot list the %s tier, so steps "
+                            "landed there before a restart are unknown here: %s",
+                            job,
+                            rank,
+                            tier.name,
+                            exc,
+                        )
                         continue
                     for key in keys:
                         step = key.split("/")[1] if key.count("/") == 2 else ""
@@ -244,34 +275,51 @@ class CkptService(Restores, Commits):
             if found is not None:
                 return found
             keep = self._keep(job)
-            ram = RamTier(namespace_for(job, rank), job=job, directory=self.shm_dir,
-                          slots=keep["ram"] + 1, keep=keep["ram"], pin=False)  # fmt: skip
+            ram = RamTier(
+                namespace_for(job, rank),
+                job=job,
+                directory=self.shm_dir,
+                slots=keep["ram"] + 1,
+                keep=keep["ram"],
+                pin=False,
+            )
             tiers, holder = self._tiers(job)
             reporter = Reporter(self, holder)
-            engine = Engine(ram, list(tiers.values()), keep=keep, catalog=reporter,
-                            pacing=self.pacing, on_event=self._on_event)  # fmt: skip
+            engine = Engine(
+                ram,
+                list(tiers.values()),
+                keep=keep,
+                catalog=reporter,
+                pacing=self.pacing,
+                on_event=self._on_event,
+            )
             store = RankStore(job, rank, ram, engine, tiers, reporter)
             store.landed.update((("ram", step), None) for step in ram.steps(job))
             if "nvme" in tiers:
                 try:
-                    store.landed.update((("nvme", step), None)
-                                        for step in self.disk.landed_steps(job)
-                                        if self.disk.path(ShardKey(job, step, rank)).is_file())
+                    store.landed.update(
+                        (("nvme", step), None)
+                        for step in self.disk.landed_steps(job)
+                        if self.disk.path(ShardKey(job, step, rank)).is_file()
+                    )
                 except TierError as exc:
                     log.warning("ckpt: job %s rank %d: %s", job, rank, exc)
             remote = [t for t in tiers.values() if isinstance(t, ObjectTier)]
             if remote:
                 store.lock.acquire()  # released by seed_remote's thread
                 try:
-                    threading.Thread(target=seed_remote, args=(store, remote), daemon=True,
-                                     name=f"ckpt-seed-{job}-r{rank}").start()
+                    threading.Thread(
+                        target=seed_remote,
+                        args=(store, remote),
+                        daemon=True,
+                        name=f"ckpt-seed-{job}-r{rank}",
+                    ).start()
                 except BaseException:
                     store.lock.release()
                     raise
             reporter.store = store
             self.stores[(job, rank)] = store
-            log.info("ckpt: job %s rank %d: tiers %s", job, rank,
-                     ", ".join(["ram", *tiers]))  # fmt: skip
+            log.info("ckpt: job %s rank %d: tiers %s", job, rank, ", ".join(["ram", *tiers]))
         if job in self.catalogs:
             # A store made after the job's latest catalog (a rank moved here, an agent
             # restart): what it already holds gets its manifests now, not at the next commit.
@@ -281,43 +329,81 @@ class CkptService(Restores, Commits):
     def _on_event(self, event: TierEvent) -> None:
         if event.kind not in ("failed", "deleted") or event.tier not in TIER_ORDER:
             return
-        self.publish(wire.CkptLanding(
-            node=self.node, job=event.key.job, step=event.key.step, rank=event.key.rank,
-            tier=event.tier, event=event.kind,
-            error=event.error or "", at=event.at))
+        self.publish(
+            wire.CkptLanding(
+                node=self.node,
+                job=event.key.job,
+                step=event.key.step,
+                rank=event.key.rank,
+                tier=event.tier,
+                event=event.kind,
+                error=event.error or "",
+                at=event.at,
+            )
+        )
 
     def _fence(self, job: str, generation: int) -> None:
         current = self.generations.get(job, 0)
         if generation < current:
-            raise CkptRequestError(f"job {job}: generation {generation} is older than "
-                                   f"generation {current} started here", status=409)
+            raise CkptRequestError(
+                f"job {job}: generation {generation} is older than "
+                f"generation {current} started here",
+                status=409,
+            )
 
     # --- saving ---------------------------------------------------------------------
 
-    async def acquire(self, job: str, generation: int, rank: int, step: int, nbytes: int,
-                      when_busy: str, timeout: float) -> dict[str, Any]:  # fmt: skip
+    async def acquire(
+        self,
+        job: str,
+        generation: int,
+        rank: int,
+        step: int,
+        nbytes: int,
+        when_busy: str,
+        timeout: float,
+    ) -> dict[str, Any]:
         self._fence(job, generation)
         store = self.store(job, rank)
         key = ShardKey(job, step, rank)
         before = set(store.ram.steps(job))
-        slot = await self._run(functools.partial(
-            store.ram.acquire, key, nbytes, when_busy="skip" if when_busy == "skip" else "wait",
-            timeout=timeout))
+        slot = await self._run(
+            functools.partial(
+                store.ram.acquire,
+                key,
+                nbytes,
+                when_busy="skip" if when_busy == "skip" else "wait",
+                timeout=timeout,
+            )
+        )
         if slot is None:
-            store.engine.report(TierEvent("skipped", "ram", key, None, nbytes, 0.0,
-                                          "every RAM slot is still being written down"))
+            store.engine.report(
+                TierEvent(
+                    "skipped",
+                    "ram",
+                    key,
+                    None,
+                    nbytes,
+                    0.0,
+                    "every RAM slot is still being written down",
+                )
+            )
             return {"skipped": True, "why": "every RAM slot is still being written down"}
         store.outstanding[slot.index] = slot
         store.report_reused(before)
         return {"slot": slot.index, "path": str(slot.path), "capacity": slot.capacity}
 
-    def submit(self, job: str, generation: int, rank: int, step: int, index: int, nbytes: int,
-               abort: bool) -> dict[str, Any]:  # fmt: skip
+    def submit(
+        self, job: str, generation: int, rank: int, step: int, index: int, nbytes: int, abort: bool
+    ) -> dict[str, Any]:
         store = self.stores.get((job, rank))
         slot = store.outstanding.pop(index, None) if store else None
         if store is None or slot is None or slot.step != step or slot.nbytes != nbytes:
-            raise CkptRequestError(f"job {job} rank {rank}: slot {index} was not acquired for "
-                                   f"step {step} of {nbytes} bytes", status=409)
+            raise CkptRequestError(
+                f"job {job} rank {rank}: slot {index} was not acquired for "
+                f"step {step} of {nbytes} bytes",
+                status=409,
+            )
         if abort:
             store.ram.release(slot, keep_content=False)
             return {"aborted": True}
@@ -395,17 +481,21 @@ class CkptService(Restores, Commits):
 
         async with self.changed:
             while left := missing():
-                failed = next((t for t in left if store.commit_errors.get(t, (-1, ""))[0]
-                               >= step), None)  # fmt: skip
+                failed = next(
+                    (t for t in left if store.commit_errors.get(t, (-1, ""))[0] >= step), None
+                )
                 if failed is not None:  # written again in the background until it takes
-                    raise CkptRequestError(store.commit_errors[failed][1], status=409,
-                                           tier=failed, step=step)  # fmt: skip
+                    raise CkptRequestError(
+                        store.commit_errors[failed][1], status=409, tier=failed, step=step
+                    )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CkptRequestError(
                         f"step {step} of job {job} not committed on tier(s) {', '.join(left)} "
                         f"within {timeout:g} s (every rank's shard must land there)",
-                        status=504, step=step)
+                        status=504,
+                        step=step,
+                    )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), remaining)
         return {"committed": {t: step for t in wanted}}
@@ -423,8 +513,7 @@ class CkptService(Restores, Commits):
             try:
                 await self._run(store.engine.close, timeout)
             except Exception:
-                log.exception("closing the checkpoint engine of %s rank %d", store.job,
-                              store.rank)
+                log.exception("closing the checkpoint engine of %s rank %d", store.job, store.rank)
             with contextlib.suppress(Exception):
                 if "peer" in store.tiers:  # the disk tier and object store are shared
                     store.tiers["peer"].close()

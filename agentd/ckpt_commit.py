@@ -52,6 +52,7 @@ class Commits:
     _closing: bool
 
     if TYPE_CHECKING:
+
         def publish(self, msg: wire.CkptLanding | wire.CkptReleased) -> None: ...
 
     async def on_catalog(self, catalog: wire.CkptCatalog) -> None:
@@ -60,8 +61,9 @@ class Commits:
         Catalogs can come faster than manifests are written (a slow buddy or object
         store): the applier always applies the latest one, skipping those it missed."""
         if catalog.node != self.node:
-            log.warning("dropped: a checkpoint catalog of job %s for node %s", catalog.job,
-                        catalog.node)
+            log.warning(
+                "dropped: a checkpoint catalog of job %s for node %s", catalog.job, catalog.node
+            )
             return
         self.catalogs[catalog.job] = catalog
         async with self.changed:
@@ -89,12 +91,10 @@ class Commits:
             whole = True
             for store in stores:
                 try:
-                    whole &= await loop.run_in_executor(self.commits, self._apply, store,
-                                                        catalog)  # fmt: skip
+                    whole &= await loop.run_in_executor(self.commits, self._apply, store, catalog)
                 except Exception:
                     whole = False
-                    log.exception("applying the checkpoint catalog of %s rank %d", job,
-                                  store.rank)
+                    log.exception("applying the checkpoint catalog of %s rank %d", job, store.rank)
             if catalog.ended and await self._settled(job, catalog):
                 try:
                     await loop.run_in_executor(self.commits, self._free_ram, job)
@@ -121,8 +121,12 @@ class Commits:
             return
         delay = min(APPLY_RETRY_MAX_S, max(APPLY_RETRY_MIN_S, delay * 2))
         wait_s = delay * random.uniform(0.5, 1.0)
-        log.warning("job %s: a checkpoint manifest could not be written: trying again in "
-                    "%.1f s", job, wait_s, extra={"job": job})  # fmt: skip
+        log.warning(
+            "job %s: a checkpoint manifest could not be written: trying again in %.1f s",
+            job,
+            wait_s,
+            extra={"job": job},
+        )
 
         def fire() -> None:
             self._apply_backoff[job] = (delay, None)
@@ -152,13 +156,18 @@ class Commits:
                     mark = (tier, entry.step, theirs)
                     if mark in store.applied:
                         continue
-                    manifest = TierManifest(catalog.job, entry.step, shards,
-                                            committed_at=entry.committed[tier],
-                                            world_size=catalog.world_size)  # fmt: skip
+                    manifest = TierManifest(
+                        catalog.job,
+                        entry.step,
+                        shards,
+                        committed_at=entry.committed[tier],
+                        world_size=catalog.world_size,
+                    )
                     fleet = {e.step for e in catalog.steps if tier in e.committed}
                     try:
-                        if not store.engine.commit(tier, manifest, store.rank,
-                                                   fleet_committed=fleet, protect=protect):
+                        if not store.engine.commit(
+                            tier, manifest, store.rank, fleet_committed=fleet, protect=protect
+                        ):
                             continue  # not a tier of this store
                     except TierError as exc:
                         store.commit_errors[tier] = (entry.step, str(exc))
@@ -169,8 +178,7 @@ class Commits:
                     store.applied.add(mark)
                     store.commit_errors.pop(tier, None)
                     # Only now, with the manifest written here, is the step readable here.
-                    store.committed_upto[tier] = max(entry.step,
-                                                     store.committed_upto.get(tier, -1))
+                    store.committed_upto[tier] = max(entry.step, store.committed_upto.get(tier, -1))
             listed = {(name, e.step) for e in catalog.steps for name in e.committed}
             for name, (step, _why) in list(store.commit_errors.items()):
                 if (name, step) not in listed:  # no longer committed there: nothing to write
@@ -208,27 +216,47 @@ class Commits:
         newest: dict[str, int] = {}
         for tier, step in committed:
             newest[tier] = max(step, newest.get(tier, -1))
-        open_ = [(s.rank, tier, step) for s in stores for tier, step in list(s.landed)
-                 if (tier, step) not in committed and step > newest.get(tier, -1)]  # fmt: skip
-        failing = [(s.rank, tier, step) for s in stores
-                   for tier, (step, _why) in list(s.commit_errors.items())]  # fmt: skip
+        open_ = [
+            (s.rank, tier, step)
+            for s in stores
+            for tier, step in list(s.landed)
+            if (tier, step) not in committed and step > newest.get(tier, -1)
+        ]
+        failing = [
+            (s.rank, tier, step)
+            for s in stores
+            for tier, (step, _why) in list(s.commit_errors.items())
+        ]
         now = time.monotonic()
         started = self._ending.setdefault(job, now)
         if open_ and now < started + ENDED_SETTLE_S:
-            log.info("job %s ended: freeing its RAM tier once the commits of %d landing(s) "
-                     "come (at most %.0f s)", job, len(open_), started + ENDED_SETTLE_S - now,
-                     extra={"job": job})  # fmt: skip
+            log.info(
+                "job %s ended: freeing its RAM tier once the commits of %d landing(s) "
+                "come (at most %.0f s)",
+                job,
+                len(open_),
+                started + ENDED_SETTLE_S - now,
+                extra={"job": job},
+            )
             loop.call_later(started + ENDED_SETTLE_S - now + 0.05, self._kick_applier, job)
             return False
         if failing and now < started + ENDED_MANIFEST_RETRY_S:
             # The applier writes them again meanwhile (_retry_applier); look again then.
-            loop.call_later(min(APPLY_RETRY_MAX_S, started + ENDED_MANIFEST_RETRY_S - now),
-                            self._kick_applier, job)  # fmt: skip
+            loop.call_later(
+                min(APPLY_RETRY_MAX_S, started + ENDED_MANIFEST_RETRY_S - now),
+                self._kick_applier,
+                job,
+            )
             return False
         if failing:
-            log.error("job %s ended: its RAM tier goes, and these manifests could not be "
-                      "written in %.0f s (rank, tier, step): %s", job, ENDED_MANIFEST_RETRY_S,
-                      failing, extra={"job": job})  # fmt: skip
+            log.error(
+                "job %s ended: its RAM tier goes, and these manifests could not be "
+                "written in %.0f s (rank, tier, step): %s",
+                job,
+                ENDED_MANIFEST_RETRY_S,
+                failing,
+                extra={"job": job},
+            )
         self._ending.pop(job, None)
         return True
 

@@ -75,41 +75,63 @@ def make_rank_app(agent: Agent) -> web.Application:
         b = await body(request)
         job = str(b["job"])
         plan = ck.plans.get(job)
-        return web.json_response({"tiers": ck.tiers_of(job), "node": agent.node,
-                                  "interval": plan.interval if plan else None,
-                                  "mtbf_s": plan.mtbf_s if plan else None})
+        return web.json_response(
+            {
+                "tiers": ck.tiers_of(job),
+                "node": agent.node,
+                "interval": plan.interval if plan else None,
+                "mtbf_s": plan.mtbf_s if plan else None,
+            }
+        )
 
     async def acquire(request: web.Request) -> web.Response:
         b = await body(request)
         job, generation, rank = str(b["job"]), int(b["generation"]), int(b["rank"])
         with waiting(job, rank):  # waiting for a slot to drain is no hang
-            got = await ck.acquire(job, generation, rank, int(b["step"]), int(b["nbytes"]),
-                                   str(b.get("when_busy", "wait")),
-                                   float(b.get("timeout", 600)))
+            got = await ck.acquire(
+                job,
+                generation,
+                rank,
+                int(b["step"]),
+                int(b["nbytes"]),
+                str(b.get("when_busy", "wait")),
+                float(b.get("timeout", 600)),
+            )
         if "slot" in got and (request.transport is None or request.transport.is_closing()):
             # The rank went away while it waited: it will never fill the slot.
-            ck.submit(job, generation, rank, int(b["step"]), got["slot"], int(b["nbytes"]),
-                      abort=True)
+            ck.submit(
+                job, generation, rank, int(b["step"]), got["slot"], int(b["nbytes"]), abort=True
+            )
         return web.json_response(got)
 
     async def submit(request: web.Request) -> web.Response:
         b = await body(request)
-        return web.json_response(ck.submit(
-            str(b["job"]), int(b["generation"]), int(b["rank"]), int(b["step"]),
-            int(b["slot"]), int(b["nbytes"]), bool(b.get("abort", False))))
+        return web.json_response(
+            ck.submit(
+                str(b["job"]),
+                int(b["generation"]),
+                int(b["rank"]),
+                int(b["step"]),
+                int(b["slot"]),
+                int(b["nbytes"]),
+                bool(b.get("abort", False)),
+            )
+        )
 
     async def reserve(request: web.Request) -> web.Response:
         b = await body(request)
-        paths = await ck.reserve(str(b["job"]), int(b["generation"]), int(b["rank"]),
-                                 int(b["nbytes"]))
+        paths = await ck.reserve(
+            str(b["job"]), int(b["generation"]), int(b["rank"]), int(b["nbytes"])
+        )
         return web.json_response({"paths": paths})
 
     async def wait(request: web.Request) -> web.Response:
         b = await body(request)
         job, rank = str(b["job"]), int(b["rank"])
         with waiting(job, rank):  # a rank waiting on commits is not hung
-            return web.json_response(await ck.wait(job, rank, int(b["step"]),
-                                                   float(b.get("timeout", 3600))))
+            return web.json_response(
+                await ck.wait(job, rank, int(b["step"]), float(b.get("timeout", 3600)))
+            )
 
     async def restore(request: web.Request) -> web.Response:
         q = request.query
@@ -137,8 +159,9 @@ def make_rank_app(agent: Agent) -> web.Application:
             try:  # the first piece before any header: an early failure is a JSON error
                 piece = await loop.run_in_executor(ck.slow, pull)
             except TierError as exc:
-                raise CkptRequestError(str(exc), status=502, tier=tier, step=step,
-                                       corrupt=exc.corrupt) from exc
+                raise CkptRequestError(
+                    str(exc), status=502, tier=tier, step=step, corrupt=exc.corrupt
+                ) from exc
             resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
             resp.content_length = reader.nbytes
             await resp.prepare(request)
@@ -149,15 +172,26 @@ def make_rank_app(agent: Agent) -> web.Application:
                 if reader.received != reader.nbytes:
                     # The store ended its answer without an error: the copy itself is short
                     # (a cut transfer raises instead). Only here is that known for sure.
-                    raise TierError(f"{reader.url} ended after {reader.received} of the "
-                                    f"{reader.nbytes} bytes its manifest lists", tier=tier,
-                                    ref=reader.key.ref(reader.url), corrupt=True)  # fmt: skip
+                    raise TierError(
+                        f"{reader.url} ended after {reader.received} of the "
+                        f"{reader.nbytes} bytes its manifest lists",
+                        tier=tier,
+                        ref=reader.key.ref(reader.url),
+                        corrupt=True,
+                    )
             except TierError as exc:
                 if exc.corrupt:  # the rank sees only a cut-off read and cannot tell
                     ck.report(job, rank, step, tier, str(exc))
                 else:
-                    log.warning("job %s rank %d: cut off the copy of step %d from tier %s: %s",
-                                job, rank, step, tier, exc, extra={"job": job})  # fmt: skip
+                    log.warning(
+                        "job %s rank %d: cut off the copy of step %d from tier %s: %s",
+                        job,
+                        rank,
+                        step,
+                        tier,
+                        exc,
+                        extra={"job": job},
+                    )
                 resp.force_close()
                 if request.transport is not None:
                     request.transport.close()  # the rank sees fewer bytes than announced
@@ -167,13 +201,17 @@ def make_rank_app(agent: Agent) -> web.Application:
 
     async def stage(request: web.Request) -> web.Response:
         b = await body(request)
-        return web.json_response(await ck.stage(str(b["job"]), int(b["generation"]),
-                                                int(b["rank"]), int(b["step"]), str(b["tier"])))
+        return web.json_response(
+            await ck.stage(
+                str(b["job"]), int(b["generation"]), int(b["rank"]), int(b["step"]), str(b["tier"])
+            )
+        )
 
     async def report(request: web.Request) -> web.Response:
         b = await body(request)
-        ck.report(str(b["job"]), int(b["rank"]), int(b["step"]), str(b["tier"]),
-                  str(b.get("error", "")))
+        ck.report(
+            str(b["job"]), int(b["rank"]), int(b["step"]), str(b["tier"]), str(b.get("error", ""))
+        )
         return web.json_response({"reported": True})
 
     app = web.Application(middlewares=[errors])
@@ -198,9 +236,13 @@ async def start_rank_socket(agent: Agent, path: Path) -> AsyncIterator[None]:
     async with contextlib.AsyncExitStack() as stack:
         old = os.umask(0o177)  # the socket is born 0600: no window where others can connect
         try:
-            await stack.enter_async_context(serve(
-                make_rank_app(agent), lambda runner: web.UnixSite(runner, str(path)),
-                f"agent rank socket {path}"))
+            await stack.enter_async_context(
+                serve(
+                    make_rank_app(agent),
+                    lambda runner: web.UnixSite(runner, str(path)),
+                    f"agent rank socket {path}",
+                )
+            )
         finally:
             os.umask(old)
         os.chmod(path, 0o600)
@@ -211,9 +253,13 @@ async def start_rank_socket(agent: Agent, path: Path) -> AsyncIterator[None]:
                 os.unlink(path)
 
 
-def add_peer_routes(app: web.Application, agent: Agent,
-                    authorised: Callable[[web.Request], bool], *,
-                    max_shard_bytes: int | None = None) -> None:  # fmt: skip
+def add_peer_routes(
+    app: web.Application,
+    agent: Agent,
+    authorised: Callable[[web.Request], bool],
+    *,
+    max_shard_bytes: int | None = None,
+) -> None:
     """The peer tier's objects, kept for buddies under ``DATA_DIR/ckpt-peer``: each body
     (and what it decompresses to) is at most ``max_shard_bytes`` (the agent's
     ``ckpt.peer_max_shard_bytes``; ``None``: that setting's default), refused with 413
@@ -242,14 +288,25 @@ def add_peer_routes(app: web.Application, agent: Agent,
         if path is None:
             return _error(400, "not a checkpoint object key")
         if request.content_length is not None and request.content_length > body_limit:
-            return too_large(key, ObjectTooLarge(f"a body of {request.content_length} bytes",
-                                                 body_limit))  # fmt: skip
-        seal = SealCheck(path.name.endswith(".zst"), max_limit, "its content") \
-            if ".phx" in path.name else None  # fmt: skip
+            return too_large(
+                key, ObjectTooLarge(f"a body of {request.content_length} bytes", body_limit)
+            )
+        seal = (
+            SealCheck(path.name.endswith(".zst"), max_limit, "its content")
+            if ".phx" in path.name
+            else None
+        )
         try:
-            out = await io(functools.partial(
-                AtomicFile, path, pacing=agent.ckpt.pacing, tier="peer",
-                ref=ShardRef(path=str(path)), direct=True))  # fmt: skip
+            out = await io(
+                functools.partial(
+                    AtomicFile,
+                    path,
+                    pacing=agent.ckpt.pacing,
+                    tier="peer",
+                    ref=ShardRef(path=str(path)),
+                    direct=True,
+                )
+            )
         except TierError as exc:
             return cannot_store(key, exc)
         # The body lands in one page-aligned buffer that goes to disk by O_DIRECT each
@@ -293,8 +350,9 @@ def add_peer_routes(app: web.Application, agent: Agent,
 
     def too_large(key: str, exc: ObjectTooLarge) -> web.Response:
         log.warning("refused %s pushed by a peer: %s", key, exc)
-        return _error(413, f"refused {key}: {exc} (ckpt.peer_max_shard_bytes is {max_limit})",
-                      limit=max_limit)
+        return _error(
+            413, f"refused {key}: {exc} (ckpt.peer_max_shard_bytes is {max_limit})", limit=max_limit
+        )
 
     async def get(request: web.Request) -> web.StreamResponse:
         if (denied := check(request)) is not None:
@@ -320,9 +378,10 @@ def add_peer_routes(app: web.Application, agent: Agent,
         try:
             wanted = json.loads(await request.read())["keys"]
         except (ValueError, KeyError, TypeError):
-            return _error(400, "body must be {\"keys\": [...]}")
+            return _error(400, 'body must be {"keys": [...]}')
         if not isinstance(wanted, list) or not all(
-                isinstance(k, str) and PEER_KEY_RE.match(k) for k in wanted):
+            isinstance(k, str) and PEER_KEY_RE.match(k) for k in wanted
+        ):
             return _error(400, "not checkpoint object keys")
         await io(agent.ckpt.peer_store.delete, wanted)
         return web.json_response({"deleted": len(wanted)})

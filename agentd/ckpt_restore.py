@@ -49,6 +49,7 @@ class Restores:
     changed: asyncio.Condition
 
     if TYPE_CHECKING:
+
         def store(self, job: str, rank: int) -> RankStore: ...
         def objects(self) -> ObjectStore: ...
         def publish(self, msg: wire.CkptLanding | wire.CkptReleased) -> None: ...
@@ -70,9 +71,16 @@ class Restores:
                         raise CkptRequestError(
                             f"job {job}: no checkpoint catalog came for generation {wanted} "
                             f"within {CATALOG_WAIT_S:g} s: cannot tell which step the gang "
-                            "restores from", status=503)
-                    log.warning("job %s: restoring from the catalog of generation %d: none "
-                                "of generation %d came", job, catalog.generation, wanted)
+                            "restores from",
+                            status=503,
+                        )
+                    log.warning(
+                        "job %s: restoring from the catalog of generation %d: none "
+                        "of generation %d came",
+                        job,
+                        catalog.generation,
+                        wanted,
+                    )
                     return catalog
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), remaining)
@@ -91,19 +99,28 @@ class Restores:
         if catalog is None:
             return {"steps": []}
         if not catalog.steps:  # nothing committed yet, or (with a note) nothing left
-            return {"steps": [], "unavailable": f"job {job}: {catalog.restore_note}"} \
-                if catalog.restore_note else {"steps": []}
+            return (
+                {"steps": [], "unavailable": f"job {job}: {catalog.restore_note}"}
+                if catalog.restore_note
+                else {"steps": []}
+            )
         wanted = step if step is not None else catalog.restore_step
         entries = [e for e in catalog.steps if e.step == wanted]
         if not entries:
-            why = (f"step {step} is not committed" if step is not None else
-                   catalog.restore_note or "no committed step is readable by every rank")
+            why = (
+                f"step {step} is not committed"
+                if step is not None
+                else catalog.restore_note or "no committed step is readable by every rank"
+            )
             return {"steps": [], "unavailable": f"job {job}: {why}"}
         entry = entries[0]
         shard = next((s for s in entry.shards if s.rank == rank), None)
         if shard is None:
-            return {"steps": [], "unavailable": f"job {job}: the catalog lists no shard of rank "
-                                                f"{rank} for step {entry.step}"}
+            return {
+                "steps": [],
+                "unavailable": f"job {job}: the catalog lists no shard of rank "
+                f"{rank} for step {entry.step}",
+            }
         store = self.store(job, rank)
         base = {"checksum": shard.checksum, "nbytes": shard.nbytes}
         candidates = []
@@ -136,19 +153,37 @@ class Restores:
             return store.tiers.get("peer")
         if shard.peer.node == self.node:  # this node holds the copy a buddy pushed here
             return ObjectTier(self.peer_store, name="peer")
-        return ObjectTier(HttpPeerStore(shard.peer.node, shard.peer.address,
-                                        shard.peer.http_port, self.token), name="peer")
+        return ObjectTier(
+            HttpPeerStore(shard.peer.node, shard.peer.address, shard.peer.http_port, self.token),
+            name="peer",
+        )
 
     def report(self, job: str, rank: int, step: int, tier: str, error: str) -> None:
         """A rank found its copy unusable (corrupt, or gone): tell the supervisor, whose
         catalog stops offering it (the step is no longer whole at that tier)."""
         if tier not in TIER_ORDER:
             raise CkptRequestError(f"unknown tier {tier!r}")
-        log.warning("job %s rank %d: the copy of step %d at tier %s is unusable: %s", job,
-                    rank, step, tier, error, extra={"job": job, "event": "ckpt_corrupt"})
-        self.publish(wire.CkptLanding(node=self.node, job=job, step=step, rank=rank,
-                                      tier=tier, event="corrupt", error=error[:2000],
-                                      at=time.time()))
+        log.warning(
+            "job %s rank %d: the copy of step %d at tier %s is unusable: %s",
+            job,
+            rank,
+            step,
+            tier,
+            error,
+            extra={"job": job, "event": "ckpt_corrupt"},
+        )
+        self.publish(
+            wire.CkptLanding(
+                node=self.node,
+                job=job,
+                step=step,
+                rank=rank,
+                tier=tier,
+                event="corrupt",
+                error=error[:2000],
+                at=time.time(),
+            )
+        )
 
     def _catalog_shard(self, job: str, rank: int, step: int) -> wire.CkptShard | None:
         """What the job's catalog lists of rank ``rank``'s shard of ``step``, if anything."""
@@ -156,18 +191,26 @@ class Restores:
         entry = next((e for e in catalog.steps if e.step == step), None) if catalog else None
         return next((s for s in entry.shards if s.rank == rank), None) if entry else None
 
-    def _remote_copy(self, job: str, rank: int, step: int,
-                     tier: str) -> tuple[ObjectTier, wire.CkptShard]:  # fmt: skip
+    def _remote_copy(
+        self, job: str, rank: int, step: int, tier: str
+    ) -> tuple[ObjectTier, wire.CkptShard]:
         """The peer or object tier to read rank ``rank``'s copy of ``step`` from, and the
         catalog's entry for that shard (its size and checksum)."""
         found = self.read_tier(job, rank, step, tier) if tier in ("peer", "object") else None
         if not isinstance(found, ObjectTier):
-            raise CkptRequestError(f"tier {tier!r} is not fetched through the agent for job "
-                                   f"{job}", status=404, tier=tier)
+            raise CkptRequestError(
+                f"tier {tier!r} is not fetched through the agent for job {job}",
+                status=404,
+                tier=tier,
+            )
         shard = self._catalog_shard(job, rank, step)
         if shard is None:
-            raise CkptRequestError(f"job {job}: the catalog lists no shard of rank {rank} for "
-                                   f"step {step}", status=404, tier=tier, step=step)
+            raise CkptRequestError(
+                f"job {job}: the catalog lists no shard of rank {rank} for step {step}",
+                status=404,
+                tier=tier,
+                step=step,
+            )
         return found, shard
 
     async def fetch(self, job: str, rank: int, step: int, tier: str) -> ShardReader | None:
@@ -178,14 +221,17 @@ class Restores:
         found, shard = self._remote_copy(job, rank, step, tier)
         try:
             reader: ShardReader | None = await self._run(
-                found.reader, ShardKey(job, step, rank), shard.nbytes, shard.checksum)
+                found.reader, ShardKey(job, step, rank), shard.nbytes, shard.checksum
+            )
         except TierError as exc:
-            raise CkptRequestError(str(exc), status=502, tier=tier, step=step,
-                                   corrupt=exc.corrupt) from exc
+            raise CkptRequestError(
+                str(exc), status=502, tier=tier, step=step, corrupt=exc.corrupt
+            ) from exc
         return reader
 
-    async def stage(self, job: str, generation: int, rank: int, step: int,
-                    tier: str) -> dict[str, Any]:  # fmt: skip
+    async def stage(
+        self, job: str, generation: int, rank: int, step: int, tier: str
+    ) -> dict[str, Any]:
         """Rank ``rank``'s copy of ``step`` at the peer or object tier, read into a free
         RAM slot of its own (``RamTier.stage``: verified against the catalog's checksum
         before it is sealed), for the rank to restore as a RAM copy: one copy out of
@@ -218,24 +264,38 @@ class Restores:
         except Gone:
             return {"gone": True}
         except UnsupportedVersion as exc:  # a newer writer's copy: not a bad one
-            raise CkptRequestError(f"tier {tier}: {exc}", status=502, tier=tier,
-                                   step=step) from exc  # fmt: skip
+            raise CkptRequestError(f"tier {tier}: {exc}", status=502, tier=tier, step=step) from exc
         except (ShardCorrupt, FormatError) as exc:
-            raise CkptRequestError(f"tier {tier}: {exc}", status=502, tier=tier, step=step,
-                                   corrupt=True) from exc  # fmt: skip
+            raise CkptRequestError(
+                f"tier {tier}: {exc}", status=502, tier=tier, step=step, corrupt=True
+            ) from exc
         except TierError as exc:
             if exc.tier == store.ram.name:  # no room for a slot (a full /dev/shm), say: the
-                log.warning("job %s rank %d: cannot stage step %d in RAM, streaming it: %s",
-                            job, rank, step, exc, extra={"job": job})  # fmt: skip
+                log.warning(
+                    "job %s rank %d: cannot stage step %d in RAM, streaming it: %s",
+                    job,
+                    rank,
+                    step,
+                    exc,
+                    extra={"job": job},
+                )
                 return {"staged": False}  # copy itself is not in question
-            raise CkptRequestError(str(exc), status=502, tier=tier, step=step,
-                                   corrupt=exc.corrupt) from exc
+            raise CkptRequestError(
+                str(exc), status=502, tier=tier, step=step, corrupt=exc.corrupt
+            ) from exc
         finally:
             store.report_reused(before)
         if slot is None:
             return {"staged": False}
-        store.reporter.landed(store.ram.name, key, shard.checksum, shard.nbytes,
-                              staged_by=generation)  # fmt: skip
-        log.info("job %s rank %d: staged step %d from tier %s in RAM for its restore", job,
-                 rank, step, tier, extra={"job": job})  # fmt: skip
+        store.reporter.landed(
+            store.ram.name, key, shard.checksum, shard.nbytes, staged_by=generation
+        )
+        log.info(
+            "job %s rank %d: staged step %d from tier %s in RAM for its restore",
+            job,
+            rank,
+            step,
+            tier,
+            extra={"job": job},
+        )
         return {"path": str(slot.path), "slot": slot.index}

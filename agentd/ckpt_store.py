@@ -65,8 +65,9 @@ class Reporter:
         self.holder = holder
         self.store: RankStore | None = None
 
-    def landed(self, tier: str, key: ShardKey, checksum: str, nbytes: int, *,
-               staged_by: int | None = None) -> TierManifest | None:  # fmt: skip
+    def landed(
+        self, tier: str, key: ShardKey, checksum: str, nbytes: int, *, staged_by: int | None = None
+    ) -> TierManifest | None:
         """Report a shard landed at ``tier``, saved by the generation that saved the step
         here; ``staged_by``: a copy of it a restore of that generation staged in RAM."""
         if self.store is not None:
@@ -75,9 +76,19 @@ class Reporter:
             generation = staged_by
         else:
             generation = self.store.generation_of.get(key.step, 0) if self.store else 0
-        self.service.publish(wire.CkptLanding(
-            node=self.service.node, job=key.job, step=key.step, rank=key.rank, tier=tier,
-            event="landed" if staged_by is None else "staged", nbytes=nbytes,
-            checksum=checksum, holder=self.holder.get(tier), generation=generation,
-            at=time.time()))  # fmt: skip
+        self.service.publish(
+            wire.CkptLanding(
+                node=self.service.node,
+                job=key.job,
+                step=key.step,
+                rank=key.rank,
+                tier=tier,
+                event="landed" if staged_by is None else "staged",
+                nbytes=nbytes,
+                checksum=checksum,
+                holder=self.holder.get(tier),
+                generation=generation,
+                at=time.time(),
+            )
+        )
         return None

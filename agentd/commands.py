@@ -28,8 +28,14 @@ class CommandError(RuntimeError):
 
 
 class CommandLedger:
-    def __init__(self, node: str, executor: Executor, *, remember: int = 4096,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        node: str,
+        executor: Executor,
+        *,
+        remember: int = 4096,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.node = node
         self._executor = executor
         self._remember = remember
@@ -49,8 +55,11 @@ class CommandLedger:
             return first.model_copy(update={"duplicate": True, "acked_at": self._clock()})
         now = self._clock()
         if now > cmd.deadline:
-            ack = self._ack(cmd, AckStatus.EXPIRED,
-                            f"arrived {now - cmd.deadline:.1f}s after its deadline; not executed")
+            ack = self._ack(
+                cmd,
+                AckStatus.EXPIRED,
+                f"arrived {now - cmd.deadline:.1f}s after its deadline; not executed",
+            )
             self._record(ack)
             return ack
         future: asyncio.Future[CommandAck] = asyncio.get_running_loop().create_future()
@@ -73,10 +82,21 @@ class CommandLedger:
                 future.cancel()
             self._running.pop(cmd.id, None)
 
-    def _ack(self, cmd: Command, status: AckStatus, detail: str = "",
-             result: dict[str, Any] | None = None) -> CommandAck:
-        return CommandAck(id=cmd.id, node=self.node, status=status, detail=detail,
-                          result=result or {}, acked_at=self._clock())
+    def _ack(
+        self,
+        cmd: Command,
+        status: AckStatus,
+        detail: str = "",
+        result: dict[str, Any] | None = None,
+    ) -> CommandAck:
+        return CommandAck(
+            id=cmd.id,
+            node=self.node,
+            status=status,
+            detail=detail,
+            result=result or {},
+            acked_at=self._clock(),
+        )
 
     def _record(self, ack: CommandAck) -> None:
         self._acks[ack.id] = ack

@@ -126,7 +126,9 @@ class CkptSettings(_Section):
         "any node restores from it). Empty: DATA_DIR/ckpt-objects.",
     )
     write_nice: int = Field(
-        default=0, ge=0, le=19,
+        default=0,
+        ge=0,
+        le=19,
         description="CPU niceness of the agent's write-down threads (checksums, disk writes, "
         "zstd). Measured with bench/ckpt.py (1 GiB, 2 cores saturated by the training "
         "loop): nice 10 stretched the write-down from 6 s to 34 s without saving the loop "
@@ -148,19 +150,25 @@ class CkptSettings(_Section):
             return cpus
         usable = os.sched_getaffinity(0)
         if unknown := sorted(set(cpus) - usable):
-            raise ValueError(f"CPU(s) {unknown} are not among this node's usable CPUs "
-                             f"({','.join(map(str, sorted(usable)))})")
+            raise ValueError(
+                f"CPU(s) {unknown} are not among this node's usable CPUs "
+                f"({','.join(map(str, sorted(usable)))})"
+            )
         if set(cpus) >= usable:
             raise ValueError("that leaves the ranks no CPU: keep at least one out of it")
         return sorted(set(cpus))
 
     compress_level: int = Field(
-        default=1, ge=-7, le=22,
+        default=1,
+        ge=-7,
+        le=22,
         description="zstd level of the peer and object tiers (negative: zstd's fast levels). "
         "Level 1 takes ~2.4 s of CPU per GiB on the reference machine.",
     )
     compress_min_saving: float = Field(
-        default=0.10, ge=0.0, lt=1.0,
+        default=0.10,
+        ge=0.0,
+        lt=1.0,
         description="The peer and object tiers compress a chunk (8 MiB) only when a 128 KiB "
         "sample of it shrinks by at least this fraction; other chunks go as raw zstd frames. "
         "fp32 noise saves 7.6% at level 1 (sent raw), bf16 22% (compressed). 0: always.",
@@ -204,7 +212,8 @@ class AgentSettings(BaseSettings):
         default=5.0, gt=0, description="Seconds between heartbeats (health is also sent on change)."
     )
     stop_grace_s: float = Field(
-        default=30.0, gt=0,
+        default=30.0,
+        gt=0,
         description="When the agent itself stops, its ranks get SIGTERM and this long before "
         "SIGKILL (it never leaves orphaned ranks behind).",
     )

@@ -84,13 +84,19 @@ class Agent:
         self.socket_path = settings.socket_path()
         # The ranks' training channel (phalanx.rank.step): their progress, hang detection.
         progress_socket = socket_beside(self.socket_path)
-        self.ranks = RankRunner(self.node, settings.data_dir, self.socket_path,
-                                self._on_rank_event, gpus=[g.index for g in self.inventory],
-                                not_on_cpus=set(settings.ckpt.write_cpus),
-                                progress_socket=progress_socket,
-                                last_step=self._last_step)  # fmt: skip
-        self.progress = ProgressMonitor(self.node, progress_socket, settings.data_dir,
-                                        self._on_rank_event, self.ranks.pids)
+        self.ranks = RankRunner(
+            self.node,
+            settings.data_dir,
+            self.socket_path,
+            self._on_rank_event,
+            gpus=[g.index for g in self.inventory],
+            not_on_cpus=set(settings.ckpt.write_cpus),
+            progress_socket=progress_socket,
+            last_step=self._last_step,
+        )
+        self.progress = ProgressMonitor(
+            self.node, progress_socket, settings.data_dir, self._on_rank_event, self.ranks.pids
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         # The agents' shared HTTP token (peer tier, rank logs), read once; unreadable or
         # unset, the token routes answer 403.
@@ -99,16 +105,26 @@ class Agent:
             try:
                 self.http_token = settings.http.token_file.read_text().strip()
             except OSError as exc:
-                log.error("cannot read http.token_file %s: %s; token routes answer 403",
-                          settings.http.token_file, exc)
+                log.error(
+                    "cannot read http.token_file %s: %s; token routes answer 403",
+                    settings.http.token_file,
+                    exc,
+                )
         token = self.http_token
-        self.ckpt = CkptService(self.node, settings.data_dir, settings.ckpt.shm_dir,
-                                settings.ckpt.object_store, token, self._publish_landing,
-                                pacing=Pacing(
-                                    nice=settings.ckpt.write_nice,
-                                    compress_level=settings.ckpt.compress_level,
-                                    compress_min_saving=settings.ckpt.compress_min_saving,
-                                    cpus=tuple(settings.ckpt.write_cpus)))
+        self.ckpt = CkptService(
+            self.node,
+            settings.data_dir,
+            settings.ckpt.shm_dir,
+            settings.ckpt.object_store,
+            token,
+            self._publish_landing,
+            pacing=Pacing(
+                nice=settings.ckpt.write_nice,
+                compress_level=settings.ckpt.compress_level,
+                compress_min_saving=settings.ckpt.compress_min_saving,
+                cpus=tuple(settings.ckpt.write_cpus),
+            ),
+        )
         self.link = MqttLink(
             settings.mqtt.resolved(),
             f"agentd-{self.node}",
@@ -139,16 +155,24 @@ class Agent:
             await self._stack.enter_async_context(self.progress)
             await self._stack.enter_async_context(self.link)
             self._group = await self._stack.enter_async_context(asyncio.TaskGroup())
-            for name, loop in (("sample", self._sample_loop), ("heartbeat", self._heartbeat_loop),
-                               ("rank-events", self._rank_events.run),
-                               ("ckpt-landings", self._landings.run)):
+            for name, loop in (
+                ("sample", self._sample_loop),
+                ("heartbeat", self._heartbeat_loop),
+                ("rank-events", self._rank_events.run),
+                ("ckpt-landings", self._landings.run),
+            ):
                 self._loops.append(self._group.create_task(supervised(name, loop), name=name))
         except BaseException:
             await self._stack.__aexit__(None, None, None)
             raise
         self.ready.set()
-        log.info("agent %s up: %d GPUs (%s), http port %d", self.node, len(self.inventory),
-                 self.backend.name, self.http_port)
+        log.info(
+            "agent %s up: %d GPUs (%s), http port %d",
+            self.node,
+            len(self.inventory),
+            self.backend.name,
+            self.http_port,
+        )
         return self
 
     async def __aexit__(
@@ -163,8 +187,9 @@ class Agent:
         if self.link.connected:
             death = wire.NodeDeath(node=self.node, seq=self._birth_seq, cause="shutdown")
             with contextlib.suppress(LinkDown):
-                await self.link.publish(wire.death_topic(self.node), wire.encode(death),
-                                        retain=True, timeout=2.0)
+                await self.link.publish(
+                    wire.death_topic(self.node), wire.encode(death), retain=True, timeout=2.0
+                )
         if self._group is not None:
             for task in self._loops:
                 task.cancel()
@@ -189,8 +214,12 @@ class Agent:
             hostname=socket.gethostname(),
             address=s.advertised_address(),
             http_port=self.http_port,
-            gpus=[wire.GpuDescriptor(index=g.index, uuid=g.uuid, model=g.model,
-                                     memory_bytes=g.memory_bytes) for g in self.inventory],
+            gpus=[
+                wire.GpuDescriptor(
+                    index=g.index, uuid=g.uuid, model=g.model, memory_bytes=g.memory_bytes
+                )
+                for g in self.inventory
+            ],
             gpu_backend=self.backend.name,
             topology=wire.Topology(rack=s.rack, nvlink_domain=s.nvlink_domain),
             version=__version__,
@@ -199,15 +228,19 @@ class Agent:
         )
 
     async def _on_connect(self) -> None:
-        await self.link.publish(wire.birth_topic(self.node), wire.encode(self.birth()),
-                                retain=True)
+        await self.link.publish(wire.birth_topic(self.node), wire.encode(self.birth()), retain=True)
         log.info("published birth seq %d", self._birth_seq)
         await self.publish_heartbeat()
 
     async def publish_heartbeat(self) -> None:
-        beat = wire.Heartbeat(node=self.node, seq=self._birth_seq, n=self._beats,
-                              sent_at=time.time(), health=self.health,
-                              jobs=self.ranks.running())
+        beat = wire.Heartbeat(
+            node=self.node,
+            seq=self._birth_seq,
+            n=self._beats,
+            sent_at=time.time(),
+            health=self.health,
+            jobs=self.ranks.running(),
+        )
         self._beats += 1
         await self.link.publish(wire.heartbeat_topic(self.node), wire.encode(beat), qos=0)
 
@@ -219,9 +252,13 @@ class Agent:
             return
         if isinstance(inbound.message, wire.CkptCatalog):
             assert self._group is not None
-            self._group.create_task(_logged(self.ckpt.on_catalog(inbound.message),
-                                            f"applying the checkpoint catalog of "
-                                            f"{inbound.message.job}"), name="ckpt-catalog")
+            self._group.create_task(
+                _logged(
+                    self.ckpt.on_catalog(inbound.message),
+                    f"applying the checkpoint catalog of {inbound.message.job}",
+                ),
+                name="ckpt-catalog",
+            )
             return
         if inbound.message is None:
             return  # a cleared retained catalog
@@ -255,25 +292,32 @@ class Agent:
                 return await self.ranks.start(cmd.args)
             case wire.StopRanksArgs():
                 self.progress.end(cmd.args.job, cmd.args.generation)
-                return await self.ranks.stop(cmd.args.job, cmd.args.generation,
-                                             grace_s=cmd.args.grace_s)
+                return await self.ranks.stop(
+                    cmd.args.job, cmd.args.generation, grace_s=cmd.args.grace_s
+                )
             case wire.BurnInArgs():
                 await self.sample_health()
-                result = await burn_in(self.backend.name, self.health,
-                                       [g.index for g in self.inventory])
-                log.info("burn-in %s: %s", "passed" if result.passed else "failed",
-                         "; ".join(result.reasons) or "-",
-                         extra={"node": self.node, "event": "burn_in"})
+                result = await burn_in(
+                    self.backend.name, self.health, [g.index for g in self.inventory]
+                )
+                log.info(
+                    "burn-in %s: %s",
+                    "passed" if result.passed else "failed",
+                    "; ".join(result.reasons) or "-",
+                    extra={"node": self.node, "event": "burn_in"},
+                )
                 return result.as_result()
             case wire.SaveNowArgs():
                 here = sorted(self.ranks.pids(cmd.args.job, cmd.args.generation))
-                return {"ranks": self.progress.request_save(cmd.args.job, cmd.args.generation,
-                                                            here)}
+                return {
+                    "ranks": self.progress.request_save(cmd.args.job, cmd.args.generation, here)
+                }
             case wire.AllocPortArgs():
                 return {"port": self.ranks.free_port()}
             case wire.RebirthArgs():
-                await self.link.publish(wire.birth_topic(self.node), wire.encode(self.birth()),
-                                        retain=True)
+                await self.link.publish(
+                    wire.birth_topic(self.node), wire.encode(self.birth()), retain=True
+                )
                 return {"seq": self._birth_seq}
         raise AssertionError(f"unhandled command {cmd.args!r}")  # pragma: no cover
 
@@ -305,8 +349,7 @@ class Agent:
         else:
             self._pending_sample = self._sampler.submit(self.backend.sample)
             try:
-                sample = await asyncio.wait_for(asyncio.wrap_future(self._pending_sample),
-                                                timeout)
+                sample = await asyncio.wait_for(asyncio.wrap_future(self._pending_sample), timeout)
             except TimeoutError:
                 error = f"NVML sample timed out after {timeout:.0f}s"
             except Exception as exc:
@@ -323,9 +366,13 @@ class Agent:
         self.health = self.classifier.classify(sample, host, time.time(), backend_error=error)
         changed = _health_key(previous) != _health_key(self.health)
         if changed:
-            log.warning("health %s -> %s: %s", previous.status.value, self.health.status.value,
-                        ", ".join(f"{r.code}(gpu {r.gpu})" for r in self.health.reasons) or "-",
-                        extra={"node": self.node, "event": "health_change"})
+            log.warning(
+                "health %s -> %s: %s",
+                previous.status.value,
+                self.health.status.value,
+                ", ".join(f"{r.code}(gpu {r.gpu})" for r in self.health.reasons) or "-",
+                extra={"node": self.node, "event": "health_change"},
+            )
         return changed
 
     async def _sample_loop(self) -> None:

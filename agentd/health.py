@@ -17,8 +17,9 @@ from agentd.config import Thresholds
 from agentd.gpu.base import GpuSample, NodeSample, RecoveryAction, Throttle
 from phalanx.wire import GpuGauges, Health, HealthStatus, HostGauges, Reason
 
-SLOWDOWN = frozenset({Throttle.HW_SLOWDOWN, Throttle.HW_THERMAL, Throttle.SW_THERMAL,
-                      Throttle.HW_POWER_BRAKE})
+SLOWDOWN = frozenset(
+    {Throttle.HW_SLOWDOWN, Throttle.HW_THERMAL, Throttle.SW_THERMAL, Throttle.HW_POWER_BRAKE}
+)
 
 
 def _drain(code: str, detail: str, gpu: int | None = None) -> Reason:
@@ -74,10 +75,12 @@ class HealthClassifier:
     def _node_rules(self, sample: NodeSample, now: float) -> list[Reason]:
         reasons = [_drain("nvml_error", err) for err in sample.errors]
         if len(sample.gpus) < self.gpus_at_birth and not sample.errors:
-            reasons.append(_drain(
-                "gpu_missing",
-                f"{len(sample.gpus)} GPUs visible, {self.gpus_at_birth} at birth",
-            ))
+            reasons.append(
+                _drain(
+                    "gpu_missing",
+                    f"{len(sample.gpus)} GPUs visible, {self.gpus_at_birth} at birth",
+                )
+            )
         for gpu, xid in sample.xids:
             self._xids[(gpu, xid)] = now
         for (gpu, xid), seen in sorted(self._xids.items()):
@@ -99,8 +102,11 @@ class HealthClassifier:
         elif g.remap_pending:
             r.append(_warn("row_remap_pending", "row remap pending: reset the GPU when idle", i))
         if g.retired_pages is not None and g.retired_pages > t.retired_pages_drain:
-            r.append(_drain("retired_pages",
-                            f"{g.retired_pages} retired pages > {t.retired_pages_drain}", i))
+            r.append(
+                _drain(
+                    "retired_pages", f"{g.retired_pages} retired pages > {t.retired_pages_drain}", i
+                )
+            )
         if g.retired_pending:
             r.append(_drain("retirement_pending", "page retirement pending", i))
         if g.recovery_action not in (None, RecoveryAction.NONE):
@@ -109,11 +115,21 @@ class HealthClassifier:
             r.append(_drain("nvlink_down", f"NVLink links down: {list(g.nvlink_down)}", i))
         if g.temperature_c is not None:
             if g.temp_shutdown_c is not None and g.temperature_c >= g.temp_shutdown_c:
-                r.append(_drain("temp_shutdown",
-                                f"{g.temperature_c:.0f}C >= shutdown {g.temp_shutdown_c:.0f}C", i))
+                r.append(
+                    _drain(
+                        "temp_shutdown",
+                        f"{g.temperature_c:.0f}C >= shutdown {g.temp_shutdown_c:.0f}C",
+                        i,
+                    )
+                )
             elif g.temp_slowdown_c is not None and g.temperature_c >= g.temp_slowdown_c:
-                r.append(_warn("temp_slowdown",
-                               f"{g.temperature_c:.0f}C >= slowdown {g.temp_slowdown_c:.0f}C", i))
+                r.append(
+                    _warn(
+                        "temp_slowdown",
+                        f"{g.temperature_c:.0f}C >= slowdown {g.temp_slowdown_c:.0f}C",
+                        i,
+                    )
+                )
         mem = self._gpu.setdefault(i, _GpuMemory())
         r.extend(self._sbe_rate(mem, g, now))
         r.extend(self._slowdown(mem, g, now))
@@ -134,9 +150,13 @@ class HealthClassifier:
         rate = (c1 - c0) / (t1 - t0) * 3600.0
         if rate <= self.t.sbe_rate_warn_per_hour:
             return []
-        return [_warn("ecc_sbe_rate",
-                      f"{rate:.0f} corrected ECC errors/hour > {self.t.sbe_rate_warn_per_hour:.0f}",
-                      g.index)]
+        return [
+            _warn(
+                "ecc_sbe_rate",
+                f"{rate:.0f} corrected ECC errors/hour > {self.t.sbe_rate_warn_per_hour:.0f}",
+                g.index,
+            )
+        ]
 
     def _slowdown(self, mem: _GpuMemory, g: GpuSample, now: float) -> list[Reason]:
         active = sorted(g.throttle & SLOWDOWN)
@@ -148,8 +168,9 @@ class HealthClassifier:
         lasted = now - mem.slowdown_since
         if lasted < self.t.slowdown_sustain_s:
             return []
-        return [_warn("slowdown", f"{', '.join(active)} for {lasted:.0f}s: straggler suspect",
-                      g.index)]
+        return [
+            _warn("slowdown", f"{', '.join(active)} for {lasted:.0f}s: straggler suspect", g.index)
+        ]
 
     def _host_rules(self, h: HostGauges) -> list[Reason]:
         t, r = self.t, []
@@ -158,8 +179,11 @@ class HealthClassifier:
         elif h.disk_total_bytes and h.disk_free_bytes / h.disk_total_bytes < t.disk_warn_fraction:
             r.append(_warn("disk_low", f"{h.disk_free_bytes / h.disk_total_bytes:.1%} free"))
         if h.mem_total_bytes and h.mem_available_bytes / h.mem_total_bytes < t.mem_warn_fraction:
-            r.append(_warn("mem_low",
-                           f"{h.mem_available_bytes / h.mem_total_bytes:.1%} memory available"))
+            r.append(
+                _warn(
+                    "mem_low", f"{h.mem_available_bytes / h.mem_total_bytes:.1%} memory available"
+                )
+            )
         if h.load1 > t.load_warn_per_cpu * h.cpu_count:
             r.append(_warn("load_high", f"load {h.load1:.1f} on {h.cpu_count} CPUs"))
         return r

@@ -40,17 +40,22 @@ class _AgentCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         a = self.agent
         node = a.node
-        status = GaugeMetricFamily("phalanx_node_health",
-                                   "Node health: 0 ok, 1 warn, 2 drain", labels=["node"])
+        status = GaugeMetricFamily(
+            "phalanx_node_health", "Node health: 0 ok, 1 warn, 2 drain", labels=["node"]
+        )
         status.add_metric([node], _STATUS_VALUE[a.health.status.value])
         yield status
-        reasons = GaugeMetricFamily("phalanx_health_reason", "Active health reasons (1 each)",
-                                    labels=["node", "code", "severity", "gpu"])
+        reasons = GaugeMetricFamily(
+            "phalanx_health_reason",
+            "Active health reasons (1 each)",
+            labels=["node", "code", "severity", "gpu"],
+        )
         for r in a.health.reasons:
             reasons.add_metric([node, r.code, r.severity, "" if r.gpu is None else str(r.gpu)], 1)
         yield reasons
-        link = GaugeMetricFamily("phalanx_mqtt_connected", "1 while the broker link is up",
-                                 labels=["node"])
+        link = GaugeMetricFamily(
+            "phalanx_mqtt_connected", "1 while the broker link is up", labels=["node"]
+        )
         link.add_metric([node], 1 if a.link.connected else 0)
         yield link
         gauges = {
@@ -72,10 +77,16 @@ class _AgentCollector(Collector):
         host = a.health.host
         if host is not None:
             for name, doc, value in (
-                ("phalanx_host_disk_free_bytes", "Free bytes on the data disk",
-                 host.disk_free_bytes),
-                ("phalanx_host_memory_available_bytes", "Available memory",
-                 host.mem_available_bytes),
+                (
+                    "phalanx_host_disk_free_bytes",
+                    "Free bytes on the data disk",
+                    host.disk_free_bytes,
+                ),
+                (
+                    "phalanx_host_memory_available_bytes",
+                    "Available memory",
+                    host.mem_available_bytes,
+                ),
                 ("phalanx_host_load1", "1-minute load average", host.load1),
             ):
                 family = GaugeMetricFamily(name, doc, labels=["node"])
@@ -105,8 +116,10 @@ def make_app(agent: Agent) -> web.Application:
 
     async def rank_log(request: web.Request) -> web.Response:
         if not authorised(request):
-            return web.json_response({"error": "missing or wrong bearer token (http.token_file)"},
-                                     status=403 if token is None else 401)
+            return web.json_response(
+                {"error": "missing or wrong bearer token (http.token_file)"},
+                status=403 if token is None else 401,
+            )
         job = request.match_info["job"]
         if not re.match(JOB_ID_PATTERN, job):
             return web.json_response({"error": f"invalid job id {job!r}"}, status=400)
@@ -115,23 +128,31 @@ def make_app(agent: Agent) -> web.Application:
             offset = max(0, int(request.query.get("offset", "0")))
             limit = min(4 * 2**20, max(1, int(request.query.get("limit", str(2**20)))))
         except ValueError:
-            return web.json_response({"error": "rank, offset and limit must be integers"},
-                                     status=400)
+            return web.json_response(
+                {"error": "rank, offset and limit must be integers"}, status=400
+            )
         path = agent.ranks.log_path(job, rank)
         if path is None or not path.exists():
-            return web.json_response({"error": f"no log of job {job} rank {rank} on node "
-                                               f"{agent.node}"}, status=404)
+            return web.json_response(
+                {"error": f"no log of job {job} rank {rank} on node {agent.node}"}, status=404
+            )
         data, size = await asyncio.to_thread(_read_slice, path, offset, limit)
-        return web.Response(body=data, content_type="text/plain", headers={
-            "X-Phalanx-Offset": str(offset + len(data)), "X-Phalanx-Size": str(size)})
+        return web.Response(
+            body=data,
+            content_type="text/plain",
+            headers={"X-Phalanx-Offset": str(offset + len(data)), "X-Phalanx-Size": str(size)},
+        )
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(registry),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(
+            body=generate_latest(registry),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
 
     app = web.Application()
-    add_peer_routes(app, agent, authorised,
-                    max_shard_bytes=agent.settings.ckpt.peer_max_shard_bytes)
+    add_peer_routes(
+        app, agent, authorised, max_shard_bytes=agent.settings.ckpt.peer_max_shard_bytes
+    )
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/jobs/{job}/ranks/{rank}/log", rank_log)
@@ -149,6 +170,9 @@ def _read_slice(path: Path, offset: int, limit: int) -> tuple[bytes, int]:
 async def start_http(agent: Agent) -> AsyncIterator[int]:
     """Serve until the block ends; yields the bound port (useful with port 0)."""
     host, port = agent.settings.http.host, agent.settings.http.port
-    async with serve(make_app(agent), lambda runner: web.TCPSite(runner, host, port),
-                     f"agent HTTP server on {host}:{port}") as runner:
+    async with serve(
+        make_app(agent),
+        lambda runner: web.TCPSite(runner, host, port),
+        f"agent HTTP server on {host}:{port}",
+    ) as runner:
         yield int(runner.addresses[0][1])

@@ -142,9 +142,17 @@ class ProgressMonitor:
     rank-event outbox). An async context manager: the socket exists inside the block.
     """
 
-    def __init__(self, node: str, path: Path, data_dir: Path, report: Reporter,
-                 live: LiveRanks, *, check_interval_s: float = CHECK_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        node: str,
+        path: Path,
+        data_dir: Path,
+        report: Reporter,
+        live: LiveRanks,
+        *,
+        check_interval_s: float = CHECK_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.node = node
         self.path = path
         self.data_dir = data_dir
@@ -189,14 +197,19 @@ class ProgressMonitor:
             self._group = asyncio.TaskGroup()
             await self._group.__aenter__()
             self._task = self._group.create_task(
-                supervised("progress-hangs", self._watch), name="progress-hangs")
+                supervised("progress-hangs", self._watch), name="progress-hangs"
+            )
         except BaseException:
             self._close()
             raise
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:  # fmt: skip
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         try:
             if self._task is not None:
                 self._task.cancel()
@@ -230,8 +243,9 @@ class ProgressMonitor:
             old.ended = True
             old.save_now.clear()
         self._current[job] = generation
-        self._gens[(job, generation)] = _Generation(job, generation, hang_timeout_s,
-                                                    touched=self._clock())
+        self._gens[(job, generation)] = _Generation(
+            job, generation, hang_timeout_s, touched=self._clock()
+        )
 
     def end(self, job: str, generation: int) -> None:
         """A stop of ``job`` up to ``generation``: no hang detection for those any more."""
@@ -292,8 +306,10 @@ class ProgressMonitor:
         gen = self._gens.get((job, generation))
         if gen is None:
             return {}
-        return {n: RankStatus(n, r.pid, r.step, r.reported_at, dict(r.scalars), r.reports)
-                for n, r in sorted(gen.ranks.items())}
+        return {
+            n: RankStatus(n, r.pid, r.step, r.reported_at, dict(r.scalars), r.reports)
+            for n, r in sorted(gen.ranks.items())
+        }
 
     def timeout_of(self, job: str, generation: int) -> float | None:
         """The hang timeout that applies to that generation now (None: not known here)."""
@@ -324,8 +340,12 @@ class ProgressMonitor:
         now = self._clock()
         if now - self._garbage_logged >= GARBAGE_LOG_EVERY_S:
             self._garbage_logged = now
-            log.warning("progress socket %s: dropped a datagram (%d so far): %s", self.path,
-                        self.garbage, exc)
+            log.warning(
+                "progress socket %s: dropped a datagram (%d so far): %s",
+                self.path,
+                self.garbage,
+                exc,
+            )
 
     def _on_report(self, report: StepReport, sender: str | bytes | None) -> None:
         current = self._current.get(report.job)
@@ -347,21 +367,39 @@ class ProgressMonitor:
         if report.kind == "restored":
             if report.rank not in gen.restored:  # once per rank: what the supervisor times
                 gen.restored.add(report.rank)
-                self._tell(wire.RankEvent(
-                    node=self.node, job=report.job, generation=report.generation,
-                    rank=report.rank, event="restored", pid=report.pid, step=report.step,
-                    took_s=max(0.0, report.scalars.get("took_s", 0.0)), at=report.at))
+                self._tell(
+                    wire.RankEvent(
+                        node=self.node,
+                        job=report.job,
+                        generation=report.generation,
+                        rank=report.rank,
+                        event="restored",
+                        pid=report.pid,
+                        step=report.step,
+                        took_s=max(0.0, report.scalars.get("took_s", 0.0)),
+                        at=report.at,
+                    )
+                )
             return
         r = gen.ranks.get(report.rank)
         reply_to = sender or None
         if r is None:
-            gen.ranks[report.rank] = _Rank(report.pid, report.step, report.at, now,
-                                           dict(report.scalars), reply_to)
+            gen.ranks[report.rank] = _Rank(
+                report.pid, report.step, report.at, now, dict(report.scalars), reply_to
+            )
             gen.last_progress = now
-            self._tell(wire.RankEvent(
-                node=self.node, job=report.job, generation=report.generation,
-                rank=report.rank, event="stepped", pid=report.pid, step=report.step,
-                at=report.at))
+            self._tell(
+                wire.RankEvent(
+                    node=self.node,
+                    job=report.job,
+                    generation=report.generation,
+                    rank=report.rank,
+                    event="stepped",
+                    pid=report.pid,
+                    step=report.step,
+                    at=report.at,
+                )
+            )
         else:
             if report.step != r.step:
                 r.intervals.append(now - r.seen)
@@ -371,12 +409,20 @@ class ProgressMonitor:
             r.scalars = dict(report.scalars)
             r.reports += 1
         self.received += 1
-        if (report.rank in gen.save_now and reply_to is not None
-                and self._reply(reply_to, Requests(save_now=True))):
+        if (
+            report.rank in gen.save_now
+            and reply_to is not None
+            and self._reply(reply_to, Requests(save_now=True))
+        ):
             gen.save_now.discard(report.rank)
-            log.info("job %s gen %d: asked rank %d to save at step %d", report.job,
-                         report.generation, report.rank, report.step,
-                         extra={"job": report.job, "rank": report.rank, "event": "save_now"})
+            log.info(
+                "job %s gen %d: asked rank %d to save at step %d",
+                report.job,
+                report.generation,
+                report.rank,
+                report.step,
+                extra={"job": report.job, "rank": report.rank, "event": "save_now"},
+            )
 
     def _tell(self, event: wire.RankEvent) -> None:
         """Hand a rank's first step or restore to the agent's rank events (from the
@@ -423,28 +469,41 @@ class ProgressMonitor:
                 continue  # told; told again each timeout while it lasts (a report can be lost)
             gen.hung_at = now
             event = await self._hung_event(gen, live, idle)
-            log.warning("job %s gen %d: ranks on this node made no progress for %.1fs; rank "
-                        "%d is the likeliest culprit: %s", gen.job, gen.generation, idle,
-                        event.rank, event.detail,
-                        extra={"job": gen.job, "rank": event.rank, "event": "ranks_hung"})
+            log.warning(
+                "job %s gen %d: ranks on this node made no progress for %.1fs; rank "
+                "%d is the likeliest culprit: %s",
+                gen.job,
+                gen.generation,
+                idle,
+                event.rank,
+                event.detail,
+                extra={"job": gen.job, "rank": event.rank, "event": "ranks_hung"},
+            )
             events.append(event)
             try:
                 await self._report(event)
             except Exception:
-                log.exception("could not report the hang of job %s gen %d", gen.job,
-                              gen.generation)
+                log.exception("could not report the hang of job %s gen %d", gen.job, gen.generation)
         return events
 
-    async def _hung_event(self, gen: _Generation, live: dict[int, int],
-                          idle: float) -> wire.RankEvent:  # fmt: skip
-        pids = {rank: {pid} | ({gen.ranks[rank].pid} if rank in gen.ranks else set())
-                for rank, pid in live.items()}
+    async def _hung_event(
+        self, gen: _Generation, live: dict[int, int], idle: float
+    ) -> wire.RankEvent:
+        pids = {
+            rank: {pid} | ({gen.ranks[rank].pid} if rank in gen.ranks else set())
+            for rank, pid in live.items()
+        }
         folder = self.data_dir / "jobs" / gen.job / f"g{gen.generation}"
         states, dumps = await asyncio.to_thread(
-            lambda: ({p: _proc_state(p) for ps in pids.values() for p in ps}, _dumps(folder)))
+            lambda: ({p: _proc_state(p) for ps in pids.values() for p in ps}, _dumps(folder))
+        )
         now = self._clock()
-        stopped = {rank: state for rank in live for p in sorted(pids[rank])
-                   if (state := states.get(p)) in ("T", "t")}
+        stopped = {
+            rank: state
+            for rank in live
+            for p in sorted(pids[rank])
+            if (state := states.get(p)) in ("T", "t")
+        }
 
         def behind(rank: int) -> tuple[int, float]:  # lowest step first, then silent longest
             r = gen.ranks.get(rank)
@@ -462,15 +521,29 @@ class ProgressMonitor:
         else:
             top = max(x.step for n, x in gen.ranks.items() if n in live)
             if step < top:
-                detail = (f"no step for {idle:.1f}s; behind the others at step {step} "
-                          f"(the furthest at {top})")
+                detail = (
+                    f"no step for {idle:.1f}s; behind the others at step {step} "
+                    f"(the furthest at {top})"
+                )
             else:
-                detail = (f"no step for {idle:.1f}s; all at step {step}, this rank silent "
-                          f"longest ({now - r.seen if r else idle:.1f}s)")
-        return wire.RankEvent(node=self.node, job=gen.job, generation=gen.generation,
-                              rank=culprit, event="hung", pid=live[culprit], step=step,
-                              stopped=bool(stopped), idle_s=round(idle, 3), detail=detail,
-                              dumps=dumps, at=time.time())
+                detail = (
+                    f"no step for {idle:.1f}s; all at step {step}, this rank silent "
+                    f"longest ({now - r.seen if r else idle:.1f}s)"
+                )
+        return wire.RankEvent(
+            node=self.node,
+            job=gen.job,
+            generation=gen.generation,
+            rank=culprit,
+            event="hung",
+            pid=live[culprit],
+            step=step,
+            stopped=bool(stopped),
+            idle_s=round(idle, 3),
+            detail=detail,
+            dumps=dumps,
+            at=time.time(),
+        )
 
 
 def _intervals(gen: _Generation) -> list[float]:
@@ -483,7 +556,7 @@ def _proc_state(pid: int) -> str:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return ""
-    fields = stat[stat.rfind(")") + 2:].split()
+    fields = stat[stat.rfind(")") + 2 :].split()
     return fields[0] if fields else ""
 
 

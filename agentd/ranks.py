@@ -56,10 +56,18 @@ StepLookup = Callable[[str, int, int], int | None]  # (job, generation, rank) ->
 
 
 class RankRunner:
-    def __init__(self, node: str, data_dir: Path, socket_path: Path, report: Reporter,
-                 gpus: list[int] | None = None, not_on_cpus: set[int] | None = None, *,
-                 progress_socket: Path | None = None,
-                 last_step: StepLookup | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        node: str,
+        data_dir: Path,
+        socket_path: Path,
+        report: Reporter,
+        gpus: list[int] | None = None,
+        not_on_cpus: set[int] | None = None,
+        *,
+        progress_socket: Path | None = None,
+        last_step: StepLookup | None = None,
+    ) -> None:
         """``progress_socket``: where ranks report steps (default: beside ``socket_path``);
         ``last_step``: the step a rank reported last, for its exit event."""
         self.node = node
@@ -90,20 +98,27 @@ class RankRunner:
         for r in self._ranks.values():
             if not r.done.is_set():
                 jobs.setdefault((r.job, r.generation), []).append(r.slot.rank)
-        return [wire.JobRanks(job=j, generation=g, ranks=sorted(ranks))
-                for (j, g), ranks in sorted(jobs.items())]
+        return [
+            wire.JobRanks(job=j, generation=g, ranks=sorted(ranks))
+            for (j, g), ranks in sorted(jobs.items())
+        ]
 
     def pids(self, job: str, generation: int) -> dict[int, int]:
         """The live ranks of that job generation here, and their pids."""
-        return {r.slot.rank: r.proc.pid for r in self._ranks.values()
-                if r.job == job and r.generation == generation and not r.done.is_set()}
+        return {
+            r.slot.rank: r.proc.pid
+            for r in self._ranks.values()
+            if r.job == job and r.generation == generation and not r.done.is_set()
+        }
 
     def log_path(self, job: str, rank: int) -> Path | None:
         r = self._ranks.get((job, rank))
         if r is not None:
             return r.log_path
-        found = sorted((self.data_dir / "jobs" / job).glob(f"g*/rank-{rank}.log"),
-                       key=lambda p: int(p.parent.name[1:]))
+        found = sorted(
+            (self.data_dir / "jobs" / job).glob(f"g*/rank-{rank}.log"),
+            key=lambda p: int(p.parent.name[1:]),
+        )
         return found[-1] if found else None
 
     # --- commands ------------------------------------------------------------
@@ -125,20 +140,27 @@ class RankRunner:
 
     async def _start(self, req: wire.StartRanksArgs) -> dict[str, Any]:
         if self.closing:
-            raise CommandError(f"job {req.job}: agent on node {self.node} is stopping; "
-                               "no new ranks")
+            raise CommandError(
+                f"job {req.job}: agent on node {self.node} is stopping; no new ranks"
+            )
         current = self._generation.get(req.job, 0)
         if req.generation < current:
-            raise CommandError(f"job {req.job}: generation {req.generation} is older than "
-                               f"generation {current} already started here; refused")
+            raise CommandError(
+                f"job {req.job}: generation {req.generation} is older than "
+                f"generation {current} already started here; refused"
+            )
         if req.generation == current:  # a redelivered or repeated start: report, don't rerun
-            pids = {r.slot.rank: r.proc.pid for r in self._ranks.values()
-                    if r.job == req.job and r.generation == current}
+            pids = {
+                r.slot.rank: r.proc.pid
+                for r in self._ranks.values()
+                if r.job == req.job and r.generation == current
+            }
             return {"pids": pids, "already_started": True}
         workdir = Path(req.workdir)
         if not await asyncio.to_thread(workdir.is_dir):
-            raise CommandError(f"job {req.job}: workdir {req.workdir} does not exist on "
-                               f"node {self.node}")
+            raise CommandError(
+                f"job {req.job}: workdir {req.workdir} does not exist on node {self.node}"
+            )
         env = self._environment(req)
         slots = self._assign_gpus(req)
         try:
@@ -146,8 +168,13 @@ class RankRunner:
         finally:
             self._release_if_idle(req.job, req.generation)  # nothing started: free the GPUs
 
-    async def _launch(self, req: wire.StartRanksArgs, slots: list[wire.RankSlot],
-                      env: dict[str, str], workdir: Path) -> dict[str, Any]:
+    async def _launch(
+        self,
+        req: wire.StartRanksArgs,
+        slots: list[wire.RankSlot],
+        env: dict[str, str],
+        workdir: Path,
+    ) -> dict[str, Any]:
         self._generation[req.job] = req.generation
         # Ranks of an older generation whose stop never arrived go first: left running, they
         # would hold the GPUs and, replaced in self._ranks, escape every later stop.
@@ -169,13 +196,20 @@ class RankRunner:
             with log_path.open("ab") as out:
                 try:
                     proc = await asyncio.create_subprocess_exec(
-                        *req.command, cwd=workdir, env=rank_env, stdin=asyncio.subprocess.DEVNULL,
-                        stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                        *req.command,
+                        cwd=workdir,
+                        env=rank_env,
+                        stdin=asyncio.subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=asyncio.subprocess.STDOUT,
+                        start_new_session=True,
                     )
                 except OSError as exc:
                     await self._stop(req.job, req.generation, grace_s=5.0)
-                    raise CommandError(f"job {req.job}: cannot start {req.command[0]!r} on "
-                                       f"node {self.node}: {exc.strerror or exc}") from exc
+                    raise CommandError(
+                        f"job {req.job}: cannot start {req.command[0]!r} on "
+                        f"node {self.node}: {exc.strerror or exc}"
+                    ) from exc
             if self.cpus is not None:
                 self._keep_off_write_cpus(proc.pid)
             rank = Rank(req.job, req.generation, slot, proc, log_path, time.time())
@@ -185,9 +219,14 @@ class RankRunner:
             task = asyncio.create_task(self._watch(rank), name=f"rank-{req.job}-{slot.rank}")
             self._watchers.add(task)
             task.add_done_callback(self._watchers.discard)
-            log.info("job %s gen %d: started rank %d (pid %d)", req.job, req.generation,
-                     slot.rank, proc.pid, extra={"job": req.job, "rank": slot.rank,
-                                                 "event": "rank_started"})
+            log.info(
+                "job %s gen %d: started rank %d (pid %d)",
+                req.job,
+                req.generation,
+                slot.rank,
+                proc.pid,
+                extra={"job": req.job, "rank": slot.rank, "event": "rank_started"},
+            )
         return {"pids": pids}
 
     def _keep_off_write_cpus(self, pid: int) -> None:
@@ -203,8 +242,12 @@ class RankRunner:
             try:
                 os.sched_setaffinity(tid, self.cpus)
             except OSError as exc:  # gone already (its exit is reported), or refused
-                log.warning("could not keep rank process %d (thread %d) off the write-down "
-                            "CPUs: %s", pid, tid, exc)
+                log.warning(
+                    "could not keep rank process %d (thread %d) off the write-down CPUs: %s",
+                    pid,
+                    tid,
+                    exc,
+                )
 
     def _assign_gpus(self, req: wire.StartRanksArgs) -> list[wire.RankSlot]:
         """Give each slot a GPU no other job holds, in index order, and claim them."""
@@ -217,11 +260,14 @@ class RankRunner:
         free = [g for g in self.gpus if g not in busy]
         wanted = [s for s in req.ranks if s.gpu is None]
         if len(wanted) > len(free):
-            raise CommandError(f"job {req.job}: node {self.node} has {len(free)} free GPUs, "
-                               f"{len(wanted)} ranks asked for one each")
+            raise CommandError(
+                f"job {req.job}: node {self.node} has {len(free)} free GPUs, "
+                f"{len(wanted)} ranks asked for one each"
+            )
         it = iter(free)
-        slots = [s if s.gpu is not None else s.model_copy(update={"gpu": next(it)})
-                 for s in req.ranks]
+        slots = [
+            s if s.gpu is not None else s.model_copy(update={"gpu": next(it)}) for s in req.ranks
+        ]
         self._claims[req.job] = (req.generation, {s.gpu for s in slots if s.gpu is not None})
         return slots
 
@@ -230,8 +276,10 @@ class RankRunner:
         claim = self._claims.get(job)
         if claim is None or claim[0] != generation:
             return
-        if not any(r.job == job and r.generation == generation and not r.done.is_set()
-                   for r in self._ranks.values()):
+        if not any(
+            r.job == job and r.generation == generation and not r.done.is_set()
+            for r in self._ranks.values()
+        ):
             del self._claims[job]
 
     def _environment(self, req: wire.StartRanksArgs) -> dict[str, str]:
@@ -241,24 +289,28 @@ class RankRunner:
                 try:
                     env[key] = Path(value.from_file).read_text().strip()
                 except OSError as exc:
-                    raise CommandError(f"job {req.job}: env {key}: cannot read "
-                                       f"{value.from_file} on node {self.node}: "
-                                       f"{exc.strerror or exc}") from exc
+                    raise CommandError(
+                        f"job {req.job}: env {key}: cannot read "
+                        f"{value.from_file} on node {self.node}: "
+                        f"{exc.strerror or exc}"
+                    ) from exc
             else:
                 env[key] = value
         env.update(NCCL_ENV)
-        env.update({
-            "WORLD_SIZE": str(req.world_size),
-            "LOCAL_WORLD_SIZE": str(len(req.ranks)),
-            "GROUP_RANK": str(req.group_rank),
-            "MASTER_ADDR": req.master_addr,
-            "MASTER_PORT": str(req.master_port),
-            "PHALANX_JOB_ID": req.job,
-            "PHALANX_GENERATION": str(req.generation),
-            "PHALANX_NODE": self.node,
-            "PHALANX_AGENT_SOCKET": str(self.socket_path),
-            "PHALANX_PROGRESS_SOCKET": str(self.progress_socket),
-        })
+        env.update(
+            {
+                "WORLD_SIZE": str(req.world_size),
+                "LOCAL_WORLD_SIZE": str(len(req.ranks)),
+                "GROUP_RANK": str(req.group_rank),
+                "MASTER_ADDR": req.master_addr,
+                "MASTER_PORT": str(req.master_port),
+                "PHALANX_JOB_ID": req.job,
+                "PHALANX_GENERATION": str(req.generation),
+                "PHALANX_NODE": self.node,
+                "PHALANX_AGENT_SOCKET": str(self.socket_path),
+                "PHALANX_PROGRESS_SOCKET": str(self.progress_socket),
+            }
+        )
         return env
 
     async def stop(self, job: str, generation: int, *, grace_s: float) -> dict[str, Any]:
@@ -267,8 +319,11 @@ class RankRunner:
             return await self._stop(job, generation, grace_s=grace_s)
 
     async def _stop(self, job: str, generation: int, *, grace_s: float) -> dict[str, Any]:
-        victims = [r for r in self._ranks.values()
-                   if r.job == job and r.generation <= generation and not r.done.is_set()]
+        victims = [
+            r
+            for r in self._ranks.values()
+            if r.job == job and r.generation <= generation and not r.done.is_set()
+        ]
         self._generation[job] = max(self._generation.get(job, 0), generation)
         for r in victims:
             _killpg(r.proc.pid, signal.SIGTERM)
@@ -282,8 +337,12 @@ class RankRunner:
                 task.cancel()
             for r in victims:
                 if not r.done.is_set():
-                    log.warning("job %s rank %d ignored SIGTERM for %.0fs; SIGKILL", job,
-                                r.slot.rank, grace_s)
+                    log.warning(
+                        "job %s rank %d ignored SIGTERM for %.0fs; SIGKILL",
+                        job,
+                        r.slot.rank,
+                        grace_s,
+                    )
                     _killpg(r.proc.pid, signal.SIGKILL)
             await asyncio.wait([asyncio.create_task(r.done.wait()) for r in victims], timeout=10)
         return {"stopped": sorted(r.slot.rank for r in victims)}
@@ -301,8 +360,11 @@ class RankRunner:
 
     def _record(self) -> None:
         """Remember live ranks on disk, so an agent that crashed can clean up after itself."""
-        live = [{"pid": r.proc.pid, "job": r.job, "generation": r.generation,
-                 "rank": r.slot.rank} for r in self._ranks.values() if not r.done.is_set()]
+        live = [
+            {"pid": r.proc.pid, "job": r.job, "generation": r.generation, "rank": r.slot.rank}
+            for r in self._ranks.values()
+            if not r.done.is_set()
+        ]
         try:
             self._ledger.parent.mkdir(parents=True, exist_ok=True)
             tmp = self._ledger.with_suffix(".tmp")
@@ -334,8 +396,13 @@ class RankRunner:
                 continue  # the pid was reused by something else
             _killpg(pid, signal.SIGKILL)
             killed.append(pid)
-            log.warning("killed rank %s of job %s (pid %d) left by a previous agent",
-                        entry.get("rank"), job, pid, extra={"job": job, "event": "orphan_reaped"})
+            log.warning(
+                "killed rank %s of job %s (pid %d) left by a previous agent",
+                entry.get("rank"),
+                job,
+                pid,
+                extra={"job": job, "event": "orphan_reaped"},
+            )
         self._ledger.unlink(missing_ok=True)
         return killed
 
@@ -352,20 +419,35 @@ class RankRunner:
         rank.done.set()
         self._release_if_idle(rank.job, rank.generation)
         self._record()
-        log.info("job %s gen %d: rank %d exited (code %s, signal %s)", rank.job,
-                 rank.generation, rank.slot.rank, rank.code, rank.signal,
-                 extra={"job": rank.job, "rank": rank.slot.rank, "event": "rank_exited"})
+        log.info(
+            "job %s gen %d: rank %d exited (code %s, signal %s)",
+            rank.job,
+            rank.generation,
+            rank.slot.rank,
+            rank.code,
+            rank.signal,
+            extra={"job": rank.job, "rank": rank.slot.rank, "event": "rank_exited"},
+        )
         step = None
         if self._last_step is not None:
             try:
                 step = self._last_step(rank.job, rank.generation, rank.slot.rank)
             except Exception:
-                log.exception("could not look up the last step of job %s rank %d", rank.job,
-                              rank.slot.rank)
-        event = wire.RankEvent(node=self.node, job=rank.job, generation=rank.generation,
-                               rank=rank.slot.rank, event="exited", code=rank.code,
-                               signal=rank.signal, pid=rank.proc.pid, step=step,
-                               at=time.time())
+                log.exception(
+                    "could not look up the last step of job %s rank %d", rank.job, rank.slot.rank
+                )
+        event = wire.RankEvent(
+            node=self.node,
+            job=rank.job,
+            generation=rank.generation,
+            rank=rank.slot.rank,
+            event="exited",
+            code=rank.code,
+            signal=rank.signal,
+            pid=rank.proc.pid,
+            step=step,
+            at=time.time(),
+        )
         with contextlib.suppress(Exception):
             await self._report(event)
 

@@ -189,8 +189,10 @@ class Memcpy:
         if self.threads <= 1:
             self._copy(self.jobs)
         else:
-            workers = [threading.Thread(target=self._copy, args=(self.jobs[i :: self.threads],))
-                       for i in range(self.threads)]  # fmt: skip
+            workers = [
+                threading.Thread(target=self._copy, args=(self.jobs[i :: self.threads],))
+                for i in range(self.threads)
+            ]
             for w in workers:
                 w.start()
             for w in workers:
@@ -279,8 +281,9 @@ def cpu_seconds(stat_paths: list[str]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def compute_lost(save_and_poll: Callable[[], Callable[[], bool]], nbytes: int,
-                 writer_stats: list[str]) -> dict[str, float]:  # fmt: skip
+def compute_lost(
+    save_and_poll: Callable[[], Callable[[], bool]], nbytes: int, writer_stats: list[str]
+) -> dict[str, float]:
     """Run the matmul loop from the end of a save until its write-down is done.
 
     The alone rate is the best of runs before and after: other load only slows it.
@@ -299,16 +302,33 @@ def compute_lost(save_and_poll: Callable[[], Callable[[], bool]], nbytes: int,
     rate = max(before + [matmul_rate(1.0) for _ in range(2)])
     lost_s = max(elapsed - n / rate, 0.0)
     gib = nbytes / GIB
-    return {"matmul_per_s_alone": rate, "matmul_per_s_during": n / elapsed,
-            "write_down_s": elapsed, "lost_s": lost_s, "lost_s_per_gib": lost_s / gib,
-            "writer_cpu_s_per_gib": writer_cpu / gib}  # fmt: skip
+    return {
+        "matmul_per_s_alone": rate,
+        "matmul_per_s_during": n / elapsed,
+        "write_down_s": elapsed,
+        "lost_s": lost_s,
+        "lost_s_per_gib": lost_s / gib,
+        "writer_cpu_s_per_gib": writer_cpu / gib,
+    }
 
 
-def standalone_loss(root: Path, state: dict[str, Any], tiers: list[Any], pacing: Pacing,
-                    nbytes: int, namespace: str,
-                    other_writers: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
-    c = Checkpointer(dir=root, tiers=tiers, object_store=str(root / "objects"), keep=1,
-                     pacing=pacing, ram_namespace=f"{namespace}-{root.name}")  # fmt: skip
+def standalone_loss(
+    root: Path,
+    state: dict[str, Any],
+    tiers: list[Any],
+    pacing: Pacing,
+    nbytes: int,
+    namespace: str,
+    other_writers: Sequence[str] = (),
+) -> dict[str, Any]:
+    c = Checkpointer(
+        dir=root,
+        tiers=tiers,
+        object_store=str(root / "objects"),
+        keep=1,
+        pacing=pacing,
+        ram_namespace=f"{namespace}-{root.name}",
+    )
     try:
         c.reserve(state)
         c.save(1, state)  # warm: the files and directories exist
@@ -322,8 +342,11 @@ def standalone_loss(root: Path, state: dict[str, Any], tiers: list[Any], pacing:
         stats += other_writers  # a buddy's process: its CPU is a node's too
         out: dict[str, Any] = dict(compute_lost(save, nbytes, stats))
         c.wait()
-        out["tier_write_s"] = {e.tier: e.seconds for e in c.events
-                               if e.kind == "landed" and e.key.step == 2 and e.tier != "ram"}
+        out["tier_write_s"] = {
+            e.tier: e.seconds
+            for e in c.events
+            if e.kind == "landed" and e.key.step == 2 and e.tier != "ram"
+        }
         return out
     finally:
         c.close()
@@ -360,14 +383,16 @@ def dcp_stalls(state: dict[str, Any], root: Path, saves: int, warm: bool) -> dic
         shutil.rmtree(where)
     if stager is not None:
         stager.close()
-    return {"stall_s": stalls, "until_written_s": totals,
-            "saved_state_as_of_the_call": snapshot_ok}  # fmt: skip
+    return {"stall_s": stalls, "until_written_s": totals, "saved_state_as_of_the_call": snapshot_ok}
 
 
 def touched_like(state: dict[str, Any]) -> dict[str, Any]:
     """A live state of the same structure, its tensors allocated and touched."""
-    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
-            "step": 0, "loader": {"index": 0}}  # fmt: skip
+    return {
+        "model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+        "step": 0,
+        "loader": {"index": 0},
+    }
 
 
 def timed_restore(c: Checkpointer, state: dict[str, Any], into: Any = None) -> float:
@@ -394,11 +419,19 @@ def serve_buddy(root: Path, port: int) -> None:
     from agentd.ckpt_http import add_peer_routes
 
     pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="ckpt-peer")
-    agent = SimpleNamespace(node="buddy", ckpt=SimpleNamespace(
-        peer_root=root, peer_io=pool, pacing=Pacing(), peer_store=LocalFolderStore(root)))
+    agent = SimpleNamespace(
+        node="buddy",
+        ckpt=SimpleNamespace(
+            peer_root=root, peer_io=pool, pacing=Pacing(), peer_store=LocalFolderStore(root)
+        ),
+    )
     app = web.Application()
-    add_peer_routes(app, agent, lambda request: True,  # type: ignore[arg-type]
-                    max_shard_bytes=64 * GIB)  # fmt: skip
+    add_peer_routes(
+        app,
+        agent,
+        lambda request: True,  # type: ignore[arg-type]
+        max_shard_bytes=64 * GIB,
+    )
     web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True)
 
 
@@ -409,8 +442,9 @@ class Buddy:
         from phalanx.local import free_port
 
         self.port = free_port()
-        self.child = subprocess.Popen([sys.executable, __file__, "--serve-buddy", str(root),
-                                       "--buddy-port", str(self.port)])  # fmt: skip
+        self.child = subprocess.Popen(
+            [sys.executable, __file__, "--serve-buddy", str(root), "--buddy-port", str(self.port)]
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -418,15 +452,20 @@ class Buddy:
                 break
             except OSError:
                 if self.child.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the bench's buddy did not start "
-                                       f"(exit {self.child.poll()})") from None
+                    raise RuntimeError(
+                        f"the bench's buddy did not start (exit {self.child.poll()})"
+                    ) from None
                 time.sleep(0.05)
         self.stat = f"/proc/{self.child.pid}/stat"
 
     def tier(self, pacing: Pacing) -> ObjectTier:
         """A peer tier as an agent builds one: zstd where it pays, over HTTP."""
-        return ObjectTier(HttpPeerStore("buddy", "127.0.0.1", self.port, "-"), name="peer",
-                          pacing=pacing, level=pacing.compress_level)  # fmt: skip
+        return ObjectTier(
+            HttpPeerStore("buddy", "127.0.0.1", self.port, "-"),
+            name="peer",
+            pacing=pacing,
+            level=pacing.compress_level,
+        )
 
     def stop(self) -> None:
         self.child.send_signal(signal.SIGTERM)
@@ -437,13 +476,20 @@ class Buddy:
             self.child.wait()
 
 
-def tier_alone(root: Path, state: dict[str, Any], tier: str, pacing: Pacing,
-               namespace: str) -> float:  # fmt: skip
+def tier_alone(
+    root: Path, state: dict[str, Any], tier: str, pacing: Pacing, namespace: str
+) -> float:
     """How long one save takes to write down to ``tier`` with no other tier writing: the
     folder object store shares this machine's one disk with the NVMe tier, which a
     remote store does not."""
-    c = Checkpointer(dir=root, tiers=[tier], object_store=str(root / "objects"), keep=1,
-                     pacing=pacing, ram_namespace=f"{namespace}-{root.name}")  # fmt: skip
+    c = Checkpointer(
+        dir=root,
+        tiers=[tier],
+        object_store=str(root / "objects"),
+        keep=1,
+        pacing=pacing,
+        ram_namespace=f"{namespace}-{root.name}",
+    )
     try:
         c.reserve(state)
         c.save(1, state)
@@ -455,13 +501,15 @@ def tier_alone(root: Path, state: dict[str, Any], tier: str, pacing: Pacing,
         shutil.rmtree(root, ignore_errors=True)
 
 
-def disk_beside_raw(root: Path, state: dict[str, Any], pacing: Pacing, namespace: str,
-                    rounds: int = 2) -> tuple[float, float]:  # fmt: skip
+def disk_beside_raw(
+    root: Path, state: dict[str, Any], pacing: Pacing, namespace: str, rounds: int = 2
+) -> tuple[float, float]:
     """The NVMe tier's write-down of one save alone, and a raw write + fsync of the same
     bytes timed just before it, ``rounds`` times: the fastest of each. A VM's disk drifts
     by 20-30% over minutes, which the raw writes at the start of the run miss."""
-    c = Checkpointer(dir=root, tiers=["disk"], keep=1, pacing=pacing,
-                     ram_namespace=f"{namespace}-{root.name}")  # fmt: skip
+    c = Checkpointer(
+        dir=root, tiers=["disk"], keep=1, pacing=pacing, ram_namespace=f"{namespace}-{root.name}"
+    )
     try:
         c.reserve(state)
         rounds_s = []
@@ -469,8 +517,16 @@ def disk_beside_raw(root: Path, state: dict[str, Any], pacing: Pacing, namespace
             raw = raw_write(state, root / "raw.bin")
             c.save(step, state)
             c.wait()
-            rounds_s.append((next(e.seconds for e in c.events if e.kind == "landed"
-                                  and e.tier == "disk" and e.key.step == step), raw))  # fmt: skip
+            rounds_s.append(
+                (
+                    next(
+                        e.seconds
+                        for e in c.events
+                        if e.kind == "landed" and e.tier == "disk" and e.key.step == step
+                    ),
+                    raw,
+                )
+            )
         # The fastest of each, in the same minutes: picking the round with the best ratio
         # would favour a round whose raw write hit a slow spell of the disk.
         return min(r[0] for r in rounds_s), min(r[1] for r in rounds_s)
@@ -480,17 +536,20 @@ def disk_beside_raw(root: Path, state: dict[str, Any], pacing: Pacing, namespace
         shutil.rmtree(root, ignore_errors=True)
 
 
-def first_save_after_restore(root: Path, state: dict[str, Any], pacing: Pacing,
-                             namespace: str, train_s: float = 8.0) -> dict[str, float]:  # fmt: skip
+def first_save_after_restore(
+    root: Path, state: dict[str, Any], pacing: Pacing, namespace: str, train_s: float = 8.0
+) -> dict[str, float]:
     """A restart: the state restored from disk by a new instance (no RAM slot left), the
     loop training for ``train_s`` (matrix multiplies), then its first two saves."""
-    c = Checkpointer(dir=root, tiers=["disk"], keep=1, pacing=pacing,
-                     ram_namespace=f"{namespace}-{root.name}")  # fmt: skip
+    c = Checkpointer(
+        dir=root, tiers=["disk"], keep=1, pacing=pacing, ram_namespace=f"{namespace}-{root.name}"
+    )
     c.save(1, state)
     c.wait()
     c.close()  # committed on disk: the RAM slots go
-    c = Checkpointer(dir=root, tiers=["disk"], keep=1, pacing=pacing,
-                     ram_namespace=f"{namespace}-{root.name}")  # fmt: skip
+    c = Checkpointer(
+        dir=root, tiers=["disk"], keep=1, pacing=pacing, ram_namespace=f"{namespace}-{root.name}"
+    )
     try:
         start = time.perf_counter()
         found = c.restore(into=state)
@@ -500,20 +559,25 @@ def first_save_after_restore(root: Path, state: dict[str, Any], pacing: Pacing,
         for step in (2, 3):
             c.save(step, state)
             c.wait()
-        return {"restore_s": restore_s, "first_stall_s": c.stalls[0],
-                "second_stall_s": c.stalls[1]}  # fmt: skip
+        return {"restore_s": restore_s, "first_stall_s": c.stalls[0], "second_stall_s": c.stalls[1]}
     finally:
         c.close()
         c.ram.unlink()
         shutil.rmtree(root, ignore_errors=True)
 
 
-def peer_tier(root: Path, state: dict[str, Any], buddy: Buddy, pacing: Pacing,
-              namespace: str) -> dict[str, Any]:  # fmt: skip
+def peer_tier(
+    root: Path, state: dict[str, Any], buddy: Buddy, pacing: Pacing, namespace: str
+) -> dict[str, Any]:
     """One save written down to the peer tier alone: how long, the sender's and the
     buddy's CPU, and restores from it (into new tensors and into a live state)."""
-    c = Checkpointer(dir=root, tiers=[buddy.tier(pacing)], keep=1, pacing=pacing,
-                     ram_namespace=f"{namespace}-{root.name}")  # fmt: skip
+    c = Checkpointer(
+        dir=root,
+        tiers=[buddy.tier(pacing)],
+        keep=1,
+        pacing=pacing,
+        ram_namespace=f"{namespace}-{root.name}",
+    )
     try:
         c.reserve(state)
         stats = [f"/proc/self/task/{t.native_id}/stat" for t in c.engine.threads]
@@ -521,11 +585,10 @@ def peer_tier(root: Path, state: dict[str, Any], buddy: Buddy, pacing: Pacing,
         c.save(1, state)
         c.wait()
         out: dict[str, Any] = {
-            "write_s": next(e.seconds for e in c.events
-                            if e.kind == "landed" and e.tier == "peer"),
+            "write_s": next(e.seconds for e in c.events if e.kind == "landed" and e.tier == "peer"),
             "sender_cpu_s": cpu_seconds(stats) - mine,
             "buddy_cpu_s": cpu_seconds([buddy.stat]) - theirs,
-        }  # fmt: skip
+        }
         into = touched_like(state)
         key = ShardKey("local", 1, 0)
         for name, target in (("restore_s", None), ("restore_into_s", into)):
@@ -571,17 +634,28 @@ def serve_agent(root: Path, shm: Path, nice: int) -> None:
 
             def on_loop() -> None:
                 if catalog.on_landing(msg, world_size=1):
-                    task = asyncio.ensure_future(service.on_catalog(
-                        catalog.messages(AGENT_JOB, 1, generation=1)[0]))  # fmt: skip
+                    task = asyncio.ensure_future(
+                        service.on_catalog(catalog.messages(AGENT_JOB, 1, generation=1)[0])
+                    )
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
 
             loop.call_soon_threadsafe(on_loop)
 
-        service = CkptService("n01", root / "data", shm, (root / "objects").as_uri(),
-                              "", landing, pacing=Pacing(nice=nice))  # fmt: skip
-        service.configure(AGENT_JOB, 1, wire.CkptPlan(tiers=["ram", "nvme", "object"],
-                                                      keep={"ram": 1, "nvme": 1, "object": 1}))
+        service = CkptService(
+            "n01",
+            root / "data",
+            shm,
+            (root / "objects").as_uri(),
+            "",
+            landing,
+            pacing=Pacing(nice=nice),
+        )
+        service.configure(
+            AGENT_JOB,
+            1,
+            wire.CkptPlan(tiers=["ram", "nvme", "object"], keep={"ram": 1, "nvme": 1, "object": 1}),
+        )
         agent = SimpleNamespace(ckpt=service, node="n01")
         async with start_rank_socket(agent, root / "agent.sock"):  # type: ignore[arg-type]
             (root / "ready").touch()
@@ -591,16 +665,35 @@ def serve_agent(root: Path, shm: Path, nice: int) -> None:
     asyncio.run(main())
 
 
-def agent_mode(root: Path, state: dict[str, Any], saves: int, nbytes: int,
-               nice: int) -> dict[str, Any]:  # fmt: skip
+def agent_mode(
+    root: Path, state: dict[str, Any], saves: int, nbytes: int, nice: int
+) -> dict[str, Any]:
     root.mkdir(parents=True)
     # The agent's RAM tier where agentd keeps it (ckpt.shm_dir, /dev/shm): a tmpfs. Slots
     # in a disk folder would be page cache the kernel writes back under every save.
     shm = Path(tempfile.mkdtemp(prefix="phalanx-bench-agent-", dir=RAM_DIR))
-    child = subprocess.Popen([sys.executable, __file__, "--serve-agent", str(root),
-                              "--agent-shm", str(shm), "--agent-nice", str(nice)])  # fmt: skip
-    saved_env = {k: os.environ.get(k) for k in ("PHALANX_AGENT_SOCKET", "PHALANX_JOB_ID",
-                                                "PHALANX_GENERATION", "RANK", "WORLD_SIZE")}
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--serve-agent",
+            str(root),
+            "--agent-shm",
+            str(shm),
+            "--agent-nice",
+            str(nice),
+        ]
+    )
+    saved_env = {
+        k: os.environ.get(k)
+        for k in (
+            "PHALANX_AGENT_SOCKET",
+            "PHALANX_JOB_ID",
+            "PHALANX_GENERATION",
+            "RANK",
+            "WORLD_SIZE",
+        )
+    }
     c: Checkpointer | None = None
     try:
         deadline = time.monotonic() + 60
@@ -608,9 +701,15 @@ def agent_mode(root: Path, state: dict[str, Any], saves: int, nbytes: int,
             if child.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the bench's agent did not start (exit {child.poll()})")
             time.sleep(0.05)
-        os.environ.update({"PHALANX_AGENT_SOCKET": str(root / "agent.sock"),
-                           "PHALANX_JOB_ID": AGENT_JOB, "PHALANX_GENERATION": "1",
-                           "RANK": "0", "WORLD_SIZE": "1"})  # fmt: skip
+        os.environ.update(
+            {
+                "PHALANX_AGENT_SOCKET": str(root / "agent.sock"),
+                "PHALANX_JOB_ID": AGENT_JOB,
+                "PHALANX_GENERATION": "1",
+                "RANK": "0",
+                "WORLD_SIZE": "1",
+            }
+        )
         c = Checkpointer()
         start = time.perf_counter()
         c.reserve(state)
@@ -625,12 +724,18 @@ def agent_mode(root: Path, state: dict[str, Any], saves: int, nbytes: int,
             c.wait(timeout=600)
             waits.append(time.perf_counter() - start)
         del memcpy
-        out: dict[str, Any] = {"stall_s": list(c.stalls), "first_stall_s": c.stalls[0],
-                               "stall_over_adjacent_memcpy": adjacent_ratios(c.stalls, copies),
-                               "reserve_s": reserve_s, "wait_s": waits}  # fmt: skip
+        out: dict[str, Any] = {
+            "stall_s": list(c.stalls),
+            "first_stall_s": c.stalls[0],
+            "stall_over_adjacent_memcpy": adjacent_ratios(c.stalls, copies),
+            "reserve_s": reserve_s,
+            "wait_s": waits,
+        }
         into = touched_like(state)
-        out["restore_s"] = {"ram": timed_restore(c, state),
-                            "ram_into": timed_restore(c, state, into)}  # fmt: skip
+        out["restore_s"] = {
+            "ram": timed_restore(c, state),
+            "ram_into": timed_restore(c, state, into),
+        }
         del into
         agent = c
 
@@ -676,13 +781,23 @@ def main() -> None:
     parser.add_argument("--size-gib", type=float, default=0.25)
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where disk files go (default: a temp dir)")
-    parser.add_argument("--variants", action="store_true",
-                        help="also measure the compute loss with writers at nice 19 and SCHED_IDLE")
-    parser.add_argument("--skip", default="", help="comma-separated sections to leave out: "
-                        "baselines, dcp, peer, agent, compute")  # fmt: skip
-    parser.add_argument("--agent-nice", type=int, default=0,
-                        help="niceness of the agent's write-down threads (agentd's "
-                        "ckpt.write_nice; default 0, as there)")
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help="also measure the compute loss with writers at nice 19 and SCHED_IDLE",
+    )
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated sections to leave out: baselines, dcp, peer, agent, compute",
+    )
+    parser.add_argument(
+        "--agent-nice",
+        type=int,
+        default=0,
+        help="niceness of the agent's write-down threads (agentd's "
+        "ckpt.write_nice; default 0, as there)",
+    )
     parser.add_argument("--serve-agent", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--serve-buddy", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--buddy-port", type=int, default=0, help=argparse.SUPPRESS)
@@ -703,16 +818,19 @@ def main() -> None:
     nbytes = nbytes_of(state)
     pacing = Pacing()
     out: dict[str, Any] = {
-        "size_gib": nbytes / GIB, "pacing": {f: getattr(pacing, f) for f in pacing.__slots__},
-        "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-    }  # fmt: skip
+        "size_gib": nbytes / GIB,
+        "pacing": {f: getattr(pacing, f) for f in pacing.__slots__},
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+    }
     buddy: Buddy | None = None
     try:
         out["memcpy_s"] = memcpy_limit(state, 3)
         out["memcpy_s_by_threads"] = memcpy_by_threads(state)
         out["raw_write_fsync_s"] = min(raw_write(state, root / "raw.bin") for _ in range(2))
-        out["raw_direct_write_s"] = min(raw_write(state, root / "raw.bin", direct=True)
-                                        for _ in range(2))  # fmt: skip
+        out["raw_direct_write_s"] = min(
+            raw_write(state, root / "raw.bin", direct=True) for _ in range(2)
+        )
 
         # Phalanx, cold: the first save allocates the RAM slots itself.
         cold = Checkpointer(dir=root / "cold", tiers=[], ram_namespace=f"{namespace}-cold")
@@ -724,8 +842,13 @@ def main() -> None:
         cold.ram.unlink()
 
         # Phalanx, reserved: the slots are allocated when the state exists.
-        c = Checkpointer(dir=root / "phx", object_store=str(root / "objects"), keep=1,
-                         pacing=pacing, ram_namespace=f"{namespace}-phx")  # fmt: skip
+        c = Checkpointer(
+            dir=root / "phx",
+            object_store=str(root / "objects"),
+            keep=1,
+            pacing=pacing,
+            ram_namespace=f"{namespace}-phx",
+        )
         start = time.perf_counter()
         c.reserve(state)
         reserve_s = time.perf_counter() - start
@@ -748,13 +871,15 @@ def main() -> None:
             "reserve_s": reserve_s,
             "seal_s": sealed[0].seconds,
             "tier_write_s": {e.tier: e.seconds for e in landed if e.tier != "ram"},
-            "tier_write_alone_s": {tier: tier_alone(root / f"alone-{tier}", state, tier, pacing,
-                                                    namespace)
-                                   for tier in ("disk", "object")},
-        }  # fmt: skip
+            "tier_write_alone_s": {
+                tier: tier_alone(root / f"alone-{tier}", state, tier, pacing, namespace)
+                for tier in ("disk", "object")
+            },
+        }
         disk_alone, raw_beside = disk_beside_raw(root / "beside-raw", state, pacing, namespace)
-        out["phalanx"]["after_restore"] = first_save_after_restore(root / "restart", state,
-                                                                   pacing, namespace)  # fmt: skip
+        out["phalanx"]["after_restore"] = first_save_after_restore(
+            root / "restart", state, pacing, namespace
+        )
         out["phalanx"]["disk_write_beside_raw_s"] = {"disk": disk_alone, "raw": raw_beside}
 
         # restores, from each tier, into new tensors and into a live state's
@@ -810,23 +935,34 @@ def main() -> None:
 
         if "compute" not in skip:
             compute: dict[str, Any] = {"dlrover_lost_s_per_gib": 0.8}
-            runs = [("disk", ["disk"], pacing), ("full", ["disk", "object"], pacing),
-                    ("full_zstd_always", ["disk", "object"], Pacing(compress_min_saving=0))]
+            runs = [
+                ("disk", ["disk"], pacing),
+                ("full", ["disk", "object"], pacing),
+                ("full_zstd_always", ["disk", "object"], Pacing(compress_min_saving=0)),
+            ]
             if args.variants:  # disk only: a starved zstd writer takes minutes per GiB
-                runs += [("nice19_disk", ["disk"], Pacing(nice=19)),
-                         ("idle_disk", ["disk"], Pacing(idle=True))]  # fmt: skip
+                runs += [
+                    ("nice19_disk", ["disk"], Pacing(nice=19)),
+                    ("idle_disk", ["disk"], Pacing(idle=True)),
+                ]
             for name, tiers, p in runs:
-                compute[name] = standalone_loss(root / f"loss-{name}", state, tiers, p, nbytes,
-                                                namespace)  # fmt: skip
+                compute[name] = standalone_loss(
+                    root / f"loss-{name}", state, tiers, p, nbytes, namespace
+                )
             if buddy is not None:  # every tier: the buddy's CPU counts as the writers'
                 compute["all_tiers"] = standalone_loss(
-                    root / "loss-all", state, ["disk", buddy.tier(pacing), "object"], pacing,
-                    nbytes, namespace, [buddy.stat])  # fmt: skip
+                    root / "loss-all",
+                    state,
+                    ["disk", buddy.tier(pacing), "object"],
+                    pacing,
+                    nbytes,
+                    namespace,
+                    [buddy.stat],
+                )
             out["compute"] = compute
 
         if "agent" not in skip:
-            out["agent"] = agent_mode(root / "agent", state, args.saves, nbytes,
-                                      args.agent_nice)
+            out["agent"] = agent_mode(root / "agent", state, args.saves, nbytes, args.agent_nice)
             out["agent"]["write_nice"] = args.agent_nice
 
         ph = out["phalanx"]
@@ -836,34 +972,41 @@ def main() -> None:
             # The worst of a few saves follows the VM's background load; the median less so.
             "median_stall_over_memcpy": statistics.median(ph["stall_s"]) / out["memcpy_s"],
             "first_stall_over_memcpy": ph["first_stall_s"] / out["memcpy_s"],
-            "first_stall_after_restore_over_memcpy": (ph["after_restore"]["first_stall_s"]
-                                                      / out["memcpy_s"]),
+            "first_stall_after_restore_over_memcpy": (
+                ph["after_restore"]["first_stall_s"] / out["memcpy_s"]
+            ),
             "worst_stall_over_adjacent_memcpy": max(ph["stall_over_adjacent_memcpy"]),
-            "disk_tier_speed_vs_raw": (out["raw_write_fsync_s"]
-                                       / ph["tier_write_alone_s"]["disk"]),
-            "disk_tier_speed_vs_adjacent_raw": (ph["disk_write_beside_raw_s"]["raw"]
-                                                / ph["disk_write_beside_raw_s"]["disk"]),
-            "disk_tier_speed_vs_raw_beside_object": (out["raw_write_fsync_s"]
-                                                     / ph["tier_write_s"]["disk"]),
+            "disk_tier_speed_vs_raw": (out["raw_write_fsync_s"] / ph["tier_write_alone_s"]["disk"]),
+            "disk_tier_speed_vs_adjacent_raw": (
+                ph["disk_write_beside_raw_s"]["raw"] / ph["disk_write_beside_raw_s"]["disk"]
+            ),
+            "disk_tier_speed_vs_raw_beside_object": (
+                out["raw_write_fsync_s"] / ph["tier_write_s"]["disk"]
+            ),
             "ram_restore_over_memcpy": restore["ram"] / out["memcpy_s"],
             "ram_restore_into_over_memcpy": restore["ram_into"] / out["memcpy_s"],
         }
         if "dcp_async_save" in out:
             targets["dcp_stall_over_phalanx_worst"] = min(out["dcp_async_save"]["stall_s"]) / worst
             targets["dcp_warm_stall_over_phalanx_worst"] = (
-                min(out["dcp_async_save"]["warm"]["stall_s"]) / worst)
+                min(out["dcp_async_save"]["warm"]["stall_s"]) / worst
+            )
         if "compute" in out:
             targets["disk_lost_vs_dlrover"] = out["compute"]["disk"]["lost_s_per_gib"] / 0.8
             targets["full_lost_vs_dlrover"] = out["compute"]["full"]["lost_s_per_gib"] / 0.8
         if "agent" in out:
             targets["agent_worst_stall_over_memcpy"] = (
-                max(out["agent"]["stall_s"]) / out["memcpy_s"])
+                max(out["agent"]["stall_s"]) / out["memcpy_s"]
+            )
             targets["agent_median_stall_over_memcpy"] = (
-                statistics.median(out["agent"]["stall_s"]) / out["memcpy_s"])
+                statistics.median(out["agent"]["stall_s"]) / out["memcpy_s"]
+            )
             targets["agent_worst_stall_over_adjacent_memcpy"] = max(
-                out["agent"]["stall_over_adjacent_memcpy"])
+                out["agent"]["stall_over_adjacent_memcpy"]
+            )
             targets["agent_ram_restore_into_over_memcpy"] = (
-                out["agent"]["restore_s"]["ram_into"] / out["memcpy_s"])
+                out["agent"]["restore_s"]["ram_into"] / out["memcpy_s"]
+            )
         out["targets"] = targets
     except BaseException as exc:
         out["error"] = repr(exc)  # what was measured so far still gets printed

@@ -56,16 +56,21 @@ def agent_proc(fleet: local.Fleet, node: str) -> local.Proc:
 def restart_agent(fleet: local.Fleet, node: str, state: str = "up") -> None:
     old = agent_proc(fleet, node)
     conf = fleet.path / "nodes" / node / "agentd.toml"
-    proc = local._spawn([sys.executable, "-m", "agentd", "--config", str(conf)],
-                        Path(old.log), "agent", node)
+    proc = local._spawn(
+        [sys.executable, "-m", "agentd", "--config", str(conf)], Path(old.log), "agent", node
+    )
     fleet.processes[fleet.processes.index(old)] = proc
     fleet.save()
     wait_state(fleet, node, state)
 
 
 def summary(values: list[float]) -> dict[str, float]:
-    return {"median_s": round(statistics.median(values), 4), "min_s": round(min(values), 4),
-            "max_s": round(max(values), 4), "n": len(values)}
+    return {
+        "median_s": round(statistics.median(values), 4),
+        "min_s": round(min(values), 4),
+        "max_s": round(max(values), 4),
+        "n": len(values),
+    }
 
 
 def measure_idle(directory: Path, broker_port: int, seconds: float) -> dict[str, Any]:
@@ -79,8 +84,11 @@ def measure_idle(directory: Path, broker_port: int, seconds: float) -> dict[str,
         '[http]\nhost = "127.0.0.1"\nport = 0\n'
     )
     with (node_dir / "agent.log").open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "agentd", "--config", str(conf)],
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agentd", "--config", str(conf)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         time.sleep(3.0)  # start-up (imports, first sample, birth) is not idle
         p = psutil.Process(proc.pid)
@@ -108,8 +116,13 @@ def main() -> None:
     heartbeat_s, offline_after_s = 1.0, 4.0
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
         directory = Path(tmp)
-        fleet = local.up(directory / "fleet", nodes=2, gpus_per_node=4,
-                         heartbeat_s=heartbeat_s, offline_after_s=offline_after_s)
+        fleet = local.up(
+            directory / "fleet",
+            nodes=2,
+            gpus_per_node=4,
+            heartbeat_s=heartbeat_s,
+            offline_after_s=offline_after_s,
+        )
         try:
             ecc, kill9, hung = [], [], []
             for _ in range(args.reps):
@@ -139,15 +152,27 @@ def main() -> None:
             idle = measure_idle(directory, fleet.broker_port, args.idle_seconds)
         finally:
             local.down(directory / "fleet")
-    print(json.dumps({
-        "bench": "detection",
-        "settings": {"heartbeat_s": heartbeat_s, "sample_interval_s": 0.5,
-                     "offline_after_s": offline_after_s, "mqtt_keepalive_s": 5},
-        "ecc_dbe_to_drain": {**summary(ecc), "bound_two_heartbeats_s": 2 * heartbeat_s},
-        "sigkill_to_offline": summary(kill9),
-        "hung_agent_to_offline": {**summary(hung), "bound_offline_after_s": offline_after_s},
-        "agent_idle": idle,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "bench": "detection",
+                "settings": {
+                    "heartbeat_s": heartbeat_s,
+                    "sample_interval_s": 0.5,
+                    "offline_after_s": offline_after_s,
+                    "mqtt_keepalive_s": 5,
+                },
+                "ecc_dbe_to_drain": {**summary(ecc), "bound_two_heartbeats_s": 2 * heartbeat_s},
+                "sigkill_to_offline": summary(kill9),
+                "hung_agent_to_offline": {
+                    **summary(hung),
+                    "bound_offline_after_s": offline_after_s,
+                },
+                "agent_idle": idle,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

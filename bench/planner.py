@@ -63,14 +63,23 @@ def build_fleet(
         spare = slot >= per_rack - spares_per_rack
         node_id = f"n{i:05d}"
         fleet[node_id] = NodeView(
-            id=node_id, rack=f"r{rack:03d}", nvlink_domain=f"r{rack:03d}-nvl{slot // domain_size}",
-            gpu_type=GPU_TYPE, gpus=gpus, state="up", busy=not spare, spare=spare,
+            id=node_id,
+            rack=f"r{rack:03d}",
+            nvlink_domain=f"r{rack:03d}-nvl{slot // domain_size}",
+            gpu_type=GPU_TYPE,
+            gpus=gpus,
+            state="up",
+            busy=not spare,
+            spare=spare,
         )
     return fleet
 
 
 def build_catalog(
-    nodes: Sequence[str], racks: dict[str, str], ranks_per_node: int, steps: int,
+    nodes: Sequence[str],
+    racks: dict[str, str],
+    ranks_per_node: int,
+    steps: int,
     object_lag: int,
 ) -> CatalogView:
     buddy = pick_buddies(nodes, racks)
@@ -92,8 +101,12 @@ def build_catalog(
 
 
 def time_plans(
-    job: JobView, failures: list[Failure], fleet: dict[str, NodeView], catalog: CatalogView,
-    incidents: list[NodeIncident], runs: int,
+    job: JobView,
+    failures: list[Failure],
+    fleet: dict[str, NodeView],
+    catalog: CatalogView,
+    incidents: list[NodeIncident],
+    runs: int,
 ) -> dict[str, object]:
     times = []
     plan: Plan | None = None
@@ -123,37 +136,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--racks", type=int, default=64, help="racks they are spread over")
     parser.add_argument("--gpus", type=int, default=8, help="GPUs per node (= ranks per node)")
     parser.add_argument("--domain-size", type=int, default=8, help="nodes per NVLink domain")
-    parser.add_argument("--spares", type=int, default=128,
-                        help="spare nodes, spread evenly over the racks")
+    parser.add_argument(
+        "--spares", type=int, default=128, help="spare nodes, spread evenly over the racks"
+    )
     parser.add_argument("--job-nodes", type=int, default=1920, help="nodes the job runs on")
     parser.add_argument("--steps", type=int, default=16, help="committed steps in the catalog")
-    parser.add_argument("--object-lag", type=int, default=2,
-                        help="newest steps not yet at the object store, in the object_lag case")
+    parser.add_argument(
+        "--object-lag",
+        type=int,
+        default=2,
+        help="newest steps not yet at the object store, in the object_lag case",
+    )
     parser.add_argument("--runs", type=int, default=21, help="timed calls per case")
     args = parser.parse_args(argv)
 
-    fleet = build_fleet(args.nodes, args.racks, args.gpus, args.domain_size,
-                        max(1, args.spares // args.racks))
+    fleet = build_fleet(
+        args.nodes, args.racks, args.gpus, args.domain_size, max(1, args.spares // args.racks)
+    )
     workers = [n for n, v in fleet.items() if not v.spare]
     if len(workers) < args.job_nodes:
         parser.error(f"--job-nodes {args.job_nodes}: only {len(workers)} nodes are not spares")
     members = workers[: args.job_nodes]
-    for idle in workers[args.job_nodes:]:
+    for idle in workers[args.job_nodes :]:
         fleet[idle] = replace(fleet[idle], busy=False)
     dead = members[len(members) // 2 + 3]  # a node mid-job, not at a rack's edge
     fleet[dead] = replace(fleet[dead], state="offline")
     job = JobView(
-        id="big", nodes=tuple(members), ranks_per_node=args.gpus, gpu_type=GPU_TYPE,
-        max_restarts=10, restarts_used=3, use_spares=True,
+        id="big",
+        nodes=tuple(members),
+        ranks_per_node=args.gpus,
+        gpu_type=GPU_TYPE,
+        max_restarts=10,
+        restarts_used=3,
+        use_spares=True,
         history=tuple(
-            PastFailure(FailureKind.RANK_EXIT, members[k * 97], k * 97 * args.gpus, 1, None,
-                        (k + 5) * STEP_EVERY, (k + 4) * STEP_EVERY)
+            PastFailure(
+                FailureKind.RANK_EXIT,
+                members[k * 97],
+                k * 97 * args.gpus,
+                1,
+                None,
+                (k + 5) * STEP_EVERY,
+                (k + 4) * STEP_EVERY,
+            )
             for k in range(3)
         ),
     )
     failures = [Failure(FailureKind.NODE_OFFLINE, dead, detail="heartbeats stopped")]
-    incidents = [NodeIncident(f"other{k}", f"n{k * 7 % args.nodes:05d}", NOW - k * 60.0)
-                 for k in range(50)]
+    incidents = [
+        NodeIncident(f"other{k}", f"n{k * 7 % args.nodes:05d}", NOW - k * 60.0) for k in range(50)
+    ]
     racks = {n: fleet[n].rack for n in members}
 
     began = time.perf_counter()
@@ -163,16 +195,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     build_s = time.perf_counter() - began
     result: dict[str, object] = {
-        "fleet": {"nodes": args.nodes, "racks": args.racks, "gpus_per_node": args.gpus,
-                  "gpus": args.nodes * args.gpus, "nvlink_domain_nodes": args.domain_size,
-                  "spares": sum(v.spare for v in fleet.values())},
+        "fleet": {
+            "nodes": args.nodes,
+            "racks": args.racks,
+            "gpus_per_node": args.gpus,
+            "gpus": args.nodes * args.gpus,
+            "nvlink_domain_nodes": args.domain_size,
+            "spares": sum(v.spare for v in fleet.values()),
+        },
         "job": {"nodes": len(members), "ranks": len(members) * args.gpus, "failed_node": dead},
-        "catalog": {"steps": args.steps, "tiers": len(TIER_ORDER),
-                    "copies": len(catalogs["object_all"].where), "build_s": round(build_s, 2)},
+        "catalog": {
+            "steps": args.steps,
+            "tiers": len(TIER_ORDER),
+            "copies": len(catalogs["object_all"].where),
+            "build_s": round(build_s, 2),
+        },
         "python": platform.python_version(),
         "runs": args.runs,
-        "plan": {name: time_plans(job, failures, fleet, cat, incidents, args.runs)
-                 for name, cat in catalogs.items()},
+        "plan": {
+            name: time_plans(job, failures, fleet, cat, incidents, args.runs)
+            for name, cat in catalogs.items()
+        },
     }
     json.dump(result, sys.stdout, indent=2)
     sys.stdout.write("\n")

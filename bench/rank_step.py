@@ -98,9 +98,13 @@ def main() -> None:
         results["no_agent"] = case(nobody, timed(nobody, args.calls), floor)
         nobody.close()
 
-        agent = subprocess.Popen([sys.executable, "-c", SERVE, str(path), tmp], text=True,
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        agent = subprocess.Popen(
+            [sys.executable, "-c", SERVE, str(path), tmp],
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
         assert agent.stdout is not None and agent.stdin is not None
         try:
             if agent.stdout.readline().strip() != "ready":
@@ -109,8 +113,10 @@ def main() -> None:
             results["agent"] = case(tight, timed(tight, args.calls), floor)
             tight.close()
             slow = RankChannel(path, job=JOB, generation=1, rank=1)
-            results["agent_paced"] = {"hz": args.paced_hz, **case(
-                slow, paced(slow, args.paced_calls, args.paced_hz), 0.0)}
+            results["agent_paced"] = {
+                "hz": args.paced_hz,
+                **case(slow, paced(slow, args.paced_calls, args.paced_hz), 0.0),
+            }
             slow.close()
             time.sleep(0.2)
             received, garbage = agent.communicate("", timeout=30)[0].split()

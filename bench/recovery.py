@@ -98,8 +98,22 @@ WORLD = JOB_NODES * RANKS_PER_NODE
 STEPS = 10_000_000  # without end: every job is cancelled
 CKPT_EVERY = 10
 TIERS = ["ram", "nvme", "peer", "object"]
-TINY = ["--vocab", "32", "--dim", "16", "--layers", "1", "--heads", "2", "--seq", "8",
-        "--batch", "2", "--log-every", "1000"]
+TINY = [
+    "--vocab",
+    "32",
+    "--dim",
+    "16",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--seq",
+    "8",
+    "--batch",
+    "2",
+    "--log-every",
+    "1000",
+]
 GRACE_S = 5
 PHASES = ("detect", "plan", "stop", "launch", "restore", "first_step")
 KILL_RANK = 1  # on the job's first node, which no ECC fault here ever hits
@@ -119,8 +133,7 @@ Json = dict[str, Any]
 # --- waiting ----------------------------------------------------------------------
 
 
-def wait_for(check: Callable[[], T | None], timeout: float, what: str,
-             interval: float = 0.1) -> T:
+def wait_for(check: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
     """``check()``'s first truthy result; TimeoutError naming ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
@@ -161,12 +174,14 @@ def local_fleet(root: Path, label: str, *, nodes: int, spares: int) -> Iterator[
     under ``root``; torn down on the way out, whatever happened."""
     directory = Path(tempfile.mkdtemp(prefix=f"{label}-", dir=root))
     try:
-        yield up(directory, nodes=nodes, gpus_per_node=RANKS_PER_NODE, spares=spares,
-                 timeout=FLEET_UP_S)
+        yield up(
+            directory, nodes=nodes, gpus_per_node=RANKS_PER_NODE, spares=spares, timeout=FLEET_UP_S
+        )
     finally:
         # A second Ctrl-C (or a SIGTERM) waits for the teardown.
-        previous = {sig: signal.signal(sig, signal.SIG_IGN)
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {
+            sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
             down(directory, quiet=True)
             kill_leftovers(directory)
@@ -181,17 +196,31 @@ def local_fleet(root: Path, label: str, *, nodes: int, spares: int) -> Iterator[
 class Job:
     """One tinylm job on a fleet, seen through the API, the ranks' logs and /proc."""
 
-    def __init__(self, fleet: Fleet, name: str, step_sleep: float,
-                 restart: Json | None = None) -> None:
+    def __init__(
+        self, fleet: Fleet, name: str, step_sleep: float, restart: Json | None = None
+    ) -> None:
         self.fleet = fleet
         self.client: Client = fleet.client()
         self.step_sleep = step_sleep
         spec = {
-            "name": name, "team": "bench", "nodes": JOB_NODES,
-            "ranks_per_node": RANKS_PER_NODE, "workdir": str(REPO),
-            "command": [sys.executable, "examples/tinylm.py", *TINY, "--steps", str(STEPS),
-                        "--ckpt-every", str(CKPT_EVERY), "--step-sleep", str(step_sleep)],
-            "env": {"OMP_NUM_THREADS": "1"}, "grace_period": GRACE_S,
+            "name": name,
+            "team": "bench",
+            "nodes": JOB_NODES,
+            "ranks_per_node": RANKS_PER_NODE,
+            "workdir": str(REPO),
+            "command": [
+                sys.executable,
+                "examples/tinylm.py",
+                *TINY,
+                "--steps",
+                str(STEPS),
+                "--ckpt-every",
+                str(CKPT_EVERY),
+                "--step-sleep",
+                str(step_sleep),
+            ],
+            "env": {"OMP_NUM_THREADS": "1"},
+            "grace_period": GRACE_S,
             "checkpoint": {"tiers": TIERS, "interval": {"steps": CKPT_EVERY}},
             "restart": {"spare_wait": 60, **(restart or {})},
         }
@@ -204,29 +233,41 @@ class Job:
 
     def _alive(self, view: Json, what: str) -> None:
         if view["state"] in ("failed", "succeeded", "cancelled"):
-            raise RuntimeError(f"job {self.id} ended ({view['state']}: {view.get('reason')}) "
-                               f"waiting for {what}")
+            raise RuntimeError(
+                f"job {self.id} ended ({view['state']}: {view.get('reason')}) waiting for {what}"
+            )
 
     def running_at(self) -> float:
         """When the job turned running (its ``job_running`` event)."""
+
         def check() -> float | None:
             self._alive(self.view(), "it to run")
             events = self.client.get(f"/v1/events?job={self.id}&limit=100")
             at = [e["ts"] for e in events if e["kind"] == "job_running"]
             return float(min(at)) if at else None
+
         return wait_for(check, FIRST_STEP_S, f"job {self.id} to run")
 
     def first_step_at(self, generation: int = 1) -> float:
         """When every rank of ``generation`` had done its first step: rank 0's line for
         it (printed after the step's sleep) appeared in its log."""
+
         def check() -> float | None:
             view = self.view()
             self._alive(view, "its first step")
             node = next((r["node"] for r in view["ranks"] if r["rank"] == 0), None)
             if node is None or view["generation"] != generation:
                 return None
-            log = (self.fleet.path / "nodes" / node / "data" / "jobs" / self.id
-                   / f"g{generation}" / "rank-0.log")
+            log = (
+                self.fleet.path
+                / "nodes"
+                / node
+                / "data"
+                / "jobs"
+                / self.id
+                / f"g{generation}"
+                / "rank-0.log"
+            )
             try:
                 text = log.read_text(errors="replace")
                 mtime = log.stat().st_mtime
@@ -235,17 +276,23 @@ class Job:
             if not any(line.startswith('{"step": ') for line in text.splitlines()):
                 return None
             return float(min(mtime, time.time()) - self.step_sleep)
+
         return wait_for(check, FIRST_STEP_S, f"job {self.id}'s first step", interval=0.02)
 
     def committed(self, at_least: int, tier: str = "object") -> int:
         """Wait until step ``at_least`` or a later one is committed at ``tier``."""
+
         def check() -> int | None:
             self._alive(self.view(), f"step {at_least} committed at {tier}")
             events = self.client.get(f"/v1/events?job={self.id}&limit=300")
-            steps = [e["detail"]["step"] for e in events
-                     if e["kind"] == "ckpt_committed" and e["detail"].get("tier") == tier]
+            steps = [
+                e["detail"]["step"]
+                for e in events
+                if e["kind"] == "ckpt_committed" and e["detail"].get("tier") == tier
+            ]
             newest = max(steps, default=-1)
             return int(newest) if newest >= at_least else None
+
         return wait_for(check, COMMIT_S, f"job {self.id}: step {at_least} committed at {tier}")
 
     def rank_pid(self, rank: int) -> int:
@@ -258,38 +305,52 @@ class Job:
                 try:
                     if b"examples/tinylm.py" not in (entry / "cmdline").read_bytes():
                         continue
-                    env = dict(item.split("=", 1) for item in (entry / "environ").read_text(
-                        errors="replace").split("\0") if "=" in item)
+                    env = dict(
+                        item.split("=", 1)
+                        for item in (entry / "environ").read_text(errors="replace").split("\0")
+                        if "=" in item
+                    )
                 except OSError:
                     continue
-                if (env.get("PHALANX_JOB_ID") == self.id and env.get("RANK") == str(rank)
-                        and env.get("PHALANX_GENERATION") == generation):
+                if (
+                    env.get("PHALANX_JOB_ID") == self.id
+                    and env.get("RANK") == str(rank)
+                    and env.get("PHALANX_GENERATION") == generation
+                ):
                     return int(entry.name)
             return None
+
         return wait_for(check, 10, f"job {self.id}: the pid of rank {rank}")
 
     def recovered(self, count: int) -> tuple[Json, Json]:
         """The job's ``count``-th incident once timed (every rank of the new generation
         reported its first step), and the job's view then."""
+
         def check() -> tuple[Json, Json] | None:
             view = self.view()
             incidents = view["incidents"]
             if len(incidents) >= count:
                 incident: Json = incidents[count - 1]
                 if incident["outcome"] != "recovered":
-                    raise RuntimeError(f"job {self.id}: recovery {count} {incident['outcome']}: "
-                                       f"{view.get('reason')}")
+                    raise RuntimeError(
+                        f"job {self.id}: recovery {count} {incident['outcome']}: "
+                        f"{view.get('reason')}"
+                    )
                 if "awaiting" not in incident:
                     return incident, view
             self._alive(view, f"recovery {count}")
             return None
+
         return wait_for(check, RECOVERED_S, f"job {self.id}: recovery {count} timed")
 
     def cancel(self) -> None:
         with contextlib.suppress(ApiError):
             self.client.post(f"/v1/jobs/{self.id}/cancel")
-        wait_for(lambda: self.view()["state"] in ("cancelled", "failed", "succeeded"), END_S,
-                 f"job {self.id} to end after cancel")
+        wait_for(
+            lambda: self.view()["state"] in ("cancelled", "failed", "succeeded"),
+            END_S,
+            f"job {self.id} to end after cancel",
+        )
 
 
 # --- figures ----------------------------------------------------------------------
@@ -313,8 +374,11 @@ def summary(trials: Sequence[Json], keys: Sequence[str]) -> Json:
             if isinstance(value, int | float):
                 values.append(float(value))
         if values:
-            out[key] = {"p50": round(statistics.median(values), 3),
-                        "p95": round(pct(values, 0.95), 3), "n": len(values)}
+            out[key] = {
+                "p50": round(statistics.median(values), 3),
+                "p95": round(pct(values, 0.95), 3),
+                "n": len(values),
+            }
     return out
 
 
@@ -341,8 +405,15 @@ def incident_figures(incident: Json, fault_at: float) -> Json:
     }
 
 
-FIGURE_KEYS = (*(f"phases.{p}" for p in PHASES), "mttr_s", "mttr_from_injection_s",
-               "detect_from_injection_s", "other_s", "lost_work_s", "launch_s")
+FIGURE_KEYS = (
+    *(f"phases.{p}" for p in PHASES),
+    "mttr_s",
+    "mttr_from_injection_s",
+    "detect_from_injection_s",
+    "other_s",
+    "lost_work_s",
+    "launch_s",
+)
 
 
 def target(trials: Sequence[Json], launch_p50: float | None, allowance: float) -> Json:
@@ -354,8 +425,11 @@ def target(trials: Sequence[Json], launch_p50: float | None, allowance: float) -
     if launch_p50 is None and done:
         launch_p50 = round(statistics.median(float(t["launch_s"]) for t in done), 3)
         launch_from = "these trials' own launches"
-    out: Json = {"target": f"MTTR <= {allowance:g} s + fresh launch p50",
-                 "launch_p50_s": launch_p50, "launch_from": launch_from}
+    out: Json = {
+        "target": f"MTTR <= {allowance:g} s + fresh launch p50",
+        "launch_p50_s": launch_p50,
+        "launch_from": launch_from,
+    }
     if not done or launch_p50 is None:
         return {**out, "target_s": None, "met": None}
     limit = allowance + launch_p50
@@ -364,7 +438,8 @@ def target(trials: Sequence[Json], launch_p50: float | None, allowance: float) -
         values = [float(t[key]) for t in done]
         out[key.replace("mttr", "mttr_minus_launch", 1)] = {
             "p50": round(statistics.median(values) - launch_p50, 3),
-            "p95": round(pct(values, 0.95) - launch_p50, 3)}
+            "p95": round(pct(values, 0.95) - launch_p50, 3),
+        }
     values = [float(t["mttr_from_injection_s"]) for t in done]
     out["met"] = statistics.median(values) <= limit
     out["met_p95"] = pct(values, 0.95) <= limit
@@ -373,8 +448,11 @@ def target(trials: Sequence[Json], launch_p50: float | None, allowance: float) -
 
 
 def case(trials: list[Json], keys: Sequence[str] = FIGURE_KEYS) -> Json:
-    return {"trials": trials, "ok": sum("error" not in t for t in trials),
-            "summary": summary([t for t in trials if "error" not in t], keys)}
+    return {
+        "trials": trials,
+        "ok": sum("error" not in t for t in trials),
+        "summary": summary([t for t in trials if "error" not in t], keys),
+    }
 
 
 def failed(exc: BaseException) -> Json:
@@ -390,16 +468,20 @@ class Bench:
         self.root = root
 
     def log(self, message: str) -> None:
-        print(f"[recovery bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr,
-              flush=True)
+        print(
+            f"[recovery bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True
+        )
 
     def fleet(self, label: str, spares: int = 1) -> contextlib.AbstractContextManager[Fleet]:
         return local_fleet(self.root, label, nodes=JOB_NODES + spares, spares=spares)
 
     def launched(self, job: Job) -> Json:
         first = job.first_step_at()
-        return {"launch_s": round(first - job.submitted_at, 3),
-                "running_s": round(job.running_at() - job.submitted_at, 3), "_first": first}
+        return {
+            "launch_s": round(first - job.submitted_at, 3),
+            "running_s": round(job.running_at() - job.submitted_at, 3),
+            "_first": first,
+        }
 
     def fresh_launch(self) -> Json:
         trials: list[Json] = []
@@ -421,8 +503,12 @@ class Bench:
             trials.append(failed(exc))
         return case(trials, ("launch_s", "running_s"))
 
-    def fault_trial(self, label: str, fault: Callable[[Fleet, Job], tuple[float, Json]],
-                    restart: Json | None = None) -> Json:
+    def fault_trial(
+        self,
+        label: str,
+        fault: Callable[[Fleet, Job], tuple[float, Json]],
+        restart: Json | None = None,
+    ) -> Json:
         """A fleet of its own, a job, a commit, ``fault`` (returns when it struck and what
         it has to say), and the incident once timed."""
         try:
@@ -444,8 +530,12 @@ class Bench:
         except (TimeoutError, RuntimeError, ApiError, LocalFleetError, OSError) as exc:
             return failed(exc)
 
-    def trials(self, label: str, fault: Callable[[Fleet, Job], tuple[float, Json]],
-               restart: Json | None = None) -> list[Json]:
+    def trials(
+        self,
+        label: str,
+        fault: Callable[[Fleet, Job], tuple[float, Json]],
+        restart: Json | None = None,
+    ) -> list[Json]:
         out = []
         for i in range(self.args.trials):
             self.log(f"{label} {i + 1}/{self.args.trials}")
@@ -480,9 +570,12 @@ class Bench:
             at = time.time()
             os.kill(pid, signal.SIGSTOP)
             try:
-                wait_for(lambda: job.view()["state"] == "recovering",
-                         self.args.hang_timeout + 60, f"job {job.id}: the hang to be detected",
-                         interval=0.05)
+                wait_for(
+                    lambda: job.view()["state"] == "recovering",
+                    self.args.hang_timeout + 60,
+                    f"job {job.id}: the hang to be detected",
+                    interval=0.05,
+                )
             except BaseException:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)  # no stopped rank outlives the trial
@@ -494,18 +587,30 @@ class Bench:
     def ettr(self) -> Json:
         span = self.args.ettr_minutes * 60.0
         mtbf = self.args.mtbf
-        planned = [k * mtbf for k in range(1, int(span // mtbf) + 1)
-                   if k * mtbf + min(mtbf / 2, 20.0) <= span]
+        planned = [
+            k * mtbf
+            for k in range(1, int(span // mtbf) + 1)
+            if k * mtbf + min(mtbf / 2, 20.0) <= span
+        ]
         kinds = ["kill" if k % 2 == 0 else "ecc" for k in range(len(planned))]
         spares = max(1, kinds.count("ecc"))
         faults: list[Json] = []
         self.log(f"ETTR: {span:.0f}s, faults at {planned} ({', '.join(kinds)})")
-        result: Json = {"minutes": self.args.ettr_minutes, "mtbf_s": mtbf, "spares": spares,
-                        "backoff_s": self.args.backoff, "faults": faults}
+        result: Json = {
+            "minutes": self.args.ettr_minutes,
+            "mtbf_s": mtbf,
+            "spares": spares,
+            "backoff_s": self.args.backoff,
+            "faults": faults,
+        }
         try:
             with self.fleet("ettr", spares=spares) as fleet:
-                job = Job(fleet, "ettr", self.args.step_sleep,
-                          {"max_restarts": len(planned) + 2, "backoff": self.args.backoff})
+                job = Job(
+                    fleet,
+                    "ettr",
+                    self.args.step_sleep,
+                    {"max_restarts": len(planned) + 2, "backoff": self.args.backoff},
+                )
                 try:
                     got = self.launched(job)
                     start = got["_first"]
@@ -525,8 +630,9 @@ class Bench:
                             at = time.time()
                             inject(fleet.sim_file(victim), 0, "ecc-dbe")
                             where = f"node {victim}"
-                        faults.append({"kind": kind, "at_s": round(at - start, 2),
-                                       "target": where, "_at": at})
+                        faults.append(
+                            {"kind": kind, "at_s": round(at - start, 2), "target": where, "_at": at}
+                        )
                     incidents = []
                     for k, fault in enumerate(faults, start=1):
                         incident, _ = job.recovered(k)
@@ -551,16 +657,25 @@ def implied_ettr(incidents: Sequence[Json], every_s: float = FIVE_MIN_S) -> Json
     """The ETTR the incidents' mean MTTR (from the injection) and lost work imply at one
     failure every ``every_s`` (a generation that ran that long restarts without backoff:
     ``supervisor.recovery.backoff_delay``)."""
-    mttr = [float(i["mttr_from_injection_s"]) for i in incidents
-            if i.get("mttr_from_injection_s") is not None]
+    mttr = [
+        float(i["mttr_from_injection_s"])
+        for i in incidents
+        if i.get("mttr_from_injection_s") is not None
+    ]
     if not mttr:
         return None
     lost = [float(i.get("lost_work_s") or 0.0) for i in incidents]
     mean_mttr, mean_lost = statistics.fmean(mttr), statistics.fmean(lost)
     ettr = 1.0 - (mean_mttr + mean_lost) / every_s
-    return {"failure_every_s": every_s, "mean_mttr_s": round(mean_mttr, 3),
-            "mean_lost_work_s": round(mean_lost, 3), "ettr": round(ettr, 4),
-            "target": 0.97, "met": ettr >= 0.97, "incidents": len(mttr)}
+    return {
+        "failure_every_s": every_s,
+        "mean_mttr_s": round(mean_mttr, 3),
+        "mean_lost_work_s": round(mean_lost, 3),
+        "ettr": round(ettr, 4),
+        "target": 0.97,
+        "met": ettr >= 0.97,
+        "incidents": len(mttr),
+    }
 
 
 def machine() -> Json:
@@ -570,8 +685,12 @@ def machine() -> Json:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    return {"nproc": os.cpu_count(), "cpu_model": model, "python": platform.python_version(),
-            "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "nproc": os.cpu_count(),
+        "cpu_model": model,
+        "python": platform.python_version(),
+        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def torch_timeouts() -> Json:
@@ -590,44 +709,80 @@ def _sigterm(signum: int, frame: FrameType | None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--trials", type=int, default=3, help="trials per case")
-    parser.add_argument("--hang-timeout", type=float, default=10.0,
-                        help="restart.hang_timeout of the hang case's job, seconds")
-    parser.add_argument("--ettr-minutes", type=float, default=3.0,
-                        help="how long the ETTR job runs")
-    parser.add_argument("--mtbf", type=float, default=60.0,
-                        help="seconds between two faults of the ETTR job")
-    parser.add_argument("--backoff", type=float, default=1.0,
-                        help="restart.backoff of the ETTR job (the product default: 1)")
-    parser.add_argument("--step-sleep", type=float, default=0.04,
-                        help="tinylm's --step-sleep (the integration tests' pace)")
-    parser.add_argument("--commit-step", type=int, default=20,
-                        help="a fault waits for this step committed at every tier")
-    parser.add_argument("--cases", default="fresh,crash,ecc,hang,ettr",
-                        help="comma-separated subset of fresh,crash,ecc,hang,ettr")
-    parser.add_argument("--dir", type=Path, default=None,
-                        help="where the fleets go (kept, with their logs); default: a "
-                        "temporary folder, removed")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test: 1 trial per case, a 1-minute ETTR run, mtbf 30 s")
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=10.0,
+        help="restart.hang_timeout of the hang case's job, seconds",
+    )
+    parser.add_argument(
+        "--ettr-minutes", type=float, default=3.0, help="how long the ETTR job runs"
+    )
+    parser.add_argument(
+        "--mtbf", type=float, default=60.0, help="seconds between two faults of the ETTR job"
+    )
+    parser.add_argument(
+        "--backoff",
+        type=float,
+        default=1.0,
+        help="restart.backoff of the ETTR job (the product default: 1)",
+    )
+    parser.add_argument(
+        "--step-sleep",
+        type=float,
+        default=0.04,
+        help="tinylm's --step-sleep (the integration tests' pace)",
+    )
+    parser.add_argument(
+        "--commit-step",
+        type=int,
+        default=20,
+        help="a fault waits for this step committed at every tier",
+    )
+    parser.add_argument(
+        "--cases",
+        default="fresh,crash,ecc,hang,ettr",
+        help="comma-separated subset of fresh,crash,ecc,hang,ettr",
+    )
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where the fleets go (kept, with their logs); default: a temporary folder, removed",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 1 trial per case, a 1-minute ETTR run, mtbf 30 s",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.trials, args.ettr_minutes, args.mtbf = 1, 1.0, 30.0
     cases = {c.strip() for c in args.cases.split(",") if c.strip()}
     unknown = cases - {"fresh", "crash", "ecc", "hang", "ettr"}
     if unknown or args.trials < 1 or args.mtbf <= 0 or args.ettr_minutes <= 0:
-        parser.error(f"bad arguments: unknown cases {sorted(unknown)}" if unknown else
-                     "--trials, --mtbf and --ettr-minutes must be positive")
+        parser.error(
+            f"bad arguments: unknown cases {sorted(unknown)}"
+            if unknown
+            else "--trials, --mtbf and --ettr-minutes must be positive"
+        )
 
     signal.signal(signal.SIGTERM, _sigterm)
     root = args.dir.absolute() if args.dir else Path(tempfile.mkdtemp(prefix="phx-rec-"))
     root.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
     result: Json = {
-        "machine": machine(), "torch": torch.__version__,
-        "config": {"trials": args.trials, "job": f"tinylm {JOB_NODES} nodes x "
-                   f"{RANKS_PER_NODE} ranks, gloo", "step_sleep_s": args.step_sleep,
-                   "ckpt_every": CKPT_EVERY, "tiers": TIERS, "commit_step": args.commit_step,
-                   "quick": args.quick},
+        "machine": machine(),
+        "torch": torch.__version__,
+        "config": {
+            "trials": args.trials,
+            "job": f"tinylm {JOB_NODES} nodes x {RANKS_PER_NODE} ranks, gloo",
+            "step_sleep_s": args.step_sleep,
+            "ckpt_every": CKPT_EVERY,
+            "tiers": TIERS,
+            "commit_step": args.commit_step,
+            "quick": args.quick,
+        },
     }
     bench = Bench(args, root)
     try:
@@ -650,20 +805,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             hang["torch"] = {
                 **timeouts,
                 "note": "without hang detection the other ranks wait in their collective "
-                        "until the process group's timeout (gloo and NCCL use "
-                        "default_pg_timeout unless init_process_group is given one)",
+                "until the process group's timeout (gloo and NCCL use "
+                "default_pg_timeout unless init_process_group is given one)",
             }
             detect = hang["summary"].get("detect_s")
             if detect:
                 hang["torch_timeout_over_detect_p50"] = round(
-                    timeouts["default_pg_timeout_s"] / detect["p50"], 1)
+                    timeouts["default_pg_timeout_s"] / detect["p50"], 1
+                )
             result["hang"] = hang
         if "ettr" in cases:
             ettr = bench.ettr()
-            ettr["implied_at_one_failure_per_5_min"] = implied_ettr(
-                ettr.get("incidents", []))
-            done = [t for name in ("crash_in_place", "ecc_to_spare") if name in result
-                    for t in result[name]["trials"] if "error" not in t]
+            ettr["implied_at_one_failure_per_5_min"] = implied_ettr(ettr.get("incidents", []))
+            done = [
+                t
+                for name in ("crash_in_place", "ecc_to_spare")
+                if name in result
+                for t in result[name]["trials"]
+                if "error" not in t
+            ]
             ettr["implied_from_crash_and_ecc_trials"] = implied_ettr(done)
             result["ettr"] = ettr
     except KeyboardInterrupt:

@@ -81,7 +81,12 @@ def build_cluster(
 
 
 def make_trace(
-    rng: random.Random, count: int, n_nodes: int, gpus: int, backlog: float, span: float,
+    rng: random.Random,
+    count: int,
+    n_nodes: int,
+    gpus: int,
+    backlog: float,
+    span: float,
     prefix: str,
 ) -> list[TraceJob]:
     """``count`` jobs; a ``backlog`` share submitted at 0, the rest uniformly over ``span``."""
@@ -189,8 +194,13 @@ def busy_state(
     gpus = nodes[0].gpus
     filler = make_trace(rng, jobs, len(nodes), gpus, 1.0, 0.0, "run")
     fill = schedule(
-        ClusterState(now=now, nodes=nodes, pending=tuple(job.spec for job in filler),
-                     spare_pool=spares, reservation_depth=0)
+        ClusterState(
+            now=now,
+            nodes=nodes,
+            pending=tuple(job.spec for job in filler),
+            spare_pool=spares,
+            reservation_depth=0,
+        )
     )
     by_id = {job.spec.id: job for job in filler}
     running = []
@@ -200,9 +210,13 @@ def busy_state(
         checkpoints = math.floor((now - began) / CHECKPOINT_EVERY)
         running.append(
             RunningJob(
-                id=job.spec.id, team=job.spec.team, priority=job.spec.priority,
-                nodes=start.nodes, gpus_per_node=start.gpus_per_node,
-                preemptible=job.spec.preemptible, start_time=began,
+                id=job.spec.id,
+                team=job.spec.team,
+                priority=job.spec.priority,
+                nodes=start.nodes,
+                gpus_per_node=start.gpus_per_node,
+                preemptible=job.spec.preemptible,
+                start_time=began,
                 max_runtime=job.spec.max_runtime,
                 last_checkpoint_time=(
                     began + checkpoints * CHECKPOINT_EVERY if checkpoints else None
@@ -212,8 +226,13 @@ def busy_state(
     pending = [job.spec for job in make_trace(rng, jobs, len(nodes), gpus, 0.0, now, "job")]
     usage = {team: rng.uniform(0.0, 1e7) for team in TEAMS}
     return ClusterState(
-        now=now, nodes=nodes, running=tuple(running), pending=tuple(pending),
-        teams=teams(n_gpus, usage), spare_pool=spares, previous_spares=frozenset(fill.spares),
+        now=now,
+        nodes=nodes,
+        running=tuple(running),
+        pending=tuple(pending),
+        teams=teams(n_gpus, usage),
+        spare_pool=spares,
+        previous_spares=frozenset(fill.spares),
     )
 
 
@@ -321,8 +340,13 @@ class Simulation:
         self.pending.pop(spec.id)
         self.first_start.setdefault(spec.id, now)
         record = RunningJob(
-            id=spec.id, team=spec.team, priority=spec.priority, nodes=tuple(nodes),
-            gpus_per_node=per_node, preemptible=spec.preemptible, start_time=now,
+            id=spec.id,
+            team=spec.team,
+            priority=spec.priority,
+            nodes=tuple(nodes),
+            gpus_per_node=per_node,
+            preemptible=spec.preemptible,
+            start_time=now,
             max_runtime=spec.max_runtime,
         )
         self.running[spec.id] = _Run(job, tuple(nodes), per_node, now, self.left[spec.id], record)
@@ -420,8 +444,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--spares", type=int, default=16, help="hot spare pool size")
     parser.add_argument("--hours", type=float, default=24.0, help="simulated time; 0 skips it")
     parser.add_argument("--interval", type=float, default=60.0, help="simulated s between passes")
-    parser.add_argument("--sim-jobs", type=int, default=0,
-                        help="jobs in the simulated day's trace (default: --jobs)")
+    parser.add_argument(
+        "--sim-jobs",
+        type=int,
+        default=0,
+        help="jobs in the simulated day's trace (default: --jobs)",
+    )
     parser.add_argument("--seed", type=int, default=7, help="seed of every random draw")
     args = parser.parse_args(argv)
 
@@ -430,14 +458,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     rng = random.Random(args.seed)
     cold_trace = make_trace(rng, args.jobs, args.nodes, args.gpus, 1.0, 0.0, "job")
     cold = ClusterState(
-        now=0.0, nodes=nodes, pending=tuple(job.spec for job in cold_trace),
-        teams=teams(n_gpus), spare_pool=args.spares,
+        now=0.0,
+        nodes=nodes,
+        pending=tuple(job.spec for job in cold_trace),
+        teams=teams(n_gpus),
+        spare_pool=args.spares,
     )
     busy = busy_state(nodes, rng, args.jobs, args.spares)
     result: dict[str, object] = {
-        "cluster": {"nodes": args.nodes, "racks": args.racks, "gpus_per_node": args.gpus,
-                    "gpus": n_gpus, "nvlink_domain_nodes": args.domain_size,
-                    "spares": args.spares},
+        "cluster": {
+            "nodes": args.nodes,
+            "racks": args.racks,
+            "gpus_per_node": args.gpus,
+            "gpus": n_gpus,
+            "nvlink_domain_nodes": args.domain_size,
+            "spares": args.spares,
+        },
         "seed": args.seed,
         "python": platform.python_version(),
         "pass": {
@@ -447,8 +483,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if args.hours > 0:
         trace = make_trace(
-            random.Random(args.seed + 1), args.sim_jobs or args.jobs, args.nodes, args.gpus,
-            0.3, args.hours * 3600.0, "day",
+            random.Random(args.seed + 1),
+            args.sim_jobs or args.jobs,
+            args.nodes,
+            args.gpus,
+            0.3,
+            args.hours * 3600.0,
+            "day",
         )
         offered = sum(job.runtime * job.spec.nodes * job.spec.gpus_per_node for job in trace)
         day: dict[str, object] = {

@@ -26,10 +26,27 @@ from ckpt._limits import ALIGN, MAX_DEPTH, MAX_NDIM, Json, align, is_uint
 from ckpt.errors import CheckpointError, FormatError, ShardRef, UnsupportedValue
 
 TORCH_DTYPE_NAMES: Final = (
-    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-)  # fmt: skip
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+)
 TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
     name: dtype
     for name in TORCH_DTYPE_NAMES
@@ -37,9 +54,23 @@ TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
 }
 TORCH_NAMES: Final = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 NUMPY_DTYPES: Final = frozenset(
-    ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-     "float16", "float32", "float64", "complex64", "complex128")
-)  # fmt: skip
+    (
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    )
+)
 BLOB_TAGS: Final = frozenset(("tensor", "param", "ndarray", "npscalar", "bytes", "bytearray"))
 
 
@@ -226,9 +257,14 @@ class TreeDecoder:
     """
 
     def __init__(
-        self, view: memoryview, data_start: int, data_nbytes: int, copy: bool, ref: ShardRef,
+        self,
+        view: memoryview,
+        data_start: int,
+        data_nbytes: int,
+        copy: bool,
+        ref: ShardRef,
         into: object = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.view = view
         self.data_start = data_start
         self.data_nbytes = data_nbytes
@@ -414,18 +450,20 @@ class TreeDecoder:
                     where, "grad must be a boolean, true only for a float or complex dtype"
                 )
             return self.claim(
-                node, where,
+                node,
+                where,
                 lambda: self.tensor(dtype, shape, start, node["n"], where, tag, grad, target),
-            )  # fmt: skip
+            )
         if node["dtype"] not in NUMPY_DTYPES:
             raise self.bad(where, f"numpy dtype {short(node['dtype'])} is not in the allow-list")
         np: Any = _numpy(self.ref)
         dtype_np = np.dtype(node["dtype"]).newbyteorder("<")
         start = self.region(node, where, dtype_np.itemsize, shape)
         return self.claim(
-            node, where,
+            node,
+            where,
             lambda: self.array(np, dtype_np, shape, start, node["n"], where, tag, target),
-        )  # fmt: skip
+        )
 
     def claim(self, node: dict[str, Json], where: str, make: Any) -> Any:
         """Regions are disjoint and in order, except one value reached twice."""
@@ -446,12 +484,27 @@ class TreeDecoder:
         self.shared[offset] = (descriptor, value)
         return value
 
-    def tensor(self, dtype: torch.dtype, shape: list[int], start: int, n: int, where: str,
-               tag: str, grad: bool, target: object = None) -> torch.Tensor:  # fmt: skip
+    def tensor(
+        self,
+        dtype: torch.dtype,
+        shape: list[int],
+        start: int,
+        n: int,
+        where: str,
+        tag: str,
+        grad: bool,
+        target: object = None,
+    ) -> torch.Tensor:
         kind = torch.nn.Parameter if tag == "param" else torch.Tensor
-        dst = target if isinstance(target, torch.Tensor) and type(target) is kind \
-            and target.dtype == dtype and list(target.shape) == shape \
-            and target.device.type != "meta" else None  # fmt: skip
+        dst = (
+            target
+            if isinstance(target, torch.Tensor)
+            and type(target) is kind
+            and target.dtype == dtype
+            and list(target.shape) == shape
+            and target.device.type != "meta"
+            else None
+        )
         if n == 0:
             out = torch.empty(shape, dtype=dtype)
         elif self.view.readonly:  # torch cannot guard read-only memory: copy into owned memory
@@ -477,9 +530,16 @@ class TreeDecoder:
             raise self.bad(where, f"cannot be a Parameter: {exc}") from exc
 
     def array(
-        self, np: Any, dtype: Any, shape: list[int], start: int, n: int, where: str, tag: str,
+        self,
+        np: Any,
+        dtype: Any,
+        shape: list[int],
+        start: int,
+        n: int,
+        where: str,
+        tag: str,
         target: object = None,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         out = (
             np.frombuffer(self.view, dtype, n // dtype.itemsize, start) if n else np.empty(0, dtype)
         )
@@ -488,8 +548,13 @@ class TreeDecoder:
             raise self.bad(where, "a bool array holds bytes other than 0 and 1")
         if tag == "npscalar":
             return out[()]
-        if (type(target) is np.ndarray and target.dtype == dtype  # type: ignore[attr-defined]
-                and list(target.shape) == shape and target.flags.writeable):  # type: ignore[attr-defined]
+        if (
+            isinstance(target, np.ndarray)
+            and type(target) is np.ndarray  # not a subclass
+            and target.dtype == dtype
+            and list(target.shape) == shape
+            and target.flags.writeable
+        ):
             self.copies.append(lambda: np.copyto(target, out, casting="equiv"))
             return target
         if self.into is not None:

@@ -59,6 +59,7 @@ __all__ = ["Checkpointer"]
 class ShardGone(CheckpointError):
     """The copy a restore plan listed was not there when read."""
 
+
 log = logging.getLogger(__name__)
 
 TierSpec = str | Tier
@@ -73,8 +74,9 @@ def _cuda_device() -> int | None:
     return int(torch.cuda.current_device())
 
 
-def _decode_slot(view: memoryview, expected: str | None, ref: ShardRef, into: object,
-                 fresh: list[str]) -> Any:  # fmt: skip
+def _decode_slot(
+    view: memoryview, expected: str | None, ref: ShardRef, into: object, fresh: list[str]
+) -> Any:
     """Decode a shard in a RAM slot, copied out (the slot is reused by later saves)."""
     try:
         return decode(view, copy=True, expected=expected, ref=ref, into=into, fresh=fresh)
@@ -135,8 +137,9 @@ class Checkpointer:
         self._reserving: threading.Thread | None = None  # see _reserve_behind
         self._reserved_nbytes = 0  # the shard size the RAM slots were last reserved for
         if dir is None:
-            self._init_agent_mode(when_busy, busy_timeout_s, wait_timeout_s, interval, mtbf_s,
-                                  on_event)  # fmt: skip
+            self._init_agent_mode(
+                when_busy, busy_timeout_s, wait_timeout_s, interval, mtbf_s, on_event
+            )
             return
         if type(rank) is not int or rank < 0:
             raise ValueError(f"rank={rank!r} must be a non-negative int")
@@ -156,8 +159,9 @@ class Checkpointer:
         if ram_namespace is None:
             where = xxhash.xxh64_hexdigest(str(self.dir).encode())[:10]
             ram_namespace = f"phalanx-{self.job}-{where}-r{rank}"
-        self.ram = RamTier(ram_namespace, job=self.job, directory=ram_dir, slots=ram_slots,
-                           keep=ram_slots - 1)  # fmt: skip
+        self.ram = RamTier(
+            ram_namespace, job=self.job, directory=ram_dir, slots=ram_slots, keep=ram_slots - 1
+        )
         self.tiers = self._build_tiers(tiers, object_store, compression)
         names = [self.ram.name, *(t.name for t in self.tiers)]
         if len(set(names)) != len(names):
@@ -167,14 +171,23 @@ class Checkpointer:
             if name not in names or n < 1:
                 raise ValueError(f"keep[{name!r}]={n}: tiers are {names} and keep must be >= 1")
         self.engine = Engine(
-            self.ram, self.tiers, keep=keeps, catalog=LocalCatalog((rank,)), pacing=self.pacing,
+            self.ram,
+            self.tiers,
+            keep=keeps,
+            catalog=LocalCatalog((rank,)),
+            pacing=self.pacing,
             on_event=on_event,
-        )  # fmt: skip
+        )
 
-    def _init_agent_mode(self, when_busy: WhenBusy, busy_timeout_s: float,
-                         wait_timeout_s: float, interval: int | float | str,
-                         mtbf_s: float | None,
-                         on_event: Callable[[TierEvent], None] | None) -> None:  # fmt: skip
+    def _init_agent_mode(
+        self,
+        when_busy: WhenBusy,
+        busy_timeout_s: float,
+        wait_timeout_s: float,
+        interval: int | float | str,
+        mtbf_s: float | None,
+        on_event: Callable[[TierEvent], None] | None,
+    ) -> None:
         env = AgentEnv.from_environ()
         self.agent = AgentClient(env)
         self.job, self.rank = env.job, env.rank
@@ -196,9 +209,11 @@ class Checkpointer:
         self.policy = Interval.of(interval, mtbf_s)
 
     def _build_tiers(
-        self, specs: Sequence[TierSpec] | None, store: str | ObjectStore | None,
+        self,
+        specs: Sequence[TierSpec] | None,
+        store: str | ObjectStore | None,
         compression: str | None,
-    ) -> list[Tier]:  # fmt: skip
+    ) -> list[Tier]:
         if specs is None:
             specs = ["disk", "object"] if store is not None else ["disk"]
         built: list[Tier] = []
@@ -212,8 +227,14 @@ class Checkpointer:
                     store = str(self.dir / "objects")
                 if not isinstance(store, ObjectStore):
                     store = open_store(str(store), pacing=self.pacing)
-                built.append(ObjectTier(store, compression=compression, pacing=self.pacing,
-                                        level=self.pacing.compress_level))  # fmt: skip
+                built.append(
+                    ObjectTier(
+                        store,
+                        compression=compression,
+                        pacing=self.pacing,
+                        level=self.pacing.compress_level,
+                    )
+                )
             elif spec == "ram":
                 continue  # always there, always first
             else:
@@ -256,8 +277,9 @@ class Checkpointer:
         loop goes on, rather than have a save hold the loop while fresh memory is faulted
         in (on a VM, 1.6-2.9 s per GiB). A save that comes first waits for the slot being
         allocated, as it would have allocated it."""
-        if nbytes <= self._reserved_nbytes or (self._reserving is not None
-                                               and self._reserving.is_alive()):  # fmt: skip
+        if nbytes <= self._reserved_nbytes or (
+            self._reserving is not None and self._reserving.is_alive()
+        ):
             return
         self._reserved_nbytes = nbytes  # once: a failure is logged, and saves allocate
         device = _cuda_device()  # pinning a slot for DMA there, not on a new thread's GPU 0
@@ -268,11 +290,15 @@ class Checkpointer:
                     sys.modules["torch"].cuda.set_device(device)
                 self._reserve(nbytes)
             except Exception as exc:
-                log.warning("could not allocate the RAM slots ahead of the next save (it "
-                            "allocates its own then): %s", exc)  # fmt: skip
+                log.warning(
+                    "could not allocate the RAM slots ahead of the next save (it "
+                    "allocates its own then): %s",
+                    exc,
+                )
 
-        self._reserving = threading.Thread(target=run, name=f"ckpt-reserve-r{self.rank}",
-                                           daemon=True)  # fmt: skip
+        self._reserving = threading.Thread(
+            target=run, name=f"ckpt-reserve-r{self.rank}", daemon=True
+        )
         self._reserving.start()
 
     def save(self, step: int, state: object) -> bool:
@@ -294,14 +320,22 @@ class Checkpointer:
             self.policy.saved(step, stall)
             self._reserve_nbytes_behind(shard_plan.nbytes)  # the next saves' slots
             return True
-        slot = self.ram.acquire(key, shard_plan.nbytes, when_busy=self.when_busy,
-                                timeout=self.busy_timeout_s)  # fmt: skip
+        slot = self.ram.acquire(
+            key, shard_plan.nbytes, when_busy=self.when_busy, timeout=self.busy_timeout_s
+        )
         if slot is None:
             self.skipped.append(step)
-            self.engine.report(TierEvent(
-                "skipped", self.ram.name, key, None, shard_plan.nbytes, 0.0,
-                "every RAM slot is still being written down (when_busy='skip')",
-            ))  # fmt: skip
+            self.engine.report(
+                TierEvent(
+                    "skipped",
+                    self.ram.name,
+                    key,
+                    None,
+                    shard_plan.nbytes,
+                    0.0,
+                    "every RAM slot is still being written down (when_busy='skip')",
+                )
+            )
             return False
         try:
             write_into(shard_plan, slot.view(shard_plan.nbytes))
@@ -318,9 +352,17 @@ class Checkpointer:
     def _save_via_agent(self, key: ShardKey, shard_plan: ShardPlan) -> bool:
         assert self.agent is not None
         nbytes = shard_plan.nbytes
-        got = self.agent.call("POST", "/v1/ckpt/acquire", {
-            "step": key.step, "nbytes": nbytes, "when_busy": self.when_busy,
-            "timeout": self.busy_timeout_s}, timeout=self.busy_timeout_s + 30)  # fmt: skip
+        got = self.agent.call(
+            "POST",
+            "/v1/ckpt/acquire",
+            {
+                "step": key.step,
+                "nbytes": nbytes,
+                "when_busy": self.when_busy,
+                "timeout": self.busy_timeout_s,
+            },
+            timeout=self.busy_timeout_s + 30,
+        )
         if got.get("skipped"):
             self.skipped.append(key.step)
             log.warning("step %d not saved: %s", key.step, got.get("why", "no free RAM slot"))
@@ -352,8 +394,12 @@ class Checkpointer:
             if self._last_saved is None:
                 return
             limit = self.wait_timeout_s if timeout is None else timeout
-            self.agent.call("POST", "/v1/ckpt/wait", {"step": self._last_saved,
-                                                      "timeout": limit}, timeout=limit + 30)
+            self.agent.call(
+                "POST",
+                "/v1/ckpt/wait",
+                {"step": self._last_saved, "timeout": limit},
+                timeout=limit + 30,
+            )
             return
         self.engine.wait(self.wait_timeout_s if timeout is None else timeout)
 
@@ -408,8 +454,9 @@ class Checkpointer:
             except TierError as exc:
                 self._report_read_failure(exc, ShardKey(self.job, step or 0, self.rank))
                 listed[tier.name] = set()
-        candidates = [step] if step is not None else sorted(set().union(*listed.values()),
-                                                            reverse=True)  # fmt: skip
+        candidates = (
+            [step] if step is not None else sorted(set().union(*listed.values()), reverse=True)
+        )
         last_error: CheckpointError | None = None
         for s in candidates:
             key = ShardKey(self.job, s, self.rank)
@@ -424,8 +471,13 @@ class Checkpointer:
                     continue
                 if state is not None:
                     self.restored_from = tier.name
-                    log.info("restored step %d of %s rank %d from tier %s", s, self.job,
-                             self.rank, tier.name)  # fmt: skip
+                    log.info(
+                        "restored step %d of %s rank %d from tier %s",
+                        s,
+                        self.job,
+                        self.rank,
+                        tier.name,
+                    )
                     self._note_fresh(into, s)
                     self._reserve_behind(key, state[0])
                     return s, state[0]
@@ -435,10 +487,13 @@ class Checkpointer:
 
     def _note_fresh(self, into: object, step: int) -> None:
         if into is not None and self.restored_fresh:
-            log.warning("restore of step %d into the given state: %d value(s) had no tensor "
-                        "of the same type, dtype and shape there and came back new: %s",
-                        step, len(self.restored_fresh),
-                        ", ".join(self.restored_fresh[:10]))  # fmt: skip
+            log.warning(
+                "restore of step %d into the given state: %d value(s) had no tensor "
+                "of the same type, dtype and shape there and came back new: %s",
+                step,
+                len(self.restored_fresh),
+                ", ".join(self.restored_fresh[:10]),
+            )
 
     def _restore_via_agent(self, step: int | None, into: object = None) -> tuple[int, Any] | None:
         assert self.agent is not None
@@ -449,9 +504,10 @@ class Checkpointer:
         if found.get("unavailable"):
             # Committed steps exist but none this whole gang can read: starting from
             # scratch here would silently diverge from the other ranks.
-            raise CheckpointError(f"no checkpoint to restore rank {self.rank} from: "
-                                  f"{found['unavailable']}", ref=ShardRef(job=self.job,
-                                                                          rank=self.rank))
+            raise CheckpointError(
+                f"no checkpoint to restore rank {self.rank} from: {found['unavailable']}",
+                ref=ShardRef(job=self.job, rank=self.rank),
+            )
         last_error: CheckpointError | None = None
         for entry in found["steps"]:
             key = ShardKey(self.job, int(entry["step"]), self.rank)
@@ -460,28 +516,54 @@ class Checkpointer:
                 try:
                     state = self._read_via_agent(where, key, into)
                     if state is None:
-                        raise ShardGone(f"the copy of step {key.step} at tier {tier} is gone",
-                                        ref=key.ref(where.get("path")))
-                except (ShardCorrupt, FormatError, ShardMismatch, ShardGone, TierError,
-                        AgentError, TimeoutError) as exc:  # fmt: skip
-                    last_error = exc if isinstance(exc, CheckpointError) else TierError(
-                        str(exc), tier=tier, ref=key.ref())
-                    log.warning("restore of step %d rank %d from tier %s failed: %s", key.step,
-                                self.rank, tier, exc)  # fmt: skip
+                        raise ShardGone(
+                            f"the copy of step {key.step} at tier {tier} is gone",
+                            ref=key.ref(where.get("path")),
+                        )
+                except (
+                    ShardCorrupt,
+                    FormatError,
+                    ShardMismatch,
+                    ShardGone,
+                    TierError,
+                    AgentError,
+                    TimeoutError,
+                ) as exc:
+                    last_error = (
+                        exc
+                        if isinstance(exc, CheckpointError)
+                        else TierError(str(exc), tier=tier, ref=key.ref())
+                    )
+                    log.warning(
+                        "restore of step %d rank %d from tier %s failed: %s",
+                        key.step,
+                        self.rank,
+                        tier,
+                        exc,
+                    )
                     # Only a copy proven bad (it does not verify or parse, or a local file
                     # is gone) is reported: the catalog then drops it. A network error or a
                     # timeout says nothing about the copy.
-                    definite = (isinstance(exc, ShardCorrupt | FormatError | ShardMismatch)
-                                and not isinstance(exc, UnsupportedVersion)) or (
-                        isinstance(exc, ShardGone) and "path" in where)
+                    definite = (
+                        isinstance(exc, ShardCorrupt | FormatError | ShardMismatch)
+                        and not isinstance(exc, UnsupportedVersion)
+                    ) or (isinstance(exc, ShardGone) and "path" in where)
                     if definite:
                         with contextlib.suppress(CheckpointError, TimeoutError):
-                            self.agent.call("POST", "/v1/ckpt/report", {
-                                "step": key.step, "tier": tier, "error": str(exc)})
+                            self.agent.call(
+                                "POST",
+                                "/v1/ckpt/report",
+                                {"step": key.step, "tier": tier, "error": str(exc)},
+                            )
                     continue
                 self.restored_from = str(where["tier"])
-                log.info("restored step %d of %s rank %d from tier %s", key.step, self.job,
-                         self.rank, self.restored_from)  # fmt: skip
+                log.info(
+                    "restored step %d of %s rank %d from tier %s",
+                    key.step,
+                    self.job,
+                    self.rank,
+                    self.restored_from,
+                )
                 self._note_fresh(into, key.step)
                 self._reserve_behind(key, state[0])
                 return key.step, state[0]
@@ -490,11 +572,14 @@ class Checkpointer:
             raise CheckpointError(
                 f"rank {self.rank} has no readable copy of step {key.step} (tried "
                 f"{', '.join(str(w['tier']) for w in entry['candidates']) or 'no tier'}): "
-                f"{last_error or 'no copy reachable from this node'}", ref=key.ref())
+                f"{last_error or 'no copy reachable from this node'}",
+                ref=key.ref(),
+            )
         return None
 
-    def _read_via_agent(self, where: dict[str, Any], key: ShardKey,
-                        into: object = None) -> tuple[Any] | None:  # fmt: skip
+    def _read_via_agent(
+        self, where: dict[str, Any], key: ShardKey, into: object = None
+    ) -> tuple[Any] | None:
         from ckpt.ram import read_slot_view
 
         assert self.agent is not None
@@ -512,16 +597,18 @@ class Checkpointer:
                         return None
                     state = _decode_slot(view, expected, key.ref(path), into, fresh)
                 else:
-                    state = decode(mm, expected=expected, ref=key.ref(path), into=into,
-                                   fresh=fresh)  # fmt: skip
+                    state = decode(mm, expected=expected, ref=key.ref(path), into=into, fresh=fresh)
             finally:
                 with contextlib.suppress(BufferError):  # tensors still view a disk map
                     mm.close()
             return (state,)
         nbytes = where.get("nbytes")
         if type(nbytes) is not int or nbytes < 0:
-            raise AgentError(f"the agent's restore plan lists no size for step {key.step} at "
-                             f"tier {tier}: {nbytes!r}", ref=key.ref())  # fmt: skip
+            raise AgentError(
+                f"the agent's restore plan lists no size for step {key.step} at "
+                f"tier {tier}: {nbytes!r}",
+                ref=key.ref(),
+            )
         staged = self._stage_via_agent(tier, key)
         if staged.get("gone"):
             return None
@@ -529,8 +616,12 @@ class Checkpointer:
             try:
                 view = read_slot_view(self.agent.map_slot(str(staged["path"])), key.step)
             except OSError as exc:  # its file removed since (a /dev/shm cleaner): stream it
-                log.warning("cannot map the RAM slot %s the agent staged step %d in: %s",
-                            staged["path"], key.step, exc)  # fmt: skip
+                log.warning(
+                    "cannot map the RAM slot %s the agent staged step %d in: %s",
+                    staged["path"],
+                    key.step,
+                    exc,
+                )
                 view = None
             if view is not None:  # else reused since (not by this rank): stream it
                 return (_decode_slot(view, expected, key.ref(f"{tier}:"), into, fresh),)
@@ -539,8 +630,7 @@ class Checkpointer:
         data = self.agent.fetch_shard(tier, key.step, nbytes, timeout=self.wait_timeout_s)
         if data is None:
             return None
-        return (decode(data, expected=expected, ref=key.ref(f"{tier}:"), into=into,
-                       fresh=fresh),)  # fmt: skip
+        return (decode(data, expected=expected, ref=key.ref(f"{tier}:"), into=into, fresh=fresh),)
 
     def _stage_via_agent(self, tier: str, key: ShardKey) -> dict[str, Any]:
         """Ask the agent to read the copy into a free RAM slot of this rank's (see
@@ -549,13 +639,20 @@ class Checkpointer:
         assert self.agent is not None
         try:
             staged: dict[str, Any] = self.agent.call(
-                "POST", "/v1/ckpt/stage", {"step": key.step, "tier": tier},
-                timeout=self.wait_timeout_s)  # fmt: skip
+                "POST",
+                "/v1/ckpt/stage",
+                {"step": key.step, "tier": tier},
+                timeout=self.wait_timeout_s,
+            )
         except AgentError as exc:
             if exc.status != 404:  # the route itself is unknown (a 404 about a copy names
                 raise  # its tier, and is a TierError)
-            log.info("the agent stages no copies in RAM (%s): streaming step %d from %s", exc,
-                     key.step, tier)  # fmt: skip
+            log.info(
+                "the agent stages no copies in RAM (%s): streaming step %d from %s",
+                exc,
+                key.step,
+                tier,
+            )
             return {}
         return staged
 
@@ -567,18 +664,25 @@ class Checkpointer:
         fresh: list[str] = []
         self.restored_fresh = fresh
         try:
-            state = decode(stored.buffer, copy=stored.reused, expected=stored.expected,
-                           ref=key.ref(stored.path), into=into,
-                           fresh=fresh)  # fmt: skip
+            state = decode(
+                stored.buffer,
+                copy=stored.reused,
+                expected=stored.expected,
+                ref=key.ref(stored.path),
+                into=into,
+                fresh=fresh,
+            )
         finally:
             stored.close()
         return (state,)
 
-    def _report_read_failure(self, exc: CheckpointError, key: ShardKey,
-                             tier: str | None = None) -> None:  # fmt: skip
+    def _report_read_failure(
+        self, exc: CheckpointError, key: ShardKey, tier: str | None = None
+    ) -> None:
         name = tier if tier is not None else getattr(exc, "tier", "?")
-        corrupt = (isinstance(exc, ShardCorrupt | FormatError | ShardMismatch)
-                   and not isinstance(exc, UnsupportedVersion))  # a newer writer's: not bad
+        corrupt = isinstance(exc, ShardCorrupt | FormatError | ShardMismatch) and not isinstance(
+            exc, UnsupportedVersion
+        )  # a newer writer's: not bad
         kind: EventKind = "corrupt" if corrupt else "failed"
         self.engine.report(TierEvent(kind, name, key, exc.path, 0, 0.0, str(exc)))
 
@@ -592,8 +696,10 @@ class Checkpointer:
         if self._reserving is not None:
             self._reserving.join(self.wait_timeout_s if timeout is None else timeout)
             if self._reserving.is_alive():
-                log.warning("closing while the RAM slots reserved behind a save or restore "
-                            "are still being allocated")  # fmt: skip
+                log.warning(
+                    "closing while the RAM slots reserved behind a save or restore "
+                    "are still being allocated"
+                )
         if self.agent is not None:
             self.agent.close()
             return
@@ -612,8 +718,11 @@ class Checkpointer:
         if not in_ram or max(in_ram) in lower:
             self.ram.unlink()
         else:
-            log.warning("keeping the RAM tier's segments %s.*: step %d is only in RAM",
-                        self.ram.namespace, max(in_ram))  # fmt: skip
+            log.warning(
+                "keeping the RAM tier's segments %s.*: step %d is only in RAM",
+                self.ram.namespace,
+                max(in_ram),
+            )
             self.ram.close()
 
     def __enter__(self) -> Checkpointer:

@@ -58,10 +58,17 @@ class TierEvent:
 
     def as_dict(self) -> dict[str, object]:
         return {
-            "kind": self.kind, "tier": self.tier, "job": self.key.job, "step": self.key.step,
-            "rank": self.key.rank, "path": self.path, "nbytes": self.nbytes,
-            "seconds": round(self.seconds, 6), "error": self.error, "at": self.at,
-        }  # fmt: skip
+            "kind": self.kind,
+            "tier": self.tier,
+            "job": self.key.job,
+            "step": self.key.step,
+            "rank": self.key.rank,
+            "path": self.path,
+            "nbytes": self.nbytes,
+            "seconds": round(self.seconds, 6),
+            "error": self.error,
+            "at": self.at,
+        }
 
 
 class Catalog(Protocol):
@@ -125,11 +132,16 @@ class Engine:
         self.sealq: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self.writeq: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self.threads = [
-            threading.Thread(target=self._loop, args=(self.sealq, self._seal),
-                             name="ckpt-seal", daemon=True),
-            threading.Thread(target=self._loop, args=(self.writeq, self._write_down),
-                             name="ckpt-write", daemon=True),
-        ]  # fmt: skip
+            threading.Thread(
+                target=self._loop, args=(self.sealq, self._seal), name="ckpt-seal", daemon=True
+            ),
+            threading.Thread(
+                target=self._loop,
+                args=(self.writeq, self._write_down),
+                name="ckpt-write",
+                daemon=True,
+            ),
+        ]
         self.closed = False
         for thread in self.threads:
             thread.start()
@@ -141,9 +153,16 @@ class Engine:
             self.events.append(event)
             del self.events[:-1000]
         level = logging.WARNING if event.kind in ("failed", "corrupt", "skipped") else logging.DEBUG
-        log.log(level, "ckpt %s at %s: step %d rank %d %s", event.kind, event.tier,
-                event.key.step, event.key.rank, event.error or event.path or "",
-                extra={"ckpt_event": event.as_dict()})  # fmt: skip
+        log.log(
+            level,
+            "ckpt %s at %s: step %d rank %d %s",
+            event.kind,
+            event.tier,
+            event.key.step,
+            event.key.rank,
+            event.error or event.path or "",
+            extra={"ckpt_event": event.as_dict()},
+        )
         if self.on_event is not None:
             try:
                 self.on_event(event)
@@ -175,8 +194,11 @@ class Engine:
             try:
                 step(work)
             except BaseException as exc:  # a supervised loop: report, free the slot, go on
-                log.exception("ckpt engine %s failed on step %d", threading.current_thread().name,
-                              work.key.step)  # fmt: skip
+                log.exception(
+                    "ckpt engine %s failed on step %d",
+                    threading.current_thread().name,
+                    work.key.step,
+                )
                 error = TierError(f"internal error: {exc!r}", tier="engine", ref=work.key.ref())
                 self.fail(error, work.key)
                 self._done(work)
@@ -187,8 +209,9 @@ class Engine:
         work.checksum = seal(view)
         self.ram.sealed(work.slot, sealed_digest(view))
         seconds = time.monotonic() - start
-        self.report(TierEvent("sealed", self.ram.name, work.key, str(work.slot.path),
-                              len(view), seconds))  # fmt: skip
+        self.report(
+            TierEvent("sealed", self.ram.name, work.key, str(work.slot.path), len(view), seconds)
+        )
         self._landed(self.ram, work.key, work.checksum, len(view), str(work.slot.path), seconds)
         if self.tiers:
             self.writeq.put(work)
@@ -206,21 +229,30 @@ class Engine:
                     self.fail(exc, work.key, time.monotonic() - start)
                     continue
                 except Exception as exc:
-                    error = TierError(f"storing the shard failed: {exc!r}", tier=tier.name,
-                                      ref=work.key.ref())  # fmt: skip
+                    error = TierError(
+                        f"storing the shard failed: {exc!r}", tier=tier.name, ref=work.key.ref()
+                    )
                     self.fail(error, work.key, time.monotonic() - start)
                     continue
                 try:
-                    self._landed(tier, work.key, work.checksum, len(view), path,
-                                 time.monotonic() - start)  # fmt: skip
+                    self._landed(
+                        tier, work.key, work.checksum, len(view), path, time.monotonic() - start
+                    )
                 except Exception as exc:  # reported, and _done still runs exactly once
-                    self.fail(TierError(f"recording the landing failed: {exc!r}",
-                                        tier=tier.name, ref=work.key.ref()), work.key)
+                    self.fail(
+                        TierError(
+                            f"recording the landing failed: {exc!r}",
+                            tier=tier.name,
+                            ref=work.key.ref(),
+                        ),
+                        work.key,
+                    )
         finally:
             self._done(work)
 
-    def _landed(self, tier: Tier, key: ShardKey, checksum: str, nbytes: int, path: str,
-                seconds: float) -> None:  # fmt: skip
+    def _landed(
+        self, tier: Tier, key: ShardKey, checksum: str, nbytes: int, path: str, seconds: float
+    ) -> None:
         self.report(TierEvent("landed", tier.name, key, path, nbytes, seconds))
         manifest = self.catalog.landed(tier.name, key, checksum, nbytes)
         if manifest is None:
@@ -234,8 +266,15 @@ class Engine:
         if tier is not self.ram:
             self._retain(tier, key)
 
-    def commit(self, tier_name: str, manifest: TierManifest, rank: int, *,
-               fleet_committed: Collection[int] = (), protect: Collection[int] = ()) -> bool:
+    def commit(
+        self,
+        tier_name: str,
+        manifest: TierManifest,
+        rank: int,
+        *,
+        fleet_committed: Collection[int] = (),
+        protect: Collection[int] = (),
+    ) -> bool:
         """Commit a step that an outside catalog (the supervisor's) found complete at a
         tier, then apply retention there: the agent's path, where ``Catalog.landed``
         only reports and the commit comes later. False when the tier is not
@@ -263,8 +302,13 @@ class Engine:
         self._retain(tier, key, fleet_committed, protect)
         return True
 
-    def _retain(self, tier: Tier, key: ShardKey, fleet_committed: Collection[int] = (),
-                protect: Collection[int] = ()) -> None:  # fmt: skip
+    def _retain(
+        self,
+        tier: Tier,
+        key: ShardKey,
+        fleet_committed: Collection[int] = (),
+        protect: Collection[int] = (),
+    ) -> None:
         """Drop steps older than the ``keep`` newest committed ones at ``tier``."""
         keep = self.keep.get(tier.name, 1)
         try:
@@ -317,8 +361,11 @@ class Engine:
         if failures:
             first = failures[0]
             if len(failures) > 1:
-                log.warning("%d more tier failures since the last wait: %s", len(failures) - 1,
-                            "; ".join(str(f) for f in failures[1:]))  # fmt: skip
+                log.warning(
+                    "%d more tier failures since the last wait: %s",
+                    len(failures) - 1,
+                    "; ".join(str(f) for f in failures[1:]),
+                )
             raise first
 
     def forget_failures(self) -> list[TierError]:

@@ -118,13 +118,16 @@ class TierError(CheckpointError):
     decompress, or is longer than its manifest says), as opposed to a tier that
     could not be reached or read."""
 
-    def __init__(self, message: str, *, tier: str, ref: ShardRef | None = None,
-                 corrupt: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, message: str, *, tier: str, ref: ShardRef | None = None, corrupt: bool = False
+    ) -> None:
         self.tier = tier
         self.corrupt = corrupt
         super().__init__(f"tier {tier}: {message}", ref=ref)
         self.reason = message
 
     def __reduce__(self) -> tuple[object, tuple[str]]:
-        return (functools.partial(type(self), tier=self.tier, ref=self.ref,
-                                  corrupt=self.corrupt), (self.reason,))
+        return (
+            functools.partial(type(self), tier=self.tier, ref=self.ref, corrupt=self.corrupt),
+            (self.reason,),
+        )

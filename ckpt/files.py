@@ -65,8 +65,9 @@ def _aligned_prefix(view: memoryview) -> int:
 # Filesystems on this node's own devices (or memory), where O_DIRECT is the fast path. On a
 # network or FUSE filesystem (NFS, Lustre, CephFS, ...) it makes every write wait for the
 # server with no write-behind, and some FUSE filesystems take the flag and misbehave.
-LOCAL_FILESYSTEMS: Final = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs",
-                                      "bcachefs"})  # fmt: skip
+LOCAL_FILESYSTEMS: Final = frozenset(
+    {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs", "bcachefs"}
+)
 
 
 def filesystem_type(path: Path, mountinfo: str | None = None) -> str | None:
@@ -137,8 +138,9 @@ class AtomicFile:
     a filesystem that refuses ``O_DIRECT`` gets the cache throughout.
     """
 
-    def __init__(self, path: Path, *, pacing: Pacing, tier: str, ref: ShardRef,
-                 direct: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, path: Path, *, pacing: Pacing, tier: str, ref: ShardRef, direct: bool = False
+    ) -> None:
         self.path = path
         self.pacing = pacing
         self.tier = tier
@@ -149,8 +151,7 @@ class AtomicFile:
         self.fd = -1
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                              0o644)  # fmt: skip
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except BaseException as exc:
             raise self._failed(exc) from exc
         self.direct = direct and pacing.direct_io and _set_direct(self.fd, True)
@@ -158,8 +159,9 @@ class AtomicFile:
     def __enter__(self) -> AtomicFile:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: object) -> None:  # fmt: skip
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
         if exc is None:
             try:
                 self._commit()
@@ -209,8 +211,9 @@ class AtomicFile:
         if self.written - self.synced >= self.pacing.sync_bytes:
             os.fdatasync(self.fd)
             if self.pacing.drop_cache:
-                os.posix_fadvise(self.fd, self.synced, self.written - self.synced,
-                                 os.POSIX_FADV_DONTNEED)  # fmt: skip
+                os.posix_fadvise(
+                    self.fd, self.synced, self.written - self.synced, os.POSIX_FADV_DONTNEED
+                )
             self.synced = self.written
 
     def _commit(self) -> None:
@@ -233,8 +236,11 @@ class AtomicFile:
         if not isinstance(exc, OSError):
             return exc
         why = "the disk is full" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
-        return TierError(f"writing {self.path} failed: {why}", tier=self.tier,
-                         ref=self.ref.merged(ShardRef(path=str(self.path))))  # fmt: skip
+        return TierError(
+            f"writing {self.path} failed: {why}",
+            tier=self.tier,
+            ref=self.ref.merged(ShardRef(path=str(self.path))),
+        )
 
 
 def write_file_atomic(

@@ -270,8 +270,9 @@ def _hash_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
-                                       thread_name_prefix="ckpt-verify")  # fmt: skip
+            _pool = ThreadPoolExecutor(
+                max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="ckpt-verify"
+            )
         return _pool
 
 
@@ -401,8 +402,9 @@ def _read_preamble(view: memoryview, ref: ShardRef) -> tuple[int, int]:
     if version not in VERSIONS:
         raise UnsupportedVersion(
             f"shard format version {version} is not supported (this reads "
-            f"{', '.join(map(str, VERSIONS))})", ref=ref,
-        )  # fmt: skip
+            f"{', '.join(map(str, VERSIONS))})",
+            ref=ref,
+        )
     if reserved != 0:
         raise FormatError(f"preamble reserved field is {reserved:#x}, not 0", ref=ref)
     if not 2 <= header_nbytes <= MAX_HEADER_NBYTES:

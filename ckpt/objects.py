@@ -99,12 +99,14 @@ class ObjectTier(Tier):
             self.store.delete([where])
             raise TierError(
                 f"the bytes sent hash to {digest_text(hasher)}, not the sealed {checksum}",
-                tier=self.name, ref=key.ref(self.store.url + where),
-            )  # fmt: skip
+                tier=self.name,
+                ref=key.ref(self.store.url + where),
+            )
         return self.store.url + where
 
-    def _compressed(self, pieces: Iterable[memoryview],
-                    buffer: AlignedBuffer | None) -> Iterator[BufferLike]:  # fmt: skip
+    def _compressed(
+        self, pieces: Iterable[memoryview], buffer: AlignedBuffer | None
+    ) -> Iterator[BufferLike]:
         """One zstd frame per piece, regrouped into parts: a piece whose sample would not
         shrink by ``pacing.compress_min_saving`` goes as a raw frame (see ``Pacing``)."""
         compressor = zstandard.ZstdCompressor(level=self.level)
@@ -126,16 +128,33 @@ class ObjectTier(Tier):
         step = f"{manifest.job}/{step_dir(manifest.step)}"
         writes = []
         if manifest.partial and manifest.shards:
-            part = TierManifest(manifest.job, manifest.step, manifest.shards, self.compression,
-                                manifest.committed_at, manifest.world_size)  # fmt: skip
+            part = TierManifest(
+                manifest.job,
+                manifest.step,
+                manifest.shards,
+                self.compression,
+                manifest.committed_at,
+                manifest.world_size,
+            )
             first, last = min(manifest.shards), max(manifest.shards)
             writes.append((f"{step}/{part_name(first, last)}", part))
-            manifest = TierManifest(manifest.job, manifest.step, {}, self.compression,
-                                    manifest.committed_at, manifest.world_size)  # fmt: skip
+            manifest = TierManifest(
+                manifest.job,
+                manifest.step,
+                {},
+                self.compression,
+                manifest.committed_at,
+                manifest.world_size,
+            )
         else:
-            manifest = TierManifest(manifest.job, manifest.step, manifest.shards,
-                                    self.compression, manifest.committed_at,
-                                    manifest.world_size)  # fmt: skip
+            manifest = TierManifest(
+                manifest.job,
+                manifest.step,
+                manifest.shards,
+                self.compression,
+                manifest.committed_at,
+                manifest.world_size,
+            )
         writes.append((f"{step}/{MANIFEST_NAME}", manifest))
         for where, content in writes:
             try:
@@ -171,15 +190,21 @@ class ObjectTier(Tier):
                 continue
             except Exception as exc:
                 raise self._fail("reading", key, exc) from exc
-            if (part.job == job and part.step == step and rank in part.shards
-                    and (newest is None or part.committed_at >= newest.committed_at)):  # fmt: skip
+            if (
+                part.job == job
+                and part.step == step
+                and rank in part.shards
+                and (newest is None or part.committed_at >= newest.committed_at)
+            ):
                 newest = part
         shards = {**found.shards, **(newest.shards if newest is not None else {})}
-        return TierManifest(found.job, found.step, shards, found.compression,
-                            found.committed_at, found.world_size)  # fmt: skip
+        return TierManifest(
+            found.job, found.step, shards, found.compression, found.committed_at, found.world_size
+        )
 
-    def reader(self, key: ShardKey, nbytes: int | None = None,
-               checksum: str | None = None) -> ShardReader | None:  # fmt: skip
+    def reader(
+        self, key: ShardKey, nbytes: int | None = None, checksum: str | None = None
+    ) -> ShardReader | None:
         """Rank ``key.rank``'s shard of a committed step, to read in bounded pieces, or
         ``None`` when this tier has none. ``nbytes``, when the caller knows it (the
         catalog's), must be what the step's manifest lists. With the catalog's
@@ -199,8 +224,11 @@ class ObjectTier(Tier):
         url = self.store.url + where
         if listed < 0 or (nbytes is not None and listed != nbytes):
             wanted = f", not the {nbytes} bytes the catalog lists" if nbytes is not None else ""
-            raise TierError(f"the manifest of {url} lists {listed} bytes{wanted}",
-                            tier=self.name, ref=key.ref(url))  # fmt: skip
+            raise TierError(
+                f"the manifest of {url} lists {listed} bytes{wanted}",
+                tier=self.name,
+                ref=key.ref(url),
+            )
         raw = self.store.get_stream(where)
         try:
             first = next(raw, b"")
@@ -208,8 +236,16 @@ class ObjectTier(Tier):
             return None
         except Exception as exc:
             raise self._fail("downloading", where, exc, key) from exc
-        return ShardReader(self.name, key, url, listed, expected, first, raw,
-                           compressed=manifest.compression == "zstd")  # fmt: skip
+        return ShardReader(
+            self.name,
+            key,
+            url,
+            listed,
+            expected,
+            first,
+            raw,
+            compressed=manifest.compression == "zstd",
+        )
 
     def open(self, key: ShardKey) -> StoredShard | None:
         reader = self.reader(key)
@@ -219,13 +255,16 @@ class ObjectTier(Tier):
         # pages written, so a manifest that lies upward holds no more than the content.
         # One byte more than it lists, to tell a content that runs long.
         try:
-            buffer = mmap.mmap(-1, reader.nbytes + 1,
-                               flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_NORESERVE", 0))
+            buffer = mmap.mmap(
+                -1, reader.nbytes + 1, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_NORESERVE", 0)
+            )
         except (OSError, OverflowError) as exc:
             reader.close()
-            raise TierError(f"{reader.url}: no room for the {reader.nbytes} bytes its "
-                            f"manifest lists: {exc}", tier=self.name,
-                            ref=key.ref(reader.url)) from exc  # fmt: skip
+            raise TierError(
+                f"{reader.url}: no room for the {reader.nbytes} bytes its manifest lists: {exc}",
+                tier=self.name,
+                ref=key.ref(reader.url),
+            ) from exc
         view = memoryview(buffer)
         with contextlib.closing(reader):
             while reader.readinto(view[reader.received : reader.received + PART_NBYTES]):
@@ -247,8 +286,11 @@ class ObjectTier(Tier):
         return out
 
     def steps(self, job: str) -> list[int]:
-        return sorted(s for s, keys in self._step_keys(job).items()
-                      if any(k.endswith("/" + MANIFEST_NAME) for k in keys))  # fmt: skip
+        return sorted(
+            s
+            for s, keys in self._step_keys(job).items()
+            if any(k.endswith("/" + MANIFEST_NAME) for k in keys)
+        )
 
     def landed_steps(self, job: str) -> list[int]:
         return sorted(self._step_keys(job))
@@ -274,8 +316,18 @@ class ShardReader:
     says how much came, for the caller to compare with ``nbytes``. Every failure is a
     ``TierError``; ``close`` lets go of the connection or file."""
 
-    def __init__(self, tier: str, key: ShardKey, url: str, nbytes: int, expected: str,
-                 first: bytes, raw: Iterator[bytes], *, compressed: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tier: str,
+        key: ShardKey,
+        url: str,
+        nbytes: int,
+        expected: str,
+        first: bytes,
+        raw: Iterator[bytes],
+        *,
+        compressed: bool,
+    ) -> None:
         self.tier = tier
         self.key = key
         self.url = url
@@ -284,9 +336,16 @@ class ShardReader:
         self.received = 0
         self._raw = raw
         self._source = _IterReader(first, raw)
-        self._zstd = zstandard.ZstdDecompressor().stream_reader(
-            cast(IO[bytes], self._source), read_size=1 << 17, read_across_frames=True,
-            closefd=False) if compressed else None  # fmt: skip
+        self._zstd = (
+            zstandard.ZstdDecompressor().stream_reader(
+                cast(IO[bytes], self._source),
+                read_size=1 << 17,
+                read_across_frames=True,
+                closefd=False,
+            )
+            if compressed
+            else None
+        )
 
     def __iter__(self) -> ShardReader:
         return self
@@ -324,9 +383,12 @@ class ShardReader:
             while got < len(view) and (n := self.readinto(view[got : got + PART_NBYTES])):
                 got += n
             if got < self.nbytes:
-                raise TierError(f"{self.url} ended after {got} of the {self.nbytes} bytes its "
-                                "manifest lists", tier=self.tier, ref=self.key.ref(self.url),
-                                corrupt=True)  # fmt: skip
+                raise TierError(
+                    f"{self.url} ended after {got} of the {self.nbytes} bytes its manifest lists",
+                    tier=self.tier,
+                    ref=self.key.ref(self.url),
+                    corrupt=True,
+                )
             self.readinto(memoryview(bytearray(1)))  # raises if the content runs long
         finally:
             self.close()
@@ -338,20 +400,28 @@ class ShardReader:
             return read(self._zstd if self._zstd is not None else self._source)
         except zstandard.ZstdError as exc:
             self.close()
-            raise TierError(f"{self.url} does not decompress: {exc}", tier=self.tier,
-                            ref=self.key.ref(self.url), corrupt=True) from exc  # fmt: skip
+            raise TierError(
+                f"{self.url} does not decompress: {exc}",
+                tier=self.tier,
+                ref=self.key.ref(self.url),
+                corrupt=True,
+            ) from exc
         except Exception as exc:
             self.close()
-            raise TierError(f"downloading {self.url} failed: {exc}", tier=self.tier,
-                            ref=self.key.ref(self.url)) from exc  # fmt: skip
+            raise TierError(
+                f"downloading {self.url} failed: {exc}", tier=self.tier, ref=self.key.ref(self.url)
+            ) from exc
 
     def _count(self, n: int) -> None:
         self.received += n
         if self.received > self.nbytes:
             self.close()
-            raise TierError(f"{self.url} holds more than the {self.nbytes} bytes its manifest "
-                            "lists: refused", tier=self.tier, ref=self.key.ref(self.url),
-                            corrupt=True)  # fmt: skip
+            raise TierError(
+                f"{self.url} holds more than the {self.nbytes} bytes its manifest lists: refused",
+                tier=self.tier,
+                ref=self.key.ref(self.url),
+                corrupt=True,
+            )
 
     def close(self) -> None:
         close = getattr(self._raw, "close", None)
@@ -396,8 +466,9 @@ _ZSTD_MAGIC: Final = b"\x28\xb5\x2f\xfd"
 _RAW_BLOCK_NBYTES: Final = 128 << 10
 
 
-def _compression_pays(compressor: zstandard.ZstdCompressor, piece: memoryview,
-                      min_saving: float) -> bool:  # fmt: skip
+def _compression_pays(
+    compressor: zstandard.ZstdCompressor, piece: memoryview, min_saving: float
+) -> bool:
     """Whether 128 KiB from the middle of ``piece`` shrink by ``min_saving``."""
     start = max(0, (len(piece) - _SAMPLE_NBYTES) // 2)
     sample = piece[start : start + _SAMPLE_NBYTES]
@@ -419,8 +490,9 @@ def zstd_raw_frame(data: memoryview) -> list[bytes | memoryview]:
     return out
 
 
-def _regroup(pieces: Iterable[BufferLike],
-             buffer: AlignedBuffer | None = None) -> Iterator[BufferLike]:  # fmt: skip
+def _regroup(
+    pieces: Iterable[BufferLike], buffer: AlignedBuffer | None = None
+) -> Iterator[BufferLike]:
     """Pieces regrouped into parts of ``PART_NBYTES``, each part copied once: joined
     into new bytes, or into ``buffer`` (``PART_NBYTES`` long; each part yielded is a
     view of it, good until the next is asked for)."""

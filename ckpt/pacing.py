@@ -80,9 +80,11 @@ class Pacing:
         if self.cpus:
             usable = os.sched_getaffinity(0)
             if not set(self.cpus) <= usable:
-                raise ValueError(f"Pacing.cpus {sorted(self.cpus)}: CPU(s) "
-                                 f"{sorted(set(self.cpus) - usable)} are not among those this "
-                                 f"process may use ({_cpu_list(usable)})")  # fmt: skip
+                raise ValueError(
+                    f"Pacing.cpus {sorted(self.cpus)}: CPU(s) "
+                    f"{sorted(set(self.cpus) - usable)} are not among those this "
+                    f"process may use ({_cpu_list(usable)})"
+                )
         if self.chunk_bytes <= 0 or self.sync_bytes < self.chunk_bytes:
             raise ValueError("Pacing needs chunk_bytes > 0 and sync_bytes >= chunk_bytes")
         if not 0 <= self.nice <= 19:
@@ -90,8 +92,9 @@ class Pacing:
         if not -7 <= self.compress_level <= 22:
             raise ValueError(f"Pacing.compress_level is {self.compress_level}; zstd takes -7..22")
         if not 0 <= self.compress_min_saving < 1:
-            raise ValueError(f"Pacing.compress_min_saving is {self.compress_min_saving}; it "
-                             "must be in [0, 1)")  # fmt: skip
+            raise ValueError(
+                f"Pacing.compress_min_saving is {self.compress_min_saving}; it must be in [0, 1)"
+            )
 
 
 class Throttle:
@@ -137,8 +140,9 @@ def place_writer_thread(pacing: Pacing) -> None:
         try:
             os.sched_setaffinity(0, pacing.cpus)
         except OSError as exc:
-            log.warning("could not keep the writer thread on CPUs %s: %s",
-                        _cpu_list(pacing.cpus), exc)  # fmt: skip
+            log.warning(
+                "could not keep the writer thread on CPUs %s: %s", _cpu_list(pacing.cpus), exc
+            )
 
 
 def _cpu_list(cpus: Iterable[int]) -> str:

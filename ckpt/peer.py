@@ -61,16 +61,23 @@ class SealCheck:
     (a zstd bomb never expands in memory), and ``feed`` raises ``ObjectTooLarge`` as
     soon as the content passes ``max_nbytes`` (``None``: no limit)."""
 
-    def __init__(self, compressed: bool, max_nbytes: int | None = None,
-                 what: str = "the shard") -> None:  # fmt: skip
+    def __init__(
+        self, compressed: bool, max_nbytes: int | None = None, what: str = "the shard"
+    ) -> None:
         self.max_nbytes = max_nbytes
         self.what = what
         self.hasher = Hasher()
         self.tail = b""
         self.total = 0
-        self.writer = zstandard.ZstdDecompressor().stream_writer(
-            cast(IO[bytes], _Sink(self._take)), write_size=DECOMPRESS_PIECE,
-            write_return_read=True) if compressed else None  # fmt: skip
+        self.writer = (
+            zstandard.ZstdDecompressor().stream_writer(
+                cast(IO[bytes], _Sink(self._take)),
+                write_size=DECOMPRESS_PIECE,
+                write_return_read=True,
+            )
+            if compressed
+            else None
+        )
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         if self.writer is not None:
@@ -80,8 +87,9 @@ class SealCheck:
 
     def _take(self, data: BufferLike) -> None:
         if self.max_nbytes is not None and self.total + len(data) > self.max_nbytes:
-            raise ObjectTooLarge(f"{self.what} (decompressed)" if self.writer else self.what,
-                                 self.max_nbytes)  # fmt: skip
+            raise ObjectTooLarge(
+                f"{self.what} (decompressed)" if self.writer else self.what, self.max_nbytes
+            )
         self.total += len(data)
         if len(data) >= TRAILER_NBYTES:  # hash what was held back and all but the new tail,
             view = memoryview(data)  # never joining them: a piece may be 8 MiB
@@ -103,8 +111,10 @@ class SealCheck:
         if magic != SEAL_MAGIC or nbytes != self.total:
             return f"no seal for {self.total} bytes: truncated or never sealed"
         if self.hasher.digest() != digest:
-            return (f"content hashes to {CHECKSUM_ALGORITHM}:{self.hasher.hexdigest()}, not the "
-                    f"sealed {CHECKSUM_ALGORITHM}:{digest.hex()}")
+            return (
+                f"content hashes to {CHECKSUM_ALGORITHM}:{self.hasher.hexdigest()}, not the "
+                f"sealed {CHECKSUM_ALGORITHM}:{digest.hex()}"
+            )
         return None
 
 
@@ -128,8 +138,9 @@ class HttpPeerStore(ObjectStore):
 
     parts_in_turn = True  # put_stream sends each part before it asks for the next
 
-    def __init__(self, node: str, address: str, port: int, token: str, *,
-                 timeout_s: float = 60.0) -> None:  # fmt: skip
+    def __init__(
+        self, node: str, address: str, port: int, token: str, *, timeout_s: float = 60.0
+    ) -> None:
         self.node = node
         self.address = address
         self.port = port
@@ -156,8 +167,11 @@ class HttpPeerStore(ObjectStore):
         try:
             try:
                 conn.putrequest("PUT", "/v1/ckpt/peer/objects/" + quote(key))
-                for name, value in {**self._headers(), "Transfer-Encoding": "chunked",
-                                    "Content-Type": "application/octet-stream"}.items():
+                for name, value in {
+                    **self._headers(),
+                    "Transfer-Encoding": "chunked",
+                    "Content-Type": "application/octet-stream",
+                }.items():
                     conn.putheader(name, value)
                 conn.endheaders()
                 # Chunked by hand: http.client's encode_chunked joins each part and its
@@ -196,22 +210,26 @@ class HttpPeerStore(ObjectStore):
             # http.client ends a body cut short without an error: a buddy that restarted
             # mid-answer must read as a failed transfer, never as a short (corrupt) copy.
             if resp.length:
-                raise PeerError(f"GET {key}: peer {self.node} closed the connection "
-                                f"{resp.length} bytes short of the {announced} it announced")
+                raise PeerError(
+                    f"GET {key}: peer {self.node} closed the connection "
+                    f"{resp.length} bytes short of the {announced} it announced"
+                )
         finally:
             conn.close()
 
     def keys(self, prefix: str) -> list[str]:
         conn = self._conn()
         try:
-            conn.request("GET", "/v1/ckpt/peer/keys?prefix=" + quote(prefix),
-                         headers=self._headers())  # fmt: skip
+            conn.request(
+                "GET", "/v1/ckpt/peer/keys?prefix=" + quote(prefix), headers=self._headers()
+            )
             resp = conn.getresponse()
             self._check(resp, f"listing {prefix}")
             body = resp.read(MAX_GET_NBYTES + 1)
             if len(body) > MAX_GET_NBYTES:
-                raise ObjectTooLarge(f"the listing of {prefix} from peer {self.node}",
-                                     MAX_GET_NBYTES)  # fmt: skip
+                raise ObjectTooLarge(
+                    f"the listing of {prefix} from peer {self.node}", MAX_GET_NBYTES
+                )
             found = json.loads(body)
         finally:
             conn.close()
@@ -224,12 +242,14 @@ class HttpPeerStore(ObjectStore):
             return
         conn = self._conn()
         try:
-            conn.request("POST", "/v1/ckpt/peer/delete", body=json.dumps({"keys": keys}),
-                         headers={**self._headers(), "Content-Type": "application/json"})
+            conn.request(
+                "POST",
+                "/v1/ckpt/peer/delete",
+                body=json.dumps({"keys": keys}),
+                headers={**self._headers(), "Content-Type": "application/json"},
+            )
             resp = conn.getresponse()
             self._check(resp, f"deleting {len(keys)} keys")
             resp.read(_ANSWER_NBYTES)
         finally:
             conn.close()
-
-

@@ -125,9 +125,15 @@ class Slot:
 
     def write_head(self) -> None:
         self.mm[: _HEAD.size] = _HEAD.pack(
-            _MAGIC, _VERSION, self.state, self.step, self.nbytes, self.capacity, self.seq,
+            _MAGIC,
+            _VERSION,
+            self.state,
+            self.step,
+            self.nbytes,
+            self.capacity,
+            self.seq,
             self.digest,
-        )  # fmt: skip
+        )
 
     @property
     def checksum(self) -> str:
@@ -166,15 +172,22 @@ def pin_for_dma(mm: mmap.mmap, nbytes: int) -> int | None:
         import ctypes
 
         address = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-        code = int(torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
-            address, nbytes, _CUDA_HOST_REGISTER_PORTABLE))  # fmt: skip
+        code = int(
+            torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+                address, nbytes, _CUDA_HOST_REGISTER_PORTABLE
+            )
+        )
     except Exception as exc:
         log.warning("could not pin a RAM-tier slot of %d bytes for DMA: %s", nbytes, exc)
         return None
     if code != 0:
-        log.warning("could not pin a RAM-tier slot of %d bytes for DMA: cudaHostRegister "
-                    "returned CUDA error %d (device-to-host copies into it stage through "
-                    "CUDA's own buffers)", nbytes, code)  # fmt: skip
+        log.warning(
+            "could not pin a RAM-tier slot of %d bytes for DMA: cudaHostRegister "
+            "returned CUDA error %d (device-to-host copies into it stage through "
+            "CUDA's own buffers)",
+            nbytes,
+            code,
+        )
         return None
     return address
 
@@ -191,8 +204,11 @@ def unpin_for_dma(address: int | None) -> None:
         log.warning("could not unpin a RAM-tier slot at %#x: %s", address, exc)
         return
     if code != 0:
-        log.warning("could not unpin a RAM-tier slot at %#x: cudaHostUnregister returned "
-                    "CUDA error %d", address, code)  # fmt: skip
+        log.warning(
+            "could not unpin a RAM-tier slot at %#x: cudaHostUnregister returned CUDA error %d",
+            address,
+            code,
+        )
 
 
 def unmap(mm: mmap.mmap, pinned: int | None) -> None:
@@ -246,9 +262,14 @@ class RamTier(Tier):
         if kind is None or kind in MEMORY_FILESYSTEMS or where in _warned_dirs:
             return
         _warned_dirs.add(where)
-        log.warning("tier %s: %s is on a %s filesystem, not in memory: every save into its "
-                    "slots is also written back to that disk; put the RAM tier on a tmpfs "
-                    "(/dev/shm)", self.name, where, kind)  # fmt: skip
+        log.warning(
+            "tier %s: %s is on a %s filesystem, not in memory: every save into its "
+            "slots is also written back to that disk; put the RAM tier on a tmpfs "
+            "(/dev/shm)",
+            self.name,
+            where,
+            kind,
+        )
 
     # ----------------------------------------------------------------- slots
 
@@ -279,8 +300,13 @@ class RamTier(Tier):
             except OSError as exc:
                 log.warning("tier %s: cannot map %s: %s", self.name, path, exc)
                 continue
-            slot = Slot(index, path, mm, size - HEADER_NBYTES,
-                        pinned=pin_for_dma(mm, size) if self.pin else None)  # fmt: skip
+            slot = Slot(
+                index,
+                path,
+                mm,
+                size - HEADER_NBYTES,
+                pinned=pin_for_dma(mm, size) if self.pin else None,
+            )
             magic, version, state, step, nbytes, _cap, seq, digest = _HEAD.unpack_from(mm, 0)
             if (
                 magic == _MAGIC
@@ -289,8 +315,12 @@ class RamTier(Tier):
                 and (nbytes <= slot.capacity)
             ):
                 slot.state, slot.step, slot.nbytes, slot.seq, slot.digest = (
-                    SEALED, step, nbytes, seq, digest,
-                )  # fmt: skip
+                    SEALED,
+                    step,
+                    nbytes,
+                    seq,
+                    digest,
+                )
             slot.write_head()
             self.slots[index] = slot
 
@@ -331,8 +361,9 @@ class RamTier(Tier):
             self.slots[index] = None
             raise TierError(
                 f"cannot allocate {size} bytes of shared memory at {path}: {exc}",
-                tier=self.name, ref=ShardRef(path=str(path)),
-            ) from exc  # fmt: skip
+                tier=self.name,
+                ref=ShardRef(path=str(path)),
+            ) from exc
         populate_for_write(mm)
         slot = Slot(index, path, mm, capacity, pinned=pin_for_dma(mm, size) if self.pin else None)
         slot.write_head()
@@ -350,9 +381,12 @@ class RamTier(Tier):
                 slot = self.slots[index]
                 if index in self._allocating:
                     continue
-                if slot is None or ((slot.capacity < capacity or not slot.path.exists())
-                                    and not slot.busy and not slot.pins
-                                    and slot.state != SEALED):  # fmt: skip
+                if slot is None or (
+                    (slot.capacity < capacity or not slot.path.exists())
+                    and not slot.busy
+                    and not slot.pins
+                    and slot.state != SEALED
+                ):
                     self._allocate_unlocked(index, max(capacity, slot.capacity if slot else 0))
 
     def acquire(
@@ -403,8 +437,9 @@ class RamTier(Tier):
         # A staged copy (``stage``) is a restore's, with a copy below: never among the
         # ``keep`` newest saves, and the first to go (else a rank that restored an older
         # step could find every slot protected at its first save).
-        sealed = sorted((s for s in live if s.state == SEALED and not s.staged),
-                        key=lambda s: -s.seq)  # fmt: skip
+        sealed = sorted(
+            (s for s in live if s.state == SEALED and not s.staged), key=lambda s: -s.seq
+        )
         protected = {id(s) for s in sealed[: self.keep]}
         # The newest copy of the newest committed step (``find`` reads that one): a step
         # saved twice must not hold two slots for good.
@@ -415,14 +450,20 @@ class RamTier(Tier):
         free = [s for s in candidates if s.state != SEALED]
         if free:
             return min(free, key=lambda s: s.seq)
-        empty = next((i for i, s in enumerate(self.slots)
-                      if s is None and i not in self._allocating), None)  # fmt: skip
+        empty = next(
+            (i for i, s in enumerate(self.slots) if s is None and i not in self._allocating), None
+        )
         if empty is not None:
             return empty
         return min(candidates, key=lambda s: (not s.staged, s.seq)) if candidates else None
 
-    def stage(self, key: ShardKey, nbytes: int, fill: Callable[[memoryview], None],
-              expected: str | None = None) -> Slot | None:  # fmt: skip
+    def stage(
+        self,
+        key: ShardKey,
+        nbytes: int,
+        fill: Callable[[memoryview], None],
+        expected: str | None = None,
+    ) -> Slot | None:
         """Put a copy of ``key`` read from a lower tier into a free slot, to be read as a
         RAM copy: one copy out of memory already touched, pages the next saves reuse.
 
@@ -441,8 +482,10 @@ class RamTier(Tier):
                 fill(view)
                 declared = shard_nbytes(view)  # a newer writer's version raises here
                 if declared != nbytes:
-                    raise ShardCorrupt(f"the copy declares {declared} bytes, not the {nbytes} "
-                                       "it was read as", ref=key.ref())  # fmt: skip
+                    raise ShardCorrupt(
+                        f"the copy declares {declared} bytes, not the {nbytes} it was read as",
+                        ref=key.ref(),
+                    )
                 verify(view, expected, ref=key.ref())
                 digest = sealed_digest(view)
             finally:

@@ -77,9 +77,13 @@ class AgentEnv:
                 "tiers in-process"
             )
         try:
-            return cls(env["PHALANX_AGENT_SOCKET"], env["PHALANX_JOB_ID"],
-                       int(env["PHALANX_GENERATION"]), int(env["RANK"]),
-                       int(env["WORLD_SIZE"]))  # fmt: skip
+            return cls(
+                env["PHALANX_AGENT_SOCKET"],
+                env["PHALANX_JOB_ID"],
+                int(env["PHALANX_GENERATION"]),
+                int(env["RANK"]),
+                int(env["WORLD_SIZE"]),
+            )
         except ValueError as exc:
             raise CheckpointError(f"the Phalanx environment is malformed: {exc}") from exc
 
@@ -104,8 +108,9 @@ class AgentError(CheckpointError):
     """The agent refused a request (``status``: its HTTP status) or could not be reached
     (``status`` is ``None``)."""
 
-    def __init__(self, message: str, *, ref: ShardRef | None = None,
-                 status: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, message: str, *, ref: ShardRef | None = None, status: int | None = None
+    ) -> None:
         super().__init__(message, ref=ref)
         self.status = status
 
@@ -123,21 +128,31 @@ class AgentClient:
     def _ident(self) -> dict[str, Any]:
         return {"job": self.env.job, "generation": self.env.generation, "rank": self.env.rank}
 
-    def call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
-             query: dict[str, Any] | None = None, timeout: float | None = None,
-             raw: bool = False) -> Any:  # fmt: skip
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        query: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        raw: bool = False,
+    ) -> Any:
         url = path + ("?" + urlencode(query) if query else "")
         conn = _UnixConnection(self.env.socket, timeout if timeout is not None else self.timeout_s)
         try:
-            data = json.dumps({**self._ident(), **(body or {})}).encode() if body is not None \
-                else None  # fmt: skip
-            conn.request(method, url, body=data,
-                          headers={"Content-Type": "application/json"} if data else {})
+            data = (
+                json.dumps({**self._ident(), **(body or {})}).encode() if body is not None else None
+            )
+            conn.request(
+                method, url, body=data, headers={"Content-Type": "application/json"} if data else {}
+            )
             resp = conn.getresponse()
             payload = resp.read()
         except OSError as exc:
-            raise AgentError(f"the agent at {self.env.socket} did not answer {method} {path}: "
-                             f"{exc}") from exc  # fmt: skip
+            raise AgentError(
+                f"the agent at {self.env.socket} did not answer {method} {path}: {exc}"
+            ) from exc
         finally:
             conn.close()
         if resp.status >= 300:
@@ -161,15 +176,15 @@ class AgentClient:
             raise TimeoutError(message)
         raise AgentError(message, ref=ref, status=status)
 
-    def fetch_shard(self, tier: str, step: int, nbytes: int, *,
-                    timeout: float | None = None) -> bytearray | None:  # fmt: skip
+    def fetch_shard(
+        self, tier: str, step: int, nbytes: int, *, timeout: float | None = None
+    ) -> bytearray | None:
         """This rank's shard of ``step`` from the peer or object tier, through the agent,
         read into one buffer of ``nbytes`` (the size the restore plan lists); ``None``
         when the tier has no copy. A body of any other size is a ``TierError`` naming
         the tier: a longer one is refused before its excess is read, never buffered."""
         ref = ShardRef(job=self.env.job, rank=self.env.rank, step=step, path=f"{tier}:")
-        query = urlencode({"job": self.env.job, "rank": self.env.rank, "step": step,
-                           "tier": tier})  # fmt: skip
+        query = urlencode({"job": self.env.job, "rank": self.env.rank, "step": step, "tier": tier})
         conn = _UnixConnection(self.env.socket, timeout if timeout is not None else self.timeout_s)
         try:
             conn.request("GET", "/v1/ckpt/shard?" + query)
@@ -179,8 +194,12 @@ class AgentClient:
             if resp.length == 0:
                 return None
             if resp.length is not None and resp.length > nbytes:
-                raise TierError(f"the agent sends {resp.length} bytes for step {step}, more than "
-                                f"the {nbytes} the catalog lists: refused", tier=tier, ref=ref)
+                raise TierError(
+                    f"the agent sends {resp.length} bytes for step {step}, more than "
+                    f"the {nbytes} the catalog lists: refused",
+                    tier=tier,
+                    ref=ref,
+                )
             buffer = bytearray(nbytes)
             view = memoryview(buffer)
             got = 0
@@ -189,15 +208,26 @@ class AgentClient:
             if got == 0 and resp.length is None:
                 return None  # an empty body: the tier has no copy
             if got < nbytes:
-                raise TierError(f"the copy of step {step} ended after {got} of its {nbytes} "
-                                "bytes", tier=tier, ref=ref)  # fmt: skip
+                raise TierError(
+                    f"the copy of step {step} ended after {got} of its {nbytes} bytes",
+                    tier=tier,
+                    ref=ref,
+                )
             if resp.read(1):
-                raise TierError(f"the agent sends more than the {nbytes} bytes the catalog "
-                                f"lists for step {step}: refused", tier=tier, ref=ref)
+                raise TierError(
+                    f"the agent sends more than the {nbytes} bytes the catalog "
+                    f"lists for step {step}: refused",
+                    tier=tier,
+                    ref=ref,
+                )
             return buffer
         except (OSError, http.client.HTTPException) as exc:
-            raise TierError(f"reading the copy of step {step} through the agent at "
-                            f"{self.env.socket} failed: {exc!r}", tier=tier, ref=ref) from exc
+            raise TierError(
+                f"reading the copy of step {step} through the agent at "
+                f"{self.env.socket} failed: {exc!r}",
+                tier=tier,
+                ref=ref,
+            ) from exc
         finally:
             conn.close()
 

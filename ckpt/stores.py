@@ -113,9 +113,14 @@ class LocalFolderStore(ObjectStore):
         self.direct = filesystem_type(self.root) in LOCAL_FILESYSTEMS
 
     def put_stream(self, key: str, parts: Iterable[BufferLike]) -> None:
-        write_file_atomic(self.root / key, parts, pacing=self.pacing, tier="object",
-                          ref=ShardKey("-", 0, 0).ref(str(self.root / key)),
-                          direct=self.direct)  # fmt: skip
+        write_file_atomic(
+            self.root / key,
+            parts,
+            pacing=self.pacing,
+            tier="object",
+            ref=ShardKey("-", 0, 0).ref(str(self.root / key)),
+            direct=self.direct,
+        )
 
     def get_stream(self, key: str) -> Iterator[bytes]:
         with open(self.root / key, "rb") as f:
@@ -183,15 +188,20 @@ class S3Store(ObjectStore):
         self.thread = threading.Thread(target=run, name="ckpt-s3", daemon=True)
         self.thread.start()
         config = AioConfig(
-            connect_timeout=min(10.0, timeout_s), read_timeout=timeout_s,
+            connect_timeout=min(10.0, timeout_s),
+            read_timeout=timeout_s,
             retries={"max_attempts": 3, "mode": "standard"},
-        )  # fmt: skip
+        )
 
         async def connect() -> Any:
             ctx = get_session().create_client(
-                "s3", endpoint_url=endpoint_url, region_name=region or "us-east-1",
-                aws_access_key_id=access_key, aws_secret_access_key=secret_key, config=config,
-            )  # fmt: skip
+                "s3",
+                endpoint_url=endpoint_url,
+                region_name=region or "us-east-1",
+                aws_access_key_id=access_key,
+                aws_secret_access_key=secret_key,
+                config=config,
+            )
             return ctx, await ctx.__aenter__()
 
         self._ctx, self.client = self._run(connect())
@@ -218,17 +228,31 @@ class S3Store(ObjectStore):
         done: list[dict[str, Any]] = []
         try:
             for number, part in enumerate(_chain(first, second, it), start=1):
-                answer = self._run(self.client.upload_part(
-                    Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=part,
-                ))  # fmt: skip
+                answer = self._run(
+                    self.client.upload_part(
+                        Bucket=self.bucket,
+                        Key=full,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                        Body=part,
+                    )
+                )
                 done.append({"PartNumber": number, "ETag": answer["ETag"]})
-            self._run(self.client.complete_multipart_upload(
-                Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": done},
-            ))  # fmt: skip
+            self._run(
+                self.client.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=full,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": done},
+                )
+            )
         except BaseException:
             with contextlib.suppress(Exception):  # best effort: the first error matters
-                self._run(self.client.abort_multipart_upload(
-                    Bucket=self.bucket, Key=full, UploadId=upload_id))  # fmt: skip
+                self._run(
+                    self.client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=full, UploadId=upload_id
+                    )
+                )
             raise
 
     def get_stream(self, key: str) -> Iterator[bytes]:
@@ -271,8 +295,9 @@ class S3Store(ObjectStore):
             self.loop.close()
 
 
-def _chain(first: BufferLike, second: BufferLike,
-           rest: Iterator[BufferLike]) -> Iterator[BufferLike]:  # fmt: skip
+def _chain(
+    first: BufferLike, second: BufferLike, rest: Iterator[BufferLike]
+) -> Iterator[BufferLike]:
     yield first
     yield second
     yield from rest

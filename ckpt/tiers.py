@@ -71,16 +71,20 @@ class ShardKey:
     rank: int
 
     def __post_init__(self) -> None:
-        for name, top, digits in (("step", MAX_STEP, _STEP_DIGITS),
-                                  ("rank", MAX_RANK, _RANK_DIGITS)):  # fmt: skip
+        for name, top, digits in (
+            ("step", MAX_STEP, _STEP_DIGITS),
+            ("rank", MAX_RANK, _RANK_DIGITS),
+        ):
             value = getattr(self, name)
             try:
                 number = operator.index(value)  # a numpy or torch integer too
             except TypeError:
                 number = -1
             if isinstance(value, bool) or not 0 <= number <= top:
-                raise ValueError(f"{name} {value!r} must be an integer in [0, {top}] (the "
-                                 f"{name} is named with {digits} digits in file names)")
+                raise ValueError(
+                    f"{name} {value!r} must be an integer in [0, {top}] (the "
+                    f"{name} is named with {digits} digits in file names)"
+                )
             object.__setattr__(self, name, number)
 
     def ref(self, path: str | None = None) -> ShardRef:
@@ -257,8 +261,9 @@ class DiskTier(Tier):
 
     compresses = False
 
-    def __init__(self, root: str | os.PathLike[str], *, name: str = "disk",
-                 pacing: Pacing | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, root: str | os.PathLike[str], *, name: str = "disk", pacing: Pacing | None = None
+    ) -> None:
         self.name = name
         self.root = Path(root)
         self.pacing = pacing if pacing is not None else Pacing()
@@ -302,9 +307,12 @@ class DiskTier(Tier):
     def commit(self, manifest: TierManifest) -> None:
         path = self.root / manifest.job / step_dir(manifest.step) / MANIFEST_NAME
         write_file_atomic(
-            path, [manifest.to_json()], pacing=self.pacing, tier=self.name,
+            path,
+            [manifest.to_json()],
+            pacing=self.pacing,
+            tier=self.name,
             ref=ShardRef(job=manifest.job, step=manifest.step),
-        )  # fmt: skip
+        )
 
     def manifest(self, job: str, step: int) -> TierManifest | None:
         path = self.root / job / step_dir(step) / MANIFEST_NAME

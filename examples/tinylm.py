@@ -74,12 +74,14 @@ class TinyLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.zeros(seq, dim))
-        layer = nn.TransformerEncoderLayer(dim, heads, dim * 4, dropout=0.0, batch_first=True,
-                                           norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            dim, heads, dim * 4, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq),
-                             persistent=False)
+        self.register_buffer(
+            "mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
@@ -97,23 +99,34 @@ def digest(state: dict[str, Any]) -> str:
     return xxhash.xxh3_128_hexdigest(bytes(ckpt.encode(state)))
 
 
-def capture(step: int, model: nn.Module, opt: torch.optim.Optimizer,
-            sched: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
+def capture(
+    step: int,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+) -> dict[str, Any]:
     """The whole training state after ``step`` steps; the data position is the step."""
     return {
         "step": step,
         "model": model.state_dict(),
         "optimizer": opt.state_dict(),
         "scheduler": sched.state_dict(),
-        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        },
         "data": {"position": step},
     }
 
 
-def load(state: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer,
-         sched: torch.optim.lr_scheduler.LRScheduler) -> int:
+def load(
+    state: dict[str, Any],
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+) -> int:
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
@@ -125,8 +138,9 @@ def load(state: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer,
     return int(state["data"]["position"])
 
 
-def settle_buckets(ddp: DistributedDataParallel, batch: torch.Tensor, loss_fn: nn.Module,
-                   vocab: int) -> None:
+def settle_buckets(
+    ddp: DistributedDataParallel, batch: torch.Tensor, loss_fn: nn.Module, vocab: int
+) -> None:
     """One forward and backward whose gradients are thrown away, before the first step
     after a restore.
 
@@ -163,16 +177,29 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ckpt-every", type=int, default=0,
-                    help="under Phalanx: checkpoint every N steps (0: never)")
-    ap.add_argument("--ckpt-digests", action="store_true",
-                    help="log a digest of every saved and restored state")
-    ap.add_argument("--fail-at-step", type=int, default=None,
-                    help="test only: --fail-rank raises at the start of this step, every run")
+    ap.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=0,
+        help="under Phalanx: checkpoint every N steps (0: never)",
+    )
+    ap.add_argument(
+        "--ckpt-digests", action="store_true", help="log a digest of every saved and restored state"
+    )
+    ap.add_argument(
+        "--fail-at-step",
+        type=int,
+        default=None,
+        help="test only: --fail-rank raises at the start of this step, every run",
+    )
     ap.add_argument("--fail-rank", type=int, default=0, help="the rank --fail-at-step fails")
-    ap.add_argument("--step-sleep", type=float, default=0.0,
-                    help="seconds each step sleeps (a bigger model's pace, for demos and "
-                    "tests; changes no number)")
+    ap.add_argument(
+        "--step-sleep",
+        type=float,
+        default=0.0,
+        help="seconds each step sleeps (a bigger model's pace, for demos and "
+        "tests; changes no number)",
+    )
     args = ap.parse_args()
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -203,10 +230,12 @@ def main() -> None:
         found = checkpointer.restore()
         if found is not None:
             start = load(found[1], model, opt, sched)
-            settle_buckets(ddp, stream.get(start * world + rank).to(device), loss_fn,
-                           args.vocab)
-            line: dict[str, Any] = {"ckpt_restored": found[0], "rank": rank,
-                                    "from": checkpointer.restored_from}
+            settle_buckets(ddp, stream.get(start * world + rank).to(device), loss_fn, args.vocab)
+            line: dict[str, Any] = {
+                "ckpt_restored": found[0],
+                "rank": rank,
+                "from": checkpointer.restored_from,
+            }
             if args.ckpt_digests:
                 line["digest"] = digest(capture(start, model, opt, sched))
             print(json.dumps(line), flush=True)
@@ -243,8 +272,17 @@ def main() -> None:
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             now = time.perf_counter()
             rate = window_tokens / max(now - window_start, 1e-9)
-            print(json.dumps({"step": step, "loss": round(mean, 4), "tokens_per_s": round(rate),
-                              "lr": sched.get_last_lr()[0]}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "step": step,
+                        "loss": round(mean, 4),
+                        "tokens_per_s": round(rate),
+                        "lr": sched.get_last_lr()[0],
+                    }
+                ),
+                flush=True,
+            )
             window_start, window_tokens = now, 0
         done = step + 1
         on_request = False
@@ -254,18 +292,23 @@ def main() -> None:
             if int(agreed.item()) > saved_requests:
                 saved_requests, on_request = int(agreed.item()), True
         if checkpointer is not None and (
-                on_request or (args.ckpt_every and done % args.ckpt_every == 0)):
+            on_request or (args.ckpt_every and done % args.ckpt_every == 0)
+        ):
             state = capture(done, model, opt, sched)
             if args.ckpt_digests:  # before the save: a rank killed right after it left one
-                print(json.dumps({"ckpt_saved": done, "rank": rank, "digest": digest(state)}),
-                      flush=True)
+                print(
+                    json.dumps({"ckpt_saved": done, "rank": rank, "digest": digest(state)}),
+                    flush=True,
+                )
             checkpointer.save(done, state)
             saved = True
             if on_request:
                 # The supervisor asks before it stops the job (a preemption): train no
                 # further, so no step is trained twice when the job resumes from this one.
-                print(json.dumps({"ckpt_saved_on_request": done, "rank": rank,
-                                  "holding": True}), flush=True)
+                print(
+                    json.dumps({"ckpt_saved_on_request": done, "rank": rank, "holding": True}),
+                    flush=True,
+                )
                 hold_until_stopped()
     phalanx.rank.finished(args.steps)  # the final wait and barrier are no hang
     if checkpointer is not None:
@@ -273,11 +316,19 @@ def main() -> None:
             checkpointer.wait()
         checkpointer.close()
     if rank == 0:
-        print(json.dumps({"done": True, "steps": args.steps, "first_loss": round(first_loss, 4),
-                          "last_loss": round(last_loss, 4),
-                          "improved": last_loss < first_loss,
-                          "digest": digest(capture(args.steps, model, opt, sched))}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    "done": True,
+                    "steps": args.steps,
+                    "first_loss": round(first_loss, 4),
+                    "last_loss": round(last_loss, 4),
+                    "improved": last_loss < first_loss,
+                    "digest": digest(capture(args.steps, model, opt, sched)),
+                }
+            ),
+            flush=True,
+        )
     dist.barrier()  # no rank tears down (rank 0 hosts the rendezvous store) before all are done
     dist.destroy_process_group()
 

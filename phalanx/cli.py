@@ -43,8 +43,11 @@ def _client(args: argparse.Namespace) -> Client:
     api = args.api or os.environ.get("PHALANX_API")
     token = args.token or os.environ.get("PHALANX_TOKEN")
     if not api or not token:
-        raise CliError('no supervisor configured: set PHALANX_API and PHALANX_TOKEN (for a local '
-                       'fleet: eval "$(phalanx local env)"), or pass --api and --token', EXIT_USAGE)
+        raise CliError(
+            "no supervisor configured: set PHALANX_API and PHALANX_TOKEN (for a local "
+            'fleet: eval "$(phalanx local env)"), or pass --api and --token',
+            EXIT_USAGE,
+        )
     return Client(api, token)
 
 
@@ -52,15 +55,18 @@ def _call(fn: Any, *a: Any) -> Any:
     try:
         return fn(*a)
     except ApiError as exc:
-        code = {404: EXIT_NOT_FOUND, 409: EXIT_REFUSED, 400: EXIT_USAGE}.get(exc.status,
-                                                                            EXIT_FAILED)
+        code = {404: EXIT_NOT_FOUND, 409: EXIT_REFUSED, 400: EXIT_USAGE}.get(
+            exc.status, EXIT_FAILED
+        )
         raise CliError(str(exc), code) from None
 
 
 def _table(rows: list[list[str]], headers: list[str]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=False)]
-    lines = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=False)).rstrip()
-             for r in [headers, *rows]]
+    lines = [
+        "  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=False)).rstrip()
+        for r in [headers, *rows]
+    ]
     return "\n".join(lines)
 
 
@@ -72,8 +78,10 @@ def _emit(args: argparse.Namespace, data: Any, table: str) -> None:
 
 
 def _reasons(node: dict[str, Any]) -> str:
-    codes = [r["code"] + (f"(gpu{r['gpu']})" if r.get("gpu") is not None else "")
-             for r in node["reasons"]]
+    codes = [
+        r["code"] + (f"(gpu{r['gpu']})" if r.get("gpu") is not None else "")
+        for r in node["reasons"]
+    ]
     drain = node.get("drain")
     if drain and drain["by"] == "operator":
         codes.append(f"operator: {drain['reason']}")
@@ -82,9 +90,17 @@ def _reasons(node: dict[str, Any]) -> str:
 
 def cmd_nodes(args: argparse.Namespace) -> int:
     nodes = _call(_client(args).get, "/v1/nodes")
-    rows = [[n["id"], n["state"] + (" (spare)" if n.get("spare") else ""), n["rack"] or "-",
-             str(n["gpu_count"]), ",".join(n.get("jobs", [])) or "-", _reasons(n)]
-            for n in nodes]
+    rows = [
+        [
+            n["id"],
+            n["state"] + (" (spare)" if n.get("spare") else ""),
+            n["rack"] or "-",
+            str(n["gpu_count"]),
+            ",".join(n.get("jobs", [])) or "-",
+            _reasons(n),
+        ]
+        for n in nodes
+    ]
     _emit(args, nodes, _table(rows, ["NODE", "STATE", "RACK", "GPUS", "JOBS", "REASONS"]))
     return EXIT_OK
 
@@ -106,8 +122,15 @@ def cmd_undrain(args: argparse.Namespace) -> int:
 def cmd_events(args: argparse.Namespace) -> int:
     query = f"?limit={args.limit}" + (f"&node={args.node}" if args.node else "")
     events = _call(_client(args).get, f"/v1/events{query}")
-    rows = [[time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["ts"])), e["node"] or "-",
-             e["kind"], _detail(e["detail"])] for e in events]
+    rows = [
+        [
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["ts"])),
+            e["node"] or "-",
+            e["kind"],
+            _detail(e["detail"]),
+        ]
+        for e in events
+    ]
     _emit(args, events, _table(rows, ["TIME", "NODE", "EVENT", "DETAIL"]))
     return EXIT_OK
 
@@ -135,8 +158,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         body["workdir"] = str((Path(args.spec).parent / spec.workdir).resolve())
     job = _call(client.post, "/v1/jobs", {"spec": body})
     print(job["id"])
-    print(f"submitted {job['id']} ({spec.world_size} ranks on {spec.nodes} nodes)",
-          file=sys.stderr)
+    print(f"submitted {job['id']} ({spec.world_size} ranks on {spec.nodes} nodes)", file=sys.stderr)
     if not args.wait:
         return EXIT_OK
     final = _wait_job(client, job["id"])
@@ -150,8 +172,11 @@ def _wait_job(client: Client, job_id: str) -> dict[str, Any]:
         job: dict[str, Any] = _call(client.get, f"/v1/jobs/{job_id}")
         if job["state"] != last_state:
             waiting = job.get("waiting") or {}
-            extra = f" ({waiting['reason']}: {waiting['detail']})" if waiting and \
-                job["state"] == "pending" else ""
+            extra = (
+                f" ({waiting['reason']}: {waiting['detail']})"
+                if waiting and job["state"] == "pending"
+                else ""
+            )
             print(f"job {job_id}: {job['state']}{extra}", file=sys.stderr)
             last_state = job["state"]
         if job["state"] in ("succeeded", "failed", "cancelled"):
@@ -174,41 +199,76 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         if j["state"] in ("pending", "recovering") and j.get("waiting"):
             note = f"{j['waiting']['reason']}: {j['waiting']['detail']}"
         restarts = f"{j.get('restarts', 0)}/{j.get('max_restarts', '-')}"
-        rows.append([j["id"], j["state"], j["team"], str(j["priority"]), str(j["world_size"]),
-                     str(j["generation"]), restarts, ",".join(j["nodes"]) or "-",
-                     _age(j["submitted_at"]), note or "-"])
-    _emit(args, jobs, _table(rows, ["JOB", "STATE", "TEAM", "PRIO", "RANKS", "GEN", "RESTARTS",
-                                    "NODES", "AGE", "REASON"]))
+        rows.append(
+            [
+                j["id"],
+                j["state"],
+                j["team"],
+                str(j["priority"]),
+                str(j["world_size"]),
+                str(j["generation"]),
+                restarts,
+                ",".join(j["nodes"]) or "-",
+                _age(j["submitted_at"]),
+                note or "-",
+            ]
+        )
+    _emit(
+        args,
+        jobs,
+        _table(
+            rows,
+            ["JOB", "STATE", "TEAM", "PRIO", "RANKS", "GEN", "RESTARTS", "NODES", "AGE", "REASON"],
+        ),
+    )
     return EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     j = _call(_client(args).get, f"/v1/jobs/{args.job}")
-    lines = [f"job:         {j['id']} ({j['name']}, team {j['team']}, priority {j['priority']})",
-             f"state:       {j['state']}" + (f" — {j['reason']}" if j["reason"] else ""),
-             f"world size:  {j['world_size']}   generation: {j['generation']}   "
-             f"master: {j['master'] or '-'}"]
+    lines = [
+        f"job:         {j['id']} ({j['name']}, team {j['team']}, priority {j['priority']})",
+        f"state:       {j['state']}" + (f" — {j['reason']}" if j["reason"] else ""),
+        f"world size:  {j['world_size']}   generation: {j['generation']}   "
+        f"master: {j['master'] or '-'}",
+    ]
     if j.get("waiting") and j["state"] in ("pending", "recovering"):
         lines.append(f"waiting:     {j['waiting']['reason']}: {j['waiting']['detail']}")
-    lines.append(f"submitted:   {_when(j['submitted_at'])}   started: {_when(j['started_at'])}"
-                 f"   ended: {_when(j['ended_at'])}")
+    lines.append(
+        f"submitted:   {_when(j['submitted_at'])}   started: {_when(j['started_at'])}"
+        f"   ended: {_when(j['ended_at'])}"
+    )
     goodput = j.get("goodput") or {}
     if goodput.get("ettr") is not None:
-        lines.append(f"restarts:    {j.get('restarts', 0)} of {j.get('max_restarts')}   "
-                     f"ETTR: {goodput['ettr'] * 100:.1f}% (lost {goodput['lost_s']:.1f}s of "
-                     f"{goodput['wall_s']:.1f}s)")
+        lines.append(
+            f"restarts:    {j.get('restarts', 0)} of {j.get('max_restarts')}   "
+            f"ETTR: {goodput['ettr'] * 100:.1f}% (lost {goodput['lost_s']:.1f}s of "
+            f"{goodput['wall_s']:.1f}s)"
+        )
     for incident in j.get("incidents") or []:
         lines.extend(_incident_lines(incident))
     if j.get("recovery"):
         rec = j["recovery"]
         plan = rec.get("plan") or {}
-        lines.append(f"recovering:  generation {rec.get('generation')}: "
-                     f"{plan.get('reason') or rec.get('phase')}")
-    rows = [[str(r["rank"]), r["node"], str(r["local_rank"]),
-             "lost" if r["lost"] else ("-" if r["exit_code"] is None and r["signal"] is None
-                                       else (f"signal {r['signal']}" if r["signal"] is not None
-                                             else str(r["exit_code"])))]
-            for r in j["ranks"]]
+        lines.append(
+            f"recovering:  generation {rec.get('generation')}: "
+            f"{plan.get('reason') or rec.get('phase')}"
+        )
+    rows = [
+        [
+            str(r["rank"]),
+            r["node"],
+            str(r["local_rank"]),
+            "lost"
+            if r["lost"]
+            else (
+                "-"
+                if r["exit_code"] is None and r["signal"] is None
+                else (f"signal {r['signal']}" if r["signal"] is not None else str(r["exit_code"]))
+            ),
+        ]
+        for r in j["ranks"]
+    ]
     table = "\n".join(lines)
     if rows:
         table += "\n\n" + _table(rows, ["RANK", "NODE", "LOCAL", "EXIT"])
@@ -223,21 +283,28 @@ def _incident_lines(incident: dict[str, Any]) -> list[str]:
     """One recovery: what failed, what was done, how long each phase took, what it lost."""
     failure = (incident.get("failures") or [{}])[0]
     plan = incident.get("plan") or {}
-    where = f"rank {failure['rank']} on {failure.get('node')}" \
-        if failure.get("rank") is not None else f"node {failure.get('node')}"
+    where = (
+        f"rank {failure['rank']} on {failure.get('node')}"
+        if failure.get("rank") is not None
+        else f"node {failure.get('node')}"
+    )
     phases = incident.get("phases") or {}
     timing = "  ".join(f"{p} {phases[p]:.2f}s" for p in PHASES if phases.get(p) is not None)
     lost = incident.get("lost_steps")
-    out = [f"generation {incident.get('generation')}: {failure.get('kind')} ({where}) -> "
-           f"{plan.get('action', '-')}: {incident.get('outcome')}",
-           f"    {plan.get('reason', '')}"]
+    out = [
+        f"generation {incident.get('generation')}: {failure.get('kind')} ({where}) -> "
+        f"{plan.get('action', '-')}: {incident.get('outcome')}",
+        f"    {plan.get('reason', '')}",
+    ]
     if timing:
         out.append(f"    phases: {timing}")
     if incident.get("mttr_s") is not None:
-        out.append(f"    MTTR {incident['mttr_s']:.2f}s; restored step "
-                   f"{incident.get('restored_step')}; lost "
-                   f"{'-' if lost is None else lost} step(s), {incident['lost_work_s']:.2f}s "
-                   "of work")
+        out.append(
+            f"    MTTR {incident['mttr_s']:.2f}s; restored step "
+            f"{incident.get('restored_step')}; lost "
+            f"{'-' if lost is None else lost} step(s), {incident['lost_work_s']:.2f}s "
+            "of work"
+        )
     return out
 
 
@@ -258,8 +325,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
     client = _client(args)
     offset = 0
     while True:
-        data, offset = _call(client.get_bytes,
-                             f"/v1/jobs/{args.job}/logs?rank={args.rank}&offset={offset}")
+        data, offset = _call(
+            client.get_bytes, f"/v1/jobs/{args.job}/logs?rank={args.rank}&offset={offset}"
+        )
         if data:
             sys.stdout.buffer.write(data)
             sys.stdout.flush()
@@ -289,8 +357,9 @@ def cmd_ckpt_ls(args: argparse.Namespace) -> int:
         committed += [t for t in s["committed"] if t not in committed]
         partial = [f"{t}({n}/{cat['world_size']})" for t, n in sorted(s["partial"].items())]
         size = max(s["bytes"].values(), default=0)
-        rows.append([str(s["step"]), ",".join(committed) or "-", " ".join(partial) or "-",
-                     _size(size)])
+        rows.append(
+            [str(s["step"]), ",".join(committed) or "-", " ".join(partial) or "-", _size(size)]
+        )
     _emit(args, cat, _table(rows, ["STEP", "COMMITTED", "PARTIAL", "SIZE"]))
     return EXIT_OK
 
@@ -299,13 +368,25 @@ def cmd_ckpt_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_local_up(args: argparse.Namespace) -> int:
-    print(f"starting a local fleet of {args.nodes} nodes x {args.gpus_per_node} sim GPUs in "
-          f"{args.dir} ...", file=sys.stderr)
-    fleet = local.up(Path(args.dir), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                     nodes_per_rack=args.nodes_per_rack, timeout=args.timeout,
-                     broker=args.broker, spares=args.spares)
-    print(f"local fleet up: API {fleet.api}; point the CLI at it with:\n"
-          f'  eval "$(phalanx local env --dir {args.dir})"', file=sys.stderr)
+    print(
+        f"starting a local fleet of {args.nodes} nodes x {args.gpus_per_node} sim GPUs in "
+        f"{args.dir} ...",
+        file=sys.stderr,
+    )
+    fleet = local.up(
+        Path(args.dir),
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        nodes_per_rack=args.nodes_per_rack,
+        timeout=args.timeout,
+        broker=args.broker,
+        spares=args.spares,
+    )
+    print(
+        f"local fleet up: API {fleet.api}; point the CLI at it with:\n"
+        f'  eval "$(phalanx local env --dir {args.dir})"',
+        file=sys.stderr,
+    )
     return EXIT_OK
 
 
@@ -331,10 +412,14 @@ def cmd_local_inject(args: argparse.Namespace) -> int:
 
 def cmd_local_status(args: argparse.Namespace) -> int:
     fleet = local.Fleet.load(Path(args.dir).absolute())
-    procs = [{"role": p.role, "node": p.node, "pid": p.pid, "alive": p.alive(), "log": p.log}
-             for p in fleet.processes]
-    rows = [[str(p["role"]), str(p["node"] or "-"), str(p["pid"]), "yes" if p["alive"] else "no"]
-            for p in procs]
+    procs = [
+        {"role": p.role, "node": p.node, "pid": p.pid, "alive": p.alive(), "log": p.log}
+        for p in fleet.processes
+    ]
+    rows = [
+        [str(p["role"]), str(p["node"] or "-"), str(p["pid"]), "yes" if p["alive"] else "no"]
+        for p in procs
+    ]
     _emit(args, procs, _table(rows, ["ROLE", "NODE", "PID", "ALIVE"]))
     return EXIT_OK
 
@@ -347,7 +432,8 @@ def cmd_local_down(args: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="phalanx", description="Operate a Phalanx fleet.",
+        prog="phalanx",
+        description="Operate a Phalanx fleet.",
         epilog="exit codes: 0 ok, 1 supervisor failed or unreachable, 2 bad usage, "
         "3 not found, 4 refused, 5 the waited-for job did not succeed",
     )
@@ -368,8 +454,11 @@ def parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_drain)
     sp = sub.add_parser("undrain", help="return a drained node to placement")
     sp.add_argument("node")
-    sp.add_argument("--force", action="store_true",
-                    help="undrain even while the node still reports drain reasons")
+    sp.add_argument(
+        "--force",
+        action="store_true",
+        help="undrain even while the node still reports drain reasons",
+    )
     out(sp)
     sp.set_defaults(fn=cmd_undrain)
     sp = sub.add_parser("events", help="the fleet's event log, oldest first")
@@ -380,8 +469,11 @@ def parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("submit", help="submit a job spec (YAML); prints the job id")
     sp.add_argument("spec")
-    sp.add_argument("--wait", action="store_true",
-                    help="wait for the job to end; exit 0 if it succeeded, 5 otherwise")
+    sp.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for the job to end; exit 0 if it succeeded, 5 otherwise",
+    )
     sp.set_defaults(fn=cmd_submit)
     sp = sub.add_parser("jobs", help="list jobs, their state and why pending ones wait")
     out(sp)
@@ -411,18 +503,29 @@ def parser() -> argparse.ArgumentParser:
     lsub = lp.add_subparsers(dest="local_command", required=True)
 
     def ldir(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--dir", default=str(local.DEFAULT_DIR),
-                        help="fleet directory (default: $PHALANX_LOCAL_DIR or ./.phalanx-local)")
+        sp.add_argument(
+            "--dir",
+            default=str(local.DEFAULT_DIR),
+            help="fleet directory (default: $PHALANX_LOCAL_DIR or ./.phalanx-local)",
+        )
 
     sp = lsub.add_parser("up", help="start broker, supervisor and agents")
     sp.add_argument("--nodes", type=int, default=3)
     sp.add_argument("--gpus-per-node", type=int, default=4)
     sp.add_argument("--nodes-per-rack", type=int, default=2)
-    sp.add_argument("--spares", type=int, default=0,
-                    help="idle nodes the supervisor holds back as hot spares for recovery")
+    sp.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="idle nodes the supervisor holds back as hot spares for recovery",
+    )
     sp.add_argument("--timeout", type=float, default=60.0)
-    sp.add_argument("--broker", choices=["auto", "mosquitto", "embedded"], default="auto",
-                    help="auto: Mosquitto where installed, else the embedded amqtt broker")
+    sp.add_argument(
+        "--broker",
+        choices=["auto", "mosquitto", "embedded"],
+        default="auto",
+        help="auto: Mosquitto where installed, else the embedded amqtt broker",
+    )
     ldir(sp)
     sp.set_defaults(fn=cmd_local_up)
     sp = lsub.add_parser("env", help="print the exports that point the CLI at the fleet")

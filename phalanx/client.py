@@ -27,8 +27,9 @@ class Client:
 
     def get_bytes(self, path: str) -> tuple[bytes, int]:
         """Raw bytes and the ``X-Phalanx-Offset`` header (for logs)."""
-        req = urllib.request.Request(f"{self.base_url}{path}",
-                                     headers={"Authorization": f"Bearer {self.token}"})
+        req = urllib.request.Request(
+            f"{self.base_url}{path}", headers={"Authorization": f"Bearer {self.token}"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 return resp.read(), int(resp.headers.get("X-Phalanx-Offset", "0"))
@@ -66,5 +67,8 @@ class Client:
 
     def _unreachable(self, exc: OSError) -> ApiError:
         reason = getattr(exc, "reason", exc)
-        return ApiError(0, f"cannot reach the supervisor at {self.base_url}: {reason} "
-                        f"(timeout {self.timeout:.0f}s)")
+        return ApiError(
+            0,
+            f"cannot reach the supervisor at {self.base_url}: {reason} "
+            f"(timeout {self.timeout:.0f}s)",
+        )

@@ -13,13 +13,17 @@ def bearer_ok(request: web.Request, token: bytes | None) -> bool:
     """True when the request carries ``Authorization: Bearer <token>`` (constant-time);
     never true when no token is configured."""
     given = request.headers.get("Authorization", "")
-    return (token is not None and given.startswith("Bearer ")
-            and hmac.compare_digest(given[7:].strip().encode(), token))
+    return (
+        token is not None
+        and given.startswith("Bearer ")
+        and hmac.compare_digest(given[7:].strip().encode(), token)
+    )
 
 
 @contextlib.asynccontextmanager
-async def serve(app: web.Application, site: Callable[[web.AppRunner], web.BaseSite],
-                what: str) -> AsyncIterator[web.AppRunner]:
+async def serve(
+    app: web.Application, site: Callable[[web.AppRunner], web.BaseSite], what: str
+) -> AsyncIterator[web.AppRunner]:
     """Serve ``app`` on the site ``site`` makes until the block ends; a bind failure is an
     ``OSError`` naming ``what`` (e.g. "agent HTTP server on 0.0.0.0:9400")."""
     runner = web.AppRunner(app, access_log=None)

@@ -20,10 +20,18 @@ JOB_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
-RESERVED_ENV = frozenset({
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-    "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
-})
+RESERVED_ENV = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "CUDA_VISIBLE_DEVICES",
+    }
+)
 
 
 class JobSpecError(ValueError):
@@ -81,16 +89,20 @@ class PlacementSpec(_Spec):
 
 
 class CheckpointSpec(_Spec):
-    interval: Literal["auto"] | Annotated[
-        dict[Literal["steps", "seconds"], Annotated[float, Field(gt=0)]],
-        Field(min_length=1, max_length=1),
-    ] = Field(
+    interval: (
+        Literal["auto"]
+        | Annotated[
+            dict[Literal["steps", "seconds"], Annotated[float, Field(gt=0)]],
+            Field(min_length=1, max_length=1),
+        ]
+    ) = Field(
         default="auto",
         description="`auto` (Young/Daly from the measured stall and the fleet's MTBF), "
         "`{steps: N}` or `{seconds: N}`.",
     )
     tiers: list[Literal["ram", "nvme", "peer", "object"]] = Field(
-        default=["ram", "nvme", "peer", "object"], min_length=1,
+        default=["ram", "nvme", "peer", "object"],
+        min_length=1,
         description="Tiers a checkpoint is written down to, nearest first.",
     )
     keep: dict[Literal["ram", "nvme", "peer", "object"], Annotated[int, Field(ge=1)]] = Field(
@@ -103,17 +115,21 @@ class RestartSpec(_Spec):
     max_restarts: int = Field(default=3, ge=0, description="Recoveries before the job fails.")
     use_spares: bool = Field(default=True, description="Move a failed node's ranks to a spare.")
     hang_timeout: float | None = Field(
-        default=None, gt=0,
+        default=None,
+        gt=0,
         description="Seconds without a step from any rank before the gang is hung; `auto` "
         "(null): 10x the median step time, never under 60 s. Needs `phalanx.rank.step`.",
     )
     spare_wait: float = Field(
-        default=600.0, gt=0,
+        default=600.0,
+        gt=0,
         description="How long a recovery waits for a spare or a healthy node before the job "
         "fails; seconds or '10m'.",
     )
     backoff: float = Field(
-        default=1.0, ge=0, le=600,
+        default=1.0,
+        ge=0,
+        le=600,
         description="Seconds to wait before restarting a generation that a recovery started "
         "and that failed again within a minute; doubles with each such failure in a row, at "
         "most 60 s. Other restarts are immediate.",
@@ -163,8 +179,10 @@ class JobSpec(_Spec):
     def _env_numbers(cls, value: Any) -> Any:
         # `OMP_NUM_THREADS: 1` means the string "1"; a YAML boolean stays an error (yes/no/on).
         if isinstance(value, dict):
-            return {k: (str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v)
-                    for k, v in value.items()}
+            return {
+                k: (str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v)
+                for k, v in value.items()
+            }
         return value
 
     @field_validator("env")
@@ -174,8 +192,7 @@ class JobSpec(_Spec):
             if not _ENV_NAME.match(key):
                 raise ValueError(f"{key!r} is not a valid environment variable name")
             if key in RESERVED_ENV or key.startswith("PHALANX_"):
-                raise ValueError(f"{key} is set by Phalanx for every rank and cannot be "
-                                 "overridden")
+                raise ValueError(f"{key} is set by Phalanx for every rank and cannot be overridden")
         return value
 
     @property
@@ -185,8 +202,10 @@ class JobSpec(_Spec):
     def redacted(self) -> dict[str, Any]:
         """The spec as the API and logs show it: file-backed env values stay references."""
         data = self.model_dump(mode="json")
-        data["env"] = {k: (f"<from_file {v.from_file}>" if isinstance(v, FromFile) else v)
-                       for k, v in self.env.items()}
+        data["env"] = {
+            k: (f"<from_file {v.from_file}>" if isinstance(v, FromFile) else v)
+            for k, v in self.env.items()
+        }
         return data
 
 
@@ -210,8 +229,9 @@ def load_spec(text: str, *, source: str = "job spec") -> JobSpec:
         tree = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
-        raise JobSpecError([(source, mark.line + 1 if mark else None,
-                             f"not valid YAML: {exc.problem}")]) from exc
+        raise JobSpecError(
+            [(source, mark.line + 1 if mark else None, f"not valid YAML: {exc.problem}")]
+        ) from exc
     except yaml.YAMLError as exc:
         raise JobSpecError([(source, None, f"not valid YAML: {exc}")]) from exc
     if not isinstance(data, dict):
@@ -219,16 +239,20 @@ def load_spec(text: str, *, source: str = "job spec") -> JobSpec:
     return validate_spec(data, lines=_line_index(tree) if tree is not None else {})
 
 
-def validate_spec(data: dict[str, Any], *, lines: dict[tuple[Any, ...], int] | None = None
-                  ) -> JobSpec:
+def validate_spec(
+    data: dict[str, Any], *, lines: dict[tuple[Any, ...], int] | None = None
+) -> JobSpec:
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
         merged: dict[str, tuple[int | None, list[str]]] = {}
         for err in exc.errors():
             # Drop pydantic's union-branch tags ("str", "FromFile", "dict[...]", "[key]").
-            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and (
-                "[" in p or p in ("str", "FromFile"))))
+            loc = tuple(
+                p
+                for p in err["loc"]
+                if not (isinstance(p, str) and ("[" in p or p in ("str", "FromFile")))
+            )
             field = ".".join(str(p) for p in loc) or "<root>"
             line = None
             for cut in range(len(loc), 0, -1):

@@ -109,8 +109,12 @@ class MqttLink:
             # the will): never let a daemon's shutdown hang on it.
             done, _ = await asyncio.wait({self._task}, timeout=CLOSE_TIMEOUT_S)
             if not done:
-                log.warning("the MQTT link to %s:%d did not close within %gs; leaving it",
-                            self._settings.host, self._settings.port, CLOSE_TIMEOUT_S)
+                log.warning(
+                    "the MQTT link to %s:%d did not close within %gs; leaving it",
+                    self._settings.host,
+                    self._settings.port,
+                    CLOSE_TIMEOUT_S,
+                )
                 return
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
@@ -162,12 +166,16 @@ class MqttLink:
                 delay = self._backoff.next()  # pragma: no cover - a connection ends by raising
             except (aiomqtt.MqttError, LinkDown) as exc:
                 delay = self._backoff.next()
-                log.warning("MQTT link to %s:%d lost or refused (%s); reconnecting in %.2fs",
-                            s.host, s.port, exc, delay)
+                log.warning(
+                    "MQTT link to %s:%d lost or refused (%s); reconnecting in %.2fs",
+                    s.host,
+                    s.port,
+                    exc,
+                    delay,
+                )
             except Exception:  # a will that cannot be written, a TLS file gone: retry, never die
                 delay = self._backoff.next()
-                log.exception("MQTT link to %s:%d failed; retrying in %.2fs", s.host, s.port,
-                              delay)
+                log.exception("MQTT link to %s:%d failed; retrying in %.2fs", s.host, s.port, delay)
             finally:
                 self._connected.clear()
                 self._client = None
@@ -243,8 +251,9 @@ class Outbox:
         while not self._queue.empty() and time.monotonic() < deadline:
             message = self._queue.get_nowait()
             with contextlib.suppress(LinkDown):
-                await self._link.publish(self._topic, _encode(message),
-                                         timeout=max(0.1, deadline - time.monotonic()))
+                await self._link.publish(
+                    self._topic, _encode(message), timeout=max(0.1, deadline - time.monotonic())
+                )
 
 
 def _encode(message: BaseModel) -> bytes:

@@ -134,13 +134,18 @@ def write_mosquitto_conf(path: Path, port: int, *, extra: str = "") -> None:
 _CHILDREN: list[subprocess.Popen[bytes]] = []
 
 
-def _spawn(cmd: list[str], log: Path, role: str, node: str | None = None,
-           env: dict[str, str] | None = None) -> Proc:
+def _spawn(
+    cmd: list[str], log: Path, role: str, node: str | None = None, env: dict[str, str] | None = None
+) -> Proc:
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env={**os.environ, **(env or {})},
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
     _CHILDREN.append(proc)
     return Proc(role=role, pid=proc.pid, log=str(log), node=node)
@@ -180,8 +185,9 @@ def wait_port(port: int, timeout: float, proc: Proc) -> None:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
             return
         if not proc.alive():
-            raise LocalFleetError(f"the {proc.role} exited at start; see {proc.log}:\n"
-                                  f"{_tail(Path(proc.log))}")
+            raise LocalFleetError(
+                f"the {proc.role} exited at start; see {proc.log}:\n{_tail(Path(proc.log))}"
+            )
         time.sleep(0.05)
     raise LocalFleetError(f"the {proc.role} did not listen on port {port} within {timeout:.0f}s")
 
@@ -197,9 +203,18 @@ def node_name(i: int) -> str:
     return f"n{i + 1:02d}"
 
 
-def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int = 2,
-       heartbeat_s: float = 1.0, offline_after_s: float = 4.0,
-       timeout: float = 60.0, broker: str = "auto", spares: int = 0) -> Fleet:
+def up(
+    directory: Path,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    nodes_per_rack: int = 2,
+    heartbeat_s: float = 1.0,
+    offline_after_s: float = 4.0,
+    timeout: float = 60.0,
+    broker: str = "auto",
+    spares: int = 0,
+) -> Fleet:
     """Start a fleet and return once every agent is up in the supervisor; ``spares`` of
     its idle nodes are held back as hot spares."""
     directory = directory.absolute()
@@ -207,8 +222,9 @@ def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int =
     with contextlib.suppress(LocalFleetError):
         existing = Fleet.load(directory)
     if existing is not None and any(p.alive() for p in existing.processes):
-        raise LocalFleetError(f"a local fleet is already running in {directory}; "
-                              "stop it with `phalanx local down`")
+        raise LocalFleetError(
+            f"a local fleet is already running in {directory}; stop it with `phalanx local down`"
+        )
     for sub in ("supervisor", "nodes", "broker"):
         shutil.rmtree(directory / sub, ignore_errors=True)
     (directory / "logs").mkdir(parents=True, exist_ok=True)
@@ -237,9 +253,11 @@ def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int =
             f"[mqtt]\nport = {broker_port}\nkeepalive_s = 5\n"
             f'[api]\nport = {api_port}\ntoken_file = "{token_file}"\n'
         )
-        sup = _spawn([sys.executable, "-m", "supervisor", "--config",
-                      str(sup_dir / "supervisor.toml")],
-                     directory / "logs" / "supervisor.log", "supervisor")
+        sup = _spawn(
+            [sys.executable, "-m", "supervisor", "--config", str(sup_dir / "supervisor.toml")],
+            directory / "logs" / "supervisor.log",
+            "supervisor",
+        )
         fleet.processes.append(sup)
         fleet.save()
         wait_port(api_port, 20, sup)
@@ -248,15 +266,29 @@ def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int =
             node = node_name(i)
             node_dir = directory / "nodes" / node
             node_dir.mkdir(parents=True)
-            (node_dir / "agentd.toml").write_text(agent_toml(
-                node, node_dir / "data", broker_port, gpus_per_node,
-                rack=f"rack{i // nodes_per_rack + 1}", heartbeat_s=heartbeat_s,
-                token_file=agent_token_file, object_store=directory / "objects"))
+            (node_dir / "agentd.toml").write_text(
+                agent_toml(
+                    node,
+                    node_dir / "data",
+                    broker_port,
+                    gpus_per_node,
+                    rack=f"rack{i // nodes_per_rack + 1}",
+                    heartbeat_s=heartbeat_s,
+                    token_file=agent_token_file,
+                    object_store=directory / "objects",
+                )
+            )
             # Ranks find this Python (and its torch) first on PATH, as in an activated venv.
             path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-            fleet.processes.append(_spawn(
-                [sys.executable, "-m", "agentd", "--config", str(node_dir / "agentd.toml")],
-                directory / "logs" / f"agent-{node}.log", "agent", node, env={"PATH": path}))
+            fleet.processes.append(
+                _spawn(
+                    [sys.executable, "-m", "agentd", "--config", str(node_dir / "agentd.toml")],
+                    directory / "logs" / f"agent-{node}.log",
+                    "agent",
+                    node,
+                    env={"PATH": path},
+                )
+            )
         fleet.save()
         wait_nodes(fleet, [node_name(i) for i in range(nodes)], "up", timeout)
     except BaseException:
@@ -265,9 +297,17 @@ def up(directory: Path, *, nodes: int, gpus_per_node: int, nodes_per_rack: int =
     return fleet
 
 
-def agent_toml(node: str, data_dir: Path, broker_port: int, gpus: int, *, rack: str,
-               heartbeat_s: float, token_file: Path | None = None,
-               object_store: Path | None = None) -> str:
+def agent_toml(
+    node: str,
+    data_dir: Path,
+    broker_port: int,
+    gpus: int,
+    *,
+    rack: str,
+    heartbeat_s: float,
+    token_file: Path | None = None,
+    object_store: Path | None = None,
+) -> str:
     """An agent's config; ``object_store`` is the folder every node's object tier shares
     (so any node restores from it), as an S3 bucket would be."""
     return (
@@ -279,8 +319,7 @@ def agent_toml(node: str, data_dir: Path, broker_port: int, gpus: int, *, rack: 
         "disk_drain_bytes = 0\ndisk_warn_fraction = 0.0\nload_warn_per_cpu = 64\n"
         'mem_warn_fraction = 0.0\n[http]\nhost = "127.0.0.1"\nport = 0\n'
         + (f'token_file = "{token_file}"\n' if token_file else "")
-        + (f'[ckpt]\nobject_store = "{object_store.absolute().as_uri()}"\n'
-           if object_store else "")
+        + (f'[ckpt]\nobject_store = "{object_store.absolute().as_uri()}"\n' if object_store else "")
     )
 
 
@@ -291,8 +330,9 @@ def wait_nodes(fleet: Fleet, nodes: list[str], state: str, timeout: float) -> li
     while time.monotonic() < deadline:
         for proc in fleet.processes:
             if proc.node in nodes and not proc.alive() and state != "offline":
-                raise LocalFleetError(f"agent {proc.node} exited; see {proc.log}:\n"
-                                      f"{_tail(Path(proc.log))}")
+                raise LocalFleetError(
+                    f"agent {proc.node} exited; see {proc.log}:\n{_tail(Path(proc.log))}"
+                )
         with contextlib.suppress(ApiError):
             seen = client.get("/v1/nodes")
             states = {n["id"]: n["state"] for n in seen}

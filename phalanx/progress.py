@@ -39,8 +39,7 @@ MAX_GENERATION: Final = 2**63 - 1
 
 _JOB_RE = re.compile(JOB_ID_PATTERN)
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
-_REPORT_KEYS = frozenset({"v", "job", "generation", "rank", "pid", "kind", "step", "at",
-                          "scalars"})
+_REPORT_KEYS = frozenset({"v", "job", "generation", "rank", "pid", "kind", "step", "at", "scalars"})
 KINDS: Final = ("step", "restored", "finished")
 
 
@@ -87,8 +86,11 @@ def report_prefix(job: str, generation: int, rank: int, pid: int) -> str:
     """The part of a rank's reports that never changes, checked once (see :func:`encode_step`)."""
     if not _JOB_RE.match(job):
         raise ProgressError(f"job {job!r} is not a job id")
-    for key, value, high in (("generation", generation, MAX_GENERATION), ("rank", rank, MAX_RANK),
-                             ("pid", pid, 2**31 - 1)):
+    for key, value, high in (
+        ("generation", generation, MAX_GENERATION),
+        ("rank", rank, MAX_RANK),
+        ("pid", pid, 2**31 - 1),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
             raise ProgressError(f"{key} {value!r} is not an integer in [0, {high}]")
     if generation < 1:
@@ -96,8 +98,9 @@ def report_prefix(job: str, generation: int, rank: int, pid: int) -> str:
     return f'{{"v":{VERSION},"job":"{job}","generation":{generation},"rank":{rank},"pid":{pid},'
 
 
-def encode_step(prefix: str, step: int, at: float, scalars: Mapping[str, float],
-                kind: str = "step") -> bytes:
+def encode_step(
+    prefix: str, step: int, at: float, scalars: Mapping[str, float], kind: str = "step"
+) -> bytes:
     """A report's datagram from its :func:`report_prefix` and what changes every step.
 
     Written by hand, not by ``json.dumps``: the training loop pays for every call, and
@@ -118,15 +121,15 @@ def encode_step(prefix: str, step: int, at: float, scalars: Mapping[str, float],
         if kind not in KINDS:
             raise ProgressError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
         head = prefix if kind == "step" else f'{prefix}"kind":"{kind}",'
-        data = (f'{head}"step":{step},"at":{_number(at)},"scalars":{{{",".join(parts)}}}}}'
-                .encode())
+        data = f'{head}"step":{step},"at":{_number(at)},"scalars":{{{",".join(parts)}}}}}'.encode()
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ProgressError):
             raise
         raise ProgressError(f"report of step {step!r} cannot be encoded: {exc}") from exc
     if len(data) > MAX_MESSAGE_BYTES:
-        raise ProgressError(f"report of step {step} is {len(data)} bytes; at most "
-                            f"{MAX_MESSAGE_BYTES}")
+        raise ProgressError(
+            f"report of step {step} is {len(data)} bytes; at most {MAX_MESSAGE_BYTES}"
+        )
     return data
 
 
@@ -172,13 +175,20 @@ def decode_report(data: bytes) -> StepReport:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ProgressError(f"scalar {name} is {type(value).__name__}, not a number")
         scalars[name] = float(value)
-    return StepReport(job=job, generation=generation, rank=rank, pid=pid, step=step,
-                      at=float(at), scalars=scalars, kind=kind)
+    return StepReport(
+        job=job,
+        generation=generation,
+        rank=rank,
+        pid=pid,
+        step=step,
+        at=float(at),
+        scalars=scalars,
+        kind=kind,
+    )
 
 
 def encode_requests(requests: Requests) -> bytes:
-    return json.dumps({"v": VERSION, "save_now": requests.save_now},
-                      separators=(",", ":")).encode()
+    return json.dumps({"v": VERSION, "save_now": requests.save_now}, separators=(",", ":")).encode()
 
 
 def decode_requests(data: bytes) -> Requests:
@@ -192,8 +202,9 @@ def decode_requests(data: bytes) -> Requests:
 
 def _object(data: bytes) -> dict[str, Any]:
     if len(data) > MAX_MESSAGE_BYTES:
-        raise ProgressError(f"{len(data)} bytes; a progress message has at most "
-                            f"{MAX_MESSAGE_BYTES}")
+        raise ProgressError(
+            f"{len(data)} bytes; a progress message has at most {MAX_MESSAGE_BYTES}"
+        )
     try:
         obj = json.loads(data)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
@@ -210,8 +221,10 @@ _good_names: set[str] = set()  # names checked once already (the same few, every
 
 def _check_name(name: str) -> None:
     if not _NAME_RE.match(name):
-        raise ProgressError(f"scalar name {name[:80]!r} is not an identifier of at most "
-                            f"{MAX_SCALAR_NAME} characters")
+        raise ProgressError(
+            f"scalar name {name[:80]!r} is not an identifier of at most "
+            f"{MAX_SCALAR_NAME} characters"
+        )
 
 
 def _int(obj: dict[str, Any], key: str, low: int, high: int) -> int:

@@ -47,8 +47,16 @@ from phalanx.progress import (
     report_prefix,
 )
 
-__all__ = ["ENV_SOCKET", "RankChannel", "Requests", "channel", "drops", "finished",
-           "restored", "step"]
+__all__ = [
+    "ENV_SOCKET",
+    "RankChannel",
+    "Requests",
+    "channel",
+    "drops",
+    "finished",
+    "restored",
+    "step",
+]
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +76,14 @@ class RankChannel:
     :class:`~phalanx.progress.ProgressError`.
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None, *, job: str = "",
-                 generation: int = 0, rank: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        *,
+        job: str = "",
+        generation: int = 0,
+        rank: int = 0,
+    ) -> None:
         self.path = os.fspath(path) if path else None
         self.job = job
         self.generation = generation
@@ -98,8 +112,11 @@ class RankChannel:
             rank = int(env.get("RANK", "0"))
             return cls(path, job=job, generation=generation, rank=rank)
         except (KeyError, ValueError) as exc:  # ProgressError is a ValueError
-            log.warning("%s is set but the job's environment is not (%r): progress is not "
-                        "reported", ENV_SOCKET, exc)
+            log.warning(
+                "%s is set but the job's environment is not (%r): progress is not reported",
+                ENV_SOCKET,
+                exc,
+            )
             return cls(None)
 
     @property

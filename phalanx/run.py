@@ -19,8 +19,9 @@ from phalanx.systemd import Notifier
 log = logging.getLogger(__name__)
 
 
-async def run_until_signal(serve: Callable[[asyncio.Event], Awaitable[None]],
-                           notifier: Notifier | None = None) -> None:
+async def run_until_signal(
+    serve: Callable[[asyncio.Event], Awaitable[None]], notifier: Notifier | None = None
+) -> None:
     """Call ``serve(stop)``; ``stop`` is set on the first signal. A second one exits at once."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

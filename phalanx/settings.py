@@ -94,8 +94,9 @@ def load_settings(
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", type=Path, default=None)
     known, rest = pre.parse_known_args(list(argv))
-    named = known.config or (Path(os.environ[f"{env_prefix}CONFIG"])
-                             if os.environ.get(f"{env_prefix}CONFIG") else None)
+    named = known.config or (
+        Path(os.environ[f"{env_prefix}CONFIG"]) if os.environ.get(f"{env_prefix}CONFIG") else None
+    )
     path = named or default_config
     file_values: dict[str, Any] = {}
     if path.exists():
@@ -107,8 +108,11 @@ def load_settings(
     elif named is not None:
         raise ConfigError(f"config file {path} does not exist")
     _reject_unknown_env(cls, env_prefix)
-    source = f"config file {path}, environment or flags" if path.exists() else \
-        f"environment or flags; no config file at {path}"
+    source = (
+        f"config file {path}, environment or flags"
+        if path.exists()
+        else f"environment or flags; no config file at {path}"
+    )
 
     class _Loaded(cls):  # type: ignore[valid-type,misc]
         @classmethod
@@ -150,12 +154,15 @@ def _reject_unknown_env(cls: type[BaseSettings], prefix: str) -> None:
     """A variable under the daemon's prefix that names no field is a typo: say so."""
     known = {name.upper() for name in cls.model_fields} | {"CONFIG"}
     unknown = sorted(
-        key for key in os.environ
-        if key.upper().startswith(prefix) and key.upper()[len(prefix):].split("__")[0] not in known
+        key
+        for key in os.environ
+        if key.upper().startswith(prefix) and key.upper()[len(prefix) :].split("__")[0] not in known
     )
     if unknown:
-        raise ConfigError(f"unknown environment variable(s) {', '.join(unknown)}: no such "
-                          f"setting (known: {', '.join(sorted(known))})")
+        raise ConfigError(
+            f"unknown environment variable(s) {', '.join(unknown)}: no such "
+            f"setting (known: {', '.join(sorted(known))})"
+        )
 
 
 def describe_validation(exc: ValidationError, *, source: str = "") -> str:

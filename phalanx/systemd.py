@@ -52,8 +52,10 @@ class Notifier:
         if unset:
             for name in _VARIABLES:
                 os.environ.pop(name, None)
-        return cls(env["NOTIFY_SOCKET"] or None,
-                   _watchdog_period(env["WATCHDOG_USEC"], env["WATCHDOG_PID"]))
+        return cls(
+            env["NOTIFY_SOCKET"] or None,
+            _watchdog_period(env["WATCHDOG_USEC"], env["WATCHDOG_PID"]),
+        )
 
     @property
     def enabled(self) -> bool:
@@ -65,8 +67,11 @@ class Notifier:
             return False
         target = _socket_address(self.address)
         if target is None:
-            log.warning("NOTIFY_SOCKET=%r is not a unix socket path or @abstract name; "
-                        "not notifying systemd", self.address)
+            log.warning(
+                "NOTIFY_SOCKET=%r is not a unix socket path or @abstract name; "
+                "not notifying systemd",
+                self.address,
+            )
             return False
         message = "\n".join(assignments).encode()
         try:
@@ -74,12 +79,20 @@ class Notifier:
                 sock.settimeout(SEND_TIMEOUT_S)
                 sock.sendto(message, target)
         except TimeoutError:
-            log.warning("systemd notify socket %s: send blocked for over %.1fs; dropped %s",
-                        self.address, SEND_TIMEOUT_S, _keys(assignments))
+            log.warning(
+                "systemd notify socket %s: send blocked for over %.1fs; dropped %s",
+                self.address,
+                SEND_TIMEOUT_S,
+                _keys(assignments),
+            )
             return False
         except OSError as exc:
-            log.warning("systemd notify socket %s: cannot send %s: %s", self.address,
-                        _keys(assignments), exc)
+            log.warning(
+                "systemd notify socket %s: cannot send %s: %s",
+                self.address,
+                _keys(assignments),
+                exc,
+            )
             return False
         return True
 

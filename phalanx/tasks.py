@@ -11,8 +11,9 @@ from phalanx.link import Backoff
 log = logging.getLogger(__name__)
 
 
-async def supervised(name: str, loop: Callable[[], Awaitable[None]], *,
-                     max_delay: float = 30.0) -> None:
+async def supervised(
+    name: str, loop: Callable[[], Awaitable[None]], *, max_delay: float = 30.0
+) -> None:
     """Run ``loop`` forever; restart it with capped backoff when it raises."""
     backoff = Backoff(0.5, max_delay)
     while True:

@@ -258,9 +258,14 @@ class CkptLanding(_Msg):
     checksum: str = ""
     holder: str | None = None
     error: str = ""
-    generation: int = Field(default=0, ge=0, le=MAX_I64, description="the job generation "
-                            "whose rank saved the shard (0: not known, an agent restarted "
-                            "since; for ``staged``, the generation that copied it)")
+    generation: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_I64,
+        description="the job generation "
+        "whose rank saved the shard (0: not known, an agent restarted "
+        "since; for ``staged``, the generation that copied it)",
+    )
     at: float
 
 
@@ -288,8 +293,11 @@ class CkptShard(_Msg):
     rank: int = Field(ge=0, le=MAX_RANK)
     checksum: str
     nbytes: int = Field(ge=0, le=MAX_I64)
-    peer: PeerAddr | None = Field(default=None, description="the buddy holding this rank's "
-                                  "peer-tier copy of the step, where it is committed there")
+    peer: PeerAddr | None = Field(
+        default=None,
+        description="the buddy holding this rank's "
+        "peer-tier copy of the step, where it is committed there",
+    )
 
 
 class CkptStep(_Msg):
@@ -325,9 +333,12 @@ class CkptCatalog(_Msg):
     steps: list[CkptStep] = Field(default_factory=list)
     restore_step: int | None = None
     restore_note: str = ""
-    ended: bool = Field(default=False, description="the job succeeded or was cancelled, or "
-                        "failed `ckpt_failed_ram_linger_s` ago: agents free its RAM tier (the "
-                        "lower tiers keep what `keep` says)")
+    ended: bool = Field(
+        default=False,
+        description="the job succeeded or was cancelled, or "
+        "failed `ckpt_failed_ram_linger_s` ago: agents free its RAM tier (the "
+        "lower tiers keep what `keep` says)",
+    )
 
 
 MAX_CATALOG_STEPS = 16
@@ -373,11 +384,16 @@ class CkptPlan(_Msg):
     tiers: list[CkptTierName] = Field(min_length=1)
     keep: dict[CkptTierName, int] = Field(default_factory=dict)
     interval: str | float | int = Field(
-        default="auto", description="what ``Checkpointer.due`` uses: steps (int), "
-        "seconds (float) or 'auto'")
+        default="auto",
+        description="what ``Checkpointer.due`` uses: steps (int), seconds (float) or 'auto'",
+    )
     buddy: PeerAddr | None = Field(default=None, description="the peer tier's target")
-    mtbf_s: float | None = Field(default=None, gt=0, description="the job's mean time between "
-                                 "failures (the fleet's node MTBF over its nodes), for 'auto'")
+    mtbf_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="the job's mean time between "
+        "failures (the fleet's node MTBF over its nodes), for 'auto'",
+    )
 
 
 class StartRanksArgs(_Msg):
@@ -400,12 +416,16 @@ class StartRanksArgs(_Msg):
         "(jobs can share a node by GPU count; only the agent knows which GPUs are free)",
     )
     grace_s: float = Field(default=30.0, gt=0)
-    ckpt: CkptPlan | None = Field(default=None, description="the checkpoint tiers; None: "
-                                  "the agent's defaults")
+    ckpt: CkptPlan | None = Field(
+        default=None, description="the checkpoint tiers; None: the agent's defaults"
+    )
     hang_timeout_s: float | None = Field(
-        default=None, gt=0, description="the ranks are hung once none of this node's has "
+        default=None,
+        gt=0,
+        description="the ranks are hung once none of this node's has "
         "reported a step for this long (None: derived from the observed step time, "
-        "never under the agent's floor)")
+        "never under the agent's floor)",
+    )
 
 
 class StopRanksArgs(_Msg):
@@ -441,8 +461,16 @@ class SaveNowArgs(_Msg):
     generation: int = Field(ge=1)
 
 
-CommandArgsType = (PingArgs | ResampleArgs | RebirthArgs | StartRanksArgs | StopRanksArgs
-                   | AllocPortArgs | BurnInArgs | SaveNowArgs)
+CommandArgsType = (
+    PingArgs
+    | ResampleArgs
+    | RebirthArgs
+    | StartRanksArgs
+    | StopRanksArgs
+    | AllocPortArgs
+    | BurnInArgs
+    | SaveNowArgs
+)
 CommandArgs = Annotated[CommandArgsType, Field(discriminator="op")]
 
 
@@ -485,8 +513,18 @@ class SupervisorStatus(_Msg):
     since: float
 
 
-Message = (NodeBirth | NodeDeath | Heartbeat | Command | CommandAck | SupervisorStatus
-           | RankEvent | CkptLanding | CkptReleased | CkptCatalog)
+Message = (
+    NodeBirth
+    | NodeDeath
+    | Heartbeat
+    | Command
+    | CommandAck
+    | SupervisorStatus
+    | RankEvent
+    | CkptLanding
+    | CkptReleased
+    | CkptCatalog
+)
 
 
 def _ckpt_kind(value: Any) -> str:
@@ -496,9 +534,10 @@ def _ckpt_kind(value: Any) -> str:
     return kind if isinstance(kind, str) else ""
 
 
-CkptReport = Annotated[Annotated[CkptLanding, Tag("ckpt")]
-                       | Annotated[CkptReleased, Tag("ckpt_released")],
-                       Discriminator(_ckpt_kind)]  # fmt: skip
+CkptReport = Annotated[
+    Annotated[CkptLanding, Tag("ckpt")] | Annotated[CkptReleased, Tag("ckpt_released")],
+    Discriminator(_ckpt_kind),
+]
 
 
 # --- topics --------------------------------------------------------------
@@ -612,11 +651,15 @@ def parse(topic: str, payload: bytes | bytearray | str | None) -> Inbound:
         catalog = _validate(topic, CkptCatalog, payload)
         assert isinstance(catalog, CkptCatalog)
         if catalog.job != job_match.group(1):
-            raise WireError(topic, f"payload names job {catalog.job!r} but the topic names "
-                                   f"{job_match.group(1)!r}")
+            raise WireError(
+                topic,
+                f"payload names job {catalog.job!r} but the topic names {job_match.group(1)!r}",
+            )
         if catalog.node != job_match.group(2):
-            raise WireError(topic, f"payload names node {catalog.node!r} but the topic names "
-                                   f"{job_match.group(2)!r}")
+            raise WireError(
+                topic,
+                f"payload names node {catalog.node!r} but the topic names {job_match.group(2)!r}",
+            )
         return Inbound(catalog.node, catalog)
     match = _TOPIC_RE.match(topic)
     if match is None:
@@ -636,8 +679,9 @@ def parse(topic: str, payload: bytes | bytearray | str | None) -> Inbound:
     return Inbound(node, message)
 
 
-def _validate(topic: str, model: type[_Msg] | TypeAdapter[Any], payload: bytes,
-              name: str = "") -> Message:  # fmt: skip
+def _validate(
+    topic: str, model: type[_Msg] | TypeAdapter[Any], payload: bytes, name: str = ""
+) -> Message:
     try:
         if isinstance(model, TypeAdapter):
             return model.validate_json(payload)  # type: ignore[no-any-return]
@@ -647,5 +691,6 @@ def _validate(topic: str, model: type[_Msg] | TypeAdapter[Any], payload: bytes,
             f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
             for err in exc.errors()[:5]
         )
-        raise WireError(topic, f"{name or getattr(model, '__name__', model)} invalid: "
-                               f"{errors}") from exc
+        raise WireError(
+            topic, f"{name or getattr(model, '__name__', model)} invalid: {errors}"
+        ) from exc

@@ -75,11 +75,15 @@ def make_app(sup: Supervisor) -> web.Application:
         try:
             data = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise web.HTTPBadRequest(text=json.dumps({"error": "request body is not JSON"}),
-                                     content_type="application/json") from None
+            raise web.HTTPBadRequest(
+                text=json.dumps({"error": "request body is not JSON"}),
+                content_type="application/json",
+            ) from None
         if not isinstance(data, dict):
-            raise web.HTTPBadRequest(text=json.dumps({"error": "request body must be an object"}),
-                                     content_type="application/json")
+            raise web.HTTPBadRequest(
+                text=json.dumps({"error": "request body must be an object"}),
+                content_type="application/json",
+            )
         return data
 
     async def healthz(request: web.Request) -> web.Response:
@@ -87,8 +91,9 @@ def make_app(sup: Supervisor) -> web.Application:
 
     def node_view(n: Node) -> dict[str, Any]:
         view = n.view()
-        view["jobs"] = sorted(j.id for j in sup.jobs.jobs.values()
-                              if j.state.holds_nodes and n.id in j.nodes)
+        view["jobs"] = sorted(
+            j.id for j in sup.jobs.jobs.values() if j.state.holds_nodes and n.id in j.nodes
+        )
         view["spare"] = n.id in sup.jobs.spares
         return view
 
@@ -110,8 +115,7 @@ def make_app(sup: Supervisor) -> web.Application:
         force = data.get("force", False)
         if not isinstance(force, bool):
             return _error(400, "field 'force': must be true or false")
-        return web.json_response(
-            sup.registry.undrain(request.match_info["id"], force=force).view())
+        return web.json_response(sup.registry.undrain(request.match_info["id"], force=force).view())
 
     async def ping(request: web.Request) -> web.Response:
         from supervisor.daemon import CommandTimeout
@@ -142,14 +146,20 @@ def make_app(sup: Supervisor) -> web.Application:
         try:
             parsed = validate_spec(spec)
         except JobSpecError as exc:
-            return web.json_response({"error": str(exc), "fields": [
-                {"field": f, "line": ln, "message": m} for f, ln, m in exc.errors]}, status=400)
+            return web.json_response(
+                {
+                    "error": str(exc),
+                    "fields": [{"field": f, "line": ln, "message": m} for f, ln, m in exc.errors],
+                },
+                status=400,
+            )
         job = sup.jobs.submit(parsed)
         return web.json_response(job.view(), status=201)
 
     async def jobs(request: web.Request) -> web.Response:
-        return web.json_response([j.view() for j in sorted(
-            sup.jobs.jobs.values(), key=lambda j: j.submitted_at)])
+        return web.json_response(
+            [j.view() for j in sorted(sup.jobs.jobs.values(), key=lambda j: j.submitted_at)]
+        )
 
     async def job(request: web.Request) -> web.Response:
         return web.json_response(sup.jobs.get(request.match_info["id"]).view())
@@ -170,36 +180,53 @@ def make_app(sup: Supervisor) -> web.Application:
         node = sup.registry.get(place.node)
         if node.birth is None:
             return _error(503, f"node {place.node} has not announced its address")
-        url = (f"http://{node.birth.address}:{node.birth.http_port}/v1/jobs/{found.id}/ranks/"
-               f"{rank}/log?offset={offset}")
+        url = (
+            f"http://{node.birth.address}:{node.birth.http_port}/v1/jobs/{found.id}/ranks/"
+            f"{rank}/log?offset={offset}"
+        )
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http, \
-                    http.get(url, headers={"Authorization": f"Bearer {sup.agent_token}"}) as resp:
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http,
+                http.get(url, headers={"Authorization": f"Bearer {sup.agent_token}"}) as resp,
+            ):
                 data = await resp.read()
                 if resp.status != 200:
-                    return _error(502 if resp.status != 404 else 404,
-                                  f"node {place.node}: {data.decode(errors='replace')[:300]}")
-                return web.Response(body=data, content_type="text/plain", headers={
-                    "X-Phalanx-Offset": resp.headers.get("X-Phalanx-Offset", str(offset)),
-                    "X-Phalanx-Node": place.node})
+                    return _error(
+                        502 if resp.status != 404 else 404,
+                        f"node {place.node}: {data.decode(errors='replace')[:300]}",
+                    )
+                return web.Response(
+                    body=data,
+                    content_type="text/plain",
+                    headers={
+                        "X-Phalanx-Offset": resp.headers.get("X-Phalanx-Offset", str(offset)),
+                        "X-Phalanx-Node": place.node,
+                    },
+                )
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return _error(502, f"cannot fetch the log from node {place.node} at "
-                               f"{node.birth.address}:{node.birth.http_port}: {exc}")
+            return _error(
+                502,
+                f"cannot fetch the log from node {place.node} at "
+                f"{node.birth.address}:{node.birth.http_port}: {exc}",
+            )
 
     async def checkpoints(request: web.Request) -> web.Response:
         found = sup.jobs.get(request.match_info["id"])
-        return web.json_response(sup.catalog.view(found.id, found.spec.world_size,
-                                                  found.spec.checkpoint.tiers))
+        return web.json_response(
+            sup.catalog.view(found.id, found.spec.world_size, found.spec.checkpoint.tiers)
+        )
 
     async def stats(request: web.Request) -> web.Response:
-        return web.json_response({
-            "heartbeats": sup.registry.heartbeats,
-            "bad_messages": sup.bad_messages,
-            "nodes": len(sup.registry.nodes),
-            "mqtt_connects": sup.link.connects,
-            "jobs": len(sup.jobs.jobs),
-            "last_schedule_pass_s": sup.jobs.last_pass_s,
-        })
+        return web.json_response(
+            {
+                "heartbeats": sup.registry.heartbeats,
+                "bad_messages": sup.bad_messages,
+                "nodes": len(sup.registry.nodes),
+                "mqtt_connects": sup.link.connects,
+                "jobs": len(sup.jobs.jobs),
+                "last_schedule_pass_s": sup.jobs.last_pass_s,
+            }
+        )
 
     app = web.Application(middlewares=[guard], client_max_size=64 * 1024)
     app.router.add_get("/healthz", healthz)
@@ -222,6 +249,9 @@ def make_app(sup: Supervisor) -> web.Application:
 @contextlib.asynccontextmanager
 async def start_api(sup: Supervisor) -> AsyncIterator[int]:
     api = sup.settings.api
-    async with serve(make_app(sup), lambda runner: web.TCPSite(runner, api.host, api.port),
-                     f"supervisor API on {api.host}:{api.port}") as runner:
+    async with serve(
+        make_app(sup),
+        lambda runner: web.TCPSite(runner, api.host, api.port),
+        f"supervisor API on {api.host}:{api.port}",
+    ) as runner:
         yield int(runner.addresses[0][1])

@@ -38,8 +38,7 @@ class BurnIns:
 
     def passed(self, node_id: str) -> bool:
         node = self.registry.nodes.get(node_id)
-        if node is None or node.birth is None or node.state in (NodeState.DRAIN,
-                                                                NodeState.OFFLINE):
+        if node is None or node.birth is None or node.state in (NodeState.DRAIN, NodeState.OFFLINE):
             return False
         return self._passed.get(node_id) == node.birth.seq
 
@@ -58,9 +57,13 @@ class BurnIns:
                 self._passed.pop(known.id, None)
                 if known.state is NodeState.DRAIN:
                     self._was_drained.add(known.id)
-        return [n for n in sorted(self._was_drained) if not self.passed(n)
-                and (node := self.registry.nodes.get(n)) is not None
-                and node.state in (NodeState.UP, NodeState.WARN)]
+        return [
+            n
+            for n in sorted(self._was_drained)
+            if not self.passed(n)
+            and (node := self.registry.nodes.get(n)) is not None
+            and node.state in (NodeState.UP, NodeState.WARN)
+        ]
 
     def start(self, node_id: str) -> None:
         """Burn ``node_id`` in, in the background, unless it passed or is being tested."""
@@ -92,13 +95,20 @@ class BurnIns:
                 self._passed[node_id] = seq
                 self._passed_at[node_id] = time.time()
             self._was_drained.discard(node_id)
-            log.info("node %s passed its burn-in", node_id,
-                     extra={"node": node_id, "event": "burn_in_passed"})
+            log.info(
+                "node %s passed its burn-in",
+                node_id,
+                extra={"node": node_id, "event": "burn_in_passed"},
+            )
             return True, ""
         reasons = result.get("reasons") or [ack.detail or ack.status.value]
         why = f"failed burn-in: {'; '.join(str(r) for r in reasons)}"
-        log.warning("node %s %s; draining it", node_id, why,
-                    extra={"node": node_id, "event": "burn_in_failed"})
+        log.warning(
+            "node %s %s; draining it",
+            node_id,
+            why,
+            extra={"node": node_id, "event": "burn_in_failed"},
+        )
         try:
             self.registry.drain(node_id, why, by="supervisor")
         except RegistryError as exc:

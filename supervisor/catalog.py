@@ -42,22 +42,34 @@ def pick_buddies(nodes: Sequence[str], racks: Mapping[str, str]) -> dict[str, st
     size = len(ring)
     best = 1
     for shift in range(1, size):
-        if all(racks.get(ring[i], "") != racks.get(ring[(i + shift) % size], "")
-               for i in range(size)):
+        if all(
+            racks.get(ring[i], "") != racks.get(ring[(i + shift) % size], "") for i in range(size)
+        ):
             best = shift
             break
     else:
         # No shift moves every copy off its rack: take the one that moves the most.
-        best = max(range(1, size), key=lambda s: (sum(
-            racks.get(ring[i], "") != racks.get(ring[(i + s) % size], "")
-            for i in range(size)), -s))
+        best = max(
+            range(1, size),
+            key=lambda s: (
+                sum(
+                    racks.get(ring[i], "") != racks.get(ring[(i + s) % size], "")
+                    for i in range(size)
+                ),
+                -s,
+            ),
+        )
     return {ring[i]: ring[(i + best) % size] for i in range(size)}
 
 
-def gang_step(committed: Mapping[int, Mapping[str, float]],
-              where: Mapping[tuple[int, int, str], tuple[str, str | None]], world_size: int,
-              placement: Mapping[int, str], alive: Set[str] | None,
-              reachable: Set[str] | None = None) -> tuple[int | None, str]:
+def gang_step(
+    committed: Mapping[int, Mapping[str, float]],
+    where: Mapping[tuple[int, int, str], tuple[str, str | None]],
+    world_size: int,
+    placement: Mapping[int, str],
+    alive: Set[str] | None,
+    reachable: Set[str] | None = None,
+) -> tuple[int | None, str]:
     """The newest committed step every rank can read from where it runs, and why none
     is when none is (``""`` otherwise).
 
@@ -91,8 +103,10 @@ def gang_step(committed: Mapping[int, Mapping[str, float]],
         blocked = next((r for r in range(world_size) if not readable(step, r, tiers)), None)
         if blocked is None:
             return step, ""
-        note = note or (f"rank {blocked} (on {placement.get(blocked) or 'no node'}) can read "
-                        f"no copy of step {step} (committed at {', '.join(sorted(tiers))})")
+        note = note or (
+            f"rank {blocked} (on {placement.get(blocked) or 'no node'}) can read "
+            f"no copy of step {step} (committed at {', '.join(sorted(tiers))})"
+        )
     return None, note
 
 
@@ -107,17 +121,39 @@ class CheckpointCatalog:
     def on_landing(self, msg: wire.CkptLanding, world_size: int) -> bool:
         """Record a landing or deletion; True when a commit appeared or went."""
         if msg.event == "failed":
-            self.store.add_event("ckpt_failed", msg.node, {
-                "job": msg.job, "step": msg.step, "rank": msg.rank, "tier": msg.tier,
-                "error": msg.error})
+            self.store.add_event(
+                "ckpt_failed",
+                msg.node,
+                {
+                    "job": msg.job,
+                    "step": msg.step,
+                    "rank": msg.rank,
+                    "tier": msg.tier,
+                    "error": msg.error,
+                },
+            )
             return False
         if msg.event == "corrupt":
             # A rank could not use this copy: the step is no longer whole at that tier.
-            self.store.add_event("ckpt_corrupt", msg.node, {
-                "job": msg.job, "step": msg.step, "rank": msg.rank, "tier": msg.tier,
-                "error": msg.error})
-            log.warning("job %s: rank %d found its copy of step %d at tier %s unusable: %s",
-                        msg.job, msg.rank, msg.step, msg.tier, msg.error)
+            self.store.add_event(
+                "ckpt_corrupt",
+                msg.node,
+                {
+                    "job": msg.job,
+                    "step": msg.step,
+                    "rank": msg.rank,
+                    "tier": msg.tier,
+                    "error": msg.error,
+                },
+            )
+            log.warning(
+                "job %s: rank %d found its copy of step %d at tier %s unusable: %s",
+                msg.job,
+                msg.rank,
+                msg.step,
+                msg.tier,
+                msg.error,
+            )
             self._landed.pop((msg.job, msg.step, msg.tier), None)
             return self.store.drop_shard(msg.job, msg.step, msg.tier, msg.rank)
         if msg.event == "deleted":
@@ -132,8 +168,14 @@ class CheckpointCatalog:
             # the generation that saved those bytes, never as a save of its own.
             saved = self.store.saved_in(msg.job, msg.step, msg.rank, msg.checksum)
             if not saved:
-                log.info("job %s: ignored rank %d's staged copy of step %d at tier %s: no "
-                         "save of it is known", msg.job, msg.rank, msg.step, msg.tier)
+                log.info(
+                    "job %s: ignored rank %d's staged copy of step %d at tier %s: no "
+                    "save of it is known",
+                    msg.job,
+                    msg.rank,
+                    msg.step,
+                    msg.tier,
+                )
                 return False
         if key not in self._landed:
             rows = self.store.shard_ranks(*key)
@@ -142,15 +184,25 @@ class CheckpointCatalog:
         generation, ranks = self._landed[key]
         went = False
         if saved:
-            msg = msg.model_copy(update={
-                "event": "landed", "generation": generation if generation in saved
-                else max(saved)})  # fmt: skip
+            msg = msg.model_copy(
+                update={
+                    "event": "landed",
+                    "generation": generation if generation in saved else max(saved),
+                }
+            )
         if msg.generation < generation:
             # An older generation's write-down, late, of a step a newer one saves again:
             # it must not make a commit of two generations' shards.
-            log.info("job %s: ignored rank %d's shard of step %d at tier %s from generation "
-                     "%d: generation %d saves that step now", msg.job, msg.rank, msg.step,
-                     msg.tier, msg.generation, generation)
+            log.info(
+                "job %s: ignored rank %d's shard of step %d at tier %s from generation "
+                "%d: generation %d saves that step now",
+                msg.job,
+                msg.rank,
+                msg.step,
+                msg.tier,
+                msg.generation,
+                generation,
+            )
             return False
         if msg.generation > generation:
             # A newer generation saves this step again (it restored an older one): what the
@@ -159,22 +211,38 @@ class CheckpointCatalog:
             self.store.drop_step(msg.job, msg.step, msg.tier)
             generation, ranks = msg.generation, set()
             self._landed[key] = (generation, ranks)
-        self.store.add_shard(msg.job, msg.step, msg.tier, msg.rank, msg.node, msg.holder,
-                             msg.nbytes, msg.checksum, msg.at, msg.generation)
+        self.store.add_shard(
+            msg.job,
+            msg.step,
+            msg.tier,
+            msg.rank,
+            msg.node,
+            msg.holder,
+            msg.nbytes,
+            msg.checksum,
+            msg.at,
+            msg.generation,
+        )
         ranks.add(msg.rank)
         if len(ranks) < world_size:
             return went
         del self._landed[key]  # complete: a redelivery or a corrupt report reloads it
-        for older in [k for k in self._landed if k[0] == msg.job and k[2] == msg.tier
-                      and k[1] < msg.step]:
+        for older in [
+            k for k in self._landed if k[0] == msg.job and k[2] == msg.tier and k[1] < msg.step
+        ]:
             del self._landed[older]  # most likely never complete; reloaded if it does
         if not self.store.add_commit(msg.job, msg.step, msg.tier, time.time()):
             return went
-        self.store.add_event("ckpt_committed", None, {"job": msg.job, "step": msg.step,
-                                                      "tier": msg.tier})
-        log.info("job %s: step %d committed at tier %s", msg.job, msg.step, msg.tier,
-                 extra={"job": msg.job, "event": "ckpt_committed", "step": msg.step,
-                        "tier": msg.tier})
+        self.store.add_event(
+            "ckpt_committed", None, {"job": msg.job, "step": msg.step, "tier": msg.tier}
+        )
+        log.info(
+            "job %s: step %d committed at tier %s",
+            msg.job,
+            msg.step,
+            msg.tier,
+            extra={"job": msg.job, "event": "ckpt_committed", "step": msg.step, "tier": msg.tier},
+        )
         return True
 
     def forget(self) -> None:
@@ -186,12 +254,19 @@ class CheckpointCatalog:
         for key in [k for k in self._landed if k[0] == job]:
             del self._landed[key]
 
-    def messages(self, job: str, world_size: int, *, generation: int = 0,
-                 placement: Mapping[int, str] | None = None,
-                 peers: Mapping[str, wire.PeerAddr] | None = None,
-                 alive: Set[str] | None = None, ended: bool = False,
-                 nodes: Sequence[str] = (),
-                 store: CatalogQueries | None = None) -> list[wire.CkptCatalog]:
+    def messages(
+        self,
+        job: str,
+        world_size: int,
+        *,
+        generation: int = 0,
+        placement: Mapping[int, str] | None = None,
+        peers: Mapping[str, wire.PeerAddr] | None = None,
+        alive: Set[str] | None = None,
+        ended: bool = False,
+        nodes: Sequence[str] = (),
+        store: CatalogQueries | None = None,
+    ) -> list[wire.CkptCatalog]:
         """The job's catalog as each node needs it: one message per node that runs a rank
         of the job (``placement``: rank -> node, the current generation), landed a shard,
         or is named in ``nodes`` (the last generation's, when the job has ended).
@@ -216,12 +291,15 @@ class CheckpointCatalog:
             shards.setdefault((step, rank), (checksum, nbytes))
             where[(step, rank, tier)] = (node, holder)
             landed_on.setdefault(node, set()).add(rank)
-        restore_step, note = gang_step(committed, where, world_size, placement, alive,
-                                       set(peers) if peers else None)
+        restore_step, note = gang_step(
+            committed, where, world_size, placement, alive, set(peers) if peers else None
+        )
         if not committed and db.ever_committed(job):
             # A rank must not start afresh while its peers would have restored.
-            note = ("every step the job committed is gone from the catalog (deleted, or "
-                    "reported corrupt or unreadable): nothing the whole gang can restore")
+            note = (
+                "every step the job committed is gone from the catalog (deleted, or "
+                "reported corrupt or unreadable): nothing the whole gang can restore"
+            )
         runs: dict[str, set[int]] = {}
         for rank, node in placement.items():
             runs.setdefault(node, set()).add(rank)
@@ -230,7 +308,7 @@ class CheckpointCatalog:
             ranks = sorted(runs.get(node, set()) | landed_on.get(node, set()))
             # ~200 bytes per shard listed: stay well under the wire's payload limit.
             fit = max(1, (wire.MAX_PAYLOAD_BYTES // 2) // (200 * max(1, len(ranks)) + 100))
-            keep = sorted(committed)[-min(wire.MAX_CATALOG_STEPS, fit):]
+            keep = sorted(committed)[-min(wire.MAX_CATALOG_STEPS, fit) :]
             if restore_step is not None and restore_step not in keep:
                 keep = sorted([restore_step, *keep[1:]])  # the gang's step is always listed
             steps = []
@@ -241,22 +319,38 @@ class CheckpointCatalog:
                         continue
                     checksum, nbytes = shards[(step, rank)]
                     holder = where.get((step, rank, "peer"), (None, None))[1]
-                    listed.append(wire.CkptShard(
-                        rank=rank, checksum=checksum, nbytes=nbytes,
-                        peer=peers.get(holder) if holder and "peer" in committed[step] else None))
+                    listed.append(
+                        wire.CkptShard(
+                            rank=rank,
+                            checksum=checksum,
+                            nbytes=nbytes,
+                            peer=peers.get(holder)
+                            if holder and "peer" in committed[step]
+                            else None,
+                        )
+                    )
                 steps.append(wire.CkptStep(step=step, committed=committed[step], shards=listed))
-            out.append(wire.CkptCatalog(job=job, node=node, world_size=world_size,
-                                        generation=generation, steps=steps,
-                                        restore_step=restore_step, restore_note=note,
-                                        ended=ended))  # fmt: skip
+            out.append(
+                wire.CkptCatalog(
+                    job=job,
+                    node=node,
+                    world_size=world_size,
+                    generation=generation,
+                    steps=steps,
+                    restore_step=restore_step,
+                    restore_note=note,
+                    ended=ended,
+                )
+            )
         return out
 
     def view(self, job: str, world_size: int, tiers: Sequence[str]) -> dict[str, Any]:
         """Every step with a shard anywhere: committed tiers, and partial ones (ranks there)."""
         steps: dict[int, dict[str, Any]] = {}
         for step, tier, rank, node, holder, nbytes, _checksum in self.store.shards(job):
-            entry = steps.setdefault(step, {"step": step, "committed": {}, "partial": {},
-                                            "bytes": {}, "where": {}})
+            entry = steps.setdefault(
+                step, {"step": step, "committed": {}, "partial": {}, "bytes": {}, "where": {}}
+            )
             entry["partial"][tier] = entry["partial"].get(tier, 0) + 1
             entry["bytes"][tier] = entry["bytes"].get(tier, 0) + nbytes
             entry["where"].setdefault(tier, {})[str(rank)] = holder or node
@@ -264,5 +358,9 @@ class CheckpointCatalog:
             if step in steps:
                 steps[step]["committed"][tier] = at
                 steps[step]["partial"].pop(tier, None)
-        return {"job": job, "world_size": world_size, "tiers": list(tiers),
-                "steps": [steps[s] for s in sorted(steps)]}
+        return {
+            "job": job,
+            "world_size": world_size,
+            "tiers": list(tiers),
+            "steps": [steps[s] for s in sorted(steps)],
+        }

@@ -51,31 +51,40 @@ class SupervisorSettings(BaseSettings):
     )
     command_timeout_s: float = Field(default=10.0, gt=0, description="Wait for a command's ack.")
     schedule_interval_s: float = Field(
-        default=2.0, gt=0, description="Longest time between scheduling passes (a submit, a "
-        "job's end or a node change also start one)."
+        default=2.0,
+        gt=0,
+        description="Longest time between scheduling passes (a submit, a "
+        "job's end or a node change also start one).",
     )
     spares: int = Field(default=0, ge=0, description="Healthy idle nodes held back as hot spares.")
     ckpt_node_mtbf_h: float = Field(
-        default=5000.0, gt=0,
+        default=5000.0,
+        gt=0,
         description="A node's mean time between failures, in hours, for jobs checkpointing "
         "at `interval: auto` until enough failures are seen to learn it (5,000 h: about "
-        "what large GPU fleets report, e.g. one interruption every ~3 h on 2,048 nodes).")
+        "what large GPU fleets report, e.g. one interruption every ~3 h on 2,048 nodes).",
+    )
     ckpt_mtbf_min_failures: int = Field(
-        default=5, ge=1,
+        default=5,
+        ge=1,
         description="Node failures (lost, or drained automatically) the event log must hold "
-        "before the fleet's learned node MTBF replaces ckpt_node_mtbf_h.")
+        "before the fleet's learned node MTBF replaces ckpt_node_mtbf_h.",
+    )
     ckpt_failed_ram_linger_s: float = Field(
-        default=0.0, ge=0,
+        default=0.0,
+        ge=0,
         description="How long the nodes of a failed job keep its RAM checkpoint tier before "
         "they free it (the other tiers keep their copies). Nothing restarts a failed job, so "
         "by default it goes at once; a linger keeps the newest step in memory for a tool "
-        "that restarts the failed gang's ranks by hand.")
+        "that restarts the failed gang's ranks by hand.",
+    )
     teams: dict[str, TeamSettings] = Field(
         default_factory=dict, description="Per-team GPU quota and fair-share weight."
     )
     agent_token_file: Path | None = Field(
-        default=None, description="The agents' HTTP token (the same file as their "
-        "http.token_file), used to fetch rank logs."
+        default=None,
+        description="The agents' HTTP token (the same file as their "
+        "http.token_file), used to fetch rank logs.",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_json: bool = Field(default=False, description="Log JSON lines instead of text.")
@@ -92,13 +101,16 @@ class SupervisorSettings(BaseSettings):
             try:
                 token = self.api.token_file.read_text().strip()
             except OSError as exc:
-                raise ConfigError(f"api.token_file: cannot read {self.api.token_file}: {exc}"
-                                  ) from exc
+                raise ConfigError(
+                    f"api.token_file: cannot read {self.api.token_file}: {exc}"
+                ) from exc
         elif self.api.token is not None:
             token = self.api.token.get_secret_value()
         else:
-            raise ConfigError("api.token: no API token configured (set api.token_file or "
-                              "api.token); the REST API never runs open")
+            raise ConfigError(
+                "api.token: no API token configured (set api.token_file or "
+                "api.token); the REST API never runs open"
+            )
         if len(token) < 16:
             raise ConfigError("api.token: the API token must be at least 16 characters")
         return token

@@ -110,8 +110,9 @@ class JobController:
 
     # --- what the recoveries use -------------------------------------------------
 
-    async def command(self, node: str, args: wire.CommandArgsType,
-                      timeout: float | None = None) -> wire.CommandAck:
+    async def command(
+        self, node: str, args: wire.CommandArgsType, timeout: float | None = None
+    ) -> wire.CommandAck:
         return await self.sup.command(node, args, timeout=timeout)
 
     def node_incidents(self) -> list[NodeIncident]:
@@ -214,8 +215,16 @@ class JobController:
             return
         if ev.event == "hung":
             if job.state is JobState.RUNNING:
-                self._event("ranks_hung", job, node=ev.node, rank=ev.rank, step=ev.step,
-                            stopped=ev.stopped, idle_s=ev.idle_s, detail=ev.detail)
+                self._event(
+                    "ranks_hung",
+                    job,
+                    node=ev.node,
+                    rank=ev.rank,
+                    step=ev.step,
+                    stopped=ev.stopped,
+                    idle_s=ev.idle_s,
+                    detail=ev.detail,
+                )
                 self.recoveries.on_hang(job, ev)
             return
         if ev.event != "exited":
@@ -224,8 +233,16 @@ class JobController:
         if place is None or place.node != ev.node or place.exited:
             return
         place.code, place.signal = ev.code, ev.signal
-        self._event("rank_exited", job, node=ev.node, rank=ev.rank, code=ev.code,
-                    signal=ev.signal, generation=ev.generation, step=ev.step)
+        self._event(
+            "rank_exited",
+            job,
+            node=ev.node,
+            rank=ev.rank,
+            code=ev.code,
+            signal=ev.signal,
+            generation=ev.generation,
+            step=ev.step,
+        )
         self._after_exit(job, place, step=ev.step, at=ev.at)
 
     def on_heartbeat(self, beat: wire.Heartbeat) -> None:
@@ -250,25 +267,37 @@ class JobController:
                 del self._missing[key]
                 for r in open_ranks:
                     r.lost = True
-                self._event("ranks_lost", job, node=beat.node,
-                            ranks=[r.rank for r in open_ranks])
+                self._event("ranks_lost", job, node=beat.node, ranks=[r.rank for r in open_ranks])
                 self._after_exit(job, open_ranks[0])
 
     def _stop_orphans(self, node: str, listed: set[tuple[str, int]]) -> None:
         now = time.monotonic()
         for job_id, generation in listed:
             job = self.jobs.get(job_id)
-            owned = job is not None and job.generation == generation and node in job.nodes \
+            owned = (
+                job is not None
+                and job.generation == generation
+                and node in job.nodes
                 and job.state in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING)
+            )
             key = (job_id, node, generation)
             if owned or now - self._orphan_stops.get(key, -1e9) < 30.0:
                 continue
             self._orphan_stops[key] = now
-            log.warning("node %s runs job %s generation %d, which no live job here owns; "
-                        "stopping those ranks", node, job_id, generation,
-                        extra={"node": node, "job": job_id, "event": "orphan_ranks"})
-            args = wire.StopRanksArgs(job=job_id, generation=generation, grace_s=10.0,
-                                      reason="orphaned: not owned by any live job")
+            log.warning(
+                "node %s runs job %s generation %d, which no live job here owns; "
+                "stopping those ranks",
+                node,
+                job_id,
+                generation,
+                extra={"node": node, "job": job_id, "event": "orphan_ranks"},
+            )
+            args = wire.StopRanksArgs(
+                job=job_id,
+                generation=generation,
+                grace_s=10.0,
+                reason="orphaned: not owned by any live job",
+            )
             task = asyncio.create_task(self._send_quietly(node, args), name="orphan-stop")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -279,15 +308,25 @@ class JobController:
         except (TimeoutError, ConnectionError, RegistryError) as exc:
             log.warning("orphan stop of %s on %s not acknowledged: %s", args.job, node, exc)
 
-    def _after_exit(self, job: Job, place: RankPlace, *, step: int | None = None,
-                    at: float | None = None) -> None:
+    def _after_exit(
+        self, job: Job, place: RankPlace, *, step: int | None = None, at: float | None = None
+    ) -> None:
         if job.state is JobState.RUNNING:
             if not place.clean:
-                self.recoveries.on_failure(job, Failure(
-                    FailureKind.RANK_EXIT, place.node, rank=place.rank, code=place.code,
-                    signal=place.signal, step=step, generation=job.generation,
-                    detail="lost: its node no longer runs it" if place.lost else ""),
-                    fault_at=at)
+                self.recoveries.on_failure(
+                    job,
+                    Failure(
+                        FailureKind.RANK_EXIT,
+                        place.node,
+                        rank=place.rank,
+                        code=place.code,
+                        signal=place.signal,
+                        step=step,
+                        generation=job.generation,
+                        detail="lost: its node no longer runs it" if place.lost else "",
+                    ),
+                    fault_at=at,
+                )
                 return
             if all(r.exited and r.clean for r in job.ranks):
                 job.reason = "every rank exited 0"
@@ -302,8 +341,11 @@ class JobController:
     def check_runtimes(self) -> None:
         now = time.time()
         for job in self.jobs.values():
-            if (job.state is JobState.RUNNING and job.started_at is not None
-                    and now - job.started_at + job.ran_before_s > job.spec.max_runtime):
+            if (
+                job.state is JobState.RUNNING
+                and job.started_at is not None
+                and now - job.started_at + job.ran_before_s > job.spec.max_runtime
+            ):
                 self.fail(job, f"max_runtime of {job.spec.max_runtime:.0f}s exceeded")
 
     def check_nodes(self) -> None:
@@ -317,22 +359,42 @@ class JobController:
                 node = self.sup.registry.nodes.get(node_id)
                 if node is not None and settling and node.last_seen == 0.0:
                     continue
-                if node is not None and node.state is NodeState.OFFLINE and \
-                        not self.sup.offline_confirmed(node.offline_at):
+                if (
+                    node is not None
+                    and node.state is NodeState.OFFLINE
+                    and not self.sup.offline_confirmed(node.offline_at)
+                ):
                     continue  # perhaps the broker restarting: confirmed in a moment
                 if node is None or node.state is NodeState.OFFLINE:
                     cause = node.offline_cause if node else "unknown"
-                    self.recoveries.on_failure(job, Failure(
-                        FailureKind.NODE_OFFLINE, node_id, detail=cause,
-                        generation=job.generation, quarantine=cause != "clean shutdown"))
+                    self.recoveries.on_failure(
+                        job,
+                        Failure(
+                            FailureKind.NODE_OFFLINE,
+                            node_id,
+                            detail=cause,
+                            generation=job.generation,
+                            quarantine=cause != "clean shutdown",
+                        ),
+                    )
                     break
                 # A drain for the node's health is a hardware failure under the job; an
                 # operator's drain lets the job finish (a rolling upgrade waits for it).
-                if node.state is NodeState.DRAIN and node.drain is not None \
-                        and node.drain.by == "auto":
-                    self.recoveries.on_failure(job, Failure(
-                        FailureKind.NODE_DRAIN, node_id, detail=node.drain.reason,
-                        generation=job.generation), fault_at=node.drain.since)
+                if (
+                    node.state is NodeState.DRAIN
+                    and node.drain is not None
+                    and node.drain.by == "auto"
+                ):
+                    self.recoveries.on_failure(
+                        job,
+                        Failure(
+                            FailureKind.NODE_DRAIN,
+                            node_id,
+                            detail=node.drain.reason,
+                            generation=job.generation,
+                        ),
+                        fault_at=node.drain.since,
+                    )
                     break
 
     def fail(self, job: Job, why: str) -> None:
@@ -351,42 +413,71 @@ class JobController:
         for node in self.sup.registry.nodes.values():
             if node.birth is None or not node.birth.gpus:
                 continue
-            nodes.append(ClusterNode(
-                id=node.id, rack=node.birth.topology.rack, gpus=len(node.birth.gpus),
-                gpu_type=node.birth.gpus[0].model,
-                nvlink_domain=node.birth.topology.nvlink_domain,
-                # Back from a drain, a node takes work once its burn-in passed.
-                schedulable=node.state is NodeState.UP and not self.burnins.needs(node.id),
-            ))
+            nodes.append(
+                ClusterNode(
+                    id=node.id,
+                    rack=node.birth.topology.rack,
+                    gpus=len(node.birth.gpus),
+                    gpu_type=node.birth.gpus[0].model,
+                    nvlink_domain=node.birth.topology.nvlink_domain,
+                    # Back from a drain, a node takes work once its burn-in passed.
+                    schedulable=node.state is NodeState.UP and not self.burnins.needs(node.id),
+                )
+            )
         known = {n.id for n in nodes}
         running, pending = [], []
         for job in self.jobs.values():
             spec = job.spec
             held = list(job.nodes)
             if job.recovery is not None:  # the nodes its relaunch will use are held too
-                held += [n for n in (job.recovery.get("plan") or {}).get("nodes", [])
-                         if n not in held]
+                held += [
+                    n for n in (job.recovery.get("plan") or {}).get("nodes", []) if n not in held
+                ]
             if job.state.holds_nodes and all(n in known for n in held):
-                running.append(RunningJob(
-                    id=job.id, team=spec.team, priority=spec.priority, nodes=tuple(held),
-                    gpus_per_node=spec.ranks_per_node, preemptible=spec.preemptible,
-                    start_time=job.started_at or now, max_runtime=spec.max_runtime,
-                ))
+                running.append(
+                    RunningJob(
+                        id=job.id,
+                        team=spec.team,
+                        priority=spec.priority,
+                        nodes=tuple(held),
+                        gpus_per_node=spec.ranks_per_node,
+                        preemptible=spec.preemptible,
+                        start_time=job.started_at or now,
+                        max_runtime=spec.max_runtime,
+                    )
+                )
             elif job.state is JobState.PENDING:
-                pending.append(PendingJob(
-                    id=job.id, team=spec.team, priority=spec.priority, nodes=spec.nodes,
-                    gpus_per_node=spec.ranks_per_node, max_runtime=spec.max_runtime,
-                    submit_time=job.submitted_at, gpu_type=spec.gpu_type,
-                    placement=Placement(spec.placement.policy),
-                    placement_required=spec.placement.required, preemptible=spec.preemptible,
-                ))
+                pending.append(
+                    PendingJob(
+                        id=job.id,
+                        team=spec.team,
+                        priority=spec.priority,
+                        nodes=spec.nodes,
+                        gpus_per_node=spec.ranks_per_node,
+                        max_runtime=spec.max_runtime,
+                        submit_time=job.submitted_at,
+                        gpu_type=spec.gpu_type,
+                        placement=Placement(spec.placement.policy),
+                        placement_required=spec.placement.required,
+                        preemptible=spec.preemptible,
+                    )
+                )
         settings = self.sup.settings
-        teams = tuple(TeamShare(team=name, gpu_quota=t.gpu_quota, weight=t.weight,
-                                usage=self._usage(name, now))
-                      for name, t in sorted(settings.teams.items()))
-        return ClusterState(now=now, nodes=tuple(sorted(nodes, key=lambda n: n.id)),
-                            running=tuple(running), pending=tuple(pending), teams=teams,
-                            spare_pool=settings.spares, previous_spares=frozenset(self.spares))
+        teams = tuple(
+            TeamShare(
+                team=name, gpu_quota=t.gpu_quota, weight=t.weight, usage=self._usage(name, now)
+            )
+            for name, t in sorted(settings.teams.items())
+        )
+        return ClusterState(
+            now=now,
+            nodes=tuple(sorted(nodes, key=lambda n: n.id)),
+            running=tuple(running),
+            pending=tuple(pending),
+            teams=teams,
+            spare_pool=settings.spares,
+            previous_spares=frozenset(self.spares),
+        )
 
     def _usage(self, team: str, now: float) -> float:
         """GPU-seconds of the team's jobs over the last day (a plain window, no decay)."""
@@ -402,8 +493,9 @@ class JobController:
 
     def schedule_pass(self) -> Decisions | None:
         # With a spare pool, every pass tops it up (a recovery just took a spare).
-        if not self.sup.settings.spares and \
-                not any(j.state is JobState.PENDING for j in self.jobs.values()):
+        if not self.sup.settings.spares and not any(
+            j.state is JobState.PENDING for j in self.jobs.values()
+        ):
             return None
         t0 = time.perf_counter()
         decisions = schedule(self.cluster_state())
@@ -425,16 +517,22 @@ class JobController:
                 victim.stop_target = JobState.PENDING
                 victim.reason = f"preempted for {pre.for_job_id}"
                 victim.preemptions += 1
-                self._event("job_preempted", victim, by=pre.for_job_id,
-                            lost_gpu_seconds=round(pre.lost_work, 1))
+                self._event(
+                    "job_preempted",
+                    victim,
+                    by=pre.for_job_id,
+                    lost_gpu_seconds=round(pre.lost_work, 1),
+                )
                 self._move(victim, JobState.STOPPING, victim.reason)
                 self._spawn(victim, self.orders.preempt(victim))
         for start in decisions.starts:
             job = self.jobs[start.job_id]
             if start.preempts:
                 # Its nodes free up once the victims stop; a later pass places it.
-                job.waiting = {"reason": "preemption",
-                               "detail": f"waiting for {', '.join(start.preempts)} to stop"}
+                job.waiting = {
+                    "reason": "preemption",
+                    "detail": f"waiting for {', '.join(start.preempts)} to stop",
+                }
                 self._save(job)
                 continue
             if job.state is JobState.PENDING and job.id not in self._busy:
@@ -448,8 +546,11 @@ class JobController:
         spec = job.spec
         job.generation += 1
         job.nodes = nodes
-        job.ranks = [RankPlace(rank=i * spec.ranks_per_node + lr, node=n, local_rank=lr)
-                     for i, n in enumerate(nodes) for lr in range(spec.ranks_per_node)]
+        job.ranks = [
+            RankPlace(rank=i * spec.ranks_per_node + lr, node=n, local_rank=lr)
+            for i, n in enumerate(nodes)
+            for lr in range(spec.ranks_per_node)
+        ]
         job.stop_target = None
         job.reason = ""
         self._move(job, JobState.STARTING, f"placed on {', '.join(nodes)}")
@@ -461,17 +562,20 @@ class JobController:
             job.master_addr = rank0.birth.address
             ack = await self.sup.command(nodes[0], wire.AllocPortArgs(), timeout=timeout)
             if ack.status != wire.AckStatus.DONE:
-                raise LaunchError(f"node {nodes[0]} could not allocate a port: {ack.detail}",
-                                  nodes[0])
+                raise LaunchError(
+                    f"node {nodes[0]} could not allocate a port: {ack.detail}", nodes[0]
+                )
             job.master_port = int(ack.result["port"])
             # The ranks restore first thing: their nodes must know this generation's
             # restore step (or that there is none) before; their agents wait for it.
             await self.sup.publish_catalog(job.id)
-            acks = await asyncio.gather(*(
-                self.sup.command(node, self.orders.start_args(job, i, node),
-                                 timeout=timeout)
-                for i, node in enumerate(nodes)
-            ), return_exceptions=True)
+            acks = await asyncio.gather(
+                *(
+                    self.sup.command(node, self.orders.start_args(job, i, node), timeout=timeout)
+                    for i, node in enumerate(nodes)
+                ),
+                return_exceptions=True,
+            )
             problems, failed = [], []
             for node, result in zip(nodes, acks, strict=True):
                 if isinstance(result, asyncio.CancelledError):
@@ -506,8 +610,12 @@ class JobController:
         if job.first_started_at is None:
             job.first_started_at = job.started_at
         self._move(job, JobState.RUNNING, f"world size {spec.world_size}")
-        self._event("job_running", job, generation=job.generation,
-                    master=f"{job.master_addr}:{job.master_port}")
+        self._event(
+            "job_running",
+            job,
+            generation=job.generation,
+            master=f"{job.master_addr}:{job.master_port}",
+        )
         self.recoveries.on_started(job)
         for place in job.ranks:  # exits that raced the start acks
             if place.exited:
@@ -524,14 +632,19 @@ class JobController:
 
     async def _stop(self, job: Job, grace_s: float | None = None) -> None:
         grace = grace_s if grace_s is not None else job.spec.grace_period
-        args = wire.StopRanksArgs(job=job.id, generation=max(job.generation, 1), grace_s=grace,
-                                  reason=job.reason)
+        args = wire.StopRanksArgs(
+            job=job.id, generation=max(job.generation, 1), grace_s=grace, reason=job.reason
+        )
         timeout = grace + self.sup.settings.command_timeout_s
-        results = await asyncio.gather(*(
-            self.sup.command(node, args, timeout=timeout) for node in job.nodes
-            if self.sup.registry.nodes.get(node) is not None
-            and self.sup.registry.nodes[node].state is not NodeState.OFFLINE
-        ), return_exceptions=True)
+        results = await asyncio.gather(
+            *(
+                self.sup.command(node, args, timeout=timeout)
+                for node in job.nodes
+                if self.sup.registry.nodes.get(node) is not None
+                and self.sup.registry.nodes[node].state is not NodeState.OFFLINE
+            ),
+            return_exceptions=True,
+        )
         for result in results:
             if isinstance(result, BaseException):
                 log.warning("job %s: a stop was not acknowledged: %s", job.id, result)
@@ -577,8 +690,14 @@ class JobController:
             self.recoveries.abandon(job, to.value)
         job.move(to, why)
         self._save(job)
-        log.info("job %s: %s -> %s (%s)", job.id, before.value, to.value, why,
-                 extra={"job": job.id, "event": "job_state", "state": to.value})
+        log.info(
+            "job %s: %s -> %s (%s)",
+            job.id,
+            before.value,
+            to.value,
+            why,
+            extra={"job": job.id, "event": "job_state", "state": to.value},
+        )
         if to.final:
             # Its agents free the RAM tier once the catalog says the job ended (a failed
             # job's, after ckpt_failed_ram_linger_s).
@@ -599,4 +718,3 @@ class LaunchError(RuntimeError):
     def __init__(self, message: str, node: str | None = None) -> None:
         super().__init__(message)
         self.node = node
-

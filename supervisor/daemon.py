@@ -62,8 +62,10 @@ class Supervisor:
             "phalanx-supervisor",
             subscriptions=wire.SUPERVISOR_SUBSCRIPTIONS,
             handler=self._on_message,
-            will=lambda: Will(wire.SUPERVISOR_STATUS_TOPIC,
-                              wire.encode(wire.SupervisorStatus(online=False, since=time.time()))),
+            will=lambda: Will(
+                wire.SUPERVISOR_STATUS_TOPIC,
+                wire.encode(wire.SupervisorStatus(online=False, since=time.time())),
+            ),
             on_connect=self._on_connect,
             persistent_session=True,  # rank events sent while we restart are queued for us
         )
@@ -100,8 +102,9 @@ class Supervisor:
             await self._stack.__aexit__(None, None, None)
             self.store.close()
             raise
-        log.info("supervisor up: API on port %d, %d known nodes", self.api_port,
-                 len(self.registry.nodes))
+        log.info(
+            "supervisor up: API on port %d, %d known nodes", self.api_port, len(self.registry.nodes)
+        )
         return self
 
     async def __aexit__(
@@ -113,8 +116,9 @@ class Supervisor:
         if self.link.connected:
             status = wire.SupervisorStatus(online=False, since=time.time())
             with contextlib.suppress(LinkDown):
-                await self.link.publish(wire.SUPERVISOR_STATUS_TOPIC, wire.encode(status),
-                                        retain=True, timeout=2.0)
+                await self.link.publish(
+                    wire.SUPERVISOR_STATUS_TOPIC, wire.encode(status), retain=True, timeout=2.0
+                )
         for task in self._loops:
             task.cancel()
         # Job tasks first: cancelled acks would otherwise read as node failures to a launch.
@@ -125,8 +129,12 @@ class Supervisor:
         # The link is closed: no landing comes any more. Record those acknowledged to the
         # broker (the catalogs are published again on the next start).
         self._closed = True
-        for handle in (self._landing_flush, self._release_flush, self._catalog_retry,
-                       *self._ram_lingers.values()):  # fmt: skip
+        for handle in (
+            self._landing_flush,
+            self._release_flush,
+            self._catalog_retry,
+            *self._ram_lingers.values(),
+        ):
             if handle is not None:
                 handle.cancel()
         for task in list(self._catalog_tasks):
@@ -148,9 +156,11 @@ class Supervisor:
         if lost_at is not None:
             revived = self.registry.revive(lost_at - WILL_SUSPECT_S)
             if revived:
-                log.info("back on the broker: %s went offline by a last will as the "
-                         "broker went down; waiting for them to reconnect",
-                         ", ".join(revived))
+                log.info(
+                    "back on the broker: %s went offline by a last will as the "
+                    "broker went down; waiting for them to reconnect",
+                    ", ".join(revived),
+                )
         self.link_lost_at = None
         self.link_since = self.registry.clock()
         self.registry.heard_all_now()
@@ -182,21 +192,32 @@ class Supervisor:
                 if node.state != NodeState.OFFLINE:
                     alive.add(node.id)
                 if node.birth is not None and node.birth.http_port:
-                    peers[node.id] = wire.PeerAddr(node=node.id, address=node.birth.address,
-                                                   http_port=node.birth.http_port)
+                    peers[node.id] = wire.PeerAddr(
+                        node=node.id, address=node.birth.address, http_port=node.birth.http_port
+                    )
             world_size, generation, nodes = job.spec.world_size, job.generation, job.nodes
 
             def build() -> list[tuple[str, str, bytes]]:
                 with self.store.snapshot() as snapshot:  # committed rows only, one state
                     messages = self.catalog.messages(
-                        job_id, world_size, generation=generation, placement=placement,
-                        peers=peers, alive=alive, ended=ended, nodes=nodes, store=snapshot)
-                return [(m.node, wire.catalog_topic(job_id, m.node), wire.encode(m))
-                        for m in messages]
+                        job_id,
+                        world_size,
+                        generation=generation,
+                        placement=placement,
+                        peers=peers,
+                        alive=alive,
+                        ended=ended,
+                        nodes=nodes,
+                        store=snapshot,
+                    )
+                return [
+                    (m.node, wire.catalog_topic(job_id, m.node), wire.encode(m)) for m in messages
+                ]
 
             try:
                 built = await asyncio.get_running_loop().run_in_executor(
-                    self._catalog_builder, build)
+                    self._catalog_builder, build
+                )
                 if ended:
                     # A node that let go of the job needs nothing more; the others' rows go
                     # in before the first message is out, as its release may come at once.
@@ -204,8 +225,9 @@ class Supervisor:
                     built = [m for m in built if m[0] not in done]
                     self.store.ended_catalogs_sent(job_id, [target for target, _, _ in built])
             except StoreError as exc:
-                log.error("job %s: cannot build the checkpoint catalog: %s: trying again",
-                          job_id, exc)
+                log.error(
+                    "job %s: cannot build the checkpoint catalog: %s: trying again", job_id, exc
+                )
                 self._catalog_retry_jobs.add(job_id)
                 self._schedule(CATALOG_RETRY_S, "_catalog_retry", self._retry_catalogs)
                 return
@@ -215,8 +237,13 @@ class Supervisor:
                 try:
                     await self.link.publish(topic, payload, retain=True)
                 except LinkDown as exc:
-                    log.warning("job %s: the checkpoint catalog for %s was not published (%s): "
-                                "trying again", job_id, target, exc)
+                    log.warning(
+                        "job %s: the checkpoint catalog for %s was not published (%s): "
+                        "trying again",
+                        job_id,
+                        target,
+                        exc,
+                    )
                     self._catalog_retry_jobs.add(job_id)
                     self._schedule(CATALOG_RETRY_S, "_catalog_retry", self._retry_catalogs)
                     return
@@ -256,12 +283,15 @@ class Supervisor:
                         self.store.ended_catalogs_cleared(job, cleared, time.time())
                 released = self.store.ended_catalogs_released(job)
         except (LinkDown, StoreError) as exc:
-            log.warning("job %s: ended catalogs not cleared for %s: %s", job,
-                        ", ".join(sorted(let_go - set(cleared))), exc)
+            log.warning(
+                "job %s: ended catalogs not cleared for %s: %s",
+                job,
+                ", ".join(sorted(let_go - set(cleared))),
+                exc,
+            )
             return
         if released and cleared:
-            log.info("job %s: every node let go of its checkpoints; its catalogs are cleared",
-                     job)
+            log.info("job %s: every node let go of its checkpoints; its catalogs are cleared", job)
 
     def _ram_freed(self, job: Job) -> bool:
         """Whether the job's nodes free its RAM tier now (the catalog says ``ended``): it
@@ -294,8 +324,9 @@ class Supervisor:
             return False
         return self.registry.clock() - max(offline_at, self.link_since) >= OFFLINE_CONFIRM_S
 
-    def _schedule(self, delay: float, slot: str,
-                  fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    def _schedule(
+        self, delay: float, slot: str, fn: Callable[[], Coroutine[Any, Any, None]]
+    ) -> None:
         """Run ``fn`` once, ``delay`` seconds from now, unless already scheduled in ``slot``."""
         if self._closed or getattr(self, slot) is not None:
             return
@@ -328,8 +359,7 @@ class Supervisor:
                     for msg in msgs:
                         job = self.jobs.jobs.get(msg.job)
                         if job is None:
-                            log.warning("dropped: a checkpoint landing of unknown job %s",
-                                        msg.job)  # fmt: skip
+                            log.warning("dropped: a checkpoint landing of unknown job %s", msg.job)
                         elif self.catalog.on_landing(msg, job.spec.world_size):
                             changed.add(msg.job)
             except BaseException:
@@ -342,10 +372,11 @@ class Supervisor:
             lost = len(self._landings) - MAX_QUEUED_LANDINGS
             if lost > 0:
                 del self._landings[:lost]
-                log.error("dropped the %d oldest checkpoint landings: the store has failed "
-                          "for too long", lost)
-            log.error("recording %d checkpoint landing(s) failed, trying again: %s",
-                      len(msgs), exc)  # fmt: skip
+                log.error(
+                    "dropped the %d oldest checkpoint landings: the store has failed for too long",
+                    lost,
+                )
+            log.error("recording %d checkpoint landing(s) failed, trying again: %s", len(msgs), exc)
 
         # One transaction for the batch; a batch that fails for any reason but the store is
         # split in halves until the landing that fails stands alone (a few transactions,
@@ -365,8 +396,11 @@ class Supervisor:
                 if len(chunk) > 1:
                     pending[:0] = [chunk[: len(chunk) // 2], chunk[len(chunk) // 2 :]]
                     continue
-                log.error("dropped a checkpoint landing the store cannot take: %r: %s", exc,
-                          chunk[0].model_dump_json()[:500])  # fmt: skip
+                log.error(
+                    "dropped a checkpoint landing the store cannot take: %r: %s",
+                    exc,
+                    chunk[0].model_dump_json()[:500],
+                )
         return changed
 
     async def flush_landings(self) -> None:
@@ -438,8 +472,9 @@ class Supervisor:
         with contextlib.suppress(LinkDown):
             await self.link.publish(wire.command_topic(node), wire.encode(cmd), timeout=2.0)
 
-    async def command(self, node: str, args: wire.CommandArgsType,
-                      timeout: float | None = None) -> wire.CommandAck:
+    async def command(
+        self, node: str, args: wire.CommandArgsType, timeout: float | None = None
+    ) -> wire.CommandAck:
         """Send one command and wait for its ack (the deadline is the timeout)."""
         self.registry.get(node)
         timeout = timeout or self.settings.command_timeout_s

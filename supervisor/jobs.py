@@ -48,18 +48,19 @@ class JobState(enum.StrEnum):
 
     @property
     def holds_nodes(self) -> bool:
-        return self in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING,
-                        JobState.RECOVERING)
+        return self in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING, JobState.RECOVERING)
 
 
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.PENDING: frozenset({JobState.STARTING, JobState.CANCELLED}),
     JobState.STARTING: frozenset({JobState.RUNNING, JobState.STOPPING, JobState.RECOVERING}),
     JobState.RUNNING: frozenset({JobState.STOPPING, JobState.SUCCEEDED, JobState.RECOVERING}),
-    JobState.RECOVERING: frozenset({JobState.STARTING, JobState.STOPPING, JobState.FAILED,
-                                    JobState.CANCELLED}),
-    JobState.STOPPING: frozenset({JobState.FAILED, JobState.CANCELLED, JobState.PENDING,
-                                  JobState.SUCCEEDED}),
+    JobState.RECOVERING: frozenset(
+        {JobState.STARTING, JobState.STOPPING, JobState.FAILED, JobState.CANCELLED}
+    ),
+    JobState.STOPPING: frozenset(
+        {JobState.FAILED, JobState.CANCELLED, JobState.PENDING, JobState.SUCCEEDED}
+    ),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),
@@ -141,8 +142,9 @@ class Job:
     def move(self, to: JobState, why: str = "") -> None:
         if to not in TRANSITIONS[self.state]:
             raise IllegalTransition(self.id, self.state, to)
-        self.history.append({"at": time.time(), "from": self.state.value, "to": to.value,
-                             "why": why})
+        self.history.append(
+            {"at": time.time(), "from": self.state.value, "to": to.value, "why": why}
+        )
         self.state = to
         if to.final:
             self.ended_at = time.time()
@@ -157,12 +159,23 @@ class Job:
             "state": self.state.value,
             "world_size": self.spec.world_size,
             "nodes": list(self.nodes),
-            "ranks": [{"rank": r.rank, "node": r.node, "local_rank": r.local_rank,
-                       "exit_code": r.code, "signal": r.signal, "lost": r.lost}
-                      for r in self.ranks],
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "node": r.node,
+                    "local_rank": r.local_rank,
+                    "exit_code": r.code,
+                    "signal": r.signal,
+                    "lost": r.lost,
+                }
+                for r in self.ranks
+            ],
             "generation": self.generation,
-            "master": (f"{self.master_addr}:{self.master_port}"
-                       if self.master_addr and self.master_port else None),
+            "master": (
+                f"{self.master_addr}:{self.master_port}"
+                if self.master_addr and self.master_port
+                else None
+            ),
             "submitted_at": self.submitted_at,
             "started_at": self.started_at,
             "ended_at": self.ended_at,
@@ -201,8 +214,13 @@ class Job:
         recovery's downtime (failure to the next generation's first step) and the steps
         trained after the step it restored, at that generation's step time."""
         if self.first_started_at is None:
-            return {"ettr": None, "wall_s": 0.0, "lost_s": 0.0, "downtime_s": 0.0,
-                    "lost_work_s": 0.0}
+            return {
+                "ettr": None,
+                "wall_s": 0.0,
+                "lost_s": 0.0,
+                "downtime_s": 0.0,
+                "lost_work_s": 0.0,
+            }
         end = self.ended_at or (now if now is not None else time.time())
         wall = max(end - self.first_started_at, 1e-9)
         down = sum(i.get("downtime_s") or 0.0 for i in self.incidents)
@@ -210,9 +228,13 @@ class Job:
         if self.recovery is not None and self.recovery.get("detected_at"):
             down += max(0.0, end - self.recovery["detected_at"])  # the one going on now
         lost = min(wall, down + work)
-        return {"ettr": round((wall - lost) / wall, 4), "wall_s": round(wall, 2),
-                "lost_s": round(lost, 2), "downtime_s": round(down, 2),
-                "lost_work_s": round(work, 2)}
+        return {
+            "ettr": round((wall - lost) / wall, 4),
+            "wall_s": round(wall, 2),
+            "lost_s": round(lost, 2),
+            "downtime_s": round(down, 2),
+            "lost_work_s": round(work, 2),
+        }
 
     def record(self) -> dict[str, Any]:
         return {

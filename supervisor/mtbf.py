@@ -35,8 +35,9 @@ class NodeMtbf:
         return self.seconds / max(1, nodes)
 
 
-def node_mtbf(store: Store, *, configured_s: float, min_failures: int,
-              now: float | None = None) -> NodeMtbf:  # fmt: skip
+def node_mtbf(
+    store: Store, *, configured_s: float, min_failures: int, now: float | None = None
+) -> NodeMtbf:
     now = time.time() if now is None else now
     joined = store.first_events("node_joined")
     exposure = sum(max(0.0, now - ts) for ts in joined.values())

@@ -33,11 +33,20 @@ class GangOrders:
             for k, v in spec.env.items()
         }
         return wire.StartRanksArgs(
-            job=job.id, generation=job.generation, command=spec.command, workdir=spec.workdir,
-            env=env, world_size=spec.world_size, group_rank=group_rank,
-            master_addr=job.master_addr or "", master_port=job.master_port or 1,
-            ranks=[wire.RankSlot(rank=r.rank, local_rank=r.local_rank)
-                   for r in job.ranks if r.node == node],
+            job=job.id,
+            generation=job.generation,
+            command=spec.command,
+            workdir=spec.workdir,
+            env=env,
+            world_size=spec.world_size,
+            group_rank=group_rank,
+            master_addr=job.master_addr or "",
+            master_port=job.master_port or 1,
+            ranks=[
+                wire.RankSlot(rank=r.rank, local_rank=r.local_rank)
+                for r in job.ranks
+                if r.node == node
+            ],
             grace_s=spec.grace_period,
             ckpt=self.ckpt_plan(job, node),
             hang_timeout_s=spec.restart.hang_timeout,
@@ -54,8 +63,9 @@ class GangOrders:
         name = pick_buddies(job.nodes, racks).get(node) if "peer" in spec.tiers else None
         found = self.ctl.registry.nodes.get(name) if name else None
         if found is not None and found.birth is not None and found.birth.http_port:
-            buddy = wire.PeerAddr(node=found.id, address=found.birth.address,
-                                  http_port=found.birth.http_port)
+            buddy = wire.PeerAddr(
+                node=found.id, address=found.birth.address, http_port=found.birth.http_port
+            )
         interval: str | float | int = "auto"
         if isinstance(spec.interval, dict):
             kind, value = next(iter(spec.interval.items()))
@@ -63,12 +73,22 @@ class GangOrders:
         now = time.monotonic()
         if self._mtbf is None or now - self._mtbf[0] > 60.0:  # one event-log scan a minute
             settings = self.ctl.settings
-            self._mtbf = (now, node_mtbf(self.ctl.store,
-                                         configured_s=settings.ckpt_node_mtbf_h * 3600.0,
-                                         min_failures=settings.ckpt_mtbf_min_failures))
+            self._mtbf = (
+                now,
+                node_mtbf(
+                    self.ctl.store,
+                    configured_s=settings.ckpt_node_mtbf_h * 3600.0,
+                    min_failures=settings.ckpt_mtbf_min_failures,
+                ),
+            )
         mtbf = self._mtbf[1]
-        return wire.CkptPlan(tiers=list(spec.tiers), keep=dict(spec.keep), interval=interval,
-                             buddy=buddy, mtbf_s=mtbf.for_job(len(job.nodes)))
+        return wire.CkptPlan(
+            tiers=list(spec.tiers),
+            keep=dict(spec.keep),
+            interval=interval,
+            buddy=buddy,
+            mtbf_s=mtbf.for_job(len(job.nodes)),
+        )
 
     async def preempt(self, job: Job) -> None:
         """Checkpoint a preempted job first: its ranks are asked to save at their next step
@@ -84,24 +104,33 @@ class GangOrders:
         before = max((s for s, t, _ in commits if t == tier), default=-1)
         args = wire.SaveNowArgs(job=job.id, generation=max(job.generation, 1))
         timeout = self.ctl.settings.command_timeout_s
-        acks = await asyncio.gather(*(self.ctl.command(n, args, timeout=timeout)
-                                      for n in job.nodes), return_exceptions=True)
-        asked = any(not isinstance(a, BaseException) and a.status == wire.AckStatus.DONE
-                    and a.result.get("ranks") for a in acks)
+        acks = await asyncio.gather(
+            *(self.ctl.command(n, args, timeout=timeout) for n in job.nodes), return_exceptions=True
+        )
+        asked = any(
+            not isinstance(a, BaseException)
+            and a.status == wire.AckStatus.DONE
+            and a.result.get("ranks")
+            for a in acks
+        )
         saved = None
         deadline = time.monotonic() + job.spec.grace_period
         while asked and time.monotonic() < deadline:
-            newest = max((s for s, t, _ in self.ctl.store.commits(job.id) if t == tier),
-                         default=-1)
+            newest = max((s for s, t, _ in self.ctl.store.commits(job.id) if t == tier), default=-1)
             if newest > before:
                 saved = newest
                 break
             await asyncio.sleep(0.2)
         if asked:
-            self.ctl.event("job_preempt_checkpoint", job, step=saved, tier=tier,
-                        committed=saved is not None)
+            self.ctl.event(
+                "job_preempt_checkpoint", job, step=saved, tier=tier, committed=saved is not None
+            )
             if saved is None:
-                log.warning("job %s: no checkpoint committed at %s within the grace period "
-                            "of %.0fs before its preemption", job.id, tier,
-                            job.spec.grace_period)
+                log.warning(
+                    "job %s: no checkpoint committed at %s within the grace period "
+                    "of %.0fs before its preemption",
+                    job.id,
+                    tier,
+                    job.spec.grace_period,
+                )
         await self.ctl.stop(job)

@@ -77,8 +77,9 @@ class Failure:
     quarantine: bool = True
 
     def describe(self) -> str:
-        where = f"node {self.node}" if self.rank is None else \
-            f"rank {self.rank} on node {self.node}"
+        where = (
+            f"node {self.node}" if self.rank is None else f"rank {self.rank} on node {self.node}"
+        )
         match self.kind:
             case FailureKind.RANK_EXIT if self.signal is not None:
                 what = f"{where} was killed by signal {self.signal}"
@@ -174,10 +175,16 @@ HEALTHY = frozenset({"up", "warn"})
 PLACEABLE = frozenset({"up"})  # new work goes to "up" nodes only, as the scheduler's does
 
 
-def plan_recovery(job: JobView, failures: Sequence[Failure], nodes: Mapping[str, NodeView],
-                  catalog: CatalogView, *, now: float,
-                  node_incidents: Sequence[NodeIncident] = (),
-                  node_window_s: float = NODE_WINDOW_S) -> Plan:
+def plan_recovery(
+    job: JobView,
+    failures: Sequence[Failure],
+    nodes: Mapping[str, NodeView],
+    catalog: CatalogView,
+    *,
+    now: float,
+    node_incidents: Sequence[NodeIncident] = (),
+    node_window_s: float = NODE_WINDOW_S,
+) -> Plan:
     """Decide how ``job`` recovers from ``failures`` (one signal or several that arrived
     together, e.g. every rank of a lost node). ``nodes`` is the fleet."""
     if not failures:
@@ -194,9 +201,13 @@ def plan_recovery(job: JobView, failures: Sequence[Failure], nodes: Mapping[str,
     if job.restarts_used >= job.max_restarts:
         if job.max_restarts == 0:  # no recovery asked for: the failure is the reason
             return Plan(Action.FAIL, first.describe(), cause, quarantine=quarantine)
-        return Plan(Action.FAIL, f"restart budget spent: {job.restarts_used} of "
-                    f"max_restarts {job.max_restarts} used; last failure: {first.describe()}",
-                    cause, quarantine=quarantine)
+        return Plan(
+            Action.FAIL,
+            f"restart budget spent: {job.restarts_used} of "
+            f"max_restarts {job.max_restarts} used; last failure: {first.describe()}",
+            cause,
+            quarantine=quarantine,
+        )
 
     new_nodes = list(job.nodes)
     swaps: list[tuple[str, str]] = []
@@ -205,38 +216,65 @@ def plan_recovery(job: JobView, failures: Sequence[Failure], nodes: Mapping[str,
         for failed in sorted(bad, key=job.nodes.index):
             spare = _replacement(job, nodes.get(failed), nodes, taken)
             if spare is None:
-                why = (f"no healthy node to take node {failed}'s ranks: "
-                       + _shortage(job, nodes, taken))
+                why = f"no healthy node to take node {failed}'s ranks: " + _shortage(
+                    job, nodes, taken
+                )
                 return Plan(Action.WAIT, why, cause, quarantine=quarantine)
             taken.add(spare)
             new_nodes[job.nodes.index(failed)] = spare
             swaps.append((failed, spare))
 
-    placement = {gr * job.ranks_per_node + lr: node for gr, node in enumerate(new_nodes)
-                 for lr in range(job.ranks_per_node)}
+    placement = {
+        gr * job.ranks_per_node + lr: node
+        for gr, node in enumerate(new_nodes)
+        for lr in range(job.ranks_per_node)
+    }
     # A node reported offline is dead even while the fleet view still says otherwise.
     alive = {n for n, v in nodes.items() if v.state != "offline"} - {
-        f.node for f in failures if f.kind is FailureKind.NODE_OFFLINE}
+        f.node for f in failures if f.kind is FailureKind.NODE_OFFLINE
+    }
     world = len(new_nodes) * job.ranks_per_node
     step, note = gang_step(catalog.committed, catalog.where, world, placement, alive)
     if step is not None:
         same = [h.restored_step for h in job.history[-NO_PROGRESS_RESTORES:]]
         if len(same) == NO_PROGRESS_RESTORES and all(s == step for s in same):
-            return Plan(Action.FAIL, f"no checkpoint progress: the last {NO_PROGRESS_RESTORES} "
-                        f"recoveries all restored step {step}; last failure: "
-                        f"{first.describe()}", cause, quarantine=quarantine)
+            return Plan(
+                Action.FAIL,
+                f"no checkpoint progress: the last {NO_PROGRESS_RESTORES} "
+                f"recoveries all restored step {step}; last failure: "
+                f"{first.describe()}",
+                cause,
+                quarantine=quarantine,
+            )
     restore_from = _tiers(step, catalog, placement, alive) if step is not None else {}
     action = Action.REPLACE if swaps else Action.RESTART_IN_PLACE
-    how = ("restart in place on the same nodes" if not swaps else
-           "; ".join(f"node {a}'s ranks move to {b}" for a, b in swaps))
+    how = (
+        "restart in place on the same nodes"
+        if not swaps
+        else "; ".join(f"node {a}'s ranks move to {b}" for a, b in swaps)
+    )
     frm = f"from step {step}" if step is not None else "from scratch (nothing committed)"
-    return Plan(action, f"{first.describe()}: {how}, {frm}", cause, nodes=tuple(new_nodes),
-                quarantine=quarantine, swaps=tuple(swaps), restore_step=step,
-                restore_note=note, restore_from=restore_from)
+    return Plan(
+        action,
+        f"{first.describe()}: {how}, {frm}",
+        cause,
+        nodes=tuple(new_nodes),
+        quarantine=quarantine,
+        swaps=tuple(swaps),
+        restore_step=step,
+        restore_note=note,
+        restore_from=restore_from,
+    )
 
 
-def _hardware_nodes(job: JobView, failures: Sequence[Failure], nodes: Mapping[str, NodeView],
-                    now: float, incidents: Sequence[NodeIncident], window: float) -> set[str]:
+def _hardware_nodes(
+    job: JobView,
+    failures: Sequence[Failure],
+    nodes: Mapping[str, NodeView],
+    now: float,
+    incidents: Sequence[NodeIncident],
+    window: float,
+) -> set[str]:
     bad: set[str] = set()
     for f in failures:
         if f.kind in (FailureKind.NODE_DRAIN, FailureKind.NODE_OFFLINE):
@@ -247,8 +285,11 @@ def _hardware_nodes(job: JobView, failures: Sequence[Failure], nodes: Mapping[st
         if view is None or view.state not in HEALTHY:
             bad.add(n)
     for f in failures:
-        others = {i.job for i in incidents
-                  if i.node == f.node and i.job != job.id and now - i.at <= window}
+        others = {
+            i.job
+            for i in incidents
+            if i.node == f.node and i.job != job.id and now - i.at <= window
+        }
         if others:
             bad.add(f.node)
     for n in job.cleared:
@@ -267,29 +308,39 @@ def _follows_the_code(job: JobView, failures: Sequence[Failure]) -> str:
             continue
         exit_ = f"signal {f.signal}" if f.signal is not None else f"code {f.code}"
         for past in job.history:
-            if past.kind is not FailureKind.RANK_EXIT or \
-                    (past.code is None and past.signal is None):
+            if past.kind is not FailureKind.RANK_EXIT or (
+                past.code is None and past.signal is None
+            ):
                 continue
             if f.step is not None and past.step == f.step:
-                return (f"the failure follows the code: rank {f.rank} failed with {exit_} at "
-                        f"step {f.step}, where the gang failed before too (rank {past.rank} "
-                        f"on node {past.node}), after a restore; not retried")
+                return (
+                    f"the failure follows the code: rank {f.rank} failed with {exit_} at "
+                    f"step {f.step}, where the gang failed before too (rank {past.rank} "
+                    f"on node {past.node}), after a restore; not retried"
+                )
             if (past.code, past.signal) != (f.code, f.signal):
                 continue
             if f.rank is not None and past.rank == f.rank and past.node != f.node:
-                return (f"the failure follows the code: rank {f.rank} failed with {exit_} on "
-                        f"node {past.node} and again on node {f.node}; not retried")
+                return (
+                    f"the failure follows the code: rank {f.rank} failed with {exit_} on "
+                    f"node {past.node} and again on node {f.node}; not retried"
+                )
     return ""
 
 
-def _replacement(job: JobView, failed: NodeView | None, nodes: Mapping[str, NodeView],
-                 taken: set[str]) -> str | None:
+def _replacement(
+    job: JobView, failed: NodeView | None, nodes: Mapping[str, NodeView], taken: set[str]
+) -> str | None:
     def fits(v: NodeView) -> bool:
-        return (v.state in PLACEABLE and v.id not in taken and not v.busy and v.burned_in
-                and v.gpus >= job.ranks_per_node
-                and (job.gpu_type is None or v.gpu_type == job.gpu_type)
-                and (failed is None or job.gpu_type is not None
-                     or v.gpu_type == failed.gpu_type))
+        return (
+            v.state in PLACEABLE
+            and v.id not in taken
+            and not v.busy
+            and v.burned_in
+            and v.gpus >= job.ranks_per_node
+            and (job.gpu_type is None or v.gpu_type == job.gpu_type)
+            and (failed is None or job.gpu_type is not None or v.gpu_type == failed.gpu_type)
+        )
 
     # use_spares: false keeps the job off the spare pool (a plain idle node only).
     candidates = [v for v in nodes.values() if fits(v) and (job.use_spares or not v.spare)]
@@ -298,8 +349,9 @@ def _replacement(job: JobView, failed: NodeView | None, nodes: Mapping[str, Node
 
     def rank(v: NodeView) -> tuple[int, int, int, int, str]:
         rack = failed is not None and v.rack == failed.rack
-        domain = failed is not None and bool(v.nvlink_domain) and \
-            v.nvlink_domain == failed.nvlink_domain
+        domain = (
+            failed is not None and bool(v.nvlink_domain) and v.nvlink_domain == failed.nvlink_domain
+        )
         # Spares first (that is what they are kept for); a plain idle node only after.
         pool = 0 if v.spare else 1
         return (pool, 0 if rack else 1, 0 if domain else 1, v.gpus, v.id)
@@ -309,22 +361,26 @@ def _replacement(job: JobView, failed: NodeView | None, nodes: Mapping[str, Node
 
 def _shortage(job: JobView, nodes: Mapping[str, NodeView], taken: set[str]) -> str:
     spares = [v for v in nodes.values() if v.spare]
-    healthy_idle = [v for v in nodes.values()
-                    if v.state in PLACEABLE and not v.busy and v.id not in taken]
-    wrong = [v for v in healthy_idle
-             if v.gpus < job.ranks_per_node or (job.gpu_type and v.gpu_type != job.gpu_type)]
+    healthy_idle = [
+        v for v in nodes.values() if v.state in PLACEABLE and not v.busy and v.id not in taken
+    ]
+    wrong = [
+        v
+        for v in healthy_idle
+        if v.gpus < job.ranks_per_node or (job.gpu_type and v.gpu_type != job.gpu_type)
+    ]
     unburned = [v for v in healthy_idle if not v.burned_in]
     parts = [f"{len(spares)} spare(s)", f"{len(healthy_idle)} idle healthy node(s)"]
     if wrong:
-        parts.append(f"{len(wrong)} without {job.ranks_per_node} "
-                     f"{job.gpu_type or 'matching'} GPUs")
+        parts.append(f"{len(wrong)} without {job.ranks_per_node} {job.gpu_type or 'matching'} GPUs")
     if unburned:
         parts.append(f"{len(unburned)} not yet burned in")
     return ", ".join(parts)
 
 
-def _tiers(step: int, catalog: CatalogView, placement: Mapping[int, str],
-           alive: set[str]) -> dict[int, str]:
+def _tiers(
+    step: int, catalog: CatalogView, placement: Mapping[int, str], alive: set[str]
+) -> dict[int, str]:
     tiers = catalog.committed.get(step, {})
     out: dict[int, str] = {}
     for rank, node in placement.items():

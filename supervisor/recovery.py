@@ -92,9 +92,18 @@ class Recoveries:
         }
         job.reason = failure.describe()
         self.ctl.move(job, JobState.RECOVERING, job.reason)
-        self.ctl.event("job_failure", job, node=failure.node, failure=failure.kind.value,
-                       rank=failure.rank, code=failure.code, signal=failure.signal,
-                       step=failure.step, detail=failure.detail, generation=job.generation)
+        self.ctl.event(
+            "job_failure",
+            job,
+            node=failure.node,
+            failure=failure.kind.value,
+            rank=failure.rank,
+            code=failure.code,
+            signal=failure.signal,
+            step=failure.step,
+            detail=failure.detail,
+            generation=job.generation,
+        )
         self.ctl.spawn(job, self.run(job))
 
     def on_hang(self, job: Job, ev: wire.RankEvent) -> None:
@@ -114,12 +123,19 @@ class Recoveries:
         if any(r.clean for r in job.ranks):
             return  # a rank finished: the others wait for it at the end, they are not hung
         # A stopped process first, then the rank furthest behind, then the longest silent.
-        culprit = min(reports, key=lambda e: (not e.stopped, e.step if e.step is not None
-                                              else -1, -(e.idle_s or 0.0)))
+        culprit = min(
+            reports,
+            key=lambda e: (not e.stopped, e.step if e.step is not None else -1, -(e.idle_s or 0.0)),
+        )
         idle = max(e.idle_s or 0.0 for e in reports)
-        failure = Failure(FailureKind.HANG, culprit.node, rank=culprit.rank, step=culprit.step,
-                          detail=f"no step for {idle:.1f}s; {culprit.detail}".strip("; "),
-                          generation=key[1])
+        failure = Failure(
+            FailureKind.HANG,
+            culprit.node,
+            rank=culprit.rank,
+            step=culprit.step,
+            detail=f"no step for {idle:.1f}s; {culprit.detail}".strip("; "),
+            generation=key[1],
+        )
         if culprit.dumps:
             self.ctl.event("hang_dumps", job, node=culprit.node, dumps=culprit.dumps)
         self.on_failure(job, failure, fault_at=time.time() - idle)
@@ -137,12 +153,20 @@ class Recoveries:
         while True:
             if not _recovering(job) or job.recovery is not rec:
                 return  # cancelled meanwhile: that stop owns the job
-            if time.time() - rec["detected_at"] > job.spec.restart.spare_wait + BACKOFF_MAX_S \
-                    + BURN_IN_TIMEOUT_S:
-                self._fail(job, Plan(Action.FAIL, "no recovery within restart.spare_wait "
-                                     f"({job.spec.restart.spare_wait:.0f}s): "
-                                     f"{rec.get('plan', {}).get('reason', '')}",
-                                     Cause.SOFTWARE))
+            if (
+                time.time() - rec["detected_at"]
+                > job.spec.restart.spare_wait + BACKOFF_MAX_S + BURN_IN_TIMEOUT_S
+            ):
+                self._fail(
+                    job,
+                    Plan(
+                        Action.FAIL,
+                        "no recovery within restart.spare_wait "
+                        f"({job.spec.restart.spare_wait:.0f}s): "
+                        f"{rec.get('plan', {}).get('reason', '')}",
+                        Cause.SOFTWARE,
+                    ),
+                )
                 return
             t0 = time.perf_counter()
             plan = self.plan(job, failures)
@@ -151,10 +175,16 @@ class Recoveries:
             if record != rec.get("plan"):  # a waiting recovery plans again and again
                 rec["plan"] = record
                 self.ctl.save(job)
-                self.ctl.event("recovery_planned", job, action=plan.action.value,
-                               cause=plan.cause.value, reason=plan.reason,
-                               nodes=list(plan.nodes), swaps=[list(s) for s in plan.swaps],
-                               restore_step=plan.restore_step)
+                self.ctl.event(
+                    "recovery_planned",
+                    job,
+                    action=plan.action.value,
+                    cause=plan.cause.value,
+                    reason=plan.reason,
+                    nodes=list(plan.nodes),
+                    swaps=[list(s) for s in plan.swaps],
+                    restore_step=plan.restore_step,
+                )
             self._quarantine(job, plan, failures)
             if not stopped:
                 t0 = time.perf_counter()
@@ -181,7 +211,8 @@ class Recoveries:
                 return
             plan = self.plan(job, failures)  # the fleet may have moved while we waited
             if plan.action in (Action.RESTART_IN_PLACE, Action.REPLACE) and all(
-                    self.ctl.burnins.passed(b) for _, b in plan.swaps):
+                self.ctl.burnins.passed(b) for _, b in plan.swaps
+            ):
                 break
         rec["plan"] = _plan_record(plan)
         await self._relaunch(job, plan)
@@ -199,8 +230,15 @@ class Recoveries:
         """The recovery's launch failed (a start not acknowledged, a port not found): the
         incident ends so, and a new recovery starts from it, charged to the budget."""
         self.abandon(job, "launch_failed")
-        self.on_failure(job, Failure(FailureKind.RANK_EXIT, node, detail=f"launch failed: "
-                                     f"{why}"[:900], generation=job.generation))
+        self.on_failure(
+            job,
+            Failure(
+                FailureKind.RANK_EXIT,
+                node,
+                detail=f"launch failed: {why}"[:900],
+                generation=job.generation,
+            ),
+        )
 
     def plan(self, job: Job, failures: list[Failure]) -> Plan:
         ctl = self.ctl
@@ -217,53 +255,90 @@ class Recoveries:
             if node.birth is None or not node.birth.gpus:
                 continue
             nodes[node.id] = NodeView(
-                id=node.id, rack=node.birth.topology.rack,
+                id=node.id,
+                rack=node.birth.topology.rack,
                 nvlink_domain=node.birth.topology.nvlink_domain or "",
-                gpu_type=node.birth.gpus[0].model, gpus=len(node.birth.gpus),
-                state=node.state.value, busy=node.id in busy, spare=node.id in spares,
-                burned_in=not ctl.burnins.needs(node.id) and node.id not in rejected)
+                gpu_type=node.birth.gpus[0].model,
+                gpus=len(node.birth.gpus),
+                state=node.state.value,
+                busy=node.id in busy,
+                spare=node.id in spares,
+                burned_in=not ctl.burnins.needs(node.id) and node.id not in rejected,
+            )
         committed: dict[int, dict[str, float]] = {}
         for step, tier, at in ctl.store.commits(job.id):
             committed.setdefault(step, {})[tier] = at
         where: dict[tuple[int, int, str], tuple[str, str | None]] = {}
         for step, tier, rank, node_id, holder, _n, _c in ctl.store.committed_shards(job.id):
             where[(step, rank, tier)] = (node_id, holder)
-        history = tuple(PastFailure(
-            kind=FailureKind(f["kind"]), node=f["node"], rank=f.get("rank"),
-            code=f.get("code"), signal=f.get("signal"), step=f.get("step"),
-            restored_step=i.get("restored_step"))
-            for i in job.incidents for f in i["failures"][:1])
+        history = tuple(
+            PastFailure(
+                kind=FailureKind(f["kind"]),
+                node=f["node"],
+                rank=f.get("rank"),
+                code=f.get("code"),
+                signal=f.get("signal"),
+                step=f.get("step"),
+                restored_step=i.get("restored_step"),
+            )
+            for i in job.incidents
+            for f in i["failures"][:1]
+        )
         detected = job.recovery["detected_at"] if job.recovery else time.time()
         for f in failures:  # back after a clean shutdown (an upgrade): burn it in to reuse it
             known = ctl.registry.nodes.get(f.node)
             if not f.quarantine and known is not None and known.state is NodeState.UP:
                 ctl.burnins.start(f.node)
-        cleared = frozenset(n for n in job.nodes
-                            if ctl.burnins.passed_since(n, detected))
-        view = JobView(id=job.id, nodes=tuple(job.nodes),
-                       ranks_per_node=job.spec.ranks_per_node, gpu_type=job.spec.gpu_type,
-                       max_restarts=job.spec.restart.max_restarts, restarts_used=job.restarts,
-                       use_spares=job.spec.restart.use_spares, history=history,
-                       cleared=cleared)
-        return plan_recovery(view, failures, nodes, CatalogView(committed, where),
-                             now=time.time(), node_incidents=ctl.node_incidents())
+        cleared = frozenset(n for n in job.nodes if ctl.burnins.passed_since(n, detected))
+        view = JobView(
+            id=job.id,
+            nodes=tuple(job.nodes),
+            ranks_per_node=job.spec.ranks_per_node,
+            gpu_type=job.spec.gpu_type,
+            max_restarts=job.spec.restart.max_restarts,
+            restarts_used=job.restarts,
+            use_spares=job.spec.restart.use_spares,
+            history=history,
+            cleared=cleared,
+        )
+        return plan_recovery(
+            view,
+            failures,
+            nodes,
+            CatalogView(committed, where),
+            now=time.time(),
+            node_incidents=ctl.node_incidents(),
+        )
 
     async def _stop_gang(self, job: Job, generation: int) -> None:
         """Stop the generation's ranks on every node still reachable; RAM tiers stay."""
         grace = min(job.spec.grace_period, STOP_GRACE_S)
-        args = wire.StopRanksArgs(job=job.id, generation=max(generation, 1), grace_s=grace,
-                                  reason=f"recovering: {job.reason}")
-        targets = [n for n in job.nodes if (known := self.ctl.registry.nodes.get(n)) is not None
-                   and known.state is not NodeState.OFFLINE]
+        args = wire.StopRanksArgs(
+            job=job.id,
+            generation=max(generation, 1),
+            grace_s=grace,
+            reason=f"recovering: {job.reason}",
+        )
+        targets = [
+            n
+            for n in job.nodes
+            if (known := self.ctl.registry.nodes.get(n)) is not None
+            and known.state is not NodeState.OFFLINE
+        ]
         timeout = grace + self.ctl.settings.command_timeout_s
-        results = await asyncio.gather(*(self.ctl.command(n, args, timeout=timeout)
-                                         for n in targets), return_exceptions=True)
+        results = await asyncio.gather(
+            *(self.ctl.command(n, args, timeout=timeout) for n in targets), return_exceptions=True
+        )
         for node, result in zip(targets, results, strict=True):
             if isinstance(result, BaseException):
                 # Its ranks are fenced anyway: the next generation has its own rendezvous
                 # port, and the catalog takes no landing of an older generation's save.
-                log.warning("job %s: node %s did not acknowledge the recovery stop: %s",
-                            job.id, node, result)
+                log.warning(
+                    "job %s: node %s did not acknowledge the recovery stop: %s",
+                    job.id,
+                    node,
+                    result,
+                )
 
     def _quarantine(self, job: Job, plan: Plan, failures: list[Failure]) -> None:
         """Drain the plan's failed nodes, once per recovery (an operator's undrain after
@@ -277,8 +352,9 @@ class Recoveries:
                 continue
             done.append(node_id)
             try:
-                self.ctl.registry.drain(node_id, f"quarantined by job {job.id}: {why}",
-                                         by="supervisor")
+                self.ctl.registry.drain(
+                    node_id, f"quarantined by job {job.id}: {why}", by="supervisor"
+                )
             except RegistryError as exc:
                 log.warning("job %s: could not quarantine node %s: %s", job.id, node_id, exc)
                 continue
@@ -296,8 +372,10 @@ class Recoveries:
             self.ctl.event("recovery_waiting", job, reason=plan.reason)
         left = since + job.spec.restart.spare_wait - time.time()
         if left <= 0:
-            why = (f"no spare or healthy node within restart.spare_wait "
-                   f"({job.spec.restart.spare_wait:.0f}s): {plan.reason}")
+            why = (
+                f"no spare or healthy node within restart.spare_wait "
+                f"({job.spec.restart.spare_wait:.0f}s): {plan.reason}"
+            )
             self._fail(job, Plan(Action.FAIL, why, plan.cause))
             return False
         self._wake.clear()
@@ -311,8 +389,9 @@ class Recoveries:
         failure in a row (a crash loop), at most ``BACKOFF_MAX_S``."""
         assert job.recovery is not None
         ran = _ran(job, job.recovery["fault_at"])
-        delay = backoff_delay([i.get("ran_s") for i in job.incidents], ran,
-                              job.spec.restart.backoff)
+        delay = backoff_delay(
+            [i.get("ran_s") for i in job.incidents], ran, job.spec.restart.backoff
+        )
         if delay <= 0:
             return True
         job.recovery["backoff_s"] = delay
@@ -344,9 +423,15 @@ class Recoveries:
         rec["launch_started_at"] = time.time()
         rec["restored_step"] = plan.restore_step
         self.ctl.save(job)
-        self.ctl.event("job_recovering", job, action=plan.action.value, reason=plan.reason,
-                       restart=job.restarts, restore_step=plan.restore_step,
-                       swaps=[list(s) for s in plan.swaps])
+        self.ctl.event(
+            "job_recovering",
+            job,
+            action=plan.action.value,
+            reason=plan.reason,
+            restart=job.restarts,
+            restore_step=plan.restore_step,
+            swaps=[list(s) for s in plan.swaps],
+        )
         await self.ctl.launch(job, list(plan.nodes))
 
     # --- the incident record ------------------------------------------------------
@@ -385,8 +470,11 @@ class Recoveries:
             incident = None
         else:
             incident = job.incidents[-1] if job.incidents else None
-            if incident is None or incident.get("next_generation") != ev.generation or \
-                    "awaiting" not in incident:
+            if (
+                incident is None
+                or incident.get("next_generation") != ev.generation
+                or "awaiting" not in incident
+            ):
                 return
             awaiting = incident["awaiting"]
         if ev.event == "restored":
@@ -418,11 +506,17 @@ class Recoveries:
         incident["downtime_s"] = round(max(0.0, first_step_at - incident["fault_at"]), 3)
         incident["mttr_s"] = incident["downtime_s"]
         self.ctl.save(job)
-        self.ctl.event("recovery_timed", job, generation=incident.get("next_generation"),
-                       phases=phases, mttr_s=incident["mttr_s"])
+        self.ctl.event(
+            "recovery_timed",
+            job,
+            generation=incident.get("next_generation"),
+            phases=phases,
+            mttr_s=incident["mttr_s"],
+        )
 
-    def _finish(self, job: Job, plan: Plan | None, *, outcome: str,
-                resumed_at: float | None = None) -> None:
+    def _finish(
+        self, job: Job, plan: Plan | None, *, outcome: str, resumed_at: float | None = None
+    ) -> None:
         rec = job.recovery
         assert rec is not None
         old = int(rec["generation"])
@@ -460,10 +554,15 @@ class Recoveries:
             "mttr_s": round(end - rec["fault_at"], 3) if resumed_at else None,
         }
         job.incidents.append(incident)
-        self.ctl.event("job_recovered" if outcome == "recovered" else "recovery_failed", job,
-                       generation=job.generation, phases=incident["phases"],
-                       mttr_s=incident["mttr_s"], lost_steps=lost_steps,
-                       restored_step=restored)
+        self.ctl.event(
+            "job_recovered" if outcome == "recovered" else "recovery_failed",
+            job,
+            generation=job.generation,
+            phases=incident["phases"],
+            mttr_s=incident["mttr_s"],
+            lost_steps=lost_steps,
+            restored_step=restored,
+        )
 
 
 def _ran(job: Job, fault_at: float) -> float | None:
@@ -474,8 +573,7 @@ def _ran(job: Job, fault_at: float) -> float | None:
     return None if since is None else max(0.0, fault_at - since)
 
 
-def backoff_delay(ran_before: list[float | None], ran_now: float | None,
-                  base: float) -> float:
+def backoff_delay(ran_before: list[float | None], ran_now: float | None, base: float) -> float:
     """Seconds to wait before a restart. ``ran_before``: how long each generation that
     failed before ran (oldest first), ``ran_now`` the one failing now. The first failure
     and any after a generation that ran ``QUICK_FAILURE_S`` or longer restart at once;
@@ -505,11 +603,17 @@ def _failure(rec: dict[str, Any]) -> Failure:
 
 
 def _plan_record(plan: Plan) -> dict[str, Any]:
-    return {"action": plan.action.value, "cause": plan.cause.value, "reason": plan.reason,
-            "nodes": list(plan.nodes), "quarantine": list(plan.quarantine),
-            "swaps": [list(s) for s in plan.swaps], "restore_step": plan.restore_step,
-            "restore_note": plan.restore_note,
-            "restore_from": {str(r): t for r, t in sorted(plan.restore_from.items())}}
+    return {
+        "action": plan.action.value,
+        "cause": plan.cause.value,
+        "reason": plan.reason,
+        "nodes": list(plan.nodes),
+        "quarantine": list(plan.quarantine),
+        "swaps": [list(s) for s in plan.swaps],
+        "restore_step": plan.restore_step,
+        "restore_note": plan.restore_note,
+        "restore_from": {str(r): t for r, t in sorted(plan.restore_from.items())},
+    }
 
 
 __all__ = ["HANG_COLLECT_S", "NodeIncident", "Recoveries"]

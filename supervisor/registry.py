@@ -138,9 +138,14 @@ class Node:
 
 
 class Registry:
-    def __init__(self, store: Store, *, offline_after_s: float,
-                 clock: Callable[[], float] = time.monotonic,
-                 on_event: Callable[[Event], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        offline_after_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_event: Callable[[Event], None] | None = None,
+    ) -> None:
         self.store = store
         self.offline_after_s = offline_after_s
         self.clock = clock
@@ -209,8 +214,12 @@ class Registry:
         now = self.clock()
         back = []
         for node in self.nodes.values():
-            if not node.online and node.offline_cause == "last will" and \
-                    node.offline_at >= since and node.birth is not None:
+            if (
+                not node.online
+                and node.offline_cause == "last will"
+                and node.offline_at >= since
+                and node.birth is not None
+            ):
                 before = node.state
                 node.online = True
                 node.last_seen = now
@@ -261,8 +270,10 @@ class Registry:
             raise Refused(f"node {node_id!r} is not drained")
         if node.health.status is wire.HealthStatus.DRAIN and not force:
             codes = ", ".join(r.code for r in node.health.reasons if r.severity == "drain")
-            raise Refused(f"node {node_id!r} still reports drain reasons ({codes}); fix them "
-                          "first, or undrain with force")
+            raise Refused(
+                f"node {node_id!r} still reports drain reasons ({codes}); fix them "
+                "first, or undrain with force"
+            )
         before = node.state
         was = node.drain
         node.drain = None
@@ -282,15 +293,21 @@ class Registry:
         old_codes = sorted((r.code, -1 if r.gpu is None else r.gpu) for r in old.reasons)
         new_codes = sorted((r.code, -1 if r.gpu is None else r.gpu) for r in health.reasons)
         if old.status != health.status or old_codes != new_codes:
-            self._event("health_changed", node, status=health.status.value,
-                        reasons=[r.model_dump() for r in health.reasons])
+            self._event(
+                "health_changed",
+                node,
+                status=health.status.value,
+                reasons=[r.model_dump() for r in health.reasons],
+            )
         if health.status is wire.HealthStatus.DRAIN:
             codes = sorted({r.code for r in health.reasons if r.severity == "drain"})
             if node.drain is None:
                 detail = "; ".join(
-                    f"{r.code}" + (f" on GPU {r.gpu}" if r.gpu is not None else "")
+                    f"{r.code}"
+                    + (f" on GPU {r.gpu}" if r.gpu is not None else "")
                     + (f": {r.detail}" if r.detail else "")
-                    for r in health.reasons if r.severity == "drain"
+                    for r in health.reasons
+                    if r.severity == "drain"
                 )
                 node.drain = Drain(by="auto", reason=detail, since=time.time(), codes=codes)
                 self._event("node_drained", node, by="auto", reason=detail, codes=codes)
@@ -300,18 +317,30 @@ class Registry:
     def _changed(self, node: Node, before: NodeState, *, cause: str, quiet: bool = False) -> None:
         after = node.state
         if after is not before and not quiet:
-            self._event("state_changed", node, state=after.value, previous=before.value,
-                        cause=cause)
+            self._event(
+                "state_changed", node, state=after.value, previous=before.value, cause=cause
+            )
         if after is not before:
-            log.info("node %s: %s -> %s (%s)", node.id, before.value, after.value, cause,
-                     extra={"node": node.id, "event": "node_state", "state": after.value})
+            log.info(
+                "node %s: %s -> %s (%s)",
+                node.id,
+                before.value,
+                after.value,
+                cause,
+                extra={"node": node.id, "event": "node_state", "state": after.value},
+            )
         if self._dirty(node, after, before):
             self.store.save_node(node.id, node.record())
 
     def _dirty(self, node: Node, after: NodeState, before: NodeState) -> bool:
         # Persist on every state change and on anything that changed the record.
-        key = (after, node.birth_seq, node.drain.as_dict() if node.drain else None,
-               node.health.status, tuple((r.code, r.gpu) for r in node.health.reasons))
+        key = (
+            after,
+            node.birth_seq,
+            node.drain.as_dict() if node.drain else None,
+            node.health.status,
+            tuple((r.code, r.gpu) for r in node.health.reasons),
+        )
         last = self._persisted.get(node.id)
         self._persisted[node.id] = key
         return last != key or after is not before

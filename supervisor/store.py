@@ -80,8 +80,13 @@ class Event:
     detail: dict[str, Any]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "ts": self.ts, "kind": self.kind, "node": self.node,
-                "detail": self.detail}
+        return {
+            "id": self.id,
+            "ts": self.ts,
+            "kind": self.kind,
+            "node": self.node,
+            "detail": self.detail,
+        }
 
 
 class CatalogQueries:
@@ -91,8 +96,9 @@ class CatalogQueries:
     _db: sqlite3.Connection
 
     def commits(self, job: str) -> list[tuple[int, str, float]]:
-        rows = self._db.execute("SELECT step, tier, committed_at FROM ckpt_commits WHERE job = ? "
-                                "ORDER BY step", (job,)).fetchall()
+        rows = self._db.execute(
+            "SELECT step, tier, committed_at FROM ckpt_commits WHERE job = ? ORDER BY step", (job,)
+        ).fetchall()
         return [(int(r[0]), str(r[1]), float(r[2])) for r in rows]
 
     def committed_shards(self, job: str) -> list[tuple[int, str, int, str, str | None, int, str]]:
@@ -101,20 +107,27 @@ class CatalogQueries:
             "SELECT s.step, s.tier, s.rank, s.node, s.holder, s.nbytes, s.checksum "
             "FROM ckpt_shards s JOIN ckpt_commits c "
             "ON s.job = c.job AND s.step = c.step AND s.tier = c.tier "
-            "WHERE s.job = ? ORDER BY s.step, s.tier, s.rank", (job,)).fetchall()
-        return [(int(r[0]), str(r[1]), int(r[2]), str(r[3]), r[4], int(r[5]), str(r[6]))
-                for r in rows]
+            "WHERE s.job = ? ORDER BY s.step, s.tier, s.rank",
+            (job,),
+        ).fetchall()
+        return [
+            (int(r[0]), str(r[1]), int(r[2]), str(r[3]), r[4], int(r[5]), str(r[6])) for r in rows
+        ]
 
     def ever_committed(self, job: str) -> bool:
         """Whether a step of ``job`` was ever committed at a tier (its event log says)."""
-        row = self._db.execute("SELECT 1 FROM events WHERE kind = 'ckpt_committed' AND "
-                               "json_extract(detail, '$.job') = ? LIMIT 1", (job,)).fetchone()
+        row = self._db.execute(
+            "SELECT 1 FROM events WHERE kind = 'ckpt_committed' AND "
+            "json_extract(detail, '$.job') = ? LIMIT 1",
+            (job,),
+        ).fetchone()
         return row is not None
 
     def shard_nodes(self, job: str) -> set[str]:
         """The nodes that landed a shard of ``job`` that is still known."""
-        rows = self._db.execute("SELECT DISTINCT node FROM ckpt_shards WHERE job = ?",
-                                (job,)).fetchall()
+        rows = self._db.execute(
+            "SELECT DISTINCT node FROM ckpt_shards WHERE job = ?", (job,)
+        ).fetchall()
         return {str(r[0]) for r in rows}
 
 
@@ -129,8 +142,9 @@ class Store(CatalogQueries):
             self._db.executescript(SCHEMA)
             columns = {r[1] for r in self._db.execute("PRAGMA table_info(ckpt_shards)")}
             if "generation" not in columns:  # a store from before landings had one
-                self._db.execute("ALTER TABLE ckpt_shards ADD COLUMN generation INTEGER NOT "
-                                 "NULL DEFAULT 0")
+                self._db.execute(
+                    "ALTER TABLE ckpt_shards ADD COLUMN generation INTEGER NOT NULL DEFAULT 0"
+                )
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot open the supervisor store {path}: {exc}") from exc
 
@@ -144,8 +158,12 @@ class Store(CatalogQueries):
         the store's connection, never one that is rolled back), while the event loop
         keeps writing."""
         try:
-            db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True,
-                                 isolation_level=None, check_same_thread=False)  # fmt: skip
+            db = sqlite3.connect(
+                f"{self.path.resolve().as_uri()}?mode=ro",
+                uri=True,
+                isolation_level=None,
+                check_same_thread=False,
+            )
             db.execute("BEGIN")
             db.execute("SELECT 1 FROM ckpt_commits LIMIT 1").fetchall()  # the snapshot starts
         except sqlite3.Error as exc:
@@ -208,12 +226,15 @@ class Store(CatalogQueries):
 
     def add_event(self, kind: str, node: str | None, detail: dict[str, Any]) -> Event:
         ts = time.time()
-        cur = self._write("INSERT INTO events (ts, kind, node, detail) VALUES (?, ?, ?, ?)",
-                          (ts, kind, node, json.dumps(detail)))
+        cur = self._write(
+            "INSERT INTO events (ts, kind, node, detail) VALUES (?, ?, ?, ?)",
+            (ts, kind, node, json.dumps(detail)),
+        )
         return Event(int(cur.lastrowid or 0), ts, kind, node, detail)
 
-    def events(self, *, node: str | None = None, job: str | None = None, limit: int = 100,
-               after: int = 0) -> list[Event]:
+    def events(
+        self, *, node: str | None = None, job: str | None = None, limit: int = 100, after: int = 0
+    ) -> list[Event]:
         query = "SELECT id, ts, kind, node, detail FROM events WHERE id > ?"
         args: list[Any] = [after]
         if node is not None:
@@ -229,8 +250,10 @@ class Store(CatalogQueries):
 
     def first_events(self, kind: str) -> dict[str, float]:
         """Per node, the time of its first event of ``kind``."""
-        rows = self._db.execute("SELECT node, MIN(ts) FROM events WHERE kind = ? AND node IS NOT "
-                                "NULL GROUP BY node", (kind,)).fetchall()
+        rows = self._db.execute(
+            "SELECT node, MIN(ts) FROM events WHERE kind = ? AND node IS NOT NULL GROUP BY node",
+            (kind,),
+        ).fetchall()
         return {str(r[0]): float(r[1]) for r in rows}
 
     def count_node_failures(self) -> int:
@@ -239,14 +262,25 @@ class Store(CatalogQueries):
             "SELECT COUNT(*) FROM events WHERE (kind = 'state_changed' AND "
             "json_extract(detail, '$.state') = 'offline' AND "
             "json_extract(detail, '$.cause') != 'clean shutdown') OR "
-            "(kind = 'node_drained' AND json_extract(detail, '$.by') = 'auto')").fetchone()
+            "(kind = 'node_drained' AND json_extract(detail, '$.by') = 'auto')"
+        ).fetchone()
         return int(row[0])
 
     # --- the checkpoint catalog -----------------------------------------------------
 
-    def add_shard(self, job: str, step: int, tier: str, rank: int, node: str,
-                  holder: str | None, nbytes: int, checksum: str, at: float,
-                  generation: int = 0) -> None:  # fmt: skip
+    def add_shard(
+        self,
+        job: str,
+        step: int,
+        tier: str,
+        rank: int,
+        node: str,
+        holder: str | None,
+        nbytes: int,
+        checksum: str,
+        at: float,
+        generation: int = 0,
+    ) -> None:
         self._write(
             "INSERT OR REPLACE INTO ckpt_shards (job, step, tier, rank, node, holder, nbytes, "
             "checksum, at, generation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -255,79 +289,102 @@ class Store(CatalogQueries):
 
     def drop_step(self, job: str, step: int, tier: str) -> bool:
         """Forget a step at a tier (retention removed it); True if anything was known."""
-        cur = self._write("DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ?",
-                          (job, step, tier))
-        self._write("DELETE FROM ckpt_commits WHERE job = ? AND step = ? AND tier = ?",
-                    (job, step, tier))
+        cur = self._write(
+            "DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ?", (job, step, tier)
+        )
+        self._write(
+            "DELETE FROM ckpt_commits WHERE job = ? AND step = ? AND tier = ?", (job, step, tier)
+        )
         return cur.rowcount > 0
 
     def drop_shard(self, job: str, step: int, tier: str, rank: int) -> bool:
         """Forget one rank's copy of a step at a tier, and with it the step's commit there
         (a step is committed at a tier only while every rank's shard is); True if known."""
-        cur = self._write("DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ? "
-                          "AND rank = ?", (job, step, tier, rank))
-        self._write("DELETE FROM ckpt_commits WHERE job = ? AND step = ? AND tier = ?",
-                    (job, step, tier))
+        cur = self._write(
+            "DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ? AND rank = ?",
+            (job, step, tier, rank),
+        )
+        self._write(
+            "DELETE FROM ckpt_commits WHERE job = ? AND step = ? AND tier = ?", (job, step, tier)
+        )
         return cur.rowcount > 0
 
     def shard_ranks(self, job: str, step: int, tier: str) -> dict[int, int]:
         """The ranks with a shard of ``step`` at ``tier``, and the generation of each."""
-        rows = self._db.execute("SELECT rank, generation FROM ckpt_shards WHERE job = ? AND "
-                                "step = ? AND tier = ?", (job, step, tier)).fetchall()
+        rows = self._db.execute(
+            "SELECT rank, generation FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ?",
+            (job, step, tier),
+        ).fetchall()
         return {int(r[0]): int(r[1]) for r in rows}
 
     def saved_in(self, job: str, step: int, rank: int, checksum: str) -> set[int]:
         """The generations whose saves of rank ``rank``'s shard of ``step`` have
         ``checksum``, at any tier."""
-        rows = self._db.execute("SELECT DISTINCT generation FROM ckpt_shards WHERE job = ? AND "
-                                "step = ? AND rank = ? AND checksum = ?",
-                                (job, step, rank, checksum)).fetchall()  # fmt: skip
+        rows = self._db.execute(
+            "SELECT DISTINCT generation FROM ckpt_shards WHERE job = ? AND "
+            "step = ? AND rank = ? AND checksum = ?",
+            (job, step, rank, checksum),
+        ).fetchall()
         return {int(r[0]) for r in rows}
 
     def add_commit(self, job: str, step: int, tier: str, at: float) -> bool:
-        cur = self._write("INSERT OR IGNORE INTO ckpt_commits (job, step, tier, committed_at) "
-                          "VALUES (?, ?, ?, ?)", (job, step, tier, at))
+        cur = self._write(
+            "INSERT OR IGNORE INTO ckpt_commits (job, step, tier, committed_at) "
+            "VALUES (?, ?, ?, ?)",
+            (job, step, tier, at),
+        )
         return cur.rowcount > 0
 
     def ended_catalogs_sent(self, job: str, nodes: list[str]) -> None:
         """The job's ended catalog goes out, retained, to ``nodes``."""
         with self.batch():
             for node in nodes:
-                self._write("INSERT OR IGNORE INTO ckpt_ended_catalogs (job, node) VALUES (?, ?)",
-                            (job, node))
+                self._write(
+                    "INSERT OR IGNORE INTO ckpt_ended_catalogs (job, node) VALUES (?, ?)",
+                    (job, node),
+                )
 
     def ended_catalogs_sent_to(self, job: str) -> set[str]:
         """The nodes ``job``'s ended catalog was published for."""
-        rows = self._db.execute("SELECT node FROM ckpt_ended_catalogs WHERE job = ?",
-                                (job,)).fetchall()
+        rows = self._db.execute(
+            "SELECT node FROM ckpt_ended_catalogs WHERE job = ?", (job,)
+        ).fetchall()
         return {str(r[0]) for r in rows}
 
     def ended_catalogs_cleared(self, job: str, nodes: list[str], at: float) -> None:
         """The job's ended catalogs of ``nodes`` were cleared from the broker."""
         with self.batch():
             for node in nodes:
-                self._write("UPDATE ckpt_ended_catalogs SET released_at = ? WHERE job = ? AND "
-                            "node = ? AND released_at IS NULL", (at, job, node))
+                self._write(
+                    "UPDATE ckpt_ended_catalogs SET released_at = ? WHERE job = ? AND "
+                    "node = ? AND released_at IS NULL",
+                    (at, job, node),
+                )
 
     def ended_catalogs_let_go(self, job: str) -> set[str]:
         """The nodes that let go of the job, their ended catalogs cleared."""
-        rows = self._db.execute("SELECT node FROM ckpt_ended_catalogs WHERE job = ? AND "
-                                "released_at IS NOT NULL", (job,)).fetchall()
+        rows = self._db.execute(
+            "SELECT node FROM ckpt_ended_catalogs WHERE job = ? AND released_at IS NOT NULL", (job,)
+        ).fetchall()
         return {str(r[0]) for r in rows}
 
     def ended_catalogs_released(self, job: str) -> bool:
         """Whether the job's ended catalog went out and every node it went to let go."""
-        row = self._db.execute("SELECT COUNT(*), COUNT(released_at) FROM ckpt_ended_catalogs "
-                               "WHERE job = ?", (job,)).fetchone()
+        row = self._db.execute(
+            "SELECT COUNT(*), COUNT(released_at) FROM ckpt_ended_catalogs WHERE job = ?", (job,)
+        ).fetchone()
         return bool(row[0]) and row[0] == row[1]
 
     def shards(self, job: str) -> list[tuple[int, str, int, str, str | None, int, str]]:
         """(step, tier, rank, node, holder, nbytes, checksum) of every landed shard."""
-        rows = self._db.execute("SELECT step, tier, rank, node, holder, nbytes, checksum FROM "
-                                "ckpt_shards WHERE job = ? ORDER BY step, tier, rank",
-                                (job,)).fetchall()
-        return [(int(r[0]), str(r[1]), int(r[2]), str(r[3]), r[4], int(r[5]), str(r[6]))
-                for r in rows]
+        rows = self._db.execute(
+            "SELECT step, tier, rank, node, holder, nbytes, checksum FROM "
+            "ckpt_shards WHERE job = ? ORDER BY step, tier, rank",
+            (job,),
+        ).fetchall()
+        return [
+            (int(r[0]), str(r[1]), int(r[2]), str(r[3]), r[4], int(r[5]), str(r[6])) for r in rows
+        ]
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> sqlite3.Cursor:
         try:

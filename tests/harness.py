@@ -26,8 +26,9 @@ T = TypeVar("T")
 TOKEN = "test-token-0123456789abcdef"
 
 
-def wait_for(predicate: Callable[[], T | None], timeout: float, what: str,
-             interval: float = 0.05) -> T:
+def wait_for(
+    predicate: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05
+) -> T:
     """Poll ``predicate`` until it returns something truthy; fail naming ``what``."""
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -55,8 +56,13 @@ class Process:
     def start(self) -> Process:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         return self
 
     @property
@@ -111,11 +117,15 @@ class Broker:
             port = self.port or free_port()
             conf = self.directory / "mosquitto.conf"
             write_mosquitto_conf(conf, port)
-            self.process = Process("broker", [self.binary, "-c", str(conf)],
-                                   self.directory / "broker.log").start()
+            self.process = Process(
+                "broker", [self.binary, "-c", str(conf)], self.directory / "broker.log"
+            ).start()
             try:
-                wait_for(lambda p=port: _listening(p) or (not self._alive() and "exited"),
-                         10, f"mosquitto on port {port}")
+                wait_for(
+                    lambda p=port: _listening(p) or (not self._alive() and "exited"),
+                    10,
+                    f"mosquitto on port {port}",
+                )
             except AssertionError:
                 self.process.stop()
                 raise
@@ -123,8 +133,9 @@ class Broker:
                 self.port = port
                 return self
             if self.port:  # a fixed port is taken: report it
-                raise RuntimeError(f"mosquitto could not bind port {port}: "
-                                   f"{self.process.output()[-500:]}")
+                raise RuntimeError(
+                    f"mosquitto could not bind port {port}: {self.process.output()[-500:]}"
+                )
         raise RuntimeError("mosquitto could not find a free port")
 
     def _alive(self) -> bool:
@@ -230,8 +241,14 @@ class Fleet:
         self.shm_dir = base / f"phalanx-test-{os.getpid()}-{id(self):x}"
         self.shm_dir.mkdir(parents=True, exist_ok=True)
 
-    def start_supervisor(self, *, offline_after_s: float = 4.0, keepalive_s: int = 5,
-                         spares: int = 0, extra: str = "") -> Process:
+    def start_supervisor(
+        self,
+        *,
+        offline_after_s: float = 4.0,
+        keepalive_s: int = 5,
+        spares: int = 0,
+        extra: str = "",
+    ) -> Process:
         self.api_port = self.api_port or free_port()
         directory = self.root / "supervisor"
         directory.mkdir(parents=True, exist_ok=True)
@@ -245,28 +262,49 @@ class Fleet:
             "reconnect_max_s = 1.0\n"
             f'[api]\nport = {self.api_port}\ntoken_file = "{directory / "token"}"\n'
         )
-        self.supervisor = Process("supervisor", [sys.executable, "-m", "supervisor",
-                                                 "--config", str(conf)],
-                                  self.root / "logs" / "supervisor.log").start()
+        self.supervisor = Process(
+            "supervisor",
+            [sys.executable, "-m", "supervisor", "--config", str(conf)],
+            self.root / "logs" / "supervisor.log",
+        ).start()
         wait_for(lambda: _listening(self.api_port) or None, 20, "the supervisor API")
         return self.supervisor
 
-    def start_agent(self, node: str, *, gpus: int = 2, heartbeat_s: float = 1.0,
-                    keepalive_s: int = 5, via: CuttableLink | None = None,
-                    extra: str = "", rack: str = "rack1") -> Process:
+    def start_agent(
+        self,
+        node: str,
+        *,
+        gpus: int = 2,
+        heartbeat_s: float = 1.0,
+        keepalive_s: int = 5,
+        via: CuttableLink | None = None,
+        extra: str = "",
+        rack: str = "rack1",
+    ) -> Process:
         directory = self.root / "nodes" / node
         directory.mkdir(parents=True, exist_ok=True)
         port = via.port if via is not None else self.broker.port
         conf = directory / "agentd.toml"
-        text = agent_toml(node, directory / "data", port, gpus, rack=rack,
-                          heartbeat_s=heartbeat_s, token_file=self.agent_token_file(),
-                          object_store=self.root / "objects")
+        text = agent_toml(
+            node,
+            directory / "data",
+            port,
+            gpus,
+            rack=rack,
+            heartbeat_s=heartbeat_s,
+            token_file=self.agent_token_file(),
+            object_store=self.root / "objects",
+        )
         text += f'shm_dir = "{self.shm_dir}"\n'  # in the [ckpt] section agent_toml ends with
-        text = text.replace("keepalive_s = 5", f"keepalive_s = {keepalive_s}\n"
-                            "reconnect_max_s = 1.0")
+        text = text.replace(
+            "keepalive_s = 5", f"keepalive_s = {keepalive_s}\nreconnect_max_s = 1.0"
+        )
         conf.write_text(text + extra)
-        agent = Process(f"agent-{node}", [sys.executable, "-m", "agentd", "--config", str(conf)],
-                        self.root / "logs" / f"agent-{node}.log").start()
+        agent = Process(
+            f"agent-{node}",
+            [sys.executable, "-m", "agentd", "--config", str(conf)],
+            self.root / "logs" / f"agent-{node}.log",
+        ).start()
         self.agents[node] = agent
         return agent
 
@@ -369,17 +407,24 @@ def processes_matching(marker: str) -> list[int]:
     return found
 
 
-def rank_pid(job: str, rank: int, *, generation: int | None = None,
-             marker: str = "examples/tinylm.py") -> int | None:
+def rank_pid(
+    job: str, rank: int, *, generation: int | None = None, marker: str = "examples/tinylm.py"
+) -> int | None:
     """The pid of a live rank process of ``job`` (its command line holds ``marker``),
     read from its environment; of ``generation`` only, when given."""
     for pid in processes_matching(marker):
         try:
-            env = dict(item.split("=", 1) for item in
-                       Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+            env = dict(
+                item.split("=", 1)
+                for item in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                if "=" in item
+            )
         except OSError:
             continue
-        if env.get("PHALANX_JOB_ID") == job and env.get("RANK") == str(rank) and (
-                generation is None or env.get("PHALANX_GENERATION") == str(generation)):
+        if (
+            env.get("PHALANX_JOB_ID") == job
+            and env.get("RANK") == str(rank)
+            and (generation is None or env.get("PHALANX_GENERATION") == str(generation))
+        ):
             return pid
     return None

@@ -32,7 +32,7 @@ __all__ = [
 
 SIM_HINT = (
     "on a machine without NVIDIA GPUs, choose the simulated backend: set "
-    "`[gpu] backend = \"sim\"` in agentd.toml, PHALANX_AGENTD_GPU__BACKEND=sim, "
+    '`[gpu] backend = "sim"` in agentd.toml, PHALANX_AGENTD_GPU__BACKEND=sim, '
     "or pass --gpu.backend sim"
 )
 

@@ -67,8 +67,13 @@ def new_state(
 ) -> dict[str, Any]:
     return {
         "gpus": [
-            {"index": i, "uuid": f"GPU-sim-{node_id}-{i}", "model": model,
-             "memory_bytes": memory_bytes, **_HEALTHY}
+            {
+                "index": i,
+                "uuid": f"GPU-sim-{node_id}-{i}",
+                "model": model,
+                "memory_bytes": memory_bytes,
+                **_HEALTHY,
+            }
             for i in range(gpus)
         ],
         "xids": [],
@@ -149,8 +154,12 @@ class SimBackend:
     def inventory(self) -> list[GpuInfo]:
         state = read_state(self.path)
         return [
-            GpuInfo(int(g["index"]), str(g["uuid"]), str(g.get("model", "sim")),
-                    int(g.get("memory_bytes", 0)))
+            GpuInfo(
+                int(g["index"]),
+                str(g["uuid"]),
+                str(g.get("model", "sim")),
+                int(g.get("memory_bytes", 0)),
+            )
             for g in self._present(state)
         ]
 
@@ -164,7 +173,7 @@ class SimBackend:
         xids = state.get("xids") or []
         if len(xids) < self._xids_seen:  # the log was truncated by hand: start over
             self._xids_seen = 0
-        fresh = tuple((int(x["gpu"]), int(x["xid"])) for x in xids[self._xids_seen:])
+        fresh = tuple((int(x["gpu"]), int(x["xid"])) for x in xids[self._xids_seen :])
         self._xids_seen = len(xids)
         return NodeSample(gpus=tuple(self._sample(g) for g in self._present(state)), xids=fresh)
 
@@ -173,8 +182,9 @@ class SimBackend:
 
     @staticmethod
     def _present(state: dict[str, Any]) -> list[dict[str, Any]]:
-        return sorted((g for g in state["gpus"] if g.get("present", True)),
-                      key=lambda g: int(g["index"]))
+        return sorted(
+            (g for g in state["gpus"] if g.get("present", True)), key=lambda g: int(g["index"])
+        )
 
     @staticmethod
     def _sample(g: dict[str, Any]) -> GpuSample:

@@ -145,8 +145,16 @@ class Capacity:
         counts = [rg[r][g] for r in self.layout.type_racks[t]]
         dg = self.dom_ge[v]
         return select_nodes(
-            self.layout, t, n, g, placement, required, max_racks, counts,
-            lambda d: dg[d][g], self.avail[v],
+            self.layout,
+            t,
+            n,
+            g,
+            placement,
+            required,
+            max_racks,
+            counts,
+            lambda d: dg[d][g],
+            self.avail[v],
         )
 
     def _best_single(self, v: int, t: int, g: int) -> int:

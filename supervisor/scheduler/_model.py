@@ -122,9 +122,7 @@ class RunningJob:
         _check_finite(f"running job {self.id}: start_time", self.start_time)
         _check_positive(f"running job {self.id}: max_runtime", self.max_runtime)
         if self.last_checkpoint_time is not None:
-            _check_finite(
-                f"running job {self.id}: last_checkpoint_time", self.last_checkpoint_time
-            )
+            _check_finite(f"running job {self.id}: last_checkpoint_time", self.last_checkpoint_time)
 
     @property
     def total_gpus(self) -> int:

@@ -91,9 +91,7 @@ class _Pass:
         spares = choose_spares(layout, free, state.previous_spares, state.spare_pool)
         self.spares = spares
         spare_set = set(spares)
-        usable = [
-            layout.schedulable[i] and i not in spare_set for i in range(len(layout.node_ids))
-        ]
+        usable = [layout.schedulable[i] and i not in spare_set for i in range(len(layout.node_ids))]
         self.capacity = Capacity(layout, free, usable)
         self.initial_ge = [list(per_type) for per_type in self.capacity.total_ge[SHORT]]
 
@@ -112,13 +110,22 @@ class _Pass:
             end = max(now, job.start_time + job.max_runtime)
             releases.append(Release(end, job.id, ordinal, allocation))
             if job.preemptible:
-                since = job.start_time if job.last_checkpoint_time is None else (
-                    job.last_checkpoint_time
+                since = (
+                    job.start_time
+                    if job.last_checkpoint_time is None
+                    else (job.last_checkpoint_time)
                 )
                 victims.append(
                     Victim(
-                        ordinal, job.id, job.team, job.priority, job.gpus_per_node,
-                        job.total_gpus, max(0.0, now - since) * job.total_gpus, end, allocation,
+                        ordinal,
+                        job.id,
+                        job.team,
+                        job.priority,
+                        job.gpus_per_node,
+                        job.total_gpus,
+                        max(0.0, now - since) * job.total_gpus,
+                        end,
+                        allocation,
                     )
                 )
         self.timeline = Timeline(releases)
@@ -308,14 +315,29 @@ class _Pass:
         ):
             return False
         for t, max_racks in shape.types:
-            key = (view, t, job.gpus_per_node, job.placement, job.placement_required, max_racks,
-                   job.priority)
+            key = (
+                view,
+                t,
+                job.gpus_per_node,
+                job.placement,
+                job.placement_required,
+                max_racks,
+                job.priority,
+            )
             failed = self.evict_fails.get(key)
             if failed is not None and job.nodes >= failed:
                 continue
             eviction = find_eviction(
-                self.capacity, self.victims_by_node, self.evicted, view, t, job.nodes,
-                job.gpus_per_node, job.placement, job.placement_required, max_racks,
+                self.capacity,
+                self.victims_by_node,
+                self.evicted,
+                view,
+                t,
+                job.nodes,
+                job.gpus_per_node,
+                job.placement,
+                job.placement_required,
+                max_racks,
                 job.priority,
             )
             if eviction is None:
@@ -422,8 +444,15 @@ class _Pass:
         best = None
         for t, max_racks in shape.types:
             found = find_reservation(
-                capacity, self.timeline, self.reserved_nodes, t, n, g, job.placement,
-                job.placement_required, max_racks,
+                capacity,
+                self.timeline,
+                self.reserved_nodes,
+                t,
+                n,
+                g,
+                job.placement,
+                job.placement_required,
+                max_racks,
             )
             if found is not None and (best is None or found.at < best.at):
                 best = found

@@ -68,7 +68,14 @@ def select_nodes(
     for j, take in chosen:
         nodes.extend(
             _take_from_rack(
-                layout, gpu_type, racks[j], take, rack_counts[j], g, dom_count, avail,
+                layout,
+                gpu_type,
+                racks[j],
+                take,
+                rack_counts[j],
+                g,
+                dom_count,
+                avail,
                 by_domain=placement is Placement.PACK,
             )
         )

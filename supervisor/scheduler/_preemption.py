@@ -163,11 +163,7 @@ def find_eviction(
         _restore(capacity, chosen.values())
         return None
     needed = {i for i in nodes if before.get(i, g) < g}
-    kept = [
-        victim
-        for victim in chosen.values()
-        if any(i in needed for i, _ in victim.allocation)
-    ]
+    kept = [victim for victim in chosen.values() if any(i in needed for i, _ in victim.allocation)]
     kept_ordinals = {victim.ordinal for victim in kept}
     _restore(capacity, (vic for vic in chosen.values() if vic.ordinal not in kept_ordinals))
     kept.sort(key=lambda victim: (victim.lost_work, victim.job_id))

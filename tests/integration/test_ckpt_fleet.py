@@ -31,15 +31,38 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 TIERS = ["ram", "nvme", "peer", "object"]
-TINY = ["--vocab", "32", "--dim", "16", "--layers", "1", "--heads", "2", "--seq", "8",
-        "--batch", "2", "--log-every", "1000", "--ckpt-digests"]
+TINY = [
+    "--vocab",
+    "32",
+    "--dim",
+    "16",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--seq",
+    "8",
+    "--batch",
+    "2",
+    "--log-every",
+    "1000",
+    "--ckpt-digests",
+]
 
 
 def cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PHALANX_API": f"http://127.0.0.1:{fleet.api_port}",
-           "PHALANX_TOKEN": TOKEN}
-    return subprocess.run([sys.executable, "-m", "phalanx.cli", *args], capture_output=True,
-                          text=True, timeout=60, env=env)
+    env = {
+        **os.environ,
+        "PHALANX_API": f"http://127.0.0.1:{fleet.api_port}",
+        "PHALANX_TOKEN": TOKEN,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
 
 
 def start_two_racks(fleet: Fleet, supervisor_extra: str = "") -> None:
@@ -65,10 +88,12 @@ def committed(fleet: Fleet, job: str) -> dict[int, list[str]]:
     return {s["step"]: sorted(s["committed"]) for s in catalog(fleet, job)["steps"]}
 
 
-def rank_lines(fleet: Fleet, node: str, job: str, generation: int, rank: int,
-               key: str) -> list[dict[str, Any]]:  # fmt: skip
-    log = fleet.root / "nodes" / node / "data" / "jobs" / job / f"g{generation}" / \
-        f"rank-{rank}.log"
+def rank_lines(
+    fleet: Fleet, node: str, job: str, generation: int, rank: int, key: str
+) -> list[dict[str, Any]]:
+    log = (
+        fleet.root / "nodes" / node / "data" / "jobs" / job / f"g{generation}" / f"rank-{rank}.log"
+    )
     found = []
     for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
         if line.startswith("{") and key in line:
@@ -91,22 +116,26 @@ def test_checkpoints_land_in_all_four_tiers_are_kept_per_tier_and_ckpt_ls_shows_
     fleet: Fleet,
 ) -> None:
     start_two_racks(fleet)
-    job = fleet.submit(name="ckpt", nodes=2, ranks_per_node=2, workdir=str(REPO),
-                       command=tinylm("--steps", "12", "--ckpt-every", "4"),
-                       checkpoint={"tiers": TIERS, "keep": {"ram": 2, "nvme": 1, "peer": 1,
-                                                            "object": 2}})
+    job = fleet.submit(
+        name="ckpt",
+        nodes=2,
+        ranks_per_node=2,
+        workdir=str(REPO),
+        command=tinylm("--steps", "12", "--ckpt-every", "4"),
+        checkpoint={"tiers": TIERS, "keep": {"ram": 2, "nvme": 1, "peer": 1, "object": 2}},
+    )
     fleet.wait_job(job["id"], "succeeded", timeout=120)
 
     # Every step was committed at every tier (the catalog's event log says when) ...
     events = fleet.client().get(f"/v1/events?job={job['id']}&limit=1000")
-    commits = sorted((e["detail"]["step"], e["detail"]["tier"]) for e in events
-                     if e["kind"] == "ckpt_committed")
+    commits = sorted(
+        (e["detail"]["step"], e["detail"]["tier"]) for e in events if e["kind"] == "ckpt_committed"
+    )
     assert commits == sorted((s, t) for s in (4, 8, 12) for t in TIERS)
     # ... and is kept per tier: the newest everywhere but in RAM, which the agents free
     # once the job has ended; the one before only where 2 are kept; none older.
     wanted = {12: ["nvme", "object", "peer"], 8: ["object"]}
-    wait_for(lambda: committed(fleet, job["id"]) == wanted, 30,
-             f"the catalog to hold {wanted}")
+    wait_for(lambda: committed(fleet, job["id"]) == wanted, 30, f"the catalog to hold {wanted}")
     table = cli(fleet, "ckpt", "ls", job["id"]).stdout.splitlines()
     assert table[0].split() == ["STEP", "COMMITTED", "PARTIAL", "SIZE"]
     assert table[1].split()[:3] == ["12", "nvme,peer,object", "-"]
@@ -115,13 +144,17 @@ def test_checkpoints_land_in_all_four_tiers_are_kept_per_tier_and_ckpt_ls_shows_
     for node, buddy, ranks in (("n01", "n02", (0, 1)), ("n02", "n01", (2, 3))):
         for rank in ranks:
             name = f"rank-{rank:05d}.phx"
-            steps = {"nvme": data / node / "data" / "ckpt" / job["id"],
-                     "peer": data / buddy / "data" / "ckpt-peer" / job["id"],
-                     "object": fleet.root / "objects" / job["id"]}
+            steps = {
+                "nvme": data / node / "data" / "ckpt" / job["id"],
+                "peer": data / buddy / "data" / "ckpt-peer" / job["id"],
+                "object": fleet.root / "objects" / job["id"],
+            }
             assert sorted(p.name for p in steps["nvme"].iterdir()) == ["000000000012"]
             assert sorted(p.name for p in steps["peer"].iterdir()) == ["000000000012"]
-            assert sorted(p.name for p in steps["object"].iterdir()) == ["000000000008",
-                                                                         "000000000012"]
+            assert sorted(p.name for p in steps["object"].iterdir()) == [
+                "000000000008",
+                "000000000012",
+            ]
             assert (steps["nvme"] / "000000000012" / name).is_file()
             assert (steps["peer"] / "000000000012" / f"{name}.zst").is_file()
             assert (steps["object"] / "000000000012" / f"{name}.zst").is_file()
@@ -133,15 +166,24 @@ def test_checkpoints_land_in_all_four_tiers_are_kept_per_tier_and_ckpt_ls_shows_
         manifest = json.loads((folder / "manifest.json").read_bytes())
         assert (manifest["world_size"], manifest["shards"]) == (4, [])
         parts = sorted(folder.glob("manifest-r*.json"))
-        assert [p.name for p in parts] == ["manifest-r00000-r00001.json",
-                                           "manifest-r00002-r00003.json"]
+        assert [p.name for p in parts] == [
+            "manifest-r00000-r00001.json",
+            "manifest-r00002-r00003.json",
+        ]
         assert [s["rank"] for p in parts for s in json.loads(p.read_bytes())["shards"]] == [
-            0, 1, 2, 3]
+            0,
+            1,
+            2,
+            3,
+        ]
 
     # Both nodes let go of the ended job, so the broker keeps none of its catalogs (it
     # would hand a reconnecting node one per job the node ever ran) ...
-    wait_for(lambda: not retained_catalogs(fleet, job["id"]), 30,
-             "the ended job's retained catalogs to be cleared")
+    wait_for(
+        lambda: not retained_catalogs(fleet, job["id"]),
+        30,
+        "the ended job's retained catalogs to be cleared",
+    )
     # ... and a restarted supervisor does not publish them again.
     watcher = RawMqtt(fleet.broker.port)
     watcher.subscribe(f"{wire.PREFIX}/job/{job['id']}/ckpt/+")
@@ -158,11 +200,20 @@ def test_checkpoints_land_in_all_four_tiers_are_kept_per_tier_and_ckpt_ls_shows_
 
 def test_a_failed_jobs_nodes_free_its_ram_tier_once_the_linger_is_over(fleet: Fleet) -> None:
     start_two_racks(fleet, supervisor_extra="ckpt_failed_ram_linger_s = 5.0\n")
-    job = fleet.submit(name="ckpt", nodes=2, ranks_per_node=2, workdir=str(REPO),
-                       command=tinylm("--steps", "100000", "--ckpt-every", "3"),
-                       checkpoint={"tiers": ["ram", "nvme"]}, restart={"max_restarts": 0})
-    wait_for(lambda: any(t == ["nvme", "ram"] for t in committed(fleet, job["id"]).values()),
-             90, "a step committed in RAM and on NVMe")
+    job = fleet.submit(
+        name="ckpt",
+        nodes=2,
+        ranks_per_node=2,
+        workdir=str(REPO),
+        command=tinylm("--steps", "100000", "--ckpt-every", "3"),
+        checkpoint={"tiers": ["ram", "nvme"]},
+        restart={"max_restarts": 0},
+    )
+    wait_for(
+        lambda: any(t == ["nvme", "ram"] for t in committed(fleet, job["id"]).values()),
+        90,
+        "a step committed in RAM and on NVMe",
+    )
     os.kill(wait_for(lambda: rank_pid(job["id"], 1), 10, "rank 1's process"), 9)
     fleet.wait_job(job["id"], "failed", timeout=60)
 
@@ -170,11 +221,17 @@ def test_a_failed_jobs_nodes_free_its_ram_tier_once_the_linger_is_over(fleet: Fl
     segments = sorted(p.name for p in fleet.shm_dir.glob(f"phalanx-{job['id']}-r*"))
     assert len(segments) >= 4, segments
     # ... then the nodes free it; NVMe keeps the committed step.
-    wait_for(lambda: not any(fleet.shm_dir.glob(f"phalanx-{job['id']}-r*")), 60,
-             "the RAM tier of the failed job to be freed")
+    wait_for(
+        lambda: not any(fleet.shm_dir.glob(f"phalanx-{job['id']}-r*")),
+        60,
+        "the RAM tier of the failed job to be freed",
+    )
     assert any(t == ["nvme"] for t in committed(fleet, job["id"]).values())
-    wait_for(lambda: not retained_catalogs(fleet, job["id"]), 30,
-             "the failed job's retained catalogs to be cleared")
+    wait_for(
+        lambda: not retained_catalogs(fleet, job["id"]),
+        30,
+        "the failed job's retained catalogs to be cleared",
+    )
 
 
 # --- restarts -------------------------------------------------------------------------------
@@ -190,26 +247,44 @@ class Gang:
         self.mqtt = RawMqtt(fleet.broker.port)
         self.mqtt.subscribe("phalanx/v1/node/+/rank")
         self.generation = 1
-        job = fleet.submit(name="ckpt", nodes=2, ranks_per_node=2, workdir=str(REPO),
-                           command=tinylm("--steps", "100000", "--ckpt-every", "3"),
-                           checkpoint={"tiers": TIERS}, restart={"max_restarts": 0})
+        job = fleet.submit(
+            name="ckpt",
+            nodes=2,
+            ranks_per_node=2,
+            workdir=str(REPO),
+            command=tinylm("--steps", "100000", "--ckpt-every", "3"),
+            checkpoint={"tiers": TIERS},
+            restart={"max_restarts": 0},
+        )
         self.job: str = job["id"]
         fleet.wait_job(self.job, "running", timeout=60)
-        wait_for(lambda: any(t == sorted(TIERS) for t in committed(fleet, self.job).values()),
-                 90, "a step committed at every tier")
+        wait_for(
+            lambda: any(t == sorted(TIERS) for t in committed(fleet, self.job).values()),
+            90,
+            "a step committed at every tier",
+        )
         pid = wait_for(lambda: rank_pid(self.job, 1), 10, "rank 1's process")
         os.kill(pid, 9)
         fleet.wait_job(self.job, "failed", timeout=60)
         # The agents finish writing down what the ranks saved: wait for the newest step.
         self.step = wait_for(self._settled, 60, "the newest committed step at every tier")
-        self.peers = {n: wire.PeerAddr(node=n, address=view["address"],
-                                       http_port=view["http_port"])
-                      for n in ("n01", "n02") for view in [fleet.node(n)]}
+        self.peers = {
+            n: wire.PeerAddr(node=n, address=view["address"], http_port=view["http_port"])
+            for n in ("n01", "n02")
+            for view in [fleet.node(n)]
+        }
         assert fleet.supervisor is not None
         fleet.supervisor.stop()
-        self.saved = {rank: next(line["digest"] for line in rank_lines(
-            fleet, "n01" if rank < 2 else "n02", self.job, 1, rank, "ckpt_saved")
-            if line["ckpt_saved"] == self.step) for rank in range(4)}
+        self.saved = {
+            rank: next(
+                line["digest"]
+                for line in rank_lines(
+                    fleet, "n01" if rank < 2 else "n02", self.job, 1, rank, "ckpt_saved"
+                )
+                if line["ckpt_saved"] == self.step
+            )
+            for rank in range(4)
+        }
 
     def _settled(self) -> int | None:
         """The newest step committed anywhere, once it is committed at every tier (a step
@@ -232,25 +307,40 @@ class Gang:
         gen, port = self.generation, free_port()
         for group, (node, buddy) in enumerate((("n01", "n02"), ("n02", "n01"))):
             args = wire.StartRanksArgs(
-                job=self.job, generation=gen, command=tinylm("--steps", "1"),
-                workdir=str(REPO), world_size=4, group_rank=group, master_addr="127.0.0.1",
-                master_port=port, ranks=[wire.RankSlot(rank=2 * group + i, local_rank=i)
-                                         for i in range(2)],
-                ckpt=wire.CkptPlan(tiers=TIERS, buddy=self.peers[buddy]))
-            self.mqtt.publish(wire.command_topic(node),
-                              wire.encode(wire.Command.new(node, args)))
+                job=self.job,
+                generation=gen,
+                command=tinylm("--steps", "1"),
+                workdir=str(REPO),
+                world_size=4,
+                group_rank=group,
+                master_addr="127.0.0.1",
+                master_port=port,
+                ranks=[wire.RankSlot(rank=2 * group + i, local_rank=i) for i in range(2)],
+                ckpt=wire.CkptPlan(tiers=TIERS, buddy=self.peers[buddy]),
+            )
+            self.mqtt.publish(wire.command_topic(node), wire.encode(wire.Command.new(node, args)))
 
         def exits() -> list[wire.RankEvent] | None:
-            events = [wire.RankEvent.model_validate_json(p) for t, p in self.mqtt.messages
-                      if t.endswith("/rank")]
-            mine = [e for e in events if e.job == self.job and e.generation == gen
-                    and e.event == "exited"]
+            events = [
+                wire.RankEvent.model_validate_json(p)
+                for t, p in self.mqtt.messages
+                if t.endswith("/rank")
+            ]
+            mine = [
+                e
+                for e in events
+                if e.job == self.job and e.generation == gen and e.event == "exited"
+            ]
             return mine if len(mine) == 4 else None
 
         ended = wait_for(exits, 120, f"the 4 ranks of generation {gen} to exit")
         assert sorted((e.rank, e.code) for e in ended) == [(r, 0) for r in range(4)]
-        return {rank: rank_lines(self.fleet, "n01" if rank < 2 else "n02", self.job, gen, rank,
-                                 "ckpt_restored")[-1] for rank in range(4)}
+        return {
+            rank: rank_lines(
+                self.fleet, "n01" if rank < 2 else "n02", self.job, gen, rank, "ckpt_restored"
+            )[-1]
+            for rank in range(4)
+        }
 
     def tiers_used(self, restored: dict[int, dict[str, Any]]) -> dict[int, str]:
         for rank, line in restored.items():
@@ -297,7 +387,7 @@ def test_restore_falls_through_nvme_peer_and_object_store_as_copies_go(fleet: Fl
     for segment in fleet.shm_dir.glob(f"phalanx-{gang.job}-r*.slot*"):
         segment.unlink()
     for node in ("n01", "n02"):
-        subprocess.run(["rm", "-rf", str(gang.node_data(node) / "ckpt-peer" / gang.job)],
-                       check=True)
-    assert gang.tiers_used(gang.restart()) == {0: "object", 1: "object", 2: "object",
-                                               3: "object"}
+        subprocess.run(
+            ["rm", "-rf", str(gang.node_data(node) / "ckpt-peer" / gang.job)], check=True
+        )
+    assert gang.tiers_used(gang.restart()) == {0: "object", 1: "object", 2: "object", 3: "object"}

@@ -18,8 +18,13 @@ pytestmark = pytest.mark.integration
 
 
 def phalanx(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "phalanx.cli", *args], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.fixture
@@ -76,8 +81,13 @@ def test_wrong_token_exits_1_and_missing_settings_exit_2(api_env: dict[str, str]
     assert wrong.returncode == 1
     assert "token" in wrong.stderr
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
-    missing = subprocess.run([sys.executable, "-m", "phalanx.cli", "nodes"],
-                             capture_output=True, text=True, timeout=60, env=env)
+    missing = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "nodes"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert missing.returncode == 2
     assert "PHALANX_API" in missing.stderr
 
@@ -95,8 +105,9 @@ def test_agent_serves_healthz_and_prometheus_metrics_with_reasons_as_labels(
         metrics = resp.read().decode()
 
     assert health["status"] == "drain"
-    assert 'phalanx_health_reason{code="ecc_dbe",gpu="0",node="n01",severity="drain"} 1.0' \
-        in metrics
+    assert (
+        'phalanx_health_reason{code="ecc_dbe",gpu="0",node="n01",severity="drain"} 1.0' in metrics
+    )
     assert 'phalanx_gpu_ecc_dbe_volatile{gpu="0",node="n01"} 1.0' in metrics
     assert 'phalanx_node_health{node="n01"} 2.0' in metrics
 
@@ -112,12 +123,21 @@ def test_local_fleet_comes_up_reports_its_processes_and_goes_down_leaving_none(
         env = dict(line.removeprefix("export ").split("=", 1) for line in env_lines.splitlines())
         status = json.loads(phalanx("local", "status", "-o", "json", "--dir", directory).stdout)
         roles = sorted((p["role"], p["node"]) for p in status)
-        assert roles == [("agent", "n01"), ("agent", "n02"), ("broker", None),
-                         ("supervisor", None)]
+        assert roles == [("agent", "n01"), ("agent", "n02"), ("broker", None), ("supervisor", None)]
         assert all(p["alive"] for p in status)
 
-        injected = phalanx("local", "inject", "--node", "n02", "--gpu", "1", "--fault",
-                           "xid-79", "--dir", directory)
+        injected = phalanx(
+            "local",
+            "inject",
+            "--node",
+            "n02",
+            "--gpu",
+            "1",
+            "--fault",
+            "xid-79",
+            "--dir",
+            directory,
+        )
         assert injected.returncode == 0, injected.stderr
         nodes = json.loads(phalanx("nodes", "-o", "json", env=env).stdout)
         assert {n["id"] for n in nodes} == {"n01", "n02"}
@@ -125,16 +145,28 @@ def test_local_fleet_comes_up_reports_its_processes_and_goes_down_leaving_none(
         down = phalanx("local", "down", "--dir", directory)
     assert down.returncode == 0, down.stderr
     for p in status:
-        assert not Path(f"/proc/{p['pid']}").exists() or \
-            Path(f"/proc/{p['pid']}/stat").read_text().split(") ", 1)[1][0] == "Z"
+        assert (
+            not Path(f"/proc/{p['pid']}").exists()
+            or Path(f"/proc/{p['pid']}/stat").read_text().split(") ", 1)[1][0] == "Z"
+        )
 
 
 def test_local_fleet_runs_on_the_embedded_broker_where_mosquitto_is_missing(
     tmp_path: Path,
 ) -> None:
     directory = str(tmp_path / "fleet")
-    up = phalanx("local", "up", "--nodes", "1", "--gpus-per-node", "1", "--broker", "embedded",
-                 "--dir", directory)
+    up = phalanx(
+        "local",
+        "up",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "--broker",
+        "embedded",
+        "--dir",
+        directory,
+    )
     try:
         assert up.returncode == 0, up.stderr
         status = json.loads(phalanx("local", "status", "-o", "json", "--dir", directory).stdout)

@@ -20,9 +20,22 @@ def test_nodes_appear_with_their_gpus(fleet: Fleet) -> None:
     fleet.wait_state("n02", "up")
 
     out = subprocess.run(
-        [sys.executable, "-m", "phalanx.cli", "--api", f"http://127.0.0.1:{fleet.api_port}",
-         "--token", "test-token-0123456789abcdef", "nodes", "-o", "json"],
-        capture_output=True, text=True, check=True, timeout=30,
+        [
+            sys.executable,
+            "-m",
+            "phalanx.cli",
+            "--api",
+            f"http://127.0.0.1:{fleet.api_port}",
+            "--token",
+            "test-token-0123456789abcdef",
+            "nodes",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
     )
     nodes = {n["id"]: n for n in json.loads(out.stdout)}
     assert nodes["n01"]["state"] == "up"

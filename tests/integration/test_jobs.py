@@ -28,14 +28,23 @@ def two_by_two(fleet: Fleet, **agent: object) -> None:
 
 
 def cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PHALANX_API": f"http://127.0.0.1:{fleet.api_port}",
-           "PHALANX_TOKEN": TOKEN}
-    return subprocess.run([sys.executable, "-m", "phalanx.cli", *args], capture_output=True,
-                          text=True, timeout=300, env=env)
+    env = {
+        **os.environ,
+        "PHALANX_API": f"http://127.0.0.1:{fleet.api_port}",
+        "PHALANX_TOKEN": TOKEN,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 def test_example_job_trains_to_a_lower_loss_and_succeeds_on_two_nodes_of_two_ranks(
-    fleet: Fleet, tmp_path: Path,
+    fleet: Fleet,
+    tmp_path: Path,
 ) -> None:
     two_by_two(fleet)
     spec = tmp_path / "tinylm.yaml"
@@ -52,7 +61,11 @@ def test_example_job_trains_to_a_lower_loss_and_succeeds_on_two_nodes_of_two_ran
     assert job["state"] == "succeeded"
     assert job["world_size"] == 4
     assert [(r["rank"], r["node"], r["local_rank"], r["exit_code"]) for r in job["ranks"]] == [
-        (0, "n01", 0, 0), (1, "n01", 1, 0), (2, "n02", 0, 0), (3, "n02", 1, 0)]
+        (0, "n01", 0, 0),
+        (1, "n01", 1, 0),
+        (2, "n02", 0, 0),
+        (3, "n02", 1, 0),
+    ]
     log = cli(fleet, "logs", job["id"], "--rank", "0").stdout
     summary = json.loads(log.strip().splitlines()[-1])
     assert summary["done"] is True
@@ -60,24 +73,47 @@ def test_example_job_trains_to_a_lower_loss_and_succeeds_on_two_nodes_of_two_ran
 
 
 def test_ranks_get_the_torch_distributed_environment_and_secrets_from_files(
-    fleet: Fleet, tmp_path: Path,
+    fleet: Fleet,
+    tmp_path: Path,
 ) -> None:
     two_by_two(fleet)
     secret = tmp_path / "secret"
     secret.write_text("hunter2\n")
     job = fleet.submit(
-        name="envcheck", nodes=2, ranks_per_node=2,
-        command=["bash", "-c", "env | sort"], env={"SECRET": {"from_file": str(secret)},
-                                                  "PLAIN": "yes"},
+        name="envcheck",
+        nodes=2,
+        ranks_per_node=2,
+        command=["bash", "-c", "env | sort"],
+        env={"SECRET": {"from_file": str(secret)}, "PLAIN": "yes"},
     )
     done = fleet.wait_job(job["id"], "succeeded")
 
-    env = dict(line.split("=", 1) for line in fleet.client().get_bytes(
-        f"/v1/jobs/{job['id']}/logs?rank=3")[0].decode().splitlines() if "=" in line)
-    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                "GROUP_RANK", "MASTER_ADDR")} == {
-        "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-        "GROUP_RANK": "1", "MASTER_ADDR": "127.0.0.1"}
+    env = dict(
+        line.split("=", 1)
+        for line in fleet.client()
+        .get_bytes(f"/v1/jobs/{job['id']}/logs?rank=3")[0]
+        .decode()
+        .splitlines()
+        if "=" in line
+    )
+    assert {
+        k: env[k]
+        for k in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "MASTER_ADDR",
+        )
+    } == {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+    }
     assert env["MASTER_PORT"] == done["master"].split(":")[1]
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
@@ -94,11 +130,9 @@ def test_a_job_needing_more_nodes_than_are_up_stays_pending_and_starts_no_proces
     fleet: Fleet,
 ) -> None:
     two_by_two(fleet)
-    job = fleet.submit(name="toobig", nodes=3, ranks_per_node=1,
-                       command=["sleep", "3131"])
+    job = fleet.submit(name="toobig", nodes=3, ranks_per_node=1, command=["sleep", "3131"])
 
-    view = wait_for(lambda: (j := fleet.job(job["id"]))["waiting"] and j, 10,
-                    "a waiting reason")
+    view = wait_for(lambda: (j := fleet.job(job["id"]))["waiting"] and j, 10, "a waiting reason")
     time.sleep(1.0)  # several scheduling passes
 
     assert fleet.job(job["id"])["state"] == "pending"
@@ -109,8 +143,13 @@ def test_a_job_needing_more_nodes_than_are_up_stays_pending_and_starts_no_proces
 
 def test_cancel_leaves_no_rank_process_behind_even_one_ignoring_sigterm(fleet: Fleet) -> None:
     two_by_two(fleet)
-    job = fleet.submit(name="stubborn", nodes=2, ranks_per_node=2, grace_period=1,
-                       command=["bash", "-c", "trap '' TERM; sleep 3232 & wait; sleep 3232"])
+    job = fleet.submit(
+        name="stubborn",
+        nodes=2,
+        ranks_per_node=2,
+        grace_period=1,
+        command=["bash", "-c", "trap '' TERM; sleep 3232 & wait; sleep 3232"],
+    )
     fleet.wait_job(job["id"], "running")
     wait_for(lambda: len(processes_matching("sleep 3232")) >= 4, 10, "four ranks")
 
@@ -123,10 +162,14 @@ def test_cancel_leaves_no_rank_process_behind_even_one_ignoring_sigterm(fleet: F
 
 def test_a_rank_that_exits_1_fails_the_job_and_stops_its_peers(fleet: Fleet) -> None:
     two_by_two(fleet)
-    job = fleet.submit(name="crashy", nodes=2, ranks_per_node=2, grace_period=2,
-                       restart={"max_restarts": 0},
-                       command=["bash", "-c",
-                                'if [ "$RANK" = 2 ]; then sleep 1; exit 1; fi; sleep 3333'])
+    job = fleet.submit(
+        name="crashy",
+        nodes=2,
+        ranks_per_node=2,
+        grace_period=2,
+        restart={"max_restarts": 0},
+        command=["bash", "-c", 'if [ "$RANK" = 2 ]; then sleep 1; exit 1; fi; sleep 3333'],
+    )
 
     failed = fleet.wait_job(job["id"], "failed", timeout=30)
 
@@ -136,12 +179,12 @@ def test_a_rank_that_exits_1_fails_the_job_and_stops_its_peers(fleet: Fleet) -> 
 
 
 def test_an_invalid_spec_is_rejected_naming_the_field_and_line(
-    fleet: Fleet, tmp_path: Path,
+    fleet: Fleet,
+    tmp_path: Path,
 ) -> None:
     fleet.start_supervisor()
     spec = tmp_path / "bad.yaml"
-    spec.write_text("name: bad\nteam: t\ncommand: [x]\nworkdir: /\nnodes: 0\n"
-                    "ranks_per_node: 1\n")
+    spec.write_text("name: bad\nteam: t\ncommand: [x]\nworkdir: /\nnodes: 0\nranks_per_node: 1\n")
 
     done = cli(fleet, "submit", str(spec))
 
@@ -155,16 +198,29 @@ def test_an_invalid_spec_is_rejected_naming_the_field_and_line(
 
 def test_preemption_evicts_the_running_job_with_the_least_lost_work(fleet: Fleet) -> None:
     two_by_two(fleet)
-    older = fleet.submit(name="older", nodes=1, ranks_per_node=2, priority=10,
-                         preemptible=True, command=["sleep", "3434"])
+    older = fleet.submit(
+        name="older",
+        nodes=1,
+        ranks_per_node=2,
+        priority=10,
+        preemptible=True,
+        command=["sleep", "3434"],
+    )
     fleet.wait_job(older["id"], "running")
     time.sleep(2.0)  # the older job has more work to lose
-    newer = fleet.submit(name="newer", nodes=1, ranks_per_node=2, priority=10,
-                         preemptible=True, command=["sleep", "3434"])
+    newer = fleet.submit(
+        name="newer",
+        nodes=1,
+        ranks_per_node=2,
+        priority=10,
+        preemptible=True,
+        command=["sleep", "3434"],
+    )
     fleet.wait_job(newer["id"], "running")
 
-    urgent = fleet.submit(name="urgent", nodes=1, ranks_per_node=2, priority=100,
-                          command=["sleep", "3535"])
+    urgent = fleet.submit(
+        name="urgent", nodes=1, ranks_per_node=2, priority=100, command=["sleep", "3535"]
+    )
     fleet.wait_job(urgent["id"], "running", timeout=30)
 
     evicted = fleet.job(newer["id"])
@@ -172,8 +228,7 @@ def test_preemption_evicts_the_running_job_with_the_least_lost_work(fleet: Fleet
     assert evicted["preemptions"] == 1
     assert fleet.job(older["id"])["state"] == "running"
     events = fleet.client().get(f"/v1/events?job={newer['id']}")
-    assert any(e["kind"] == "job_preempted" and e["detail"]["by"] == urgent["id"]
-               for e in events)
+    assert any(e["kind"] == "job_preempted" and e["detail"]["by"] == urgent["id"] for e in events)
 
 
 def test_a_restarted_supervisor_finds_a_running_job_running_and_can_still_cancel_it(
@@ -196,9 +251,14 @@ def test_a_restarted_supervisor_finds_a_running_job_running_and_can_still_cancel
 
 def test_a_job_whose_node_dies_fails_naming_the_node(fleet: Fleet) -> None:
     two_by_two(fleet)
-    job = fleet.submit(name="fragile", nodes=2, ranks_per_node=1, grace_period=1,
-                       restart={"max_restarts": 0},
-                       command=["sleep", "3737"])
+    job = fleet.submit(
+        name="fragile",
+        nodes=2,
+        ranks_per_node=1,
+        grace_period=1,
+        restart={"max_restarts": 0},
+        command=["sleep", "3737"],
+    )
     fleet.wait_job(job["id"], "running")
 
     fleet.agents["n02"].kill9()
@@ -250,8 +310,9 @@ def test_hot_spares_are_held_back_from_normal_placement(fleet: Fleet) -> None:
 
 def test_ranks_no_live_job_owns_are_stopped_by_the_supervisor(fleet: Fleet) -> None:
     two_by_two(fleet)
-    job = fleet.submit(name="forgotten", nodes=2, ranks_per_node=1, grace_period=1,
-                       command=["sleep", "4040"])
+    job = fleet.submit(
+        name="forgotten", nodes=2, ranks_per_node=1, grace_period=1, command=["sleep", "4040"]
+    )
     fleet.wait_job(job["id"], "running")
     assert fleet.supervisor is not None
     fleet.supervisor.stop()
@@ -261,15 +322,23 @@ def test_ranks_no_live_job_owns_are_stopped_by_the_supervisor(fleet: Fleet) -> N
 
     fleet.start_supervisor()
 
-    wait_for(lambda: processes_matching("sleep 4040") == [] or None, 30,
-             "the orphaned ranks to be stopped")
+    wait_for(
+        lambda: processes_matching("sleep 4040") == [] or None,
+        30,
+        "the orphaned ranks to be stopped",
+    )
 
 
 def test_an_agent_that_stops_takes_its_ranks_with_it_and_the_job_fails(fleet: Fleet) -> None:
     two_by_two(fleet)
-    job = fleet.submit(name="underfoot", nodes=2, ranks_per_node=1, grace_period=1,
-                       restart={"max_restarts": 0},
-                       command=["sleep", "4141"])
+    job = fleet.submit(
+        name="underfoot",
+        nodes=2,
+        ranks_per_node=1,
+        grace_period=1,
+        restart={"max_restarts": 0},
+        command=["sleep", "4141"],
+    )
     fleet.wait_job(job["id"], "running")
     wait_for(lambda: len(processes_matching("sleep 4141")) == 2 or None, 10, "two ranks")
 

@@ -27,8 +27,9 @@ def fleet_of(fleet: Fleet, nodes: int, *, spares: int = 0, racks: int = 2) -> No
 
 
 # A rank that runs a while and succeeds; in generation 1, rank 2 exits 1 first.
-CRASH_IN_GEN1 = ('if [ "$PHALANX_GENERATION" = 1 ] && [ "$RANK" = 2 ]; then sleep 1; exit 1; '
-                 'fi; sleep 3; exit 0')
+CRASH_IN_GEN1 = (
+    'if [ "$PHALANX_GENERATION" = 1 ] && [ "$RANK" = 2 ]; then sleep 1; exit 1; fi; sleep 3; exit 0'
+)
 
 
 def events(fleet: Fleet, job: str, kind: str) -> list[dict[str, object]]:
@@ -38,8 +39,13 @@ def events(fleet: Fleet, job: str, kind: str) -> list[dict[str, object]]:
 
 def test_a_rank_that_exits_1_is_restarted_in_place_on_the_same_nodes(fleet: Fleet) -> None:
     fleet_of(fleet, 3, spares=1)
-    job = fleet.submit(name="crashy", nodes=2, ranks_per_node=2, grace_period=2,
-                       command=["bash", "-c", CRASH_IN_GEN1])
+    job = fleet.submit(
+        name="crashy",
+        nodes=2,
+        ranks_per_node=2,
+        grace_period=2,
+        command=["bash", "-c", CRASH_IN_GEN1],
+    )
     first = fleet.wait_job(job["id"], "running")
 
     done = fleet.wait_job(job["id"], "succeeded", timeout=60)
@@ -58,9 +64,13 @@ def test_a_rank_that_exits_1_is_restarted_in_place_on_the_same_nodes(fleet: Flee
 
 def test_ranks_of_a_node_whose_gpu_fails_move_to_the_spare_in_its_rack(fleet: Fleet) -> None:
     fleet_of(fleet, 4, spares=1)
-    job = fleet.submit(name="ecc", nodes=2, ranks_per_node=2, grace_period=2,
-                       command=["bash", "-c",
-                                'if [ "$PHALANX_GENERATION" = 1 ]; then sleep 600; fi; sleep 2'])
+    job = fleet.submit(
+        name="ecc",
+        nodes=2,
+        ranks_per_node=2,
+        grace_period=2,
+        command=["bash", "-c", 'if [ "$PHALANX_GENERATION" = 1 ]; then sleep 600; fi; sleep 2'],
+    )
     running = fleet.wait_job(job["id"], "running")
     victim = running["nodes"][1]
     wait_for(lambda: len(processes_matching("sleep 600")) >= 4 or None, 10, "four ranks")
@@ -83,9 +93,13 @@ def test_ranks_of_a_node_whose_gpu_fails_move_to_the_spare_in_its_rack(fleet: Fl
 
 def test_a_node_whose_agent_dies_is_replaced_by_a_spare_and_quarantined(fleet: Fleet) -> None:
     fleet_of(fleet, 3, spares=1)
-    job = fleet.submit(name="offline", nodes=2, ranks_per_node=1, grace_period=1,
-                       command=["bash", "-c",
-                                'if [ "$PHALANX_GENERATION" = 1 ]; then sleep 600; fi; sleep 2'])
+    job = fleet.submit(
+        name="offline",
+        nodes=2,
+        ranks_per_node=1,
+        grace_period=1,
+        command=["bash", "-c", 'if [ "$PHALANX_GENERATION" = 1 ]; then sleep 600; fi; sleep 2'],
+    )
     running = fleet.wait_job(job["id"], "running")
     victim = running["nodes"][0]  # the rank-0 node: the rendezvous must not go with it
 
@@ -108,19 +122,30 @@ def test_two_hardware_failures_with_max_restarts_1_fail_the_job_with_both(
     fleet: Fleet,
 ) -> None:
     fleet_of(fleet, 4, spares=2)
-    job = fleet.submit(name="unlucky", nodes=2, ranks_per_node=1, grace_period=1,
-                       restart={"max_restarts": 1}, command=["sleep", "600"])
+    job = fleet.submit(
+        name="unlucky",
+        nodes=2,
+        ranks_per_node=1,
+        grace_period=1,
+        restart={"max_restarts": 1},
+        command=["sleep", "600"],
+    )
     running = fleet.wait_job(job["id"], "running")
     inject(fleet.sim_file(running["nodes"][0]), 0, "ecc-dbe")
-    second = wait_for(lambda: (j := fleet.job(job["id"]))["state"] == "running"
-                      and j["generation"] == 2 and j, 60, "the first recovery")
+    second = wait_for(
+        lambda: (j := fleet.job(job["id"]))["state"] == "running" and j["generation"] == 2 and j,
+        60,
+        "the first recovery",
+    )
 
     inject(fleet.sim_file(second["nodes"][1]), 0, "xid-79")
 
     failed = fleet.wait_job(job["id"], "failed", timeout=60)
     assert "restart budget spent" in failed["reason"]
     assert [i["failures"][0]["node"] for i in failed["incidents"]] == [
-        running["nodes"][0], second["nodes"][1]]
+        running["nodes"][0],
+        second["nodes"][1],
+    ]
     assert [i["outcome"] for i in failed["incidents"]] == ["recovered", "failed"]
 
 
@@ -128,14 +153,21 @@ def test_with_no_spare_the_job_waits_recovering_until_a_node_is_undrained(
     fleet: Fleet,
 ) -> None:
     fleet_of(fleet, 2)
-    job = fleet.submit(name="patient", nodes=2, ranks_per_node=1, grace_period=1,
-                       command=["bash", "-c",
-                                'if [ "$PHALANX_GENERATION" = 1 ]; then sleep 600; fi; sleep 2'])
+    job = fleet.submit(
+        name="patient",
+        nodes=2,
+        ranks_per_node=1,
+        grace_period=1,
+        command=["bash", "-c", 'if [ "$PHALANX_GENERATION" = 1 ]; then sleep 600; fi; sleep 2'],
+    )
     fleet.wait_job(job["id"], "running")
     inject(fleet.sim_file("n02"), 0, "gpu-lost")
 
-    waiting = wait_for(lambda: (j := fleet.job(job["id"]))["state"] == "recovering"
-                       and j["waiting"] and j, 30, "the job to wait for a node")
+    waiting = wait_for(
+        lambda: (j := fleet.job(job["id"]))["state"] == "recovering" and j["waiting"] and j,
+        30,
+        "the job to wait for a node",
+    )
     assert waiting["waiting"]["reason"] == "no_spare"
     assert "no healthy node" in waiting["waiting"]["detail"]
     inject(fleet.sim_file("n02"), 0, "clear")
@@ -167,8 +199,9 @@ def test_a_broker_restart_is_not_a_failure_and_the_job_keeps_running(fleet: Flee
 
 def test_an_operators_drain_lets_the_running_job_finish_where_it_is(fleet: Fleet) -> None:
     fleet_of(fleet, 3, spares=1)
-    job = fleet.submit(name="upgrade", nodes=2, ranks_per_node=1, grace_period=1,
-                       command=["bash", "-c", "sleep 4"])
+    job = fleet.submit(
+        name="upgrade", nodes=2, ranks_per_node=1, grace_period=1, command=["bash", "-c", "sleep 4"]
+    )
     running = fleet.wait_job(job["id"], "running")
 
     fleet.client().post(f"/v1/nodes/{running['nodes'][0]}/drain", {"reason": "kernel upgrade"})
@@ -181,8 +214,14 @@ def test_a_job_that_waits_for_a_node_longer_than_spare_wait_fails_saying_so(
     fleet: Fleet,
 ) -> None:
     fleet_of(fleet, 2)
-    job = fleet.submit(name="stranded", nodes=2, ranks_per_node=1, grace_period=1,
-                       restart={"spare_wait": 3}, command=["sleep", "600"])
+    job = fleet.submit(
+        name="stranded",
+        nodes=2,
+        ranks_per_node=1,
+        grace_period=1,
+        restart={"spare_wait": 3},
+        command=["sleep", "600"],
+    )
     fleet.wait_job(job["id"], "running")
 
     inject(fleet.sim_file("n02"), 0, "gpu-lost")

@@ -29,9 +29,28 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 200  # ~12 s: a fault injected after step 20 strikes well before the end
-TINY = ["--vocab", "32", "--dim", "16", "--layers", "1", "--heads", "2", "--seq", "8",
-        "--batch", "2", "--log-every", "1000", "--steps", str(STEPS), "--ckpt-every", "10",
-        "--step-sleep", "0.04"]
+TINY = [
+    "--vocab",
+    "32",
+    "--dim",
+    "16",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--seq",
+    "8",
+    "--batch",
+    "2",
+    "--log-every",
+    "1000",
+    "--steps",
+    str(STEPS),
+    "--ckpt-every",
+    "10",
+    "--step-sleep",
+    "0.04",
+]
 TIERS = ["ram", "nvme", "peer", "object"]
 
 
@@ -45,11 +64,25 @@ def undisturbed_digest(*extra: str) -> str:
     port = free_port()
     procs = []
     for rank in range(4):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
         env = {k: v for k, v in env.items() if not k.startswith("PHALANX_")}
-        procs.append(subprocess.Popen(tinylm("--step-sleep", "0"), cwd=REPO, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                tinylm("--step-sleep", "0"),
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     outs = [p.communicate(timeout=240)[0].decode() for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     return str(json.loads(outs[0].strip().splitlines()[-1])["digest"])
@@ -64,17 +97,28 @@ def start(fleet: Fleet, *, nodes: int = 3, spares: int = 1, extra: str = "") -> 
 
 
 def submit(fleet: Fleet, name: str, *extra: str, **spec: Any) -> str:
-    job = fleet.submit(name=name, nodes=2, ranks_per_node=2, workdir=str(REPO),
-                       command=tinylm(*extra), grace_period=5, env={"OMP_NUM_THREADS": "1"},
-                       checkpoint={"tiers": TIERS, "interval": {"steps": 10}}, **spec)
+    job = fleet.submit(
+        name=name,
+        nodes=2,
+        ranks_per_node=2,
+        workdir=str(REPO),
+        command=tinylm(*extra),
+        grace_period=5,
+        env={"OMP_NUM_THREADS": "1"},
+        checkpoint={"tiers": TIERS, "interval": {"steps": 10}},
+        **spec,
+    )
     job_id: str = job["id"]
     return job_id
 
 
 def committed_step(fleet: Fleet, job: str, at_least: int, tier: str = "object") -> int | None:
     events = fleet.client().get(f"/v1/events?job={job}&limit=1000")
-    steps = [e["detail"]["step"] for e in events
-             if e["kind"] == "ckpt_committed" and e["detail"]["tier"] == tier]
+    steps = [
+        e["detail"]["step"]
+        for e in events
+        if e["kind"] == "ckpt_committed" and e["detail"]["tier"] == tier
+    ]
     newest = max(steps, default=-1)
     return newest if newest >= at_least else None
 
@@ -88,8 +132,16 @@ def running_after_a_commit(fleet: Fleet, job: str) -> dict[str, Any]:
 
 def final_digest(fleet: Fleet, job: dict[str, Any]) -> str:
     node = next(r["node"] for r in job["ranks"] if r["rank"] == 0)
-    log = fleet.root / "nodes" / node / "data" / "jobs" / job["id"] / \
-        f"g{job['generation']}" / "rank-0.log"
+    log = (
+        fleet.root
+        / "nodes"
+        / node
+        / "data"
+        / "jobs"
+        / job["id"]
+        / f"g{job['generation']}"
+        / "rank-0.log"
+    )
     last = json.loads(log.read_text().strip().splitlines()[-1])
     assert last["done"] is True
     return str(last["digest"])
@@ -98,8 +150,16 @@ def final_digest(fleet: Fleet, job: dict[str, Any]) -> str:
 def restored_from(fleet: Fleet, job: dict[str, Any]) -> dict[int, str]:
     out = {}
     for r in job["ranks"]:
-        log = fleet.root / "nodes" / r["node"] / "data" / "jobs" / job["id"] / \
-            f"g{job['generation']}" / f"rank-{r['rank']}.log"
+        log = (
+            fleet.root
+            / "nodes"
+            / r["node"]
+            / "data"
+            / "jobs"
+            / job["id"]
+            / f"g{job['generation']}"
+            / f"rank-{r['rank']}.log"
+        )
         for line in log.read_text().splitlines():
             if line.startswith("{") and "ckpt_restored" in line:
                 out[r["rank"]] = json.loads(line)["from"]
@@ -124,8 +184,10 @@ def test_a_rank_killed_with_sigkill_restarts_in_place_and_ends_bit_identical(
     assert set(restored_from(fleet, done).values()) == {"ram"}
     assert final_digest(fleet, done) == undisturbed_digest()
     phases = incident["phases"]
-    assert all(phases.get(p) is not None for p in ("detect", "plan", "stop", "launch",
-                                                   "restore", "first_step")), phases
+    assert all(
+        phases.get(p) is not None
+        for p in ("detect", "plan", "stop", "launch", "restore", "first_step")
+    ), phases
 
 
 def test_ecc_error_moves_the_ranks_to_the_spare_which_restores_remotely_bit_identical(
@@ -175,8 +237,11 @@ def test_losing_the_rank_0_nodes_agent_moves_its_ranks_and_the_rendezvous_to_the
     assert final_digest(fleet, done) == undisturbed_digest()
     # The dead agent's ranks outlived it; back (systemd restarts it), it reaps them.
     fleet.start_agent(victim, rack=fleet.node(victim)["rack"])
-    wait_for(lambda: rank_pid(job, 0, generation=1) is None or None, 30,
-             "the old generation's ranks on the lost node to be reaped")
+    wait_for(
+        lambda: rank_pid(job, 0, generation=1) is None or None,
+        30,
+        "the old generation's ranks on the lost node to be reaped",
+    )
 
 
 def test_a_stopped_rank_is_detected_as_a_hang_named_and_recovered(fleet: Fleet) -> None:
@@ -187,8 +252,9 @@ def test_a_stopped_rank_is_detected_as_a_hang_named_and_recovered(fleet: Fleet) 
 
     os.kill(pid, signal.SIGSTOP)
     stopped_at = time.monotonic()
-    recovering = wait_for(lambda: (j := fleet.job(job))["state"] == "recovering" and j, 30,
-                          "the hang to be detected")
+    recovering = wait_for(
+        lambda: (j := fleet.job(job))["state"] == "recovering" and j, 30, "the hang to be detected"
+    )
     detected_after = time.monotonic() - stopped_at
 
     assert detected_after < 4 + 10  # the hang timeout plus a few reports' worth
@@ -223,8 +289,11 @@ def test_a_supervisor_restarted_during_a_recovery_finishes_it(fleet: Fleet) -> N
     victim = running["nodes"][1]
 
     inject(fleet.sim_file(victim), 0, "xid-79")
-    wait_for(lambda: fleet.job(job)["state"] in ("recovering", "starting") or None, 30,
-             "the recovery to start")
+    wait_for(
+        lambda: fleet.job(job)["state"] in ("recovering", "starting") or None,
+        30,
+        "the recovery to start",
+    )
     fleet.supervisor.stop()
     fleet.start_supervisor(spares=1)
 
@@ -245,8 +314,13 @@ def test_a_rank_of_the_old_generation_resumed_after_the_restart_cannot_join_or_c
     frozen = wait_for(lambda: rank_pid(job, 2, generation=1), 10, "rank 2")
     fleet.agents[victim].signal(signal.SIGSTOP)
     os.kill(frozen, signal.SIGSTOP)
-    wait_for(lambda: (fleet.job(job)["generation"] == 2 and fleet.job(job)["state"] == "running")
-             or None, 90, "generation 2 running on the spare")
+    wait_for(
+        lambda: (
+            (fleet.job(job)["generation"] == 2 and fleet.job(job)["state"] == "running") or None
+        ),
+        90,
+        "generation 2 running on the spare",
+    )
 
     os.kill(frozen, signal.SIGCONT)  # it wakes up in a world that moved on
     fleet.agents[victim].signal(signal.SIGCONT)
@@ -255,8 +329,9 @@ def test_a_rank_of_the_old_generation_resumed_after_the_restart_cannot_join_or_c
     assert victim not in done["nodes"]
     assert final_digest(fleet, done) == undisturbed_digest()
     # The stale rank joined nothing: it died (or was stopped as an orphan) on its own.
-    wait_for(lambda: rank_pid(job, 2, generation=1) is None or None, 60,
-             "the stale rank to be gone")
+    wait_for(
+        lambda: rank_pid(job, 2, generation=1) is None or None, 60, "the stale rank to be gone"
+    )
 
 
 def test_a_preempted_job_checkpoints_first_and_resumes_from_that_step_on_its_return(
@@ -266,8 +341,9 @@ def test_a_preempted_job_checkpoints_first_and_resumes_from_that_step_on_its_ret
     job = submit(fleet, "victim", "--ckpt-digests", priority=10, preemptible=True)
     running_after_a_commit(fleet, job)
 
-    urgent = fleet.submit(name="urgent", nodes=2, ranks_per_node=1, priority=900,
-                          command=["bash", "-c", "sleep 2"])
+    urgent = fleet.submit(
+        name="urgent", nodes=2, ranks_per_node=1, priority=900, command=["bash", "-c", "sleep 2"]
+    )
 
     fleet.wait_job(urgent["id"], "succeeded", timeout=120)
     done = fleet.wait_job(job, "succeeded", timeout=240)
@@ -277,21 +353,35 @@ def test_a_preempted_job_checkpoints_first_and_resumes_from_that_step_on_its_ret
     step = saved["step"]
     assert step > 20
     for r in done["ranks"]:  # the resumed generation restored exactly the step saved ...
-        log = fleet.root / "nodes" / r["node"] / "data" / "jobs" / job / \
-            f"g{done['generation']}" / f"rank-{r['rank']}.log"
-        restored = [json.loads(line)["ckpt_restored"] for line in log.read_text().splitlines()
-                    if "ckpt_restored" in line]
+        log = (
+            fleet.root
+            / "nodes"
+            / r["node"]
+            / "data"
+            / "jobs"
+            / job
+            / f"g{done['generation']}"
+            / f"rank-{r['rank']}.log"
+        )
+        restored = [
+            json.loads(line)["ckpt_restored"]
+            for line in log.read_text().splitlines()
+            if "ckpt_restored" in line
+        ]
         assert restored == [step]
     # ... and the preempted one trained no step past it: it saved on request and held.
     held = []
     for log in (fleet.root / "nodes").glob(f"*/data/jobs/{job}/g1/rank-*.log"):
-        held += [json.loads(line)["ckpt_saved_on_request"]
-                 for line in log.read_text().splitlines() if "ckpt_saved_on_request" in line]
+        held += [
+            json.loads(line)["ckpt_saved_on_request"]
+            for line in log.read_text().splitlines()
+            if "ckpt_saved_on_request" in line
+        ]
     assert held == [step] * 4
     assert final_digest(fleet, done) == undisturbed_digest()
 
 
-TORCHRUN_STYLE = '''
+TORCHRUN_STYLE = """
 import os, sys, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")  # env:// rendezvous, as torchrun sets it up
 rank = dist.get_rank()
@@ -310,19 +400,26 @@ for step in range(start, 60):
     time.sleep(0.05)
 print("total", float(total[0]), flush=True)
 dist.barrier()
-'''
+"""
 
 
 def test_a_torchrun_style_script_that_knows_nothing_of_phalanx_is_restarted_in_place(
-    fleet: Fleet, tmp_path: Path,
+    fleet: Fleet,
+    tmp_path: Path,
 ) -> None:
     start(fleet, nodes=2, spares=0)
     work = tmp_path / "work"
     work.mkdir()
     (work / "train.py").write_text(TORCHRUN_STYLE)
-    job = fleet.submit(name="plain", nodes=2, ranks_per_node=1, workdir=str(work),
-                       command=[sys.executable, "train.py"], grace_period=2,
-                       env={"OMP_NUM_THREADS": "1"})["id"]
+    job = fleet.submit(
+        name="plain",
+        nodes=2,
+        ranks_per_node=1,
+        workdir=str(work),
+        command=[sys.executable, "train.py"],
+        grace_period=2,
+        env={"OMP_NUM_THREADS": "1"},
+    )["id"]
     fleet.wait_job(job, "running", timeout=60)
     wait_for(lambda: (work / "snapshot-1.pt").exists() or None, 60, "a first snapshot")
 
@@ -330,7 +427,6 @@ def test_a_torchrun_style_script_that_knows_nothing_of_phalanx_is_restarted_in_p
 
     done = fleet.wait_job(job, "succeeded", timeout=120)
     assert (done["generation"], done["restarts"]) == (2, 1)
-    log = fleet.root / "nodes" / done["nodes"][0] / "data" / "jobs" / job / "g2" / \
-        "rank-0.log"
+    log = fleet.root / "nodes" / done["nodes"][0] / "data" / "jobs" / job / "g2" / "rank-0.log"
     # sum over steps of 2 * (step + 1): the same as a run that never crashed
     assert log.read_text().strip().splitlines()[-1] == f"total {2.0 * 60 * 61 / 2}"

@@ -49,10 +49,23 @@ def fleet_tree(tmp_path_factory: pytest.TempPathFactory) -> FleetTree:
     pki = make_pki(root / "pki")
     ports = free_port(), free_port(), free_port()
     inventory = root / "hosts.yml"
-    write_inventory(inventory, root / "hosts", pki, broker_port=ports[0], api_port=ports[1],
-                    agent_http_port=ports[2])
-    tree = FleetTree(root, inventory, root / "ansible-home", root / "build", pki, *ports,
-                     first=subprocess.CompletedProcess([], 0))
+    write_inventory(
+        inventory,
+        root / "hosts",
+        pki,
+        broker_port=ports[0],
+        api_port=ports[1],
+        agent_http_port=ports[2],
+    )
+    tree = FleetTree(
+        root,
+        inventory,
+        root / "ansible-home",
+        root / "build",
+        pki,
+        *ports,
+        first=subprocess.CompletedProcess([], 0),
+    )
     tree.first = tree.converge()
     assert tree.first.returncode == 0, tail(tree.first.stdout + tree.first.stderr)
     assert set(recap(tree.first.stdout)) == {"localhost", "broker1", "sup1", "gpu-a01"}
@@ -80,17 +93,32 @@ def live_fleet(fleet_tree: FleetTree, rendered_broker: Daemon) -> Iterator[LiveF
     # installed virtual environments are checked apart: test_converge.py). The inventory marks
     # gpu-a02 a hot spare (supervisor.toml says spares = 1) but only gpu-a01 runs here, so no
     # spare is held back, or gpu-a01 would never get a job.
-    supervisor = Daemon([sys.executable, "-m", "supervisor",
-                         "--config", str(sup / "etc/phalanx/supervisor.toml"), "--spares", "0"],
-                        fleet_tree.root / "supervisor.log")
-    agent = Daemon([sys.executable, "-m", "agentd",
-                    "--config", str(node / "etc/phalanx/agentd.toml")],
-                   fleet_tree.root / "agent.log")
+    supervisor = Daemon(
+        [
+            sys.executable,
+            "-m",
+            "supervisor",
+            "--config",
+            str(sup / "etc/phalanx/supervisor.toml"),
+            "--spares",
+            "0",
+        ],
+        fleet_tree.root / "supervisor.log",
+    )
+    agent = Daemon(
+        [sys.executable, "-m", "agentd", "--config", str(node / "etc/phalanx/agentd.toml")],
+        fleet_tree.root / "agent.log",
+    )
     client = Client(f"http://127.0.0.1:{fleet_tree.api_port}", API_TOKEN, timeout=5)
     fleet = LiveFleet(supervisor, agent, client)
     try:
-        wait_until(lambda: client.get("/v1/nodes/gpu-a01")["state"] == "up", 60,
-              "gpu-a01 up at the supervisor", supervisor, agent)
+        wait_until(
+            lambda: client.get("/v1/nodes/gpu-a01")["state"] == "up",
+            60,
+            "gpu-a01 up at the supervisor",
+            supervisor,
+            agent,
+        )
         yield fleet
     finally:
         agent.stop()

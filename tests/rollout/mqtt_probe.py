@@ -23,11 +23,19 @@ BAD_USER_NAME_OR_PASSWORD = 0x86
 
 
 class Probe:
-    def __init__(self, port: int, user: str | None, password: str | None, *,
-                 ca: Path | None, client_id: str = "") -> None:
+    def __init__(
+        self,
+        port: int,
+        user: str | None,
+        password: str | None,
+        *,
+        ca: Path | None,
+        client_id: str = "",
+    ) -> None:
         self.port = port
-        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id,
-                                  protocol=mqtt.MQTTv5)
+        self.client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5
+        )
         if ca is not None:
             self.client.tls_set(ca_certs=str(ca), tls_version=ssl.PROTOCOL_TLS_CLIENT)
         if user is not None:
@@ -46,14 +54,16 @@ class Probe:
 
     # --- callbacks (paho's network thread) -----------------------------------
 
-    def _on_connect(self, client: Any, userdata: Any, flags: Any, rc: ReasonCode,
-                    properties: Properties | None) -> None:
+    def _on_connect(
+        self, client: Any, userdata: Any, flags: Any, rc: ReasonCode, properties: Properties | None
+    ) -> None:
         with self._cond:
             self.connack = rc.value
             self._cond.notify_all()
 
-    def _on_disconnect(self, client: Any, userdata: Any, flags: Any, rc: ReasonCode,
-                       properties: Properties | None) -> None:
+    def _on_disconnect(
+        self, client: Any, userdata: Any, flags: Any, rc: ReasonCode, properties: Properties | None
+    ) -> None:
         with self._cond:
             self.disconnected = True
             if self.connack is None:
@@ -65,14 +75,21 @@ class Probe:
             self.messages.append((message.topic, bytes(message.payload)))
             self._cond.notify_all()
 
-    def _on_publish(self, client: Any, userdata: Any, mid: int, rc: ReasonCode,
-                    properties: Properties | None) -> None:
+    def _on_publish(
+        self, client: Any, userdata: Any, mid: int, rc: ReasonCode, properties: Properties | None
+    ) -> None:
         with self._cond:
             self._pubacks[mid] = rc.value
             self._cond.notify_all()
 
-    def _on_subscribe(self, client: Any, userdata: Any, mid: int, rcs: list[ReasonCode],
-                      properties: Properties | None) -> None:
+    def _on_subscribe(
+        self,
+        client: Any,
+        userdata: Any,
+        mid: int,
+        rcs: list[ReasonCode],
+        properties: Properties | None,
+    ) -> None:
         with self._cond:
             self._subacks[mid] = [rc.value for rc in rcs]
             self._cond.notify_all()
@@ -110,8 +127,9 @@ class Probe:
             return [p for t, p in self.messages if t == topic]
 
     def wait_message(self, topic: str, payload: bytes, timeout: float = 10.0) -> None:
-        self._wait(f"message {payload!r} on {topic}",
-                   lambda: (topic, payload) in self.messages, timeout)
+        self._wait(
+            f"message {payload!r} on {topic}", lambda: (topic, payload) in self.messages, timeout
+        )
 
     def still_connected_after(self, seconds: float) -> bool:
         time.sleep(seconds)

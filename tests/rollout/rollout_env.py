@@ -45,8 +45,7 @@ def tool(name: str) -> str:
 
 
 def ansible_env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ANSIBLE_", "PHALANX_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "PHALANX_"))}
     (home / "tmp-files").mkdir(parents=True, exist_ok=True)
     env |= {
         "TMPDIR": str(home / "tmp-files"),  # where modules' temporary files go
@@ -60,11 +59,17 @@ def ansible_env(home: Path) -> dict[str, str]:
     return env
 
 
-def run_playbook(playbook: str, inventory: Path, home: Path, *args: str,
-                 timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def run_playbook(
+    playbook: str, inventory: Path, home: Path, *args: str, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [tool("ansible-playbook"), "-i", str(inventory), playbook, *args],
-        cwd=ANSIBLE, env=ansible_env(home), capture_output=True, text=True, timeout=timeout)
+        cwd=ANSIBLE,
+        env=ansible_env(home),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def recap(output: str) -> dict[str, dict[str, int]]:
@@ -94,90 +99,136 @@ def make_pki(directory: Path) -> Pki:
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "phalanx test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False,
-                                       False), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
-            .issuer_name(ca_name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([
-                x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
-                critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     pki = Pki(directory / "ca.pem", directory / "server.pem", directory / "server.key")
     pki.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     pki.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    pki.key.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                          serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
+    pki.key.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     pki.key.chmod(0o600)
     return pki
 
 
-def write_inventory(path: Path, root: Path, pki: Pki, *, broker_port: int, api_port: int,
-                    agent_http_port: int, extra_agent_vars: dict[str, Any] | None = None,
-                    ) -> None:
+def write_inventory(
+    path: Path,
+    root: Path,
+    pki: Pki,
+    *,
+    broker_port: int,
+    api_port: int,
+    agent_http_port: int,
+    extra_agent_vars: dict[str, Any] | None = None,
+) -> None:
     """broker1, sup1 and agents gpu-a01, gpu-a02 (a spare), each under ``root/<host>``."""
     agent_common = {
         "phalanx_agent_gpu_backend": "sim",
         "phalanx_agent_gpu_settings": {"sim_gpus": 2, "sample_interval_s": 0.5},
         # The test machine's disk, memory and load are not what this test is about.
-        "phalanx_agent_thresholds": {"disk_drain_bytes": 0, "disk_warn_fraction": 0.0,
-                                     "mem_warn_fraction": 0.0, "load_warn_per_cpu": 1000.0},
+        "phalanx_agent_thresholds": {
+            "disk_drain_bytes": 0,
+            "disk_warn_fraction": 0.0,
+            "mem_warn_fraction": 0.0,
+            "load_warn_per_cpu": 1000.0,
+        },
         "phalanx_agent_http_host": "127.0.0.1",
         "phalanx_agent_address": "127.0.0.1",
     } | (extra_agent_vars or {})
-    inventory = {"all": {
-        "vars": {
-            "ansible_connection": "local",
-            "ansible_python_interpreter": sys.executable,
-            "phalanx_python": sys.executable,
-            "phalanx_broker_host": "127.0.0.1",
-            "phalanx_broker_port": broker_port,
-            "phalanx_tls_ca_file": str(pki.ca),
-            "phalanx_supervisor_mqtt_password": SUPERVISOR_PASSWORD,
-            "phalanx_api_token": API_TOKEN,
-            "phalanx_agent_http_token": AGENT_HTTP_TOKEN,
-            "phalanx_supervisor_api_url": f"http://127.0.0.1:{api_port}",
-            "phalanx_no_log": False,
-        },
-        "children": {
-            "brokers": {"hosts": {"broker1": {
-                "phalanx_root": str(root / "broker1"),
-                "phalanx_broker_listen_address": "127.0.0.1",
-                "phalanx_broker_tls_cert_file": str(pki.cert),
-                "phalanx_broker_tls_key_file": str(pki.key),
-                # The test's Mosquitto runs as the test's user (root), not as `mosquitto`.
-                "phalanx_broker_run_user": "root",
-            }}},
-            "supervisors": {"hosts": {"sup1": {
-                "phalanx_root": str(root / "sup1"),
-                "phalanx_supervisor_api_port": api_port,
-                "phalanx_supervisor_offline_after_s": 5,
-            }}},
-            "agents": {"hosts": {
-                "gpu-a01": agent_common | {
-                    "phalanx_root": str(root / "gpu-a01"),
-                    "phalanx_rack": "r1", "phalanx_nvlink_domain": "nvl72-1",
-                    "phalanx_agent_http_port": agent_http_port,
-                    "phalanx_agent_mqtt_password": NODE_PASSWORDS["gpu-a01"]},
-                "gpu-a02": agent_common | {
-                    "phalanx_root": str(root / "gpu-a02"),
-                    "phalanx_rack": "r1", "phalanx_spare": True,
-                    "phalanx_agent_mqtt_password": NODE_PASSWORDS["gpu-a02"]},
-            }},
-        },
-    }}
+    inventory = {
+        "all": {
+            "vars": {
+                "ansible_connection": "local",
+                "ansible_python_interpreter": sys.executable,
+                "phalanx_python": sys.executable,
+                "phalanx_broker_host": "127.0.0.1",
+                "phalanx_broker_port": broker_port,
+                "phalanx_tls_ca_file": str(pki.ca),
+                "phalanx_supervisor_mqtt_password": SUPERVISOR_PASSWORD,
+                "phalanx_api_token": API_TOKEN,
+                "phalanx_agent_http_token": AGENT_HTTP_TOKEN,
+                "phalanx_supervisor_api_url": f"http://127.0.0.1:{api_port}",
+                "phalanx_no_log": False,
+            },
+            "children": {
+                "brokers": {
+                    "hosts": {
+                        "broker1": {
+                            "phalanx_root": str(root / "broker1"),
+                            "phalanx_broker_listen_address": "127.0.0.1",
+                            "phalanx_broker_tls_cert_file": str(pki.cert),
+                            "phalanx_broker_tls_key_file": str(pki.key),
+                            # The test's Mosquitto runs as root, not as `mosquitto`.
+                            "phalanx_broker_run_user": "root",
+                        }
+                    }
+                },
+                "supervisors": {
+                    "hosts": {
+                        "sup1": {
+                            "phalanx_root": str(root / "sup1"),
+                            "phalanx_supervisor_api_port": api_port,
+                            "phalanx_supervisor_offline_after_s": 5,
+                        }
+                    }
+                },
+                "agents": {
+                    "hosts": {
+                        "gpu-a01": agent_common
+                        | {
+                            "phalanx_root": str(root / "gpu-a01"),
+                            "phalanx_rack": "r1",
+                            "phalanx_nvlink_domain": "nvl72-1",
+                            "phalanx_agent_http_port": agent_http_port,
+                            "phalanx_agent_mqtt_password": NODE_PASSWORDS["gpu-a01"],
+                        },
+                        "gpu-a02": agent_common
+                        | {
+                            "phalanx_root": str(root / "gpu-a02"),
+                            "phalanx_rack": "r1",
+                            "phalanx_spare": True,
+                            "phalanx_agent_mqtt_password": NODE_PASSWORDS["gpu-a02"],
+                        },
+                    }
+                },
+            },
+        }
+    }
     path.write_text(yaml.safe_dump(inventory, sort_keys=False))
 
 
@@ -202,8 +253,16 @@ class FleetTree:
         return self.root / "hosts" / name
 
     def converge(self, playbook: str = "site.yml", *args: str) -> subprocess.CompletedProcess[str]:
-        return run_playbook(playbook, self.inventory, self.ansible_home, "--limit",
-                            CONVERGE_LIMIT, "-e", f"phalanx_build_dir={self.build_dir}", *args)
+        return run_playbook(
+            playbook,
+            self.inventory,
+            self.ansible_home,
+            "--limit",
+            CONVERGE_LIMIT,
+            "-e",
+            f"phalanx_build_dir={self.build_dir}",
+            *args,
+        )
 
 
 class Daemon:
@@ -211,12 +270,20 @@ class Daemon:
 
     def __init__(self, cmd: list[str], log: Path) -> None:
         self.log = log
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("PHALANX_", "NOTIFY_SOCKET", "WATCHDOG_"))}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("PHALANX_", "NOTIFY_SOCKET", "WATCHDOG_"))
+        }
         with log.open("ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -14,13 +14,20 @@ pytestmark = pytest.mark.rollout
 PLAYBOOKS = sorted(p.name for p in ANSIBLE.glob("*.yml"))
 
 
-def test_ansible_lint_passes_the_production_profile(tmp_path_factory: pytest.TempPathFactory,
-                                                    ) -> None:
+def test_ansible_lint_passes_the_production_profile(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     home = tmp_path_factory.mktemp("ansible-lint")
     env = ansible_env(home) | {"XDG_CACHE_HOME": str(home / "cache")}
 
-    result = subprocess.run([tool("ansible-lint"), "--nocolor"], cwd=ANSIBLE, env=env,
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [tool("ansible-lint"), "--nocolor"],
+        cwd=ANSIBLE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
     assert result.returncode == 0, tail(result.stdout + result.stderr)
 
@@ -30,14 +37,19 @@ def test_every_playbook_is_found() -> None:
 
 
 @pytest.mark.parametrize("playbook", PLAYBOOKS)
-def test_playbook_passes_syntax_check(playbook: str,
-                                      tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_playbook_passes_syntax_check(
+    playbook: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     home = tmp_path_factory.mktemp("syntax")
 
     result = subprocess.run(
-        [tool("ansible-playbook"), "--syntax-check", "-i", "inventory/example/hosts.yml",
-         playbook], cwd=ANSIBLE, env=ansible_env(home), capture_output=True, text=True,
-        timeout=120)
+        [tool("ansible-playbook"), "--syntax-check", "-i", "inventory/example/hosts.yml", playbook],
+        cwd=ANSIBLE,
+        env=ansible_env(home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
     assert result.returncode == 0, tail(result.stdout + result.stderr)
 

@@ -29,10 +29,16 @@ class ProbeMaker:
         self.tree = tree
         self.made: list[Probe] = []
 
-    def raw(self, user: str | None, password: str | None, *, tls: bool = True,
-            client_id: str = "") -> Probe:
-        probe = Probe(self.tree.broker_port, user, password,
-                      ca=self.tree.pki.ca if tls else None, client_id=client_id)
+    def raw(
+        self, user: str | None, password: str | None, *, tls: bool = True, client_id: str = ""
+    ) -> Probe:
+        probe = Probe(
+            self.tree.broker_port,
+            user,
+            password,
+            ca=self.tree.pki.ca if tls else None,
+            client_id=client_id,
+        )
         self.made.append(probe)
         return probe
 
@@ -67,7 +73,8 @@ def test_node_publishes_its_own_topic_to_the_supervisor(probes: ProbeMaker, kind
 
 
 def test_node_publishing_into_another_nodes_topics_is_refused_and_never_delivered(
-        probes: ProbeMaker) -> None:
+    probes: ProbeMaker,
+) -> None:
     supervisor, node = probes.supervisor(), probes.node("gpu-a01")
     assert supervisor.subscribe("phalanx/v1/node/#") == 1
     forged, own = _marker(), _marker()
@@ -93,8 +100,7 @@ def test_node_cannot_publish_a_command_even_to_itself(probes: ProbeMaker) -> Non
 
 # Mosquitto's ACL grants every SUBSCRIBE (its SUBACK says nothing) and checks `read` when it
 # delivers; what a node cannot read therefore never reaches it, whatever it subscribed to.
-def test_node_subscribed_to_another_nodes_commands_never_receives_them(
-        probes: ProbeMaker) -> None:
+def test_node_subscribed_to_another_nodes_commands_never_receives_them(probes: ProbeMaker) -> None:
     supervisor, node = probes.supervisor(), probes.node("gpu-a01")
     node.subscribe("phalanx/v1/node/gpu-a02/cmd")
     node.subscribe("phalanx/v1/node/gpu-a01/cmd")
@@ -109,7 +115,8 @@ def test_node_subscribed_to_another_nodes_commands_never_receives_them(
 
 
 def test_node_subscribed_to_every_nodes_topics_receives_only_its_own_commands(
-        probes: ProbeMaker) -> None:
+    probes: ProbeMaker,
+) -> None:
     supervisor, node, other = probes.supervisor(), probes.node("gpu-a01"), probes.node("gpu-a02")
     node.subscribe("phalanx/v1/node/#")
     sentinel = _marker()
@@ -124,7 +131,8 @@ def test_node_subscribed_to_every_nodes_topics_receives_only_its_own_commands(
 
 @pytest.mark.parametrize("subscription", wire.agent_subscriptions("gpu-a01"))
 def test_node_receives_what_the_supervisor_publishes_on_each_of_its_subscriptions(
-        probes: ProbeMaker, subscription: str) -> None:
+    probes: ProbeMaker, subscription: str
+) -> None:
     supervisor, node = probes.supervisor(), probes.node("gpu-a01")
     node.subscribe(subscription)
     topic, payload = subscription.replace("+", "job-1"), _marker()
@@ -164,8 +172,7 @@ def test_a_client_without_tls_gets_no_session(probes: ProbeMaker) -> None:
     assert probe.connack != SUCCESS
 
 
-def test_a_node_cannot_take_over_another_nodes_session_by_its_client_id(
-        probes: ProbeMaker) -> None:
+def test_a_node_cannot_take_over_another_nodes_session_by_its_client_id(probes: ProbeMaker) -> None:
     victim = probes.node("gpu-a01", client_id="agentd-gpu-a01")
 
     probes.node("gpu-a02", client_id="agentd-gpu-a01")

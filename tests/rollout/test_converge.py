@@ -25,23 +25,33 @@ def test_agent_role_installs_phalanx_agentd_into_its_own_venv(fleet_tree: FleetT
 
 
 def test_supervisor_role_installs_phalanx_supervisor_into_its_own_venv(
-        fleet_tree: FleetTree) -> None:
+    fleet_tree: FleetTree,
+) -> None:
     venv = fleet_tree.host("sup1") / "opt/phalanx-supervisor/venv"
 
     assert (venv / "bin/phalanx-supervisor").is_file()
 
 
-@pytest.mark.parametrize(("host", "venv", "module"), [
-    ("gpu-a01", "opt/phalanx/venv", "agentd.__main__"),
-    ("sup1", "opt/phalanx-supervisor/venv", "supervisor.__main__"),
-])
+@pytest.mark.parametrize(
+    ("host", "venv", "module"),
+    [
+        ("gpu-a01", "opt/phalanx/venv", "agentd.__main__"),
+        ("sup1", "opt/phalanx-supervisor/venv", "supervisor.__main__"),
+    ],
+)
 def test_installed_venv_has_everything_its_daemon_imports(
-        fleet_tree: FleetTree, host: str, venv: str, module: str) -> None:
+    fleet_tree: FleetTree, host: str, venv: str, module: str
+) -> None:
     python = fleet_tree.host(host) / venv / "bin/python"
 
     # -I: only the venv's own site-packages, not this checkout (the working directory).
-    result = subprocess.run([str(python), "-I", "-c", f"import {module}"], capture_output=True,
-                            text=True, timeout=120, cwd=fleet_tree.root)
+    result = subprocess.run(
+        [str(python), "-I", "-c", f"import {module}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=fleet_tree.root,
+    )
 
     assert result.returncode == 0, result.stderr[-2000:]
 
@@ -55,60 +65,76 @@ def test_a_second_converge_changes_nothing(fleet_tree: FleetTree) -> None:
 
 
 def test_rendered_agentd_toml_is_accepted_by_the_agents_loader(
-        fleet_tree: FleetTree, monkeypatch: pytest.MonkeyPatch) -> None:
+    fleet_tree: FleetTree, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _no_daemon_environment(monkeypatch)
     etc = fleet_tree.host("gpu-a01") / "etc/phalanx"
 
     settings = agentd.config.load(["--config", str(etc / "agentd.toml")])
 
     assert (settings.node_id, settings.rack, settings.nvlink_domain, settings.gpu.backend) == (
-        "gpu-a01", "r1", "nvl72-1", "sim")
+        "gpu-a01",
+        "r1",
+        "nvl72-1",
+        "sim",
+    )
     assert (settings.mqtt.host, settings.mqtt.port, settings.mqtt.tls, settings.mqtt.username) == (
-        "127.0.0.1", fleet_tree.broker_port, True, "gpu-a01")
+        "127.0.0.1",
+        fleet_tree.broker_port,
+        True,
+        "gpu-a01",
+    )
     assert settings.mqtt.ca_file == etc / "ca.pem"
     assert settings.data_dir == fleet_tree.host("gpu-a01") / "var/lib/phalanx"
     assert _password(settings.mqtt) == NODE_PASSWORDS["gpu-a01"]
 
 
 def test_rendered_supervisor_toml_is_accepted_by_the_supervisors_loader(
-        fleet_tree: FleetTree, monkeypatch: pytest.MonkeyPatch) -> None:
+    fleet_tree: FleetTree, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _no_daemon_environment(monkeypatch)
     etc = fleet_tree.host("sup1") / "etc/phalanx"
 
     settings = supervisor.config.load(["--config", str(etc / "supervisor.toml")])
 
     assert (settings.mqtt.username, settings.mqtt.tls, settings.api.port) == (
-        "phalanx-supervisor", True, fleet_tree.api_port)
+        "phalanx-supervisor",
+        True,
+        fleet_tree.api_port,
+    )
     assert settings.api_token() == "rollout-test-token-0123456789"
     assert settings.state_dir == fleet_tree.host("sup1") / "var/lib/phalanx-supervisor"
 
 
 def test_supervisor_holds_back_as_many_spares_as_the_inventory_marks(
-        fleet_tree: FleetTree, monkeypatch: pytest.MonkeyPatch) -> None:
+    fleet_tree: FleetTree, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _no_daemon_environment(monkeypatch)
     conf = fleet_tree.host("sup1") / "etc/phalanx/supervisor.toml"
 
     assert supervisor.config.load(["--config", str(conf)]).spares == 1  # gpu-a02
 
 
-@pytest.mark.parametrize("path", [
-    "gpu-a01/etc/phalanx/agentd-mqtt-password",
-    "gpu-a01/etc/phalanx/agent-http-token",
-    "gpu-a01/etc/phalanx/agentd.toml",
-    "sup1/etc/phalanx/supervisor-mqtt-password",
-    "sup1/etc/phalanx/api-token",
-    "broker1/etc/mosquitto/phalanx/server.key",
-    "broker1/etc/mosquitto/phalanx/passwd",
-    "broker1/etc/mosquitto/phalanx/acl",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "gpu-a01/etc/phalanx/agentd-mqtt-password",
+        "gpu-a01/etc/phalanx/agent-http-token",
+        "gpu-a01/etc/phalanx/agentd.toml",
+        "sup1/etc/phalanx/supervisor-mqtt-password",
+        "sup1/etc/phalanx/api-token",
+        "broker1/etc/mosquitto/phalanx/server.key",
+        "broker1/etc/mosquitto/phalanx/passwd",
+        "broker1/etc/mosquitto/phalanx/acl",
+    ],
+)
 def test_secrets_are_unreadable_by_other_users(fleet_tree: FleetTree, path: str) -> None:
     mode = stat.S_IMODE((fleet_tree.root / "hosts" / path).stat().st_mode)
 
     assert mode & 0o007 == 0, f"{path} has mode {mode:o}"
 
 
-def test_password_file_holds_one_user_per_node_and_the_supervisor(
-        fleet_tree: FleetTree) -> None:
+def test_password_file_holds_one_user_per_node_and_the_supervisor(fleet_tree: FleetTree) -> None:
     passwd = fleet_tree.host("broker1") / "etc/mosquitto/phalanx/passwd"
 
     users = [line.split(":", 1)[0] for line in passwd.read_text().splitlines()]
@@ -116,13 +142,19 @@ def test_password_file_holds_one_user_per_node_and_the_supervisor(
     assert users == ["gpu-a01", "gpu-a02", "phalanx-supervisor"]
 
 
-def test_no_secret_lands_in_a_file_in_clear_except_the_secret_files(
-        fleet_tree: FleetTree) -> None:
-    secret_files = {"agentd-mqtt-password", "agent-http-token", "supervisor-mqtt-password",
-                    "api-token"}
+def test_no_secret_lands_in_a_file_in_clear_except_the_secret_files(fleet_tree: FleetTree) -> None:
+    secret_files = {
+        "agentd-mqtt-password",
+        "agent-http-token",
+        "supervisor-mqtt-password",
+        "api-token",
+    }
     leaks = [
-        str(p) for p in (fleet_tree.root / "hosts").rglob("*")
-        if p.is_file() and p.name not in secret_files and "venv" not in p.parts
+        str(p)
+        for p in (fleet_tree.root / "hosts").rglob("*")
+        if p.is_file()
+        and p.name not in secret_files
+        and "venv" not in p.parts
         and any(s.encode() in p.read_bytes() for s in NODE_PASSWORDS.values())
     ]
 

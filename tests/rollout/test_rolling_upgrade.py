@@ -31,8 +31,9 @@ def _wait(predicate: object, timeout: float, what: str, log: Path) -> None:
         if predicate():  # type: ignore[operator]
             return
         time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n"
-                         f"{tail(log.read_text(), 15)}")
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}\n{tail(log.read_text(), 15)}"
+    )
 
 
 def _job_state(client: Client, job: str) -> str:
@@ -42,10 +43,20 @@ def _job_state(client: Client, job: str) -> str:
 
 def _start_job(client: Client, workdir: Path) -> str:
     """A one-rank job on gpu-a01 (the only node) that runs until cancelled."""
-    job: str = client.post("/v1/jobs", {"spec": {
-        "name": "long-run", "team": "research", "nodes": 1, "ranks_per_node": 1,
-        "command": [sys.executable, "-c", "import time; time.sleep(600)"],
-        "workdir": str(workdir), "max_runtime": "15m"}})["id"]
+    job: str = client.post(
+        "/v1/jobs",
+        {
+            "spec": {
+                "name": "long-run",
+                "team": "research",
+                "nodes": 1,
+                "ranks_per_node": 1,
+                "command": [sys.executable, "-c", "import time; time.sleep(600)"],
+                "workdir": str(workdir),
+                "max_runtime": "15m",
+            }
+        },
+    )["id"]
     deadline = time.monotonic() + 60
     while _job_state(client, job) != "running":
         assert time.monotonic() < deadline, f"job {job} did not start: {client.get('/v1/jobs')}"
@@ -54,23 +65,43 @@ def _start_job(client: Client, workdir: Path) -> str:
 
 
 def test_upgrade_drains_waits_for_the_running_job_then_upgrades_and_undrains(
-        fleet_tree: FleetTree, live_fleet: LiveFleet, tmp_path: Path) -> None:
+    fleet_tree: FleetTree, live_fleet: LiveFleet, tmp_path: Path
+) -> None:
     client = live_fleet.client
     job = _start_job(client, tmp_path)
     log = tmp_path / "rolling-upgrade.log"
     with log.open("w") as out:
         playbook = subprocess.Popen(
-            [tool("ansible-playbook"), "-i", str(fleet_tree.inventory), "rolling-upgrade.yml",
-             "--limit", "localhost,sup1,gpu-a01", "-e", f"phalanx_build_dir={fleet_tree.build_dir}",
-             "-e", "phalanx_upgrade_poll_s=1"],
-            cwd=ANSIBLE, env=ansible_env(fleet_tree.ansible_home), stdout=out,
-            stderr=subprocess.STDOUT, text=True)
+            [
+                tool("ansible-playbook"),
+                "-i",
+                str(fleet_tree.inventory),
+                "rolling-upgrade.yml",
+                "--limit",
+                "localhost,sup1,gpu-a01",
+                "-e",
+                f"phalanx_build_dir={fleet_tree.build_dir}",
+                "-e",
+                "phalanx_upgrade_poll_s=1",
+            ],
+            cwd=ANSIBLE,
+            env=ansible_env(fleet_tree.ansible_home),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     try:
-        _wait(lambda: WAITING_FOR_JOB.search(log.read_text()) is not None, 180,
-              "the playbook to wait for the job", log)
+        _wait(
+            lambda: WAITING_FOR_JOB.search(log.read_text()) is not None,
+            180,
+            "the playbook to wait for the job",
+            log,
+        )
         node = client.get("/v1/nodes/gpu-a01")
         assert (node["state"], node["drain"]["reason"]) == (
-            "drain", "rolling upgrade to phalanx 0.1.0")
+            "drain",
+            "rolling upgrade to phalanx 0.1.0",
+        )
         assert _job_state(client, job) == "running"
         assert "TASK [agent : " not in log.read_text().split("Upgrade the agents", 1)[1]
 
@@ -90,23 +121,30 @@ def test_upgrade_drains_waits_for_the_running_job_then_upgrades_and_undrains(
 
 
 def test_restart_handler_refuses_to_restart_an_agent_under_a_running_job(
-        fleet_tree: FleetTree, live_fleet: LiveFleet, tmp_path: Path) -> None:
+    fleet_tree: FleetTree, live_fleet: LiveFleet, tmp_path: Path
+) -> None:
     client = live_fleet.client
     job = _start_job(client, tmp_path)
     playbook = tmp_path / "restart.yml"
     playbook.write_text(
         "- hosts: gpu-a01\n  gather_facts: false\n  tasks:\n"
-        "    - ansible.builtin.include_role: {name: agent, tasks_from: restart.yml}\n")
+        "    - ansible.builtin.include_role: {name: agent, tasks_from: restart.yml}\n"
+    )
     try:
         result = subprocess.run(
             [tool("ansible-playbook"), "-i", str(fleet_tree.inventory), str(playbook)],
-            cwd=ANSIBLE, env=ansible_env(fleet_tree.ansible_home)
+            cwd=ANSIBLE,
+            env=ansible_env(fleet_tree.ansible_home)
             | {"ANSIBLE_ROLES_PATH": str(ANSIBLE / "roles")},
-            capture_output=True, text=True, timeout=180)
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
 
         assert result.returncode != 0
         assert f"job(s) {job} run on it: a restart would kill their ranks" in " ".join(
-            result.stdout.split()), tail(result.stdout, 20)
+            result.stdout.split()
+        ), tail(result.stdout, 20)
         assert "TASK [agent : Restart phalanx-agentd]" not in result.stdout
         assert _job_state(client, job) == "running"
     finally:

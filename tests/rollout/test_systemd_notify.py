@@ -61,8 +61,7 @@ def test_a_socket_nobody_listens_on_is_reported_not_raised(tmp_path: Path) -> No
     assert Notifier(str(tmp_path / "gone.sock")).ready() is False
 
 
-def test_the_environment_names_socket_and_watchdog_period(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_environment_names_socket_and_watchdog_period(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
     monkeypatch.setenv("WATCHDOG_USEC", "30000000")
     monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
@@ -73,7 +72,8 @@ def test_the_environment_names_socket_and_watchdog_period(
 
 
 def test_reading_the_environment_unsets_it_so_children_do_not_inherit(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
     monkeypatch.setenv("WATCHDOG_USEC", "30000000")
     monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
@@ -84,7 +84,8 @@ def test_reading_the_environment_unsets_it_so_children_do_not_inherit(
 
 
 def test_a_watchdog_meant_for_another_process_is_not_petted(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
     monkeypatch.setenv("WATCHDOG_USEC", "30000000")
     monkeypatch.setenv("WATCHDOG_PID", str(os.getpid() + 1))
@@ -92,8 +93,7 @@ def test_a_watchdog_meant_for_another_process_is_not_petted(
     assert Notifier.from_environment(unset=False).watchdog_period_s is None
 
 
-def test_a_malformed_watchdog_period_disables_the_watchdog(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_malformed_watchdog_period_disables_the_watchdog(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
     monkeypatch.setenv("WATCHDOG_USEC", "soon")
 
@@ -111,8 +111,7 @@ async def test_the_watchdog_is_petted_every_half_period(notify_socket: NotifySoc
     assert len(notify_socket.arrivals("WATCHDOG=1")) >= 3
 
 
-async def test_a_hung_event_loop_stops_petting_the_watchdog(
-        notify_socket: NotifySocket) -> None:
+async def test_a_hung_event_loop_stops_petting_the_watchdog(notify_socket: NotifySocket) -> None:
     notifier = Notifier(notify_socket.address, watchdog_period_s=0.1)
     task = asyncio.create_task(notifier.keep_watchdog())
     await asyncio.sleep(0.12)
@@ -145,7 +144,8 @@ async def test_run_until_signal_says_stopping_on_sigterm(notify_socket: NotifySo
 
 
 async def test_run_until_signal_pets_the_watchdog_while_serving(
-        notify_socket: NotifySocket) -> None:
+    notify_socket: NotifySocket,
+) -> None:
     notifier = Notifier(notify_socket.address, watchdog_period_s=0.1)
 
     async def serve(stop: asyncio.Event) -> None:

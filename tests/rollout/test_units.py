@@ -20,11 +20,16 @@ SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 needs_systemd_analyze = pytest.mark.skipif(
     SYSTEMD_ANALYZE is None,
     reason="systemd-analyze is missing: it comes with Debian's `systemd` package "
-           "(apt-get install -y systemd); it is not on PyPI")
-UNITS = {"phalanx-agentd.service": "opt/phalanx/venv/bin/phalanx-agentd",
-         "phalanx-supervisor.service": "opt/phalanx-supervisor/venv/bin/phalanx-supervisor"}
-ROLE_OF = {"phalanx-agentd.service": ("gpu-a01", "agent"),
-           "phalanx-supervisor.service": ("sup1", "supervisor")}
+    "(apt-get install -y systemd); it is not on PyPI",
+)
+UNITS = {
+    "phalanx-agentd.service": "opt/phalanx/venv/bin/phalanx-agentd",
+    "phalanx-supervisor.service": "opt/phalanx-supervisor/venv/bin/phalanx-supervisor",
+}
+ROLE_OF = {
+    "phalanx-agentd.service": ("gpu-a01", "agent"),
+    "phalanx-supervisor.service": ("sup1", "supervisor"),
+}
 
 
 def _analyze(*args: str) -> subprocess.CompletedProcess[str]:
@@ -59,7 +64,8 @@ def test_shipped_unit_passes_systemd_analyze_verify(unit_root: Path, unit: str) 
 @needs_systemd_analyze
 @pytest.mark.parametrize("unit", sorted(UNITS))
 def test_unit_installed_by_its_role_passes_systemd_analyze_verify(
-        fleet_tree: FleetTree, unit: str) -> None:
+    fleet_tree: FleetTree, unit: str
+) -> None:
     host, _ = ROLE_OF[unit]
     path = fleet_tree.host(host) / "etc/systemd/system" / unit
 
@@ -70,7 +76,8 @@ def test_unit_installed_by_its_role_passes_systemd_analyze_verify(
 
 @pytest.mark.parametrize("unit", sorted(UNITS))
 def test_shipped_unit_is_its_role_template_rendered_with_the_defaults(
-        fleet_tree: FleetTree, unit: str) -> None:
+    fleet_tree: FleetTree, unit: str
+) -> None:
     host, _ = ROLE_OF[unit]
     rendered = (fleet_tree.host(host) / "etc/systemd/system" / unit).read_text()
 
@@ -80,11 +87,17 @@ def test_shipped_unit_is_its_role_template_rendered_with_the_defaults(
 
 
 @needs_systemd_analyze
-@pytest.mark.parametrize(("unit", "most"), [("phalanx-agentd.service", 3.0),
-                                             ("phalanx-supervisor.service", 2.0)])
-def test_unit_sandboxing_keeps_its_exposure_score(unit_root: Path, unit: str,
-                                                  most: float) -> None:
-    result = _analyze("security", "--offline=yes", f"--root={unit_root}",
-                      f"--threshold={int(most * 10)}", "--no-pager", unit)
+@pytest.mark.parametrize(
+    ("unit", "most"), [("phalanx-agentd.service", 3.0), ("phalanx-supervisor.service", 2.0)]
+)
+def test_unit_sandboxing_keeps_its_exposure_score(unit_root: Path, unit: str, most: float) -> None:
+    result = _analyze(
+        "security",
+        "--offline=yes",
+        f"--root={unit_root}",
+        f"--threshold={int(most * 10)}",
+        "--no-pager",
+        unit,
+    )
 
     assert result.returncode == 0, result.stdout.splitlines()[-1:]

@@ -24,8 +24,9 @@ def training_state(seed: int = 0, width: int = 64) -> dict[str, Any]:
     torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(),
-                                torch.nn.Linear(width, 4))  # fmt: skip
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 4)
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     for _ in range(2):
@@ -107,8 +108,11 @@ def small_tmpfs(mnt: Path, size: str = "4m") -> Iterator[Path]:
     """A real tmpfs of ``size`` mounted at ``mnt`` (made if missing) for the block; the
     test is skipped where mounting is not permitted (it needs root, as in a container)."""
     mnt.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
-                          capture_output=True, check=False)  # fmt: skip
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+        capture_output=True,
+        check=False,
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small filesystem here: {done.stderr.decode().strip()}")
     try:
@@ -123,8 +127,9 @@ def open_ckpt(opened: list[Checkpointer], path: Path, **kwargs: Any) -> Checkpoi
     return c
 
 
-def saved_ckpt(opened: list[Checkpointer], path: Path, step: int, state: Any,
-               **kwargs: Any) -> Checkpointer:  # fmt: skip
+def saved_ckpt(
+    opened: list[Checkpointer], path: Path, step: int, state: Any, **kwargs: Any
+) -> Checkpointer:
     """``open_ckpt``, then ``state`` saved at ``step`` and committed at every tier."""
     c = open_ckpt(opened, path, **kwargs)
     c.save(step, state)
@@ -141,8 +146,11 @@ def hold_every_ram_slot() -> None:
 
     client = AgentClient(AgentEnv.from_environ())
     for step in range(1001, 1009):
-        got = client.call("POST", "/v1/ckpt/acquire", {
-            "step": step, "nbytes": 4096, "when_busy": "skip", "timeout": 1})  # fmt: skip
+        got = client.call(
+            "POST",
+            "/v1/ckpt/acquire",
+            {"step": step, "nbytes": 4096, "when_busy": "skip", "timeout": 1},
+        )
         if got.get("skipped"):
             assert step > 1001, "no slot was free to take"
             return
@@ -160,4 +168,3 @@ def finish_reservations(timeout: float = 30.0) -> None:
     for thread in threading.enumerate():
         if thread.name.startswith("ckpt-reserve-"):
             thread.join(timeout)
-

@@ -25,10 +25,13 @@ WAIT_S = 10.0
 @pytest.fixture
 async def agent(tmp_path: Path) -> AsyncIterator[Agent]:
     settings = AgentSettings(
-        node_id=NODE, data_dir=tmp_path / "data",
-        gpu=GpuSettings(backend="sim", sim_gpus=2), http=HttpSettings(port=0),
+        node_id=NODE,
+        data_dir=tmp_path / "data",
+        gpu=GpuSettings(backend="sim", sim_gpus=2),
+        http=HttpSettings(port=0),
         ckpt=CkptSettings(shm_dir=tmp_path / "shm"),
-        thresholds=Thresholds(disk_drain_bytes=0, disk_warn_fraction=0))  # any test machine
+        thresholds=Thresholds(disk_drain_bytes=0, disk_warn_fraction=0),
+    )  # any test machine
     backend = SimBackend(settings.sim_path(), node_id=NODE, gpus=2, model="sim")
     a = Agent(settings, backend)
     try:
@@ -105,12 +108,20 @@ for step in range(100000):
 
 
 async def test_save_now_asks_each_of_the_nodes_ranks_to_save_once(
-        agent: Agent, tmp_path: Path) -> None:
+    agent: Agent, tmp_path: Path
+) -> None:
     start = wire.StartRanksArgs(
-        job=JOB, generation=1, command=[sys.executable, "-c", SAVING_RANK], workdir="/",
-        world_size=2, group_rank=0, master_addr="127.0.0.1", master_port=29511,
+        job=JOB,
+        generation=1,
+        command=[sys.executable, "-c", SAVING_RANK],
+        workdir="/",
+        world_size=2,
+        group_rank=0,
+        master_addr="127.0.0.1",
+        master_port=29511,
         ranks=[wire.RankSlot(rank=0, local_rank=0), wire.RankSlot(rank=1, local_rank=1)],
-        assign_gpus=False)
+        assign_gpus=False,
+    )
     assert (await run(agent, start)).status is wire.AckStatus.DONE
     await eventually(lambda: len(agent.progress.progress(JOB, 1)) == 2, "both ranks report")
 
@@ -118,8 +129,7 @@ async def test_save_now_asks_each_of_the_nodes_ranks_to_save_once(
 
     assert ack.result == {"ranks": [0, 1]}
     logs = [tmp_path / "data" / "jobs" / JOB / "g1" / f"rank-{r}.log" for r in (0, 1)]
-    await eventually(lambda: all("saved at" in log.read_text() for log in logs),
-                     "both ranks save")
+    await eventually(lambda: all("saved at" in log.read_text() for log in logs), "both ranks save")
     await asyncio.sleep(0.3)  # ~15 more steps: none of them is asked again
     assert [log.read_text().count("saved at") for log in logs] == [1, 1]
 

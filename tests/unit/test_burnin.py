@@ -19,11 +19,20 @@ OK = wire.Health(status=wire.HealthStatus.OK)
 
 def birth(node: str, seq: int = 1) -> wire.NodeBirth:
     return wire.NodeBirth(
-        node=node, seq=seq, hostname=node, address="127.0.0.1", http_port=9400,
-        gpus=[wire.GpuDescriptor(index=0, uuid=f"GPU-{node}", model="H100",
-                                 memory_bytes=80 * 2**30)],
-        gpu_backend="sim", topology=wire.Topology(rack="r1"), version="0",
-        started_at=0.0, health=OK)
+        node=node,
+        seq=seq,
+        hostname=node,
+        address="127.0.0.1",
+        http_port=9400,
+        gpus=[
+            wire.GpuDescriptor(index=0, uuid=f"GPU-{node}", model="H100", memory_bytes=80 * 2**30)
+        ],
+        gpu_backend="sim",
+        topology=wire.Topology(rack="r1"),
+        version="0",
+        started_at=0.0,
+        health=OK,
+    )
 
 
 class Agents:
@@ -34,18 +43,22 @@ class Agents:
         self.silent: set[str] = set()
         self.asked: list[str] = []
 
-    async def send(self, node: str, args: wire.CommandArgsType,
-                   timeout: float) -> wire.CommandAck:
+    async def send(self, node: str, args: wire.CommandArgsType, timeout: float) -> wire.CommandAck:
         assert isinstance(args, wire.BurnInArgs)
         self.asked.append(node)
         if node in self.silent:
             raise TimeoutError(f"no ack from node {node!r} within {timeout}s")
         passed = node not in self.failing
-        return wire.CommandAck(id="x", node=node, status=wire.AckStatus.DONE,
-                               result={"passed": passed,
-                                       "reasons": [self.failing.get(node, "")] if not passed
-                                       else []},
-                               acked_at=0.0)
+        return wire.CommandAck(
+            id="x",
+            node=node,
+            status=wire.AckStatus.DONE,
+            result={
+                "passed": passed,
+                "reasons": [self.failing.get(node, "")] if not passed else [],
+            },
+            acked_at=0.0,
+        )
 
 
 @pytest.fixture
@@ -69,7 +82,8 @@ def agents() -> Agents:
 
 
 async def test_a_node_that_passes_is_trusted_until_it_is_drained(
-    registry: Registry, agents: Agents,
+    registry: Registry,
+    agents: Agents,
 ) -> None:
     burnins = BurnIns(registry, agents.send)
 
@@ -82,7 +96,8 @@ async def test_a_node_that_passes_is_trusted_until_it_is_drained(
 
 
 async def test_a_node_that_fails_is_drained_by_the_supervisor_with_the_reason(
-    registry: Registry, agents: Agents,
+    registry: Registry,
+    agents: Agents,
 ) -> None:
     agents.failing["n2"] = "ecc_dbe on GPU 0"
     burnins = BurnIns(registry, agents.send)
@@ -98,7 +113,8 @@ async def test_a_node_that_fails_is_drained_by_the_supervisor_with_the_reason(
 
 
 async def test_an_undrained_node_is_not_schedulable_until_its_burn_in_passes(
-    registry: Registry, agents: Agents,
+    registry: Registry,
+    agents: Agents,
 ) -> None:
     burnins = BurnIns(registry, agents.send)
     registry.drain("n1", "repair")
@@ -118,7 +134,8 @@ async def test_an_undrained_node_is_not_schedulable_until_its_burn_in_passes(
 
 
 async def test_a_burn_in_that_gets_no_answer_neither_passes_nor_drains(
-    registry: Registry, agents: Agents,
+    registry: Registry,
+    agents: Agents,
 ) -> None:
     agents.silent.add("n1")
     burnins = BurnIns(registry, agents.send)

@@ -28,9 +28,17 @@ NODES = [f"n{i:02d}" for i in range(WORLD)]
 
 
 def landing(step: int, rank: int, event: str = "landed") -> wire.CkptLanding:
-    return wire.CkptLanding(node=NODES[rank], job="j-1", step=step, rank=rank, tier="object",
-                            event=event, nbytes=100,  # type: ignore[arg-type]
-                            checksum=f"xxh3_128:{rank:032x}", at=time.time())
+    return wire.CkptLanding(
+        node=NODES[rank],
+        job="j-1",
+        step=step,
+        rank=rank,
+        tier="object",
+        event=event,
+        nbytes=100,  # type: ignore[arg-type]
+        checksum=f"xxh3_128:{rank:032x}",
+        at=time.time(),
+    )
 
 
 class SlowLink:
@@ -39,8 +47,9 @@ class SlowLink:
     def __init__(self) -> None:
         self.retained: dict[str, bytes] = {}
 
-    async def publish(self, topic: str, payload: bytes, retain: bool = False,
-                      timeout: float = 5.0) -> None:  # fmt: skip
+    async def publish(
+        self, topic: str, payload: bytes, retain: bool = False, timeout: float = 5.0
+    ) -> None:
         slow = topic.endswith("/n02") and b'"restore_step":5' in payload
         await asyncio.sleep(0.2 if slow else 0.01)
         self.retained[topic] = payload
@@ -49,15 +58,29 @@ class SlowLink:
 def supervisor_of(catalog: CheckpointCatalog, link: SlowLink) -> types.SimpleNamespace:
     """What ``Supervisor.publish_catalog`` reads, around one running job on ``NODES``."""
     job = types.SimpleNamespace(
-        id="j-1", state=JobState.RUNNING, generation=1, nodes=NODES, ended_at=None,
+        id="j-1",
+        state=JobState.RUNNING,
+        generation=1,
+        nodes=NODES,
+        ended_at=None,
         spec=types.SimpleNamespace(world_size=WORLD),
-        ranks=[RankPlace(rank=r, node=NODES[r], local_rank=0) for r in range(WORLD)])
+        ranks=[RankPlace(rank=r, node=NODES[r], local_rank=0) for r in range(WORLD)],
+    )
     sup = types.SimpleNamespace(
-        jobs=types.SimpleNamespace(jobs={"j-1": job}), registry=types.SimpleNamespace(nodes={}),
-        catalog=catalog, store=catalog.store, link=link, _catalog_sent={}, _catalog_locks={},
-        _catalog_retry_jobs=set(), _catalog_builder=ThreadPoolExecutor(1),
-        settings=types.SimpleNamespace(ckpt_failed_ram_linger_s=900.0), _ram_lingers={},
-        _catalog_tasks=set(), _closed=False)
+        jobs=types.SimpleNamespace(jobs={"j-1": job}),
+        registry=types.SimpleNamespace(nodes={}),
+        catalog=catalog,
+        store=catalog.store,
+        link=link,
+        _catalog_sent={},
+        _catalog_locks={},
+        _catalog_retry_jobs=set(),
+        _catalog_builder=ThreadPoolExecutor(1),
+        settings=types.SimpleNamespace(ckpt_failed_ram_linger_s=900.0),
+        _ram_lingers={},
+        _catalog_tasks=set(),
+        _closed=False,
+    )
     sup._ram_freed = types.MethodType(Supervisor._ram_freed, sup)
     return sup
 
@@ -85,21 +108,27 @@ def test_a_publish_started_before_a_change_never_leaves_its_stale_catalog_behind
 
     steps = set()
     for node in NODES:
-        msg = wire.parse(wire.catalog_topic("j-1", node),
-                         link.retained[wire.catalog_topic("j-1", node)]).message
+        msg = wire.parse(
+            wire.catalog_topic("j-1", node), link.retained[wire.catalog_topic("j-1", node)]
+        ).message
         assert isinstance(msg, wire.CkptCatalog)
         steps.add(msg.restore_step)
     assert steps == {4}  # every node restores the step that is still committed
 
 
 def test_landings_a_failed_store_write_rolled_back_are_queued_again_and_commit_later(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     store = Store(tmp_path / "state.db")
     catalog = CheckpointCatalog(store)
     job = types.SimpleNamespace(spec=types.SimpleNamespace(world_size=2))
-    sup = types.SimpleNamespace(jobs=types.SimpleNamespace(jobs={"j-1": job}), store=store,
-                                catalog=catalog, _landings=[landing(5, 0), landing(5, 1)])
+    sup = types.SimpleNamespace(
+        jobs=types.SimpleNamespace(jobs={"j-1": job}),
+        store=store,
+        catalog=catalog,
+        _landings=[landing(5, 0), landing(5, 1)],
+    )
     real_batch = store.batch
 
     @contextlib.contextmanager
@@ -126,12 +155,16 @@ def test_a_landing_the_store_cannot_take_is_dropped_and_never_holds_up_the_other
     job = types.SimpleNamespace(spec=types.SimpleNamespace(world_size=1))
     # Past what SQLite holds: the wire refuses it now, but a value a store cannot take
     # (OverflowError, not a StoreError) must still cost that landing alone.
-    poison = wire.CkptLanding.model_construct(**{**landing(7, 0).model_dump(), "job": "j-2",
-                                                 "step": 2**63})
+    poison = wire.CkptLanding.model_construct(
+        **{**landing(7, 0).model_dump(), "job": "j-2", "step": 2**63}
+    )
     good = [landing(step, 0) for step in range(1, 65)]
-    sup = types.SimpleNamespace(jobs=types.SimpleNamespace(jobs={"j-1": job, "j-2": job}),
-                                store=store, catalog=catalog,
-                                _landings=[*good[:40], poison, *good[40:]])
+    sup = types.SimpleNamespace(
+        jobs=types.SimpleNamespace(jobs={"j-1": job, "j-2": job}),
+        store=store,
+        catalog=catalog,
+        _landings=[*good[:40], poison, *good[40:]],
+    )
     transactions = 0
     real_batch = store.batch
 
@@ -211,8 +244,9 @@ def test_an_ended_jobs_catalog_goes_out_and_leaves_no_cache_behind(tmp_path: Pat
     asyncio.run(Supervisor.publish_catalog(sup, "j-1"))  # type: ignore[arg-type]
 
     for node in NODES:
-        msg = wire.parse(wire.catalog_topic("j-1", node),
-                         link.retained[wire.catalog_topic("j-1", node)]).message
+        msg = wire.parse(
+            wire.catalog_topic("j-1", node), link.retained[wire.catalog_topic("j-1", node)]
+        ).message
         assert isinstance(msg, wire.CkptCatalog) and msg.ended and msg.restore_step == 4
     assert sup._catalog_sent == {}
     assert not any(key[0] == "j-1" for key in catalog._landed)
@@ -220,7 +254,9 @@ def test_an_ended_jobs_catalog_goes_out_and_leaves_no_cache_behind(tmp_path: Pat
 
 @pytest.mark.parametrize(("failed_ago", "ended"), [(10.0, False), (1000.0, True)])
 def test_a_failed_jobs_catalog_frees_ram_only_once_the_linger_is_over(
-    tmp_path: Path, failed_ago: float, ended: bool,
+    tmp_path: Path,
+    failed_ago: float,
+    ended: bool,
 ) -> None:
     catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
     for rank in range(WORLD):
@@ -239,8 +275,9 @@ def test_a_failed_jobs_catalog_frees_ram_only_once_the_linger_is_over(
 
     resend_scheduled = asyncio.run(scenario())
 
-    msg = wire.parse(wire.catalog_topic("j-1", NODES[0]),
-                     link.retained[wire.catalog_topic("j-1", NODES[0])]).message
+    msg = wire.parse(
+        wire.catalog_topic("j-1", NODES[0]), link.retained[wire.catalog_topic("j-1", NODES[0])]
+    ).message
     assert isinstance(msg, wire.CkptCatalog) and msg.ended is ended
     assert resend_scheduled is not ended
 
@@ -253,15 +290,15 @@ class HeldLink(SlowLink):
         super().__init__()
         self.release = asyncio.Event()
 
-    async def publish(self, topic: str, payload: bytes, retain: bool = False,
-                      timeout: float = 5.0) -> None:  # fmt: skip
+    async def publish(
+        self, topic: str, payload: bytes, retain: bool = False, timeout: float = 5.0
+    ) -> None:
         if topic.endswith("/n02") and payload:
             await self.release.wait()
         self.retained[topic] = payload
 
 
-def ended_job(tmp_path: Path,
-              link: SlowLink) -> tuple[CheckpointCatalog, types.SimpleNamespace]:  # fmt: skip
+def ended_job(tmp_path: Path, link: SlowLink) -> tuple[CheckpointCatalog, types.SimpleNamespace]:
     """A job that committed step 4 on every rank and succeeded."""
     catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
     for rank in range(WORLD):

@@ -45,8 +45,9 @@ class AgentHarness:
     of it (a restart before the catalog came, say); ``catalog``: the supervisor's catalog
     of an earlier agent on the same node."""
 
-    def __init__(self, root: Path, *, deliver: bool = True,
-                 catalog: CheckpointCatalog | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, root: Path, *, deliver: bool = True, catalog: CheckpointCatalog | None = None
+    ) -> None:
         self.root = root
         self.deliver = deliver
         self.ended = False  # the job ended: the catalogs delivered say so
@@ -59,17 +60,27 @@ class AgentHarness:
         self.ready = threading.Event()
         self.tasks: set[asyncio.Future[None]] = set()
         self.stop: asyncio.Event | None = None
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),),
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.loop.run_until_complete, args=(self._main(),), daemon=True
+        )
         self.thread.start()
         assert self.ready.wait(10)
 
     async def _main(self) -> None:
         self.stop = asyncio.Event()
-        self.service = CkptService("n01", self.root / "data", self.root / "shm",
-                                   (self.root / "objects").as_uri(), "", self._landing)
-        self.service.configure(JOB, 1, wire.CkptPlan(tiers=["ram", "nvme", "object"],
-                                                     keep={"ram": 1, "nvme": 2, "object": 2}))
+        self.service = CkptService(
+            "n01",
+            self.root / "data",
+            self.root / "shm",
+            (self.root / "objects").as_uri(),
+            "",
+            self._landing,
+        )
+        self.service.configure(
+            JOB,
+            1,
+            wire.CkptPlan(tiers=["ram", "nvme", "object"], keep={"ram": 1, "nvme": 2, "object": 2}),
+        )
         agent = SimpleNamespace(ckpt=self.service, node="n01")
         async with start_rank_socket(agent, self.socket):  # type: ignore[arg-type]
             self.ready.set()
@@ -85,16 +96,24 @@ class AgentHarness:
         def on_loop() -> None:
             assert self.service is not None
             if self.catalog.on_landing(msg, world_size=1) and self.deliver:
-                task = asyncio.ensure_future(self.service.on_catalog(
-                    self.catalog.messages(JOB, 1, generation=1, ended=self.ended)[0]))
+                task = asyncio.ensure_future(
+                    self.service.on_catalog(
+                        self.catalog.messages(JOB, 1, generation=1, ended=self.ended)[0]
+                    )
+                )
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
 
         self.loop.call_soon_threadsafe(on_loop)
 
     def env(self, generation: int = 1) -> dict[str, str]:
-        return {"PHALANX_AGENT_SOCKET": str(self.socket), "PHALANX_JOB_ID": JOB,
-                "PHALANX_GENERATION": str(generation), "RANK": "0", "WORLD_SIZE": "1"}
+        return {
+            "PHALANX_AGENT_SOCKET": str(self.socket),
+            "PHALANX_JOB_ID": JOB,
+            "PHALANX_GENERATION": str(generation),
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+        }
 
     def close(self) -> None:
         assert self.stop is not None
@@ -128,8 +147,10 @@ def small_nvme(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture
-def agent_on_small_nvme(small_nvme: Path, monkeypatch: pytest.MonkeyPatch,
-                        ) -> Iterator[AgentHarness]:  # fmt: skip
+def agent_on_small_nvme(
+    small_nvme: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[AgentHarness]:
     harness = start_agent(small_nvme.parents[1], monkeypatch)
     yield harness
     harness.close()
@@ -156,8 +177,9 @@ def object_shard(agent: AgentHarness, step: int) -> Path:
     return agent.root / "objects" / JOB / step_dir(step) / "rank-00000.phx.zst"
 
 
-def reset_manifest_writes(monkeypatch: pytest.MonkeyPatch, times: int,
-                          ending: str = "manifest.json") -> list[str]:  # fmt: skip
+def reset_manifest_writes(
+    monkeypatch: pytest.MonkeyPatch, times: int, ending: str = "manifest.json"
+) -> list[str]:
     """The fault: the object store resets the first ``times`` writes of a key ending so;
     the keys refused so far."""
     real = LocalFolderStore.put_stream
@@ -197,10 +219,17 @@ def padded(payload: bytes, nbytes: int) -> bytes:
 def lying_shard(step: int, payload: bytes) -> bytes:
     """A well-formed, correctly sealed .phx whose header lies: a float32 tensor of 2**40
     elements (4 TiB) said to lie in the 64 data bytes, which hold a pickle."""
-    header = json.dumps({"data": 64, "meta": {"job": JOB, "step": step, "rank": 0},
-                         "tree": {"t": "dict", "k": ["w"], "v": [{
-                             "t": "tensor", "dtype": "float32", "shape": [1 << 40], "o": 0,
-                             "n": 64}]}}).encode()
+    header = json.dumps(
+        {
+            "data": 64,
+            "meta": {"job": JOB, "step": step, "rank": 0},
+            "tree": {
+                "t": "dict",
+                "k": ["w"],
+                "v": [{"t": "tensor", "dtype": "float32", "shape": [1 << 40], "o": 0, "n": 64}],
+            },
+        }
+    ).encode()
     data_start = -(-(32 + len(header)) // 64) * 64
     nbytes = data_start + 64 + 32
     shard = bytearray(nbytes)
@@ -294,7 +323,8 @@ def test_saving_one_step_twice_does_not_keep_both_ram_slots_from_the_next_save(
 
 
 def test_a_save_the_write_down_cannot_take_leaves_no_ram_slot_busy(
-    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+    agent: AgentHarness,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     c = Checkpointer(busy_timeout_s=10)
     c.save(1, {"w": torch.full((1000,), 1.0)})
@@ -328,7 +358,8 @@ def test_a_step_the_store_cannot_name_is_refused_with_400(agent: AgentHarness) -
 
 
 def test_the_last_save_of_an_ended_job_gets_its_manifests_before_its_ram_goes(
-    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+    agent: AgentHarness,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     c = Checkpointer()
     c.save(4, {"w": torch.full((1000,), 4.0)})
@@ -360,7 +391,8 @@ def test_the_last_save_of_an_ended_job_gets_its_manifests_before_its_ram_goes(
 
 
 def test_an_ended_jobs_manifest_that_failed_is_written_again_before_its_ram_goes(
-    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+    agent: AgentHarness,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     refused = reset_manifest_writes(monkeypatch, 2, f"{step_dir(5)}/manifest.json")
     agent.ended = True  # the job ends with this save: every catalog from now on says so
@@ -375,7 +407,8 @@ def test_an_ended_jobs_manifest_that_failed_is_written_again_before_its_ram_goes
 
 
 def test_wait_for_a_later_step_is_not_failed_by_an_older_steps_manifest(
-    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+    agent: AgentHarness,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     refused = reset_manifest_writes(monkeypatch, 10**6, f"{step_dir(3)}/manifest.json")
     c = Checkpointer()
@@ -392,7 +425,8 @@ def test_wait_for_a_later_step_is_not_failed_by_an_older_steps_manifest(
 
 
 def test_a_rank_of_an_older_generation_cannot_save(
-    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+    agent: AgentHarness,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert agent.service is not None
     agent.service.configure(JOB, 2, None)
@@ -422,7 +456,8 @@ def test_wait_names_the_tier_that_failed_while_the_others_commit(agent: AgentHar
 
 
 def test_a_manifest_the_object_store_refused_once_is_written_again_and_read_back(
-    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+    agent: AgentHarness,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     reset_manifest_writes(monkeypatch, 1)
     state = {"w": torch.full((1000,), 3.0)}
@@ -452,8 +487,12 @@ def test_a_first_save_and_a_restore_have_the_slots_of_the_next_saves_ready_behin
     c.save(1, state)  # it allocates one slot, and the other behind it
     assert agent.service is not None
     store = agent.service.stores[(JOB, 0)]
-    wait_until(lambda: all(s is not None and s.capacity >= 1 << 20 and s.path.exists()
-                           for s in store.ram.slots), "the slots allocated")  # fmt: skip
+    wait_until(
+        lambda: all(
+            s is not None and s.capacity >= 1 << 20 and s.path.exists() for s in store.ram.slots
+        ),
+        "the slots allocated",
+    )
     c.wait(timeout=60)
     c.close()
 
@@ -462,16 +501,22 @@ def test_a_first_save_and_a_restore_have_the_slots_of_the_next_saves_ready_behin
 
     assert found is not None and fresh.restored_from == "ram"
     assert fresh.agent is not None
-    wait_until(lambda: len(fresh.agent._maps) == len(store.ram.slots),  # type: ignore[union-attr]
-               "the rank to map them ahead of its first save")
+    wait_until(
+        lambda: len(fresh.agent._maps) == len(store.ram.slots),  # type: ignore[union-attr]
+        "the rank to map them ahead of its first save",
+    )
     assert fresh.save(2, found[1])
     fresh.wait(timeout=60)
     fresh.close()
 
 
-def start_generation(agent: AgentHarness, monkeypatch: pytest.MonkeyPatch, generation: int,
-                     ) -> None:  # fmt: skip
+def start_generation(
+    agent: AgentHarness,
+    monkeypatch: pytest.MonkeyPatch,
+    generation: int,
+) -> None:
     """The supervisor starts ``generation`` of the job here (its ranks get it)."""
+
     async def configure() -> None:
         assert agent.service is not None
         agent.service.configure(JOB, generation, agent.service.plans[JOB])
@@ -494,7 +539,8 @@ def rolled_back_to_10(agent: AgentHarness, monkeypatch: pytest.MonkeyPatch) -> C
 
 
 def test_wait_in_a_generation_that_rolled_back_waits_for_its_own_commit(
-    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+    agent: AgentHarness,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     c = rolled_back_to_10(agent, monkeypatch)
     assert agent.service is not None
@@ -507,7 +553,8 @@ def test_wait_in_a_generation_that_rolled_back_waits_for_its_own_commit(
 
 
 def test_after_a_roll_back_the_ram_tier_keeps_the_newer_generations_saves(
-    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+    agent: AgentHarness,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     c = rolled_back_to_10(agent, monkeypatch)  # RAM still holds generation 1's step 20
     state = {"w": torch.full((1000,), 11.0)}
@@ -522,7 +569,8 @@ def test_after_a_roll_back_the_ram_tier_keeps_the_newer_generations_saves(
 
 
 def test_a_step_saved_again_by_a_newer_generation_gets_its_own_manifest_and_reads_back(
-    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+    agent: AgentHarness,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     c = rolled_back_to_10(agent, monkeypatch)
     # Not generation 1's shard of step 20: other values, another size.
@@ -541,7 +589,8 @@ def test_a_step_saved_again_by_a_newer_generation_gets_its_own_manifest_and_read
 
 
 def test_a_roll_back_past_many_saves_lands_the_newer_generations_saves_as_its_own(
-    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+    agent: AgentHarness,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     c = Checkpointer()
     for step in range(1, 81):  # far more saves than the agent remembers the generation of
@@ -554,12 +603,12 @@ def test_a_roll_back_past_many_saves_lands_the_newer_generations_saves_as_its_ow
     c.save(3, {"w": torch.full((10,), 3.5)})
     c.wait(timeout=60)  # generation 2's landings commit: none says generation 0 or 1
     c.close()
-    assert {m.generation for m in agent.landings if m.step == 3 and m.event == "landed"
-            } == {1, 2}  # fmt: skip
+    assert {m.generation for m in agent.landings if m.step == 3 and m.event == "landed"} == {1, 2}
 
 
 def test_a_commit_applied_while_a_newer_generation_saves_the_step_again_does_not_count(
-    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+    agent: AgentHarness,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     entered, gate = threading.Event(), threading.Event()
     real = LocalFolderStore.put_stream
@@ -583,8 +632,10 @@ def test_a_commit_applied_while_a_newer_generation_saves_the_step_again_does_not
 
     gate.set()  # generation 1's manifest is written now, after the renewal
     store = agent.service.stores[(JOB, 0)]
-    wait_until(lambda: (agent.root / "objects" / JOB / step_dir(20) / "manifest.json").exists(),
-               "generation 1's manifest of step 20")
+    wait_until(
+        lambda: (agent.root / "objects" / JOB / step_dir(20) / "manifest.json").exists(),
+        "generation 1's manifest of step 20",
+    )
     with store.lock:  # that _apply is over
         assert store.committed_upto.get("object", -1) < 20  # not generation 2's commit
     with pytest.raises(TimeoutError):
@@ -596,7 +647,8 @@ def test_a_commit_applied_while_a_newer_generation_saves_the_step_again_does_not
 
 
 def test_a_full_nvme_tier_fails_there_alone_and_keeps_its_last_committed_step(
-    agent_on_small_nvme: AgentHarness, small_nvme: Path,
+    agent_on_small_nvme: AgentHarness,
+    small_nvme: Path,
 ) -> None:
     agent = agent_on_small_nvme
     kept = {**training_state(), "w": torch.ones(256 << 10)}  # 1 MiB, on a 4 MiB filesystem
@@ -612,8 +664,10 @@ def test_a_full_nvme_tier_fails_there_alone_and_keeps_its_last_committed_step(
     assert [(m.step, m.tier) for m in reported(agent, "failed")] == [(2, "nvme")]
     error = reported(agent, "failed")[0].error
     assert str(nvme_shard(agent, 2)) in error and "disk is full" in error
-    wait_until(lambda: committed_tiers(agent, 2) == ["object", "ram"],
-               "step 2 committed at the other tiers")
+    wait_until(
+        lambda: committed_tiers(agent, 2) == ["object", "ram"],
+        "step 2 committed at the other tiers",
+    )
     assert not nvme_shard(agent, 2).exists() and not list(small_nvme.rglob("*.tmp-*"))
     assert (nvme_shard(agent, 1).parent / "manifest.json").is_file()
     assert "nvme" in committed_tiers(agent, 1)
@@ -666,7 +720,8 @@ def test_a_torch_save_file_in_the_object_store_and_a_lying_shard_on_nvme_are_bot
     zipped = agent.root / "exploit.pt"
     torch.save({"w": Exploit(marker)}, zipped)
     object_shard(agent, 6).write_bytes(
-        zstandard.ZstdCompressor().compress(padded(zipped.read_bytes(), nbytes)))
+        zstandard.ZstdCompressor().compress(padded(zipped.read_bytes(), nbytes))
+    )
     lie = lying_shard(6, pickle.dumps(Exploit(marker)))
     verify(lie)  # sealed as a real shard would be: only the checks make it safe
     with pytest.raises(FormatError, match="shape"):
@@ -687,7 +742,8 @@ def test_a_torch_save_file_in_the_object_store_and_a_lying_shard_on_nvme_are_bot
 
 
 def test_steps_landed_before_an_agent_restart_get_their_manifest_and_retention_after_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     states = {step: {"w": torch.full((1000,), float(step))} for step in (1, 2, 3)}
     first = start_agent(tmp_path, monkeypatch, deliver=False)  # stops before the catalog comes
@@ -695,8 +751,10 @@ def test_steps_landed_before_an_agent_restart_get_their_manifest_and_retention_a
         c = Checkpointer()
         for step in (1, 2):
             c.save(step, states[step])
-        wait_until(lambda: committed_tiers(first, 2) == ["nvme", "object", "ram"],
-                   "the catalog to commit step 2 everywhere")
+        wait_until(
+            lambda: committed_tiers(first, 2) == ["nvme", "object", "ram"],
+            "the catalog to commit step 2 everywhere",
+        )
         c.close()
     finally:
         first.close()
@@ -731,8 +789,9 @@ def test_interval_auto_uses_the_job_mtbf_the_supervisor_sent_with_the_plan(
 ) -> None:
     async def configure() -> None:
         assert agent.service is not None
-        agent.service.configure(JOB, 1, wire.CkptPlan(tiers=["ram", "nvme"], interval="auto",
-                                                      mtbf_s=7200.0))
+        agent.service.configure(
+            JOB, 1, wire.CkptPlan(tiers=["ram", "nvme"], interval="auto", mtbf_s=7200.0)
+        )
 
     asyncio.run_coroutine_threadsafe(configure(), agent.loop).result(10)
 
@@ -745,7 +804,8 @@ def test_interval_auto_uses_the_job_mtbf_the_supervisor_sent_with_the_plan(
 
 
 def test_the_ranks_of_a_node_share_one_listing_of_a_remote_tier(
-    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+    agent: AgentHarness,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     listed: list[str] = []
     real_keys = LocalFolderStore.keys

@@ -58,8 +58,9 @@ def zstd_bomb(content_nbytes: int) -> bytes:
     frame_nbytes = 256 * MIB
     compressor = zstandard.ZstdCompressor(level=1).compressobj()
     zeros = bytes(MIB)
-    frame = b"".join([compressor.compress(zeros) for _ in range(frame_nbytes // MIB)]
-                     + [compressor.flush()])  # fmt: skip
+    frame = b"".join(
+        [compressor.compress(zeros) for _ in range(frame_nbytes // MIB)] + [compressor.flush()]
+    )
     return frame * (content_nbytes // frame_nbytes)
 
 
@@ -144,8 +145,9 @@ def test_an_object_tier_refuses_a_manifest_size_other_than_the_catalogs(
 ) -> None:
     tier, key, shard = committed
 
-    with pytest.raises(TierError, match=f"lists {len(shard)} bytes, not the 99 bytes the "
-                                        "catalog lists"):  # fmt: skip
+    with pytest.raises(
+        TierError, match=f"lists {len(shard)} bytes, not the 99 bytes the catalog lists"
+    ):
         tier.reader(key, 99)
 
 
@@ -169,8 +171,11 @@ def test_a_seal_check_stops_decompressing_a_zstd_bomb_at_its_limit_in_bounded_me
 
     tracemalloc.start()
     try:
-        with pytest.raises(ObjectTooLarge, match=r"\(decompressed\) is larger than the "
-                                                 f"{64 * MIB}-byte limit"):  # fmt: skip
+        with pytest.raises(
+            ObjectTooLarge,
+            match=r"\(decompressed\) is larger than the "
+            f"{64 * MIB}-byte limit",
+        ):
             for start in range(0, len(bomb), 64 << 10):
                 seal.feed(bomb[start : start + (64 << 10)])
         _, peak = tracemalloc.get_traced_memory()
@@ -188,15 +193,21 @@ async def running_buddy(root: Path, limit: int) -> AsyncIterator[HttpPeerStore]:
     pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="test-peer")
     agent = SimpleNamespace(
         node="n02",
-        ckpt=SimpleNamespace(peer_root=root, peer_io=pool, peer_store=LocalFolderStore(root),
-                             pacing=Pacing()),
+        ckpt=SimpleNamespace(
+            peer_root=root, peer_io=pool, peer_store=LocalFolderStore(root), pacing=Pacing()
+        ),
     )
     app = web.Application()
-    add_peer_routes(app, agent, lambda request: bearer_ok(request, TOKEN.encode()),  # type: ignore[arg-type]
-                    max_shard_bytes=CkptSettings(peer_max_shard_bytes=limit).peer_max_shard_bytes)
+    add_peer_routes(
+        app,
+        agent,
+        lambda request: bearer_ok(request, TOKEN.encode()),  # type: ignore[arg-type]
+        max_shard_bytes=CkptSettings(peer_max_shard_bytes=limit).peer_max_shard_bytes,
+    )
     try:
-        async with serve(app, lambda runner: web.TCPSite(runner, "127.0.0.1", 0),
-                         "test buddy") as runner:  # fmt: skip
+        async with serve(
+            app, lambda runner: web.TCPSite(runner, "127.0.0.1", 0), "test buddy"
+        ) as runner:
             yield HttpPeerStore("n02", "127.0.0.1", runner.addresses[0][1], TOKEN, timeout_s=60)
     finally:
         pool.shutdown(wait=True)
@@ -227,8 +238,9 @@ async def test_a_buddy_that_cuts_its_answer_short_is_a_failed_transfer_not_a_sho
     # http.client ends a body cut short without an error; the peer store must not.
     app = web.Application()
     app.router.add_get("/v1/ckpt/peer/objects/{key:.+}", cut_short)
-    async with serve(app, lambda runner: web.TCPSite(runner, "127.0.0.1", 0),
-                     "cutting buddy") as runner:  # fmt: skip
+    async with serve(
+        app, lambda runner: web.TCPSite(runner, "127.0.0.1", 0), "cutting buddy"
+    ) as runner:
         store = HttpPeerStore("n02", "127.0.0.1", runner.addresses[0][1], TOKEN, timeout_s=10)
 
         def read() -> int:
@@ -248,8 +260,9 @@ async def test_a_buddy_refuses_a_zstd_bomb_with_413_naming_the_limit_and_stores_
     store, root = buddy
 
     with pytest.raises(PeerError) as refused:
-        await asyncio.to_thread(store.put_stream, "job-1/000000000001/rank-00000.phx.zst",
-                                [zstd_bomb(GIB)])  # fmt: skip
+        await asyncio.to_thread(
+            store.put_stream, "job-1/000000000001/rank-00000.phx.zst", [zstd_bomb(GIB)]
+        )
 
     assert "answered 413" in str(refused.value)
     assert "content (decompressed) is larger than the 8388608-byte limit" in str(refused.value)
@@ -300,8 +313,11 @@ async def test_a_buddy_stores_a_sealed_compressed_shard_under_its_limit(
     key = ShardKey("job-1", 1, 0)
     shard, _ = sealed({"w": torch.zeros(MIB)}, key)  # 4 MiB of content: under the limit
 
-    await asyncio.to_thread(store.put_stream, key.relpath(".zst"),
-                            [zstandard.ZstdCompressor(level=1).compress(bytes(shard))])
+    await asyncio.to_thread(
+        store.put_stream,
+        key.relpath(".zst"),
+        [zstandard.ZstdCompressor(level=1).compress(bytes(shard))],
+    )
 
     assert stored_files(root) == [root / key.relpath(".zst")]
 
@@ -329,11 +345,13 @@ async def test_a_buddy_whose_disk_is_full_answers_507_naming_it_and_keeps_what_i
         # 12 MiB: the disk fills while the first 8 MiB part goes out, mid-body
         big, _ = sealed({"w": torch.ones(3 * MIB)}, ShardKey("job-1", 2, 0))
         async with running_buddy(root, 64 * MIB) as store:
-            await asyncio.to_thread(store.put_stream, "job-1/000000000001/rank-00000.phx",
-                                    [bytes(kept)])  # fmt: skip
+            await asyncio.to_thread(
+                store.put_stream, "job-1/000000000001/rank-00000.phx", [bytes(kept)]
+            )
             with pytest.raises(PeerError) as full:
-                await asyncio.to_thread(store.put_stream, "job-1/000000000002/rank-00000.phx",
-                                        [bytes(big)])  # fmt: skip
+                await asyncio.to_thread(
+                    store.put_stream, "job-1/000000000002/rank-00000.phx", [bytes(big)]
+                )
 
         assert "answered 507" in str(full.value) and "disk is full" in str(full.value)
         assert "000000000002/rank-00000.phx" in str(full.value)
@@ -418,9 +436,7 @@ def test_an_object_copy_longer_than_the_catalog_lists_is_refused_by_the_agent(
 
 
 @COPY_PATHS
-def test_an_object_copy_that_runs_long_mid_body_is_refused(
-    agent: AgentHarness, path: str
-) -> None:
+def test_an_object_copy_that_runs_long_mid_body_is_refused(agent: AgentHarness, path: str) -> None:
     save_and_commit({"w": torch.randn(3 * MIB)}, 5)  # 12 MiB: the excess is in piece two
     shard = leave_only_the_object_copy(agent, 5)
     obj = agent.root / "objects" / ShardKey(JOB, 5, 0).relpath(".zst")
@@ -428,8 +444,11 @@ def test_an_object_copy_that_runs_long_mid_body_is_refused(
     if path == "streamed":
         hold_every_ram_slot()
     # Staged, the agent reads past the end itself; streamed, it cuts the body off.
-    why = (f"more than the {len(shard)} bytes its manifest lists" if path == "staged"
-           else f"ended after {8 * MIB} of its {len(shard)} bytes")  # fmt: skip
+    why = (
+        f"more than the {len(shard)} bytes its manifest lists"
+        if path == "staged"
+        else f"ended after {8 * MIB} of its {len(shard)} bytes"
+    )
 
     with pytest.raises(CheckpointError, match=why):
         Checkpointer().restore(step=5)
@@ -437,7 +456,8 @@ def test_an_object_copy_that_runs_long_mid_body_is_refused(
 
 
 def test_a_copy_the_agent_has_no_ram_to_stage_is_streamed(
-    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch,
+    agent: AgentHarness,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     state = {"w": torch.randn(MIB), "step": 8}
     save_and_commit(state, 8)
@@ -545,8 +565,16 @@ async def test_a_rank_streams_the_copy_from_an_older_agent_that_stages_nothing(
     """An agent from before ``/v1/ckpt/stage`` (a rolling upgrade) answers it 404."""
     state = {"w": torch.randn(MIB), "step": 7}
     shard = ckpt.encode(state, ref=ShardKey(JOB, 7, 0).ref())
-    plan = {"steps": [{"step": 7, "candidates": [
-        {"tier": "object", "checksum": ckpt.checksum(shard), "nbytes": len(shard)}]}]}
+    plan = {
+        "steps": [
+            {
+                "step": 7,
+                "candidates": [
+                    {"tier": "object", "checksum": ckpt.checksum(shard), "nbytes": len(shard)}
+                ],
+            }
+        ]
+    }
 
     async def hello(request: web.Request) -> web.Response:
         return web.json_response({"tiers": ["ram", "object"]})

@@ -16,11 +16,20 @@ from supervisor.catalog import CheckpointCatalog, pick_buddies
 from supervisor.store import Store
 
 
-def landing(step: int, rank: int, tier: str = "nvme", event: str = "landed",
-            node: str = "n01") -> wire.CkptLanding:  # fmt: skip
-    return wire.CkptLanding(node=node, job="j-1", step=step, rank=rank, tier=tier,  # type: ignore[arg-type]
-                            event=event, nbytes=100 + rank, checksum=f"xxh3_128:{rank:032x}",  # type: ignore[arg-type]
-                            at=time.time())
+def landing(
+    step: int, rank: int, tier: str = "nvme", event: str = "landed", node: str = "n01"
+) -> wire.CkptLanding:
+    return wire.CkptLanding(
+        node=node,
+        job="j-1",
+        step=step,
+        rank=rank,
+        tier=tier,  # type: ignore[arg-type]
+        event=event,
+        nbytes=100 + rank,
+        checksum=f"xxh3_128:{rank:032x}",  # type: ignore[arg-type]
+        at=time.time(),
+    )
 
 
 def test_buddies_leave_the_rack_when_another_rack_exists() -> None:
@@ -56,7 +65,9 @@ def test_a_step_is_committed_at_a_tier_only_once_every_rank_landed_there(tmp_pat
     assert [(s.rank, s.nbytes) for s in n02.steps[0].shards] == [(1, 101)]
     view = catalog.view("j-1", 2, ["ram", "nvme"])
     assert view["steps"][0]["partial"] == {} and view["steps"][0]["where"]["nvme"] == {
-        "0": "n01", "1": "n02"}
+        "0": "n01",
+        "1": "n02",
+    }
 
 
 def test_a_deleted_step_leaves_the_catalog_at_that_tier_only(tmp_path: Path) -> None:
@@ -71,8 +82,18 @@ def test_a_deleted_step_leaves_the_catalog_at_that_tier_only(tmp_path: Path) -> 
 
 
 def test_the_catalog_message_is_retained_per_job_and_node_and_checks_its_topic() -> None:
-    msg = wire.CkptCatalog(job="j-1", node="n01", world_size=1, steps=[wire.CkptStep(
-        step=3, committed={"ram": 1.0}, shards=[wire.CkptShard(rank=0, checksum="c", nbytes=1)])])
+    msg = wire.CkptCatalog(
+        job="j-1",
+        node="n01",
+        world_size=1,
+        steps=[
+            wire.CkptStep(
+                step=3,
+                committed={"ram": 1.0},
+                shards=[wire.CkptShard(rank=0, checksum="c", nbytes=1)],
+            )
+        ],
+    )
 
     parsed = wire.parse(wire.catalog_topic("j-1", "n01"), wire.encode(msg))
 
@@ -82,8 +103,9 @@ def test_the_catalog_message_is_retained_per_job_and_node_and_checks_its_topic()
         wire.parse(wire.catalog_topic("j-2", "n01"), wire.encode(msg))
     with pytest.raises(wire.WireError, match="names node"):
         wire.parse(wire.catalog_topic("j-1", "n02"), wire.encode(msg))
-    assert isinstance(wire.parse(wire.ckpt_topic("n01"), wire.encode(landing(1, 0))).message,
-                      wire.CkptLanding)
+    assert isinstance(
+        wire.parse(wire.ckpt_topic("n01"), wire.encode(landing(1, 0))).message, wire.CkptLanding
+    )
 
 
 def test_the_message_of_a_node_stays_small_however_many_ranks_the_job_has(
@@ -93,8 +115,9 @@ def test_the_message_of_a_node_stays_small_however_many_ranks_the_job_has(
     catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
     for step in (10, 20):
         for rank in range(world):
-            catalog.on_landing(landing(step, rank, "object", node=f"n{rank // per_node:04d}"),
-                               world_size=world)
+            catalog.on_landing(
+                landing(step, rank, "object", node=f"n{rank // per_node:04d}"), world_size=world
+            )
     placement = {r: f"n{r // per_node:04d}" for r in range(world)}
 
     messages = catalog.messages("j-1", world, placement=placement)
@@ -113,8 +136,11 @@ def test_the_gang_restores_from_the_newest_step_every_rank_can_read_where_it_run
 ) -> None:
     catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
     for rank, node, buddy in ((0, "n01", "n02"), (1, "n02", "n01")):
-        for step, tiers in ((10, ("nvme", "object")), (20, ("ram", "nvme", "peer")),
-                            (30, ("ram",))):
+        for step, tiers in (
+            (10, ("nvme", "object")),
+            (20, ("ram", "nvme", "peer")),
+            (30, ("ram",)),
+        ):
             for tier in tiers:
                 msg = landing(step, rank, tier, node=node)
                 if tier == "peer":
@@ -127,7 +153,7 @@ def test_the_gang_restores_from_the_newest_step_every_rank_can_read_where_it_run
         return msgs[0].restore_step
 
     both = {"n01", "n02", "n03"}
-    assert restore({0: "n01", 1: "n02"}, both) == 30           # each rank's own RAM
+    assert restore({0: "n01", 1: "n02"}, both) == 30  # each rank's own RAM
     # n02 died; a spare n03 takes rank 1: step 30 was only in n02's RAM, step 20's peer
     # copy of rank 1 lives on n01, alive.
     assert restore({0: "n01", 1: "n03"}, {"n01", "n03"}) == 20
@@ -215,8 +241,9 @@ def test_a_step_saved_again_by_a_newer_generation_never_commits_two_generations_
     catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
 
     def land(rank: int, generation: int) -> bool:
-        msg = landing(8, rank).model_copy(update={"generation": generation,
-                                                  "checksum": f"g{generation}r{rank}"})
+        msg = landing(8, rank).model_copy(
+            update={"generation": generation, "checksum": f"g{generation}r{rank}"}
+        )
         return catalog.on_landing(msg, world_size=2)
 
     # Generation 1 saved step 8 on rank 0 only, then failed; generation 2 restored an
@@ -224,7 +251,7 @@ def test_a_step_saved_again_by_a_newer_generation_never_commits_two_generations_
     assert land(0, 1) is False
     assert land(1, 2) is False
     assert land(0, 1) is False  # a late write-down of generation 1: ignored
-    assert land(0, 2) is True   # committed with generation 2's shards only
+    assert land(0, 2) is True  # committed with generation 2's shards only
     msg = catalog.messages("j-1", 2)[0]
     assert [s.checksum for s in msg.steps[0].shards] == ["g2r0", "g2r1"]
     # A committed step saved again by a newer generation is no longer committed there
@@ -232,17 +259,16 @@ def test_a_step_saved_again_by_a_newer_generation_never_commits_two_generations_
     assert land(1, 3) is True
     assert catalog.messages("j-1", 2)[0].steps == []
     assert land(0, 3) is True
-    assert [s.checksum for s in catalog.messages("j-1", 2)[0].steps[0].shards] == ["g3r0",
-                                                                                  "g3r1"]
+    assert [s.checksum for s in catalog.messages("j-1", 2)[0].steps[0].shards] == ["g3r0", "g3r1"]
 
 
 def test_a_staged_copy_of_a_save_counts_with_that_saves_shards(tmp_path: Path) -> None:
     catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
 
-    def land(rank: int, generation: int, checksum: str, node: str,
-             event: str = "landed") -> bool:  # fmt: skip
-        msg = landing(8, rank, tier="ram", node=node).model_copy(update={
-            "generation": generation, "checksum": checksum, "event": event})
+    def land(rank: int, generation: int, checksum: str, node: str, event: str = "landed") -> bool:
+        msg = landing(8, rank, tier="ram", node=node).model_copy(
+            update={"generation": generation, "checksum": checksum, "event": event}
+        )
         return catalog.on_landing(msg, world_size=2)
 
     assert land(0, 1, "g1r0", "n01") is False
@@ -269,8 +295,7 @@ def test_a_newer_generations_save_of_the_same_bytes_is_a_save_not_a_copy(
     catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
 
     def land(rank: int, generation: int, checksum: str) -> bool:
-        msg = landing(10, rank).model_copy(update={"generation": generation,
-                                                   "checksum": checksum})
+        msg = landing(10, rank).model_copy(update={"generation": generation, "checksum": checksum})
         return catalog.on_landing(msg, world_size=2)
 
     assert land(0, 1, "A0") is False

@@ -29,7 +29,8 @@ def test_the_writer_threads_run_on_the_pacing_cpus_and_the_caller_keeps_its_own(
     c.wait()  # every writer thread has run
 
     assert {t.name: os.sched_getaffinity(t.native_id) for t in c.engine.threads} == {
-        t.name: {writer_cpu} for t in c.engine.threads}
+        t.name: {writer_cpu} for t in c.engine.threads
+    }
     assert sorted(os.sched_getaffinity(0)) == USABLE  # the training thread is untouched
 
 
@@ -43,8 +44,9 @@ async def test_ranks_start_off_the_write_cpus_and_their_children_inherit_it(
     tmp_path: Path,
 ) -> None:
     reporter = Reporter()
-    runner = RankRunner("n1", tmp_path / "data", tmp_path / "agent.sock", reporter,
-                        not_on_cpus={USABLE[-1]})  # fmt: skip
+    runner = RankRunner(
+        "n1", tmp_path / "data", tmp_path / "agent.sock", reporter, not_on_cpus={USABLE[-1]}
+    )
     try:
         # The child that reads its CPU set forks after the agent has set the rank's.
         await runner.start(start_args("sleep 0.5; grep Cpus_allowed_list /proc/self/status"))

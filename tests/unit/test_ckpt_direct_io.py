@@ -90,8 +90,9 @@ def test_the_folder_object_store_writes_whole_parts_by_direct_io(
         assert then == [(False, False)]  # only the tail that is no whole page went through it
 
 
-@pytest.mark.parametrize("sizes", [[1], [PART_NBYTES], [3, PART_NBYTES - 3, 7],
-                                   [PART_NBYTES // 3] * 7, [0, 5, 0]])  # fmt: skip
+@pytest.mark.parametrize(
+    "sizes", [[1], [PART_NBYTES], [3, PART_NBYTES - 3, 7], [PART_NBYTES // 3] * 7, [0, 5, 0]]
+)
 def test_parts_refilled_into_one_buffer_are_the_parts_joined(sizes: list[int]) -> None:
     pieces = [os.urandom(n) for n in sizes]
     joined = [bytes(part) for part in _regroup(pieces)]
@@ -136,10 +137,17 @@ MOUNTINFO = """\
 """
 
 
-@pytest.mark.parametrize(("path", "kind"), [
-    ("/mnt/shared/ckpt", "nfs4"), ("/mnt/shared", "nfs4"), ("/mnt/sharedx/a", "ext4"),
-    ("/mnt/shared/scratch/a", "xfs"), ("/mnt/my disk/a", "fuse.s3fs"), ("/var/tmp", "ext4"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [
+        ("/mnt/shared/ckpt", "nfs4"),
+        ("/mnt/shared", "nfs4"),
+        ("/mnt/sharedx/a", "ext4"),
+        ("/mnt/shared/scratch/a", "xfs"),
+        ("/mnt/my disk/a", "fuse.s3fs"),
+        ("/var/tmp", "ext4"),
+    ],
+)
 def test_the_filesystem_of_a_path_is_that_of_its_deepest_mount(path: str, kind: str) -> None:
     assert files.filesystem_type(Path(path), MOUNTINFO) == kind
 

@@ -102,11 +102,9 @@ def test_failures_forgotten_for_a_new_generation_are_not_raised_by_its_wait(
 
 def _agent_engine_with_disk(tmp_path: Path, keep: int) -> tuple[RamTier, DiskTier, Engine]:
     (tmp_path / "shm").mkdir()
-    ram = RamTier("phalanx-j-r0", job="j", directory=tmp_path / "shm", slots=2, keep=1,
-                  pin=False)  # fmt: skip
+    ram = RamTier("phalanx-j-r0", job="j", directory=tmp_path / "shm", slots=2, keep=1, pin=False)
     disk = DiskTier(tmp_path / "disk", name="nvme")
-    engine = Engine(ram, [disk], keep={"ram": 1, "nvme": keep},
-                    catalog=_AgentModeCatalog())  # type: ignore[arg-type]  # fmt: skip
+    engine = Engine(ram, [disk], keep={"ram": 1, "nvme": keep}, catalog=_AgentModeCatalog())  # type: ignore[arg-type]
     for step in (10, 20, 30):
         _save(ram, engine, step)
     assert disk.landed_steps("j") == [10, 20, 30]
@@ -210,8 +208,10 @@ def test_slots_whose_files_were_removed_get_new_ones_before_a_rank_maps_them() -
             segment.unlink()
 
         ram.reserve(1 << 20)
-        assert sorted(p.name for p in Path(shm).iterdir()) == ["phalanx-j-r0.slot0",
-                                                                "phalanx-j-r0.slot1"]
+        assert sorted(p.name for p in Path(shm).iterdir()) == [
+            "phalanx-j-r0.slot0",
+            "phalanx-j-r0.slot1",
+        ]
         Path(shm, "phalanx-j-r0.slot0").unlink()
         slot = ram.acquire(ShardKey("j", 1, 0), 4096, when_busy="skip", timeout=1)
         assert slot is not None and slot.path.exists()
@@ -293,9 +293,14 @@ def test_a_slot_being_allocated_holds_up_no_reader_and_no_save_into_another_slot
             assert inside.wait(30)  # slot 1 is being allocated
 
             done: list[object] = []
-            other = threading.Thread(target=lambda: done.extend([
-                ram.steps("j"), ram.acquire(ShardKey("j", 2, 0), 4096, when_busy="wait",
-                                            timeout=30)]))  # fmt: skip
+            other = threading.Thread(
+                target=lambda: done.extend(
+                    [
+                        ram.steps("j"),
+                        ram.acquire(ShardKey("j", 2, 0), 4096, when_busy="wait", timeout=30),
+                    ]
+                )
+            )
             other.start()
             other.join(10)
             assert not other.is_alive() and done[0] == []  # never waited for slot 1
@@ -303,8 +308,11 @@ def test_a_slot_being_allocated_holds_up_no_reader_and_no_save_into_another_slot
             assert isinstance(slot, ckpt.ram.Slot) and slot.index == 0
             # Slot 0 busy, slot 1 still being allocated: "skip" waits for slot 1, as it
             # would have for its own allocation, rather than skip the save.
-            skipping = threading.Thread(target=lambda: done.append(ram.acquire(
-                ShardKey("j", 3, 0), 4096, when_busy="skip", timeout=30)))  # fmt: skip
+            skipping = threading.Thread(
+                target=lambda: done.append(
+                    ram.acquire(ShardKey("j", 3, 0), 4096, when_busy="skip", timeout=30)
+                )
+            )
             skipping.start()
             skipping.join(0.5)
             assert skipping.is_alive()  # waiting, not skipped

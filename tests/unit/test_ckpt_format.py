@@ -49,12 +49,27 @@ except ImportError:  # numpy is optional for the format; its tests skip without 
 needs_numpy = pytest.mark.skipif(np is None, reason="numpy is not installed")
 
 ALL_TORCH_DTYPES = [
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.bfloat16,
-    torch.float32, torch.float64, torch.complex64, torch.complex128,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
     torch.float8_e8m0fnu,
-]  # fmt: skip
+]
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -415,7 +430,6 @@ def test_verify_rejects_a_shard_whose_checksum_is_not_the_expected_one() -> None
         verify(small_shard(), other)
 
 
-
 # --------------------------------------------------------------------------- the seal in pieces
 
 
@@ -434,8 +448,10 @@ def test_a_shard_seals_in_pieces_and_verifies_them_in_parallel(small_seal_chunk:
     shard = many_piece_shard()
     assert len(shard) > 9 * small_seal_chunk
     body = memoryview(shard)[:-32]
-    pieces = [xxhash.xxh3_128(body[o : o + small_seal_chunk]).digest()
-              for o in range(0, len(body), small_seal_chunk)]  # fmt: skip
+    pieces = [
+        xxhash.xxh3_128(body[o : o + small_seal_chunk]).digest()
+        for o in range(0, len(body), small_seal_chunk)
+    ]
     expected = "xxh3_128:" + xxhash.xxh3_128(b"".join(pieces)).hexdigest()
 
     assert seal(shard) == expected
@@ -454,7 +470,8 @@ def test_a_flipped_byte_in_a_later_piece_is_detected(small_seal_chunk: int) -> N
 
 @pytest.mark.parametrize("piece", [1, 7, 4096, 5000, 1 << 20])
 def test_the_streaming_hasher_agrees_with_the_seal_however_the_bytes_arrive(
-    small_seal_chunk: int, piece: int,
+    small_seal_chunk: int,
+    piece: int,
 ) -> None:
     shard = many_piece_shard()
     hasher = Hasher()
@@ -469,8 +486,9 @@ def test_a_shard_of_exactly_whole_pieces_hashes_alike_streamed_or_whole(
 ) -> None:
     shard = many_piece_shard()
     body_nbytes = len(shard) - 32
-    monkeypatch.setattr(ckpt_format, "SEAL_CHUNK", body_nbytes // 4 if body_nbytes % 4 == 0
-                        else body_nbytes)  # fmt: skip
+    monkeypatch.setattr(
+        ckpt_format, "SEAL_CHUNK", body_nbytes // 4 if body_nbytes % 4 == 0 else body_nbytes
+    )
     hasher = Hasher()
     hasher.update(memoryview(shard)[:-32])
     assert "xxh3_128:" + hasher.hexdigest() == seal(shard) == verify(shard)
@@ -666,10 +684,18 @@ def test_header_that_is_not_the_expected_json_is_rejected(text: bytes) -> None:
         {**tensor_node(dtype="int64"), "t": "param", "grad": True},
     ],
     ids=[
-        "unknown-tag", "non-string-tag", "untagged-object", "list-key", "duplicate-key",
-        "ragged-dict", "bad-float-bits", "negative-size", "extra-field", "int-param-with-grad",
+        "unknown-tag",
+        "non-string-tag",
+        "untagged-object",
+        "list-key",
+        "duplicate-key",
+        "ragged-dict",
+        "bad-float-bits",
+        "negative-size",
+        "extra-field",
+        "int-param-with-grad",
     ],
-)  # fmt: skip
+)
 def test_malformed_tree_node_is_rejected(tree: Any) -> None:
     with pytest.raises(FormatError, match="header field"):
         decode(shard_with_tree(tree))

@@ -63,15 +63,22 @@ class Node:
         self.service: CkptService | None = None
         self.stop: asyncio.Event | None = None
         self.ready = threading.Event()
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),),
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.loop.run_until_complete, args=(self._main(),), daemon=True
+        )
         self.thread.start()
         assert self.ready.wait(10)
 
     async def _main(self) -> None:
         self.stop = asyncio.Event()
-        self.service = CkptService(self.name, self.root / "data", self.root / "shm",
-                                   (self.root / "objects").as_uri(), TOKEN, self.landings.append)
+        self.service = CkptService(
+            self.name,
+            self.root / "data",
+            self.root / "shm",
+            (self.root / "objects").as_uri(),
+            TOKEN,
+            self.landings.append,
+        )
         agent = SimpleNamespace(ckpt=self.service, node=self.name)
         app = web.Application()
         add_peer_routes(app, agent, lambda request: bearer_ok(request, TOKEN.encode()))  # type: ignore[arg-type]
@@ -112,18 +119,45 @@ def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str,
     peer.commit(TierManifest(JOB, STEP, {1: (checksum, len(shard))}, world_size=2))
     for rank, node, holder in ((0, "n01", "n02"), (1, "n02", "n01")):
         for tier in ("nvme", "peer"):
-            catalog.on_landing(wire.CkptLanding(
-                node=node, job=JOB, step=STEP, rank=rank, tier=tier, nbytes=len(shard),  # type: ignore[arg-type]
-                checksum=checksum, holder=holder if tier == "peer" else None, at=1.0),
-                world_size=2)
+            catalog.on_landing(
+                wire.CkptLanding(
+                    node=node,
+                    job=JOB,
+                    step=STEP,
+                    rank=rank,
+                    tier=tier,
+                    nbytes=len(shard),  # type: ignore[arg-type]
+                    checksum=checksum,
+                    holder=holder if tier == "peer" else None,
+                    at=1.0,
+                ),
+                world_size=2,
+            )
     # The spare's own buddy is another node (unreachable): the copy must come from n01.
-    n03.call(_configure(n03, wire.CkptPlan(tiers=["ram", "nvme", "peer"], buddy=wire.PeerAddr(
-        node="n04", address="127.0.0.1", http_port=free_port()))))
-    for key, value in {"PHALANX_AGENT_SOCKET": str(n03.socket), "PHALANX_JOB_ID": JOB,
-                       "PHALANX_GENERATION": "2", "RANK": "1", "WORLD_SIZE": "2"}.items():
+    n03.call(
+        _configure(
+            n03,
+            wire.CkptPlan(
+                tiers=["ram", "nvme", "peer"],
+                buddy=wire.PeerAddr(node="n04", address="127.0.0.1", http_port=free_port()),
+            ),
+        )
+    )
+    for key, value in {
+        "PHALANX_AGENT_SOCKET": str(n03.socket),
+        "PHALANX_JOB_ID": JOB,
+        "PHALANX_GENERATION": "2",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+    }.items():
         monkeypatch.setenv(key, value)
-    yield {"n01": n01, "n03": n03, "catalog": catalog, "state": state,
-           "copy": tmp_path / "n01" / "data" / "ckpt-peer" / JOB / f"{STEP:012d}"}
+    yield {
+        "n01": n01,
+        "n03": n03,
+        "catalog": catalog,
+        "state": state,
+        "copy": tmp_path / "n01" / "data" / "ckpt-peer" / JOB / f"{STEP:012d}",
+    }
     n03.close()
     n01.close()
 
@@ -136,8 +170,9 @@ async def _configure(node: Node, plan: wire.CkptPlan) -> None:
 def send_catalog(fleet: dict[str, Any], alive: set[str]) -> wire.CkptCatalog:
     """What the supervisor sends n03 when it launches generation 2 with rank 1 there."""
     n01, n03 = fleet["n01"], fleet["n03"]
-    messages = fleet["catalog"].messages(JOB, 2, generation=2, placement={0: "n01", 1: "n03"},
-                                         peers={"n01": n01.peer()}, alive=alive)
+    messages = fleet["catalog"].messages(
+        JOB, 2, generation=2, placement={0: "n01", 1: "n03"}, peers={"n01": n01.peer()}, alive=alive
+    )
     mine = next(m for m in messages if m.node == "n03")
     assert n03.service is not None
     n03.call(n03.service.on_catalog(mine))
@@ -146,7 +181,8 @@ def send_catalog(fleet: dict[str, Any], alive: set[str]) -> wire.CkptCatalog:
 
 @COPY_PATHS
 def test_a_rank_moved_to_a_spare_restores_the_gang_step_from_the_buddy_holding_its_copy(
-    fleet: dict[str, Any], path: str,
+    fleet: dict[str, Any],
+    path: str,
 ) -> None:
     sent = send_catalog(fleet, alive={"n01", "n03"})
     assert sent.restore_step == STEP
@@ -165,10 +201,20 @@ def test_the_copy_a_spare_staged_is_in_the_catalog_and_a_second_restart_reads_it
 ) -> None:
     catalog, n03 = fleet["catalog"], fleet["n03"]
     for rank, node in ((0, "n01"), (1, "n02")):  # generation 1 saved the step in RAM too
-        catalog.on_landing(wire.CkptLanding(
-            node=node, job=JOB, step=STEP, rank=rank, tier="ram", nbytes=1,
-            checksum=catalog.messages(JOB, 2)[0].steps[0].shards[0].checksum, generation=1,
-            at=1.0), world_size=2)  # fmt: skip
+        catalog.on_landing(
+            wire.CkptLanding(
+                node=node,
+                job=JOB,
+                step=STEP,
+                rank=rank,
+                tier="ram",
+                nbytes=1,
+                checksum=catalog.messages(JOB, 2)[0].steps[0].shards[0].checksum,
+                generation=1,
+                at=1.0,
+            ),
+            world_size=2,
+        )
     send_catalog(fleet, alive={"n01", "n03"})
     with Checkpointer() as ckpt:
         assert ckpt.restore() is not None and ckpt.restored_from == "peer"  # staged in RAM
@@ -176,8 +222,7 @@ def test_the_copy_a_spare_staged_is_in_the_catalog_and_a_second_restart_reads_it
     staged = [m for m in n03.landings if m.tier == "ram" and m.event == "staged"]
     assert [(m.rank, m.step, m.generation) for m in staged] == [(1, STEP, 2)]
     assert catalog.on_landing(staged[0], world_size=2) is False  # still committed in RAM
-    assert catalog.view(JOB, 2, ["ram"])["steps"][0]["where"]["ram"] == {"0": "n01",
-                                                                         "1": "n03"}
+    assert catalog.view(JOB, 2, ["ram"])["steps"][0]["where"]["ram"] == {"0": "n01", "1": "n03"}
     send_catalog(fleet, alive={"n01", "n03"})  # the gang restarts again before a new save
     with Checkpointer() as again:
         found = again.restore()
@@ -216,7 +261,9 @@ def test_a_corrupt_peer_copy_is_reported_and_the_catalog_stops_offering_it(
 @COPY_PATHS
 @pytest.mark.parametrize("keep", [0.5, 0.9])
 def test_a_truncated_peer_copy_is_reported_once_staged_or_streamed(
-    fleet: dict[str, Any], keep: float, path: str,
+    fleet: dict[str, Any],
+    keep: float,
+    path: str,
 ) -> None:
     # Staged, the agent finds it short and the rank reports it; streamed, the agent
     # reports it (the rank sees only a cut-off body and cannot tell).
@@ -242,9 +289,18 @@ def test_an_unreachable_holder_is_no_corrupt_copy_and_nothing_is_reported(
     # The buddy holding rank 1's copy does not answer where the catalog says it is.
     n03 = fleet["n03"]
     gone = wire.PeerAddr(node="n01", address="127.0.0.1", http_port=free_port())
-    mine = next(m for m in fleet["catalog"].messages(
-        JOB, 2, generation=2, placement={0: "n01", 1: "n03"}, peers={"n01": gone},
-        alive={"n01", "n03"}) if m.node == "n03")
+    mine = next(
+        m
+        for m in fleet["catalog"].messages(
+            JOB,
+            2,
+            generation=2,
+            placement={0: "n01", 1: "n03"},
+            peers={"n01": gone},
+            alive={"n01", "n03"},
+        )
+        if m.node == "n03"
+    )
     n03.call(n03.service.on_catalog(mine))
 
     with Checkpointer() as ckpt, pytest.raises(CheckpointError, match=r"no readable copy"):
@@ -255,7 +311,8 @@ def test_an_unreachable_holder_is_no_corrupt_copy_and_nothing_is_reported(
 
 
 def test_a_rank_whose_catalog_never_came_refuses_to_start_afresh(
-    fleet: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+    fleet: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr("agentd.ckpt_restore.CATALOG_WAIT_S", 0.5)
     # Generation 2 started on n03, but its catalog was lost on the way.
@@ -269,9 +326,19 @@ def test_the_gang_step_is_listed_even_when_newer_steps_fill_the_message(
     catalog = fleet["catalog"]
     for step in range(10, 40):  # 30 newer steps, only in the RAM of n02, which died
         for rank in (0, 1):
-            catalog.on_landing(wire.CkptLanding(
-                node="n02", job=JOB, step=step, rank=rank, tier="ram", nbytes=1,
-                checksum="x", at=1.0), world_size=2)
+            catalog.on_landing(
+                wire.CkptLanding(
+                    node="n02",
+                    job=JOB,
+                    step=step,
+                    rank=rank,
+                    tier="ram",
+                    nbytes=1,
+                    checksum="x",
+                    at=1.0,
+                ),
+                world_size=2,
+            )
 
     sent = send_catalog(fleet, alive={"n01", "n03"})
 

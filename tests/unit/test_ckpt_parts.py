@@ -46,20 +46,27 @@ def test_every_rank_reads_its_copy_from_a_step_committed_in_one_part_per_node(
     assert tier.steps(JOB) == []
 
     for ranks in nodes.values():
-        tier.commit(TierManifest(JOB, 7, {r: shards[r] for r in ranks}, committed_at=1.0,
-                                 world_size=world))  # fmt: skip
+        tier.commit(
+            TierManifest(JOB, 7, {r: shards[r] for r in ranks}, committed_at=1.0, world_size=world)
+        )
 
     assert tier.steps(JOB) == [7]
     names = sorted(p.name for p in (tmp_path / "objects" / JOB).rglob("manifest*"))
-    assert names == ["manifest-r00000-r00002.json", "manifest-r00003-r00004.json",
-                     "manifest-r00005-r00005.json", "manifest.json"]
+    assert names == [
+        "manifest-r00000-r00002.json",
+        "manifest-r00003-r00004.json",
+        "manifest-r00005-r00005.json",
+        "manifest.json",
+    ]
     for rank in range(world):
         stored = tier.open(ShardKey(JOB, 7, rank))
         assert stored is not None
         try:
             assert stored.expected == shards[rank][0]
             assert decode(stored.buffer, copy=True, expected=stored.expected) == {
-                "rank": rank, "step": 7}
+                "rank": rank,
+                "step": 7,
+            }
         finally:
             stored.close()
 
@@ -130,8 +137,11 @@ def test_a_step_saved_again_after_the_gang_moved_reads_its_newest_part(tmp_path:
         again[rank] = (verify(shard), len(shard))
         tier.put(ShardKey(JOB, 9, rank), memoryview(shard), again[rank][0])
     for ranks in ([0, 1], [2, 3]):
-        tier.commit(TierManifest(JOB, 9, {r: again[r] for r in ranks}, committed_at=2.0,
-                                 world_size=world + 1))  # fmt: skip
+        tier.commit(
+            TierManifest(
+                JOB, 9, {r: again[r] for r in ranks}, committed_at=2.0, world_size=world + 1
+            )
+        )
 
     for rank in range(world):
         key = ShardKey(JOB, 9, rank)
@@ -163,7 +173,8 @@ def test_the_catalog_checksum_wins_over_a_part_that_lists_other_bytes(tmp_path: 
 
 
 def test_folder_store_listing_skips_a_step_folder_removed_while_it_walks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from ckpt.stores import LocalFolderStore
 

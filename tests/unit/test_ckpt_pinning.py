@@ -71,8 +71,10 @@ def shm() -> Iterator[Path]:
 
 def acquire(ram: RamTier, *sizes: int) -> None:
     """One slot for each size, all held at once, then let go."""
-    slots = [ram.acquire(ShardKey("j", step, 0), n, when_busy="skip", timeout=1)
-             for step, n in enumerate(sizes, start=1)]  # fmt: skip
+    slots = [
+        ram.acquire(ShardKey("j", step, 0), n, when_busy="skip", timeout=1)
+        for step, n in enumerate(sizes, start=1)
+    ]
     for slot in slots:
         assert slot is not None
         ram.release(slot, keep_content=False)
@@ -130,7 +132,9 @@ def test_a_rank_whose_agent_slot_grew_unpins_its_old_map(cuda: FakeCudart, shm: 
 
 
 def test_slots_reserved_behind_a_save_are_pinned_from_the_saving_threads_gpu(
-    cuda: FakeCudart, shm: Path, monkeypatch: pytest.MonkeyPatch,
+    cuda: FakeCudart,
+    shm: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A thread starts on CUDA device 0: the rank's thread driving GPU 3 must hand its device
     # to the thread that reserves (and pins) the next saves' slots, or that thread opens a

@@ -59,8 +59,9 @@ def test_restore_from_ram_into_the_live_state_fills_its_tensors_bit_exact(
 
     assert found is not None and found[0] == 2 and c.restored_from == "ram"
     assert_filled_in_place(found[1], live, saved)
-    assert {w: t.data_ptr() for w, t in tensors_of(found[1]).items()
-            if isinstance(t, torch.Tensor)} == pointers  # fmt: skip
+    assert {
+        w: t.data_ptr() for w, t in tensors_of(found[1]).items() if isinstance(t, torch.Tensor)
+    } == pointers
     assert c.restored_fresh == []
 
 
@@ -83,11 +84,20 @@ def test_restore_from_disk_into_the_live_state_fills_its_tensors(
 def test_a_tensor_that_does_not_match_comes_back_new_and_is_named(
     tmp_path: Path, ckpts: list[Checkpointer]
 ) -> None:
-    saved = {"w": torch.randn(8), "b": torch.randn(4), "p": torch.nn.Parameter(torch.randn(3)),
-             "i": torch.arange(5), "kept": torch.randn(2)}  # fmt: skip
+    saved = {
+        "w": torch.randn(8),
+        "b": torch.randn(4),
+        "p": torch.nn.Parameter(torch.randn(3)),
+        "i": torch.arange(5),
+        "kept": torch.randn(2),
+    }
     c = saved_ckpt(ckpts, tmp_path, 1, saved)
-    live = {"w": torch.zeros(9), "b": torch.zeros(4, dtype=torch.float64),
-            "p": torch.zeros(3), "kept": torch.zeros(2)}  # fmt: skip
+    live = {
+        "w": torch.zeros(9),
+        "b": torch.zeros(4, dtype=torch.float64),
+        "p": torch.zeros(3),
+        "kept": torch.zeros(2),
+    }
     untouched = copy.deepcopy({k: v for k, v in live.items() if k != "kept"})
 
     found = c.restore(into=live)
@@ -100,9 +110,7 @@ def test_a_tensor_that_does_not_match_comes_back_new_and_is_named(
         assert restored[name] is not live[name]
         assert_bit_identical(live[name], untouched[name])
     assert type(restored["p"]) is torch.nn.Parameter
-    assert sorted(c.restored_fresh) == sorted(
-        ["tree['w']", "tree['b']", "tree['p']", "tree['i']"]
-    )
+    assert sorted(c.restored_fresh) == sorted(["tree['w']", "tree['b']", "tree['p']", "tree['i']"])
 
 
 def test_a_parameter_is_restored_into_a_parameter_with_its_requires_grad(

@@ -32,8 +32,9 @@ def s3_endpoint() -> Iterator[str]:
 @pytest.fixture
 def bucket(s3_endpoint: str, request: pytest.FixtureRequest) -> Iterator[S3Store]:
     name = "ckpt-" + str(abs(hash(request.node.name)))[:12]
-    store = S3Store(name, "runs/", endpoint_url=s3_endpoint, access_key="test",
-                    secret_key="test", timeout_s=30)  # fmt: skip
+    store = S3Store(
+        name, "runs/", endpoint_url=s3_endpoint, access_key="test", secret_key="test", timeout_s=30
+    )
     store._run(store.client.create_bucket(Bucket=name))
     yield store
     with contextlib.suppress(Exception):
@@ -42,8 +43,14 @@ def bucket(s3_endpoint: str, request: pytest.FixtureRequest) -> Iterator[S3Store
 
 def s3(bucket: S3Store, endpoint: str) -> S3Store:
     """A second client on the same bucket (each Checkpointer owns and closes its store)."""
-    return S3Store(bucket.bucket, "runs/", endpoint_url=endpoint, access_key="test",
-                   secret_key="test", timeout_s=30)  # fmt: skip
+    return S3Store(
+        bucket.bucket,
+        "runs/",
+        endpoint_url=endpoint,
+        access_key="test",
+        secret_key="test",
+        timeout_s=30,
+    )
 
 
 def test_restore_uses_s3_after_ram_and_disk_are_gone(
@@ -83,8 +90,9 @@ def test_the_s3_copy_is_compressed_and_described_by_a_manifest_written_last(
 def test_an_unreachable_object_store_is_a_tier_error_and_disk_still_commits(
     tmp_path: Path,
 ) -> None:
-    dead = S3Store("nowhere", endpoint_url="http://127.0.0.1:9", access_key="x",
-                   secret_key="x", timeout_s=5)  # fmt: skip
+    dead = S3Store(
+        "nowhere", endpoint_url="http://127.0.0.1:9", access_key="x", secret_key="x", timeout_s=5
+    )
     c = Checkpointer(dir=tmp_path, object_store=dead)
     try:
         c.save(1, {"w": torch.ones(10)})

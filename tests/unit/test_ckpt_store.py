@@ -128,7 +128,9 @@ def test_restore_uses_the_object_store_after_disk_is_gone(
 
 
 def restore_after_changing_the_disk_copy(
-    tmp_path: Path, ckpts: list[Checkpointer], change: Callable[[bytearray], None],
+    tmp_path: Path,
+    ckpts: list[Checkpointer],
+    change: Callable[[bytearray], None],
 ) -> list[TierEvent]:
     """Save step 3 to disk and an object store, ``change`` the disk copy's bytes, restore
     anew: it must come from the object store, bit for bit. The events it reported."""
@@ -141,8 +143,9 @@ def restore_after_changing_the_disk_copy(
     change(data)
     shard.write_bytes(data)
     events: list[TierEvent] = []
-    fresh = open_ckpt(ckpts, tmp_path, object_store=str(tmp_path / "bucket"),
-                      on_event=events.append)  # fmt: skip
+    fresh = open_ckpt(
+        ckpts, tmp_path, object_store=str(tmp_path / "bucket"), on_event=events.append
+    )
     found = fresh.restore()
     assert found is not None and fresh.restored_from == "object"
     assert_bit_identical(state, found[1])
@@ -284,9 +287,10 @@ def test_retention_keeps_the_previous_committed_step_until_a_newer_one_commits(
     assert disk.steps("local") == [3]
     deleted = [e for e in c.events if e.kind == "deleted" and e.tier == "disk"]
     committed_before = {
-        e.key.step for e in c.events if e.kind == "committed" and e.tier == "disk"
-        and e.at <= deleted[0].at
-    }  # fmt: skip
+        e.key.step
+        for e in c.events
+        if e.kind == "committed" and e.tier == "disk" and e.at <= deleted[0].at
+    }
     assert 1 in [e.key.step for e in deleted] and 3 in committed_before
 
 
@@ -369,8 +373,13 @@ def test_the_ram_segment_survives_sigkill_of_the_saving_process(tmp_path: Path) 
         print("saved", c.ram.namespace, flush=True)
         time.sleep(60)
     """)
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         assert child.stdout is not None
         line = child.stdout.readline()

@@ -25,8 +25,7 @@ MIB = 1 << 20
 
 
 def decompress_all(data: bytes) -> bytes:
-    reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data),
-                                                        read_across_frames=True)  # fmt: skip
+    reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
     return reader.read()
 
 
@@ -55,8 +54,10 @@ def test_the_zstd_command_reads_a_raw_frame(tmp_path: Path) -> None:
 
 def noise_and_zeros() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return {"noise": torch.randn(4 * MIB, generator=gen),  # 16 MiB of fp32: saves ~8%
-            "zeros": torch.zeros(4 * MIB)}  # fmt: skip
+    return {
+        "noise": torch.randn(4 * MIB, generator=gen),  # 16 MiB of fp32: saves ~8%
+        "zeros": torch.zeros(4 * MIB),
+    }
 
 
 @pytest.fixture
@@ -104,8 +105,9 @@ def test_with_no_minimum_saving_every_chunk_is_compressed(
 def test_a_half_precision_state_still_compresses_by_default(tmp_path: Path) -> None:
     key = ShardKey("job-1", 4, 0)
     gen = torch.Generator().manual_seed(1)
-    shard = ckpt.encode({"w": torch.randn(8 * MIB, generator=gen).to(torch.bfloat16)},
-                        ref=key.ref())  # fmt: skip
+    shard = ckpt.encode(
+        {"w": torch.randn(8 * MIB, generator=gen).to(torch.bfloat16)}, ref=key.ref()
+    )
     size, back = put_and_read(tmp_path, shard, key, Pacing())
 
     assert back == bytes(shard)

@@ -81,8 +81,9 @@ async def test_a_redelivered_command_is_not_executed_again() -> None:
     assert ledger.executed == 1
 
 
-async def test_a_redelivery_while_the_first_still_runs_waits_for_it_and_is_not_executed_twice(
-) -> None:
+async def test_a_redelivery_while_the_first_still_runs_waits_for_it_and_is_not_executed_twice() -> (
+    None
+):
     executor = Executor(gated=True)
     ledger = CommandLedger(NODE, executor, clock=Clock())
     first = asyncio.create_task(ledger.handle(_cmd()))
@@ -137,8 +138,9 @@ async def test_an_expired_command_redelivered_in_time_is_still_not_executed() ->
 
 
 async def test_a_command_error_gives_failed_with_its_message() -> None:
-    ledger = CommandLedger(NODE, Executor(raises=CommandError("no GPUs to resample")),
-                           clock=Clock())
+    ledger = CommandLedger(
+        NODE, Executor(raises=CommandError("no GPUs to resample")), clock=Clock()
+    )
 
     ack = await ledger.handle(_cmd())
 

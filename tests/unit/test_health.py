@@ -30,8 +30,9 @@ def _gpu(index: int = 0, **fields: Any) -> GpuSample:
     return GpuSample(index=index, uuid=f"GPU-{index}", **{**healthy, **fields})
 
 
-def _node(*gpus: GpuSample, xids: tuple[tuple[int, int], ...] = (),
-          errors: tuple[str, ...] = ()) -> NodeSample:
+def _node(
+    *gpus: GpuSample, xids: tuple[tuple[int, int], ...] = (), errors: tuple[str, ...] = ()
+) -> NodeSample:
     return NodeSample(gpus=gpus or (_gpu(0), _gpu(1)), xids=xids, errors=errors)
 
 
@@ -182,8 +183,7 @@ def test_a_pending_page_retirement_drains() -> None:
 
 @pytest.mark.parametrize("action", [a for a in RecoveryAction if a is not RecoveryAction.NONE])
 def test_a_recovery_action_other_than_none_drains(action: RecoveryAction) -> None:
-    health = _classifier().classify(_node(_gpu(0), _gpu(1, recovery_action=action)), None,
-                                    now=0.0)
+    health = _classifier().classify(_node(_gpu(0), _gpu(1, recovery_action=action)), None, now=0.0)
 
     reason = _only(health)
     assert health.status is HealthStatus.DRAIN
@@ -237,8 +237,9 @@ def test_a_node_wide_nvml_error_drains_as_nvml_error_without_a_gpu_missing_reaso
 
 
 def test_a_backend_error_that_timed_out_drains_as_nvml_hang() -> None:
-    health = _classifier().classify(None, None, now=0.0,
-                                    backend_error="GPU sample timed out after 10.0s")
+    health = _classifier().classify(
+        None, None, now=0.0, backend_error="GPU sample timed out after 10.0s"
+    )
 
     reason = _only(health)
     assert health.status is HealthStatus.DRAIN
@@ -278,8 +279,7 @@ def test_a_temperature_below_slowdown_is_fine() -> None:
 def _sbe_series(classifier: HealthClassifier, points: list[tuple[float, int]]) -> Health:
     health = None
     for now, count in points:
-        health = classifier.classify(_node(_gpu(0, ecc_sbe_volatile=count), _gpu(1)), None,
-                                     now=now)
+        health = classifier.classify(_node(_gpu(0, ecc_sbe_volatile=count), _gpu(1)), None, now=now)
     assert health is not None
     return health
 
@@ -334,8 +334,11 @@ def test_corrected_errors_older_than_the_window_stop_counting() -> None:
     assert health.status is HealthStatus.OK
 
 
-def _throttled(classifier: HealthClassifier, now: float,
-               throttle: frozenset[Throttle] = frozenset({Throttle.HW_SLOWDOWN})) -> Health:
+def _throttled(
+    classifier: HealthClassifier,
+    now: float,
+    throttle: frozenset[Throttle] = frozenset({Throttle.HW_SLOWDOWN}),
+) -> Health:
     return classifier.classify(_node(_gpu(0, throttle=throttle), _gpu(1)), None, now=now)
 
 
@@ -367,8 +370,10 @@ def test_a_slowdown_that_stops_starts_its_clock_over() -> None:
     assert _throttled(classifier, now=70.0).status is HealthStatus.OK
 
 
-@pytest.mark.parametrize("reason", [Throttle.HW_THERMAL, Throttle.SW_THERMAL,
-                                    Throttle.HW_POWER_BRAKE, Throttle.HW_SLOWDOWN])
+@pytest.mark.parametrize(
+    "reason",
+    [Throttle.HW_THERMAL, Throttle.SW_THERMAL, Throttle.HW_POWER_BRAKE, Throttle.HW_SLOWDOWN],
+)
 def test_every_hardware_or_thermal_slowdown_counts(reason: Throttle) -> None:
     classifier = _classifier(slowdown_sustain_s=0.0)
 

@@ -12,18 +12,45 @@ from phalanx.jobspec import JobSpec, validate_spec
 from supervisor.jobs import TRANSITIONS, IllegalTransition, Job, JobState, RankPlace
 
 LEGAL = sorted((frm, to) for frm, tos in TRANSITIONS.items() for to in tos)
-ILLEGAL = sorted((frm, to) for frm, to in itertools.product(JobState, JobState)
-                 if to not in TRANSITIONS[frm])
+ILLEGAL = sorted(
+    (frm, to) for frm, to in itertools.product(JobState, JobState) if to not in TRANSITIONS[frm]
+)
 FINAL = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
-VIEW_KEYS = {"id", "name", "team", "priority", "state", "world_size", "nodes", "ranks",
-             "generation", "master", "submitted_at", "started_at", "ended_at", "waiting",
-             "reason", "preemptions", "spec", "restarts", "max_restarts", "recovery",
-             "incidents", "goodput"}
+VIEW_KEYS = {
+    "id",
+    "name",
+    "team",
+    "priority",
+    "state",
+    "world_size",
+    "nodes",
+    "ranks",
+    "generation",
+    "master",
+    "submitted_at",
+    "started_at",
+    "ended_at",
+    "waiting",
+    "reason",
+    "preemptions",
+    "spec",
+    "restarts",
+    "max_restarts",
+    "recovery",
+    "incidents",
+    "goodput",
+}
 
 
 def make_spec(**overrides: Any) -> JobSpec:
-    data: dict[str, Any] = {"name": "tinylm", "team": "research", "command": ["python", "t.py"],
-                            "workdir": "/srv/t", "nodes": 2, "ranks_per_node": 2}
+    data: dict[str, Any] = {
+        "name": "tinylm",
+        "team": "research",
+        "command": ["python", "t.py"],
+        "workdir": "/srv/t",
+        "nodes": 2,
+        "ranks_per_node": 2,
+    }
     return validate_spec({**data, **overrides})
 
 
@@ -92,21 +119,43 @@ def test_move_into_open_state_leaves_ended_at_unset(pair: tuple[JobState, JobSta
 
 def test_whole_life_is_recorded_in_order() -> None:
     job = make_job()
-    for to in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING, JobState.PENDING,
-               JobState.STARTING, JobState.RUNNING, JobState.SUCCEEDED):
+    for to in (
+        JobState.STARTING,
+        JobState.RUNNING,
+        JobState.STOPPING,
+        JobState.PENDING,
+        JobState.STARTING,
+        JobState.RUNNING,
+        JobState.SUCCEEDED,
+    ):
         job.move(to)
     assert [h["to"] for h in job.history] == [
-        "starting", "running", "stopping", "pending", "starting", "running", "succeeded"]
+        "starting",
+        "running",
+        "stopping",
+        "pending",
+        "starting",
+        "running",
+        "succeeded",
+    ]
 
 
 def test_only_starting_running_stopping_and_recovering_hold_nodes() -> None:
     assert {s for s in JobState if s.holds_nodes} == {
-        JobState.STARTING, JobState.RUNNING, JobState.STOPPING, JobState.RECOVERING}
+        JobState.STARTING,
+        JobState.RUNNING,
+        JobState.STOPPING,
+        JobState.RECOVERING,
+    }
 
 
 def test_recovering_job_restarts_or_ends_but_never_runs_without_a_launch() -> None:
     assert TRANSITIONS[JobState.RECOVERING] == {
-        JobState.STARTING, JobState.STOPPING, JobState.FAILED, JobState.CANCELLED}
+        JobState.STARTING,
+        JobState.STOPPING,
+        JobState.FAILED,
+        JobState.CANCELLED,
+    }
     assert JobState.RECOVERING in TRANSITIONS[JobState.RUNNING]
     assert JobState.RECOVERING in TRANSITIONS[JobState.STARTING]
 
@@ -115,15 +164,22 @@ def test_recovering_job_restarts_or_ends_but_never_runs_without_a_launch() -> No
 
 
 def busy_job() -> Job:
-    job = make_job(env={"TOKEN": {"from_file": "/etc/secret"}, "MODE": "fast"},
-                   max_runtime="2h", checkpoint={"interval": {"steps": 100}})
+    job = make_job(
+        env={"TOKEN": {"from_file": "/etc/secret"}, "MODE": "fast"},
+        max_runtime="2h",
+        checkpoint={"interval": {"steps": 100}},
+    )
     job.move(JobState.STARTING)
     job.move(JobState.RUNNING, "all ranks started")
     job.move(JobState.STOPPING, "rank 1 failed")
     job.generation = 3
     job.nodes = ["n1", "n2"]
-    job.ranks = [RankPlace(0, "n1", 0, code=0), RankPlace(1, "n1", 1, code=1),
-                 RankPlace(2, "n2", 0, signal=9), RankPlace(3, "n2", 1, lost=True)]
+    job.ranks = [
+        RankPlace(0, "n1", 0, code=0),
+        RankPlace(1, "n1", 1, code=1),
+        RankPlace(2, "n2", 0, signal=9),
+        RankPlace(3, "n2", 1, lost=True),
+    ]
     job.master_addr, job.master_port = "10.0.0.1", 29500
     job.started_at = 1_000.0
     job.waiting = {"reason": "resources", "detail": "needs 2 nodes"}
@@ -143,8 +199,11 @@ def test_round_trip_keeps_ranks_exits_waiting_and_stop_target() -> None:
     job = busy_job()
     again = Job.from_record(job.id, json.loads(json.dumps(job.record())))
     assert [(r.rank, r.node, r.local_rank, r.code, r.signal, r.lost) for r in again.ranks] == [
-        (0, "n1", 0, 0, None, False), (1, "n1", 1, 1, None, False),
-        (2, "n2", 0, None, 9, False), (3, "n2", 1, None, None, True)]
+        (0, "n1", 0, 0, None, False),
+        (1, "n1", 1, 1, None, False),
+        (2, "n2", 0, None, 9, False),
+        (3, "n2", 1, None, None, True),
+    ]
     assert again.waiting == {"reason": "resources", "detail": "needs 2 nodes"}
     assert again.stop_target is JobState.FAILED
     assert again.state is JobState.STOPPING
@@ -179,7 +238,11 @@ def test_view_has_the_stable_keys() -> None:
 def test_view_shows_state_world_size_generation_waiting_and_reason() -> None:
     view = busy_job().view()
     assert (view["id"], view["state"], view["world_size"], view["generation"]) == (
-        "tinylm-abc123", "stopping", 4, 3)
+        "tinylm-abc123",
+        "stopping",
+        4,
+        3,
+    )
     assert view["waiting"] == {"reason": "resources", "detail": "needs 2 nodes"}
     assert view["reason"] == "rank 1 on node n1 exited with code 1"
     assert view["master"] == "10.0.0.1:29500"
@@ -187,21 +250,21 @@ def test_view_shows_state_world_size_generation_waiting_and_reason() -> None:
 
 def test_view_shows_each_rank_with_node_and_exit() -> None:
     assert busy_job().view()["ranks"] == [
-        {"rank": 0, "node": "n1", "local_rank": 0, "exit_code": 0, "signal": None,
-         "lost": False},
-        {"rank": 1, "node": "n1", "local_rank": 1, "exit_code": 1, "signal": None,
-         "lost": False},
-        {"rank": 2, "node": "n2", "local_rank": 0, "exit_code": None, "signal": 9,
-         "lost": False},
-        {"rank": 3, "node": "n2", "local_rank": 1, "exit_code": None, "signal": None,
-         "lost": True},
+        {"rank": 0, "node": "n1", "local_rank": 0, "exit_code": 0, "signal": None, "lost": False},
+        {"rank": 1, "node": "n1", "local_rank": 1, "exit_code": 1, "signal": None, "lost": False},
+        {"rank": 2, "node": "n2", "local_rank": 0, "exit_code": None, "signal": 9, "lost": False},
+        {"rank": 3, "node": "n2", "local_rank": 1, "exit_code": None, "signal": None, "lost": True},
     ]
 
 
 def test_view_of_new_job_has_no_reason_and_no_master() -> None:
     view = make_job().view()
     assert (view["reason"], view["master"], view["ranks"], view["generation"]) == (
-        None, None, [], 0)
+        None,
+        None,
+        [],
+        0,
+    )
 
 
 def test_view_redacts_env_secrets() -> None:
@@ -222,22 +285,27 @@ def test_rank_describes_its_exit_code() -> None:
 
 def test_rank_describes_the_signal_that_killed_it() -> None:
     assert RankPlace(5, "n2", 1, signal=9).describe() == (
-        "rank 5 on node n2 was killed by signal 9")
+        "rank 5 on node n2 was killed by signal 9"
+    )
 
 
 def test_rank_describes_being_lost() -> None:
     assert RankPlace(5, "n2", 1, lost=True).describe() == "rank 5 on node n2 was lost"
 
 
-@pytest.mark.parametrize(("place", "exited", "clean"), [
-    (RankPlace(0, "n", 0), False, False),
-    (RankPlace(0, "n", 0, code=0), True, True),
-    (RankPlace(0, "n", 0, code=2), True, False),
-    (RankPlace(0, "n", 0, signal=15), True, False),
-    (RankPlace(0, "n", 0, lost=True), True, False),
-])
+@pytest.mark.parametrize(
+    ("place", "exited", "clean"),
+    [
+        (RankPlace(0, "n", 0), False, False),
+        (RankPlace(0, "n", 0, code=0), True, True),
+        (RankPlace(0, "n", 0, code=2), True, False),
+        (RankPlace(0, "n", 0, signal=15), True, False),
+        (RankPlace(0, "n", 0, lost=True), True, False),
+    ],
+)
 def test_rank_exited_and_clean_follow_its_code_signal_and_loss(
-        place: RankPlace, exited: bool, clean: bool) -> None:
+    place: RankPlace, exited: bool, clean: bool
+) -> None:
     assert (place.exited, place.clean) == (exited, clean)
 
 

@@ -40,7 +40,11 @@ def fields(text: str) -> set[str]:
 def test_minimal_spec_loads_with_documented_defaults() -> None:
     spec = load()
     assert (spec.name, spec.team, spec.command, spec.workdir) == (
-        "tinylm", "research", ["python", "train.py"], "/srv/tinylm")
+        "tinylm",
+        "research",
+        ["python", "train.py"],
+        "/srv/tinylm",
+    )
     assert (spec.priority, spec.env, spec.gpu_type, spec.preemptible) == (50, {}, None, False)
     assert (spec.placement.policy, spec.placement.required) == ("pack", False)
     assert (spec.max_runtime, spec.grace_period) == (86400.0, 30.0)
@@ -68,8 +72,10 @@ checkpoint:
 restart: {max_restarts: 0, use_spares: false}
 """)
     assert spec.priority == 700
-    assert spec.env == {"OMP_NUM_THREADS": "1",
-                        "WANDB_API_KEY": FromFile(from_file=Path("/etc/phalanx/secrets/wandb"))}
+    assert spec.env == {
+        "OMP_NUM_THREADS": "1",
+        "WANDB_API_KEY": FromFile(from_file=Path("/etc/phalanx/secrets/wandb")),
+    }
     assert spec.gpu_type == "NVIDIA H100 80GB HBM3"
     assert (spec.placement.policy, spec.placement.required) == ("spread", True)
     assert (spec.max_runtime, spec.preemptible, spec.grace_period) == (900.0, True, 10.0)
@@ -99,10 +105,17 @@ def test_unreadable_spec_file_is_named(tmp_path: Path) -> None:
 # --- durations -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("value", "seconds"), [
-    ("90", 90.0), ('"90s"', 90.0), ("15m", 900.0), ("2h", 7200.0), ("1.5d", 129600.0),
-    ("2.5", 2.5),
-])
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        ("90", 90.0),
+        ('"90s"', 90.0),
+        ("15m", 900.0),
+        ("2h", 7200.0),
+        ("1.5d", 129600.0),
+        ("2.5", 2.5),
+    ],
+)
 def test_max_runtime_parses_durations(value: str, seconds: float) -> None:
     assert load(f"max_runtime: {value}\n").max_runtime == seconds
 
@@ -110,7 +123,8 @@ def test_max_runtime_parses_durations(value: str, seconds: float) -> None:
 @pytest.mark.parametrize("value", ["soon", "0", "-1", "true", "0s", "3w", "[1]"])
 def test_bad_max_runtime_is_refused_naming_the_field_and_line(value: str) -> None:
     assert [(f, ln) for f, ln, _ in errors(BASE + f"max_runtime: {value}\n")] == [
-        ("max_runtime", 7)]
+        ("max_runtime", 7)
+    ]
 
 
 def test_bad_duration_message_says_what_a_duration_looks_like() -> None:
@@ -123,8 +137,7 @@ def test_bad_duration_message_says_what_a_duration_looks_like() -> None:
 
 @pytest.mark.parametrize("missing", REQUIRED)
 def test_missing_required_field_is_named(missing: str) -> None:
-    text = "".join(line + "\n" for line in BASE.splitlines()
-                   if not line.startswith(f"{missing}:"))
+    text = "".join(line + "\n" for line in BASE.splitlines() if not line.startswith(f"{missing}:"))
     assert errors(text) == [(missing, None, "Field required")]
 
 
@@ -138,11 +151,12 @@ def test_unknown_field_is_refused_with_its_line() -> None:
 
 def test_unknown_nested_field_is_refused_with_its_dotted_name_and_line() -> None:
     assert errors(BASE + "restart:\n  max_restarts: 1\n  retry: forever\n") == [
-        ("restart.retry", 9, "Extra inputs are not permitted")]
+        ("restart.retry", 9, "Extra inputs are not permitted")
+    ]
 
 
 def test_yaml_syntax_error_reports_its_line() -> None:
-    (field, line, message), = errors(BASE + "env:\n  A: b\n   C: d\n")
+    ((field, line, message),) = errors(BASE + "env:\n  A: b\n   C: d\n")
     assert (field, line) == ("job spec", 9)
     assert message.startswith("not valid YAML")
 
@@ -167,26 +181,39 @@ def test_error_message_lists_field_with_line() -> None:
 # --- env -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", [
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-    "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "PHALANX_JOB_ID", "PHALANX_ANYTHING",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "CUDA_VISIBLE_DEVICES",
+        "PHALANX_JOB_ID",
+        "PHALANX_ANYTHING",
+    ],
+)
 def test_env_name_phalanx_sets_is_refused(name: str) -> None:
-    (field, line, message), = errors(BASE + f"env:\n  {name}: x\n")
+    ((field, line, message),) = errors(BASE + f"env:\n  {name}: x\n")
     assert (field, line) == ("env", 7)
     assert f"{name} is set by Phalanx" in message
 
 
 @pytest.mark.parametrize("name", ["1ABC", "A-B", "A B", "A.B", "Ä"])
 def test_invalid_env_name_is_refused(name: str) -> None:
-    (field, _, message), = errors(BASE + f"env:\n  '{name}': x\n")
+    ((field, _, message),) = errors(BASE + f"env:\n  '{name}': x\n")
     assert field == "env"
     assert "is not a valid environment variable name" in message
 
 
 def test_env_name_that_merely_contains_a_reserved_word_is_allowed() -> None:
     assert load("env:\n  MY_RANK: x\n  NOT_PHALANX_X: y\n").env == {
-        "MY_RANK": "x", "NOT_PHALANX_X": "y"}
+        "MY_RANK": "x",
+        "NOT_PHALANX_X": "y",
+    }
 
 
 def test_env_from_file_must_be_absolute() -> None:
@@ -217,22 +244,39 @@ def test_redacted_spec_keeps_every_other_field() -> None:
 # --- checkpoint and placement ----------------------------------------------------------
 
 
-@pytest.mark.parametrize(("value", "parsed"), [
-    ("auto", "auto"), ("{steps: 500}", {"steps": 500.0}), ("{seconds: 90}", {"seconds": 90.0}),
-])
+@pytest.mark.parametrize(
+    ("value", "parsed"),
+    [
+        ("auto", "auto"),
+        ("{steps: 500}", {"steps": 500.0}),
+        ("{seconds: 90}", {"seconds": 90.0}),
+    ],
+)
 def test_checkpoint_interval_accepts_auto_steps_or_seconds(value: str, parsed: object) -> None:
     assert load(f"checkpoint:\n  interval: {value}\n").checkpoint.interval == parsed
 
 
-@pytest.mark.parametrize("value", [
-    "hourly", "{minutes: 5}", "{steps: 5, seconds: 60}", "{}", "{steps: 0}",
-    "{seconds: -30}", "{steps: many}", "300",
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "hourly",
+        "{minutes: 5}",
+        "{steps: 5, seconds: 60}",
+        "{}",
+        "{steps: 0}",
+        "{seconds: -30}",
+        "{steps: many}",
+        "300",
+    ],
+)
 def test_checkpoint_interval_rejects_anything_else(value: str) -> None:
     found = errors(BASE + f"checkpoint:\n  interval: {value}\n")
-    assert {f for f, _, _ in found} <= {"checkpoint.interval", "checkpoint.interval.steps",
-                                          "checkpoint.interval.seconds",
-                                          "checkpoint.interval.minutes"}
+    assert {f for f, _, _ in found} <= {
+        "checkpoint.interval",
+        "checkpoint.interval.steps",
+        "checkpoint.interval.seconds",
+        "checkpoint.interval.minutes",
+    }
     assert {ln for _, ln, _ in found} == {8}
 
 
@@ -250,20 +294,26 @@ def test_placement_policy_accepts_pack_and_spread(policy: str) -> None:
 
 
 def test_placement_policy_rejects_other_values_naming_nested_field_and_line() -> None:
-    with pytest.raises(JobSpecError, match=r"placement\.policy \(line 8\): Input should be "
-                                           r"'pack' or 'spread'"):
+    with pytest.raises(
+        JobSpecError,
+        match=r"placement\.policy \(line 8\): Input should be "
+        r"'pack' or 'spread'",
+    ):
         load("placement:\n  policy: diagonal\n")
 
 
 def test_error_in_a_list_item_names_its_index_and_line() -> None:
     assert errors(BASE.replace("[python, train.py]", "\n  - python\n  - {x: 1}")) == [
-        ("command.1", 5, "Input should be a valid string")]
+        ("command.1", 5, "Input should be a valid string")
+    ]
 
 
 def test_an_unquoted_number_in_env_becomes_its_string() -> None:
     from phalanx.jobspec import load_spec
 
-    spec = load_spec("name: a\nteam: t\ncommand: [x]\nworkdir: /\nnodes: 1\nranks_per_node: 1\n"
-                     "env:\n  OMP_NUM_THREADS: 1\n  RATIO: 0.5\n")
+    spec = load_spec(
+        "name: a\nteam: t\ncommand: [x]\nworkdir: /\nnodes: 1\nranks_per_node: 1\n"
+        "env:\n  OMP_NUM_THREADS: 1\n  RATIO: 0.5\n"
+    )
 
     assert spec.env == {"OMP_NUM_THREADS": "1", "RATIO": "0.5"}

@@ -26,16 +26,22 @@ def test_the_configured_mtbf_holds_until_enough_failures_are_seen_then_it_is_lea
     assert mtbf() == ("configured", 0, 5000 * HOUR)
     # No failures: an operator's drain, a clean agent stop, a node coming back.
     store.add_event("node_drained", "n01", {"by": "operator", "reason": "maintenance"})
-    store.add_event("state_changed", "n02", {"state": "offline", "previous": "up",
-                                             "cause": "clean shutdown"})
-    store.add_event("state_changed", "n02", {"state": "up", "previous": "offline",
-                                             "cause": "birth"})
+    store.add_event(
+        "state_changed", "n02", {"state": "offline", "previous": "up", "cause": "clean shutdown"}
+    )
+    store.add_event(
+        "state_changed", "n02", {"state": "up", "previous": "offline", "cause": "birth"}
+    )
     assert mtbf()[:2] == ("configured", 0)
     # Failures: a lost node (last will, heartbeat timeout) and an automatic drain.
-    store.add_event("state_changed", "n03", {"state": "offline", "previous": "up",
-                                             "cause": "last will"})
-    store.add_event("state_changed", "n04", {"state": "offline", "previous": "up",
-                                             "cause": "no heartbeat for 15.2s"})
+    store.add_event(
+        "state_changed", "n03", {"state": "offline", "previous": "up", "cause": "last will"}
+    )
+    store.add_event(
+        "state_changed",
+        "n04",
+        {"state": "offline", "previous": "up", "cause": "no heartbeat for 15.2s"},
+    )
     assert mtbf()[:2] == ("configured", 2)
     store.add_event("node_drained", "n01", {"by": "auto", "reason": "ecc_dbe"})
 

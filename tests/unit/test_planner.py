@@ -29,9 +29,18 @@ NOW = 100_000.0
 # -- helpers ------------------------------------------------------------------
 
 
-def node(node_id: str, rack: str = "r0", domain: str = "d0", *, gpu_type: str = "h100",
-         gpus: int = 8, state: str = "up", busy: bool = False, spare: bool = False,
-         burned_in: bool = True) -> NodeView:
+def node(
+    node_id: str,
+    rack: str = "r0",
+    domain: str = "d0",
+    *,
+    gpu_type: str = "h100",
+    gpus: int = 8,
+    state: str = "up",
+    busy: bool = False,
+    spare: bool = False,
+    burned_in: bool = True,
+) -> NodeView:
     return NodeView(node_id, rack, domain, gpu_type, gpus, state, busy, spare, burned_in)
 
 
@@ -44,15 +53,35 @@ def gang(*ids: str) -> list[NodeView]:
     return [node(i, busy=True) for i in ids]
 
 
-def job(*nodes: str, rpn: int = 8, gpu_type: str | None = "h100", max_restarts: int = 5,
-        used: int = 0, use_spares: bool = True,
-        history: Sequence[PastFailure] = ()) -> JobView:
-    return JobView("j1", tuple(nodes or ("a", "b")), rpn, gpu_type, max_restarts, used,
-                   use_spares, tuple(history))
+def job(
+    *nodes: str,
+    rpn: int = 8,
+    gpu_type: str | None = "h100",
+    max_restarts: int = 5,
+    used: int = 0,
+    use_spares: bool = True,
+    history: Sequence[PastFailure] = (),
+) -> JobView:
+    return JobView(
+        "j1",
+        tuple(nodes or ("a", "b")),
+        rpn,
+        gpu_type,
+        max_restarts,
+        used,
+        use_spares,
+        tuple(history),
+    )
 
 
-def exit_(node_id: str = "a", rank: int | None = 0, *, code: int | None = 1,
-          signal: int | None = None, step: int | None = 100) -> Failure:
+def exit_(
+    node_id: str = "a",
+    rank: int | None = 0,
+    *,
+    code: int | None = 1,
+    signal: int | None = None,
+    step: int | None = 100,
+) -> Failure:
     return Failure(FailureKind.RANK_EXIT, node_id, rank, code, signal, step)
 
 
@@ -64,14 +93,22 @@ def hang(node_id: str = "a", rank: int = 0) -> Failure:
     return Failure(FailureKind.HANG, node_id, rank, step=100)
 
 
-def past(node_id: str = "a", rank: int | None = 0, *, code: int | None = 1,
-         signal: int | None = None, step: int | None = 100, restored: int | None = 90,
-         kind: FailureKind = FailureKind.RANK_EXIT) -> PastFailure:
+def past(
+    node_id: str = "a",
+    rank: int | None = 0,
+    *,
+    code: int | None = 1,
+    signal: int | None = None,
+    step: int | None = 100,
+    restored: int | None = 90,
+    kind: FailureKind = FailureKind.RANK_EXIT,
+) -> PastFailure:
     return PastFailure(kind, node_id, rank, code, signal, step, restored)
 
 
-def catalog(j: JobView, steps: Mapping[int, Sequence[str]],
-            holders: Mapping[str, str] | None = None) -> CatalogView:
+def catalog(
+    j: JobView, steps: Mapping[int, Sequence[str]], holders: Mapping[str, str] | None = None
+) -> CatalogView:
     """Each step committed at the named tiers for every rank: RAM and NVMe copies landed on
     the rank's node; the peer copy held by ``holders[node]`` (default: the next node of the
     job, in a ring)."""
@@ -88,12 +125,25 @@ def catalog(j: JobView, steps: Mapping[int, Sequence[str]],
     return CatalogView(committed, where)
 
 
-def plan(j: JobView, failures: Failure | Sequence[Failure], nodes: Mapping[str, NodeView],
-         cat: CatalogView | None = None, *, node_incidents: Sequence[NodeIncident] = (),
-         node_window_s: float = 3600.0) -> Plan:
+def plan(
+    j: JobView,
+    failures: Failure | Sequence[Failure],
+    nodes: Mapping[str, NodeView],
+    cat: CatalogView | None = None,
+    *,
+    node_incidents: Sequence[NodeIncident] = (),
+    node_window_s: float = 3600.0,
+) -> Plan:
     fs = [failures] if isinstance(failures, Failure) else list(failures)
-    return plan_recovery(j, fs, nodes, cat or CatalogView(), now=NOW,
-                         node_incidents=node_incidents, node_window_s=node_window_s)
+    return plan_recovery(
+        j,
+        fs,
+        nodes,
+        cat or CatalogView(),
+        now=NOW,
+        node_incidents=node_incidents,
+        node_window_s=node_window_s,
+    )
 
 
 def ranks_of(j: JobView, index: int) -> range:
@@ -109,27 +159,41 @@ def test_plan_without_a_failure_is_refused() -> None:
 
 
 def test_node_offline_is_a_hardware_failure_that_quarantines_the_node() -> None:
-    p = plan(job(), lost("b"), fleet(*gang("a"), node("b", state="offline", busy=True),
-                                     node("s", spare=True)))
+    p = plan(
+        job(),
+        lost("b"),
+        fleet(*gang("a"), node("b", state="offline", busy=True), node("s", spare=True)),
+    )
     assert (p.cause, p.action, p.quarantine) == (Cause.HARDWARE, Action.REPLACE, ("b",))
 
 
 def test_node_drain_is_a_hardware_failure_that_quarantines_the_node() -> None:
-    p = plan(job(), lost("b", FailureKind.NODE_DRAIN),
-             fleet(*gang("a"), node("b", state="drain", busy=True), node("s", spare=True)))
+    p = plan(
+        job(),
+        lost("b", FailureKind.NODE_DRAIN),
+        fleet(*gang("a"), node("b", state="drain", busy=True), node("s", spare=True)),
+    )
     assert (p.cause, p.action, p.quarantine) == (Cause.HARDWARE, Action.REPLACE, ("b",))
 
 
 def test_rank_exit_on_a_healthy_node_restarts_the_gang_in_place() -> None:
     p = plan(job(), exit_("a"), fleet(*gang("a", "b"), node("s", spare=True)))
     assert (p.cause, p.action, p.nodes, p.quarantine, p.swaps) == (
-        Cause.SOFTWARE, Action.RESTART_IN_PLACE, ("a", "b"), (), ())
+        Cause.SOFTWARE,
+        Action.RESTART_IN_PLACE,
+        ("a", "b"),
+        (),
+        (),
+    )
 
 
 @pytest.mark.parametrize("state", ["drain", "offline"])
 def test_rank_exit_on_a_node_now_unhealthy_is_hardware(state: str) -> None:
-    p = plan(job(), exit_("a"), fleet(node("a", state=state, busy=True), *gang("b"),
-                                      node("s", spare=True)))
+    p = plan(
+        job(),
+        exit_("a"),
+        fleet(node("a", state=state, busy=True), *gang("b"), node("s", spare=True)),
+    )
     assert (p.cause, p.quarantine, p.swaps) == (Cause.HARDWARE, ("a",), (("a", "s"),))
 
 
@@ -144,8 +208,11 @@ def test_hang_on_a_healthy_node_is_software() -> None:
 
 
 def test_hang_whose_culprit_is_now_drained_is_hardware() -> None:
-    p = plan(job(), hang("a"), fleet(node("a", state="drain", busy=True), *gang("b"),
-                                     node("s", spare=True)))
+    p = plan(
+        job(),
+        hang("a"),
+        fleet(node("a", state="drain", busy=True), *gang("b"), node("s", spare=True)),
+    )
     assert (p.cause, p.swaps) == (Cause.HARDWARE, (("a", "s"),))
 
 
@@ -157,9 +224,13 @@ def test_node_stopped_on_purpose_is_replaced_but_not_quarantined() -> None:
 
 
 def test_unhealthy_gang_nodes_are_replaced_along_with_the_culprit() -> None:
-    nodes = fleet(node("a", state="offline", busy=True), *gang("b", "c"),
-                  node("d", state="drain", busy=True), node("s1", spare=True),
-                  node("s2", spare=True))
+    nodes = fleet(
+        node("a", state="offline", busy=True),
+        *gang("b", "c"),
+        node("d", state="drain", busy=True),
+        node("s1", spare=True),
+        node("s2", spare=True),
+    )
     p = plan(job("a", "b", "c", "d"), lost("a"), nodes)
     assert (p.quarantine, p.nodes) == (("a", "d"), ("s1", "b", "c", "s2"))
 
@@ -177,43 +248,57 @@ def test_gang_node_missing_from_the_fleet_is_replaced() -> None:
 
 def test_rank_exit_on_a_node_that_failed_another_job_within_the_window_is_hardware() -> None:
     incidents = [NodeIncident("other", "a", NOW - 600.0)]
-    p = plan(job(), exit_("a"), fleet(*gang("a", "b"), node("s", spare=True)),
-             node_incidents=incidents)
+    p = plan(
+        job(), exit_("a"), fleet(*gang("a", "b"), node("s", spare=True)), node_incidents=incidents
+    )
     assert (p.cause, p.quarantine, p.nodes) == (Cause.HARDWARE, ("a",), ("s", "b"))
 
 
 def test_hang_on_a_node_that_failed_another_job_within_the_window_is_hardware() -> None:
     incidents = [NodeIncident("other", "a", NOW - 600.0)]
-    p = plan(job(), hang("a"), fleet(*gang("a", "b"), node("s", spare=True)),
-             node_incidents=incidents)
+    p = plan(
+        job(), hang("a"), fleet(*gang("a", "b"), node("s", spare=True)), node_incidents=incidents
+    )
     assert (p.cause, p.quarantine) == (Cause.HARDWARE, ("a",))
 
 
 def test_incident_older_than_the_window_leaves_the_failure_software() -> None:
     incidents = [NodeIncident("other", "a", NOW - 601.0)]
-    p = plan(job(), exit_("a"), fleet(*gang("a", "b"), node("s", spare=True)),
-             node_incidents=incidents, node_window_s=600.0)
+    p = plan(
+        job(),
+        exit_("a"),
+        fleet(*gang("a", "b"), node("s", spare=True)),
+        node_incidents=incidents,
+        node_window_s=600.0,
+    )
     assert p.cause is Cause.SOFTWARE
 
 
 def test_incident_at_the_window_edge_still_counts() -> None:
     incidents = [NodeIncident("other", "a", NOW - 600.0)]
-    p = plan(job(), exit_("a"), fleet(*gang("a", "b"), node("s", spare=True)),
-             node_incidents=incidents, node_window_s=600.0)
+    p = plan(
+        job(),
+        exit_("a"),
+        fleet(*gang("a", "b"), node("s", spare=True)),
+        node_incidents=incidents,
+        node_window_s=600.0,
+    )
     assert p.cause is Cause.HARDWARE
 
 
 def test_incident_of_the_same_job_does_not_make_the_failure_hardware() -> None:
     incidents = [NodeIncident("j1", "a", NOW - 60.0)]
-    p = plan(job(), exit_("a"), fleet(*gang("a", "b"), node("s", spare=True)),
-             node_incidents=incidents)
+    p = plan(
+        job(), exit_("a"), fleet(*gang("a", "b"), node("s", spare=True)), node_incidents=incidents
+    )
     assert p.cause is Cause.SOFTWARE
 
 
 def test_incident_of_another_job_on_another_node_does_not_count() -> None:
     incidents = [NodeIncident("other", "b", NOW - 60.0)]
-    p = plan(job(), exit_("a"), fleet(*gang("a", "b"), node("s", spare=True)),
-             node_incidents=incidents)
+    p = plan(
+        job(), exit_("a"), fleet(*gang("a", "b"), node("s", spare=True)), node_incidents=incidents
+    )
     assert p.cause is Cause.SOFTWARE
 
 
@@ -306,8 +391,11 @@ def test_hardware_failure_is_replaced_even_when_it_repeats_an_exit() -> None:
 
 def test_any_of_several_failures_that_follows_the_code_fails_the_job() -> None:
     j = job(history=[past("b", rank=1, code=3, step=50)])
-    p = plan(j, [exit_("a", 0, code=1, step=100), exit_("a", 1, code=3, step=100)],
-             fleet(*gang("a", "b")))
+    p = plan(
+        j,
+        [exit_("a", 0, code=1, step=100), exit_("a", 1, code=3, step=100)],
+        fleet(*gang("a", "b")),
+    )
     assert p.action is Action.FAIL and "rank 1" in p.reason
 
 
@@ -339,8 +427,7 @@ def test_zero_max_restarts_fails_with_the_failure_as_the_reason() -> None:
 def test_spent_budget_still_quarantines_the_failed_node() -> None:
     nodes = fleet(*gang("a"), node("b", state="offline", busy=True), node("s", spare=True))
     p = plan(job(used=3, max_restarts=3), lost("b"), nodes)
-    assert (p.action, p.cause, p.quarantine, p.swaps) == (
-        Action.FAIL, Cause.HARDWARE, ("b",), ())
+    assert (p.action, p.cause, p.quarantine, p.swaps) == (Action.FAIL, Cause.HARDWARE, ("b",), ())
 
 
 def test_restoring_the_same_step_a_fourth_time_fails_for_no_checkpoint_progress() -> None:
@@ -364,8 +451,12 @@ def test_two_same_restores_are_not_enough_to_fail() -> None:
 
 
 def test_same_restores_that_are_not_the_last_three_do_not_count() -> None:
-    j = job(history=[past(code=c, restored=r, step=100 + c)
-                     for c, r in ((1, 100), (2, 100), (3, 100), (4, 50))])
+    j = job(
+        history=[
+            past(code=c, restored=r, step=100 + c)
+            for c, r in ((1, 100), (2, 100), (3, 100), (4, 50))
+        ]
+    )
     p = plan(j, exit_("a", code=5), fleet(*gang("a", "b")), catalog(j, {100: ["ram"]}))
     assert p.action is Action.RESTART_IN_PLACE
 
@@ -389,23 +480,31 @@ def _pick(*candidates: NodeView, j: JobView | None = None) -> str:
 
 
 def test_spare_in_the_failed_nodes_rack_is_chosen_first() -> None:
-    assert _pick(node("s0", "r1", "d0", spare=True), node("s1", "r2", "d9", spare=True),
-                 node("s9", "r0", "d5", spare=True)) == "s9"
+    assert (
+        _pick(
+            node("s0", "r1", "d0", spare=True),
+            node("s1", "r2", "d9", spare=True),
+            node("s9", "r0", "d5", spare=True),
+        )
+        == "s9"
+    )
 
 
 def test_spare_in_the_failed_nodes_rack_and_domain_beats_one_only_in_its_rack() -> None:
-    assert _pick(node("s0", "r0", "d5", spare=True),
-                 node("s9", "r0", "d0", spare=True)) == "s9"
+    assert _pick(node("s0", "r0", "d5", spare=True), node("s9", "r0", "d0", spare=True)) == "s9"
 
 
 def test_spare_in_the_failed_nodes_nvlink_domain_is_chosen_when_its_rack_has_none() -> None:
-    assert _pick(node("s0", "r1", "d5", spare=True),
-                 node("s9", "r1", "d0", spare=True)) == "s9"
+    assert _pick(node("s0", "r1", "d5", spare=True), node("s9", "r1", "d0", spare=True)) == "s9"
 
 
 def test_empty_nvlink_domain_never_counts_as_the_same_domain() -> None:
-    nodes = fleet(*gang("a"), node("b", "r0", "", state="offline", busy=True),
-                  node("s0", "r1", "d5", spare=True), node("s9", "r1", "", spare=True))
+    nodes = fleet(
+        *gang("a"),
+        node("b", "r0", "", state="offline", busy=True),
+        node("s0", "r1", "d5", spare=True),
+        node("s9", "r1", "", spare=True),
+    )
     assert plan(job(), lost("b"), nodes).swaps == (("b", "s0"),)
 
 
@@ -414,8 +513,9 @@ def test_any_spare_is_chosen_before_an_idle_node_in_the_failed_nodes_rack() -> N
 
 
 def test_idle_healthy_node_is_used_when_no_spare_fits() -> None:
-    assert _pick(node("i9", "r5", "d5"), node("s0", "r0", "d0", spare=True,
-                                               gpu_type="a100")) == "i9"
+    assert (
+        _pick(node("i9", "r5", "d5"), node("s0", "r0", "d0", spare=True, gpu_type="a100")) == "i9"
+    )
 
 
 def test_idle_node_in_the_failed_nodes_rack_is_preferred() -> None:
@@ -442,13 +542,20 @@ def test_use_spares_false_waits_when_only_spares_are_free() -> None:
 
 
 def test_replacement_has_the_jobs_gpu_model() -> None:
-    assert _pick(node("s0", spare=True, gpu_type="a100"),
-                 node("s9", "r9", "d9", spare=True)) == "s9"
+    assert (
+        _pick(node("s0", spare=True, gpu_type="a100"), node("s9", "r9", "d9", spare=True)) == "s9"
+    )
 
 
 def test_replacement_has_the_failed_nodes_gpu_model_when_the_job_names_none() -> None:
-    assert _pick(node("s0", spare=True, gpu_type="a100"), node("s9", "r9", "d9", spare=True),
-                 j=job(gpu_type=None)) == "s9"
+    assert (
+        _pick(
+            node("s0", spare=True, gpu_type="a100"),
+            node("s9", "r9", "d9", spare=True),
+            j=job(gpu_type=None),
+        )
+        == "s9"
+    )
 
 
 def test_replacement_has_gpus_for_all_ranks_of_a_node() -> None:
@@ -456,8 +563,9 @@ def test_replacement_has_gpus_for_all_ranks_of_a_node() -> None:
 
 
 def test_node_not_burned_in_is_never_a_replacement() -> None:
-    assert _pick(node("s0", spare=True, burned_in=False),
-                 node("s9", "r9", "d9", spare=True)) == "s9"
+    assert (
+        _pick(node("s0", spare=True, burned_in=False), node("s9", "r9", "d9", spare=True)) == "s9"
+    )
 
 
 def test_busy_node_is_never_a_replacement() -> None:
@@ -466,8 +574,7 @@ def test_busy_node_is_never_a_replacement() -> None:
 
 @pytest.mark.parametrize("state", ["drain", "offline", "warn"])
 def test_spare_not_up_is_never_a_replacement(state: str) -> None:
-    assert _pick(node("s0", spare=True, state=state),
-                 node("s9", "r9", "d9", spare=True)) == "s9"
+    assert _pick(node("s0", spare=True, state=state), node("s9", "r9", "d9", spare=True)) == "s9"
 
 
 def test_other_node_of_the_job_is_never_a_replacement() -> None:
@@ -476,23 +583,32 @@ def test_other_node_of_the_job_is_never_a_replacement() -> None:
 
 
 def test_spare_takes_the_failed_nodes_group_rank_index() -> None:
-    nodes = fleet(*gang("a", "b", "d"), node("c", state="offline", busy=True),
-                  node("s", spare=True))
+    nodes = fleet(
+        *gang("a", "b", "d"), node("c", state="offline", busy=True), node("s", spare=True)
+    )
     p = plan(job("a", "b", "c", "d"), lost("c"), nodes)
     assert (p.nodes, p.swaps) == (("a", "b", "s", "d"), (("c", "s"),))
 
 
 def test_two_failed_nodes_each_keep_their_index_in_job_order() -> None:
-    nodes = fleet(*gang("a", "c"), node("b", state="offline", busy=True),
-                  node("d", state="offline", busy=True), node("s1", spare=True),
-                  node("s2", spare=True))
+    nodes = fleet(
+        *gang("a", "c"),
+        node("b", state="offline", busy=True),
+        node("d", state="offline", busy=True),
+        node("s1", spare=True),
+        node("s2", spare=True),
+    )
     p = plan(job("d", "a", "b", "c"), [lost("b"), lost("d")], nodes)
     assert (p.nodes, p.swaps) == (("s1", "a", "s2", "c"), (("d", "s1"), ("b", "s2")))
 
 
 def test_two_failed_nodes_never_share_a_replacement() -> None:
-    nodes = fleet(node("a", state="offline", busy=True), node("b", state="offline", busy=True),
-                  node("s1", spare=True), node("s2", spare=True))
+    nodes = fleet(
+        node("a", state="offline", busy=True),
+        node("b", state="offline", busy=True),
+        node("s1", spare=True),
+        node("s2", spare=True),
+    )
     p = plan(job(), [lost("a"), lost("b")], nodes)
     assert p.nodes == ("s1", "s2")
 
@@ -501,33 +617,45 @@ def test_no_replacement_makes_the_job_wait_quarantining_the_failed_node() -> Non
     nodes = fleet(*gang("a"), node("b", state="offline", busy=True))
     p = plan(job(), lost("b"), nodes)
     assert (p.action, p.cause, p.quarantine, p.nodes, p.swaps) == (
-        Action.WAIT, Cause.HARDWARE, ("b",), (), ())
+        Action.WAIT,
+        Cause.HARDWARE,
+        ("b",),
+        (),
+        (),
+    )
     assert "no healthy node to take node b's ranks" in p.reason
 
 
 def test_second_failed_node_without_a_replacement_makes_the_whole_job_wait() -> None:
-    nodes = fleet(node("a", state="offline", busy=True), node("b", state="offline", busy=True),
-                  node("s1", spare=True))
+    nodes = fleet(
+        node("a", state="offline", busy=True),
+        node("b", state="offline", busy=True),
+        node("s1", spare=True),
+    )
     p = plan(job(), [lost("a"), lost("b")], nodes)
     assert (p.action, p.nodes, p.quarantine) == (Action.WAIT, (), ("a", "b"))
     assert "node b's ranks" in p.reason
 
 
 def test_wait_reason_counts_spares_and_idle_healthy_nodes() -> None:
-    nodes = fleet(*gang("a"), node("b", state="offline", busy=True),
-                  node("s", spare=True, busy=True))
+    nodes = fleet(
+        *gang("a"), node("b", state="offline", busy=True), node("s", spare=True, busy=True)
+    )
     assert "1 spare(s), 0 idle healthy node(s)" in plan(job(), lost("b"), nodes).reason
 
 
 def test_wait_reason_counts_nodes_with_the_wrong_gpus() -> None:
-    nodes = fleet(*gang("a"), node("b", state="offline", busy=True), node("i", gpus=4),
-                  node("k", gpu_type="a100"))
+    nodes = fleet(
+        *gang("a"),
+        node("b", state="offline", busy=True),
+        node("i", gpus=4),
+        node("k", gpu_type="a100"),
+    )
     assert "2 without 8 h100 GPUs" in plan(job(), lost("b"), nodes).reason
 
 
 def test_wait_reason_counts_nodes_not_yet_burned_in() -> None:
-    nodes = fleet(*gang("a"), node("b", state="offline", busy=True),
-                  node("i", burned_in=False))
+    nodes = fleet(*gang("a"), node("b", state="offline", busy=True), node("i", burned_in=False))
     assert "1 not yet burned in" in plan(job(), lost("b"), nodes).reason
 
 
@@ -542,8 +670,7 @@ def test_restart_in_place_restores_the_newest_step_from_ram() -> None:
     j = job()
     cat = catalog(j, {100: TIER_ORDER, 200: TIER_ORDER})
     p = plan(j, exit_("a"), fleet(*gang("a", "b")), cat)
-    assert (p.restore_step, set(p.restore_from.values()), len(p.restore_from)) == (
-        200, {"ram"}, 16)
+    assert (p.restore_step, set(p.restore_from.values()), len(p.restore_from)) == (200, {"ram"}, 16)
 
 
 def test_nvme_is_read_when_the_step_is_not_in_ram() -> None:
@@ -585,8 +712,12 @@ def test_peer_copy_held_by_the_dead_node_is_not_readable() -> None:
 
 def test_peer_copy_held_by_a_drained_node_is_still_readable() -> None:
     j = job("a", "b", "c")
-    nodes = fleet(*gang("a", "c"), node("b", state="offline", busy=True),
-                  node("h", state="drain"), node("s", spare=True))
+    nodes = fleet(
+        *gang("a", "c"),
+        node("b", state="offline", busy=True),
+        node("h", state="drain"),
+        node("s", spare=True),
+    )
     cat = catalog(j, {200: ["peer"]}, holders={"a": "h", "b": "h", "c": "h"})
     assert plan(j, lost("b"), nodes, cat).restore_step == 200
 
@@ -639,23 +770,45 @@ CODE = st.sampled_from((None, 1, 2, 3))
 SIGNAL = st.sampled_from((None, 9))
 STEP = st.none() | st.integers(1, 4)
 NODE_TRAITS = st.tuples(
-    st.sampled_from(("r0", "r1", "r2")), st.sampled_from(("", "d0", "d1")),
-    st.sampled_from(("a", "b")), st.sampled_from((2, 4, 8)),
+    st.sampled_from(("r0", "r1", "r2")),
+    st.sampled_from(("", "d0", "d1")),
+    st.sampled_from(("a", "b")),
+    st.sampled_from((2, 4, 8)),
     st.sampled_from(("up", "up", "up", "warn", "drain", "offline")),
-    st.sampled_from((False, False, True)), st.booleans(),  # busy, spare
-    st.sampled_from((True, True, True, False)))  # burned in
-FAILURES = st.lists(st.tuples(st.sampled_from(KINDS), IDX, OPT_IDX, CODE, SIGNAL, STEP,
-                              st.sampled_from((True, True, True, False))),  # quarantine
-                    min_size=1, max_size=3)
-HISTORY = st.lists(st.tuples(st.sampled_from(KINDS), IDX, OPT_IDX, CODE, SIGNAL, STEP, STEP),
-                   max_size=3)
-JOB_TRAITS = st.tuples(st.lists(IDX, min_size=1, max_size=4), st.sampled_from((1, 2)),
-                       st.sampled_from((None, "a", "b")), st.integers(0, 6), st.integers(0, 2),
-                       st.booleans())
-STEPS = st.lists(st.tuples(st.integers(1, 4), st.sets(st.sampled_from(TIER_ORDER), min_size=1)),
-                 max_size=3, unique_by=lambda t: t[0])
-INCIDENTS = st.lists(st.tuples(st.booleans(), IDX, st.sampled_from((60.0, 7200.0))),
-                     max_size=3)
+    st.sampled_from((False, False, True)),
+    st.booleans(),  # busy, spare
+    st.sampled_from((True, True, True, False)),
+)  # burned in
+FAILURES = st.lists(
+    st.tuples(
+        st.sampled_from(KINDS),
+        IDX,
+        OPT_IDX,
+        CODE,
+        SIGNAL,
+        STEP,
+        st.sampled_from((True, True, True, False)),
+    ),  # quarantine
+    min_size=1,
+    max_size=3,
+)
+HISTORY = st.lists(
+    st.tuples(st.sampled_from(KINDS), IDX, OPT_IDX, CODE, SIGNAL, STEP, STEP), max_size=3
+)
+JOB_TRAITS = st.tuples(
+    st.lists(IDX, min_size=1, max_size=4),
+    st.sampled_from((1, 2)),
+    st.sampled_from((None, "a", "b")),
+    st.integers(0, 6),
+    st.integers(0, 2),
+    st.booleans(),
+)
+STEPS = st.lists(
+    st.tuples(st.integers(1, 4), st.sets(st.sampled_from(TIER_ORDER), min_size=1)),
+    max_size=3,
+    unique_by=lambda t: t[0],
+)
+INCIDENTS = st.lists(st.tuples(st.booleans(), IDX, st.sampled_from((60.0, 7200.0))), max_size=3)
 SEED = st.integers(0, 2**32 - 1)
 
 Scenario = tuple[JobView, list[Failure], dict[str, NodeView], CatalogView, list[NodeIncident]]
@@ -677,12 +830,15 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     def rank(k: int | None) -> int | None:
         return None if k is None else k % world
 
-    history = tuple(PastFailure(kind, ids[n % size], rank(r), code, sig, step, restored)
-                    for kind, n, r, code, sig, step, restored in draw(HISTORY))
+    history = tuple(
+        PastFailure(kind, ids[n % size], rank(r), code, sig, step, restored)
+        for kind, n, r, code, sig, step, restored in draw(HISTORY)
+    )
     j = JobView("j", tuple(members), rpn, gpu_type, max_restarts, used, use_spares, history)
-    failures = [Failure(kind, suspects[n % len(suspects)], rank(r), code, sig, step,
-                        quarantine=drain)
-                for kind, n, r, code, sig, step, drain in draw(FAILURES)]
+    failures = [
+        Failure(kind, suspects[n % len(suspects)], rank(r), code, sig, step, quarantine=drain)
+        for kind, n, r, code, sig, step, drain in draw(FAILURES)
+    ]
     committed: dict[int, dict[str, float]] = {}
     where: dict[tuple[int, int, str], tuple[str, str | None]] = {}
     # Where each rank's copies lie comes from a seeded generator: drawing each one through
@@ -698,8 +854,10 @@ def scenarios(draw: st.DrawFn) -> Scenario:
                 landed = rng.choice((own, own, own, *ids))
                 holder = rng.choice((buddy, buddy, buddy, None, *ids)) if tier == "peer" else None
                 where[(step, r, tier)] = (landed, holder)
-    incidents = [NodeIncident("other" if other else "j", ids[n % size], NOW - ago)
-                 for other, n, ago in draw(INCIDENTS)]
+    incidents = [
+        NodeIncident("other" if other else "j", ids[n % size], NOW - ago)
+        for other, n, ago in draw(INCIDENTS)
+    ]
     return j, failures, nodes, CatalogView(committed, where), incidents
 
 
@@ -725,8 +883,11 @@ def tiers_readable(cat: CatalogView, step: int, rank: int, at: str, live: set[st
         if tier not in cat.committed[step]:
             continue
         landed, holder = cat.where.get((step, rank, tier), (None, None))
-        if (tier == "object" or (tier == "peer" and holder in live)
-                or (tier in ("ram", "nvme") and landed == at and at in live)):
+        if (
+            tier == "object"
+            or (tier == "peer" and holder in live)
+            or (tier in ("ram", "nvme") and landed == at and at in live)
+        ):
             out.append(tier)
     return out
 
@@ -736,8 +897,10 @@ def newest_readable(s: Scenario, p: Plan) -> int | None:
     j = s[0]
     live = alive(s)
     for step in sorted(cat.committed, reverse=True):
-        if all(tiers_readable(cat, step, r, p.nodes[r // j.ranks_per_node], live)
-               for r in range(len(p.nodes) * j.ranks_per_node)):
+        if all(
+            tiers_readable(cat, step, r, p.nodes[r // j.ranks_per_node], live)
+            for r in range(len(p.nodes) * j.ranks_per_node)
+        ):
             return step
     return None
 
@@ -751,8 +914,7 @@ def test_plan_never_lists_a_node_twice(s: Scenario) -> None:
 
 @settings(PROPERTY)
 @given(scenarios())
-def test_a_running_plan_keeps_the_world_size_and_waits_and_fails_hold_no_nodes(
-        s: Scenario) -> None:
+def test_a_running_plan_keeps_the_world_size_and_waits_and_fails_hold_no_nodes(s: Scenario) -> None:
     p = run(s)
     if p.action in (Action.WAIT, Action.FAIL):
         assert (p.nodes, p.swaps, p.restore_step, p.restore_from) == ((), (), None, {})
@@ -778,15 +940,15 @@ def test_swapped_in_nodes_are_new_idle_burned_in_up_and_fit_the_job(s: Scenario)
         assert v.state == "up" and not v.busy and v.burned_in
         assert v.gpus >= j.ranks_per_node
         assert v.gpu_type == j.gpu_type or (
-            j.gpu_type is None and (failed not in nodes or v.gpu_type == nodes[failed].gpu_type))
+            j.gpu_type is None and (failed not in nodes or v.gpu_type == nodes[failed].gpu_type)
+        )
         assert j.use_spares or not v.spare
         assert p.nodes[j.nodes.index(failed)] == new
 
 
 @settings(PROPERTY)
 @given(scenarios())
-def test_only_replaced_nodes_leave_the_gang_and_the_others_keep_their_index(
-        s: Scenario) -> None:
+def test_only_replaced_nodes_leave_the_gang_and_the_others_keep_their_index(s: Scenario) -> None:
     j = s[0]
     p = run(s)
     if p.nodes:

@@ -62,15 +62,29 @@ def path(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-async def node(tmp_path: Path, path: Path, reporter: Reporter,
-               ) -> AsyncIterator[tuple[RankRunner, ProgressMonitor]]:  # fmt: skip
+async def node(
+    tmp_path: Path,
+    path: Path,
+    reporter: Reporter,
+) -> AsyncIterator[tuple[RankRunner, ProgressMonitor]]:
     """A runner and a monitor wired as the agent wires them."""
     runners: list[RankRunner] = []
-    monitor = ProgressMonitor(NODE, path, tmp_path / "data", reporter,
-                              lambda job, gen: runners[0].pids(job, gen),
-                              check_interval_s=CHECK_S)
-    runner = RankRunner(NODE, tmp_path / "data", tmp_path / "agent.sock", reporter,
-                        progress_socket=path, last_step=monitor.last_step)
+    monitor = ProgressMonitor(
+        NODE,
+        path,
+        tmp_path / "data",
+        reporter,
+        lambda job, gen: runners[0].pids(job, gen),
+        check_interval_s=CHECK_S,
+    )
+    runner = RankRunner(
+        NODE,
+        tmp_path / "data",
+        tmp_path / "agent.sock",
+        reporter,
+        progress_socket=path,
+        last_step=monitor.last_step,
+    )
     runners.append(runner)
     async with monitor:
         try:
@@ -116,11 +130,11 @@ def channels() -> Iterator[list[RankChannel]]:
         c.close()
 
 
-async def reported(monitor: ProgressMonitor, rank: int, step: int,
-                   generation: int = 1) -> None:  # fmt: skip
+async def reported(monitor: ProgressMonitor, rank: int, step: int, generation: int = 1) -> None:
     def check() -> bool:
         r = monitor.progress(JOB, generation).get(rank)
         return r is not None and r.step >= step
+
     await eventually(check, f"rank {rank} reports step {step}")
 
 
@@ -128,7 +142,8 @@ async def reported(monitor: ProgressMonitor, rank: int, step: int,
 
 
 async def test_a_step_reaches_the_agent_with_its_scalars(
-        monitor: ProgressMonitor, path: Path, channels: list[RankChannel]) -> None:
+    monitor: ProgressMonitor, path: Path, channels: list[RankChannel]
+) -> None:
     monitor.begin(JOB, 1)
     ch = channel(path, rank=3)
     channels.append(ch)
@@ -145,7 +160,8 @@ async def test_a_step_reaches_the_agent_with_its_scalars(
 
 
 async def test_the_module_level_step_uses_the_agents_environment(
-        monitor: ProgressMonitor, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monitor: ProgressMonitor, path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monitor.begin(JOB, 2)
     monkeypatch.setattr(phalanx.rank, "_default", None)
     monkeypatch.setenv("PHALANX_PROGRESS_SOCKET", str(path))
@@ -161,7 +177,8 @@ async def test_the_module_level_step_uses_the_agents_environment(
 
 
 def test_step_without_the_environment_variable_does_nothing(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("PHALANX_PROGRESS_SOCKET", raising=False)
     monkeypatch.setattr(phalanx.rank, "_default", None)
 
@@ -172,20 +189,30 @@ def test_step_without_the_environment_variable_does_nothing(
     assert (phalanx.rank.channel().sent, phalanx.rank.drops()) == (0, 0)
 
 
-def test_an_environment_without_the_jobs_ids_gives_a_channel_that_does_nothing(
-        path: Path) -> None:
-    for env in ({"PHALANX_PROGRESS_SOCKET": str(path)},
-                {"PHALANX_PROGRESS_SOCKET": str(path), "PHALANX_JOB_ID": "Not A Job",
-                 "PHALANX_GENERATION": "1", "RANK": "0"},
-                {"PHALANX_PROGRESS_SOCKET": str(path), "PHALANX_JOB_ID": JOB,
-                 "PHALANX_GENERATION": "one", "RANK": "0"}):
+def test_an_environment_without_the_jobs_ids_gives_a_channel_that_does_nothing(path: Path) -> None:
+    for env in (
+        {"PHALANX_PROGRESS_SOCKET": str(path)},
+        {
+            "PHALANX_PROGRESS_SOCKET": str(path),
+            "PHALANX_JOB_ID": "Not A Job",
+            "PHALANX_GENERATION": "1",
+            "RANK": "0",
+        },
+        {
+            "PHALANX_PROGRESS_SOCKET": str(path),
+            "PHALANX_JOB_ID": JOB,
+            "PHALANX_GENERATION": "one",
+            "RANK": "0",
+        },
+    ):
         ch = RankChannel.from_environment(env)
         assert not ch.enabled
         assert not ch.step(1, loss=1.0)
 
 
-def test_reports_nobody_listens_to_are_counted_as_drops(tmp_path: Path,
-                                                         channels: list[RankChannel]) -> None:
+def test_reports_nobody_listens_to_are_counted_as_drops(
+    tmp_path: Path, channels: list[RankChannel]
+) -> None:
     ch = channel(tmp_path / "no-agent.progress")
     channels.append(ch)
 
@@ -196,7 +223,8 @@ def test_reports_nobody_listens_to_are_counted_as_drops(tmp_path: Path,
 
 
 def test_reports_beyond_a_full_agent_queue_are_dropped_without_blocking(
-        path: Path, channels: list[RankChannel]) -> None:
+    path: Path, channels: list[RankChannel]
+) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as deaf:  # an agent that never reads
         deaf.bind(str(path))
         ch = channel(path)
@@ -210,7 +238,8 @@ def test_reports_beyond_a_full_agent_queue_are_dropped_without_blocking(
 
 
 def test_a_report_that_cannot_be_encoded_is_dropped_not_raised(
-        path: Path, channels: list[RankChannel]) -> None:
+    path: Path, channels: list[RankChannel]
+) -> None:
     ch = channel(path)
     channels.append(ch)
 
@@ -233,17 +262,25 @@ def test_a_closed_channel_does_nothing(path: Path) -> None:
 
 
 async def test_garbage_datagrams_are_counted_and_the_agent_keeps_receiving(
-        monitor: ProgressMonitor, path: Path, channels: list[RankChannel]) -> None:
+    monitor: ProgressMonitor, path: Path, channels: list[RankChannel]
+) -> None:
     monitor.begin(JOB, 1)
     report = json.loads(progress.encode_report(StepReport(JOB, 1, 0, 1, 3, time.time())))
-    garbage = [b"", b"\xff\xfe\x00", b"[1, 2]", b"{", b'{"v": 1}', b"x" * 5000,
-               json.dumps({**report, "v": 2}).encode(),
-               json.dumps({**report, "step": "3"}).encode(),
-               json.dumps({**report, "rank": -1}).encode(),
-               json.dumps({**report, "job": "Bad/Job"}).encode(),
-               json.dumps({**report, "scalars": {"loss": "low"}}).encode(),
-               json.dumps({**report, "extra": 1}).encode(),
-               b"[" * 100_000]
+    garbage = [
+        b"",
+        b"\xff\xfe\x00",
+        b"[1, 2]",
+        b"{",
+        b'{"v": 1}',
+        b"x" * 5000,
+        json.dumps({**report, "v": 2}).encode(),
+        json.dumps({**report, "step": "3"}).encode(),
+        json.dumps({**report, "rank": -1}).encode(),
+        json.dumps({**report, "job": "Bad/Job"}).encode(),
+        json.dumps({**report, "scalars": {"loss": "low"}}).encode(),
+        json.dumps({**report, "extra": 1}).encode(),
+        b"[" * 100_000,
+    ]
     for data in garbage:
         await send_raw(path, data)
     ch = channel(path, rank=1)
@@ -256,7 +293,8 @@ async def test_garbage_datagrams_are_counted_and_the_agent_keeps_receiving(
 
 
 async def test_a_nan_loss_and_an_infinite_grad_norm_are_recorded(
-        monitor: ProgressMonitor, path: Path, channels: list[RankChannel]) -> None:
+    monitor: ProgressMonitor, path: Path, channels: list[RankChannel]
+) -> None:
     monitor.begin(JOB, 1)
     ch = channel(path)
     channels.append(ch)
@@ -270,7 +308,8 @@ async def test_a_nan_loss_and_an_infinite_grad_norm_are_recorded(
 
 
 async def test_reports_of_an_older_generation_are_ignored(
-        monitor: ProgressMonitor, path: Path, channels: list[RankChannel]) -> None:
+    monitor: ProgressMonitor, path: Path, channels: list[RankChannel]
+) -> None:
     monitor.begin(JOB, 1)
     monitor.begin(JOB, 2)
     old, new = channel(path, generation=1), channel(path, generation=2)
@@ -286,8 +325,8 @@ async def test_reports_of_an_older_generation_are_ignored(
 
 
 async def test_a_ranks_first_step_and_its_restore_are_reported_once_each(
-        monitor: ProgressMonitor, path: Path, channels: list[RankChannel],
-        reporter: Reporter) -> None:
+    monitor: ProgressMonitor, path: Path, channels: list[RankChannel], reporter: Reporter
+) -> None:
     monitor.begin(JOB, 2)
     rank = channel(path, generation=2)
     channels.append(rank)
@@ -300,15 +339,15 @@ async def test_a_ranks_first_step_and_its_restore_are_reported_once_each(
     await eventually(lambda: len(reporter.of("stepped")) == 1, "the first step's event")
 
     (restored,) = reporter.of("restored")
-    assert (restored.generation, restored.rank, restored.step, restored.took_s) == (
-        2, 0, 40, 1.25)
+    assert (restored.generation, restored.rank, restored.step, restored.took_s) == (2, 0, 40, 1.25)
     (stepped,) = reporter.of("stepped")
     assert (stepped.generation, stepped.rank, stepped.step) == (2, 0, 40)
     assert monitor.progress(JOB, 2)[0].step == 41  # a restore is not a step
 
 
 async def test_reports_of_a_job_not_started_here_are_ignored(
-        monitor: ProgressMonitor, path: Path, channels: list[RankChannel]) -> None:
+    monitor: ProgressMonitor, path: Path, channels: list[RankChannel]
+) -> None:
     monitor.begin(JOB, 1)
     stranger, ours = channel(path, generation=2), channel(path, generation=1)
     channels += [stranger, ours]
@@ -322,7 +361,8 @@ async def test_reports_of_a_job_not_started_here_are_ignored(
 
 
 async def test_save_now_is_delivered_once_to_each_rank(
-        monitor: ProgressMonitor, path: Path, channels: list[RankChannel]) -> None:
+    monitor: ProgressMonitor, path: Path, channels: list[RankChannel]
+) -> None:
     monitor.begin(JOB, 1)
     ranks = [channel(path, rank=0), channel(path, rank=1)]
     channels += ranks
@@ -348,9 +388,12 @@ async def test_save_now_for_another_generation_asks_nobody(monitor: ProgressMoni
 
 
 def test_replies_from_another_socket_than_the_agents_are_ignored(
-        path: Path, channels: list[RankChannel]) -> None:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as agent, \
-            socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as other:
+    path: Path, channels: list[RankChannel]
+) -> None:
+    with (
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as agent,
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as other,
+    ):
         agent.bind(str(path))
         ch = channel(path)
         channels.append(ch)
@@ -372,9 +415,23 @@ def test_decode_raises_progress_error_on_garbage() -> None:
 
 
 def test_a_report_round_trips_through_its_encoding() -> None:
-    report = StepReport(JOB, 3, 7, 4242, 120, 1718000000.2534964,
-                        {"loss": 2.0, "lr": 1e-05, "up": math.inf, "down": -math.inf,
-                         "tiny": 5e-324, "big": 1.7976931348623157e308, "tokens": 4096})
+    report = StepReport(
+        JOB,
+        3,
+        7,
+        4242,
+        120,
+        1718000000.2534964,
+        {
+            "loss": 2.0,
+            "lr": 1e-05,
+            "up": math.inf,
+            "down": -math.inf,
+            "tiny": 5e-324,
+            "big": 1.7976931348623157e308,
+            "tokens": 4096,
+        },
+    )
 
     assert progress.decode_report(progress.encode_report(report)) == report
 
@@ -388,7 +445,10 @@ def test_a_nan_scalar_is_encoded_as_json_nan() -> None:
 
 def test_the_channels_limits_are_the_wires() -> None:
     assert (progress.JOB_ID_PATTERN, progress.MAX_STEP, progress.MAX_RANK) == (
-        wire.JOB_ID_PATTERN, wire.MAX_STEP, wire.MAX_RANK)
+        wire.JOB_ID_PATTERN,
+        wire.MAX_STEP,
+        wire.MAX_RANK,
+    )
 
 
 def test_the_automatic_hang_timeout_is_ten_median_steps_never_under_the_floor() -> None:
@@ -405,7 +465,8 @@ def test_the_progress_socket_lies_beside_the_rank_socket(tmp_path: Path) -> None
 
 
 async def test_the_progress_socket_is_private_to_the_agents_user(
-        monitor: ProgressMonitor, path: Path) -> None:
+    monitor: ProgressMonitor, path: Path
+) -> None:
     assert (await asyncio.to_thread(path.stat)).st_mode & 0o777 == 0o600
 
 
@@ -430,21 +491,36 @@ while True:
 """
 
 
-def start(monitor: ProgressMonitor, script: str = RANK_SCRIPT, *, generation: int = 1,
-          env: dict[str, str] | None = None, hang_s: float | None = HANG_S,
-          ranks: tuple[int, ...] = (0, 1)) -> wire.StartRanksArgs:  # fmt: skip
+def start(
+    monitor: ProgressMonitor,
+    script: str = RANK_SCRIPT,
+    *,
+    generation: int = 1,
+    env: dict[str, str] | None = None,
+    hang_s: float | None = HANG_S,
+    ranks: tuple[int, ...] = (0, 1),
+) -> wire.StartRanksArgs:
     args = wire.StartRanksArgs(
-        job=JOB, generation=generation, command=[sys.executable, "-c", script], workdir="/",
-        env=dict(env or {}), world_size=len(ranks), group_rank=0, master_addr="127.0.0.1",
-        master_port=29511, grace_s=1.0, hang_timeout_s=hang_s,
-        ranks=[wire.RankSlot(rank=r, local_rank=i) for i, r in enumerate(ranks)])
+        job=JOB,
+        generation=generation,
+        command=[sys.executable, "-c", script],
+        workdir="/",
+        env=dict(env or {}),
+        world_size=len(ranks),
+        group_rank=0,
+        master_addr="127.0.0.1",
+        master_port=29511,
+        grace_s=1.0,
+        hang_timeout_s=hang_s,
+        ranks=[wire.RankSlot(rank=r, local_rank=i) for i, r in enumerate(ranks)],
+    )
     monitor.begin(JOB, generation, hang_s)  # as the agent does, before the ranks start
     return args
 
 
 async def test_a_stopped_rank_is_named_when_the_ranks_hang(
-        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter,
-        tmp_path: Path) -> None:
+    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter, tmp_path: Path
+) -> None:
     freeze = tmp_path / "freeze"
     pids = (await runner.start(start(monitor, env={"FREEZE_FILE": str(freeze)})))["pids"]
     await reported(monitor, 0, 3)
@@ -464,8 +540,8 @@ async def test_a_stopped_rank_is_named_when_the_ranks_hang(
 
 
 async def test_the_rank_furthest_behind_is_named_when_none_is_stopped(
-        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter,
-        tmp_path: Path) -> None:
+    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter, tmp_path: Path
+) -> None:
     dump = tmp_path / "data" / "jobs" / JOB / "g1" / "nccl-trace-rank-0-"
     freeze = tmp_path / "freeze"
     await runner.start(start(monitor, env={"LAST_STEP_1": "5", "FREEZE_FILE": str(freeze)}))
@@ -484,7 +560,8 @@ async def test_the_rank_furthest_behind_is_named_when_none_is_stopped(
 
 
 async def test_no_hang_is_reported_before_the_first_step(
-        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter) -> None:
+    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter
+) -> None:
     await runner.start(start(monitor, "import time; time.sleep(300)", hang_s=0.1))
 
     await asyncio.sleep(0.5)
@@ -494,7 +571,8 @@ async def test_no_hang_is_reported_before_the_first_step(
 
 
 async def test_a_hang_is_told_again_each_timeout_and_a_new_generation_rearms_it(
-        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter) -> None:
+    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter
+) -> None:
     env = {"LAST_STEP_0": "3", "LAST_STEP_1": "3"}
     await runner.start(start(monitor, env=env))
     await eventually(lambda: bool(reporter.of("hung")), "a hung event")
@@ -503,13 +581,15 @@ async def test_a_hang_is_told_again_each_timeout_and_a_new_generation_rearms_it(
     await eventually(lambda: len(reporter.of("hung")) == 2, "the hang told again")
 
     await runner.start(start(monitor, env=env, generation=2))
-    await eventually(lambda: reporter.of("hung")[-1].generation == 2,
-                     "a hung event of generation 2")
+    await eventually(
+        lambda: reporter.of("hung")[-1].generation == 2, "a hung event of generation 2"
+    )
     assert {e.generation for e in reporter.of("hung")} == {1, 2}
 
 
 async def test_no_hang_is_reported_once_the_generation_is_stopped(
-        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter) -> None:
+    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter
+) -> None:
     await runner.start(start(monitor, env={"LAST_STEP_0": "3", "LAST_STEP_1": "3"}))
     await reported(monitor, 0, 3)
     monitor.end(JOB, 1)  # as the agent does, before it stops the ranks
@@ -520,7 +600,8 @@ async def test_no_hang_is_reported_once_the_generation_is_stopped(
 
 
 async def test_no_hang_is_reported_while_a_rank_waits_for_its_checkpoints_to_commit(
-        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter) -> None:
+    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter
+) -> None:
     await runner.start(start(monitor, env={"LAST_STEP_0": "3", "LAST_STEP_1": "3"}))
     await reported(monitor, 0, 3)
 
@@ -532,9 +613,9 @@ async def test_no_hang_is_reported_while_a_rank_waits_for_its_checkpoints_to_com
 
 
 async def test_no_hang_is_reported_after_a_rank_says_it_took_its_last_step(
-        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter) -> None:
-    await runner.start(start(monitor, env={"LAST_STEP_0": "3", "LAST_STEP_1": "5",
-                                           "FINISH": "1"}))
+    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter
+) -> None:
+    await runner.start(start(monitor, env={"LAST_STEP_0": "3", "LAST_STEP_1": "5", "FINISH": "1"}))
     await reported(monitor, 1, 5)
 
     await asyncio.sleep(HANG_S + 10 * CHECK_S)
@@ -543,7 +624,8 @@ async def test_no_hang_is_reported_after_a_rank_says_it_took_its_last_step(
 
 
 async def test_the_exit_event_carries_the_last_step_the_rank_reported(
-        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter) -> None:
+    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter
+) -> None:
     script = "import phalanx.rank\nfor s in range(8): phalanx.rank.step(s, loss=1.0)"
     await runner.start(start(monitor, script, ranks=(0,)))
 
@@ -555,7 +637,8 @@ async def test_the_exit_event_carries_the_last_step_the_rank_reported(
 
 
 async def test_the_exit_event_of_a_rank_that_never_reported_has_no_step(
-        monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter) -> None:
+    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter
+) -> None:
     await runner.start(start(monitor, "pass", ranks=(0,)))
 
     await eventually(lambda: bool(reporter.of("exited")), "the rank's exit")

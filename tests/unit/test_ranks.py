@@ -51,8 +51,11 @@ _PREEXISTING: set[int] = set()
 def new_children() -> set[int]:
     """Live children of this process that the current test started (other tests in the same
     session may leave their own children, e.g. daemons being reaped)."""
-    return {p.pid for p in psutil.Process().children()
-            if p.pid not in _PREEXISTING and p.status() != psutil.STATUS_ZOMBIE}
+    return {
+        p.pid
+        for p in psutil.Process().children()
+        if p.pid not in _PREEXISTING and p.status() != psutil.STATUS_ZOMBIE
+    }
 
 
 @pytest.fixture
@@ -65,21 +68,39 @@ async def runner(tmp_path: Path, reporter: Reporter) -> AsyncIterator[RankRunner
 
 
 def slots(*ranks: int, gpus: bool = False) -> list[wire.RankSlot]:
-    return [wire.RankSlot(rank=r, local_rank=i, gpu=i if gpus else None)
-            for i, r in enumerate(ranks)]
+    return [
+        wire.RankSlot(rank=r, local_rank=i, gpu=i if gpus else None) for i, r in enumerate(ranks)
+    ]
 
 
-def start_args(script: str, *, generation: int = 1, ranks: list[wire.RankSlot] | None = None,
-               workdir: Path | str = "/", env: dict[str, str | wire.EnvFromFile] | None = None,
-               world_size: int = 4, group_rank: int = 1) -> wire.StartRanksArgs:
+def start_args(
+    script: str,
+    *,
+    generation: int = 1,
+    ranks: list[wire.RankSlot] | None = None,
+    workdir: Path | str = "/",
+    env: dict[str, str | wire.EnvFromFile] | None = None,
+    world_size: int = 4,
+    group_rank: int = 1,
+) -> wire.StartRanksArgs:
     return wire.StartRanksArgs(
-        job=JOB, generation=generation, command=["bash", "-c", script], workdir=str(workdir),
-        env=env or {}, world_size=world_size, group_rank=group_rank, master_addr="10.0.0.7",
-        master_port=29511, ranks=ranks if ranks is not None else slots(2, 3), grace_s=1.0)
+        job=JOB,
+        generation=generation,
+        command=["bash", "-c", script],
+        workdir=str(workdir),
+        env=env or {},
+        world_size=world_size,
+        group_rank=group_rank,
+        master_addr="10.0.0.7",
+        master_port=29511,
+        ranks=ranks if ranks is not None else slots(2, 3),
+        grace_s=1.0,
+    )
 
 
-async def rank_env(runner: RankRunner, reporter: Reporter, args: wire.StartRanksArgs,
-                   rank: int) -> dict[str, str]:
+async def rank_env(
+    runner: RankRunner, reporter: Reporter, args: wire.StartRanksArgs, rank: int
+) -> dict[str, str]:
     """Start ranks that print their environment; return ``rank``'s, read from its log."""
     await runner.start(args.model_copy(update={"command": ["env", "-0"]}))
     await reporter.wait_for(len(args.ranks))
@@ -119,12 +140,29 @@ def wait_gone(pid: int) -> bool:
 
 
 async def test_rank_gets_the_torch_distributed_environment(
-        runner: RankRunner, reporter: Reporter) -> None:
+    runner: RankRunner, reporter: Reporter
+) -> None:
     env = await rank_env(runner, reporter, start_args(""), rank=3)
-    assert {k: env.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                    "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")} == {
-        "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-        "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29511"}
+    assert {
+        k: env.get(k)
+        for k in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
+    } == {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "10.0.0.7",
+        "MASTER_PORT": "29511",
+    }
 
 
 async def test_rank_gets_the_gpus_of_its_slots(runner: RankRunner, reporter: Reporter) -> None:
@@ -133,34 +171,50 @@ async def test_rank_gets_the_gpus_of_its_slots(runner: RankRunner, reporter: Rep
 
 
 async def test_rank_without_gpus_gets_no_cuda_visible_devices(
-        runner: RankRunner, reporter: Reporter, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner: RankRunner, reporter: Reporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     env = await rank_env(runner, reporter, start_args(""), rank=2)
     assert "CUDA_VISIBLE_DEVICES" not in env
 
 
 async def test_rank_gets_the_nccl_fail_fast_and_flight_recorder_settings(
-        runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
+    runner: RankRunner, reporter: Reporter, tmp_path: Path
+) -> None:
     env = await rank_env(runner, reporter, start_args(""), rank=2)
-    assert {k: env.get(k) for k in ("TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                                    "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_BUFFER_SIZE")} == {
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_FR_BUFFER_SIZE": "20000"}
+    assert {
+        k: env.get(k)
+        for k in (
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT",
+            "TORCH_FR_BUFFER_SIZE",
+        )
+    } == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_BUFFER_SIZE": "20000",
+    }
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(
-        tmp_path / "data" / "jobs" / JOB / "g1" / "nccl-trace-rank-2-")
+        tmp_path / "data" / "jobs" / JOB / "g1" / "nccl-trace-rank-2-"
+    )
 
 
 async def test_rank_gets_its_job_generation_node_and_agent_sockets(
-        runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
+    runner: RankRunner, reporter: Reporter, tmp_path: Path
+) -> None:
     env = await rank_env(runner, reporter, start_args("", generation=4), rank=2)
     assert {k: v for k, v in env.items() if k.startswith("PHALANX_")} == {
-        "PHALANX_JOB_ID": JOB, "PHALANX_GENERATION": "4", "PHALANX_NODE": NODE,
+        "PHALANX_JOB_ID": JOB,
+        "PHALANX_GENERATION": "4",
+        "PHALANX_NODE": NODE,
         "PHALANX_AGENT_SOCKET": str(tmp_path / "agent.sock"),
-        "PHALANX_PROGRESS_SOCKET": str(tmp_path / "agent.progress")}
+        "PHALANX_PROGRESS_SOCKET": str(tmp_path / "agent.progress"),
+    }
 
 
 async def test_rank_does_not_inherit_the_agents_own_settings(
-        runner: RankRunner, reporter: Reporter, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner: RankRunner, reporter: Reporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PHALANX_AGENTD_MQTT__PASSWORD", "broker-secret")
     env = await rank_env(runner, reporter, start_args(""), rank=2)
     assert "PHALANX_AGENTD_MQTT__PASSWORD" not in env
@@ -172,7 +226,8 @@ async def test_rank_gets_the_specs_plain_env(runner: RankRunner, reporter: Repor
 
 
 async def test_env_from_file_is_read_on_start(
-        runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
+    runner: RankRunner, reporter: Reporter, tmp_path: Path
+) -> None:
     secret = tmp_path / "token"
     secret.write_text("hunter2\n")
     args = start_args("", env={"TOKEN": wire.EnvFromFile(from_file=str(secret))})
@@ -181,7 +236,8 @@ async def test_env_from_file_is_read_on_start(
 
 
 async def test_missing_env_file_fails_the_start_naming_the_file(
-        runner: RankRunner, tmp_path: Path) -> None:
+    runner: RankRunner, tmp_path: Path
+) -> None:
     missing = tmp_path / "no-such-secret"
     args = start_args("sleep 30", env={"TOKEN": wire.EnvFromFile(from_file=str(missing))})
     with pytest.raises(CommandError, match=f"TOKEN: cannot read {missing}"):
@@ -189,8 +245,9 @@ async def test_missing_env_file_fails_the_start_naming_the_file(
 
 
 async def test_missing_env_file_starts_nothing(runner: RankRunner, tmp_path: Path) -> None:
-    args = start_args("sleep 30",
-                      env={"TOKEN": wire.EnvFromFile(from_file=str(tmp_path / "missing"))})
+    args = start_args(
+        "sleep 30", env={"TOKEN": wire.EnvFromFile(from_file=str(tmp_path / "missing"))}
+    )
     with pytest.raises(CommandError):
         await runner.start(args)
     assert runner.running() == []
@@ -199,7 +256,8 @@ async def test_missing_env_file_starts_nothing(runner: RankRunner, tmp_path: Pat
 
 
 async def test_failed_start_can_be_retried_for_the_same_generation(
-        runner: RankRunner, tmp_path: Path) -> None:
+    runner: RankRunner, tmp_path: Path
+) -> None:
     secret = tmp_path / "token"
     args = start_args("sleep 30", env={"TOKEN": wire.EnvFromFile(from_file=str(secret))})
     with pytest.raises(CommandError):
@@ -216,7 +274,8 @@ async def test_missing_workdir_fails_the_start(runner: RankRunner, tmp_path: Pat
 
 
 async def test_rank_runs_in_the_workdir(
-        runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
+    runner: RankRunner, reporter: Reporter, tmp_path: Path
+) -> None:
     await runner.start(start_args("pwd > where", workdir=tmp_path, ranks=slots(0)))
     await reporter.wait_for(1)
     assert (tmp_path / "where").read_text().strip() == str(tmp_path)
@@ -232,7 +291,8 @@ async def test_missing_executable_fails_the_start(runner: RankRunner) -> None:
 
 
 async def test_rank_output_goes_to_its_own_log_file(
-        runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
+    runner: RankRunner, reporter: Reporter, tmp_path: Path
+) -> None:
     await runner.start(start_args('echo "out $RANK"; echo "err $RANK" >&2'))
     await reporter.wait_for(2)
     log = tmp_path / "data" / "jobs" / JOB / "g1" / "rank-3.log"
@@ -243,9 +303,9 @@ async def test_rank_output_goes_to_its_own_log_file(
 async def test_exit_code_is_reported(runner: RankRunner, reporter: Reporter) -> None:
     await runner.start(start_args("exit $((RANK + 1))", generation=2))
     events = await reporter.wait_for(2)
-    assert sorted((e.node, e.job, e.generation, e.rank, e.event, e.code, e.signal)
-                  for e in events) == [(NODE, JOB, 2, 2, "exited", 3, None),
-                                       (NODE, JOB, 2, 3, "exited", 4, None)]
+    assert sorted(
+        (e.node, e.job, e.generation, e.rank, e.event, e.code, e.signal) for e in events
+    ) == [(NODE, JOB, 2, 2, "exited", 3, None), (NODE, JOB, 2, 3, "exited", 4, None)]
 
 
 async def test_killing_signal_is_reported(runner: RankRunner, reporter: Reporter) -> None:
@@ -261,9 +321,11 @@ async def test_exit_event_carries_the_ranks_pid(runner: RankRunner, reporter: Re
 
 
 async def test_children_left_behind_by_an_exited_rank_are_killed(
-        runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
-    await runner.start(start_args("sleep 300 & echo $! > child.pid; exit 0",
-                                  workdir=tmp_path, ranks=slots(0)))
+    runner: RankRunner, reporter: Reporter, tmp_path: Path
+) -> None:
+    await runner.start(
+        start_args("sleep 300 & echo $! > child.pid; exit 0", workdir=tmp_path, ranks=slots(0))
+    )
     await reporter.wait_for(1)
     assert wait_gone(int((tmp_path / "child.pid").read_text()))
 
@@ -279,7 +341,8 @@ async def test_stop_ends_ranks_with_sigterm(runner: RankRunner, reporter: Report
 
 
 async def test_stop_kills_a_rank_that_traps_sigterm_after_the_grace(
-        runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
+    runner: RankRunner, reporter: Reporter, tmp_path: Path
+) -> None:
     script = 'trap "echo got TERM" TERM; echo ready; while :; do sleep 0.05; done'
     await runner.start(start_args(script, ranks=slots(0)))
     log = tmp_path / "data" / "jobs" / JOB / "g1" / "rank-0.log"
@@ -291,11 +354,11 @@ async def test_stop_kills_a_rank_that_traps_sigterm_after_the_grace(
 
 
 async def test_stop_ends_a_stopped_rank_with_sigterm_without_waiting_for_the_grace(
-        runner: RankRunner, reporter: Reporter) -> None:
+    runner: RankRunner, reporter: Reporter
+) -> None:
     started = await runner.start(start_args("exec sleep 300", ranks=slots(0)))
     os.kill(started["pids"][0], signal.SIGSTOP)
-    assert wait_until(lambda: psutil.Process(started["pids"][0]).status()
-                      == psutil.STATUS_STOPPED)
+    assert wait_until(lambda: psutil.Process(started["pids"][0]).status() == psutil.STATUS_STOPPED)
 
     began = time.monotonic()
     await runner.stop(JOB, 1, grace_s=60.0)
@@ -313,7 +376,8 @@ async def test_stop_returns_once_the_ranks_are_gone(runner: RankRunner) -> None:
 
 
 async def test_stop_kills_the_ranks_child_processes(
-        runner: RankRunner, reporter: Reporter, tmp_path: Path) -> None:
+    runner: RankRunner, reporter: Reporter, tmp_path: Path
+) -> None:
     script = "sleep 300 & echo $! > child.pid; wait"
     await runner.start(start_args(script, workdir=tmp_path, ranks=slots(0)))
     pid_file = tmp_path / "child.pid"
@@ -337,8 +401,9 @@ async def test_stop_leaves_other_jobs_running(runner: RankRunner) -> None:
 
 
 async def test_stop_all_stops_every_job(runner: RankRunner) -> None:
-    await runner.start(start_args("exec sleep 300", ranks=slots(0)).model_copy(
-        update={"job": "other-1"}))
+    await runner.start(
+        start_args("exec sleep 300", ranks=slots(0)).model_copy(update={"job": "other-1"})
+    )
     await runner.start(start_args("exec sleep 300"))
     await runner.stop_all(grace_s=WAIT_S)
     assert runner.running() == []
@@ -348,7 +413,8 @@ async def test_stop_all_stops_every_job(runner: RankRunner) -> None:
 
 
 async def test_repeated_start_of_the_same_generation_does_not_start_twice(
-        runner: RankRunner) -> None:
+    runner: RankRunner,
+) -> None:
     args = start_args("exec sleep 300")
     first = await runner.start(args)
     again = await runner.start(args)
@@ -364,15 +430,15 @@ async def test_start_of_an_older_generation_is_refused(runner: RankRunner) -> No
 
 
 async def test_stop_of_a_generation_stops_older_generations(
-        runner: RankRunner, reporter: Reporter) -> None:
+    runner: RankRunner, reporter: Reporter
+) -> None:
     await runner.start(start_args("exec sleep 300", generation=1))
     assert await runner.stop(JOB, 2, grace_s=WAIT_S) == {"stopped": [2, 3]}
     events = await reporter.wait_for(2)
     assert {(e.generation, e.signal) for e in events} == {(1, signal.SIGTERM)}
 
 
-async def test_stop_of_an_older_generation_leaves_the_newer_one_running(
-        runner: RankRunner) -> None:
+async def test_stop_of_an_older_generation_leaves_the_newer_one_running(runner: RankRunner) -> None:
     await runner.start(start_args("exec sleep 300", generation=2))
     assert await runner.stop(JOB, 1, grace_s=WAIT_S) == {"stopped": []}
     assert runner.running() == [wire.JobRanks(job=JOB, generation=2, ranks=[2, 3])]
@@ -381,12 +447,15 @@ async def test_stop_of_an_older_generation_leaves_the_newer_one_running(
 async def test_stop_fences_a_late_start_of_the_stopped_generation(runner: RankRunner) -> None:
     await runner.stop(JOB, 2, grace_s=1.0)
     assert await runner.start(start_args("exec sleep 300", generation=2)) == {
-        "pids": {}, "already_started": True}
+        "pids": {},
+        "already_started": True,
+    }
     assert runner.running() == []
 
 
 async def test_start_of_a_newer_generation_stops_the_older_ranks_first(
-        runner: RankRunner, reporter: Reporter) -> None:
+    runner: RankRunner, reporter: Reporter
+) -> None:
     old = await runner.start(start_args("exec sleep 300", generation=1, ranks=slots(0, 1)))
     await runner.start(start_args("exec sleep 300", generation=2, ranks=slots(2, 3)))
     assert not any(alive(pid) for pid in old["pids"].values())
@@ -395,7 +464,8 @@ async def test_start_of_a_newer_generation_stops_the_older_ranks_first(
 
 
 async def test_newer_generation_on_the_same_ranks_leaves_no_untracked_process(
-        runner: RankRunner) -> None:
+    runner: RankRunner,
+) -> None:
     old = await runner.start(start_args("exec sleep 300", generation=1))
     new = await runner.start(start_args("exec sleep 300", generation=2))
     assert new_children() == set(new["pids"].values())
@@ -414,14 +484,20 @@ async def test_running_lists_only_live_ranks(runner: RankRunner, reporter: Repor
 
 async def test_running_groups_ranks_by_job_and_generation(runner: RankRunner) -> None:
     await runner.start(start_args("exec sleep 300", ranks=slots(1, 0)))
-    await runner.start(start_args("exec sleep 300", generation=5, ranks=slots(4)).model_copy(
-        update={"job": "other-1"}))
-    assert runner.running() == [wire.JobRanks(job="other-1", generation=5, ranks=[4]),
-                                wire.JobRanks(job=JOB, generation=1, ranks=[0, 1])]
+    await runner.start(
+        start_args("exec sleep 300", generation=5, ranks=slots(4)).model_copy(
+            update={"job": "other-1"}
+        )
+    )
+    assert runner.running() == [
+        wire.JobRanks(job="other-1", generation=5, ranks=[4]),
+        wire.JobRanks(job=JOB, generation=1, ranks=[0, 1]),
+    ]
 
 
 async def test_log_path_finds_the_newest_generations_log(
-        tmp_path: Path, reporter: Reporter) -> None:
+    tmp_path: Path, reporter: Reporter
+) -> None:
     data = tmp_path / "data"
     for gen in (2, 10, 9):
         (data / "jobs" / JOB / f"g{gen}").mkdir(parents=True)
@@ -442,16 +518,22 @@ def test_free_port_is_bindable() -> None:
 
 
 async def test_two_jobs_starting_at_once_are_given_disjoint_gpus(
-        tmp_path: Path, reporter: Reporter) -> None:
-    runner = RankRunner(NODE, tmp_path / "data", tmp_path / "agent.sock", reporter,
-                        gpus=[0, 1, 2, 3])
+    tmp_path: Path, reporter: Reporter
+) -> None:
+    runner = RankRunner(
+        NODE, tmp_path / "data", tmp_path / "agent.sock", reporter, gpus=[0, 1, 2, 3]
+    )
     try:
-        a, b = (start_args("exec sleep 300").model_copy(update={"job": job})
-                for job in ("left-1", "right-1"))
+        a, b = (
+            start_args("exec sleep 300").model_copy(update={"job": job})
+            for job in ("left-1", "right-1")
+        )
         await asyncio.gather(runner.start(a), runner.start(b))
 
-        held = [{r.slot.gpu for r in runner._ranks.values() if r.job == job}
-                for job in ("left-1", "right-1")]
+        held = [
+            {r.slot.gpu for r in runner._ranks.values() if r.job == job}
+            for job in ("left-1", "right-1")
+        ]
         assert held[0].isdisjoint(held[1])
         assert held[0] | held[1] == {0, 1, 2, 3}
     finally:
@@ -459,7 +541,8 @@ async def test_two_jobs_starting_at_once_are_given_disjoint_gpus(
 
 
 async def test_gpus_of_a_job_whose_ranks_ended_are_free_again(
-        tmp_path: Path, reporter: Reporter) -> None:
+    tmp_path: Path, reporter: Reporter
+) -> None:
     runner = RankRunner(NODE, tmp_path / "data", tmp_path / "agent.sock", reporter, gpus=[0, 1])
     try:
         await runner.start(start_args("exit 0").model_copy(update={"job": "first-1"}))
@@ -472,7 +555,8 @@ async def test_gpus_of_a_job_whose_ranks_ended_are_free_again(
 
 
 async def test_a_stop_arriving_while_a_start_spawns_still_stops_every_rank(
-        runner: RankRunner) -> None:
+    runner: RankRunner,
+) -> None:
     starting = asyncio.create_task(runner.start(start_args("exec sleep 300")))
     await asyncio.sleep(0)  # the start is now inside its first await
 
@@ -492,7 +576,8 @@ async def test_no_start_is_accepted_once_the_runner_is_closing(runner: RankRunne
 
 
 async def test_ranks_left_by_a_crashed_agent_are_killed_by_the_next_one(
-        tmp_path: Path, reporter: Reporter) -> None:
+    tmp_path: Path, reporter: Reporter
+) -> None:
     crashed = RankRunner(NODE, tmp_path / "data", tmp_path / "agent.sock", reporter)
     started = await crashed.start(start_args("exec sleep 300"))
     pids = list(started["pids"].values())

@@ -41,23 +41,33 @@ def registry(store: Store, clock: Clock) -> Registry:
 
 
 OK = Health(status=HealthStatus.OK)
-WARN = Health(status=HealthStatus.WARN,
-              reasons=[Reason(code="row_remap_pending", severity="warn", gpu=0)])
-DRAIN = Health(status=HealthStatus.DRAIN,
-               reasons=[Reason(code="ecc_dbe", severity="drain", gpu=1, detail="1 uncorrected"),
-                        Reason(code="load_high", severity="warn")])
+WARN = Health(
+    status=HealthStatus.WARN, reasons=[Reason(code="row_remap_pending", severity="warn", gpu=0)]
+)
+DRAIN = Health(
+    status=HealthStatus.DRAIN,
+    reasons=[
+        Reason(code="ecc_dbe", severity="drain", gpu=1, detail="1 uncorrected"),
+        Reason(code="load_high", severity="warn"),
+    ],
+)
 
 
-def _birth(node: str = "n1", *, seq: int = 1, health: Health = OK, gpus: int = 2,
-           rack: str = "r1") -> wire.NodeBirth:
+def _birth(
+    node: str = "n1", *, seq: int = 1, health: Health = OK, gpus: int = 2, rack: str = "r1"
+) -> wire.NodeBirth:
     return wire.NodeBirth(
         node=node,
         seq=seq,
         hostname=f"{node}.example",
         address="10.0.0.1",
         http_port=9400,
-        gpus=[wire.GpuDescriptor(index=i, uuid=f"GPU-{node}-{i}", model="H100",
-                                 memory_bytes=80 * 2**30) for i in range(gpus)],
+        gpus=[
+            wire.GpuDescriptor(
+                index=i, uuid=f"GPU-{node}-{i}", model="H100", memory_bytes=80 * 2**30
+            )
+            for i in range(gpus)
+        ],
         gpu_backend="sim",
         topology=wire.Topology(rack=rack),
         version="0.1.0",
@@ -85,12 +95,10 @@ def test_a_birth_makes_a_node_up_with_its_gpus(registry: Registry) -> None:
 
 
 def _states(events: list[Event]) -> list[tuple[str, str]]:
-    return [(e.detail["previous"], e.detail["state"]) for e in events
-            if e.kind == "state_changed"]
+    return [(e.detail["previous"], e.detail["state"]) for e in events if e.kind == "state_changed"]
 
 
-def test_a_first_birth_records_a_join_and_a_change_to_up(registry: Registry,
-                                                          store: Store) -> None:
+def test_a_first_birth_records_a_join_and_a_change_to_up(registry: Registry, store: Store) -> None:
     registry.on_birth(_birth())
 
     events = store.events(node="n1")
@@ -164,8 +172,9 @@ def test_undrain_is_refused_while_health_still_says_drain(registry: Registry) ->
     assert registry.get("n1").state is NodeState.DRAIN
 
 
-def test_undrain_with_force_lifts_a_drain_health_still_asks_for(registry: Registry,
-                                                                 store: Store) -> None:
+def test_undrain_with_force_lifts_a_drain_health_still_asks_for(
+    registry: Registry, store: Store
+) -> None:
     registry.on_birth(_birth(health=DRAIN))
 
     node = registry.undrain("n1", force=True)
@@ -319,8 +328,7 @@ def test_check_timeouts_marks_a_silent_node_offline(registry: Registry, clock: C
     assert "no heartbeat" in node.offline_cause
 
 
-def test_check_timeouts_leaves_a_node_that_beat_recently(registry: Registry,
-                                                         clock: Clock) -> None:
+def test_check_timeouts_leaves_a_node_that_beat_recently(registry: Registry, clock: Clock) -> None:
     registry.on_birth(_birth("silent"))
     registry.on_birth(_birth("fresh"))
     clock.now += OFFLINE_AFTER_S - 1
@@ -331,8 +339,7 @@ def test_check_timeouts_leaves_a_node_that_beat_recently(registry: Registry,
     assert registry.get("fresh").state is NodeState.UP
 
 
-def test_nodes_heard_all_now_get_a_whole_timeout_again(registry: Registry,
-                                                        clock: Clock) -> None:
+def test_nodes_heard_all_now_get_a_whole_timeout_again(registry: Registry, clock: Clock) -> None:
     registry.on_birth(_birth("quiet"))
     clock.now += OFFLINE_AFTER_S - 1  # the supervisor's own link was down meanwhile
     registry.heard_all_now()
@@ -343,8 +350,9 @@ def test_nodes_heard_all_now_get_a_whole_timeout_again(registry: Registry,
     assert registry.check_timeouts() == ["quiet"]
 
 
-def test_wills_the_broker_sent_as_it_went_down_are_taken_back(registry: Registry,
-                                                              clock: Clock) -> None:
+def test_wills_the_broker_sent_as_it_went_down_are_taken_back(
+    registry: Registry, clock: Clock
+) -> None:
     registry.on_birth(_birth("early"))
     registry.on_birth(_birth("late"))
     registry.on_death(wire.NodeDeath(node="early", seq=1, cause="lost"))
@@ -367,8 +375,7 @@ def test_a_node_is_not_timed_out_twice(registry: Registry, clock: Clock) -> None
     assert registry.check_timeouts() == []
 
 
-def test_a_heartbeat_after_a_timeout_brings_the_node_back(registry: Registry,
-                                                          clock: Clock) -> None:
+def test_a_heartbeat_after_a_timeout_brings_the_node_back(registry: Registry, clock: Clock) -> None:
     registry.on_birth(_birth())
     clock.now += OFFLINE_AFTER_S + 1
     registry.check_timeouts()
@@ -377,12 +384,15 @@ def test_a_heartbeat_after_a_timeout_brings_the_node_back(registry: Registry,
     assert registry.get("n1").state is NodeState.UP
 
 
-def test_a_health_change_between_node_and_gpu_0_is_recorded(registry: Registry,
-                                                            store: Store) -> None:
-    node_wide = Health(status=HealthStatus.DRAIN,
-                       reasons=[Reason(code="nvml_error", severity="drain")])
-    on_gpu_0 = Health(status=HealthStatus.DRAIN,
-                      reasons=[Reason(code="nvml_error", severity="drain", gpu=0)])
+def test_a_health_change_between_node_and_gpu_0_is_recorded(
+    registry: Registry, store: Store
+) -> None:
+    node_wide = Health(
+        status=HealthStatus.DRAIN, reasons=[Reason(code="nvml_error", severity="drain")]
+    )
+    on_gpu_0 = Health(
+        status=HealthStatus.DRAIN, reasons=[Reason(code="nvml_error", severity="drain", gpu=0)]
+    )
     registry.on_birth(_birth(health=node_wide))
 
     registry.on_heartbeat(_beat(health=on_gpu_0))
@@ -393,8 +403,7 @@ def test_a_health_change_between_node_and_gpu_0_is_recorded(registry: Registry,
 
 def test_on_event_sees_every_recorded_event(store: Store, clock: Clock) -> None:
     seen: list[Event] = []
-    registry = Registry(store, offline_after_s=OFFLINE_AFTER_S, clock=clock,
-                        on_event=seen.append)
+    registry = Registry(store, offline_after_s=OFFLINE_AFTER_S, clock=clock, on_event=seen.append)
 
     registry.on_birth(_birth())
 
@@ -402,7 +411,8 @@ def test_on_event_sees_every_recorded_event(store: Store, clock: Clock) -> None:
 
 
 def test_a_new_registry_over_the_same_store_remembers_drains_reasons_and_events(
-    tmp_path: Path, clock: Clock,
+    tmp_path: Path,
+    clock: Clock,
 ) -> None:
     path = tmp_path / "state.db"
     first_store = Store(path)
@@ -430,12 +440,14 @@ def test_a_new_registry_over_the_same_store_remembers_drains_reasons_and_events(
 
 
 def test_a_restarted_registry_shows_remembered_nodes_offline_until_they_are_heard(
-    tmp_path: Path, clock: Clock,
+    tmp_path: Path,
+    clock: Clock,
 ) -> None:
     path = tmp_path / "state.db"
     first_store = Store(path)
     Registry(first_store, offline_after_s=OFFLINE_AFTER_S, clock=clock).on_birth(
-        _birth(seq=2, health=DRAIN))
+        _birth(seq=2, health=DRAIN)
+    )
     first_store.close()
 
     store = Store(path)

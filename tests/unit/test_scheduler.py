@@ -45,9 +45,7 @@ def node(
 
 def racks(count: int, per_rack: int, gpus: int = 8) -> tuple[ClusterNode, ...]:
     """Nodes r0n0, r0n1, ... r1n0, ... in racks r0, r1, ..."""
-    return tuple(
-        node(f"r{r}n{i}", f"r{r}", gpus) for r in range(count) for i in range(per_rack)
-    )
+    return tuple(node(f"r{r}n{i}", f"r{r}", gpus) for r in range(count) for i in range(per_rack))
 
 
 def job(
@@ -270,8 +268,10 @@ def test_required_spread_over_more_racks_than_exist_can_never_start() -> None:
 
 def test_started_nodes_are_in_rack_then_domain_order() -> None:
     nodes = (
-        node("a", rack="r1", domain="x"), node("b", rack="r0", domain="y"),
-        node("c", rack="r0", domain="x"), node("d", rack="r1", domain="x"),
+        node("a", rack="r1", domain="x"),
+        node("b", rack="r0", domain="y"),
+        node("c", rack="r0", domain="x"),
+        node("d", rack="r1", domain="x"),
     )
     decisions = run(nodes, (job("j", nodes=4),), now=0.0)
     assert starts(decisions)["j"].nodes == ("c", "b", "a", "d")
@@ -319,7 +319,10 @@ def test_pending_job_reports_quota_reason() -> None:
 def test_quota_counts_gpus_of_running_jobs() -> None:
     teams = (TeamShare("t", gpu_quota=12),)
     decisions = run(
-        racks(1, 2), (job("a", gpus=8),), (running("mine", ("r0n0",), gpus=8),), now=0.0,
+        racks(1, 2),
+        (job("a", gpus=8),),
+        (running("mine", ("r0n0",), gpus=8),),
+        now=0.0,
         teams=teams,
     )
     assert waits(decisions)["a"].reason is WaitReason.QUOTA
@@ -387,8 +390,11 @@ def test_backfill_uses_nodes_the_reservation_does_not_need() -> None:
 def test_backfill_may_use_gpus_a_reserved_node_has_to_spare() -> None:
     # At t=1000 the node has 8 free GPUs and "big" needs 6: 2 may run past it.
     busy = (running("busy", ("r0n0",), gpus=4, max_runtime=1000.0),)
-    pending = (job("big", gpus=6, priority=1), job("long", gpus=2, max_runtime=5000.0),
-               job("longer", gpus=2, max_runtime=5000.0))
+    pending = (
+        job("big", gpus=6, priority=1),
+        job("long", gpus=2, max_runtime=5000.0),
+        job("longer", gpus=2, max_runtime=5000.0),
+    )
     decisions = run(racks(1, 1), pending, busy, now=100.0)
     assert waits(decisions)["big"].reserved_start == 1000.0
     assert "long" in starts(decisions)
@@ -572,8 +578,9 @@ def cluster_states(draw: st.DrawFn) -> ClusterState:
     now = 1000.0
     running_jobs = []
     for k in range(draw(st.integers(0, 6))):
-        chosen = draw(st.lists(st.sampled_from([n.id for n in nodes]), min_size=1, max_size=3,
-                               unique=True))
+        chosen = draw(
+            st.lists(st.sampled_from([n.id for n in nodes]), min_size=1, max_size=3, unique=True)
+        )
         room = min(free[n] for n in chosen)
         if room == 0:
             continue
@@ -583,26 +590,39 @@ def cluster_states(draw: st.DrawFn) -> ClusterState:
         start = draw(st.floats(0.0, now))
         running_jobs.append(
             RunningJob(
-                id=f"run{k}", team=draw(st.sampled_from("xyz")),
-                priority=draw(st.integers(0, 2)), nodes=tuple(chosen), gpus_per_node=per_node,
-                preemptible=draw(st.sampled_from((True, True, False))), start_time=start,
+                id=f"run{k}",
+                team=draw(st.sampled_from("xyz")),
+                priority=draw(st.integers(0, 2)),
+                nodes=tuple(chosen),
+                gpus_per_node=per_node,
+                preemptible=draw(st.sampled_from((True, True, False))),
+                start_time=start,
                 max_runtime=draw(st.floats(1.0, 3000.0)),
                 last_checkpoint_time=draw(st.none() | st.floats(start, now)),
             )
         )
     pending = tuple(
         PendingJob(
-            id=f"job{k}", team=draw(st.sampled_from("xyz")), priority=draw(st.integers(0, 3)),
-            nodes=draw(st.integers(1, 3)), gpus_per_node=draw(st.sampled_from((1, 2, 3, 4, 8))),
-            max_runtime=draw(st.floats(1.0, 4000.0)), submit_time=draw(st.floats(0.0, now)),
+            id=f"job{k}",
+            team=draw(st.sampled_from("xyz")),
+            priority=draw(st.integers(0, 3)),
+            nodes=draw(st.integers(1, 3)),
+            gpus_per_node=draw(st.sampled_from((1, 2, 3, 4, 8))),
+            max_runtime=draw(st.floats(1.0, 4000.0)),
+            submit_time=draw(st.floats(0.0, now)),
             gpu_type=draw(st.sampled_from((None, *TYPES))),
-            placement=draw(st.sampled_from(Placement)), placement_required=draw(st.booleans()),
+            placement=draw(st.sampled_from(Placement)),
+            placement_required=draw(st.booleans()),
         )
         for k in range(draw(st.integers(0, 8)))
     )
     teams = tuple(
-        TeamShare(team, gpu_quota=draw(st.none() | st.integers(0, 40)),
-                  weight=draw(st.floats(0.5, 3.0)), usage=draw(st.floats(0.0, 100.0)))
+        TeamShare(
+            team,
+            gpu_quota=draw(st.none() | st.integers(0, 40)),
+            weight=draw(st.floats(0.5, 3.0)),
+            usage=draw(st.floats(0.0, 100.0)),
+        )
         for team in "xyz"
         if draw(st.booleans())
     )
@@ -751,8 +771,11 @@ def test_required_placements_are_honoured(state: ClusterState) -> None:
         elif wanted.placement_required:
             gpu_type = nodes[start.nodes[0]].gpu_type
             capacity = Counter(
-                n.rack for n in state.nodes
-                if n.schedulable and n.id not in decisions.spares and n.gpu_type == gpu_type
+                n.rack
+                for n in state.nodes
+                if n.schedulable
+                and n.id not in decisions.spares
+                and n.gpu_type == gpu_type
                 and n.gpus >= wanted.gpus_per_node
             )
             fewest, total = 0, 0
@@ -815,21 +838,37 @@ def backfill_states(draw: st.DrawFn) -> ClusterState:
         per_node = draw(st.integers(1, free[where]))
         free[where] -= per_node
         running_jobs.append(
-            running(f"run{k}", (where,), per_node, start=now,
-                    max_runtime=draw(st.floats(0.0, 2000.0).map(lambda x: max(1.0, x))))
+            running(
+                f"run{k}",
+                (where,),
+                per_node,
+                start=now,
+                max_runtime=draw(st.floats(0.0, 2000.0).map(lambda x: max(1.0, x))),
+            )
         )
     pending = [
-        job(f"big{k}", nodes=draw(st.integers(1, len(nodes))), gpus=draw(st.integers(1, gpus)),
-            priority=9 - k, max_runtime=draw(st.floats(1.0, 3000.0)))
+        job(
+            f"big{k}",
+            nodes=draw(st.integers(1, len(nodes))),
+            gpus=draw(st.integers(1, gpus)),
+            priority=9 - k,
+            max_runtime=draw(st.floats(1.0, 3000.0)),
+        )
         for k in range(draw(st.integers(1, 2)))
     ]
     pending += [
-        job(f"small{k}", gpus=draw(st.integers(1, gpus)), priority=draw(st.integers(0, 2)),
-            max_runtime=draw(st.floats(1.0, 3000.0)), submit=float(k))
+        job(
+            f"small{k}",
+            gpus=draw(st.integers(1, gpus)),
+            priority=draw(st.integers(0, 2)),
+            max_runtime=draw(st.floats(1.0, 3000.0)),
+            submit=float(k),
+        )
         for k in range(draw(st.integers(1, 6)))
     ]
-    return ClusterState(now, nodes, tuple(running_jobs), tuple(pending),
-                        reservation_depth=draw(st.integers(1, 2)))
+    return ClusterState(
+        now, nodes, tuple(running_jobs), tuple(pending), reservation_depth=draw(st.integers(1, 2))
+    )
 
 
 @PROPERTY

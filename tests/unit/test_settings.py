@@ -47,16 +47,16 @@ def test_the_file_overrides_the_default(tmp_path: Path) -> None:
     assert (settings.mqtt.port, settings.heartbeat_interval_s) == (1000, 1.5)
 
 
-def test_the_environment_overrides_the_file(tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_environment_overrides_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = _toml(tmp_path, "[mqtt]\nport = 1000\n")
     monkeypatch.setenv("PHALANX_AGENTD_MQTT__PORT", "2000")
 
     assert agentd.config.load(["--config", str(path)]).mqtt.port == 2000
 
 
-def test_a_flag_overrides_the_environment(tmp_path: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_flag_overrides_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = _toml(tmp_path, "[mqtt]\nport = 1000\n")
     monkeypatch.setenv("PHALANX_AGENTD_MQTT__PORT", "2000")
 
@@ -170,9 +170,13 @@ def test_a_config_file_named_by_the_environment_that_does_not_exist_raises(
 
 
 def test_a_missing_default_file_is_fine(tmp_path: Path) -> None:
-    settings = load_settings(AgentSettings, [], prog="phalanx-agentd",
-                             env_prefix="PHALANX_AGENTD_",
-                             default_config=tmp_path / "nowhere" / "agentd.toml")
+    settings = load_settings(
+        AgentSettings,
+        [],
+        prog="phalanx-agentd",
+        env_prefix="PHALANX_AGENTD_",
+        default_config=tmp_path / "nowhere" / "agentd.toml",
+    )
 
     assert settings.mqtt.port == 1883
 
@@ -180,8 +184,9 @@ def test_a_missing_default_file_is_fine(tmp_path: Path) -> None:
 def test_an_existing_default_file_is_read(tmp_path: Path) -> None:
     path = _toml(tmp_path, "[mqtt]\nport = 1999\n")
 
-    settings = load_settings(AgentSettings, [], prog="phalanx-agentd",
-                             env_prefix="PHALANX_AGENTD_", default_config=path)
+    settings = load_settings(
+        AgentSettings, [], prog="phalanx-agentd", env_prefix="PHALANX_AGENTD_", default_config=path
+    )
 
     assert settings.mqtt.port == 1999
 
@@ -189,8 +194,11 @@ def test_an_existing_default_file_is_read(tmp_path: Path) -> None:
 def test_the_supervisor_follows_the_same_precedence(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = _toml(tmp_path, "offline_after_s = 30\n[api]\nport = 1\n[mqtt]\nport = 1000\n",
-                 name="supervisor.toml")
+    path = _toml(
+        tmp_path,
+        "offline_after_s = 30\n[api]\nport = 1\n[mqtt]\nport = 1000\n",
+        name="supervisor.toml",
+    )
     monkeypatch.setenv("PHALANX_SUPERVISOR_API__PORT", "2")
     monkeypatch.setenv("PHALANX_SUPERVISOR_MQTT__PORT", "2000")
 
@@ -281,12 +289,12 @@ def test_write_cpus_name_cpus_this_node_has_and_leave_the_ranks_one(tmp_path: Pa
     usable = sorted(os.sched_getaffinity(0))
     if len(usable) < 2:
         pytest.skip("one usable CPU: nothing can be kept for the write-down")
-    kept = agentd.config.load(["--config", str(_toml(
-        tmp_path, f"[ckpt]\nwrite_cpus = [{usable[-1]}, {usable[-1]}]\n"))])
+    kept = agentd.config.load(
+        ["--config", str(_toml(tmp_path, f"[ckpt]\nwrite_cpus = [{usable[-1]}, {usable[-1]}]\n"))]
+    )
     assert kept.ckpt.write_cpus == [usable[-1]]
 
     with pytest.raises(ConfigError, match=r"ckpt\.write_cpus.*4095.*not among"):
         agentd.config.load(["--config", str(_toml(tmp_path, "[ckpt]\nwrite_cpus = [4095]\n"))])
     with pytest.raises(ConfigError, match=r"ckpt\.write_cpus.*leaves the ranks no CPU"):
-        agentd.config.load(["--config", str(_toml(
-            tmp_path, f"[ckpt]\nwrite_cpus = {usable}\n"))])
+        agentd.config.load(["--config", str(_toml(tmp_path, f"[ckpt]\nwrite_cpus = {usable}\n"))])

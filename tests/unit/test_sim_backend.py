@@ -66,8 +66,9 @@ def test_an_existing_file_is_kept_not_rewritten(path: Path) -> None:
     assert _gpu(again, 2).ecc_dbe_volatile == 1
 
 
-def test_ecc_dbe_counts_an_uncorrected_error_and_delivers_xid_48(sim: SimBackend,
-                                                                 path: Path) -> None:
+def test_ecc_dbe_counts_an_uncorrected_error_and_delivers_xid_48(
+    sim: SimBackend, path: Path
+) -> None:
     inject(path, 1, "ecc-dbe")
 
     sample = sim.sample()
@@ -100,8 +101,7 @@ def test_xid_79_delivers_the_event_on_that_gpu(sim: SimBackend, path: Path) -> N
     assert sim.sample().xids == ((3, 79),)
 
 
-def test_thermal_heats_the_gpu_past_slowdown_and_throttles_it(sim: SimBackend,
-                                                              path: Path) -> None:
+def test_thermal_heats_the_gpu_past_slowdown_and_throttles_it(sim: SimBackend, path: Path) -> None:
     inject(path, 0, "thermal")
 
     gpu = _gpu(sim, 0)
@@ -119,8 +119,7 @@ def test_row_remap_pending_marks_a_pending_remap(sim: SimBackend, path: Path) ->
     assert _gpu(sim, 1).remap_pending is False
 
 
-def test_gpu_lost_removes_the_gpu_from_samples_and_inventory(sim: SimBackend,
-                                                            path: Path) -> None:
+def test_gpu_lost_removes_the_gpu_from_samples_and_inventory(sim: SimBackend, path: Path) -> None:
     inject(path, 1, "gpu-lost")
 
     assert [g.index for g in sim.sample().gpus] == [0, 2, 3]
@@ -188,8 +187,7 @@ def test_xids_from_before_a_backend_opened_are_not_delivered_to_it(path: Path) -
     assert fresh.sample().xids == ((1, 79),)
 
 
-def test_an_nvml_error_in_the_file_is_reported_as_a_node_error(sim: SimBackend,
-                                                               path: Path) -> None:
+def test_an_nvml_error_in_the_file_is_reported_as_a_node_error(sim: SimBackend, path: Path) -> None:
     state = read_state(path)
     state["nvml_error"] = "Driver Not Loaded"
     write_state(path, state)
@@ -205,8 +203,9 @@ def test_an_unknown_fault_raises_value_error_naming_it(sim: SimBackend, path: Pa
         inject(path, 0, "melt")
 
 
-def test_a_gpu_that_does_not_exist_raises_value_error_naming_it(sim: SimBackend,
-                                                                path: Path) -> None:
+def test_a_gpu_that_does_not_exist_raises_value_error_naming_it(
+    sim: SimBackend, path: Path
+) -> None:
     with pytest.raises(ValueError, match="GPU 9"):
         inject(path, 9, "ecc-dbe")
 
@@ -215,14 +214,23 @@ def test_every_documented_fault_is_accepted(sim: SimBackend, path: Path) -> None
     for fault in FAULTS:
         inject(path, 0, fault)
 
-    assert set(FAULTS) == {"ecc-dbe", "ecc-sbe", "xid-79", "thermal", "row-remap-pending",
-                           "gpu-lost", "clear"}
+    assert set(FAULTS) == {
+        "ecc-dbe",
+        "ecc-sbe",
+        "xid-79",
+        "thermal",
+        "row-remap-pending",
+        "gpu-lost",
+        "clear",
+    }
 
 
-@pytest.mark.parametrize("content", ["{not json", "[]", '{"gpus": 3}', "\x00\x01"],
-                         ids=["truncated", "list", "gpus-not-a-list", "binary"])
-def test_a_corrupt_file_raises_gpu_backend_error_naming_the_path(path: Path,
-                                                                 content: str) -> None:
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", "[]", '{"gpus": 3}', "\x00\x01"],
+    ids=["truncated", "list", "gpus-not-a-list", "binary"],
+)
+def test_a_corrupt_file_raises_gpu_backend_error_naming_the_path(path: Path, content: str) -> None:
     path.parent.mkdir(parents=True)
     path.write_text(content)
 
@@ -249,8 +257,9 @@ def test_inject_into_a_corrupt_file_raises_gpu_backend_error_naming_the_path(
         inject(path, 0, "ecc-dbe")
 
 
-def test_a_bad_gpu_entry_raises_gpu_backend_error_naming_the_gpu(sim: SimBackend,
-                                                                 path: Path) -> None:
+def test_a_bad_gpu_entry_raises_gpu_backend_error_naming_the_gpu(
+    sim: SimBackend, path: Path
+) -> None:
     state = read_state(path)
     state["gpus"][2]["throttle"] = ["overheated"]
     write_state(path, state)
@@ -267,8 +276,9 @@ def test_inject_leaves_no_temporary_file_behind(sim: SimBackend, path: Path) -> 
     json.loads(path.read_text())
 
 
-def test_a_failed_write_leaves_the_file_intact_and_no_temporary_file(sim: SimBackend,
-                                                                     path: Path) -> None:
+def test_a_failed_write_leaves_the_file_intact_and_no_temporary_file(
+    sim: SimBackend, path: Path
+) -> None:
     before = path.read_text()
 
     with pytest.raises(TypeError):

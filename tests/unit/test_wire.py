@@ -40,8 +40,14 @@ def _health() -> Health:
         status=HealthStatus.DRAIN,
         reasons=[Reason(code="ecc_dbe", severity="drain", gpu=1, detail="1 uncorrected")],
         gpus=[GpuGauges(index=0, temperature_c=41.0, throttle=["hw_thermal"])],
-        host=HostGauges(disk_free_bytes=10, disk_total_bytes=100, mem_available_bytes=5,
-                        mem_total_bytes=50, load1=0.5, cpu_count=8),
+        host=HostGauges(
+            disk_free_bytes=10,
+            disk_total_bytes=100,
+            mem_available_bytes=5,
+            mem_total_bytes=50,
+            load1=0.5,
+            cpu_count=8,
+        ),
         sampled_at=1700000000.0,
     )
 
@@ -67,8 +73,9 @@ def _heartbeat(node: str = NODE) -> Heartbeat:
 
 
 def _ack(node: str = NODE) -> CommandAck:
-    return CommandAck(id="c1", node=node, status=AckStatus.DONE, result={"pong": True},
-                      acked_at=1700000002.0)
+    return CommandAck(
+        id="c1", node=node, status=AckStatus.DONE, result={"pong": True}, acked_at=1700000002.0
+    )
 
 
 ROUND_TRIPS: list[tuple[str, Callable[[], wire.Message]]] = [
@@ -79,9 +86,19 @@ ROUND_TRIPS: list[tuple[str, Callable[[], wire.Message]]] = [
     ("cmd", lambda: Command.new(NODE, ResampleArgs())),
     ("cmd", lambda: Command.new(NODE, RebirthArgs())),
     ("ack", _ack),
-    ("ckpt", lambda: wire.CkptLanding(node=NODE, job="j-1", step=4, rank=0, tier="nvme",
-                                      nbytes=10, checksum="xxh3_128:" + "0" * 32,
-                                      at=1700000003.0)),
+    (
+        "ckpt",
+        lambda: wire.CkptLanding(
+            node=NODE,
+            job="j-1",
+            step=4,
+            rank=0,
+            tier="nvme",
+            nbytes=10,
+            checksum="xxh3_128:" + "0" * 32,
+            at=1700000003.0,
+        ),
+    ),
     ("ckpt", lambda: wire.CkptReleased(node=NODE, job="j-1", at=1700000004.0)),
 ]
 
@@ -136,7 +153,7 @@ def test_an_empty_payload_on_the_supervisor_status_topic_is_a_cleared_retained_m
 
 @pytest.mark.parametrize(
     "payload",
-    [b"not json at all", b"\xff\xfe\x00\x81binary", b"{\"node\": ", b"[1, 2, 3]", b"42"],
+    [b"not json at all", b"\xff\xfe\x00\x81binary", b'{"node": ', b"[1, 2, 3]", b"42"],
     ids=["text", "binary", "truncated-json", "json-array", "json-number"],
 )
 def test_garbage_raises_wire_error_naming_the_topic(payload: bytes) -> None:
@@ -174,10 +191,13 @@ def test_a_landing_that_names_no_kind_still_parses_as_a_landing() -> None:
     assert parse(wire.ckpt_topic(NODE), json.dumps(data).encode()).message == landing
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("step", 10**12), ("rank", 10**5), ("nbytes", 2**63), ("generation", 2**63)])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("step", 10**12), ("rank", 10**5), ("nbytes", 2**63), ("generation", 2**63)],
+)
 def test_a_landing_past_what_the_store_can_name_or_hold_raises_wire_error(
-    field: str, value: int,
+    field: str,
+    value: int,
 ) -> None:
     data = json.loads(wire.encode(ROUND_TRIPS[-2][1]()))
     data[field] = value
@@ -257,20 +277,26 @@ def test_a_non_phalanx_topic_raises_wire_error_naming_it(topic: str) -> None:
 
 @pytest.mark.parametrize(
     "builder",
-    [wire.birth_topic, wire.death_topic, wire.heartbeat_topic, wire.command_topic,
-     wire.ack_topic, wire.agent_subscriptions],
+    [
+        wire.birth_topic,
+        wire.death_topic,
+        wire.heartbeat_topic,
+        wire.command_topic,
+        wire.ack_topic,
+        wire.agent_subscriptions,
+    ],
 )
 @pytest.mark.parametrize("node", ["", "-lead", "has/slash", "+", "#", "x" * 64, "sp ace"])
-def test_topic_builders_reject_invalid_node_ids(builder: Callable[[str], object],
-                                                node: str) -> None:
+def test_topic_builders_reject_invalid_node_ids(
+    builder: Callable[[str], object], node: str
+) -> None:
     with pytest.raises(ValueError, match="invalid node id"):
         builder(node)
 
 
 def test_topic_builders_put_the_node_under_the_versioned_prefix() -> None:
     assert wire.birth_topic("n1") == "phalanx/v1/node/n1/birth"
-    assert wire.agent_subscriptions("n1") == ("phalanx/v1/node/n1/cmd",
-                                              "phalanx/v1/job/+/ckpt/n1")
+    assert wire.agent_subscriptions("n1") == ("phalanx/v1/node/n1/cmd", "phalanx/v1/job/+/ckpt/n1")
     assert wire.ckpt_topic("n1") == "phalanx/v1/node/n1/ckpt"
     assert wire.catalog_topic("j-1", "n1") == "phalanx/v1/job/j-1/ckpt/n1"
 
@@ -296,4 +322,7 @@ def test_a_command_with_an_unknown_op_raises_wire_error() -> None:
 
 def test_health_statuses_are_ordered_by_severity() -> None:
     assert [s.severity for s in (HealthStatus.OK, HealthStatus.WARN, HealthStatus.DRAIN)] == [
-        0, 1, 2]
+        0,
+        1,
+        2,
+    ]

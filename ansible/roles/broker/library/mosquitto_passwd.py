@@ -67,8 +67,7 @@ SALT_BYTES = 12
 def hash_password(password: str, iterations: int) -> str:
     salt = secrets.token_bytes(SALT_BYTES)
     digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, iterations)
-    return (f"$7${iterations}${base64.b64encode(salt).decode()}$"
-            f"{base64.b64encode(digest).decode()}")
+    return f"$7${iterations}${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
 
 
 def verifies(stored: str, password: str) -> bool:
