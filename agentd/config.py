@@ -130,7 +130,7 @@ class CkptSettings(_Section):
         ge=0,
         le=19,
         description="CPU niceness of the agent's write-down threads (checksums, disk writes, "
-        "zstd). Measured with bench/ckpt.py (1 GiB, 2 cores saturated by the training "
+        "zstd). Measured with bench/checkpointing.py (1 GiB, 2 cores saturated by the training "
         "loop): nice 10 stretched the write-down from 6 s to 34 s without saving the loop "
         "any compute; nice 19 spared the loop but took 262 s. Raise it only where the "
         "ranks' CPU work matters more than how soon checkpoints are durable.",

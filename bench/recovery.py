@@ -79,20 +79,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
-# bench/ckpt.py is named like the ckpt package the ranks and agents import: keep bench/
-# off the import path.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import torch
+import torch.distributed.constants as dist_constants
 
-import torch  # noqa: E402
-import torch.distributed.constants as dist_constants  # noqa: E402
+from agentd.gpu.sim import inject
+from phalanx.client import ApiError, Client
+from phalanx.local import Fleet, LocalFleetError, down, up
 
-from agentd.gpu.sim import inject  # noqa: E402
-from phalanx.client import ApiError, Client  # noqa: E402
-from phalanx.local import Fleet, LocalFleetError, down, up  # noqa: E402
-
-REPO = _HERE.parent
+REPO = Path(__file__).resolve().parent.parent
 JOB_NODES, RANKS_PER_NODE = 2, 2
 WORLD = JOB_NODES * RANKS_PER_NODE
 STEPS = 10_000_000  # without end: every job is cancelled

@@ -46,7 +46,7 @@ class Pacing:
 
     ``nice`` lowers the writer threads' CPU priority (Linux sets it per
     thread) and ``idle`` puts them in ``SCHED_IDLE`` (they run only on a core
-    nothing else wants). Both are off by default. Measured with bench/ckpt.py
+    nothing else wants). Both are off by default. Measured with bench/checkpointing.py
     at 1 GiB on 2 cores, disk tier only (the writer used 0.23 s of CPU either
     way): at nice 0 the matmul loop lost 0.39 s of compute and the write-down
     took 1.2 s; at nice 19 it lost 2.0 s over 14 s, and at ``SCHED_IDLE`` 15 s

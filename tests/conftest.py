@@ -6,9 +6,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from harness import Broker, Fleet
+from tests.harness import Broker, Fleet
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import Fleet, RawMqtt, wait_for
 
 from phalanx import wire
+from tests.harness import Fleet, RawMqtt, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import TOKEN, Fleet, RawMqtt, rank_pid, wait_for
 
 from phalanx import wire
 from phalanx.local import free_port
+from tests.harness import TOKEN, Fleet, RawMqtt, rank_pid, wait_for
 
 pytestmark = pytest.mark.integration
 

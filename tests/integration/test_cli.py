@@ -10,9 +10,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from harness import TOKEN, Fleet
 
 from agentd.gpu.sim import inject
+from tests.harness import TOKEN, Fleet
 
 pytestmark = pytest.mark.integration
 

@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 import pytest
-from harness import Fleet
 
 from agentd.gpu.sim import inject
+from tests.harness import Fleet
 
 pytestmark = pytest.mark.integration
 

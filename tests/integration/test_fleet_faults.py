@@ -5,10 +5,10 @@ from __future__ import annotations
 import signal
 
 import pytest
-from harness import CuttableLink, Fleet, wait_for
 
 from agentd.gpu.sim import inject
 from phalanx.client import ApiError
+from tests.harness import CuttableLink, Fleet, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import TOKEN, Fleet, processes_matching, wait_for
 
 from phalanx.client import ApiError
+from tests.harness import TOKEN, Fleet, processes_matching, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from harness import Fleet, processes_matching, wait_for
 
 from agentd.gpu.sim import inject
+from tests.harness import Fleet, processes_matching, wait_for
 
 pytestmark = pytest.mark.integration
 

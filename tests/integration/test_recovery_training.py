@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Fleet, rank_pid, wait_for
 
 from agentd.gpu.sim import inject
 from phalanx.local import free_port
+from tests.harness import Fleet, rank_pid, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from notify_socket import NotifySocket
-from rollout_env import (
+from phalanx.client import Client
+from phalanx.local import find_mosquitto, free_port
+from tests.rollout.notify_socket import NotifySocket
+from tests.rollout.rollout_env import (
     API_TOKEN,
     Daemon,
     FleetTree,
@@ -31,9 +31,6 @@ from rollout_env import (
     wait_until,
     write_inventory,
 )
-
-from phalanx.client import Client
-from phalanx.local import find_mosquitto, free_port
 
 
 @pytest.fixture

@@ -5,9 +5,9 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from rollout_env import ANSIBLE, ansible_env, tail, tool
 
 import phalanx.wire
+from tests.rollout.rollout_env import ANSIBLE, ansible_env, tail, tool
 
 pytestmark = pytest.mark.rollout
 

@@ -7,10 +7,10 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from mqtt_probe import BAD_USER_NAME_OR_PASSWORD, NOT_AUTHORIZED, SUCCESS, Probe
-from rollout_env import NODE_PASSWORDS, SUPERVISOR_PASSWORD, Daemon, FleetTree
 
 from phalanx import wire
+from tests.rollout.mqtt_probe import BAD_USER_NAME_OR_PASSWORD, NOT_AUTHORIZED, SUCCESS, Probe
+from tests.rollout.rollout_env import NODE_PASSWORDS, SUPERVISOR_PASSWORD, Daemon, FleetTree
 
 pytestmark = [pytest.mark.rollout, pytest.mark.integration]
 

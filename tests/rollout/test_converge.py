@@ -8,11 +8,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from rollout_env import NODE_PASSWORDS, FleetTree, recap, tail
 
 import agentd.config
 import supervisor.config
 from phalanx.settings import MqttSettings
+from tests.rollout.rollout_env import NODE_PASSWORDS, FleetTree, recap, tail
 
 pytestmark = [pytest.mark.rollout, pytest.mark.integration]
 

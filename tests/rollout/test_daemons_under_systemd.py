@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import TOKEN, Broker, wait_for
-from notify_socket import NotifySocket
 
 from phalanx.local import free_port
+from tests.harness import TOKEN, Broker, wait_for
+from tests.rollout.notify_socket import NotifySocket
 
 WATCHDOG_USEC = 300_000  # 0.3 s: the daemon pets every 0.15 s
 

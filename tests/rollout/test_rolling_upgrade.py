@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from rollout_env import ANSIBLE, FleetTree, LiveFleet, ansible_env, tail, tool
 
 from phalanx.client import Client
+from tests.rollout.rollout_env import ANSIBLE, FleetTree, LiveFleet, ansible_env, tail, tool
 
 pytestmark = [pytest.mark.rollout, pytest.mark.integration]
 

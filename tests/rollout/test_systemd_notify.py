@@ -10,10 +10,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from notify_socket import NotifySocket
 
 from phalanx.run import run_until_signal
 from phalanx.systemd import Notifier
+from tests.rollout.notify_socket import NotifySocket
 
 
 def test_ready_sends_ready_and_status_in_one_datagram(notify_socket: NotifySocket) -> None:

@@ -12,7 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from rollout_env import REPO, FleetTree
+
+from tests.rollout.rollout_env import REPO, FleetTree
 
 pytestmark = pytest.mark.rollout
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
-from ckpt_helpers import assert_bit_identical, training_state
 
 import ckpt
 from ckpt import Checkpointer, ObjectTier, S3Store, ShardKey, TierError
 from ckpt.stores import PART_NBYTES
 from ckpt.tiers import TierManifest
+from tests.unit.ckpt.helpers import assert_bit_identical, training_state
 
 moto_server = pytest.importorskip("moto.moto_server.threaded_moto_server")
 

@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 import torch
 import zstandard
-from ckpt_helpers import assert_bit_identical, finish_reservations, small_tmpfs, training_state
 
 from agentd.ckpt import CkptService
 from agentd.ckpt_http import start_rank_socket
@@ -35,6 +34,12 @@ from ckpt.tiers import step_dir
 from phalanx import wire
 from supervisor.catalog import CheckpointCatalog
 from supervisor.store import Store
+from tests.unit.ckpt.helpers import (
+    assert_bit_identical,
+    finish_reservations,
+    small_tmpfs,
+    training_state,
+)
 
 JOB = "job-1"
 

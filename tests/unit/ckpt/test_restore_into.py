@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from ckpt_helpers import assert_bit_identical, open_ckpt, saved_ckpt, training_state
-from test_ckpt_agent_mode import AgentHarness
 
 from ckpt import Checkpointer, FormatError, ShardCorrupt, decode, encode, seal
 from ckpt.tiers import step_dir
+from tests.unit.agentd.test_ckpt_agent_mode import AgentHarness
+from tests.unit.ckpt.helpers import assert_bit_identical, open_ckpt, saved_ckpt, training_state
 
 
 def live_state() -> dict[str, Any]:

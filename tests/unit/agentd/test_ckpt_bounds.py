@@ -27,14 +27,6 @@ import pytest
 import torch
 import zstandard
 from aiohttp import web
-from ckpt_helpers import (
-    COPY_PATHS,
-    assert_bit_identical,
-    finish_reservations,
-    hold_every_ram_slot,
-    small_tmpfs,
-)
-from test_ckpt_agent_mode import JOB, AgentHarness
 
 import ckpt
 from agentd.ckpt_http import add_peer_routes
@@ -46,6 +38,14 @@ from ckpt.remote import AgentClient, AgentEnv
 from ckpt.stores import ObjectTooLarge
 from ckpt.tiers import TierManifest
 from phalanx.http import bearer_ok, serve
+from tests.unit.agentd.test_ckpt_agent_mode import JOB, AgentHarness
+from tests.unit.ckpt.helpers import (
+    COPY_PATHS,
+    assert_bit_identical,
+    finish_reservations,
+    hold_every_ram_slot,
+    small_tmpfs,
+)
 
 GIB = 1 << 30
 MIB = 1 << 20

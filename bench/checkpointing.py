@@ -1,6 +1,6 @@
 """The checkpoint store against the alternatives, on one state, in one run. Prints JSON.
 
-    python bench/ckpt.py --size-gib 1 [--saves 5] [--dir /path/on/nvme] [--variants]
+    python bench/checkpointing.py --size-gib 1 [--saves 5] [--dir /path/on/nvme] [--variants]
 
 * ``memcpy_s``: the state's bytes copied into an already-touched buffer (the
   limit), with torch's default threads; ``memcpy_s_by_threads`` the same copy
@@ -69,7 +69,7 @@ Adam moments. Timings on a shared machine vary: compare within one run.
 
 Measured at 1 GiB on the 2-core development machine (``memcpy_s`` 0.05-0.09
 s; the VM's background load moves every figure by 20-50% between runs, so
-compare within one run), ``python bench/ckpt.py --size-gib 1 --saves 5``, three
+compare within one run), ``python bench/checkpointing.py --size-gib 1 --saves 5``, three
 runs (2026-11-23):
 
 * stall 0.048-0.123 s: worst over the copies beside it 1.06-1.30x (over the
@@ -125,13 +125,8 @@ from typing import Any
 
 import torch
 
-# This file is named like the package it measures: keep bench/ off the import path.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
-
-from ckpt import Checkpointer, LocalFolderStore, ObjectTier, Pacing, ShardKey  # noqa: E402
-from ckpt.peer import HttpPeerStore  # noqa: E402
+from ckpt import Checkpointer, LocalFolderStore, ObjectTier, Pacing, ShardKey
+from ckpt.peer import HttpPeerStore
 
 GIB = 1 << 30
 RAM_DIR = "/dev/shm"  # where the RAM tier's slots live, standalone and under an agent

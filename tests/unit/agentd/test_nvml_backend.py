@@ -7,7 +7,10 @@ from collections.abc import Iterator
 
 import pynvml
 import pytest
-from fake_pynvml import (
+
+from agentd.gpu.base import GpuBackendError, RecoveryAction, Throttle
+from agentd.gpu.nvml import NvmlBackend
+from tests.unit.agentd.fake_pynvml import (
     AGGREGATE,
     CORRECTED,
     DBE_CAUSE,
@@ -18,9 +21,6 @@ from fake_pynvml import (
     FakeNvml,
     nvml_error,
 )
-
-from agentd.gpu.base import GpuBackendError, RecoveryAction, Throttle
-from agentd.gpu.nvml import NvmlBackend
 
 
 @pytest.fixture

@@ -19,13 +19,6 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from ckpt_helpers import (
-    COPY_PATHS,
-    assert_bit_identical,
-    finish_reservations,
-    hold_every_ram_slot,
-    training_state,
-)
 
 from agentd.ckpt import CkptService
 from agentd.ckpt_http import add_peer_routes, start_rank_socket
@@ -44,6 +37,13 @@ from phalanx.http import bearer_ok
 from phalanx.local import free_port
 from supervisor.catalog import CheckpointCatalog
 from supervisor.store import Store
+from tests.unit.ckpt.helpers import (
+    COPY_PATHS,
+    assert_bit_identical,
+    finish_reservations,
+    hold_every_ram_slot,
+    training_state,
+)
 
 JOB = "job-1"
 TOKEN = "agent-token"

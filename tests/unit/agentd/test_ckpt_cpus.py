@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_helpers import open_ckpt
-from test_ranks import JOB, Reporter, start_args
 
 from agentd.ranks import RankRunner
 from ckpt import Checkpointer, Pacing
+from tests.unit.agentd.test_ranks import JOB, Reporter, start_args
+from tests.unit.ckpt.helpers import open_ckpt
 
 USABLE = sorted(os.sched_getaffinity(0))
 needs_two = pytest.mark.skipif(len(USABLE) < 2, reason="one usable CPU: nothing to keep apart")

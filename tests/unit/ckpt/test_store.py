@@ -19,13 +19,19 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from ckpt_helpers import GatedTier, assert_bit_identical, open_ckpt, small_tmpfs, training_state
 
 import ckpt.files
 from ckpt import Checkpointer, DiskTier, TierError, TierEvent, UnsafeShard
 from ckpt.tiers import MANIFEST_NAME, step_dir
+from tests.unit.ckpt.helpers import (
+    GatedTier,
+    assert_bit_identical,
+    open_ckpt,
+    small_tmpfs,
+    training_state,
+)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def disk_shard(root: Path, step: int) -> Path:
