@@ -10,6 +10,7 @@ daemon's handler. A handler that raises is logged; it never ends the link.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
@@ -224,36 +225,64 @@ class MqttLink:
 
 class Outbox:
     """Messages that must reach the broker, in order, on one topic: while the link is down
-    they wait (queued in memory), never dropped. ``run`` is the loop that sends them."""
+    they wait (queued in memory), never dropped. ``run`` is the loop that sends them;
+    ``flush`` sends what is left at shutdown.
+
+    One message is sent at a time, whoever sends it, and it leaves the queue only once
+    the broker took it: a ``run`` cancelled mid-publish leaves its message first in line
+    for ``flush``, and a ``flush`` during a send waits for it, so the order holds. A
+    message whose publish was cut short may be sent twice: at least once and in order,
+    which is what QoS 1 promises anyway."""
 
     def __init__(self, link: MqttLink, topic: str, what: str) -> None:
         self._link = link
         self._topic = topic
         self._what = what
-        self._queue: asyncio.Queue[BaseModel] = asyncio.Queue()
+        self._queue: collections.deque[BaseModel] = collections.deque()
+        self._ready = asyncio.Event()
+        self._sending = asyncio.Lock()
+
+    def __len__(self) -> int:
+        return len(self._queue)
 
     def put(self, message: BaseModel) -> None:
-        self._queue.put_nowait(message)
+        self._queue.append(message)
+        self._ready.set()
+
+    async def _send_first(self, timeout: float) -> None:
+        await self._link.publish(self._topic, _encode(self._queue[0]), timeout=timeout)
+        self._queue.popleft()
+        if not self._queue:
+            self._ready.clear()
 
     async def run(self) -> None:
         while True:
-            message = await self._queue.get()
-            while True:
+            await self._ready.wait()
+            async with self._sending:
+                if not self._queue:
+                    continue  # a flush sent it meanwhile
                 try:
-                    await self._link.publish(self._topic, _encode(message), timeout=30.0)
-                    break
+                    await self._send_first(timeout=30.0)
                 except LinkDown as exc:
                     log.warning("%s not yet sent on %s: %s", self._what, self._topic, exc)
 
     async def flush(self, timeout: float) -> None:
-        """On shutdown: send what is queued, as far as ``timeout`` allows."""
+        """On shutdown: send what is queued, in order, as far as ``timeout`` allows (a send
+        in flight is waited for within it). What is left is logged, and stays queued."""
         deadline = time.monotonic() + timeout
-        while not self._queue.empty() and time.monotonic() < deadline:
-            message = self._queue.get_nowait()
-            with contextlib.suppress(LinkDown):
-                await self._link.publish(
-                    self._topic, _encode(message), timeout=max(0.1, deadline - time.monotonic())
-                )
+        try:
+            async with asyncio.timeout(timeout), self._sending:
+                while self._queue:
+                    await self._send_first(timeout=max(0.1, deadline - time.monotonic()))
+        except (TimeoutError, LinkDown) as exc:
+            log.error(
+                "%d %s(s) not sent on %s at shutdown (limit %.1f s): %s",
+                len(self._queue),
+                self._what,
+                self._topic,
+                timeout,
+                exc or "the limit passed",
+            )
 
 
 def _encode(message: BaseModel) -> bytes:

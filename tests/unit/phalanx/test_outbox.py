@@ -1,0 +1,91 @@
+"""An outbox sends every message put in it, in order, also across a shutdown's flush."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+from pydantic import BaseModel
+
+from phalanx.link import LinkDown, MqttLink, Outbox
+
+
+class Event(BaseModel):
+    n: int
+
+
+class GatedLink:
+    """The I/O boundary: a publish that completes when the test lets it (``gate``)."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+        self.started: list[int] = []
+        self.gate = asyncio.Event()
+        self.down = False
+
+    async def publish(self, topic: str, payload: bytes, **_: Any) -> None:
+        n = Event.model_validate_json(payload).n
+        self.started.append(n)
+        if self.down:
+            raise LinkDown("broker unreachable")
+        await self.gate.wait()
+        self.sent.append(n)
+
+
+def outbox(link: GatedLink) -> Outbox:
+    return Outbox(cast(MqttLink, link), "phalanx/v1/node/n1/rank", "rank event")
+
+
+async def until(check: Any) -> None:
+    async with asyncio.timeout(5):
+        while not check():
+            await asyncio.sleep(0.001)
+
+
+async def test_a_flush_during_a_send_keeps_the_order_of_the_messages() -> None:
+    link = GatedLink()
+    box = outbox(link)
+    for n in (1, 2, 3):
+        box.put(Event(n=n))
+    runner = asyncio.create_task(box.run())
+    await until(lambda: link.started == [1])  # run holds message 1, its publish in flight
+    flush = asyncio.create_task(box.flush(timeout=5.0))
+    await asyncio.sleep(0.01)
+    link.gate.set()
+    await flush
+    runner.cancel()
+    assert link.sent == [1, 2, 3]
+
+
+async def test_the_message_being_sent_when_run_is_cancelled_is_sent_by_the_flush() -> None:
+    link = GatedLink()
+    box = outbox(link)
+    box.put(Event(n=1))
+    box.put(Event(n=2))
+    runner = asyncio.create_task(box.run())
+    await until(lambda: link.started == [1])
+    runner.cancel()  # shutdown cancels the loop while it publishes message 1
+    await asyncio.gather(runner, return_exceptions=True)
+    link.gate.set()
+    await box.flush(timeout=5.0)
+    assert link.sent == [1, 2]
+
+
+async def test_a_flush_stops_at_its_limit_and_keeps_what_it_could_not_send() -> None:
+    link = GatedLink()
+    box = outbox(link)
+    box.put(Event(n=1))
+    await box.flush(timeout=0.05)  # the publish never completes: the limit ends the flush
+    assert link.sent == [] and len(box) == 1
+    link.gate.set()
+    await box.flush(timeout=5.0)
+    assert link.sent == [1] and len(box) == 0
+
+
+async def test_a_flush_with_the_link_down_gives_up_and_keeps_the_messages() -> None:
+    link = GatedLink()
+    link.down = True
+    box = outbox(link)
+    box.put(Event(n=1))
+    await box.flush(timeout=5.0)
+    assert link.sent == [] and len(box) == 1
