@@ -27,8 +27,13 @@ from typing import Any
 from agentd.commands import CommandError
 from agentd.progress import socket_beside
 from phalanx import wire
+from phalanx.tasks import Tasks
 
 log = logging.getLogger(__name__)
+
+# How long a stop waits for ranks to exit after their SIGKILL before it returns without them
+# (a process stuck in the kernel); its watcher still reports it when it goes.
+KILL_WAIT_S = 10.0
 
 # Make a hung NCCL collective fail fast and leave a flight-recorder dump.
 NCCL_ENV = {
@@ -84,7 +89,7 @@ class RankRunner:
         self._report = report
         self._ranks: dict[tuple[str, int], Rank] = {}  # (job, rank) -> current process
         self._generation: dict[str, int] = {}  # job -> highest generation started
-        self._watchers: set[asyncio.Task[None]] = set()
+        self._watchers = Tasks(f"rank watchers of {node}")  # one per rank process
         # GPUs each job holds, claimed synchronously when its start is accepted, so two
         # starts racing through the awaits below can never be handed the same GPU.
         self._claims: dict[str, tuple[int, set[int]]] = {}  # job -> (generation, gpus)
@@ -216,9 +221,7 @@ class RankRunner:
             self._ranks[(req.job, slot.rank)] = rank
             self._record()
             pids[slot.rank] = proc.pid
-            task = asyncio.create_task(self._watch(rank), name=f"rank-{req.job}-{slot.rank}")
-            self._watchers.add(task)
-            task.add_done_callback(self._watchers.discard)
+            self._watchers.spawn(self._watch(rank), name=f"rank-{req.job}-{slot.rank}")
             log.info(
                 "job %s gen %d: started rank %d (pid %d)",
                 req.job,
@@ -331,26 +334,29 @@ class RankRunner:
             # runs again; SIGKILL would need no SIGCONT, but the grace is for a clean exit.
             _killpg(r.proc.pid, signal.SIGCONT)
         if victims:
-            waits = [asyncio.create_task(r.done.wait()) for r in victims]
-            _, pending = await asyncio.wait(waits, timeout=grace_s)
-            for task in pending:
-                task.cancel()
-            for r in victims:
-                if not r.done.is_set():
-                    log.warning(
-                        "job %s rank %d ignored SIGTERM for %.0fs; SIGKILL",
-                        job,
-                        r.slot.rank,
-                        grace_s,
-                    )
-                    _killpg(r.proc.pid, signal.SIGKILL)
-            await asyncio.wait([asyncio.create_task(r.done.wait()) for r in victims], timeout=10)
+            for r in await _wait_done(victims, grace_s):
+                log.warning(
+                    "job %s rank %d ignored SIGTERM for %.0fs; SIGKILL", job, r.slot.rank, grace_s
+                )
+                _killpg(r.proc.pid, signal.SIGKILL)
+            for r in await _wait_done(victims, KILL_WAIT_S):
+                log.error(
+                    "job %s rank %d outlived SIGKILL by %.0f s (pid %d, stuck in the kernel?); "
+                    "it is reported when it exits",
+                    job,
+                    r.slot.rank,
+                    KILL_WAIT_S,
+                    r.proc.pid,
+                )
         return {"stopped": sorted(r.slot.rank for r in victims)}
 
     async def stop_all(self, grace_s: float) -> None:
+        """At shutdown: refuse new starts, stop every rank, and return once each rank's exit
+        was reported (or its watcher given up on, ``KILL_WAIT_S`` after the stops)."""
         self.closing = True
         jobs = {(r.job, r.generation) for r in self._ranks.values() if not r.done.is_set()}
         await asyncio.gather(*(self.stop(j, g, grace_s=grace_s) for j, g in jobs))
+        await self._watchers.shutdown(timeout=KILL_WAIT_S)
 
     # --- orphans ---------------------------------------------------------------
 
@@ -450,6 +456,19 @@ class RankRunner:
         )
         with contextlib.suppress(Exception):
             await self._report(event)
+
+
+async def _wait_done(ranks: list[Rank], timeout: float) -> list[Rank]:
+    """Wait up to ``timeout`` s for the ranks to exit; those still running. No wait is left
+    behind: a rank that outlives it is waited for by its watcher only."""
+    waits = [asyncio.create_task(r.done.wait(), name=f"stop-wait-{r.slot.rank}") for r in ranks]
+    try:
+        await asyncio.wait(waits, timeout=timeout)
+    finally:
+        for task in waits:
+            task.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+    return [r for r in ranks if not r.done.is_set()]
 
 
 def _killpg(pid: int, sig: int) -> None:

@@ -589,3 +589,23 @@ async def test_ranks_left_by_a_crashed_agent_are_killed_by_the_next_one(
     assert sorted(killed) == sorted(pids)
     await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in crashed._ranks.values())), 10)
     assert not any(alive(pid) for pid in pids)
+
+
+async def test_a_rank_that_outlives_its_sigkill_leaves_no_wait_behind(
+    runner: RankRunner, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The fault, at the OS boundary: signals never arrive (a process in D state, stuck in
+    # the kernel, outlives even SIGKILL).
+    from agentd import ranks as ranks_module
+
+    real_killpg = os.killpg
+    monkeypatch.setattr(ranks_module.os, "killpg", lambda pid, sig: None)
+    monkeypatch.setattr(ranks_module, "KILL_WAIT_S", 0.2, raising=False)
+    await runner.start(start_args("sleep 60", ranks=slots(2)))
+    before = {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+    await runner.stop(JOB, 1, grace_s=0.1)
+    left = {t for t in asyncio.all_tasks() if t is not asyncio.current_task()} - before
+    assert [t for t in left if not t.get_name().startswith("rank-")] == []
+    assert f"job {JOB} rank 2 outlived SIGKILL" in caplog.text
+    monkeypatch.setattr(ranks_module.os, "killpg", real_killpg)
+    real_killpg(next(iter(runner.pids(JOB, 1).values())), signal.SIGKILL)

@@ -21,11 +21,13 @@ class GatedLink:
         self.sent: list[int] = []
         self.started: list[int] = []
         self.gate = asyncio.Event()
+        self.in_flight = asyncio.Event()  # a publish has started
         self.down = False
 
     async def publish(self, topic: str, payload: bytes, **_: Any) -> None:
         n = Event.model_validate_json(payload).n
         self.started.append(n)
+        self.in_flight.set()
         if self.down:
             raise LinkDown("broker unreachable")
         await self.gate.wait()
@@ -36,10 +38,10 @@ def outbox(link: GatedLink) -> Outbox:
     return Outbox(cast(MqttLink, link), "phalanx/v1/node/n1/rank", "rank event")
 
 
-async def until(check: Any) -> None:
+async def first_publish(link: GatedLink) -> None:
     async with asyncio.timeout(5):
-        while not check():
-            await asyncio.sleep(0.001)
+        await link.in_flight.wait()
+    assert link.started == [1]
 
 
 async def test_a_flush_during_a_send_keeps_the_order_of_the_messages() -> None:
@@ -48,7 +50,7 @@ async def test_a_flush_during_a_send_keeps_the_order_of_the_messages() -> None:
     for n in (1, 2, 3):
         box.put(Event(n=n))
     runner = asyncio.create_task(box.run())
-    await until(lambda: link.started == [1])  # run holds message 1, its publish in flight
+    await first_publish(link)  # run holds message 1, its publish in flight
     flush = asyncio.create_task(box.flush(timeout=5.0))
     await asyncio.sleep(0.01)
     link.gate.set()
@@ -63,7 +65,7 @@ async def test_the_message_being_sent_when_run_is_cancelled_is_sent_by_the_flush
     box.put(Event(n=1))
     box.put(Event(n=2))
     runner = asyncio.create_task(box.run())
-    await until(lambda: link.started == [1])
+    await first_publish(link)
     runner.cancel()  # shutdown cancels the loop while it publishes message 1
     await asyncio.gather(runner, return_exceptions=True)
     link.gate.set()
