@@ -1,8 +1,22 @@
 """The node agent: health sampling, heartbeats, commands and the HTTP server.
 
-:class:`Agent` is an async context manager owning one task group of named
-loops; leaving the block cancels them. On a clean stop it publishes a
-``shutdown`` death, so the supervisor does not wait for the keepalive.
+:class:`Agent` is an async context manager owning one task group of named loops, and
+one owner (:class:`~phalanx.tasks.Tasks`) of its one-off tasks: the commands being run
+and the checkpoint catalogs being applied.
+
+Shutdown, in this order, within one deadline (``stop_grace_s`` + ``SHUTDOWN_MARGIN_S``,
+inside the unit's ``TimeoutStopSec``):
+
+1. stop accepting: no new command or catalog is started (the ranks' sockets stay open:
+   a rank saving in its SIGTERM grace still needs them);
+2. wait for the commands and catalogs in flight (at most ``COMMAND_DRAIN_S``), so a
+   start in flight cannot leave ranks behind the stop; cancel the rest, with a message;
+3. stop the ranks (SIGTERM, ``stop_grace_s``, SIGKILL), their exits reported;
+4. close the checkpoint service: write-downs in flight finish and report their
+   landings;
+5. drain: the rank events, then the checkpoint landings, are sent to the broker;
+6. publish the ``shutdown`` death, so the supervisor does not wait for the keepalive;
+7. cancel the loops; close the link, the sockets and the HTTP server.
 """
 
 from __future__ import annotations
@@ -14,7 +28,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -33,9 +46,15 @@ from agentd.ranks import RankRunner
 from ckpt import Pacing
 from phalanx import __version__, wire
 from phalanx.link import LinkDown, MqttLink, Outbox, Will
-from phalanx.tasks import supervised
+from phalanx.tasks import Deadline, Tasks, supervised
 
 log = logging.getLogger(__name__)
+
+# The agent's own shutdown after its ranks' grace: commands, checkpoint write-downs, the
+# broker. With stop_grace_s (30 s) it stays inside the unit's TimeoutStopSec (90 s).
+SHUTDOWN_MARGIN_S = 50.0
+# How long commands and catalogs in flight get to finish at shutdown.
+COMMAND_DRAIN_S = 10.0
 
 
 class BirthSequence:
@@ -138,6 +157,7 @@ class Agent:
         self._landings = Outbox(self.link, wire.ckpt_topic(self.node), "checkpoint landing")
         self.http_port = 0
         self._group: asyncio.TaskGroup | None = None
+        self._tasks = Tasks(f"agent {self.node}")  # commands and catalogs being handled
         self._loops: list[asyncio.Task[None]] = []
         self._stack = contextlib.AsyncExitStack()
         self.ready = asyncio.Event()
@@ -181,18 +201,25 @@ class Agent:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        deadline = Deadline(self.settings.stop_grace_s + SHUTDOWN_MARGIN_S)
+        self._tasks.close()
+        await self._tasks.shutdown(timeout=min(COMMAND_DRAIN_S, deadline.left()))
         await self.ranks.stop_all(self.settings.stop_grace_s)
-        await self._rank_events.flush(timeout=2.0)
-        await self.ckpt.close()
+        await self.ckpt.close(timeout=deadline.left(floor=1.0))
+        await asyncio.sleep(0)  # the landings the close queued from its threads
+        await self._rank_events.flush(timeout=deadline.left(floor=1.0))
+        await self._landings.flush(timeout=deadline.left(floor=1.0))
         if self.link.connected:
             death = wire.NodeDeath(node=self.node, seq=self._birth_seq, cause="shutdown")
             with contextlib.suppress(LinkDown):
                 await self.link.publish(
-                    wire.death_topic(self.node), wire.encode(death), retain=True, timeout=2.0
+                    wire.death_topic(self.node),
+                    wire.encode(death),
+                    retain=True,
+                    timeout=deadline.left(floor=1.0),
                 )
-        if self._group is not None:
-            for task in self._loops:
-                task.cancel()
+        for task in self._loops:
+            task.cancel()
         await self._stack.__aexit__(exc_type, exc, tb)
         self._sampler.shutdown(wait=False, cancel_futures=True)
         self.backend.close()
@@ -251,13 +278,8 @@ class Agent:
             log.warning("dropped: %s", exc)
             return
         if isinstance(inbound.message, wire.CkptCatalog):
-            assert self._group is not None
-            self._group.create_task(
-                _logged(
-                    self.ckpt.on_catalog(inbound.message),
-                    f"applying the checkpoint catalog of {inbound.message.job}",
-                ),
-                name="ckpt-catalog",
+            self._tasks.spawn(
+                self.ckpt.on_catalog(inbound.message), name=f"ckpt-catalog-{inbound.message.job}"
             )
             return
         if inbound.message is None:
@@ -266,8 +288,8 @@ class Agent:
             log.warning("dropped: unexpected %s on %s", type(inbound.message).__name__, topic)
             return
         # Run commands beside the message loop, so a slow one does not hold up the next.
-        assert self._group is not None
-        self._group.create_task(self._run_command(inbound.message), name="command")
+        cmd = inbound.message
+        self._tasks.spawn(self._run_command(cmd), name=f"command-{cmd.args.op}-{cmd.id}")
 
     async def _run_command(self, cmd: wire.Command) -> None:
         ack = await self.ledger.handle(cmd)
@@ -391,14 +413,3 @@ class Agent:
                 await self.publish_heartbeat()
             except LinkDown as exc:
                 log.warning("heartbeat not sent: %s", exc)
-
-
-async def _logged(work: Awaitable[None], what: str) -> None:
-    """Run a one-off task in the agent's task group; a failure is logged, never fatal (a
-    task group cancels every sibling, heartbeats included, when one child raises)."""
-    try:
-        await work
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.exception("%s failed", what)
