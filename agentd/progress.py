@@ -50,7 +50,7 @@ from phalanx.progress import (
     decode_report,
     encode_requests,
 )
-from phalanx.tasks import supervised
+from phalanx.tasks import Tasks, supervised
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class ProgressMonitor:
         self.unknown = 0  # reports of a job or generation not started here
         self.replies_dropped = 0
         self._garbage_logged = -math.inf
-        self._told: set[asyncio.Future[None]] = set()
+        self._told = Tasks(f"progress monitor of {node}")  # first steps, restores told
 
     # --- lifecycle ---------------------------------------------------------------
 
@@ -215,9 +215,7 @@ class ProgressMonitor:
                 self._task.cancel()
             if self._group is not None:
                 await self._group.__aexit__(None, None, None)
-            for told in list(self._told):  # a first step or restore being reported
-                told.cancel()
-            await asyncio.gather(*self._told, return_exceptions=True)
+            await self._told.shutdown(timeout=1.0)  # a first step or restore being told
         finally:
             self._close()
 
@@ -427,9 +425,9 @@ class ProgressMonitor:
     def _tell(self, event: wire.RankEvent) -> None:
         """Hand a rank's first step or restore to the agent's rank events (from the
         socket's callback, which cannot wait)."""
-        task = asyncio.ensure_future(self._report(event))
-        self._told.add(task)
-        task.add_done_callback(self._told.discard)
+        self._told.spawn(
+            _awaited(self._report(event)), name=f"tell-{event.event}-{event.job}-{event.rank}"
+        )
 
     def _reply(self, to: str | bytes, requests: Requests) -> bool:
         assert self._sock is not None
@@ -565,3 +563,7 @@ def _dumps(folder: Path) -> list[str]:
         return sorted(str(p) for p in folder.glob(f"{DUMP_PREFIX}*") if p.is_file())[:MAX_DUMPS]
     except OSError:
         return []
+
+
+async def _awaited(work: Awaitable[None]) -> None:
+    await work
