@@ -1,0 +1,261 @@
+"""The eighteen faults: how each is injected, and what the job must do after it.
+
+Each scenario is ``inject(strike)``: it runs once the job has reached the seeded step, may
+wait (a link down for a while) and must undo what it did to the fleet (a link back up, a
+disk emptied) before it returns, so that the job can finish. ``expect`` is what the
+driver checks at the end: the job's final state and which kind of recovery it took.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentd.gpu.sim import inject as sim_inject
+from tests.harness import rank_pid
+from tests.rig.fleet import RigFleet
+from tests.rig.hosts import NetnsHost
+from tests.rig.net import RigError
+
+
+@dataclass
+class Strike:
+    """What a fault needs: the fleet, the job, the seeded choices."""
+
+    fleet: RigFleet
+    job_id: str
+    rng: random.Random
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def job(self) -> dict[str, Any]:
+        job: dict[str, Any] = self.fleet.client().get(f"/v1/jobs/{self.job_id}")
+        return job
+
+    def job_hosts(self) -> list[NetnsHost]:
+        return [self.fleet.host(n) for n in self.job()["nodes"]]
+
+    def victim(self) -> NetnsHost:
+        """A host of the job, chosen by the seed (the same seed strikes the same host)."""
+        host = self.rng.choice(sorted(self.job_hosts(), key=lambda h: h.name))
+        self.notes["host"] = host.name
+        return host
+
+    def rank_on(self, host: NetnsHost) -> int:
+        ranks = sorted(r["rank"] for r in self.job()["ranks"] if r["node"] == host.name)
+        rank = self.rng.choice(ranks)
+        self.notes["rank"] = rank
+        return rank
+
+    def kill_rank(self, rank: int) -> None:
+        pid = rank_pid(self.job_id, rank, generation=self.job()["generation"])
+        if pid is None:
+            raise RigError(f"rank {rank} of {self.job_id} is not running")
+        os.kill(pid, signal.SIGKILL)
+
+    def wait_state(self, state: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.job()["state"] == state:
+                return
+            time.sleep(0.1)
+        raise RigError(f"job {self.job_id} not {state} within {timeout:.0f} s")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    inject: Callable[[Strike], None]
+    expect_state: str  # the job's final state
+    recovery: str  # none | in-place | replaced | no-spare | any
+    what: str  # the expectation, in words
+    extra_args: tuple[str, ...] = ()  # tinylm arguments of the scenario's job
+
+
+def kill_rank(s: Strike) -> None:
+    host = s.victim()
+    s.kill_rank(s.rank_on(host))
+
+
+def kill_agent(s: Strike) -> None:
+    host = s.victim()
+    host.signal("agent", signal.SIGKILL)
+    time.sleep(2.0)  # systemd's RestartSec: the unit comes back
+    host.processes.pop("agent", None)
+    s.fleet.start_agent(host)
+
+
+def _gpu_fault(name: str) -> Callable[[Strike], None]:
+    def inject(s: Strike) -> None:
+        host = s.victim()
+        gpu = s.rng.randrange(2)
+        s.notes["gpu"] = gpu
+        sim_inject(s.fleet.sim_file(host), gpu, name)
+
+    inject.__name__ = name.replace("-", "_")
+    return inject
+
+
+def link_cut(s: Strike) -> None:
+    host = s.victim()
+    host.run(*host.cut_link(10), timeout=30)
+
+
+def partition(s: Strike) -> None:
+    a, b = sorted(s.job_hosts(), key=lambda h: h.name)[:2]
+    s.notes["hosts"] = [a.name, b.name]
+    try:
+        a.run(*a.block(b.address))
+        b.run(*b.block(a.address))
+        time.sleep(15)
+    finally:
+        a.run(*a.unblock(b.address), check=False)
+        b.run(*b.unblock(a.address), check=False)
+
+
+def slow_link(s: Strike) -> None:
+    host = s.victim()
+    try:
+        host.run(*host.slow_link(100, 5))
+        time.sleep(20)
+    finally:
+        host.run(*host.clear_link(), check=False)
+
+
+def broker_restart(s: Strike) -> None:
+    ctl = s.fleet.control
+    ctl.signal("broker", signal.SIGKILL)
+    time.sleep(3)
+    ctl.processes.pop("broker", None)
+    s.fleet.start_broker()
+
+
+def supervisor_restart(s: Strike) -> None:
+    ctl = s.fleet.control
+    ctl.signal("supervisor", signal.SIGKILL)
+    time.sleep(2)
+    ctl.processes.pop("supervisor", None)
+    s.fleet.start_supervisor()
+
+
+def disk_full(s: Strike) -> None:
+    host = s.victim()
+    nvme = s.fleet.nvme(host)
+    try:
+        host.run(*host.fill(nvme), timeout=120)
+        s.notes["free_bytes"] = os.statvfs(nvme).f_bavail * os.statvfs(nvme).f_frsize
+        time.sleep(20)  # saves meet ENOSPC on this host's NVMe tier
+    finally:
+        host.run(*host.unfill(nvme), check=False)
+
+
+def shard_corrupt(s: Strike) -> None:
+    """Flip one byte of the newest sealed NVMe shard of a rank, then kill that rank: its
+    restore must find the flip and read another tier."""
+    host = s.victim()
+    rank = s.rank_on(host)
+    shard = _newest_shard(s.fleet.nvme(host) / s.job_id, rank)
+    s.notes["shard"] = str(shard)
+    with shard.open("r+b") as fh:
+        fh.seek(shard.stat().st_size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    s.kill_rank(rank)
+
+
+def _newest_shard(job_dir: Path, rank: int) -> Path:
+    shards = sorted(job_dir.glob(f"*/rank-{rank:05d}.phx"))
+    if not shards:
+        raise RigError(f"no sealed NVMe shard of rank {rank} under {job_dir}")
+    return shards[-1]
+
+
+def peer_gone(s: Strike) -> None:
+    """A job host's buddy is gone for good: its link down until the job ends. The job's
+    other host loses its peer copies with it; the ranks restore from the other tiers."""
+    host = s.victim()
+    s.notes["cut_for_good"] = host.name
+    host.run("ip", "link", "set", host.iface, "down")
+
+
+def object_store_down(s: Strike) -> None:
+    ctl = s.fleet.control
+    ctl.signal("s3", signal.SIGSTOP)  # every request hangs: the store is unreachable
+    try:
+        time.sleep(60)
+    finally:
+        ctl.signal("s3", signal.SIGCONT)
+
+
+def double_fault(s: Strike) -> None:
+    first = s.victim()
+    s.kill_rank(s.rank_on(first))
+    s.wait_state("recovering", 30)
+    others = [h for h in s.job_hosts() if h is not first] or [first]
+    second = s.rng.choice(others)
+    s.notes["second_host"] = second.name
+    sim_inject(s.fleet.sim_file(second), 0, "ecc-dbe")
+
+
+def fault_during_save(s: Strike) -> None:
+    """Kill a rank while a step's shards are being written down to NVMe."""
+    host = s.victim()
+    job_dir = s.fleet.nvme(host) / s.job_id
+    before = {p.name for p in job_dir.glob("*")} if job_dir.exists() else set()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = {p.name for p in job_dir.glob("*")} if job_dir.exists() else set()
+        if now - before:  # a new step is being written down
+            s.notes["step_dir"] = sorted(now - before)[-1]
+            break
+        time.sleep(0.005)
+    s.kill_rank(s.rank_on(host))
+
+
+def bad_spare(s: Strike) -> None:
+    """A GPU fails on a job host, and the spare that would replace it fails too."""
+    host = s.victim()
+    job = s.job()
+    spares = [n["id"] for n in s.fleet.client().get("/v1/nodes") if n.get("spare")]
+    spares = [n for n in spares if n not in job["nodes"]]
+    if not spares:
+        raise RigError("no spare to break")
+    spare = s.fleet.host(spares[0])
+    s.notes["spare"] = spare.name
+    sim_inject(s.fleet.sim_file(host), 0, "ecc-dbe")
+    sim_inject(s.fleet.sim_file(spare), 1, "ecc-dbe")
+
+
+def code_error(s: Strike) -> None:
+    """Nothing to inject: the training code raises at the seeded step, every time."""
+
+
+FAULTS: dict[str, Fault] = {
+    f.kind: f
+    for f in (
+        Fault("kill-rank", kill_rank, "succeeded", "in-place", "restarts in place"),
+        Fault("kill-agent", kill_agent, "succeeded", "any", "agent back; gang restarted"),
+        Fault("ecc-dbe", _gpu_fault("ecc-dbe"), "succeeded", "replaced", "spare takes over"),
+        Fault("xid-79", _gpu_fault("xid-79"), "succeeded", "replaced", "spare takes over"),
+        Fault("thermal", _gpu_fault("thermal"), "succeeded", "any", "the job goes on"),
+        Fault("link-cut", link_cut, "succeeded", "any", "node offline: recovered"),
+        Fault("partition", partition, "succeeded", "any", "hang detected: recovered"),
+        Fault("slow-link", slow_link, "succeeded", "any", "the job goes on"),
+        Fault("broker-restart", broker_restart, "succeeded", "none", "no recovery at all"),
+        Fault("supervisor-restart", supervisor_restart, "succeeded", "none", "no recovery"),
+        Fault("disk-full", disk_full, "succeeded", "any", "other tiers carry the job"),
+        Fault("shard-corrupt", shard_corrupt, "succeeded", "in-place", "next tier restores"),
+        Fault("peer-gone", peer_gone, "succeeded", "replaced", "spare; other tiers restore"),
+        Fault("object-store-down", object_store_down, "succeeded", "none", "the job goes on"),
+        Fault("double-fault", double_fault, "succeeded", "any", "both recovered"),
+        Fault("fault-during-save", fault_during_save, "succeeded", "in-place", "restores"),
+        Fault("bad-spare", bad_spare, "succeeded", "replaced", "another node replaces"),
+        Fault("code-error", code_error, "failed", "no-spare", "fails fast, no spare used"),
+    )
+}

@@ -1,0 +1,304 @@
+"""The rig's fleet on namespace hosts: one control host (Mosquitto, the supervisor, an
+S3-protocol object store) and GPU hosts (an agent each, simulated GPUs, two racks, a
+loop-mounted filesystem of its own for the NVMe tier).
+
+Everything is reached over the bridge, never loopback: the agents dial the broker and the
+object store at the control host's address, the ranks rendezvous at rank 0's host, the
+peer tier pushes to the buddy's address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from phalanx.client import ApiError, Client
+from phalanx.local import find_mosquitto
+from tests.rig.hosts import NetnsHost
+from tests.rig.net import Network, RigError, sh, teardown
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[2]
+BROKER_PORT = 1883
+API_PORT = 8740
+S3_PORT = 9000
+BUCKET = "phalanx-rig"
+NVME_MIB = 300  # each GPU host's NVMe filesystem: a loop-mounted ext4 image
+GPUS_PER_HOST = 2
+LOG_ROOT = Path("/tmp/phalanx-rig-logs")  # kept after a run, for the failures' post-mortem
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "rig",
+    "AWS_SECRET_ACCESS_KEY": "rig-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+class RigFleet:
+    """``RigFleet.up(gpu_hosts=4, spares=1)`` builds it; ``down()`` removes all of it."""
+
+    def __init__(self, net: Network, hosts: list[NetnsHost], token: str) -> None:
+        self.net = net
+        self.hosts = hosts
+        self.token = token
+        self.spares = 1
+
+    # --- building --------------------------------------------------------------------------
+
+    @classmethod
+    @contextlib.contextmanager
+    def running(cls, gpu_hosts: int = 4, spares: int = 1) -> Iterator[RigFleet]:
+        """The fleet, removed on the way out whatever happened (Ctrl-C included)."""
+        net = Network.create()
+        fleet = cls(net, [], secrets.token_hex(16))
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            fleet._build(gpu_hosts, spares)
+            yield fleet
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            fleet.down()
+
+    def _build(self, gpu_hosts: int, spares: int) -> None:
+        self.spares = spares
+        for i in range(gpu_hosts + 1):
+            ns = self.net.add_host(i)
+            name = "ctl" if i == 0 else f"h{i}"
+            host = NetnsHost(
+                name=name,
+                address=self.net.address(i),
+                rack=f"rack{(i + 1) % 2 + 1}",
+                roles=["control"] if i == 0 else ["gpu"],
+                namespace=ns,
+            )
+            self.hosts.append(host)
+        self._start_control()
+        for host in self.gpu_hosts:
+            self._mount_nvme(host)
+            self.start_agent(host)
+        self.wait_nodes("up", [h.name for h in self.gpu_hosts], 60)
+
+    @property
+    def dir(self) -> Path:
+        return self.net.state.dir
+
+    @property
+    def control(self) -> NetnsHost:
+        return self.hosts[0]
+
+    @property
+    def gpu_hosts(self) -> list[NetnsHost]:
+        return self.hosts[1:]
+
+    def host(self, name: str) -> NetnsHost:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise RigError(f"no host {name!r} in the rig")
+
+    def _track(self, pid: int) -> None:
+        self.net.state.pids.append(pid)
+        self.net.state.save()
+
+    def _start_control(self) -> None:
+        ctl, d = self.control, self.dir / "ctl"
+        d.mkdir(parents=True, exist_ok=True)
+        self.start_broker()
+        proc = ctl.start(
+            "s3",
+            [
+                str(Path(sys.executable).parent / "moto_server"),
+                "-H",
+                ctl.address,
+                "-p",
+                str(S3_PORT),
+            ],
+            d / "s3.log",
+        )
+        self._track(proc.pid)
+        _wait(lambda: _tcp_open(ctl.address, S3_PORT), 30, "the S3 server")
+        self._s3().create_bucket(Bucket=BUCKET)
+        (d / "token").write_text(self.token)
+        (self.dir / "agent-token").write_text(secrets.token_hex(16))
+        self.start_supervisor()
+
+    def _s3(self) -> Any:
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=f"http://{self.control.address}:{S3_PORT}",
+            aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+            region_name=S3_ENV["AWS_DEFAULT_REGION"],
+        )
+
+    def start_broker(self) -> None:
+        ctl, d = self.control, self.dir / "ctl"
+        binary = find_mosquitto()
+        if binary is None:
+            raise RigError("the rig needs Mosquitto: apt-get install -y mosquitto")
+        conf = d / "mosquitto.conf"
+        conf.write_text(
+            f"listener {BROKER_PORT} {ctl.address}\nallow_anonymous true\npersistence false\n"
+            "log_dest stderr\nlog_type error\nlog_type warning\nmax_keepalive 600\n"
+        )
+        proc = ctl.start("broker", [binary, "-c", str(conf)], d / "broker.log")
+        self._track(proc.pid)
+        _wait(lambda: _tcp_open(ctl.address, BROKER_PORT), 20, "mosquitto")
+
+    def start_supervisor(self) -> None:
+        ctl, d = self.control, self.dir / "ctl"
+        conf = d / "supervisor.toml"
+        conf.write_text(
+            f'state_dir = "{d / "state"}"\noffline_after_s = 4.0\n'
+            f'agent_token_file = "{self.dir / "agent-token"}"\nschedule_interval_s = 0.5\n'
+            f"spares = {self.spares}\n"
+            f'[mqtt]\nhost = "{ctl.address}"\nport = {BROKER_PORT}\nkeepalive_s = 5\n'
+            "reconnect_max_s = 1.0\n"
+            f'[api]\nhost = "{ctl.address}"\nport = {API_PORT}\n'
+            f'token_file = "{d / "token"}"\n'
+        )
+        proc = ctl.start(
+            "supervisor",
+            [sys.executable, "-m", "supervisor", "--config", str(conf)],
+            d / "supervisor.log",
+        )
+        self._track(proc.pid)
+        _wait(lambda: _tcp_open(ctl.address, API_PORT), 30, "the supervisor's API")
+
+    def nvme(self, host: NetnsHost) -> Path:
+        return self.dir / host.name / "data" / "ckpt"
+
+    def _mount_nvme(self, host: NetnsHost) -> None:
+        image, mount = self.dir / host.name / "nvme.img", self.nvme(host)
+        mount.mkdir(parents=True, exist_ok=True)
+        with image.open("wb") as fh:
+            fh.truncate(NVME_MIB << 20)
+        sh("mkfs.ext4", "-q", "-F", "-m", "0", str(image), timeout=60)
+        self.net.state.mounts.append(str(mount))
+        self.net.state.save()
+        sh("mount", "-o", "loop", str(image), str(mount))
+
+    def shm(self, host: NetnsHost) -> Path:
+        return Path("/dev/shm") / f"phalanx-rig-{self.net.state.rid}-{host.name}"
+
+    def start_agent(self, host: NetnsHost) -> None:
+        d = self.dir / host.name
+        shm = self.shm(host)
+        shm.mkdir(parents=True, exist_ok=True)
+        ctl = self.control
+        conf = d / "agentd.toml"
+        conf.write_text(
+            f'node_id = "{host.name}"\naddress = "{host.address}"\nrack = "{host.rack}"\n'
+            f'data_dir = "{d / "data"}"\nheartbeat_interval_s = 1.0\nstop_grace_s = 5\n'
+            f'[mqtt]\nhost = "{ctl.address}"\nport = {BROKER_PORT}\nkeepalive_s = 5\n'
+            "reconnect_max_s = 1.0\n"
+            f'[gpu]\nbackend = "sim"\nsim_gpus = {GPUS_PER_HOST}\nsample_interval_s = 0.5\n'
+            "[thresholds]\nxid_hold_s = 30\nslowdown_sustain_s = 5\n"
+            "disk_drain_bytes = 0\ndisk_warn_fraction = 0.0\nload_warn_per_cpu = 64\n"
+            "mem_warn_fraction = 0.0\n"
+            f'[http]\nhost = "{host.address}"\nport = 9400\n'
+            f'token_file = "{self.dir / "agent-token"}"\n'
+            f'[ckpt]\nobject_store = "s3://{BUCKET}/ckpt"\nshm_dir = "{shm}"\n'
+        )
+        env = {**S3_ENV, "AWS_ENDPOINT_URL": f"http://{ctl.address}:{S3_PORT}"}
+        proc = host.start(
+            "agent",
+            [sys.executable, "-m", "agentd", "--config", str(conf)],
+            d / "agent.log",
+            env=env,
+        )
+        self._track(proc.pid)
+
+    # --- using ---------------------------------------------------------------------------
+
+    def client(self) -> Client:
+        return Client(f"http://{self.control.address}:{API_PORT}", self.token)
+
+    def wait_nodes(self, state: str, names: list[str], timeout: float) -> None:
+        def ready() -> bool:
+            try:
+                nodes = {n["id"]: n for n in self.client().get("/v1/nodes")}
+            except (ApiError, OSError):
+                return False
+            return all(nodes.get(n, {}).get("state") == state for n in names)
+
+        _wait(ready, timeout, f"nodes {', '.join(names)} {state}")
+
+    def sim_file(self, host: NetnsHost) -> Path:
+        return self.dir / host.name / "data" / "sim-gpus.json"
+
+    def rank_log(self, job: dict[str, Any], rank: int) -> str:
+        node = next(r["node"] for r in job["ranks"] if r["rank"] == rank)
+        path = self.dir / node / "data" / "jobs" / job["id"] / f"g{job['generation']}"
+        return (path / f"rank-{rank}.log").read_text(errors="replace")
+
+    @property
+    def logs(self) -> Path:
+        """Where the run's logs are kept after ``down`` (daemons' and ranks')."""
+        return LOG_ROOT / self.net.state.rid
+
+    def down(self) -> list[str]:
+        for host in reversed(self.hosts):
+            for role in list(host.processes):
+                with contextlib.suppress(Exception):
+                    host.stop(role, timeout=10)
+        for path in self.dir.rglob("*.log"):
+            if path.is_file():
+                kept = self.logs / path.relative_to(self.dir)
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(OSError):
+                    shutil.copyfile(path, kept)
+        for host in self.gpu_hosts:
+            shutil.rmtree(self.shm(host), ignore_errors=True)
+        problems = teardown(self.net.state)
+        for p in problems:
+            log.error("rig cleanup: %s", p)
+        return problems
+
+
+def down_all() -> list[str]:
+    """``python -m tests.rig down``: remove every run's leftovers on this machine."""
+    from tests.rig.net import leftovers, stray_names
+
+    removed: list[str] = []
+    for state in leftovers():
+        for shm in Path("/dev/shm").glob(f"phalanx-rig-{state.rid}-*"):
+            shutil.rmtree(shm, ignore_errors=True)
+        teardown(state)
+        removed.append(state.rid)
+    for name in stray_names():
+        sh("ip", "netns", "del", name, check=False)
+        sh("ip", "link", "del", name, check=False)
+        removed.append(name)
+    return removed
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _tcp_open(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def _wait(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    raise RigError(f"not within {timeout:.0f} s: {what}")

@@ -1,0 +1,176 @@
+"""Hosts of the rig: one interface, two ways to reach a host.
+
+:class:`NetnsHost` is a network namespace on this machine (the rig here, in CI);
+:class:`SshHost` is a real machine of an Ansible inventory, reached over SSH, on which the
+fleet was installed with ``ansible/site.yml`` (daemons are the systemd units). A fault is
+a shell command on the host either way, so a scenario is written once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.rig.net import RigError, sh
+
+# The daemons' systemd units on real hosts (ansible/roles/*/templates).
+UNITS = {"agent": "phalanx-agentd", "supervisor": "phalanx-supervisor", "broker": "mosquitto"}
+
+
+@dataclass
+class Host(ABC):
+    name: str
+    address: str
+    iface: str = "eth0"
+    rack: str = "rack1"
+    roles: list[str] = field(default_factory=list)  # control | gpu | spare
+
+    @abstractmethod
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        """The command that runs ``argv`` on this host, from the driver's machine."""
+
+    def run(self, *argv: str, timeout: float = 30.0, check: bool = True) -> str:
+        return sh(*self.wrap(argv), timeout=timeout, check=check).stdout
+
+    # --- faults, as commands on the host --------------------------------------------------
+
+    def cut_link(self, seconds: float) -> list[str]:
+        """The host's link down for ``seconds``, then up: one command, so that it also
+        works over the SSH connection it cuts."""
+        return [
+            "sh",
+            "-c",
+            f"ip link set {self.iface} down; sleep {seconds:g}; ip link set {self.iface} up",
+        ]
+
+    def slow_link(self, delay_ms: int, loss_pct: float) -> list[str]:
+        netem = f"netem delay {delay_ms}ms loss {loss_pct:g}%"
+        return f"tc qdisc replace dev {self.iface} root {netem}".split()
+
+    def clear_link(self) -> list[str]:
+        return ["tc", "qdisc", "del", "dev", self.iface, "root"]
+
+    def block(self, other: str) -> list[str]:
+        """Drop this host's traffic to ``other`` (a partition, both hosts blocking)."""
+        return ["ip", "route", "replace", "blackhole", f"{other}/32"]
+
+    def unblock(self, other: str) -> list[str]:
+        return ["ip", "route", "del", "blackhole", f"{other}/32"]
+
+    def fill(self, path: Path) -> list[str]:
+        """Fill the filesystem of ``path`` to the last byte (a real ENOSPC)."""
+        ballast = path / ".rig-ballast"
+        return ["sh", "-c", f"dd if=/dev/zero of={ballast} bs=1M status=none; sync; true"]
+
+    def unfill(self, path: Path) -> list[str]:
+        return ["rm", "-f", str(path / ".rig-ballast")]
+
+
+@dataclass
+class NetnsHost(Host):
+    """A namespace on this machine; its daemons are processes the rig started."""
+
+    namespace: str = ""
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace, *argv]
+
+    def start(
+        self, role: str, argv: Sequence[str], log: Path, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                self.wrap(argv),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
+        self.processes[role] = proc
+        return proc
+
+    def signal(self, role: str, sig: int) -> None:
+        proc = self.processes.get(role)
+        if proc is None:
+            raise RigError(f"host {self.name} runs no {role}")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+
+    def stop(self, role: str, timeout: float = 15.0) -> None:
+        proc = self.processes.pop(role, None)
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@dataclass
+class SshHost(Host):
+    """A real host of an Ansible inventory; the daemons are its systemd units."""
+
+    user: str = "root"
+    port: int = 22
+    ssh_options: tuple[str, ...] = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        target = f"{self.user}@{self.address}"
+        return ["ssh", *self.ssh_options, "-p", str(self.port), target, "--", shlex.join(argv)]
+
+    def kill(self, role: str) -> list[str]:
+        return ["systemctl", "kill", "--signal=SIGKILL", UNITS[role]]
+
+    def restart(self, role: str) -> list[str]:
+        return ["systemctl", "restart", UNITS[role]]
+
+
+def read_inventory(path: Path) -> list[SshHost]:
+    """The hosts of an Ansible INI inventory: ``[brokers]``, ``[supervisors]`` and
+    ``[agents]`` groups, ``name ansible_host=ADDR [ansible_user=U] [ansible_port=P]
+    [phalanx_rack=R] [phalanx_rig_iface=IF]``."""
+    hosts: dict[str, SshHost] = {}
+    group = ""
+    for n, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line or line.startswith(";"):
+            continue
+        if line.startswith("["):
+            group = line.strip("[]").split(":", 1)[0]
+            if ":" in line:
+                group = ""  # [group:vars] / [group:children]: not hosts
+            continue
+        if not group:
+            continue
+        name, *pairs = shlex.split(line)
+        kv = {}
+        for pair in pairs:
+            if "=" not in pair:
+                raise RigError(f"{path}:{n}: expected key=value, got {pair!r}")
+            k, v = pair.split("=", 1)
+            kv[k] = v
+        host = hosts.get(name) or SshHost(
+            name=name,
+            address=kv.get("ansible_host", name),
+            user=kv.get("ansible_user", "root"),
+            port=int(kv.get("ansible_port", "22")),
+            rack=kv.get("phalanx_rack", "rack1"),
+            iface=kv.get("phalanx_rig_iface", "eth0"),
+        )
+        role = {"brokers": "control", "supervisors": "control", "agents": "gpu"}.get(group)
+        if role and role not in host.roles:
+            host.roles.append(role)
+        hosts[name] = host
+    return list(hosts.values())

@@ -1,0 +1,65 @@
+"""The job every scenario runs: tinylm with DDP on two GPU hosts x two ranks, checkpointing
+every 10 steps to every tier, allowed three restarts and the spares."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from tests.rig.fleet import REPO
+
+STEPS = 240
+CKPT_EVERY = 10
+TINY = [
+    *("--vocab", "32", "--dim", "16", "--layers", "1", "--heads", "2", "--seq", "8"),
+    *("--batch", "2", "--log-every", "1", "--steps", str(STEPS)),
+    *("--ckpt-every", str(CKPT_EVERY), "--step-sleep", "0.05"),
+]
+TIERS = ["ram", "nvme", "peer", "object"]
+HANG_TIMEOUT_S = 20  # a partition is a hang on gloo: detected this long after the last step
+
+
+def spec(name: str, *extra: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "team": "rig",
+        "nodes": 2,
+        "ranks_per_node": 2,
+        "workdir": str(REPO),
+        "command": [sys.executable, "examples/tinylm.py", *TINY, *extra],
+        "grace_period": 5,
+        # gloo binds to the interface its hostname resolves to: here every namespace shares
+        # one hostname (127.0.0.1), as hosts whose name is not in DNS would.
+        "env": {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"},
+        "checkpoint": {"tiers": TIERS, "interval": {"steps": CKPT_EVERY}},
+        "restart": {
+            "max_restarts": 3,
+            "use_spares": True,
+            "hang_timeout": HANG_TIMEOUT_S,
+            "spare_wait": 60,
+        },
+    }
+
+
+def last_step(log: str) -> int | None:
+    """The last step rank 0's log reports (tinylm prints one JSON line per step)."""
+    for line in reversed(log.splitlines()):
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(data, dict) and isinstance(data.get("step"), int):
+            return int(data["step"])
+    return None
+
+
+def final_digest(log: str) -> str | None:
+    for line in reversed(log.splitlines()):
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(data, dict) and data.get("done"):
+            return str(data["digest"])
+    return None
