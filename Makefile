@@ -6,7 +6,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint format install clean
+.PHONY: demo test rig lint format install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ format: $(STAMP)
 
 test: lint
 	$(BIN)/pytest
+
+# The fault-injection rig: every fault once on a fleet of network namespaces (root only).
+rig: $(STAMP)
+	$(BIN)/pytest -m rig -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .phalanx-local

@@ -15,7 +15,7 @@ import logging
 import sys
 import time
 
-from tests.rig.driver import run_scenario, summary, undisturbed
+from tests.rig.driver import run_scenario, soak, summary, undisturbed
 from tests.rig.faults import FAULTS
 from tests.rig.fleet import RigFleet, down_all
 from tests.rig.net import RigError, can_build
@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--trials", type=int, default=1, help="seeds seed, seed+1, ...")
     run.add_argument("-o", dest="output", choices=["json", "text"], default="json")
     sub.add_parser("list", help="the fault kinds and what each expects")
+    so = sub.add_parser("soak", help="one long job, faults at random at a given MTBF")
+    so.add_argument("--mtbf", type=float, default=120.0, help="mean seconds between faults")
+    so.add_argument("--minutes", type=float, default=10.0)
+    so.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.verb == "list":
@@ -63,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 while True:
                     time.sleep(3600)
+        if args.verb == "soak":
+            with RigFleet.running() as fleet:
+                print(json.dumps(soak(fleet, args.minutes, args.mtbf, args.seed)), flush=True)
+            return 0
         if args.verb == "run":
             kinds = list(FAULTS) if "all" in args.fault else args.fault
             failed = 0

@@ -184,3 +184,69 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
         "mttr_s": {"p50": pct(mttr, 50), "p95": pct(mttr, 95)},
         "committed_lost": sum(r["committed_lost"] for r in results),
     }
+
+
+SOAK_FAULTS = ("kill-rank", "kill-agent", "ecc-dbe", "xid-79", "link-cut")
+
+
+def soak(fleet: RigFleet, minutes: float, mtbf_s: float, seed: int) -> dict[str, Any]:
+    """One long job while faults of random kinds strike at exponential intervals of mean
+    ``mtbf_s``; each struck node is repaired (its GPUs cleared, undrained) once the job runs
+    again, as an operator would, so the pool never runs dry. ETTR is the supervisor's: time
+    on steps that count over wall time."""
+    rng = random.Random(seed)
+    spec = rigjob.spec("soak", "--steps", "1000000")
+    job_id = fleet.client().post("/v1/jobs", {"spec": spec})["id"]
+    wait_step(fleet, job_id, 1, 300)
+    end = time.monotonic() + minutes * 60
+    struck: list[dict[str, Any]] = []
+    while True:
+        gap = rng.expovariate(1.0 / mtbf_s)
+        if time.monotonic() + gap >= end:
+            time.sleep(max(0.0, end - time.monotonic()))
+            break
+        time.sleep(gap)
+        strike = Strike(fleet, job_id, rng)
+        if strike.job()["state"] != "running":
+            continue  # still recovering from the last one: this fault waits for the next
+        kind = rng.choice(SOAK_FAULTS)
+        FAULTS[kind].inject(strike)
+        struck.append({"fault": kind, "at": time.time(), **strike.notes})
+        _repair(fleet, job_id, strike)
+    job = fleet.client().get(f"/v1/jobs/{job_id}")
+    fleet.client().post(f"/v1/jobs/{job_id}/cancel", {})
+    lost, checked = committed_lost(fleet, job)
+    return {
+        "soak_minutes": minutes,
+        "mtbf_s": mtbf_s,
+        "seed": seed,
+        "faults": len(struck),
+        "struck": struck,
+        "ettr": job["goodput"]["ettr"],
+        "goodput": job["goodput"],
+        "state_at_end": job["state"],
+        "generations": job["generation"],
+        "mttr_s": [i.get("mttr_s") for i in job.get("incidents") or []],
+        "committed_lost": lost,
+        "committed_checked": checked,
+    }
+
+
+def _repair(fleet: RigFleet, job_id: str, strike: Strike) -> None:
+    """Once the job runs again: the struck host's GPUs healthy and the host undrained."""
+    from agentd.gpu.sim import inject as sim_inject
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and strike.job()["state"] != "running":
+        time.sleep(0.5)
+    name = strike.notes.get("host")
+    if name is None:
+        return
+    host = fleet.host(name)
+    for gpu in range(2):
+        sim_inject(fleet.sim_file(host), gpu, "clear")
+    time.sleep(31)  # the agents hold an XID for xid_hold_s (30 s) after it was seen
+    try:
+        fleet.client().post(f"/v1/nodes/{name}/undrain", {"force": True})
+    except Exception as exc:  # offline a moment longer (a link cut): it comes back by itself
+        log.info("undrain of %s: %s", name, exc)

@@ -54,6 +54,12 @@ class Host(ABC):
         netem = f"netem delay {delay_ms}ms loss {loss_pct:g}%"
         return f"tc qdisc replace dev {self.iface} root {netem}".split()
 
+    def throttle_link(self, rate_kbit: int, queue_ms: int) -> list[str]:
+        """A slow link where the kernel has no netem: its rate capped (tbf), so what
+        queues waits up to ``queue_ms`` and the rest is dropped."""
+        tbf = f"tbf rate {rate_kbit}kbit burst 16kbit latency {queue_ms}ms"
+        return f"tc qdisc replace dev {self.iface} root {tbf}".split()
+
     def clear_link(self) -> list[str]:
         return ["tc", "qdisc", "del", "dev", self.iface, "root"]
 

@@ -1,0 +1,61 @@
+"""Every fault of the rig, once, on a fresh fleet of namespace hosts (``pytest -m rig``,
+as root; ``.ci/run`` runs it after the suite).
+
+Each scenario's JSON object is printed, and appended to ``$PHALANX_RIG_RESULTS`` when set
+(the table in docs/rig.md is made from it). Where namespaces cannot be made, every
+scenario fails with the one line that says why: a rig that cannot run never passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.rig.driver import run_scenario, undisturbed
+from tests.rig.faults import FAULTS
+from tests.rig.fleet import RigFleet
+from tests.rig.net import can_build
+
+pytestmark = pytest.mark.rig
+
+SEED = 1
+
+
+def record(result: dict[str, Any]) -> None:
+    print(json.dumps(result))
+    out = os.environ.get("PHALANX_RIG_RESULTS")
+    if out:
+        with Path(out).open("a") as fh:
+            fh.write(json.dumps(result) + "\n")
+
+
+@pytest.fixture(scope="session")
+def buildable() -> None:
+    why = can_build()
+    if why is not None:
+        pytest.fail(f"the rig cannot run here: {why}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def baseline(buildable: None) -> Iterator[dict[str, Any]]:
+    with RigFleet.running() as fleet:
+        found = undisturbed(fleet)
+    record({"undisturbed": found})
+    yield found
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("kind", list(FAULTS))
+def test_the_fleet_survives_the_fault_as_its_scenario_expects(
+    kind: str, baseline: dict[str, Any]
+) -> None:
+    with RigFleet.running() as fleet:
+        result = run_scenario(fleet, kind, SEED, baseline)
+        result["logs"] = str(fleet.logs)
+    record(result)
+    assert result["as_expected"], f"{kind}: {result['unexpected']} (logs: {result['logs']})"
