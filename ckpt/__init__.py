@@ -13,9 +13,13 @@ from __future__ import annotations
 from ckpt.checkpointer import Checkpointer
 from ckpt.engine import Catalog, Engine, LocalCatalog, TierEvent
 from ckpt.errors import (
+    AgentError,
     CheckpointError,
     FormatError,
+    ObjectTooLarge,
+    PeerError,
     ShardCorrupt,
+    ShardGone,
     ShardMismatch,
     ShardRef,
     TierError,
@@ -46,6 +50,7 @@ from ckpt.tiers import DiskTier, ShardKey, StoredShard, Tier, TierManifest
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
+    "AgentError",
     "Catalog",
     "CheckpointError",
     "Checkpointer",
@@ -58,10 +63,13 @@ __all__ = [
     "LocalFolderStore",
     "ObjectStore",
     "ObjectTier",
+    "ObjectTooLarge",
     "Pacing",
+    "PeerError",
     "RamTier",
     "S3Store",
     "ShardCorrupt",
+    "ShardGone",
     "ShardKey",
     "ShardMismatch",
     "ShardPlan",

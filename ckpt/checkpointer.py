@@ -36,9 +36,11 @@ import xxhash
 
 from ckpt.engine import Engine, EventKind, LocalCatalog, TierEvent
 from ckpt.errors import (
+    AgentError,
     CheckpointError,
     FormatError,
     ShardCorrupt,
+    ShardGone,
     ShardMismatch,
     ShardRef,
     TierError,
@@ -49,15 +51,11 @@ from ckpt.objects import ObjectTier
 from ckpt.pacing import Pacing
 from ckpt.policy import Interval
 from ckpt.ram import HEADER_NBYTES, RamTier, WhenBusy
-from ckpt.remote import AgentClient, AgentEnv, AgentError, read_file
+from ckpt.remote import AgentClient, AgentEnv, read_file
 from ckpt.stores import ObjectStore, open_store
 from ckpt.tiers import DiskTier, ShardKey, Tier, check_job
 
 __all__ = ["Checkpointer"]
-
-
-class ShardGone(CheckpointError):
-    """The copy a restore plan listed was not there when read."""
 
 
 log = logging.getLogger(__name__)

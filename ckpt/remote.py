@@ -46,10 +46,10 @@ from dataclasses import dataclass
 from typing import Any, Final, NoReturn
 from urllib.parse import urlencode
 
-from ckpt.errors import CheckpointError, ShardCorrupt, ShardRef, TierError
+from ckpt.errors import AgentError, CheckpointError, ShardCorrupt, ShardRef, TierError
 from ckpt.ram import pin_for_dma, populate_for_write, unmap
 
-__all__ = ["AgentClient", "AgentEnv"]
+__all__ = ["AgentClient", "AgentEnv", "AgentError"]
 
 _ERROR_NBYTES: Final = 1 << 16  # the most of an error answer ever read
 
@@ -102,17 +102,6 @@ class _UnixConnection(http.client.HTTPConnection):
             sock.close()
             raise
         self.sock = sock
-
-
-class AgentError(CheckpointError):
-    """The agent refused a request (``status``: its HTTP status) or could not be reached
-    (``status`` is ``None``)."""
-
-    def __init__(
-        self, message: str, *, ref: ShardRef | None = None, status: int | None = None
-    ) -> None:
-        super().__init__(message, ref=ref)
-        self.status = status
 
 
 class AgentClient:
