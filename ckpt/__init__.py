@@ -5,11 +5,13 @@ or under Phalanx, talking to its agent: ``ckpt.remote``); the tiers (``RamTier``
 ``DiskTier``, ``ObjectTier`` over a ``LocalFolderStore`` or ``S3Store``) and the
 write-down ``Engine`` that agentd runs too; the shard format (``plan`` /
 ``write_into`` / ``seal`` to save, ``decode`` to restore, ``checksum`` /
-``verify``); and the package's exception family.
+``verify``); the rank socket's ``protocol`` (the models both the rank's
+``AgentClient`` and agentd's routes speak); and the package's exception family.
 """
 
 from __future__ import annotations
 
+from ckpt import protocol
 from ckpt.checkpointer import Checkpointer
 from ckpt.engine import Catalog, Engine, LocalCatalog, TierEvent
 from ckpt.errors import (
@@ -88,6 +90,7 @@ __all__ = [
     "namespace_for",
     "open_store",
     "plan",
+    "protocol",
     "read_ref",
     "seal",
     "shard_nbytes",
