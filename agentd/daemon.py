@@ -33,8 +33,7 @@ from types import TracebackType
 from typing import Any
 
 from agentd.burnin import burn_in
-from agentd.ckpt import CkptService
-from agentd.ckpt_http import start_rank_socket
+from agentd.ckpt import CkptService, start_rank_socket
 from agentd.commands import CommandLedger
 from agentd.config import AgentSettings
 from agentd.gpu.base import GpuBackend, GpuInfo, NodeSample

@@ -1,7 +1,7 @@
 """agentd's HTTP server: ``/healthz`` and Prometheus ``/metrics``.
 
 The supervisor reads rank logs here; buddies push and fetch the peer tier's
-checkpoint copies (``agentd.ckpt_http``), both behind the agent token.
+checkpoint copies (``agentd.ckpt.peer_routes``), both behind the agent token.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from agentd.ckpt_http import add_peer_routes
+from agentd.ckpt import add_peer_routes
 from phalanx.http import bearer_ok, serve
 from phalanx.wire import JOB_ID_PATTERN
 

@@ -411,7 +411,7 @@ def serve_buddy(root: Path, port: int) -> None:
 
     from aiohttp import web
 
-    from agentd.ckpt_http import add_peer_routes
+    from agentd.ckpt import add_peer_routes
 
     pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="ckpt-peer")
     agent = SimpleNamespace(
@@ -608,10 +608,8 @@ def serve_agent(root: Path, shm: Path, nice: int) -> None:
     """The agent side, in a process of its own: agentd's checkpoint service behind its
     rank socket, and a supervisor catalog that commits what lands and answers with the
     catalog, as MQTT would carry it. Stops on SIGTERM."""
-    from types import SimpleNamespace
 
-    from agentd.ckpt import CkptService
-    from agentd.ckpt_http import start_rank_socket
+    from agentd.ckpt import CkptService, Standalone, start_rank_socket
     from phalanx import wire
     from supervisor.catalog import CheckpointCatalog
     from supervisor.store import Store
@@ -651,8 +649,7 @@ def serve_agent(root: Path, shm: Path, nice: int) -> None:
             1,
             wire.CkptPlan(tiers=["ram", "nvme", "object"], keep={"ram": 1, "nvme": 1, "object": 1}),
         )
-        agent = SimpleNamespace(ckpt=service, node="n01")
-        async with start_rank_socket(agent, root / "agent.sock"):  # type: ignore[arg-type]
+        async with start_rank_socket(Standalone("n01", service), root / "agent.sock"):
             (root / "ready").touch()
             await stop.wait()
         await service.close()

@@ -5,17 +5,26 @@ or under Phalanx, talking to its agent: ``ckpt.remote``); the tiers (``RamTier``
 ``DiskTier``, ``ObjectTier`` over a ``LocalFolderStore`` or ``S3Store``) and the
 write-down ``Engine`` that agentd runs too; the shard format (``plan`` /
 ``write_into`` / ``seal`` to save, ``decode`` to restore, ``checksum`` /
-``verify``); and the package's exception family.
+``verify``); the rank socket's ``protocol`` (the models both the rank's
+``AgentClient`` and agentd's routes speak); the byte-level pieces agentd builds
+its side of the tiers from (``Slot``, ``ShardReader``, ``AtomicFile``,
+``AlignedBuffer``, ``SealCheck``, ``place_writer_thread``, ...); and the
+package's exception family.
 """
 
 from __future__ import annotations
 
+from ckpt import protocol
 from ckpt.checkpointer import Checkpointer
 from ckpt.engine import Catalog, Engine, LocalCatalog, TierEvent
 from ckpt.errors import (
+    AgentError,
     CheckpointError,
     FormatError,
+    ObjectTooLarge,
+    PeerError,
     ShardCorrupt,
+    ShardGone,
     ShardMismatch,
     ShardRef,
     TierError,
@@ -23,6 +32,7 @@ from ckpt.errors import (
     UnsupportedValue,
     UnsupportedVersion,
 )
+from ckpt.files import AlignedBuffer, AtomicFile
 from ckpt.format import (
     CHECKSUM_ALGORITHM,
     ShardPlan,
@@ -36,16 +46,21 @@ from ckpt.format import (
     verify,
     write_into,
 )
-from ckpt.objects import ObjectTier
-from ckpt.pacing import Pacing
-from ckpt.peer import HttpPeerStore
+from ckpt.objects import ObjectTier, ShardReader
+from ckpt.pacing import Pacing, place_writer_thread
+from ckpt.peer import PEER_KEY_RE, HttpPeerStore, SealCheck
 from ckpt.policy import Interval
-from ckpt.ram import RamTier, namespace_for
-from ckpt.stores import LocalFolderStore, ObjectStore, S3Store, open_store
+from ckpt.ram import RamTier, Slot, namespace_for
+from ckpt.stores import PART_NBYTES, LocalFolderStore, ObjectStore, S3Store, open_store
 from ckpt.tiers import DiskTier, ShardKey, StoredShard, Tier, TierManifest
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
+    "PART_NBYTES",
+    "PEER_KEY_RE",
+    "AgentError",
+    "AlignedBuffer",
+    "AtomicFile",
     "Catalog",
     "CheckpointError",
     "Checkpointer",
@@ -58,14 +73,20 @@ __all__ = [
     "LocalFolderStore",
     "ObjectStore",
     "ObjectTier",
+    "ObjectTooLarge",
     "Pacing",
+    "PeerError",
     "RamTier",
     "S3Store",
+    "SealCheck",
     "ShardCorrupt",
+    "ShardGone",
     "ShardKey",
     "ShardMismatch",
     "ShardPlan",
+    "ShardReader",
     "ShardRef",
+    "Slot",
     "StoredShard",
     "Tier",
     "TierError",
@@ -79,7 +100,9 @@ __all__ = [
     "encode",
     "namespace_for",
     "open_store",
+    "place_writer_thread",
     "plan",
+    "protocol",
     "read_ref",
     "seal",
     "shard_nbytes",

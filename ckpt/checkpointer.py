@@ -36,9 +36,11 @@ import xxhash
 
 from ckpt.engine import Engine, EventKind, LocalCatalog, TierEvent
 from ckpt.errors import (
+    AgentError,
     CheckpointError,
     FormatError,
     ShardCorrupt,
+    ShardGone,
     ShardMismatch,
     ShardRef,
     TierError,
@@ -48,16 +50,13 @@ from ckpt.format import ShardPlan, decode, plan, write_into
 from ckpt.objects import ObjectTier
 from ckpt.pacing import Pacing
 from ckpt.policy import Interval
+from ckpt.protocol import Candidate, StageReply, TierName
 from ckpt.ram import HEADER_NBYTES, RamTier, WhenBusy
-from ckpt.remote import AgentClient, AgentEnv, AgentError, read_file
+from ckpt.remote import AgentClient, AgentEnv, read_file
 from ckpt.stores import ObjectStore, open_store
 from ckpt.tiers import DiskTier, ShardKey, Tier, check_job
 
 __all__ = ["Checkpointer"]
-
-
-class ShardGone(CheckpointError):
-    """The copy a restore plan listed was not there when read."""
 
 
 log = logging.getLogger(__name__)
@@ -200,12 +199,12 @@ class Checkpointer:
         self.restored_from = None
         self.restored_fresh = []
         self._on_event = on_event
-        hello = self.agent.call("POST", "/v1/ckpt/hello", {"world_size": env.world_size})
-        self.tier_names: list[str] = list(hello.get("tiers", []))
-        if interval == 1 and hello.get("interval") is not None:  # the job spec's, by default
-            interval = hello["interval"]
+        hello = self.agent.hello()
+        self.tier_names: list[str] = list(hello.tiers)
+        if interval == 1 and hello.interval is not None:  # the job spec's, by default
+            interval = hello.interval
         if mtbf_s is None:  # the fleet's, as the supervisor learned or was told it
-            mtbf_s = hello.get("mtbf_s") or 6 * 3600.0
+            mtbf_s = hello.mtbf_s or 6 * 3600.0
         self.policy = Interval.of(interval, mtbf_s)
 
     def _build_tiers(
@@ -254,8 +253,7 @@ class Checkpointer:
 
     def _reserve(self, nbytes: int) -> None:
         if self.agent is not None:
-            reply = self.agent.call("POST", "/v1/ckpt/reserve", {"nbytes": nbytes})
-            for path in reply["paths"]:
+            for path in self.agent.reserve(nbytes).paths:
                 with contextlib.suppress(FileNotFoundError):  # removed since: a save remakes it
                     self.agent.map_slot(path)
             return
@@ -352,24 +350,16 @@ class Checkpointer:
     def _save_via_agent(self, key: ShardKey, shard_plan: ShardPlan) -> bool:
         assert self.agent is not None
         nbytes = shard_plan.nbytes
-        got = self.agent.call(
-            "POST",
-            "/v1/ckpt/acquire",
-            {
-                "step": key.step,
-                "nbytes": nbytes,
-                "when_busy": self.when_busy,
-                "timeout": self.busy_timeout_s,
-            },
-            timeout=self.busy_timeout_s + 30,
+        got = self.agent.acquire(
+            key.step, nbytes, when_busy=self.when_busy, timeout=self.busy_timeout_s
         )
-        if got.get("skipped"):
+        if got.skipped or got.slot is None or got.path is None:
             self.skipped.append(key.step)
-            log.warning("step %d not saved: %s", key.step, got.get("why", "no free RAM slot"))
+            log.warning("step %d not saved: %s", key.step, got.why or "no free RAM slot")
             return False
-        done = {"step": key.step, "slot": got["slot"], "nbytes": nbytes}
+        slot = got.slot
         try:
-            mm = self.agent.map_slot(got["path"])
+            mm = self.agent.map_slot(got.path)
             view = memoryview(mm)[HEADER_NBYTES : HEADER_NBYTES + nbytes]
             try:
                 write_into(shard_plan, view)
@@ -377,9 +367,9 @@ class Checkpointer:
                 view.release()
         except BaseException:
             with contextlib.suppress(CheckpointError):
-                self.agent.call("POST", "/v1/ckpt/submit", {**done, "abort": True})
+                self.agent.submit(key.step, slot, nbytes, abort=True)
             raise
-        self.agent.call("POST", "/v1/ckpt/submit", done)
+        self.agent.submit(key.step, slot, nbytes)
         self._last_saved = key.step
         return True
 
@@ -393,13 +383,7 @@ class Checkpointer:
         if self.agent is not None:
             if self._last_saved is None:
                 return
-            limit = self.wait_timeout_s if timeout is None else timeout
-            self.agent.call(
-                "POST",
-                "/v1/ckpt/wait",
-                {"step": self._last_saved, "timeout": limit},
-                timeout=limit + 30,
-            )
+            self.agent.wait(self._last_saved, self.wait_timeout_s if timeout is None else timeout)
             return
         self.engine.wait(self.wait_timeout_s if timeout is None else timeout)
 
@@ -497,28 +481,25 @@ class Checkpointer:
 
     def _restore_via_agent(self, step: int | None, into: object = None) -> tuple[int, Any] | None:
         assert self.agent is not None
-        query: dict[str, Any] = {"job": self.job, "rank": self.rank}
-        if step is not None:
-            query["step"] = step
-        found = self.agent.call("GET", "/v1/ckpt/restore", query=query)
-        if found.get("unavailable"):
+        found = self.agent.restore_plan(step)
+        if found.unavailable:
             # Committed steps exist but none this whole gang can read: starting from
             # scratch here would silently diverge from the other ranks.
             raise CheckpointError(
-                f"no checkpoint to restore rank {self.rank} from: {found['unavailable']}",
+                f"no checkpoint to restore rank {self.rank} from: {found.unavailable}",
                 ref=ShardRef(job=self.job, rank=self.rank),
             )
         last_error: CheckpointError | None = None
-        for entry in found["steps"]:
-            key = ShardKey(self.job, int(entry["step"]), self.rank)
-            for where in entry["candidates"]:
-                tier = str(where["tier"])
+        for entry in found.steps:
+            key = ShardKey(self.job, entry.step, self.rank)
+            for where in entry.candidates:
+                tier = where.tier
                 try:
                     state = self._read_via_agent(where, key, into)
                     if state is None:
                         raise ShardGone(
                             f"the copy of step {key.step} at tier {tier} is gone",
-                            ref=key.ref(where.get("path")),
+                            ref=key.ref(where.path),
                         )
                 except (
                     ShardCorrupt,
@@ -547,16 +528,12 @@ class Checkpointer:
                     definite = (
                         isinstance(exc, ShardCorrupt | FormatError | ShardMismatch)
                         and not isinstance(exc, UnsupportedVersion)
-                    ) or (isinstance(exc, ShardGone) and "path" in where)
+                    ) or (isinstance(exc, ShardGone) and where.path is not None)
                     if definite:
                         with contextlib.suppress(CheckpointError, TimeoutError):
-                            self.agent.call(
-                                "POST",
-                                "/v1/ckpt/report",
-                                {"step": key.step, "tier": tier, "error": str(exc)},
-                            )
+                            self.agent.report(key.step, tier, str(exc))
                     continue
-                self.restored_from = str(where["tier"])
+                self.restored_from = tier
                 log.info(
                     "restored step %d of %s rank %d from tier %s",
                     key.step,
@@ -571,23 +548,23 @@ class Checkpointer:
             # to another on this rank's own.
             raise CheckpointError(
                 f"rank {self.rank} has no readable copy of step {key.step} (tried "
-                f"{', '.join(str(w['tier']) for w in entry['candidates']) or 'no tier'}): "
+                f"{', '.join(w.tier for w in entry.candidates) or 'no tier'}): "
                 f"{last_error or 'no copy reachable from this node'}",
                 ref=key.ref(),
             )
         return None
 
     def _read_via_agent(
-        self, where: dict[str, Any], key: ShardKey, into: object = None
+        self, where: Candidate, key: ShardKey, into: object = None
     ) -> tuple[Any] | None:
         from ckpt.ram import read_slot_view
 
         assert self.agent is not None
-        tier, expected, path = str(where["tier"]), where.get("checksum"), where.get("path")
+        tier, expected, path = where.tier, where.checksum, where.path
         fresh: list[str] = []
         self.restored_fresh = fresh
         if path is not None:
-            mm = read_file(str(path))
+            mm = read_file(path)
             if mm is None:
                 return None
             try:
@@ -602,23 +579,23 @@ class Checkpointer:
                 with contextlib.suppress(BufferError):  # tensors still view a disk map
                     mm.close()
             return (state,)
-        nbytes = where.get("nbytes")
-        if type(nbytes) is not int or nbytes < 0:
+        nbytes = where.nbytes
+        if nbytes is None:
             raise AgentError(
                 f"the agent's restore plan lists no size for step {key.step} at "
                 f"tier {tier}: {nbytes!r}",
                 ref=key.ref(),
             )
         staged = self._stage_via_agent(tier, key)
-        if staged.get("gone"):
+        if staged.gone:
             return None
-        if staged.get("path"):
+        if staged.path:
             try:
-                view = read_slot_view(self.agent.map_slot(str(staged["path"])), key.step)
+                view = read_slot_view(self.agent.map_slot(staged.path), key.step)
             except OSError as exc:  # its file removed since (a /dev/shm cleaner): stream it
                 log.warning(
                     "cannot map the RAM slot %s the agent staged step %d in: %s",
-                    staged["path"],
+                    staged.path,
                     key.step,
                     exc,
                 )
@@ -632,18 +609,13 @@ class Checkpointer:
             return None
         return (decode(data, expected=expected, ref=key.ref(f"{tier}:"), into=into, fresh=fresh),)
 
-    def _stage_via_agent(self, tier: str, key: ShardKey) -> dict[str, Any]:
+    def _stage_via_agent(self, tier: TierName, key: ShardKey) -> StageReply:
         """Ask the agent to read the copy into a free RAM slot of this rank's (see
-        ``/v1/ckpt/stage``); ``{}`` from an agent that does not know how (an older one
-        during a rolling upgrade): the copy is streamed then."""
+        ``/v1/ckpt/stage``); nothing staged from an agent that does not know how (an older
+        one during a rolling upgrade): the copy is streamed then."""
         assert self.agent is not None
         try:
-            staged: dict[str, Any] = self.agent.call(
-                "POST",
-                "/v1/ckpt/stage",
-                {"step": key.step, "tier": tier},
-                timeout=self.wait_timeout_s,
-            )
+            staged = self.agent.stage(key.step, tier, timeout=self.wait_timeout_s)
         except AgentError as exc:
             if exc.status != 404:  # the route itself is unknown (a 404 about a copy names
                 raise  # its tier, and is a TierError)
@@ -653,7 +625,7 @@ class Checkpointer:
                 key.step,
                 tier,
             )
-            return {}
+            return StageReply()
         return staged
 
     def _read(self, tier: Tier, key: ShardKey, into: object = None) -> tuple[Any] | None:

@@ -15,6 +15,13 @@ the shard. Chain the cause with ``raise ... from exc``.
 * ``TierError`` — a tier failed to store or serve a shard; names the tier.
 * ``UnsupportedValue`` — a state holds a value the format cannot store
   faithfully (raised when planning a save; also a ``TypeError``).
+* ``ShardGone`` — a copy a restore plan listed was not there when read.
+* ``AgentError`` — under Phalanx, the node's agent refused a rank's request or
+  could not be reached.
+* ``PeerError`` — a buddy agent (the peer tier's store) answered with an error or
+  not at all; also an ``OSError``, as every object store's error is.
+* ``ObjectTooLarge`` — an object, or what it decompresses to, is past what its
+  reader allows; also an ``OSError``.
 """
 
 from __future__ import annotations
@@ -80,7 +87,7 @@ class CheckpointError(Exception):
     def path(self) -> str | None:
         return self.ref.path
 
-    def __reduce__(self) -> tuple[object, tuple[str]]:
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         # Keep the ids when an error crosses a process boundary.
         return (functools.partial(type(self), ref=self.ref), (self.reason,))
 
@@ -131,3 +138,42 @@ class TierError(CheckpointError):
             functools.partial(type(self), tier=self.tier, ref=self.ref, corrupt=self.corrupt),
             (self.reason,),
         )
+
+
+class ShardGone(CheckpointError):
+    """The copy a restore plan listed was not there when read."""
+
+
+class AgentError(CheckpointError):
+    """The agent refused a request (``status``: its HTTP status) or could not be reached
+    (``status`` is ``None``)."""
+
+    def __init__(
+        self, message: str, *, ref: ShardRef | None = None, status: int | None = None
+    ) -> None:
+        super().__init__(message, ref=ref)
+        self.status = status
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (functools.partial(type(self), ref=self.ref, status=self.status), (self.reason,))
+
+
+class PeerError(CheckpointError, OSError):
+    """The buddy answered with an error or not at all. An ``OSError`` too: the peer
+    tier is an object store, whose errors the ``ObjectTier`` turns into a ``TierError``
+    naming the URL."""
+
+
+class ObjectTooLarge(CheckpointError, OSError):
+    """An object (or what it decompresses to) is longer than its reader allows;
+    ``what`` names it, ``limit`` is the allowance in bytes. An ``OSError`` too, as
+    every object store's error is."""
+
+    def __init__(self, what: str, limit: int, detail: str = "") -> None:
+        self.what = what
+        self.limit = limit
+        self.detail = detail
+        super().__init__(f"{what} is larger than the {limit}-byte limit{detail}")
+
+    def __reduce__(self) -> tuple[object, tuple[str, int, str]]:
+        return (type(self), (self.what, self.limit, self.detail))

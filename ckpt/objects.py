@@ -167,13 +167,15 @@ class ObjectTier(Tier):
         ``rank`` merged in (found by its name: one listing, one read)."""
         where = f"{job}/{step_dir(step)}/{MANIFEST_NAME}"
         try:
-            found = TierManifest.from_json(self.store.get(where), where=self.store.url + where)
+            raw = self.store.get(where)
         except FileNotFoundError:
             return None
-        except CheckpointError:
-            return None
-        except Exception as exc:
+        except Exception as exc:  # a store's error (PeerError, ObjectTooLarge, ...)
             raise self._fail("reading", where, exc) from exc
+        try:
+            found = TierManifest.from_json(raw, where=self.store.url + where)
+        except CheckpointError:  # not a manifest: as good as none
+            return None
         if not found.partial or rank is None or rank in found.shards:
             return found
         # Parts are named by the span of ranks they list, so a step saved again after the
@@ -185,11 +187,15 @@ class ObjectTier(Tier):
             if span is None or not span[0] <= rank <= span[1]:
                 continue
             try:
-                part = TierManifest.from_json(self.store.get(key), where=self.store.url + key)
-            except (FileNotFoundError, CheckpointError):
+                raw = self.store.get(key)
+            except FileNotFoundError:
                 continue
             except Exception as exc:
                 raise self._fail("reading", key, exc) from exc
+            try:
+                part = TierManifest.from_json(raw, where=self.store.url + key)
+            except CheckpointError:
+                continue
             if (
                 part.job == job
                 and part.step == step

@@ -39,10 +39,11 @@ from urllib.parse import quote
 
 import zstandard
 
+from ckpt.errors import ObjectTooLarge, PeerError
 from ckpt.format import CHECKSUM_ALGORITHM, SEAL_MAGIC, TRAILER_NBYTES, BufferLike, Hasher
-from ckpt.stores import MAX_GET_NBYTES, PART_NBYTES, ObjectStore, ObjectTooLarge
+from ckpt.stores import MAX_GET_NBYTES, PART_NBYTES, ObjectStore
 
-__all__ = ["PEER_KEY_RE", "HttpPeerStore", "SealCheck"]
+__all__ = ["PEER_KEY_RE", "HttpPeerStore", "PeerError", "SealCheck"]
 
 DECOMPRESS_PIECE: Final = 1 << 20  # SealCheck's largest piece of decompressed output
 _ANSWER_NBYTES: Final = 1 << 16  # the most of a buddy's short JSON answer ever read
@@ -127,10 +128,6 @@ class _Sink:
     def write(self, data: bytes) -> int:
         self.take(data)
         return len(data)
-
-
-class PeerError(OSError):
-    """The buddy answered with an error or not at all."""
 
 
 class HttpPeerStore(ObjectStore):

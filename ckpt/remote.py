@@ -28,6 +28,9 @@ POST   /v1/ckpt/report       a copy the rank found corrupt or gone: the agent te
                              the supervisor, whose catalog stops offering it
 =====  ====================  ==================================================
 
+Each body and each answer is a model of ``ckpt.protocol`` (a refusal is an
+``ErrorReply``), which agentd's routes parse and build too.
+
 A slot is written between acquire and submit by the rank alone (the agent
 never hands a busy slot out again); the agent seals it (xxh3) and carries it
 down, so the training process pays for one memory copy per save.
@@ -43,13 +46,39 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Final, NoReturn
+from typing import Any, Final, NoReturn, TypeVar
 from urllib.parse import urlencode
 
-from ckpt.errors import CheckpointError, ShardCorrupt, ShardRef, TierError
-from ckpt.ram import pin_for_dma, populate_for_write, unmap
+from pydantic import BaseModel, ValidationError
 
-__all__ = ["AgentClient", "AgentEnv"]
+from ckpt.errors import AgentError, CheckpointError, ShardCorrupt, ShardRef, TierError
+from ckpt.protocol import (
+    AcquireReply,
+    AcquireRequest,
+    ErrorReply,
+    HelloReply,
+    HelloRequest,
+    ReportReply,
+    ReportRequest,
+    ReserveReply,
+    ReserveRequest,
+    RestorePlan,
+    RestoreQuery,
+    ShardQuery,
+    StageReply,
+    StageRequest,
+    SubmitReply,
+    SubmitRequest,
+    TierName,
+    WaitReply,
+    WaitRequest,
+    problems,
+)
+from ckpt.ram import WhenBusy, pin_for_dma, populate_for_write, unmap
+
+__all__ = ["AgentClient", "AgentEnv", "AgentError"]
+
+R = TypeVar("R", bound=BaseModel)
 
 _ERROR_NBYTES: Final = 1 << 16  # the most of an error answer ever read
 
@@ -104,19 +133,11 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-class AgentError(CheckpointError):
-    """The agent refused a request (``status``: its HTTP status) or could not be reached
-    (``status`` is ``None``)."""
-
-    def __init__(
-        self, message: str, *, ref: ShardRef | None = None, status: int | None = None
-    ) -> None:
-        super().__init__(message, ref=ref)
-        self.status = status
-
-
 class AgentClient:
-    """Requests to the node's agent; each call opens a connection (they are cheap)."""
+    """Requests to the node's agent; each call opens a connection (they are cheap).
+
+    One method per route, each sending its request model and reading its answer with
+    one (``ckpt.protocol``); ``call`` sends any body, for what no method covers."""
 
     def __init__(self, env: AgentEnv, *, timeout_s: float = 30.0) -> None:
         self.env = env
@@ -128,6 +149,70 @@ class AgentClient:
     def _ident(self) -> dict[str, Any]:
         return {"job": self.env.job, "generation": self.env.generation, "rank": self.env.rank}
 
+    # ----------------------------------------------------------------- the routes
+
+    def hello(self) -> HelloReply:
+        body = HelloRequest(**self._ident(), world_size=self.env.world_size)
+        return self._ask("POST", "/v1/ckpt/hello", body, HelloReply)
+
+    def acquire(
+        self, step: int, nbytes: int, *, when_busy: WhenBusy, timeout: float
+    ) -> AcquireReply:
+        """A free RAM slot for ``step``; the agent waits up to ``timeout`` for one (this
+        call 30 s longer), or under ``when_busy="skip"`` answers ``skipped`` at once."""
+        body = AcquireRequest(
+            **self._ident(), step=step, nbytes=nbytes, when_busy=when_busy, timeout=timeout
+        )
+        return self._ask("POST", "/v1/ckpt/acquire", body, AcquireReply, timeout=timeout + 30)
+
+    def submit(self, step: int, slot: int, nbytes: int, *, abort: bool = False) -> SubmitReply:
+        body = SubmitRequest(**self._ident(), step=step, slot=slot, nbytes=nbytes, abort=abort)
+        return self._ask("POST", "/v1/ckpt/submit", body, SubmitReply)
+
+    def reserve(self, nbytes: int) -> ReserveReply:
+        body = ReserveRequest(**self._ident(), nbytes=nbytes)
+        return self._ask("POST", "/v1/ckpt/reserve", body, ReserveReply)
+
+    def wait(self, step: int, timeout: float) -> WaitReply:
+        """Until ``step`` is committed on every tier (this call 30 s longer)."""
+        body = WaitRequest(**self._ident(), step=step, timeout=timeout)
+        return self._ask("POST", "/v1/ckpt/wait", body, WaitReply, timeout=timeout + 30)
+
+    def restore_plan(self, step: int | None) -> RestorePlan:
+        query = RestoreQuery(job=self.env.job, rank=self.env.rank, step=step)
+        return self._ask("GET", "/v1/ckpt/restore", None, RestorePlan, query=query)
+
+    def stage(self, step: int, tier: TierName, *, timeout: float | None = None) -> StageReply:
+        body = StageRequest(**self._ident(), step=step, tier=tier)
+        return self._ask("POST", "/v1/ckpt/stage", body, StageReply, timeout=timeout)
+
+    def report(self, step: int, tier: TierName, error: str) -> ReportReply:
+        body = ReportRequest(**self._ident(), step=step, tier=tier, error=error)
+        return self._ask("POST", "/v1/ckpt/report", body, ReportReply)
+
+    # ----------------------------------------------------------------- transport
+
+    def _ask(
+        self,
+        method: str,
+        path: str,
+        body: BaseModel | None,
+        reply: type[R],
+        *,
+        query: BaseModel | None = None,
+        timeout: float | None = None,
+    ) -> R:
+        data = body.model_dump_json().encode() if body is not None else None
+        params = query.model_dump(exclude_none=True) if query is not None else None
+        payload = self._send(method, path, data, params, timeout)
+        try:
+            return reply.model_validate_json(payload)
+        except ValidationError as exc:
+            raise AgentError(
+                f"agent: {method} {path}: a malformed answer: {problems(exc)}",
+                ref=ShardRef(job=self.env.job, rank=self.env.rank),
+            ) from exc
+
     def call(
         self,
         method: str,
@@ -136,14 +221,23 @@ class AgentClient:
         *,
         query: dict[str, Any] | None = None,
         timeout: float | None = None,
-        raw: bool = False,
     ) -> Any:
+        """Any request, its body (a JSON object) sent with the rank's ``job``,
+        ``generation`` and ``rank``; the answer's JSON."""
+        data = json.dumps({**self._ident(), **body}).encode() if body is not None else None
+        return json.loads(self._send(method, path, data, query, timeout))
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        data: bytes | None,
+        query: dict[str, Any] | None,
+        timeout: float | None,
+    ) -> bytes:
         url = path + ("?" + urlencode(query) if query else "")
         conn = _UnixConnection(self.env.socket, timeout if timeout is not None else self.timeout_s)
         try:
-            data = (
-                json.dumps({**self._ident(), **(body or {})}).encode() if body is not None else None
-            )
             conn.request(
                 method, url, body=data, headers={"Content-Type": "application/json"} if data else {}
             )
@@ -157,34 +251,34 @@ class AgentClient:
             conn.close()
         if resp.status >= 300:
             self._refused(method, path, resp.status, payload)
-        return payload if raw else json.loads(payload)
+        return payload
 
     def _refused(self, method: str, path: str, status: int, payload: bytes) -> NoReturn:
         try:
-            error = json.loads(payload)
-        except ValueError:
-            error = {"error": payload[:300].decode(errors="replace")}
-        if not isinstance(error, dict):
-            error = {"error": str(error)[:300]}
-        message = f"agent: {method} {path}: {error.get('error', status)}"
-        ref = ShardRef(job=self.env.job, rank=self.env.rank, step=error.get("step"))
-        if error.get("corrupt"):  # the tier's copy is bad, not the tier unreachable
+            error = ErrorReply.model_validate_json(payload)
+        except ValidationError:  # not the agent's refusal (a proxy's, a crash's): its text
+            error = ErrorReply(error=payload[:300].decode(errors="replace") or str(status))
+        message = f"agent: {method} {path}: {error.error}"
+        ref = ShardRef(job=self.env.job, rank=self.env.rank, step=error.step)
+        if error.corrupt:  # the tier's copy is bad, not the tier unreachable
             raise ShardCorrupt(message, ref=ref)
-        if error.get("tier"):
-            raise TierError(message, tier=str(error["tier"]), ref=ref)
+        if error.tier:
+            raise TierError(message, tier=error.tier, ref=ref)
         if status == 504:
             raise TimeoutError(message)
         raise AgentError(message, ref=ref, status=status)
 
     def fetch_shard(
-        self, tier: str, step: int, nbytes: int, *, timeout: float | None = None
+        self, tier: TierName, step: int, nbytes: int, *, timeout: float | None = None
     ) -> bytearray | None:
         """This rank's shard of ``step`` from the peer or object tier, through the agent,
         read into one buffer of ``nbytes`` (the size the restore plan lists); ``None``
         when the tier has no copy. A body of any other size is a ``TierError`` naming
         the tier: a longer one is refused before its excess is read, never buffered."""
         ref = ShardRef(job=self.env.job, rank=self.env.rank, step=step, path=f"{tier}:")
-        query = urlencode({"job": self.env.job, "rank": self.env.rank, "step": step, "tier": tier})
+        query = urlencode(
+            ShardQuery(job=self.env.job, rank=self.env.rank, step=step, tier=tier).model_dump()
+        )
         conn = _UnixConnection(self.env.socket, timeout if timeout is not None else self.timeout_s)
         try:
             conn.request("GET", "/v1/ckpt/shard?" + query)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 from urllib.parse import urlparse
 
+from ckpt.errors import ObjectTooLarge
 from ckpt.files import LOCAL_FILESYSTEMS, filesystem_type, write_file_atomic
 from ckpt.format import BufferLike
 from ckpt.pacing import Pacing, place_writer_thread
@@ -38,16 +39,6 @@ __all__ = [
 T = TypeVar("T")
 PART_NBYTES: Final = 8 << 20  # S3 multipart parts: at least 5 MiB but the last
 MAX_GET_NBYTES: Final = 64 << 20  # ObjectStore.get: manifests and listings, never shards
-
-
-class ObjectTooLarge(OSError):
-    """An object (or what it decompresses to) is longer than its reader allows;
-    ``what`` names it, ``limit`` is the allowance in bytes."""
-
-    def __init__(self, what: str, limit: int, detail: str = "") -> None:
-        self.what = what
-        self.limit = limit
-        super().__init__(f"{what} is larger than the {limit}-byte limit{detail}")
 
 
 class ObjectStore(ABC):

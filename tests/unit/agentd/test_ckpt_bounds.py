@@ -29,13 +29,22 @@ import zstandard
 from aiohttp import web
 
 import ckpt
-from agentd.ckpt_http import add_peer_routes
+from agentd.ckpt import add_peer_routes
 from agentd.config import CkptSettings
-from ckpt import Checkpointer, CheckpointError, LocalFolderStore, ObjectTier, ShardKey, TierError
-from ckpt.pacing import Pacing
-from ckpt.peer import HttpPeerStore, PeerError, SealCheck
+from ckpt import (
+    Checkpointer,
+    CheckpointError,
+    HttpPeerStore,
+    LocalFolderStore,
+    ObjectTier,
+    ObjectTooLarge,
+    Pacing,
+    PeerError,
+    SealCheck,
+    ShardKey,
+    TierError,
+)
 from ckpt.remote import AgentClient, AgentEnv
-from ckpt.stores import ObjectTooLarge
 from ckpt.tiers import TierManifest
 from phalanx.http import bearer_ok, serve
 from tests.unit.agentd.test_ckpt_agent_mode import JOB, AgentHarness

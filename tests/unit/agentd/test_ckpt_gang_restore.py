@@ -14,14 +14,12 @@ import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from aiohttp import web
 
-from agentd.ckpt import CkptService
-from agentd.ckpt_http import add_peer_routes, start_rank_socket
+from agentd.ckpt import CkptService, Standalone, add_peer_routes, start_rank_socket
 from ckpt import (
     Checkpointer,
     CheckpointError,
@@ -79,13 +77,13 @@ class Node:
             TOKEN,
             self.landings.append,
         )
-        agent = SimpleNamespace(ckpt=self.service, node=self.name)
+        agent = Standalone(self.name, self.service)
         app = web.Application()
-        add_peer_routes(app, agent, lambda request: bearer_ok(request, TOKEN.encode()))  # type: ignore[arg-type]
+        add_peer_routes(app, agent, lambda request: bearer_ok(request, TOKEN.encode()))
         runner = web.AppRunner(app)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", self.port).start()
-        async with start_rank_socket(agent, self.socket):  # type: ignore[arg-type]
+        async with start_rank_socket(agent, self.socket):
             self.ready.set()
             await self.stop.wait()
         await runner.cleanup()
@@ -314,7 +312,7 @@ def test_a_rank_whose_catalog_never_came_refuses_to_start_afresh(
     fleet: dict[str, Any],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("agentd.ckpt_restore.CATALOG_WAIT_S", 0.5)
+    monkeypatch.setattr("agentd.ckpt.restores.CATALOG_WAIT_S", 0.5)
     # Generation 2 started on n03, but its catalog was lost on the way.
     with Checkpointer() as ckpt, pytest.raises(CheckpointError, match=r"no checkpoint catalog"):
         ckpt.restore()

@@ -5,55 +5,64 @@ jittered delay. An ended job's stores stay until what they landed is committed
 (``ENDED_SETTLE_S``) and its manifests are written (``ENDED_MANIFEST_RETRY_S``);
 then its RAM tier goes and the supervisor is told.
 
-``Commits`` is a part of ``agentd.ckpt.CkptService``, which holds the state it reads.
+One applier task per job works through its catalogs (``Commits``); the tasks are owned
+by a ``phalanx.tasks.Tasks``, which ``close`` shuts down within its limit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import random
 import re
-import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from agentd.ckpt_store import RankStore
-from ckpt import ShardKey, TierError, TierEvent, TierManifest, namespace_for
+from agentd.ckpt.jobs import JobBook
+from agentd.ckpt.stores import Publish, RankStore, RankStores
+from agentd.ckpt.tiers import NodeTiers
+from ckpt import TierError, TierManifest, namespace_for
 from phalanx import wire
+from phalanx.tasks import Tasks
 
 log = logging.getLogger(__name__)
 
 APPLY_RETRY_MIN_S, APPLY_RETRY_MAX_S = 1.0, 60.0  # writing a failed manifest again
 ENDED_SETTLE_S = 10.0  # an ended job's last landings: how long their commits are awaited
 ENDED_MANIFEST_RETRY_S = 600.0  # ... and its failed manifest writes retried, at most
+ENGINE_CLOSED_S = 1.0  # an ended job's engines, closed already (``_settled``): no wait
 
 
 class Commits:
-    """The catalog application of ``CkptService``, which sets what is declared here."""
+    """The supervisor's catalogs, applied to this node's rank stores.
 
-    node: str
-    shm_dir: Path
-    catalogs: dict[str, wire.CkptCatalog]
-    plans: dict[str, wire.CkptPlan]
-    generations: dict[str, int]
-    stores: dict[tuple[str, int], RankStore]
-    changed: asyncio.Condition
-    commits: concurrent.futures.ThreadPoolExecutor
-    _lock: threading.Lock
-    _listings: dict[tuple[str, str], tuple[float, concurrent.futures.Future[list[str]]]]
-    _appliers: dict[str, asyncio.Task[None]]
-    _apply_backoff: dict[str, tuple[float, asyncio.TimerHandle | None]]
-    _ending: dict[str, float]
-    _reapply: set[str]
-    _closing: bool
+    ``pool`` runs the manifest writes (at every tier: a buddy, the object store), so
+    that a slow or black-holed tier never holds up a rank's save."""
 
-    if TYPE_CHECKING:
-
-        def publish(self, msg: wire.CkptLanding | wire.CkptReleased) -> None: ...
+    def __init__(
+        self,
+        node: str,
+        shm_dir: Path,
+        jobs: JobBook,
+        stores: RankStores,
+        tiers: NodeTiers,
+        pool: concurrent.futures.Executor,
+        publish: Publish,
+    ) -> None:
+        self.node = node
+        self.shm_dir = shm_dir
+        self.jobs = jobs
+        self.stores = stores
+        self.tiers = tiers
+        self.pool = pool
+        self.publish = publish
+        self.tasks = Tasks(f"checkpoint commits of node {node}")
+        self._appliers: dict[str, asyncio.Task[None]] = {}
+        # job -> (the last retry delay, the retry scheduled) after a manifest write failed
+        self._backoff: dict[str, tuple[float, asyncio.TimerHandle | None]] = {}
+        self._ending: dict[str, float] = {}  # ended job -> when its RAM tier goes regardless
+        self._reapply: set[str] = set()  # jobs whose latest catalog some store has not seen
 
     async def on_catalog(self, catalog: wire.CkptCatalog) -> None:
         """Take the newest catalog of a job; one applier per job works through it.
@@ -65,58 +74,65 @@ class Commits:
                 "dropped: a checkpoint catalog of job %s for node %s", catalog.job, catalog.node
             )
             return
-        self.catalogs[catalog.job] = catalog
-        async with self.changed:
-            self.changed.notify_all()  # a restore may be waiting for this generation
-        self._kick_applier(catalog.job)
+        self.jobs.catalogs[catalog.job] = catalog
+        await self.jobs.notify()  # a restore may be waiting for this generation
+        self.kick(catalog.job)
 
-    def _kick_applier(self, job: str) -> None:
+    def kick(self, job: str) -> None:
         """Have the job's applier (started if need be) apply its latest catalog to every
         store of the job, new ones included. Called on the event loop."""
         self._reapply.add(job)
         running = self._appliers.get(job)
-        if (running is None or running.done()) and not self._closing:
+        if (running is None or running.done()) and not self.tasks.closed:
             try:
-                loop = asyncio.get_running_loop()
+                asyncio.get_running_loop()
             except RuntimeError:  # not on the loop: the next catalog applies it
                 return
-            self._appliers[job] = loop.create_task(self._applier(job), name=f"ckpt-apply-{job}")
+            task = self.tasks.spawn(self._applier(job), name=f"ckpt-apply-{job}")
+            if task is not None:
+                self._appliers[job] = task
+
+    async def close(self, timeout: float) -> None:
+        """Start no applier again, and give those running ``timeout`` to finish their
+        pass (a manifest write under way ends in its thread regardless); cancel the rest."""
+        for _delay, pending in self._backoff.values():
+            if pending is not None:
+                pending.cancel()
+        await self.tasks.shutdown(timeout)
 
     async def _applier(self, job: str) -> None:
         loop = asyncio.get_running_loop()
         whole = True
-        while job in self._reapply and (catalog := self.catalogs.get(job)) is not None:
+        while job in self._reapply and (catalog := self.jobs.catalogs.get(job)) is not None:
             self._reapply.discard(job)
-            stores = [s for (j, _), s in list(self.stores.items()) if j == job]
             whole = True
-            for store in stores:
+            for store in self.stores.of_job(job):
                 try:
-                    whole &= await loop.run_in_executor(self.commits, self._apply, store, catalog)
+                    whole &= await loop.run_in_executor(self.pool, self.apply, store, catalog)
                 except Exception:
                     whole = False
                     log.exception("applying the checkpoint catalog of %s rank %d", job, store.rank)
             if catalog.ended and await self._settled(job, catalog):
                 try:
-                    await loop.run_in_executor(self.commits, self._free_ram, job)
+                    await loop.run_in_executor(self.pool, self._free_ram, job)
                 except Exception:
                     log.exception("freeing the RAM tier of job %s", job)
                 else:
                     self._let_go(job, catalog)
-            async with self.changed:
-                self.changed.notify_all()
-        if job not in self.catalogs:  # let go of: no catalog will kick this applier again
+            await self.jobs.notify()
+        if job not in self.jobs.catalogs:  # let go of: no catalog will kick this applier again
             self._appliers.pop(job, None)
-            self._apply_backoff.pop(job, None)
+            self._backoff.pop(job, None)
         elif whole:
-            self._apply_backoff.pop(job, None)
+            self._backoff.pop(job, None)
         else:
-            self._retry_applier(job)
+            self._retry(job)
 
-    def _retry_applier(self, job: str) -> None:
+    def _retry(self, job: str) -> None:
         """Apply the job's catalog again after a capped, jittered, growing delay: a
         manifest write failed (a blip of the object store or the buddy), and nothing else
         would write it before the next commit of the job, if one ever comes."""
-        delay, pending = self._apply_backoff.get(job, (0.0, None))
+        delay, pending = self._backoff.get(job, (0.0, None))
         if pending is not None and not pending.cancelled():
             return
         delay = min(APPLY_RETRY_MAX_S, max(APPLY_RETRY_MIN_S, delay * 2))
@@ -129,13 +145,12 @@ class Commits:
         )
 
         def fire() -> None:
-            self._apply_backoff[job] = (delay, None)
-            if not self._closing:
-                self._kick_applier(job)
+            self._backoff[job] = (delay, None)
+            self.kick(job)
 
-        self._apply_backoff[job] = (delay, asyncio.get_running_loop().call_later(wait_s, fire))
+        self._backoff[job] = (delay, asyncio.get_running_loop().call_later(wait_s, fire))
 
-    def _apply(self, store: RankStore, catalog: wire.CkptCatalog) -> bool:
+    def apply(self, store: RankStore, catalog: wire.CkptCatalog) -> bool:
         """Commit, at this node's tiers, the steps the supervisor found complete. False
         when a manifest could not be written: that step stays unapplied at that tier, so
         that the next pass writes it again (``_applier`` retries with a backoff), and
@@ -188,13 +203,8 @@ class Commits:
     def _let_go(self, job: str, catalog: wire.CkptCatalog) -> None:
         """The job ended and its RAM tier is free: forget it, and tell the supervisor, which
         then clears the catalog the broker keeps for this node."""
-        if self.catalogs.get(job) is catalog:
-            del self.catalogs[job]
-        self.plans.pop(job, None)
-        self.generations.pop(job, None)
-        with self._lock:
-            for listed in [k for k in self._listings if k[0] == job]:
-                del self._listings[listed]
+        self.jobs.forget(job, catalog)
+        self.tiers.forget(job)
         self.publish(wire.CkptReleased(node=self.node, job=job, at=time.time()))
 
     async def _settled(self, job: str, catalog: wire.CkptCatalog) -> bool:
@@ -205,11 +215,10 @@ class Commits:
         its way: ``ENDED_SETTLE_S`` at most), and every manifest written (one that failed
         is written again: ``ENDED_MANIFEST_RETRY_S`` at most, then logged as an error)."""
         loop = asyncio.get_running_loop()
-        with self._lock:
-            stores = [s for (j, _), s in self.stores.items() if j == job]
+        stores = self.stores.of_job(job)
         for store in stores:
             try:
-                await loop.run_in_executor(self.commits, store.engine.close, 600.0)
+                await loop.run_in_executor(self.pool, store.engine.close, 600.0)
             except Exception:
                 log.exception("closing the checkpoint engine of %s rank %d", job, store.rank)
         committed = {(tier, e.step) for e in catalog.steps for tier in e.committed}
@@ -238,14 +247,12 @@ class Commits:
                 started + ENDED_SETTLE_S - now,
                 extra={"job": job},
             )
-            loop.call_later(started + ENDED_SETTLE_S - now + 0.05, self._kick_applier, job)
+            loop.call_later(started + ENDED_SETTLE_S - now + 0.05, self.kick, job)
             return False
         if failing and now < started + ENDED_MANIFEST_RETRY_S:
-            # The applier writes them again meanwhile (_retry_applier); look again then.
+            # The applier writes them again meanwhile (_retry); look again then.
             loop.call_later(
-                min(APPLY_RETRY_MAX_S, started + ENDED_MANIFEST_RETRY_S - now),
-                self._kick_applier,
-                job,
+                min(APPLY_RETRY_MAX_S, started + ENDED_MANIFEST_RETRY_S - now), self.kick, job
             )
             return False
         if failing:
@@ -263,15 +270,9 @@ class Commits:
     def _free_ram(self, job: str) -> None:
         """The job ended and its write-downs are done (``_settled``): remove its RAM
         segments."""
-        with self._lock:
-            stores = [self.stores.pop(k) for k in list(self.stores) if k[0] == job]
+        stores = self.stores.take_job(job)
         for store in stores:
-            for step in store.ram.steps(job):
-                store.engine.report(TierEvent("deleted", "ram", ShardKey(job, step, store.rank)))
-            with contextlib.suppress(Exception):
-                if "peer" in store.tiers:
-                    store.tiers["peer"].close()
-            store.ram.unlink()
+            store.close(ENGINE_CLOSED_S, free=True)
         mine = re.compile(re.escape(namespace_for(job, 0)[:-1]) + r"\d+\.slot\d+$")
         for leftover in self.shm_dir.glob(f"phalanx-{job}-r*"):
             if mine.match(leftover.name):  # segments an agent left before its restart

@@ -1,68 +1,74 @@
 """The agent's answers to a restoring rank (``ckpt.remote`` lists the routes): which
 step the gang restores from and where this rank's copies lie, nearest first; a copy
 from the peer or the object store streamed, or staged in a free RAM slot of the
-rank's; and the copies a rank found bad, reported to the supervisor.
-
-``Restores`` is a part of ``agentd.ckpt.CkptService``, which holds the state it reads.
+rank's; and the copies a rank found bad, reported to the supervisor. The answers are
+``ckpt.protocol``'s models.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TypeVar
 
-from agentd.ckpt_store import TIER_ORDER, CkptRequestError, RankStore
+from agentd.ckpt.errors import CkptRequestError, copy_failed
+from agentd.ckpt.jobs import JobBook
+from agentd.ckpt.stores import TIER_ORDER, Publish, RankStore
+from agentd.ckpt.tiers import NodeTiers
 from ckpt import (
     FormatError,
-    LocalFolderStore,
-    ObjectStore,
     ObjectTier,
     ShardCorrupt,
     ShardKey,
+    ShardReader,
     Tier,
     TierError,
-    UnsupportedVersion,
+    protocol,
 )
-from ckpt.objects import ShardReader
-from ckpt.peer import HttpPeerStore
 from phalanx import wire
 
 log = logging.getLogger(__name__)
 
 CATALOG_WAIT_S = 3.0
 
+T = TypeVar("T")
+
 
 class Restores:
-    """The restore routes of ``CkptService``, which sets what is declared here."""
+    """A restoring rank's requests. ``store`` is the service's (it makes a rank's store on
+    first use); ``pool`` runs what blocks (a remote tier's reads)."""
 
-    node: str
-    token: str
-    disk_root: Path
-    peer_store: LocalFolderStore
-    catalogs: dict[str, wire.CkptCatalog]
-    generations: dict[str, int]
-    changed: asyncio.Condition
+    def __init__(
+        self,
+        node: str,
+        jobs: JobBook,
+        tiers: NodeTiers,
+        store: Callable[[str, int], RankStore],
+        pool: concurrent.futures.Executor,
+        publish: Publish,
+    ) -> None:
+        self.node = node
+        self.jobs = jobs
+        self.tiers = tiers
+        self.store = store
+        self.pool = pool
+        self.publish = publish
 
-    if TYPE_CHECKING:
-
-        def store(self, job: str, rank: int) -> RankStore: ...
-        def objects(self) -> ObjectStore: ...
-        def publish(self, msg: wire.CkptLanding | wire.CkptReleased) -> None: ...
-        def _fence(self, job: str, generation: int) -> None: ...
-        async def _run(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     async def _catalog_for(self, job: str) -> wire.CkptCatalog | None:
         """The job's catalog, once it is of the generation started here (the supervisor
         sends it before the ranks' start; give a late one ``CATALOG_WAIT_S``)."""
-        wanted = self.generations.get(job, 0)
+        wanted = self.jobs.generations.get(job, 0)
         deadline = time.monotonic() + CATALOG_WAIT_S
-        async with self.changed:
-            while (catalog := self.catalogs.get(job)) is None or catalog.generation < wanted:
+        changed = self.jobs.changed
+        async with changed:
+            while (catalog := self.jobs.catalogs.get(job)) is None or catalog.generation < wanted:
                 if catalog is None and wanted == 0:
                     return None
                 remaining = deadline - time.monotonic()
@@ -83,10 +89,10 @@ class Restores:
                     )
                     return catalog
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.changed.wait(), remaining)
+                    await asyncio.wait_for(changed.wait(), remaining)
         return catalog
 
-    async def restore_plan(self, job: str, rank: int, step: int | None) -> dict[str, Any]:
+    async def plan(self, job: str, rank: int, step: int | None) -> protocol.RestorePlan:
         """Where rank ``rank`` can read its copy of ``step``, nearest first.
 
         Without a step, the step is the catalog's ``restore_step``: the one the whole gang
@@ -95,14 +101,12 @@ class Restores:
         try:
             catalog = await self._catalog_for(job)
         except CkptRequestError as exc:
-            return {"steps": [], "unavailable": str(exc)}
+            return protocol.RestorePlan(unavailable=str(exc))
         if catalog is None:
-            return {"steps": []}
+            return protocol.RestorePlan()
         if not catalog.steps:  # nothing committed yet, or (with a note) nothing left
-            return (
-                {"steps": [], "unavailable": f"job {job}: {catalog.restore_note}"}
-                if catalog.restore_note
-                else {"steps": []}
+            return protocol.RestorePlan(
+                unavailable=f"job {job}: {catalog.restore_note}" if catalog.restore_note else None
             )
         wanted = step if step is not None else catalog.restore_step
         entries = [e for e in catalog.steps if e.step == wanted]
@@ -112,32 +116,40 @@ class Restores:
                 if step is not None
                 else catalog.restore_note or "no committed step is readable by every rank"
             )
-            return {"steps": [], "unavailable": f"job {job}: {why}"}
+            return protocol.RestorePlan(unavailable=f"job {job}: {why}")
         entry = entries[0]
         shard = next((s for s in entry.shards if s.rank == rank), None)
         if shard is None:
-            return {
-                "steps": [],
-                "unavailable": f"job {job}: the catalog lists no shard of rank "
-                f"{rank} for step {entry.step}",
-            }
+            return protocol.RestorePlan(
+                unavailable=f"job {job}: the catalog lists no shard of rank "
+                f"{rank} for step {entry.step}"
+            )
         store = self.store(job, rank)
-        base = {"checksum": shard.checksum, "nbytes": shard.nbytes}
         candidates = []
         for tier in TIER_ORDER:
             if tier not in entry.committed:
                 continue
+            path: str | None = None
             if tier == "ram":
                 slot = store.ram.find(entry.step)
-                if slot is not None and slot.path.exists():
-                    candidates.append({"tier": tier, "path": str(slot.path), **base})
+                if slot is None or not slot.path.exists():
+                    continue
+                path = str(slot.path)
             elif tier == "nvme":
-                shard_path = self.disk_root / ShardKey(job, entry.step, rank).relpath()
-                if shard_path.exists():
-                    candidates.append({"tier": tier, "path": str(shard_path), **base})
-            elif self.read_tier(job, rank, entry.step, tier) is not None:
-                candidates.append({"tier": tier, **base})
-        return {"steps": [{"step": entry.step, "candidates": candidates}]}
+                shard_path = self.tiers.disk_root / ShardKey(job, entry.step, rank).relpath()
+                if not shard_path.exists():
+                    continue
+                path = str(shard_path)
+            elif self.read_tier(job, rank, entry.step, tier) is None:
+                continue
+            candidates.append(
+                protocol.Candidate(
+                    tier=tier, path=path, checksum=shard.checksum, nbytes=shard.nbytes
+                )
+            )
+        return protocol.RestorePlan(
+            steps=[protocol.RestoreStep(step=entry.step, candidates=candidates)]
+        )
 
     def read_tier(self, job: str, rank: int, step: int, tier: str) -> Tier | None:
         """The tier to read rank ``rank``'s copy of ``step`` from, for ``peer`` and
@@ -145,18 +157,15 @@ class Restores:
         rank may have moved since, or its node's buddy changed)."""
         store = self.store(job, rank)
         if tier == "object":
-            return store.tiers.get("object") or ObjectTier(self.objects(), name="object")
+            return store.tiers.get("object") or ObjectTier(self.tiers.objects(), name="object")
         if tier != "peer":
             return None
         shard = self._catalog_shard(job, rank, step)
         if shard is None or shard.peer is None:
             return store.tiers.get("peer")
         if shard.peer.node == self.node:  # this node holds the copy a buddy pushed here
-            return ObjectTier(self.peer_store, name="peer")
-        return ObjectTier(
-            HttpPeerStore(shard.peer.node, shard.peer.address, shard.peer.http_port, self.token),
-            name="peer",
-        )
+            return ObjectTier(self.tiers.peer_store, name="peer")
+        return ObjectTier(self.tiers.buddy_store(shard.peer), name="peer")
 
     def report(self, job: str, rank: int, step: int, tier: str, error: str) -> None:
         """A rank found its copy unusable (corrupt, or gone): tell the supervisor, whose
@@ -187,7 +196,7 @@ class Restores:
 
     def _catalog_shard(self, job: str, rank: int, step: int) -> wire.CkptShard | None:
         """What the job's catalog lists of rank ``rank``'s shard of ``step``, if anything."""
-        catalog = self.catalogs.get(job)
+        catalog = self.jobs.catalogs.get(job)
         entry = next((e for e in catalog.steps if e.step == step), None) if catalog else None
         return next((s for s in entry.shards if s.rank == rank), None) if entry else None
 
@@ -224,14 +233,12 @@ class Restores:
                 found.reader, ShardKey(job, step, rank), shard.nbytes, shard.checksum
             )
         except TierError as exc:
-            raise CkptRequestError(
-                str(exc), status=502, tier=tier, step=step, corrupt=exc.corrupt
-            ) from exc
+            raise copy_failed(exc, tier=tier, step=step) from exc
         return reader
 
     async def stage(
         self, job: str, generation: int, rank: int, step: int, tier: str
-    ) -> dict[str, Any]:
+    ) -> protocol.StageReply:
         """Rank ``rank``'s copy of ``step`` at the peer or object tier, read into a free
         RAM slot of its own (``RamTier.stage``: verified against the catalog's checksum
         before it is sealed), for the rank to restore as a RAM copy: one copy out of
@@ -244,7 +251,7 @@ class Restores:
         The staged copy is reported to the supervisor (``staged`` at RAM on this node, the
         catalog's checksum), so that a restart before the rank's next save reads it here
         too: the catalog counts a copy with the shards of the generation that saved it."""
-        self._fence(job, generation)
+        self.jobs.fence(job, generation)
         found, shard = self._remote_copy(job, rank, step, tier)
         store = self.store(job, rank)
         key = ShardKey(job, step, rank)
@@ -262,13 +269,9 @@ class Restores:
         try:
             slot = await self._run(store.ram.stage, key, shard.nbytes, fill, shard.checksum)
         except Gone:
-            return {"gone": True}
-        except UnsupportedVersion as exc:  # a newer writer's copy: not a bad one
-            raise CkptRequestError(f"tier {tier}: {exc}", status=502, tier=tier, step=step) from exc
-        except (ShardCorrupt, FormatError) as exc:
-            raise CkptRequestError(
-                f"tier {tier}: {exc}", status=502, tier=tier, step=step, corrupt=True
-            ) from exc
+            return protocol.StageReply(gone=True)
+        except (ShardCorrupt, FormatError) as exc:  # UnsupportedVersion: a newer writer's
+            raise copy_failed(exc, tier=tier, step=step) from exc
         except TierError as exc:
             if exc.tier == store.ram.name:  # no room for a slot (a full /dev/shm), say: the
                 log.warning(
@@ -279,14 +282,12 @@ class Restores:
                     exc,
                     extra={"job": job},
                 )
-                return {"staged": False}  # copy itself is not in question
-            raise CkptRequestError(
-                str(exc), status=502, tier=tier, step=step, corrupt=exc.corrupt
-            ) from exc
+                return protocol.StageReply(staged=False)  # copy itself is not in question
+            raise copy_failed(exc, tier=tier, step=step) from exc
         finally:
             store.report_reused(before)
         if slot is None:
-            return {"staged": False}
+            return protocol.StageReply(staged=False)
         store.reporter.landed(
             store.ram.name, key, shard.checksum, shard.nbytes, staged_by=generation
         )
@@ -298,4 +299,4 @@ class Restores:
             tier,
             extra={"job": job},
         )
-        return {"path": str(slot.path), "slot": slot.index}
+        return protocol.StageReply(path=str(slot.path), slot=slot.index)

@@ -1,0 +1,200 @@
+"""The peer tier on the agent's HTTP port: the objects this node keeps for its buddies
+under ``DATA_DIR/ckpt-peer`` (``ckpt.peer`` documents the routes), behind the fleet's
+agent token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zstandard
+from aiohttp import web
+
+from agentd.ckpt.host import CkptHost
+from agentd.config import CkptSettings
+from ckpt import (
+    PART_NBYTES,
+    PEER_KEY_RE,
+    AlignedBuffer,
+    AtomicFile,
+    ObjectTooLarge,
+    SealCheck,
+    ShardRef,
+    TierError,
+)
+
+__all__ = ["Staging", "add_peer_routes"]
+
+log = logging.getLogger(__name__)
+
+
+def _error(status: int, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"error": message, **extra}, status=status)
+
+
+def add_peer_routes(
+    app: web.Application,
+    host: CkptHost,
+    authorised: Callable[[web.Request], bool],
+    *,
+    max_shard_bytes: int | None = None,
+) -> None:
+    """The peer tier's objects, kept for buddies under ``DATA_DIR/ckpt-peer``: each body
+    (and what it decompresses to) is at most ``max_shard_bytes`` (the agent's
+    ``ckpt.peer_max_shard_bytes``; ``None``: that setting's default), refused with 413
+    as soon as it crosses it; nothing is stored then."""
+    root = host.ckpt.peer_root
+    pool = host.ckpt.peer_io
+    max_limit = max_shard_bytes or CkptSettings().peer_max_shard_bytes  # content, decompressed
+    body_limit = max_limit + max_limit // 128 + (1 << 17)  # room for zstd's worst-case growth
+
+    async def io(fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    def check(request: web.Request) -> web.Response | None:
+        if not authorised(request):
+            return _error(401, "missing or wrong bearer token (http.token_file)")
+        return None
+
+    def key_path(key: str) -> Path | None:
+        return root / key if PEER_KEY_RE.match(key) else None
+
+    async def put(request: web.Request) -> web.StreamResponse:
+        if (denied := check(request)) is not None:
+            return denied
+        key = request.match_info["key"]
+        path = key_path(key)
+        if path is None:
+            return _error(400, "not a checkpoint object key")
+        if request.content_length is not None and request.content_length > body_limit:
+            return too_large(
+                key, ObjectTooLarge(f"a body of {request.content_length} bytes", body_limit)
+            )
+        seal = (
+            SealCheck(path.name.endswith(".zst"), max_limit, "its content")
+            if ".phx" in path.name
+            else None
+        )
+        try:
+            out = await io(
+                functools.partial(
+                    AtomicFile,
+                    path,
+                    pacing=host.ckpt.pacing,
+                    tier="peer",
+                    ref=ShardRef(path=str(path)),
+                    direct=True,
+                )
+            )
+        except TierError as exc:
+            return cannot_store(key, exc)
+        # The body lands in one page-aligned buffer that goes to disk by O_DIRECT each
+        # time it fills, as the NVMe tier writes: through the page cache, a GiB took
+        # 2-3 s of this node's CPU (the fsync writing it back) next to its training.
+        staged: Staging | None = None
+        received = 0
+        problem: str | None = None
+        try:
+            staged = Staging(out, seal)
+            async for chunk in request.content.iter_chunked(PART_NBYTES):
+                received += len(chunk)
+                if received > body_limit:
+                    raise ObjectTooLarge("its body", body_limit)
+                await io(staged.take, chunk)
+            problem = seal.problem() if seal is not None else None
+            if problem is None:
+                await io(staged.finish)
+        except BaseException as exc:
+            await io(out.abort)
+            if isinstance(exc, zstandard.ZstdError):
+                return _error(422, f"{key} does not decompress: {exc}")
+            if isinstance(exc, ObjectTooLarge):
+                return too_large(key, exc)
+            if isinstance(exc, TierError):
+                return cannot_store(key, exc)
+            raise
+        finally:
+            if staged is not None:
+                staged.buffer.close()
+        if problem is not None:
+            await io(out.abort)
+            log.warning("refused %s pushed by a peer: %s", key, problem)
+            return _error(422, f"{key}: {problem}")
+        return web.json_response({"stored": key})
+
+    def cannot_store(key: str, exc: TierError) -> web.Response:
+        log.error("cannot store %s pushed by a peer: %s", key, exc)
+        full = isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ENOSPC
+        return _error(507 if full else 500, f"cannot store {key}: {exc}")
+
+    def too_large(key: str, exc: ObjectTooLarge) -> web.Response:
+        log.warning("refused %s pushed by a peer: %s", key, exc)
+        return _error(
+            413, f"refused {key}: {exc} (ckpt.peer_max_shard_bytes is {max_limit})", limit=max_limit
+        )
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        if (denied := check(request)) is not None:
+            return denied
+        path = key_path(request.match_info["key"])
+        if path is None:
+            return _error(400, "not a checkpoint object key")
+        if not path.is_file():
+            return _error(404, f"no {request.match_info['key']} on node {host.node}")
+        return web.FileResponse(path)
+
+    async def keys(request: web.Request) -> web.Response:
+        if (denied := check(request)) is not None:
+            return denied
+        prefix = request.query.get("prefix", "")
+        if ".." in prefix or prefix.startswith("/"):
+            return _error(400, "bad prefix")
+        return web.json_response(await io(host.ckpt.peer_store.keys, prefix))
+
+    async def delete(request: web.Request) -> web.Response:
+        if (denied := check(request)) is not None:
+            return denied
+        try:
+            wanted = json.loads(await request.read())["keys"]
+        except (ValueError, KeyError, TypeError):
+            return _error(400, 'body must be {"keys": [...]}')
+        if not isinstance(wanted, list) or not all(
+            isinstance(k, str) and PEER_KEY_RE.match(k) for k in wanted
+        ):
+            return _error(400, "not checkpoint object keys")
+        await io(host.ckpt.peer_store.delete, wanted)
+        return web.json_response({"deleted": len(wanted)})
+
+    app.router.add_put("/v1/ckpt/peer/objects/{key:.+}", put)
+    app.router.add_get("/v1/ckpt/peer/objects/{key:.+}", get)
+    app.router.add_get("/v1/ckpt/peer/keys", keys)
+    app.router.add_post("/v1/ckpt/peer/delete", delete)
+
+
+class Staging:
+    """A pushed body on its way to an ``AtomicFile``: each piece checked against the seal
+    (``seal``, when the object is a shard) and copied into one page-aligned buffer of
+    ``PART_NBYTES`` that is written out, by ``O_DIRECT``, each time it fills."""
+
+    def __init__(self, out: AtomicFile, seal: SealCheck | None) -> None:
+        self.out = out
+        self.seal = seal
+        self.buffer = AlignedBuffer(PART_NBYTES)
+
+    def take(self, data: bytes) -> None:
+        if self.seal is not None:
+            self.seal.feed(data)
+        for part in self.buffer.fill(data):
+            self.out.write(part)
+
+    def finish(self) -> None:
+        """Write what is held, then fsync and rename the file into place."""
+        with self.out:
+            self.out.write(self.buffer.rest())
