@@ -116,7 +116,11 @@ def run_scenario(fleet: RigFleet, kind: str, seed: int, baseline: dict[str, Any]
         "notes": strike.notes,
         "expected": fault.what,
     }
-    result["as_expected"], result["unexpected"] = judge(fault.expect_state, fault.recovery, result)
+    as_expected, unexpected = judge(fault.expect_state, fault.recovery, result)
+    more = fault.check(strike, job) if fault.check is not None else None
+    if more:
+        as_expected, unexpected = False, "; ".join(x for x in (unexpected, more) if x)
+    result["as_expected"], result["unexpected"] = as_expected, unexpected
     return result
 
 

@@ -8,9 +8,11 @@ driver checks at the end: the job's final state and which kind of recovery it to
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,13 +60,13 @@ class Strike:
             raise RigError(f"rank {rank} of {self.job_id} is not running")
         os.kill(pid, signal.SIGKILL)
 
-    def wait_state(self, state: str, timeout: float) -> None:
+    def wait_generation(self, generation: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.job()["state"] == state:
+            if self.job()["generation"] >= generation:
                 return
-            time.sleep(0.1)
-        raise RigError(f"job {self.job_id} not {state} within {timeout:.0f} s")
+            time.sleep(0.02)
+        raise RigError(f"job {self.job_id} not relaunched within {timeout:.0f} s")
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,8 @@ class Fault:
     expect_state: str  # the job's final state
     recovery: str  # none | in-place | replaced | no-spare | any
     what: str  # the expectation, in words
-    extra_args: tuple[str, ...] = ()  # tinylm arguments of the scenario's job
+    # More the scenario checks at the end: why it did not go as expected, or None.
+    check: Callable[[Strike, dict[str, Any]], str | None] | None = None
 
 
 def kill_rank(s: Strike) -> None:
@@ -164,25 +167,64 @@ def disk_full(s: Strike) -> None:
 
 
 def shard_corrupt(s: Strike) -> None:
-    """Flip one byte of the newest sealed NVMe shard of a rank, then kill that rank: its
-    restore must find the flip and read another tier."""
+    """Flip one byte of a rank's newest sealed shard where its restore looks first: its
+    RAM slot and its NVMe file, then kill the rank. Its restore must find both flips and
+    read another tier (``check_restored_elsewhere``)."""
     host = s.victim()
     rank = s.rank_on(host)
-    shard = _newest_shard(s.fleet.nvme(host) / s.job_id, rank)
-    s.notes["shard"] = str(shard)
-    with shard.open("r+b") as fh:
-        fh.seek(shard.stat().st_size // 2)
-        byte = fh.read(1)
-        fh.seek(-1, os.SEEK_CUR)
-        fh.write(bytes([byte[0] ^ 0xFF]))
+    slot, step, nbytes = _newest_slot(s.fleet.shm(host), s.job_id, rank)
+    shard = s.fleet.nvme(host) / s.job_id / f"{step:012d}" / f"rank-{rank:05d}.phx"
+    if not shard.exists():
+        raise RigError(f"step {step} of rank {rank} is in RAM but not yet on NVMe ({shard})")
+    _flip(slot, RAM_HEADER_NBYTES, nbytes)  # the shard, not the slot's spare capacity
+    _flip(shard, 0, shard.stat().st_size)
+    s.notes.update(step=step, flipped=[str(slot), str(shard)])
     s.kill_rank(rank)
 
 
-def _newest_shard(job_dir: Path, rank: int) -> Path:
-    shards = sorted(job_dir.glob(f"*/rank-{rank:05d}.phx"))
-    if not shards:
-        raise RigError(f"no sealed NVMe shard of rank {rank} under {job_dir}")
-    return shards[-1]
+RAM_HEADER_NBYTES = 4096  # ckpt.ram: a slot's header page, then the shard
+_SLOT_HEAD = struct.Struct("<8sIIqQQQ16s")  # magic, version, state, step, nbytes, ...
+
+
+def _newest_slot(shm: Path, job: str, rank: int) -> tuple[Path, int, int]:
+    """The slot holding the rank's newest sealed shard: (path, step, shard bytes)."""
+    best: tuple[int, Path, int] | None = None
+    for path in shm.glob(f"phalanx-{job}-r{rank}.slot*"):
+        with path.open("rb") as fh:
+            _magic, _version, state, step, nbytes, _cap, _seq, _digest = _SLOT_HEAD.unpack(
+                fh.read(_SLOT_HEAD.size)
+            )
+        if state == 2 and (best is None or step > best[0]):  # sealed
+            best = (step, path, nbytes)
+    if best is None:
+        raise RigError(f"no sealed RAM slot of rank {rank} of {job} in {shm}")
+    return best[1], best[0], best[2]
+
+
+def _flip(path: Path, start: int, nbytes: int) -> None:
+    """Invert the byte in the middle of the ``nbytes`` of payload at ``start``."""
+    with path.open("r+b") as fh:
+        fh.seek(start + nbytes // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def check_restored_elsewhere(s: Strike, job: dict[str, Any]) -> str | None:
+    """The flipped rank's next generation restored from neither flipped tier."""
+    rank = s.notes.get("rank")
+    lines = [
+        json.loads(line)
+        for g in range(2, int(job["generation"]) + 1)
+        for line in s.fleet.rank_log({**job, "generation": g}, rank).splitlines()
+        if line.startswith('{"ckpt_restored"')
+    ]
+    if not lines:
+        return f"rank {rank} did not log its restore"
+    s.notes["restored"] = lines[0]
+    if lines[0]["from"] in ("ram", "nvme"):
+        return f"rank {rank} restored from its flipped {lines[0]['from']} copy"
+    return None
 
 
 def peer_gone(s: Strike) -> None:
@@ -204,8 +246,10 @@ def object_store_down(s: Strike) -> None:
 
 def double_fault(s: Strike) -> None:
     first = s.victim()
+    generation = s.job()["generation"]
     s.kill_rank(s.rank_on(first))
-    s.wait_state("recovering", 30)
+    # Struck while the first is recovered: the gang is relaunched, its ranks restoring.
+    s.wait_generation(generation + 1, 30)
     others = [h for h in s.job_hosts() if h is not first] or [first]
     second = s.rng.choice(others)
     s.notes["second_host"] = second.name
@@ -259,7 +303,14 @@ FAULTS: dict[str, Fault] = {
         Fault("broker-restart", broker_restart, "succeeded", "none", "no recovery at all"),
         Fault("supervisor-restart", supervisor_restart, "succeeded", "none", "no recovery"),
         Fault("disk-full", disk_full, "succeeded", "any", "other tiers carry the job"),
-        Fault("shard-corrupt", shard_corrupt, "succeeded", "in-place", "next tier restores"),
+        Fault(
+            "shard-corrupt",
+            shard_corrupt,
+            "succeeded",
+            "in-place",
+            "both flips found; restored from peer or object",
+            check_restored_elsewhere,
+        ),
         Fault("peer-gone", peer_gone, "succeeded", "replaced", "spare; other tiers restore"),
         Fault("object-store-down", object_store_down, "succeeded", "none", "the job goes on"),
         Fault("double-fault", double_fault, "succeeded", "any", "both recovered"),
