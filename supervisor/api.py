@@ -21,7 +21,8 @@ GET      /v1/events                    ``?node=ID&job=ID&limit=N&after=ID``
 GET      /v1/stats                     counters (heartbeats handled, bad messages)
 =======  ============================  ==========================================
 
-Errors are ``{"error": "message"}`` with a 4xx/5xx status.
+Errors are ``{"error": "message"}`` with a 4xx/5xx status; :data:`HTTP_STATUS` says
+which error of :mod:`supervisor.errors` answers which.
 """
 
 from __future__ import annotations
@@ -38,7 +39,15 @@ from aiohttp import web
 from phalanx import wire
 from phalanx.http import bearer_ok, serve
 from phalanx.jobspec import JobSpecError, validate_spec
-from supervisor.registry import Node, RegistryError
+from supervisor.errors import (
+    CommandTimeout,
+    Refused,
+    RegistryError,
+    SupervisorError,
+    UnknownJob,
+    UnknownNode,
+)
+from supervisor.registry import Node
 
 if TYPE_CHECKING:
     from supervisor.daemon import Supervisor
@@ -46,6 +55,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+# The operator's request errors and their HTTP status, the most specific first; any other
+# error is a 500 (logged: the supervisor's fault, not the request's).
+HTTP_STATUS: tuple[tuple[type[SupervisorError], int], ...] = (
+    (UnknownNode, 404),
+    (UnknownJob, 404),
+    (Refused, 409),
+    (RegistryError, 400),
+    (CommandTimeout, 504),
+)
+
+
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status that answers ``exc``; None: not a request error (a 500)."""
+    return next((status for kind, status in HTTP_STATUS if isinstance(exc, kind)), None)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -61,11 +86,12 @@ def make_app(sup: Supervisor) -> web.Application:
             return _error(401, "missing or wrong bearer token (PHALANX_TOKEN)")
         try:
             return await handler(request)
-        except RegistryError as exc:
-            return _error(exc.status, str(exc))
         except web.HTTPException:
             raise
-        except Exception:
+        except Exception as exc:
+            status = http_status(exc)
+            if status is not None:
+                return _error(status, str(exc))
             log.exception("API %s %s failed", request.method, request.path)
             return _error(500, "internal error; see the supervisor log")
 
@@ -118,12 +144,8 @@ def make_app(sup: Supervisor) -> web.Application:
         return web.json_response(sup.registry.undrain(request.match_info["id"], force=force).view())
 
     async def ping(request: web.Request) -> web.Response:
-        from supervisor.daemon import CommandTimeout
-
         try:
             ack = await sup.command(request.match_info["id"], wire.PingArgs())
-        except CommandTimeout as exc:
-            return _error(504, str(exc))
         except ConnectionError as exc:  # the broker is unreachable
             return _error(503, str(exc))
         return web.json_response(ack.model_dump(mode="json"))

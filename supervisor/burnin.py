@@ -17,7 +17,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from phalanx import wire
-from supervisor.registry import NodeState, Registry, RegistryError
+from supervisor.errors import RegistryError
+from supervisor.registry import NodeState, Registry
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 from phalanx import wire
 from phalanx.jobspec import JobSpec
 from supervisor.burnin import BurnIns
+from supervisor.errors import LaunchError, Refused, RegistryError, UnknownJob
 from supervisor.jobs import Job, JobState, RankPlace
 from supervisor.orders import GangOrders
 from supervisor.planner import Failure, FailureKind, NodeIncident
 from supervisor.recovery import BURN_IN_TIMEOUT_S, Recoveries
-from supervisor.registry import NodeState, Refused, RegistryError
+from supervisor.registry import NodeState
 from supervisor.scheduler import (
     ClusterNode,
     ClusterState,
@@ -40,13 +41,6 @@ if TYPE_CHECKING:
     from supervisor.daemon import Supervisor
 
 log = logging.getLogger(__name__)
-
-
-class UnknownJob(RegistryError):
-    status = 404
-
-    def __init__(self, job: str) -> None:
-        super().__init__(f"job {job!r} is not known to this supervisor")
 
 
 class JobController:
@@ -710,11 +704,3 @@ class JobController:
 
     def _event(self, kind: str, job: Job, node: str | None = None, **detail: Any) -> None:
         self.store.add_event(kind, node, {"job": job.id, **detail})
-
-
-class LaunchError(RuntimeError):
-    """A gang launch that failed; ``node``: the first node that did not start its part."""
-
-    def __init__(self, message: str, node: str | None = None) -> None:
-        super().__init__(message)
-        self.node = node

@@ -18,9 +18,10 @@ from supervisor.api import start_api
 from supervisor.catalog import CheckpointCatalog
 from supervisor.config import SupervisorSettings
 from supervisor.controller import JobController
+from supervisor.errors import CommandTimeout, StoreError
 from supervisor.jobs import Job, JobState
 from supervisor.registry import NodeState, Registry
-from supervisor.store import Store, StoreError
+from supervisor.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,6 @@ WILL_SUSPECT_S = 5.0
 OFFLINE_CONFIRM_S = 2.0
 CATALOG_RETRY_S = 2.0
 MAX_QUEUED_LANDINGS = 1_000_000  # ~a checkpoint step of 250k ranks at every tier
-
-
-class CommandTimeout(TimeoutError):
-    pass
 
 
 class Supervisor:
@@ -485,9 +482,7 @@ class Supervisor:
             await self.link.publish(wire.command_topic(node), wire.encode(cmd), timeout=timeout)
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
-            raise CommandTimeout(
-                f"no ack from node {node!r} for {args.op} command {cmd.id} within {timeout:.1f}s"
-            ) from None
+            raise CommandTimeout(node, args.op, cmd.id, timeout) from None
         finally:
             self._acks.pop(cmd.id, None)
 

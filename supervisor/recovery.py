@@ -33,6 +33,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from phalanx import wire
+from supervisor.errors import RegistryError
 from supervisor.jobs import Job, JobState
 from supervisor.planner import (
     Action,
@@ -47,7 +48,7 @@ from supervisor.planner import (
     Plan,
     plan_recovery,
 )
-from supervisor.registry import NodeState, RegistryError
+from supervisor.registry import NodeState
 
 if TYPE_CHECKING:
     from supervisor.controller import JobController

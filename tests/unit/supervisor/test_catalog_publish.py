@@ -20,8 +20,9 @@ import pytest
 from phalanx import wire
 from supervisor.catalog import CheckpointCatalog
 from supervisor.daemon import Supervisor
+from supervisor.errors import StoreError
 from supervisor.jobs import JobState, RankPlace
-from supervisor.store import Store, StoreError
+from supervisor.store import Store
 
 WORLD = 8
 NODES = [f"n{i:02d}" for i in range(WORLD)]
@@ -135,7 +136,7 @@ def test_landings_a_failed_store_write_rolled_back_are_queued_again_and_commit_l
     def full_disk() -> Iterator[None]:  # the fault: the transaction cannot commit
         with real_batch():
             yield
-            raise StoreError("cannot write the supervisor store: database or disk is full")
+            raise StoreError(store.path, "cannot write the supervisor store: disk is full")
 
     monkeypatch.setattr(store, "batch", full_disk)
     with pytest.raises(StoreError):
