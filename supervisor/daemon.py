@@ -246,7 +246,7 @@ class Supervisor:
                     return
                 self._catalog_sent[topic] = payload
             if ended:  # out, retained: the cache of a job that will not change need not stay
-                prefix = f"{wire.PREFIX}/job/{job_id}/ckpt/"
+                prefix = wire.catalog_prefix(job_id)
                 for topic in [t for t in self._catalog_sent if t.startswith(prefix)]:
                     del self._catalog_sent[topic]
                 self.catalog.forget_job(job_id)
