@@ -562,7 +562,7 @@ class JobController:
             job.master_port = int(ack.result["port"])
             # The ranks restore first thing: their nodes must know this generation's
             # restore step (or that there is none) before; their agents wait for it.
-            await self.sup.publish_catalog(job.id)
+            await self.sup.publisher.publish(job.id)
             acks = await asyncio.gather(
                 *(
                     self.sup.command(node, self.orders.start_args(job, i, node), timeout=timeout)
@@ -695,9 +695,7 @@ class JobController:
         if to.final:
             # Its agents free the RAM tier once the catalog says the job ended (a failed
             # job's, after ckpt_failed_ram_linger_s).
-            task = asyncio.create_task(self.sup.publish_catalog(job.id), name="ckpt-ended")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.sup.publisher.publish_soon(job.id)
 
     def _save(self, job: Job) -> None:
         self.store.save_job(job.id, job.state.value, job.record())
