@@ -31,7 +31,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -39,6 +39,11 @@ from aiohttp import web
 from phalanx import wire
 from phalanx.http import bearer_ok, serve
 from phalanx.jobspec import JobSpecError, validate_spec
+from phalanx.link import MqttLink
+from supervisor.catalog import CheckpointCatalog
+from supervisor.commands import Commands
+from supervisor.config import SupervisorSettings
+from supervisor.controller import JobController
 from supervisor.errors import (
     CommandTimeout,
     Refused,
@@ -47,14 +52,27 @@ from supervisor.errors import (
     UnknownJob,
     UnknownNode,
 )
-from supervisor.registry import Node
-
-if TYPE_CHECKING:
-    from supervisor.daemon import Supervisor
+from supervisor.registry import Node, Registry
+from supervisor.store import Store
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Backend(Protocol):
+    """What the API serves of the supervisor (``supervisor.daemon.Supervisor``)."""
+
+    token: str  # the operators' bearer token
+    agent_token: str  # the agents', to fetch rank logs from them
+    settings: SupervisorSettings
+    registry: Registry
+    jobs: JobController
+    store: Store
+    catalog: CheckpointCatalog
+    commands: Commands
+    link: MqttLink
+    bad_messages: int
 
 
 # The operator's request errors and their HTTP status, the most specific first; any other
@@ -77,7 +95,7 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def make_app(sup: Supervisor) -> web.Application:
+def make_app(sup: Backend) -> web.Application:
     token = sup.token.encode()
 
     @web.middleware
@@ -145,7 +163,7 @@ def make_app(sup: Supervisor) -> web.Application:
 
     async def ping(request: web.Request) -> web.Response:
         try:
-            ack = await sup.command(request.match_info["id"], wire.PingArgs())
+            ack = await sup.commands.send(request.match_info["id"], wire.PingArgs())
         except ConnectionError as exc:  # the broker is unreachable
             return _error(503, str(exc))
         return web.json_response(ack.model_dump(mode="json"))
@@ -269,7 +287,7 @@ def make_app(sup: Supervisor) -> web.Application:
 
 
 @contextlib.asynccontextmanager
-async def start_api(sup: Supervisor) -> AsyncIterator[int]:
+async def start_api(sup: Backend) -> AsyncIterator[int]:
     api = sup.settings.api
     async with serve(
         make_app(sup),

@@ -13,9 +13,9 @@ from phalanx.link import LinkDown, MqttLink, Will
 from phalanx.tasks import supervised
 from supervisor.api import start_api
 from supervisor.catalog import CheckpointCatalog
+from supervisor.commands import Commands
 from supervisor.config import SupervisorSettings
 from supervisor.controller import JobController
-from supervisor.errors import CommandTimeout
 from supervisor.publisher import CatalogPublisher
 from supervisor.registry import Registry
 from supervisor.store import Store
@@ -46,8 +46,6 @@ class Supervisor:
         # registry's clock: a node offline is acted on only once the link stayed up.
         self.link_since: float | None = None
         self.link_lost_at: float | None = None
-        self._acks: dict[str, asyncio.Future[wire.CommandAck]] = {}
-        self._rebirth_asked: dict[str, float] = {}
         self.link = MqttLink(
             settings.mqtt.resolved(),
             "phalanx-supervisor",
@@ -60,6 +58,9 @@ class Supervisor:
             on_connect=self._on_connect,
             persistent_session=True,  # rank events sent while we restart are queued for us
         )
+        self.commands = Commands(
+            self.link.publish, self.registry, timeout_s=settings.command_timeout_s
+        )
         self.catalog = CheckpointCatalog(self.store)
         self.publisher = CatalogPublisher(
             self.catalog,
@@ -68,7 +69,14 @@ class Supervisor:
             registry=self.registry,
             ram_linger_s=settings.ckpt_failed_ram_linger_s,
         )
-        self.jobs = JobController(self)
+        self.jobs = JobController(
+            self.store,
+            self.registry,
+            settings,
+            send=self.commands.send,
+            publisher=self.publisher,
+            offline_confirmed=self.offline_confirmed,
+        )
         self.api_port = 0
         self._stack = contextlib.AsyncExitStack()
         self._loops: list[asyncio.Task[None]] = []
@@ -106,9 +114,8 @@ class Supervisor:
         for task in self._loops:
             task.cancel()
         # Job tasks first: cancelled acks would otherwise read as node failures to a launch.
-        await self.jobs.close()
-        for future in self._acks.values():
-            future.cancel()
+        await self.jobs.shutdown(0.0)
+        self.commands.cancel_waits()
         await self._stack.__aexit__(exc_type, exc, tb)
         # The link is closed: no landing comes any more. Record those acknowledged to the
         # broker (the catalogs are published again on the next start).
@@ -163,7 +170,7 @@ class Supervisor:
                 before = self.registry.nodes.get(msg.node)
                 state = before.state if before else None
                 if not self.registry.on_heartbeat(msg):
-                    await self._ask_rebirth(msg.node)
+                    await self.commands.ask_rebirth(msg.node)
                 else:
                     self.jobs.on_heartbeat(msg)
                     if self.registry.nodes[msg.node].state != state:
@@ -181,41 +188,11 @@ class Supervisor:
                 self.registry.on_death(msg)
                 self.jobs.wake()
             case wire.CommandAck():
-                future = self._acks.pop(msg.id, None)
-                if future is not None and not future.done():
-                    future.set_result(msg)
+                self.commands.on_ack(msg)
             case None:
                 pass  # a retained message was cleared
             case _:
                 log.warning("dropped: unexpected %s on %s", type(msg).__name__, topic)
-
-    async def _ask_rebirth(self, node: str) -> None:
-        """A heartbeat from a node whose birth we lack: ask it to announce itself again."""
-        now = time.monotonic()
-        if now - self._rebirth_asked.get(node, -1e9) < 5.0:
-            return
-        self._rebirth_asked[node] = now
-        log.info("heartbeat from %s without a known birth; asking for a rebirth", node)
-        cmd = wire.Command.new(node, wire.RebirthArgs(), ttl=self.settings.command_timeout_s)
-        with contextlib.suppress(LinkDown):
-            await self.link.publish(wire.command_topic(node), wire.encode(cmd), timeout=2.0)
-
-    async def command(
-        self, node: str, args: wire.CommandArgsType, timeout: float | None = None
-    ) -> wire.CommandAck:
-        """Send one command and wait for its ack (the deadline is the timeout)."""
-        self.registry.get(node)
-        timeout = timeout or self.settings.command_timeout_s
-        cmd = wire.Command.new(node, args, ttl=timeout)
-        future: asyncio.Future[wire.CommandAck] = asyncio.get_running_loop().create_future()
-        self._acks[cmd.id] = future
-        try:
-            await self.link.publish(wire.command_topic(node), wire.encode(cmd), timeout=timeout)
-            return await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            raise CommandTimeout(node, args.op, cmd.id, timeout) from None
-        finally:
-            self._acks.pop(cmd.id, None)
 
     async def _timeout_loop(self) -> None:
         interval = max(0.1, min(1.0, self.settings.offline_after_s / 4))

@@ -25,10 +25,10 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 from phalanx import wire
-from phalanx.link import LinkDown
+from phalanx.link import LinkDown, Publish
 from phalanx.tasks import Tasks
 from supervisor.catalog import CheckpointCatalog
 from supervisor.errors import StoreError
@@ -40,12 +40,6 @@ log = logging.getLogger(__name__)
 BATCH_S = 0.05  # landings and releases received within this are handled together
 RETRY_S = 2.0  # a catalog the link refused, or landings the store refused, go again after
 MAX_QUEUED_LANDINGS = 1_000_000  # ~a checkpoint step of 250k ranks at every tier
-
-
-class Publish(Protocol):
-    """The link's publish (``MqttLink.publish``): raises :class:`LinkDown` when it cannot."""
-
-    async def __call__(self, topic: str, payload: bytes, *, retain: bool = ...) -> None: ...
 
 
 JobLookup = Callable[[str], Job | None]
