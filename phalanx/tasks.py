@@ -102,6 +102,11 @@ class Tasks:
         if exc is not None:
             log.error("%s: task %s failed: %r", self.owner, task.get_name(), exc, exc_info=exc)
 
+    def close(self) -> None:
+        """Stop accepting: ``spawn`` starts nothing from now on (the first step of a
+        shutdown; :meth:`shutdown` then waits for what runs)."""
+        self._closed = True
+
     async def shutdown(self, timeout: float) -> None:
         """Stop accepting; wait up to ``timeout`` s for the running tasks (tasks they start
         meanwhile included); cancel the rest, each with a message naming it and the limit,

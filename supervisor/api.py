@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+SHUTDOWN_S = 2.0  # requests in flight when the supervisor stops get this long to answer
+
 
 class Backend(Protocol):
     """What the API serves of the supervisor (``supervisor.daemon.Supervisor``)."""
@@ -293,5 +295,6 @@ async def start_api(sup: Backend) -> AsyncIterator[int]:
         make_app(sup),
         lambda runner: web.TCPSite(runner, api.host, api.port),
         f"supervisor API on {api.host}:{api.port}",
+        shutdown_timeout=SHUTDOWN_S,
     ) as runner:
         yield int(runner.addresses[0][1])

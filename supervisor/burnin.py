@@ -119,6 +119,10 @@ class BurnIns:
             log.warning("could not drain node %s after its failed burn-in: %s", node_id, exc)
         return False, why
 
+    def close(self) -> None:
+        """Start no burn-in from now on (those running go on)."""
+        self._tasks.close()
+
     async def shutdown(self, timeout: float) -> None:
         """Start no burn-in; wait up to ``timeout`` s for those running, cancel the rest."""
         await self._tasks.shutdown(timeout)

@@ -145,6 +145,12 @@ class JobController:
         self._wake.set()
         self.recoveries.wake()
 
+    def close(self) -> None:
+        """Stop accepting: no job task, orphan stop or burn-in starts from now on (a job
+        keeps its persisted state, which the next supervisor takes up: :meth:`resume`)."""
+        self.tasks.close()
+        self.burnins.close()
+
     async def shutdown(self, timeout: float) -> None:
         """Start nothing new; wait up to ``timeout`` s for the job tasks, orphan stops and
         burn-ins running, then cancel the rest. A job's state is persisted on every

@@ -10,7 +10,7 @@ from types import TracebackType
 
 from phalanx import wire
 from phalanx.link import LinkDown, MqttLink, Will
-from phalanx.tasks import supervised
+from phalanx.tasks import Deadline, supervised
 from supervisor.api import start_api
 from supervisor.catalog import CheckpointCatalog
 from supervisor.commands import Commands
@@ -29,6 +29,9 @@ WILL_SUSPECT_S = 5.0
 # A node offline is a failure of its jobs once it has been offline this long with the
 # supervisor's own link up all along (a broker restart sends every node's will first).
 OFFLINE_CONFIRM_S = 2.0
+# The whole shutdown's deadline (systemd's TimeoutStopSec is 30 s): what runs past it is
+# cancelled, and a job's persisted state tells the next supervisor what to take up.
+SHUTDOWN_S = 5.0
 
 
 class Supervisor:
@@ -78,21 +81,27 @@ class Supervisor:
             offline_confirmed=self.offline_confirmed,
         )
         self.api_port = 0
-        self._stack = contextlib.AsyncExitStack()
+        # What takes work: the REST API and the loops (timeouts, scheduling passes).
+        self._serving = contextlib.AsyncExitStack()
         self._loops: list[asyncio.Task[None]] = []
+        self._linked = False
 
     async def __aenter__(self) -> Supervisor:
-        await self._stack.__aenter__()
         try:
-            self.api_port = await self._stack.enter_async_context(start_api(self))
-            await self._stack.enter_async_context(self.link)
-            group = await self._stack.enter_async_context(asyncio.TaskGroup())
+            self.api_port = await self._serving.enter_async_context(start_api(self))
+            await self.link.__aenter__()
+            self._linked = True
+            group = await self._serving.enter_async_context(asyncio.TaskGroup())
             self._loops.append(group.create_task(supervised("timeouts", self._timeout_loop)))
             self._loops.append(group.create_task(supervised("jobs", self.jobs.loop)))
             self.jobs.resume()
         except BaseException:
-            await self._stack.__aexit__(None, None, None)
-            self.store.close()
+            for task in self._loops:
+                task.cancel()
+            try:
+                await self._serving.aclose()
+            finally:
+                await self._close(None, None, None)
             raise
         log.info(
             "supervisor up: API on port %d, %d known nodes", self.api_port, len(self.registry.nodes)
@@ -105,25 +114,65 @@ class Supervisor:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Shut down in this order, within one deadline of ``SHUTDOWN_S`` that the steps
+        share (the link's own close is bounded apart, by ``phalanx.link.CLOSE_TIMEOUT_S``):
+
+        1. **Stop accepting.** The retained status says the supervisor is offline; the
+           publisher times no batch, retry or linger, and no task of the controller, the
+           burn-ins or the publisher starts any more (a job keeps its persisted state,
+           which the next supervisor takes up); the loops stop; the REST API stops
+           listening, its requests in flight get ``api.SHUTDOWN_S``. The link stays up:
+           acks still arrive, and landings and releases are queued.
+        2. **Drain.** The landings received are recorded in the store and the catalogs
+           they changed published; the releases received clear their catalogs.
+        3. **Wait** for the running tasks (launches, stops, recoveries, orphan stops,
+           burn-ins, catalog publishes) with what is left of the deadline,
+        4. **cancel the rest**, each with a message naming it and the limit.
+        5. **Close.** End the waits for acks left (only now: a launch would read its
+           cancelled acks as node failures); close the link; record the landings that
+           came since the drain (their catalogs go out at the next start); end the
+           catalog builder thread; close the store.
+        """
+        deadline = Deadline(SHUTDOWN_S)
+        try:
+            await self._stop_accepting(deadline)
+            await self.publisher.drain(deadline.left())
+            await asyncio.gather(
+                self.jobs.shutdown(deadline.left()), self.publisher.shutdown(deadline.left())
+            )
+        finally:
+            await self._close(exc_type, exc, tb)
+        log.info("supervisor stopped")
+
+    async def _stop_accepting(self, deadline: Deadline) -> None:
         if self.link.connected:
             status = wire.SupervisorStatus(online=False, since=time.time())
             with contextlib.suppress(LinkDown):
                 await self.link.publish(
-                    wire.SUPERVISOR_STATUS_TOPIC, wire.encode(status), retain=True, timeout=2.0
+                    wire.SUPERVISOR_STATUS_TOPIC,
+                    wire.encode(status),
+                    retain=True,
+                    timeout=min(2.0, deadline.left(floor=0.1)),
                 )
+        self.publisher.stop()
+        self.jobs.close()
         for task in self._loops:
             task.cancel()
-        # Job tasks first: cancelled acks would otherwise read as node failures to a launch.
-        await self.jobs.shutdown(0.0)
+        await self._serving.aclose()
+
+    async def _close(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.commands.cancel_waits()
-        await self._stack.__aexit__(exc_type, exc, tb)
-        # The link is closed: no landing comes any more. Record those acknowledged to the
-        # broker (the catalogs are published again on the next start).
-        self.publisher.stop()
-        await self.publisher.shutdown(0.0)
-        self.publisher.close()
-        self.store.close()
-        log.info("supervisor stopped")
+        try:
+            if self._linked:
+                await self.link.__aexit__(exc_type, exc, tb)
+        finally:
+            self.publisher.close()
+            self.store.close()
 
     async def _on_connect(self) -> None:
         # Back on the broker: every node gets a whole heartbeat timeout to be heard again

@@ -379,9 +379,10 @@ class CatalogPublisher:
 
     def stop(self) -> None:
         """Stop accepting: no batch, retry or linger is timed any more (those pending are
-        cancelled); what comes from now on is only queued, for :meth:`drain` and
-        :meth:`close`."""
+        cancelled) and no task starts; what comes from now on is only queued, for
+        :meth:`drain` and :meth:`close`."""
         self._stopped = True
+        self.tasks.close()
         for timer in (self._landing_flush, self._release_flush, self._retry):
             timer.close()
         for timer in self._lingers.values():

@@ -394,3 +394,62 @@ async def test_releases_are_cleared_in_batches_off_the_message_loop(make: Make) 
     assert all(link.retained[wire.catalog_topic("j-1", n)] == b"" for n in NODES)
     assert store.ended_catalogs_released("j-1")
     assert len(batches) == 1
+
+
+async def test_the_drain_records_the_landings_queued_and_sends_their_catalogs(make: Make) -> None:
+    link = SlowLink()
+    publisher = make(link)
+    for rank in range(WORLD):
+        publisher.on_landing(landing(4, rank))
+    publisher.stop()  # before the batch was due: only the drain handles it now
+
+    await publisher.drain(timeout=5.0)
+
+    assert [c[0] for c in publisher.store.commits("j-1")] == [4]
+    assert all((c := link.catalog(n)) is not None and c.restore_step == 4 for n in NODES)
+
+
+async def test_the_drain_clears_the_catalogs_of_the_releases_queued(make: Make) -> None:
+    link = SlowLink()
+    publisher = ended_job(make, link)
+    await publisher.publish("j-1")
+    for node in NODES:
+        publisher.on_release(wire.CkptReleased(node=node, job="j-1", at=time.time()))
+    publisher.stop()
+
+    await publisher.drain(timeout=5.0)
+
+    assert all(link.retained[wire.catalog_topic("j-1", n)] == b"" for n in NODES)
+    assert publisher.store.ended_catalogs_released("j-1")
+
+
+async def test_landings_that_come_after_the_drain_are_recorded_as_it_closes(make: Make) -> None:
+    link = SlowLink()
+    publisher = make(link)
+    publisher.stop()
+    await publisher.drain(timeout=5.0)
+    for rank in range(WORLD):
+        publisher.on_landing(landing(4, rank))  # the link is not closed yet
+
+    publisher.close()
+
+    assert [c[0] for c in publisher.store.commits("j-1")] == [4]
+    assert link.published == 0  # sent at the next start
+
+
+async def test_a_catalog_publish_still_running_at_shutdown_is_cancelled_within_the_limit(
+    make: Make,
+) -> None:
+    link = HeldLink()  # n02's PUBACK never comes
+    publisher = make(link)
+    commit(publisher, 4)
+    publisher.publish_soon("j-1")
+    await asyncio.sleep(0.05)
+    publisher.stop()
+    assert publisher.tasks.names() == ["ckpt-catalog-j-1"]
+
+    started = time.monotonic()
+    await publisher.shutdown(timeout=0.2)
+
+    assert time.monotonic() - started < 1.0
+    assert len(publisher.tasks) == 0
