@@ -22,11 +22,16 @@ def bearer_ok(request: web.Request, token: bytes | None) -> bool:
 
 @contextlib.asynccontextmanager
 async def serve(
-    app: web.Application, site: Callable[[web.AppRunner], web.BaseSite], what: str
+    app: web.Application,
+    site: Callable[[web.AppRunner], web.BaseSite],
+    what: str,
+    *,
+    shutdown_timeout: float = 60.0,
 ) -> AsyncIterator[web.AppRunner]:
     """Serve ``app`` on the site ``site`` makes until the block ends; a bind failure is an
-    ``OSError`` naming ``what`` (e.g. "agent HTTP server on 0.0.0.0:9400")."""
-    runner = web.AppRunner(app, access_log=None)
+    ``OSError`` naming ``what`` (e.g. "agent HTTP server on 0.0.0.0:9400"). At the end it
+    stops listening at once, and gives the requests in flight ``shutdown_timeout`` s."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     try:
         await site(runner).start()

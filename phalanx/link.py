@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Protocol
 
 import aiomqtt
 from pydantic import BaseModel
@@ -34,6 +35,14 @@ Handler = Callable[[str, bytes], Awaitable[None]]
 
 class LinkDown(ConnectionError):
     """Raised by :meth:`MqttLink.publish` when the broker is not reachable in time."""
+
+
+class Publish(Protocol):
+    """What a component that only sends needs of the link: :meth:`MqttLink.publish`."""
+
+    async def __call__(
+        self, topic: str, payload: bytes, *, retain: bool = ..., timeout: float = ...
+    ) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from phalanx.settings import ConfigError
 from phalanx.systemd import Notifier
 from supervisor.config import load
 from supervisor.daemon import Supervisor
-from supervisor.store import StoreError
+from supervisor.errors import StoreError
 
 
 def main(argv: Sequence[str] | None = None) -> int:

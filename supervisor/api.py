@@ -21,7 +21,8 @@ GET      /v1/events                    ``?node=ID&job=ID&limit=N&after=ID``
 GET      /v1/stats                     counters (heartbeats handled, bad messages)
 =======  ============================  ==========================================
 
-Errors are ``{"error": "message"}`` with a 4xx/5xx status.
+Errors are ``{"error": "message"}`` with a 4xx/5xx status; :data:`HTTP_STATUS` says
+which error of :mod:`supervisor.errors` answers which.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -38,21 +39,65 @@ from aiohttp import web
 from phalanx import wire
 from phalanx.http import bearer_ok, serve
 from phalanx.jobspec import JobSpecError, validate_spec
-from supervisor.registry import Node, RegistryError
-
-if TYPE_CHECKING:
-    from supervisor.daemon import Supervisor
+from phalanx.link import MqttLink
+from supervisor.catalog import CheckpointCatalog
+from supervisor.commands import Commands
+from supervisor.config import SupervisorSettings
+from supervisor.controller import JobController
+from supervisor.errors import (
+    CommandTimeout,
+    Refused,
+    RegistryError,
+    SupervisorError,
+    UnknownJob,
+    UnknownNode,
+)
+from supervisor.registry import Node, Registry
+from supervisor.store import Store
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+SHUTDOWN_S = 2.0  # requests in flight when the supervisor stops get this long to answer
+
+
+class Backend(Protocol):
+    """What the API serves of the supervisor (``supervisor.daemon.Supervisor``)."""
+
+    token: str  # the operators' bearer token
+    agent_token: str  # the agents', to fetch rank logs from them
+    settings: SupervisorSettings
+    registry: Registry
+    jobs: JobController
+    store: Store
+    catalog: CheckpointCatalog
+    commands: Commands
+    link: MqttLink
+    bad_messages: int
+
+
+# The operator's request errors and their HTTP status, the most specific first; any other
+# error is a 500 (logged: the supervisor's fault, not the request's).
+HTTP_STATUS: tuple[tuple[type[SupervisorError], int], ...] = (
+    (UnknownNode, 404),
+    (UnknownJob, 404),
+    (Refused, 409),
+    (RegistryError, 400),
+    (CommandTimeout, 504),
+)
+
+
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status that answers ``exc``; None: not a request error (a 500)."""
+    return next((status for kind, status in HTTP_STATUS if isinstance(exc, kind)), None)
 
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def make_app(sup: Supervisor) -> web.Application:
+def make_app(sup: Backend) -> web.Application:
     token = sup.token.encode()
 
     @web.middleware
@@ -61,11 +106,12 @@ def make_app(sup: Supervisor) -> web.Application:
             return _error(401, "missing or wrong bearer token (PHALANX_TOKEN)")
         try:
             return await handler(request)
-        except RegistryError as exc:
-            return _error(exc.status, str(exc))
         except web.HTTPException:
             raise
-        except Exception:
+        except Exception as exc:
+            status = http_status(exc)
+            if status is not None:
+                return _error(status, str(exc))
             log.exception("API %s %s failed", request.method, request.path)
             return _error(500, "internal error; see the supervisor log")
 
@@ -118,12 +164,8 @@ def make_app(sup: Supervisor) -> web.Application:
         return web.json_response(sup.registry.undrain(request.match_info["id"], force=force).view())
 
     async def ping(request: web.Request) -> web.Response:
-        from supervisor.daemon import CommandTimeout
-
         try:
-            ack = await sup.command(request.match_info["id"], wire.PingArgs())
-        except CommandTimeout as exc:
-            return _error(504, str(exc))
+            ack = await sup.commands.send(request.match_info["id"], wire.PingArgs())
         except ConnectionError as exc:  # the broker is unreachable
             return _error(503, str(exc))
         return web.json_response(ack.model_dump(mode="json"))
@@ -247,11 +289,12 @@ def make_app(sup: Supervisor) -> web.Application:
 
 
 @contextlib.asynccontextmanager
-async def start_api(sup: Supervisor) -> AsyncIterator[int]:
+async def start_api(sup: Backend) -> AsyncIterator[int]:
     api = sup.settings.api
     async with serve(
         make_app(sup),
         lambda runner: web.TCPSite(runner, api.host, api.port),
         f"supervisor API on {api.host}:{api.port}",
+        shutdown_timeout=SHUTDOWN_S,
     ) as runner:
         yield int(runner.addresses[0][1])

@@ -11,13 +11,14 @@ next drained, goes offline or is born again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 from phalanx import wire
-from supervisor.registry import NodeState, Registry, RegistryError
+from phalanx.tasks import Tasks
+from supervisor.errors import RegistryError
+from supervisor.registry import NodeState, Registry
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class BurnIns:
         self.timeout_s = timeout_s
         self._passed: dict[str, int] = {}  # node -> the birth seq it passed under
         self._passed_at: dict[str, float] = {}
+        self._tasks = Tasks("burn-ins")
         self._running: dict[str, asyncio.Task[tuple[bool, str]]] = {}
         self._tried: dict[str, float] = {}  # node -> when its last burn-in could not run
         self._was_drained: set[str] = set()
@@ -71,7 +73,9 @@ class BurnIns:
             return
         if time.monotonic() - self._tried.get(node_id, -1e9) < RETRY_S:
             return
-        task = asyncio.create_task(self.run(node_id), name=f"burn-in-{node_id}")
+        task = self._tasks.spawn(self.run(node_id), name=f"burn-in-{node_id}")
+        if task is None:
+            return  # shutting down
         self._running[node_id] = task
         task.add_done_callback(lambda _t: self._running.pop(node_id, None))
 
@@ -115,9 +119,10 @@ class BurnIns:
             log.warning("could not drain node %s after its failed burn-in: %s", node_id, exc)
         return False, why
 
-    async def close(self) -> None:
-        for task in list(self._running.values()):
-            task.cancel()
-        for task in list(self._running.values()):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    def close(self) -> None:
+        """Start no burn-in from now on (those running go on)."""
+        self._tasks.close()
+
+    async def shutdown(self, timeout: float) -> None:
+        """Start no burn-in; wait up to ``timeout`` s for those running, cancel the rest."""
+        await self._tasks.shutdown(timeout)

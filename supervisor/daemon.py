@@ -6,38 +6,32 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import Any
 
 from phalanx import wire
 from phalanx.link import LinkDown, MqttLink, Will
-from phalanx.tasks import supervised
+from phalanx.tasks import Deadline, supervised
 from supervisor.api import start_api
 from supervisor.catalog import CheckpointCatalog
+from supervisor.commands import Commands
 from supervisor.config import SupervisorSettings
 from supervisor.controller import JobController
-from supervisor.jobs import Job, JobState
-from supervisor.registry import NodeState, Registry
-from supervisor.store import Store, StoreError
+from supervisor.publisher import CatalogPublisher
+from supervisor.registry import Registry
+from supervisor.store import Store
 
 log = logging.getLogger(__name__)
 
 
-LANDING_BATCH_S = 0.05
 # Last wills that arrive this long before the supervisor loses the broker itself were
 # most likely sent by a broker going down, not by dying nodes.
 WILL_SUSPECT_S = 5.0
 # A node offline is a failure of its jobs once it has been offline this long with the
 # supervisor's own link up all along (a broker restart sends every node's will first).
 OFFLINE_CONFIRM_S = 2.0
-CATALOG_RETRY_S = 2.0
-MAX_QUEUED_LANDINGS = 1_000_000  # ~a checkpoint step of 250k ranks at every tier
-
-
-class CommandTimeout(TimeoutError):
-    pass
+# The whole shutdown's deadline (systemd's TimeoutStopSec is 30 s): what runs past it is
+# cancelled, and a job's persisted state tells the next supervisor what to take up.
+SHUTDOWN_S = 5.0
 
 
 class Supervisor:
@@ -55,8 +49,6 @@ class Supervisor:
         # registry's clock: a node offline is acted on only once the link stayed up.
         self.link_since: float | None = None
         self.link_lost_at: float | None = None
-        self._acks: dict[str, asyncio.Future[wire.CommandAck]] = {}
-        self._rebirth_asked: dict[str, float] = {}
         self.link = MqttLink(
             settings.mqtt.resolved(),
             "phalanx-supervisor",
@@ -69,38 +61,47 @@ class Supervisor:
             on_connect=self._on_connect,
             persistent_session=True,  # rank events sent while we restart are queued for us
         )
+        self.commands = Commands(
+            self.link.publish, self.registry, timeout_s=settings.command_timeout_s
+        )
         self.catalog = CheckpointCatalog(self.store)
-        self._catalog_sent: dict[str, bytes] = {}  # topic -> the payload last published
-        self._landings: list[wire.CkptLanding] = []
-        self._landing_flush: asyncio.TimerHandle | None = None
-        self._releases: list[wire.CkptReleased] = []
-        self._release_flush: asyncio.TimerHandle | None = None
-        self._catalog_retry: asyncio.TimerHandle | None = None
-        self._catalog_retry_jobs: set[str] = set()
-        self._catalog_locks: dict[str, asyncio.Lock] = {}
-        self._catalog_tasks: set[asyncio.Task[None]] = set()
-        # Catalog messages are built here, off the event loop: for a 16,384-rank job one
-        # build took 1.5-1.9 s (SQLite rows and pydantic models), which held heartbeats.
-        self._catalog_builder = ThreadPoolExecutor(1, thread_name_prefix="catalog")
-        self._ram_lingers: dict[str, asyncio.TimerHandle] = {}  # failed job -> RAM freed then
-        self._closed = False
-        self.jobs = JobController(self)
+        self.publisher = CatalogPublisher(
+            self.catalog,
+            self.link.publish,
+            job=lambda job_id: self.jobs.jobs.get(job_id),
+            registry=self.registry,
+            ram_linger_s=settings.ckpt_failed_ram_linger_s,
+        )
+        self.jobs = JobController(
+            self.store,
+            self.registry,
+            settings,
+            send=self.commands.send,
+            publisher=self.publisher,
+            offline_confirmed=self.offline_confirmed,
+        )
         self.api_port = 0
-        self._stack = contextlib.AsyncExitStack()
+        # What takes work: the REST API and the loops (timeouts, scheduling passes).
+        self._serving = contextlib.AsyncExitStack()
         self._loops: list[asyncio.Task[None]] = []
+        self._linked = False
 
     async def __aenter__(self) -> Supervisor:
-        await self._stack.__aenter__()
         try:
-            self.api_port = await self._stack.enter_async_context(start_api(self))
-            await self._stack.enter_async_context(self.link)
-            group = await self._stack.enter_async_context(asyncio.TaskGroup())
+            self.api_port = await self._serving.enter_async_context(start_api(self))
+            await self.link.__aenter__()
+            self._linked = True
+            group = await self._serving.enter_async_context(asyncio.TaskGroup())
             self._loops.append(group.create_task(supervised("timeouts", self._timeout_loop)))
             self._loops.append(group.create_task(supervised("jobs", self.jobs.loop)))
             self.jobs.resume()
         except BaseException:
-            await self._stack.__aexit__(None, None, None)
-            self.store.close()
+            for task in self._loops:
+                task.cancel()
+            try:
+                await self._serving.aclose()
+            finally:
+                await self._close(None, None, None)
             raise
         log.info(
             "supervisor up: API on port %d, %d known nodes", self.api_port, len(self.registry.nodes)
@@ -113,37 +114,65 @@ class Supervisor:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Shut down in this order, within one deadline of ``SHUTDOWN_S`` that the steps
+        share (the link's own close is bounded apart, by ``phalanx.link.CLOSE_TIMEOUT_S``):
+
+        1. **Stop accepting.** The retained status says the supervisor is offline; the
+           publisher times no batch, retry or linger, and no task of the controller, the
+           burn-ins or the publisher starts any more (a job keeps its persisted state,
+           which the next supervisor takes up); the loops stop; the REST API stops
+           listening, its requests in flight get ``api.SHUTDOWN_S``. The link stays up:
+           acks still arrive, and landings and releases are queued.
+        2. **Drain.** The landings received are recorded in the store and the catalogs
+           they changed published; the releases received clear their catalogs.
+        3. **Wait** for the running tasks (launches, stops, recoveries, orphan stops,
+           burn-ins, catalog publishes) with what is left of the deadline,
+        4. **cancel the rest**, each with a message naming it and the limit.
+        5. **Close.** End the waits for acks left (only now: a launch would read its
+           cancelled acks as node failures); close the link; record the landings that
+           came since the drain (their catalogs go out at the next start); end the
+           catalog builder thread; close the store.
+        """
+        deadline = Deadline(SHUTDOWN_S)
+        try:
+            await self._stop_accepting(deadline)
+            await self.publisher.drain(deadline.left())
+            await asyncio.gather(
+                self.jobs.shutdown(deadline.left()), self.publisher.shutdown(deadline.left())
+            )
+        finally:
+            await self._close(exc_type, exc, tb)
+        log.info("supervisor stopped")
+
+    async def _stop_accepting(self, deadline: Deadline) -> None:
         if self.link.connected:
             status = wire.SupervisorStatus(online=False, since=time.time())
             with contextlib.suppress(LinkDown):
                 await self.link.publish(
-                    wire.SUPERVISOR_STATUS_TOPIC, wire.encode(status), retain=True, timeout=2.0
+                    wire.SUPERVISOR_STATUS_TOPIC,
+                    wire.encode(status),
+                    retain=True,
+                    timeout=min(2.0, deadline.left(floor=0.1)),
                 )
+        self.publisher.stop()
+        self.jobs.close()
         for task in self._loops:
             task.cancel()
-        # Job tasks first: cancelled acks would otherwise read as node failures to a launch.
-        await self.jobs.close()
-        for future in self._acks.values():
-            future.cancel()
-        await self._stack.__aexit__(exc_type, exc, tb)
-        # The link is closed: no landing comes any more. Record those acknowledged to the
-        # broker (the catalogs are published again on the next start).
-        self._closed = True
-        for handle in (
-            self._landing_flush,
-            self._release_flush,
-            self._catalog_retry,
-            *self._ram_lingers.values(),
-        ):
-            if handle is not None:
-                handle.cancel()
-        for task in list(self._catalog_tasks):
-            task.cancel()
-        with contextlib.suppress(Exception):
-            self._record_landings()
-        self._catalog_builder.shutdown(wait=True)
-        self.store.close()
-        log.info("supervisor stopped")
+        await self._serving.aclose()
+
+    async def _close(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.commands.cancel_waits()
+        try:
+            if self._linked:
+                await self.link.__aexit__(exc_type, exc, tb)
+        finally:
+            self.publisher.close()
+            self.store.close()
 
     async def _on_connect(self) -> None:
         # Back on the broker: every node gets a whole heartbeat timeout to be heard again
@@ -166,154 +195,7 @@ class Supervisor:
         self.registry.heard_all_now()
         status = wire.SupervisorStatus(online=True, since=self.started_at)
         await self.link.publish(wire.SUPERVISOR_STATUS_TOPIC, wire.encode(status), retain=True)
-        self._catalog_sent.clear()  # the broker may have lost retained messages: send again
-        for job in list(self.jobs.jobs.values()):
-            if job.state.final and self.store.ended_catalogs_released(job.id):
-                continue  # every node let go of it: nothing left to tell
-            if not job.state.final or self.store.commits(job.id):
-                await self.publish_catalog(job.id)
-
-    async def publish_catalog(self, job_id: str) -> None:
-        """The job's committed checkpoints, one retained message per node that needs them
-        (an unchanged one is not sent again).
-
-        One publish per job at a time: messages built before another change must all be
-        out before the next are built, or a stale one could stay retained on a node while
-        the cache says it is current. A publish the link refuses is tried again."""
-        lock = self._catalog_locks.setdefault(job_id, asyncio.Lock())
-        async with lock:
-            job = self.jobs.jobs.get(job_id)
-            if job is None:
-                return
-            ended = self._ram_freed(job)
-            placement = {} if job.state.final else {p.rank: p.node for p in job.ranks}
-            peers, alive = {}, set()
-            for node in self.registry.nodes.values():
-                if node.state != NodeState.OFFLINE:
-                    alive.add(node.id)
-                if node.birth is not None and node.birth.http_port:
-                    peers[node.id] = wire.PeerAddr(
-                        node=node.id, address=node.birth.address, http_port=node.birth.http_port
-                    )
-            world_size, generation, nodes = job.spec.world_size, job.generation, job.nodes
-
-            def build() -> list[tuple[str, str, bytes]]:
-                with self.store.snapshot() as snapshot:  # committed rows only, one state
-                    messages = self.catalog.messages(
-                        job_id,
-                        world_size,
-                        generation=generation,
-                        placement=placement,
-                        peers=peers,
-                        alive=alive,
-                        ended=ended,
-                        nodes=nodes,
-                        store=snapshot,
-                    )
-                return [
-                    (m.node, wire.catalog_topic(job_id, m.node), wire.encode(m)) for m in messages
-                ]
-
-            try:
-                built = await asyncio.get_running_loop().run_in_executor(
-                    self._catalog_builder, build
-                )
-                if ended:
-                    # A node that let go of the job needs nothing more; the others' rows go
-                    # in before the first message is out, as its release may come at once.
-                    done = self.store.ended_catalogs_let_go(job_id)
-                    built = [m for m in built if m[0] not in done]
-                    self.store.ended_catalogs_sent(job_id, [target for target, _, _ in built])
-            except StoreError as exc:
-                log.error(
-                    "job %s: cannot build the checkpoint catalog: %s: trying again", job_id, exc
-                )
-                self._catalog_retry_jobs.add(job_id)
-                self._schedule(CATALOG_RETRY_S, "_catalog_retry", self._retry_catalogs)
-                return
-            for target, topic, payload in built:
-                if self._catalog_sent.get(topic) == payload:
-                    continue
-                try:
-                    await self.link.publish(topic, payload, retain=True)
-                except LinkDown as exc:
-                    log.warning(
-                        "job %s: the checkpoint catalog for %s was not published (%s): "
-                        "trying again",
-                        job_id,
-                        target,
-                        exc,
-                    )
-                    self._catalog_retry_jobs.add(job_id)
-                    self._schedule(CATALOG_RETRY_S, "_catalog_retry", self._retry_catalogs)
-                    return
-                self._catalog_sent[topic] = payload
-            if ended:  # out, retained: the cache of a job that will not change need not stay
-                prefix = f"{wire.PREFIX}/job/{job_id}/ckpt/"
-                for topic in [t for t in self._catalog_sent if t.startswith(prefix)]:
-                    del self._catalog_sent[topic]
-                self.catalog.forget_job(job_id)
-
-    async def flush_releases(self) -> None:
-        """Clear the catalogs of ended jobs that nodes let go of since the last flush."""
-        batch, self._releases = self._releases, []
-        nodes: dict[str, set[str]] = {}
-        for msg in batch:
-            nodes.setdefault(msg.job, set()).add(msg.node)
-        for job, let_go in sorted(nodes.items()):
-            await self.clear_ended_catalogs(job, let_go)
-
-    async def clear_ended_catalogs(self, job: str, let_go: set[str]) -> None:
-        """Nodes let go of an ended job: clear the job's catalog retained for each, so the
-        broker stops delivering it at every reconnect.
-
-        Every release clears, even one for a node cleared before: the clear goes out
-        after the catalog that node answered, and under the job's publish lock, so no
-        catalog is left retained behind it. A clear the link refuses waits for the next
-        release (the agent gets the catalog again when it reconnects)."""
-        cleared: list[str] = []
-        try:
-            async with self._catalog_locks.setdefault(job, asyncio.Lock()):
-                try:
-                    for node in sorted(let_go & self.store.ended_catalogs_sent_to(job)):
-                        await self.link.publish(wire.catalog_topic(job, node), b"", retain=True)
-                        cleared.append(node)
-                finally:
-                    if cleared:
-                        self.store.ended_catalogs_cleared(job, cleared, time.time())
-                released = self.store.ended_catalogs_released(job)
-        except (LinkDown, StoreError) as exc:
-            log.warning(
-                "job %s: ended catalogs not cleared for %s: %s",
-                job,
-                ", ".join(sorted(let_go - set(cleared))),
-                exc,
-            )
-            return
-        if released and cleared:
-            log.info("job %s: every node let go of its checkpoints; its catalogs are cleared", job)
-
-    def _ram_freed(self, job: Job) -> bool:
-        """Whether the job's nodes free its RAM tier now (the catalog says ``ended``): it
-        succeeded or was cancelled, or it failed ``ckpt_failed_ram_linger_s`` ago. A job
-        that failed later than that gets its catalog sent again when the time is up."""
-        if job.state in (JobState.SUCCEEDED, JobState.CANCELLED):
-            return True
-        if job.state is not JobState.FAILED:
-            return False
-        left = (job.ended_at or 0.0) + self.settings.ckpt_failed_ram_linger_s - time.time()
-        if left <= 0:
-            return True
-        if job.id not in self._ram_lingers and not self._closed:
-
-            def fire() -> None:
-                self._ram_lingers.pop(job.id, None)
-                task = asyncio.create_task(self.publish_catalog(job.id), name="ckpt-free-ram")
-                self._catalog_tasks.add(task)
-                task.add_done_callback(self._catalog_tasks.discard)
-
-            self._ram_lingers[job.id] = asyncio.get_running_loop().call_later(left, fire)
-        return False
+        await self.publisher.republish(self.jobs.jobs.values())
 
     def offline_confirmed(self, offline_at: float) -> bool:
         """Whether a node offline since ``offline_at`` (registry clock) is offline for sure:
@@ -323,99 +205,6 @@ class Supervisor:
         if not self.link.connected or self.link_since is None:
             return False
         return self.registry.clock() - max(offline_at, self.link_since) >= OFFLINE_CONFIRM_S
-
-    def _schedule(
-        self, delay: float, slot: str, fn: Callable[[], Coroutine[Any, Any, None]]
-    ) -> None:
-        """Run ``fn`` once, ``delay`` seconds from now, unless already scheduled in ``slot``."""
-        if self._closed or getattr(self, slot) is not None:
-            return
-
-        def fire() -> None:
-            setattr(self, slot, None)
-            task = asyncio.create_task(fn(), name=slot.strip("_"))
-            self._catalog_tasks.add(task)
-            task.add_done_callback(self._catalog_tasks.discard)
-
-        setattr(self, slot, asyncio.get_running_loop().call_later(delay, fire))
-
-    async def _retry_catalogs(self) -> None:
-        jobs, self._catalog_retry_jobs = self._catalog_retry_jobs, set()
-        for job_id in sorted(jobs):
-            await self.publish_catalog(job_id)
-
-    def _record_landings(self) -> set[str]:
-        """Record the queued landings in one transaction; the jobs whose catalog changed.
-        On a store error the landings go back to the queue (acknowledged to the broker,
-        they exist nowhere else) and are tried again. Any other error is one landing the
-        store cannot take (a value past what it holds): that one is logged and dropped,
-        and it never holds up the others."""
-        batch, self._landings = self._landings, []
-
-        def record(msgs: list[wire.CkptLanding]) -> set[str]:
-            changed: set[str] = set()
-            try:
-                with self.store.batch():
-                    for msg in msgs:
-                        job = self.jobs.jobs.get(msg.job)
-                        if job is None:
-                            log.warning("dropped: a checkpoint landing of unknown job %s", msg.job)
-                        elif self.catalog.on_landing(msg, job.spec.world_size):
-                            changed.add(msg.job)
-            except BaseException:
-                self.catalog.forget()  # the transaction was rolled back: so is what it counted
-                raise
-            return changed
-
-        def requeue(msgs: list[wire.CkptLanding], exc: StoreError) -> None:
-            self._landings[:0] = msgs[-MAX_QUEUED_LANDINGS:]
-            lost = len(self._landings) - MAX_QUEUED_LANDINGS
-            if lost > 0:
-                del self._landings[:lost]
-                log.error(
-                    "dropped the %d oldest checkpoint landings: the store has failed for too long",
-                    lost,
-                )
-            log.error("recording %d checkpoint landing(s) failed, trying again: %s", len(msgs), exc)
-
-        # One transaction for the batch; a batch that fails for any reason but the store is
-        # split in halves until the landing that fails stands alone (a few transactions,
-        # never one per landing).
-        pending, changed = [batch], set()
-        while pending:
-            chunk = pending.pop(0)
-            try:
-                changed |= record(chunk)
-            except StoreError as exc:
-                requeue([msg for part in (chunk, *pending) for msg in part], exc)
-                if changed:  # recorded: their catalogs go out with the retry of catalogs
-                    self._catalog_retry_jobs |= changed
-                    self._schedule(CATALOG_RETRY_S, "_catalog_retry", self._retry_catalogs)
-                raise
-            except Exception as exc:
-                if len(chunk) > 1:
-                    pending[:0] = [chunk[: len(chunk) // 2], chunk[len(chunk) // 2 :]]
-                    continue
-                log.error(
-                    "dropped a checkpoint landing the store cannot take: %r: %s",
-                    exc,
-                    chunk[0].model_dump_json()[:500],
-                )
-        return changed
-
-    async def flush_landings(self) -> None:
-        """Record the landings received since the last flush, then publish the catalogs
-        that changed."""
-        if self._landing_flush is not None:
-            self._landing_flush.cancel()
-            self._landing_flush = None
-        try:
-            changed = self._record_landings()
-        except Exception:
-            self._schedule(CATALOG_RETRY_S, "_landing_flush", self.flush_landings)
-            return
-        for job_id in sorted(changed):
-            await self.publish_catalog(job_id)
 
     async def _on_message(self, topic: str, payload: bytes) -> None:
         try:
@@ -430,7 +219,7 @@ class Supervisor:
                 before = self.registry.nodes.get(msg.node)
                 state = before.state if before else None
                 if not self.registry.on_heartbeat(msg):
-                    await self._ask_rebirth(msg.node)
+                    await self.commands.ask_rebirth(msg.node)
                 else:
                     self.jobs.on_heartbeat(msg)
                     if self.registry.nodes[msg.node].state != state:
@@ -438,14 +227,9 @@ class Supervisor:
             case wire.RankEvent():
                 self.jobs.on_rank_event(msg)
             case wire.CkptLanding():
-                # A step brings a landing per rank and tier: record them in batches.
-                self._landings.append(msg)
-                self._schedule(LANDING_BATCH_S, "_landing_flush", self.flush_landings)
+                self.publisher.on_landing(msg)
             case wire.CkptReleased():
-                # Every node of an ended job answers at once: clear them in batches, off this
-                # loop, which heartbeats and acks must never queue behind.
-                self._releases.append(msg)
-                self._schedule(LANDING_BATCH_S, "_release_flush", self.flush_releases)
+                self.publisher.on_release(msg)
             case wire.NodeBirth():
                 self.registry.on_birth(msg)
                 self.jobs.wake()
@@ -453,43 +237,11 @@ class Supervisor:
                 self.registry.on_death(msg)
                 self.jobs.wake()
             case wire.CommandAck():
-                future = self._acks.pop(msg.id, None)
-                if future is not None and not future.done():
-                    future.set_result(msg)
+                self.commands.on_ack(msg)
             case None:
                 pass  # a retained message was cleared
             case _:
                 log.warning("dropped: unexpected %s on %s", type(msg).__name__, topic)
-
-    async def _ask_rebirth(self, node: str) -> None:
-        """A heartbeat from a node whose birth we lack: ask it to announce itself again."""
-        now = time.monotonic()
-        if now - self._rebirth_asked.get(node, -1e9) < 5.0:
-            return
-        self._rebirth_asked[node] = now
-        log.info("heartbeat from %s without a known birth; asking for a rebirth", node)
-        cmd = wire.Command.new(node, wire.RebirthArgs(), ttl=self.settings.command_timeout_s)
-        with contextlib.suppress(LinkDown):
-            await self.link.publish(wire.command_topic(node), wire.encode(cmd), timeout=2.0)
-
-    async def command(
-        self, node: str, args: wire.CommandArgsType, timeout: float | None = None
-    ) -> wire.CommandAck:
-        """Send one command and wait for its ack (the deadline is the timeout)."""
-        self.registry.get(node)
-        timeout = timeout or self.settings.command_timeout_s
-        cmd = wire.Command.new(node, args, ttl=timeout)
-        future: asyncio.Future[wire.CommandAck] = asyncio.get_running_loop().create_future()
-        self._acks[cmd.id] = future
-        try:
-            await self.link.publish(wire.command_topic(node), wire.encode(cmd), timeout=timeout)
-            return await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            raise CommandTimeout(
-                f"no ack from node {node!r} for {args.op} command {cmd.id} within {timeout:.1f}s"
-            ) from None
-        finally:
-            self._acks.pop(cmd.id, None)
 
     async def _timeout_loop(self) -> None:
         interval = max(0.1, min(1.0, self.settings.offline_after_s / 4))

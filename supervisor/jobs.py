@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.jobspec import JobSpec
+from supervisor.errors import IllegalTransition
 
 
 class JobState(enum.StrEnum):
@@ -70,12 +71,6 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 MAX_INCIDENTS_KEPT = 200  # per job, in its record; the events keep every one
 MAX_INCIDENTS_SHOWN = 50
 MAX_PROGRESS_GENERATIONS = 8
-
-
-class IllegalTransition(RuntimeError):
-    def __init__(self, job: str, frm: JobState, to: JobState) -> None:
-        super().__init__(f"job {job}: illegal transition {frm.value} -> {to.value}")
-        self.job, self.frm, self.to = job, frm, to
 
 
 @dataclass

@@ -7,22 +7,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from phalanx import wire
 from phalanx.jobspec import FromFile
 from supervisor.catalog import pick_buddies
+from supervisor.control import JobControl
 from supervisor.jobs import Job
 from supervisor.mtbf import NodeMtbf, node_mtbf
-
-if TYPE_CHECKING:
-    from supervisor.controller import JobController
 
 log = logging.getLogger(__name__)
 
 
 class GangOrders:
-    def __init__(self, ctl: JobController) -> None:
+    def __init__(self, ctl: JobControl) -> None:
         self.ctl = ctl
         self._mtbf: tuple[float, NodeMtbf] | None = None  # (monotonic time, the fleet's)
 

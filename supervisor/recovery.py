@@ -16,7 +16,7 @@ stopped. The job turns ``recovering`` and one task per job then:
    (its port on the new rank-0 node, alive by construction), which restores the
    newest step the whole gang can read.
 
-The incident is recorded with its phases (detect, plan, stop, launch,
+The incident is recorded (:mod:`supervisor.incidents`) with its phases (detect, plan, stop, launch,
 restore, first step) and the work it lost once every rank of the new
 generation has reported its first step. The recovery in progress is persisted
 with the job: a restarted supervisor runs it again from the start (every step
@@ -30,9 +30,12 @@ import contextlib
 import logging
 import time
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from phalanx import wire
+from supervisor.control import JobControl
+from supervisor.errors import RegistryError
+from supervisor.incidents import Incidents, node_incidents, plan_record, time_ran
 from supervisor.jobs import Job, JobState
 from supervisor.planner import (
     Action,
@@ -41,16 +44,12 @@ from supervisor.planner import (
     Failure,
     FailureKind,
     JobView,
-    NodeIncident,
     NodeView,
     PastFailure,
     Plan,
     plan_recovery,
 )
-from supervisor.registry import NodeState, RegistryError
-
-if TYPE_CHECKING:
-    from supervisor.controller import JobController
+from supervisor.registry import NodeState
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +62,11 @@ WAIT_POLL_S = 1.0
 
 
 class Recoveries:
-    def __init__(self, ctl: JobController) -> None:
+    """One recovery task per failed job, run through ``ctl``; ``incidents`` records each."""
+
+    def __init__(self, ctl: JobControl, incidents: Incidents) -> None:
         self.ctl = ctl
+        self.incidents = incidents
         self._wake = asyncio.Event()
         self._hangs: dict[tuple[str, int], list[wire.RankEvent]] = {}
 
@@ -171,7 +173,7 @@ class Recoveries:
             t0 = time.perf_counter()
             plan = self.plan(job, failures)
             phases["plan"] = round(time.perf_counter() - t0, 4)
-            record = _plan_record(plan)
+            record = plan_record(plan)
             if record != rec.get("plan"):  # a waiting recovery plans again and again
                 rec["plan"] = record
                 self.ctl.save(job)
@@ -214,11 +216,11 @@ class Recoveries:
                 self.ctl.burnins.passed(b) for _, b in plan.swaps
             ):
                 break
-        rec["plan"] = _plan_record(plan)
+        rec["plan"] = plan_record(plan)
         await self._relaunch(job, plan)
 
     def _fail(self, job: Job, plan: Plan) -> None:
-        self._finish(job, plan, outcome="failed")
+        self.incidents.finish(job, plan, outcome="failed")
         job.recovery = None
         job.reason = plan.reason
         job.waiting = None
@@ -229,7 +231,7 @@ class Recoveries:
     def relaunch_failed(self, job: Job, node: str, why: str) -> None:
         """The recovery's launch failed (a start not acknowledged, a port not found): the
         incident ends so, and a new recovery starts from it, charged to the budget."""
-        self.abandon(job, "launch_failed")
+        self.incidents.abandon(job, "launch_failed")
         self.on_failure(
             job,
             Failure(
@@ -307,7 +309,7 @@ class Recoveries:
             nodes,
             CatalogView(committed, where),
             now=time.time(),
-            node_incidents=ctl.node_incidents(),
+            node_incidents=node_incidents(ctl.jobs.values()),
         )
 
     async def _stop_gang(self, job: Job, generation: int) -> None:
@@ -388,7 +390,7 @@ class Recoveries:
         again within ``QUICK_FAILURE_S``: ``restart.backoff``, doubling with each such
         failure in a row (a crash loop), at most ``BACKOFF_MAX_S``."""
         assert job.recovery is not None
-        ran = _ran(job, job.recovery["fault_at"])
+        ran = time_ran(job, job.recovery["fault_at"])
         delay = backoff_delay(
             [i.get("ran_s") for i in job.incidents], ran, job.spec.restart.backoff
         )
@@ -434,144 +436,6 @@ class Recoveries:
         )
         await self.ctl.launch(job, list(plan.nodes))
 
-    # --- the incident record ------------------------------------------------------
-
-    def abandon(self, job: Job, outcome: str) -> None:
-        """The job ended (cancelled, or its relaunch failed) with a recovery under way."""
-        if job.recovery is not None:
-            self._finish(job, None, outcome=outcome)
-            job.recovery = None
-
-    def on_started(self, job: Job) -> None:
-        """The relaunched generation runs (every start acked): the incident is recorded
-        now, as recovered at this time; the ranks' ``restored`` and ``stepped`` events
-        (some may have come already) then time its restore and first-step phases (ranks
-        that report no steps leave them unknown)."""
-        rec = job.recovery
-        if rec is None or "launch_started_at" not in rec:
-            return
-        now = time.time()
-        rec["phases"]["launch"] = round(max(0.0, now - rec["launch_started_at"]), 3)
-        rec["generation_new"] = job.generation
-        awaiting = rec.pop("awaiting", None) or {"restored": {}, "stepped": {}}
-        self._finish(job, None, outcome="recovered", resumed_at=now)
-        incident = job.incidents[-1]
-        incident["awaiting"] = awaiting
-        job.recovery = None
-        self._maybe_timed(job, incident)
-        self.ctl.save(job)
-
-    def on_progress(self, job: Job, ev: wire.RankEvent) -> None:
-        """A ``restored`` or ``stepped`` event of a relaunched generation (it may come
-        before the launch is acknowledged everywhere)."""
-        rec = job.recovery
-        if rec is not None and "awaiting" in rec and job.state is JobState.STARTING:
-            awaiting = rec["awaiting"]
-            incident = None
-        else:
-            incident = job.incidents[-1] if job.incidents else None
-            if (
-                incident is None
-                or incident.get("next_generation") != ev.generation
-                or "awaiting" not in incident
-            ):
-                return
-            awaiting = incident["awaiting"]
-        if ev.event == "restored":
-            awaiting["restored"][str(ev.rank)] = [ev.at, ev.took_s or 0.0]
-        elif ev.event == "stepped":
-            awaiting["stepped"][str(ev.rank)] = ev.at
-        if incident is not None:
-            self._maybe_timed(job, incident)
-
-    def _maybe_timed(self, job: Job, incident: dict[str, Any]) -> None:
-        """Once every rank of the new generation stepped: the incident's last phases."""
-        awaiting = incident.get("awaiting")
-        if awaiting is None or len(awaiting["stepped"]) < job.spec.world_size:
-            return
-        del incident["awaiting"]
-        phases = incident["phases"]
-        first_step_at = max(awaiting["stepped"].values())
-        launch_at = incident["launch_started_at"]
-        restored = list(awaiting["restored"].values())
-        if restored:
-            began = max(at - took for at, took in restored)
-            done = max(at for at, _ in restored)
-            phases["launch"] = round(max(0.0, began - launch_at), 3)
-            phases["restore"] = round(max(took for _, took in restored), 3)
-            phases["first_step"] = round(max(0.0, first_step_at - done), 3)
-        else:
-            phases["launch"] = round(max(0.0, first_step_at - launch_at), 3)
-        incident["resumed_at"] = first_step_at
-        incident["downtime_s"] = round(max(0.0, first_step_at - incident["fault_at"]), 3)
-        incident["mttr_s"] = incident["downtime_s"]
-        self.ctl.save(job)
-        self.ctl.event(
-            "recovery_timed",
-            job,
-            generation=incident.get("next_generation"),
-            phases=phases,
-            mttr_s=incident["mttr_s"],
-        )
-
-    def _finish(
-        self, job: Job, plan: Plan | None, *, outcome: str, resumed_at: float | None = None
-    ) -> None:
-        rec = job.recovery
-        assert rec is not None
-        old = int(rec["generation"])
-        failed_step = None
-        entry = job.progress.get(str(old))
-        if entry is not None:
-            failed_step = int(entry[2])
-        restored = rec.get("restored_step")
-        lost_steps = None
-        lost_work = 0.0
-        if failed_step is not None:
-            lost_steps = max(0, failed_step - (restored or 0))
-            step_time = job.step_time(old)
-            if step_time is not None:
-                lost_work = lost_steps * step_time
-        end = resumed_at if resumed_at is not None else time.time()
-        ran = _ran(job, rec["fault_at"])
-        incident = {
-            "generation": old,
-            "next_generation": rec.get("generation_new"),
-            "failures": rec["failures"],
-            "fault_at": rec["fault_at"],
-            "detected_at": rec["detected_at"],
-            "plan": _plan_record(plan) if plan is not None else rec.get("plan"),
-            "phases": rec.get("phases", {}),
-            "launch_started_at": rec.get("launch_started_at"),
-            "outcome": outcome,
-            "failed_step": failed_step,
-            "restored_step": restored,
-            "lost_steps": lost_steps,
-            "lost_work_s": round(lost_work, 3),
-            "downtime_s": round(max(0.0, end - rec["fault_at"]), 3),
-            "resumed_at": resumed_at,
-            "ran_s": ran,
-            "mttr_s": round(end - rec["fault_at"], 3) if resumed_at else None,
-        }
-        job.incidents.append(incident)
-        self.ctl.event(
-            "job_recovered" if outcome == "recovered" else "recovery_failed",
-            job,
-            generation=job.generation,
-            phases=incident["phases"],
-            mttr_s=incident["mttr_s"],
-            lost_steps=lost_steps,
-            restored_step=restored,
-        )
-
-
-def _ran(job: Job, fault_at: float) -> float | None:
-    """How long the failed generation ran: since the last recovery resumed the job, or
-    since its first start (None: not known)."""
-    previous = job.incidents[-1] if job.incidents else None
-    since = previous.get("resumed_at") if previous is not None else job.first_started_at
-    return None if since is None else max(0.0, fault_at - since)
-
 
 def backoff_delay(ran_before: list[float | None], ran_now: float | None, base: float) -> float:
     """Seconds to wait before a restart. ``ran_before``: how long each generation that
@@ -602,18 +466,4 @@ def _failure(rec: dict[str, Any]) -> Failure:
     return Failure(**{**rec, "kind": FailureKind(rec["kind"])})
 
 
-def _plan_record(plan: Plan) -> dict[str, Any]:
-    return {
-        "action": plan.action.value,
-        "cause": plan.cause.value,
-        "reason": plan.reason,
-        "nodes": list(plan.nodes),
-        "quarantine": list(plan.quarantine),
-        "swaps": [list(s) for s in plan.swaps],
-        "restore_step": plan.restore_step,
-        "restore_note": plan.restore_note,
-        "restore_from": {str(r): t for r, t in sorted(plan.restore_from.items())},
-    }
-
-
-__all__ = ["HANG_COLLECT_S", "NodeIncident", "Recoveries"]
+__all__ = ["HANG_COLLECT_S", "Recoveries", "backoff_delay"]

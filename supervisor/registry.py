@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx import wire
+from supervisor.errors import Refused, RegistryError, UnknownNode
 from supervisor.store import Event, Store
 
 log = logging.getLogger(__name__)
@@ -37,24 +38,6 @@ class NodeState(enum.StrEnum):
     WARN = "warn"
     DRAIN = "drain"
     OFFLINE = "offline"
-
-
-class RegistryError(Exception):
-    """An operator request the registry refuses; ``status`` is the HTTP status to answer."""
-
-    status = 400
-
-
-class UnknownNode(RegistryError):
-    status = 404
-
-    def __init__(self, node: str) -> None:
-        super().__init__(f"node {node!r} is not known to this supervisor")
-        self.node = node
-
-
-class Refused(RegistryError):
-    status = 409
 
 
 @dataclass

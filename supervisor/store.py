@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor.errors import StoreError
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
     id TEXT PRIMARY KEY,
@@ -65,10 +67,6 @@ CREATE TABLE IF NOT EXISTS ckpt_ended_catalogs (
     PRIMARY KEY (job, node)        -- cleared from the broker (NULL: not yet)
 );
 """
-
-
-class StoreError(RuntimeError):
-    """The state database cannot be opened or written; names the path."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +144,7 @@ class Store(CatalogQueries):
                     "ALTER TABLE ckpt_shards ADD COLUMN generation INTEGER NOT NULL DEFAULT 0"
                 )
         except (OSError, sqlite3.Error) as exc:
-            raise StoreError(f"cannot open the supervisor store {path}: {exc}") from exc
+            raise StoreError(path, f"cannot open the supervisor store {path}: {exc}") from exc
 
     def close(self) -> None:
         self._db.close()
@@ -167,13 +165,17 @@ class Store(CatalogQueries):
             db.execute("BEGIN")
             db.execute("SELECT 1 FROM ckpt_commits LIMIT 1").fetchall()  # the snapshot starts
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot read the supervisor store {self.path}: {exc}") from exc
+            raise StoreError(
+                self.path, f"cannot read the supervisor store {self.path}: {exc}"
+            ) from exc
         view = CatalogQueries()
         view._db = db
         try:
             yield view
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot read the supervisor store {self.path}: {exc}") from exc
+            raise StoreError(
+                self.path, f"cannot read the supervisor store {self.path}: {exc}"
+            ) from exc
         finally:
             db.close()
 
@@ -188,7 +190,9 @@ class Store(CatalogQueries):
         try:
             self._db.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot write the supervisor store {self.path}: {exc}") from exc
+            raise StoreError(
+                self.path, f"cannot write the supervisor store {self.path}: {exc}"
+            ) from exc
         try:
             yield
         except BaseException:
@@ -198,7 +202,9 @@ class Store(CatalogQueries):
             self._db.execute("COMMIT")
         except sqlite3.Error as exc:
             self._db.execute("ROLLBACK")
-            raise StoreError(f"cannot write the supervisor store {self.path}: {exc}") from exc
+            raise StoreError(
+                self.path, f"cannot write the supervisor store {self.path}: {exc}"
+            ) from exc
 
     def load_nodes(self) -> dict[str, dict[str, Any]]:
         rows = self._db.execute("SELECT id, record FROM nodes").fetchall()
@@ -390,4 +396,6 @@ class Store(CatalogQueries):
         try:
             return self._db.execute(sql, args)
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot write the supervisor store {self.path}: {exc}") from exc
+            raise StoreError(
+                self.path, f"cannot write the supervisor store {self.path}: {exc}"
+            ) from exc

@@ -105,7 +105,7 @@ def retained_catalogs(fleet: Fleet, job: str, listen_s: float = 1.0) -> dict[str
     """The job's catalogs the broker keeps, as a client subscribing now is handed them."""
     raw = RawMqtt(fleet.broker.port)
     try:
-        raw.subscribe(f"{wire.PREFIX}/job/{job}/ckpt/+")
+        raw.subscribe(wire.catalog_filter(job))
         time.sleep(listen_s)
         return {t: p for t, p in raw.messages if p}
     finally:
@@ -186,7 +186,7 @@ def test_checkpoints_land_in_all_four_tiers_are_kept_per_tier_and_ckpt_ls_shows_
     )
     # ... and a restarted supervisor does not publish them again.
     watcher = RawMqtt(fleet.broker.port)
-    watcher.subscribe(f"{wire.PREFIX}/job/{job['id']}/ckpt/+")
+    watcher.subscribe(wire.catalog_filter(job["id"]))
     assert fleet.supervisor is not None
     fleet.supervisor.stop()
     fleet.start_supervisor()

@@ -58,6 +58,6 @@ def test_acl_lets_a_node_publish_every_node_topic_of_the_wire_contract_but_cmd()
     import yaml
 
     defaults = yaml.safe_load((ANSIBLE / "roles/broker/defaults/main.yml").read_text())
-    kinds = set(phalanx.wire._MODELS) - {"cmd"}
+    kinds = set(phalanx.wire.NODE_TOPIC_KINDS) - {"cmd"}
 
     assert set(defaults["phalanx_broker_node_publish_topics"]) == kinds

@@ -14,7 +14,7 @@ from tests.rollout.rollout_env import NODE_PASSWORDS, SUPERVISOR_PASSWORD, Daemo
 
 pytestmark = [pytest.mark.rollout, pytest.mark.integration]
 
-NODE_KINDS = sorted(set(wire._MODELS) - {"cmd"})
+NODE_KINDS = sorted(set(wire.NODE_TOPIC_KINDS) - {"cmd"})
 
 
 @pytest.fixture

@@ -92,6 +92,17 @@ async def test_tasks_started_while_draining_are_waited_for_too() -> None:
     assert done == ["first"]
 
 
+async def test_a_closed_owner_starts_nothing_while_its_running_tasks_go_on() -> None:
+    owner = Tasks("supervisor")
+    running = owner.spawn(asyncio.sleep(0.05, result="acked"), name="command")
+    owner.close()
+
+    late = asyncio.sleep(0)
+    assert owner.spawn(late, name="late") is None
+    assert running is not None and await running == "acked"
+    await owner.shutdown(timeout=1.0)
+
+
 async def test_a_task_that_ignores_cancellation_is_named_and_left(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

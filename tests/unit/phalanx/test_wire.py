@@ -301,6 +301,25 @@ def test_topic_builders_put_the_node_under_the_versioned_prefix() -> None:
     assert wire.catalog_topic("j-1", "n1") == "phalanx/v1/job/j-1/ckpt/n1"
 
 
+def test_every_catalog_topic_of_a_job_starts_with_its_prefix_and_matches_its_filter() -> None:
+    prefix = wire.catalog_prefix("j-1")
+    assert prefix == "phalanx/v1/job/j-1/ckpt/"
+    assert wire.catalog_topic("j-1", "n1").startswith(prefix)
+    assert not wire.catalog_topic("j-10", "n1").startswith(prefix)
+    assert wire.catalog_filter("j-1") == prefix + "+"
+
+
+def test_a_catalog_topic_of_an_invalid_job_id_is_refused() -> None:
+    with pytest.raises(ValueError, match="invalid job id 'J_1'"):
+        wire.catalog_prefix("J_1")
+
+
+def test_the_supervisor_hears_every_node_topic_but_the_commands() -> None:
+    heard = wire.SUPERVISOR_SUBSCRIPTIONS
+    assert heard == tuple(f"phalanx/v1/node/+/{k}" for k in wire.NODE_TOPIC_KINDS if k != "cmd")
+    assert "phalanx/v1/node/+/ckpt" in heard
+
+
 def test_command_new_sets_a_deadline_ttl_seconds_after_issued_at() -> None:
     cmd = Command.new(NODE, PingArgs(), ttl=12.5)
 

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from phalanx.jobspec import JobSpec, validate_spec
-from supervisor.jobs import TRANSITIONS, IllegalTransition, Job, JobState, RankPlace
+from supervisor.errors import IllegalTransition
+from supervisor.jobs import TRANSITIONS, Job, JobState, RankPlace
 
 LEGAL = sorted((frm, to) for frm, tos in TRANSITIONS.items() for to in tos)
 ILLEGAL = sorted(

@@ -1,0 +1,152 @@
+"""The checkpoint messages: a node's landings and releases, the catalog the supervisor
+sends each node of a job, and the tiers a job's start order names."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag
+
+from phalanx.wire._base import MAX_I64, MAX_RANK, MAX_STEP, Msg, NodeId
+
+CkptTierName = Literal["ram", "nvme", "peer", "object"]
+
+
+class CkptLanding(Msg):
+    """One rank's shard of one step landed at (or was deleted from) a tier of a node.
+
+    ``landed`` means the bytes are whole and checked against the seal; ``staged`` that
+    they are a verified copy of a save already landed elsewhere (the catalog's checksum
+    of it), read into a RAM slot for a rank's restore; ``deleted``
+    that retention removed them; ``failed`` that the tier could not take them
+    (``error`` says why); ``corrupt`` that a rank found the copy unusable when it
+    restored (``error`` says why: the catalog stops offering it). For the peer tier
+    ``holder`` is the buddy that keeps the copy.
+    """
+
+    kind: Literal["ckpt"] = "ckpt"
+    node: NodeId
+    job: str
+    step: int = Field(ge=0, le=MAX_STEP)
+    rank: int = Field(ge=0, le=MAX_RANK)
+    tier: CkptTierName
+    event: Literal["landed", "staged", "deleted", "failed", "corrupt"] = "landed"
+    nbytes: int = Field(default=0, ge=0, le=MAX_I64)
+    checksum: str = ""
+    holder: str | None = None
+    error: str = ""
+    generation: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_I64,
+        description="the job generation "
+        "whose rank saved the shard (0: not known, an agent restarted "
+        "since; for ``staged``, the generation that copied it)",
+    )
+    at: float
+
+
+class CkptReleased(Msg):
+    """A node let go of an ended job's checkpoints here: its catalog said ``ended`` and
+    the agent finished the job's write-downs and freed its RAM tier. The supervisor
+    then clears the job's retained catalog for the node, which the broker would
+    otherwise deliver at every reconnect for good. Same topic as ``CkptLanding``."""
+
+    kind: Literal["ckpt_released"] = "ckpt_released"
+    node: NodeId
+    job: str
+    at: float
+
+
+class PeerAddr(Msg):
+    """A buddy node's agent, where the peer tier pushes this node's shards."""
+
+    node: NodeId
+    address: str
+    http_port: int = Field(ge=1, le=65535)
+
+
+class CkptShard(Msg):
+    rank: int = Field(ge=0, le=MAX_RANK)
+    checksum: str
+    nbytes: int = Field(ge=0, le=MAX_I64)
+    peer: PeerAddr | None = Field(
+        default=None,
+        description="the buddy holding this rank's "
+        "peer-tier copy of the step, where it is committed there",
+    )
+
+
+class CkptStep(Msg):
+    """A step committed at one tier or more: when, and the checksum and size of the
+    shards of the ranks the receiving node holds or runs."""
+
+    step: int = Field(ge=0, le=MAX_STEP)
+    committed: dict[CkptTierName, float] = Field(description="tier -> commit time")
+    shards: list[CkptShard]
+
+
+class CkptCatalog(Msg):
+    """The committed checkpoints of one job, as one node needs them.
+
+    One message per (job, node), retained on ``phalanx/v1/job/JOB/ckpt/NODE``, so
+    an agent that (re)connects learns them at once; republished on every commit
+    or deletion. It lists every committed step (the newest ``MAX_CATALOG_STEPS``)
+    with the tiers it is committed at, and the shards of the ranks this node runs
+    now or landed before: its size grows with the ranks per node, not with the job.
+
+    ``restore_step`` is the newest step every rank of the current generation can
+    read from where it now runs (a RAM or NVMe copy on its node, the peer copy on a
+    live buddy, the object store); the whole gang restores from it, so that no rank
+    falls back to an older step on its own. ``None`` with committed steps listed
+    means none is readable by every rank (``restore_note`` says which rank lacks what).
+    """
+
+    kind: Literal["ckpt_catalog"] = "ckpt_catalog"
+    job: str
+    node: NodeId
+    world_size: int = Field(ge=1)
+    generation: int = Field(default=0, ge=0, description="the job's generation when sent")
+    steps: list[CkptStep] = Field(default_factory=list)
+    restore_step: int | None = None
+    restore_note: str = ""
+    ended: bool = Field(
+        default=False,
+        description="the job succeeded or was cancelled, or "
+        "failed `ckpt_failed_ram_linger_s` ago: agents free its RAM tier (the "
+        "lower tiers keep what `keep` says)",
+    )
+
+
+MAX_CATALOG_STEPS = 16
+
+
+class CkptPlan(Msg):
+    """How the agent writes this job's checkpoints down (from the job spec)."""
+
+    tiers: list[CkptTierName] = Field(min_length=1)
+    keep: dict[CkptTierName, int] = Field(default_factory=dict)
+    interval: str | float | int = Field(
+        default="auto",
+        description="what ``Checkpointer.due`` uses: steps (int), seconds (float) or 'auto'",
+    )
+    buddy: PeerAddr | None = Field(default=None, description="the peer tier's target")
+    mtbf_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="the job's mean time between "
+        "failures (the fleet's node MTBF over its nodes), for 'auto'",
+    )
+
+
+def _ckpt_kind(value: Any) -> str:
+    """Which message a ``ckpt`` payload is: its ``kind``, ``ckpt`` (a landing) when it
+    names none, as a landing's ``kind`` has a default."""
+    kind = value.get("kind", "ckpt") if isinstance(value, dict) else getattr(value, "kind", "")
+    return kind if isinstance(kind, str) else ""
+
+
+CkptReport = Annotated[
+    Annotated[CkptLanding, Tag("ckpt")] | Annotated[CkptReleased, Tag("ckpt_released")],
+    Discriminator(_ckpt_kind),
+]

@@ -1,0 +1,167 @@
+"""A node's messages: its health, its birth and death, its heartbeats and its ranks' events;
+and the supervisor's status."""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+from pydantic import Field
+
+from phalanx.wire._base import MAX_STEP, Msg, NodeId
+
+# --- health ---------------------------------------------------------------
+
+
+class HealthStatus(enum.StrEnum):
+    """A node's health as its agent judges it; ordered by severity."""
+
+    OK = "ok"
+    WARN = "warn"
+    DRAIN = "drain"
+
+    @property
+    def severity(self) -> int:
+        return _SEVERITY[self]
+
+
+_SEVERITY = {HealthStatus.OK: 0, HealthStatus.WARN: 1, HealthStatus.DRAIN: 2}
+
+
+class Reason(Msg):
+    """One machine-readable reason behind a health status."""
+
+    code: str = Field(description="stable code, e.g. ecc_dbe, xid_79, disk_low")
+    severity: Literal["warn", "drain"]
+    gpu: int | None = Field(default=None, description="GPU index, None for host-wide reasons")
+    detail: str = ""
+
+
+class GpuGauges(Msg):
+    """The numbers of one GPU worth graphing (a subset of a sample)."""
+
+    index: int
+    temperature_c: float | None = None
+    power_w: float | None = None
+    util_pct: float | None = None
+    mem_used_bytes: int | None = None
+    mem_total_bytes: int | None = None
+    ecc_sbe_volatile: int | None = None
+    ecc_dbe_volatile: int | None = None
+    retired_pages: int | None = None
+    throttle: list[str] = Field(default_factory=list)
+
+
+class HostGauges(Msg):
+    """Host health from psutil."""
+
+    disk_free_bytes: int
+    disk_total_bytes: int
+    mem_available_bytes: int
+    mem_total_bytes: int
+    load1: float
+    cpu_count: int
+
+
+class Health(Msg):
+    status: HealthStatus
+    reasons: list[Reason] = Field(default_factory=list)
+    gpus: list[GpuGauges] = Field(default_factory=list)
+    host: HostGauges | None = None
+    sampled_at: float = 0.0
+
+
+# --- node lifecycle ---------------------------------------------------------
+
+
+class GpuDescriptor(Msg):
+    index: int = Field(ge=0)
+    uuid: str
+    model: str
+    memory_bytes: int = Field(ge=0)
+
+
+class Topology(Msg):
+    rack: str = "default"
+    nvlink_domain: str | None = None
+
+
+class NodeBirth(Msg):
+    kind: Literal["birth"] = "birth"
+    node: NodeId
+    seq: int = Field(ge=0, description="birth sequence; grows with every (re)connect")
+    hostname: str
+    address: str = Field(description="address peers and the supervisor reach the agent at")
+    http_port: int = Field(ge=0, le=65535)
+    gpus: list[GpuDescriptor]
+    gpu_backend: str
+    topology: Topology
+    version: str
+    started_at: float
+    health: Health
+
+
+class NodeDeath(Msg):
+    kind: Literal["death"] = "death"
+    node: NodeId
+    seq: int = Field(ge=0)
+    cause: Literal["lost", "shutdown"] = "lost"
+
+
+class JobRanks(Msg):
+    """The ranks of one job generation that an agent runs now."""
+
+    job: str
+    generation: int = Field(ge=1)
+    ranks: list[int]
+
+
+class Heartbeat(Msg):
+    kind: Literal["heartbeat"] = "heartbeat"
+    node: NodeId
+    seq: int = Field(ge=0, description="birth sequence this heartbeat belongs to")
+    n: int = Field(ge=0, description="heartbeat counter within this birth")
+    sent_at: float
+    health: Health
+    jobs: list[JobRanks] = Field(default_factory=list)
+
+
+class RankEvent(Msg):
+    """A rank process started or ended on a node (``code`` or ``signal`` set on exit), or
+    the node's ranks of a job stopped making progress (``hung``).
+
+    ``step`` is the last step the rank reported through ``phalanx.rank.step`` (None: it
+    never reported one). A ``hung`` event names this node's likeliest culprit: a rank
+    whose process is stopped (``stopped``), else the one furthest behind, else the one
+    silent longest; ``idle_s`` is how long the node's ranks have made no progress and
+    ``detail`` says why this rank was named. ``dumps`` lists the flight-recorder dump
+    files the node's ranks left for this generation (NCCL writes them on a timeout).
+
+    ``restored`` (once per rank and generation): the rank restored checkpoint step
+    ``step`` in ``took_s`` seconds (``step`` None: it found nothing to restore).
+    ``stepped`` (once per rank and generation): the rank reported its first step,
+    ``step``. The supervisor times a recovery's restore and first-step phases by them.
+    """
+
+    kind: Literal["rank"] = "rank"
+    node: NodeId
+    job: str
+    generation: int = Field(ge=1)
+    rank: int = Field(ge=0)
+    event: Literal["started", "exited", "hung", "restored", "stepped"]
+    code: int | None = None
+    signal: int | None = None
+    pid: int | None = None
+    step: int | None = Field(default=None, ge=0, le=MAX_STEP)
+    stopped: bool = False
+    idle_s: float | None = Field(default=None, ge=0)
+    detail: str = Field(default="", max_length=1000)
+    dumps: list[str] = Field(default_factory=list, max_length=64)
+    took_s: float | None = Field(default=None, ge=0)
+    at: float
+
+
+class SupervisorStatus(Msg):
+    kind: Literal["supervisor"] = "supervisor"
+    online: bool
+    since: float
