@@ -152,8 +152,14 @@ class Agent:
             on_connect=self._on_connect,
             persistent_session=True,
         )
-        self._rank_events = Outbox(self.link, wire.rank_topic(self.node), "rank event")
-        self._landings = Outbox(self.link, wire.ckpt_topic(self.node), "checkpoint landing")
+        # Set while the supervisor says it is online on this connection: rank events and
+        # landings sent before it (re)subscribed would be lost (Outbox's gate).
+        self.supervisor_online = asyncio.Event()
+        gate = self.supervisor_online
+        self._rank_events = Outbox(self.link, wire.rank_topic(self.node), "rank event", gate=gate)
+        self._landings = Outbox(
+            self.link, wire.ckpt_topic(self.node), "checkpoint landing", gate=gate
+        )
         self.http_port = 0
         self._group: asyncio.TaskGroup | None = None
         self._tasks = Tasks(f"agent {self.node}")  # commands and catalogs being handled
@@ -254,6 +260,9 @@ class Agent:
         )
 
     async def _on_connect(self) -> None:
+        # A new connection: the supervisor's retained status, delivered once this returns,
+        # says again whether it is there (a broker that restarted may have lost it).
+        self.supervisor_online.clear()
         await self.link.publish(wire.birth_topic(self.node), wire.encode(self.birth()), retain=True)
         log.info("published birth seq %d", self._birth_seq)
         await self.publish_heartbeat()
@@ -280,6 +289,12 @@ class Agent:
             self._tasks.spawn(
                 self.ckpt.on_catalog(inbound.message), name=f"ckpt-catalog-{inbound.message.job}"
             )
+            return
+        if isinstance(inbound.message, wire.SupervisorStatus):
+            if inbound.message.online:
+                self.supervisor_online.set()
+            else:
+                self.supervisor_online.clear()
             return
         if inbound.message is None:
             return  # a cleared retained catalog

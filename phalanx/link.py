@@ -241,12 +241,20 @@ class Outbox:
     the broker took it: a ``run`` cancelled mid-publish leaves its message first in line
     for ``flush``, and a ``flush`` during a send waits for it, so the order holds. A
     message whose publish was cut short may be sent twice: at least once and in order,
-    which is what QoS 1 promises anyway."""
+    which is what QoS 1 promises anyway.
 
-    def __init__(self, link: MqttLink, topic: str, what: str) -> None:
+    ``gate``, when given, holds ``run`` until it is set: the agent sends what it owes the
+    supervisor only while the supervisor is online, since a message published before the
+    supervisor has (re)subscribed, after a broker that lost its sessions came back, is
+    acknowledged by the broker and delivered to nobody. ``flush`` does not wait for it."""
+
+    def __init__(
+        self, link: MqttLink, topic: str, what: str, *, gate: asyncio.Event | None = None
+    ) -> None:
         self._link = link
         self._topic = topic
         self._what = what
+        self._gate = gate
         self._queue: collections.deque[BaseModel] = collections.deque()
         self._ready = asyncio.Event()
         self._sending = asyncio.Lock()
@@ -267,6 +275,8 @@ class Outbox:
     async def run(self) -> None:
         while True:
             await self._ready.wait()
+            if self._gate is not None:
+                await self._gate.wait()
             async with self._sending:
                 if not self._queue:
                     continue  # a flush sent it meanwhile

@@ -94,7 +94,9 @@ SUPERVISOR_SUBSCRIPTIONS: Final = tuple(
 
 
 def agent_subscriptions(node: str) -> tuple[str, ...]:
-    return (command_topic(node), f"{PREFIX}/job/+/ckpt/{_node(node)}")
+    """A node's commands, its view of the jobs' catalogs, and whether the supervisor is
+    online (the node sends what it owes the supervisor only then)."""
+    return (command_topic(node), f"{PREFIX}/job/+/ckpt/{_node(node)}", SUPERVISOR_STATUS_TOPIC)
 
 
 def match_node_topic(topic: str) -> tuple[str, str] | None:

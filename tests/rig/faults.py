@@ -87,9 +87,8 @@ def kill_rank(s: Strike) -> None:
 
 def kill_agent(s: Strike) -> None:
     host = s.victim()
-    host.signal("agent", signal.SIGKILL)
+    host.kill("agent")
     time.sleep(2.0)  # systemd's RestartSec: the unit comes back
-    host.processes.pop("agent", None)
     s.fleet.start_agent(host)
 
 
@@ -141,17 +140,15 @@ def slow_link(s: Strike) -> None:
 
 def broker_restart(s: Strike) -> None:
     ctl = s.fleet.control
-    ctl.signal("broker", signal.SIGKILL)
+    ctl.kill("broker")
     time.sleep(3)
-    ctl.processes.pop("broker", None)
     s.fleet.start_broker()
 
 
 def supervisor_restart(s: Strike) -> None:
     ctl = s.fleet.control
-    ctl.signal("supervisor", signal.SIGKILL)
+    ctl.kill("supervisor")
     time.sleep(2)
-    ctl.processes.pop("supervisor", None)
     s.fleet.start_supervisor()
 
 

@@ -112,6 +112,15 @@ class NetnsHost(Host):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
 
+    def kill(self, role: str) -> None:
+        """SIGKILL the role's process group and reap it (a crash, as the fault)."""
+        proc = self.processes.pop(role, None)
+        if proc is None:
+            raise RigError(f"host {self.name} runs no {role}")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
     def stop(self, role: str, timeout: float = 15.0) -> None:
         proc = self.processes.pop(role, None)
         if proc is None or proc.poll() is not None:

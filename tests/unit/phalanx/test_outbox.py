@@ -91,3 +91,28 @@ async def test_a_flush_with_the_link_down_gives_up_and_keeps_the_messages() -> N
     box.put(Event(n=1))
     await box.flush(timeout=5.0)
     assert link.sent == [] and len(box) == 1
+
+
+async def test_a_gated_outbox_sends_nothing_until_the_gate_opens() -> None:
+    link = GatedLink()
+    link.gate.set()
+    gate = asyncio.Event()  # the supervisor is not (yet) online
+    box = Outbox(cast(MqttLink, link), "phalanx/v1/node/n1/ckpt", "landing", gate=gate)
+    box.put(Event(n=1))
+    runner = asyncio.create_task(box.run())
+    await asyncio.sleep(0.05)
+    assert link.started == [] and len(box) == 1
+    gate.set()
+    await first_publish(link)
+    await asyncio.sleep(0.01)  # the publish, let through, completes
+    runner.cancel()
+    assert link.sent == [1] and len(box) == 0
+
+
+async def test_a_flush_at_shutdown_sends_even_with_the_gate_closed() -> None:
+    link = GatedLink()
+    link.gate.set()
+    box = Outbox(cast(MqttLink, link), "phalanx/v1/node/n1/ckpt", "landing", gate=asyncio.Event())
+    box.put(Event(n=1))
+    await box.flush(timeout=5.0)
+    assert link.sent == [1]

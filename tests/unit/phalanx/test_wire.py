@@ -296,7 +296,11 @@ def test_topic_builders_reject_invalid_node_ids(
 
 def test_topic_builders_put_the_node_under_the_versioned_prefix() -> None:
     assert wire.birth_topic("n1") == "phalanx/v1/node/n1/birth"
-    assert wire.agent_subscriptions("n1") == ("phalanx/v1/node/n1/cmd", "phalanx/v1/job/+/ckpt/n1")
+    assert wire.agent_subscriptions("n1") == (
+        "phalanx/v1/node/n1/cmd",
+        "phalanx/v1/job/+/ckpt/n1",
+        "phalanx/v1/supervisor/status",
+    )
     assert wire.ckpt_topic("n1") == "phalanx/v1/node/n1/ckpt"
     assert wire.catalog_topic("j-1", "n1") == "phalanx/v1/job/j-1/ckpt/n1"
 
