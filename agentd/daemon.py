@@ -152,10 +152,12 @@ class Agent:
             on_connect=self._on_connect,
             persistent_session=True,
         )
-        # Set while the supervisor says it is online on this connection: rank events and
-        # landings sent before it (re)subscribed would be lost (Outbox's gate).
-        self.supervisor_online = asyncio.Event()
-        gate = self.supervisor_online
+        # Set once this connection has seen the supervisor's retained status, online or
+        # offline: either way the broker holds the supervisor's session and queues for it.
+        # Without one the broker is fresh (it restarted and lost its sessions): what is
+        # sent before the supervisor subscribes again would be delivered to nobody.
+        self.supervisor_known = asyncio.Event()
+        gate = self.supervisor_known
         self._rank_events = Outbox(self.link, wire.rank_topic(self.node), "rank event", gate=gate)
         self._landings = Outbox(
             self.link, wire.ckpt_topic(self.node), "checkpoint landing", gate=gate
@@ -261,8 +263,8 @@ class Agent:
 
     async def _on_connect(self) -> None:
         # A new connection: the supervisor's retained status, delivered once this returns,
-        # says again whether it is there (a broker that restarted may have lost it).
-        self.supervisor_online.clear()
+        # says again whether the broker knows the supervisor (a restarted one may not).
+        self.supervisor_known.clear()
         await self.link.publish(wire.birth_topic(self.node), wire.encode(self.birth()), retain=True)
         log.info("published birth seq %d", self._birth_seq)
         await self.publish_heartbeat()
@@ -291,10 +293,7 @@ class Agent:
             )
             return
         if isinstance(inbound.message, wire.SupervisorStatus):
-            if inbound.message.online:
-                self.supervisor_online.set()
-            else:
-                self.supervisor_online.clear()
+            self.supervisor_known.set()
             return
         if inbound.message is None:
             return  # a cleared retained catalog

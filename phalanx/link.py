@@ -244,9 +244,10 @@ class Outbox:
     which is what QoS 1 promises anyway.
 
     ``gate``, when given, holds ``run`` until it is set: the agent sends what it owes the
-    supervisor only while the supervisor is online, since a message published before the
-    supervisor has (re)subscribed, after a broker that lost its sessions came back, is
-    acknowledged by the broker and delivered to nobody. ``flush`` does not wait for it."""
+    supervisor only once the broker is known to hold the supervisor's session (its
+    retained status was seen), since a message published to a broker that lost its
+    sessions, before the supervisor subscribed again, is acknowledged by the broker and
+    delivered to nobody. ``flush`` does not wait for it."""
 
     def __init__(
         self, link: MqttLink, topic: str, what: str, *, gate: asyncio.Event | None = None

@@ -115,7 +115,8 @@ def test_a_node_whose_agent_dies_is_replaced_by_a_spare_and_quarantined(fleet: F
     # Its ranks outlived the agent; the agent, back (systemd restarts it), reaps them.
     fleet.start_agent(victim, rack=fleet.node(victim)["rack"])
     wait_for(lambda: processes_matching("sleep 600") == [] or None, 20, "no rank left behind")
-    assert fleet.node(victim)["state"] == "drain"  # back, but still quarantined
+    # Back (its birth comes once it reaped its orphans), but still quarantined.
+    fleet.wait_state(victim, "drain")
 
 
 def test_two_hardware_failures_with_max_restarts_1_fail_the_job_with_both(
