@@ -180,12 +180,20 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
 
     det = [r["detected_s"] for r in results if r["detected_s"] is not None]
     mttr = [r["mttr_s"] for r in results if r["mttr_s"] is not None]
+    # Each recovery phase (the supervisor's: detect, plan, stop, launch, restore,
+    # first_step) over every incident of every trial.
+    phases: dict[str, list[float]] = {}
+    for r in results:
+        for incident in r["phases"]:
+            for name, seconds in (incident or {}).items():
+                phases.setdefault(name, []).append(float(seconds))
     return {
         "fault": results[0]["fault"],
         "trials": len(results),
         "as_expected": sum(r["as_expected"] for r in results),
         "detected_s": {"p50": pct(det, 50), "p95": pct(det, 95)},
         "mttr_s": {"p50": pct(mttr, 50), "p95": pct(mttr, 95)},
+        "phases_s": {k: {"p50": pct(v, 50), "p95": pct(v, 95)} for k, v in phases.items()},
         "committed_lost": sum(r["committed_lost"] for r in results),
     }
 
