@@ -299,10 +299,16 @@ def _hardware_nodes(
     return bad & set(job.nodes)
 
 
+# SIGKILL comes from outside the rank (an operator, a node's OOM killer, a crashed agent's
+# cleanup): the same rank killed on two nodes says nothing of the code by itself. (Seen in
+# the rig's soak: two kills of rank 2, minutes apart, failed a job that had restarts left.)
+SIGKILL = 9
+
+
 def _follows_the_code(job: JobView, failures: Sequence[Failure]) -> str:
     """A rank exit at the same step as an earlier one (whatever the exit: the first rank
     reported may be a bystander that aborted when the culprit died), or the same rank's
-    same exit on another node."""
+    same exit, SIGKILL aside, on another node."""
     for f in failures:
         if f.kind is not FailureKind.RANK_EXIT or (f.code is None and f.signal is None):
             continue
@@ -318,7 +324,7 @@ def _follows_the_code(job: JobView, failures: Sequence[Failure]) -> str:
                     f"step {f.step}, where the gang failed before too (rank {past.rank} "
                     f"on node {past.node}), after a restore; not retried"
                 )
-            if (past.code, past.signal) != (f.code, f.signal):
+            if (past.code, past.signal) != (f.code, f.signal) or f.signal == SIGKILL:
                 continue
             if f.rank is not None and past.rank == f.rank and past.node != f.node:
                 return (

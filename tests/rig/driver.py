@@ -208,6 +208,7 @@ def soak(fleet: RigFleet, minutes: float, mtbf_s: float, seed: int) -> dict[str,
     on steps that count over wall time."""
     rng = random.Random(seed)
     spec = rigjob.spec("soak", "--steps", "1000000")
+    spec["restart"]["max_restarts"] = 1000  # every fault is one: the budget is not measured
     job_id = fleet.client().post("/v1/jobs", {"spec": spec})["id"]
     wait_step(fleet, job_id, 1, 300)
     end = time.monotonic() + minutes * 60
@@ -226,7 +227,8 @@ def soak(fleet: RigFleet, minutes: float, mtbf_s: float, seed: int) -> dict[str,
         struck.append({"fault": kind, "at": time.time(), **strike.notes})
         _repair(fleet, job_id, strike)
     job = fleet.client().get(f"/v1/jobs/{job_id}")
-    fleet.client().post(f"/v1/jobs/{job_id}/cancel", {})
+    if job["state"] not in ("succeeded", "failed", "cancelled"):
+        fleet.client().post(f"/v1/jobs/{job_id}/cancel", {})
     lost, checked = committed_lost(fleet, job)
     return {
         "soak_minutes": minutes,
@@ -237,6 +239,7 @@ def soak(fleet: RigFleet, minutes: float, mtbf_s: float, seed: int) -> dict[str,
         "ettr": job["goodput"]["ettr"],
         "goodput": job["goodput"],
         "state_at_end": job["state"],
+        "reason": job.get("reason"),
         "generations": job["generation"],
         "mttr_s": [i.get("mttr_s") for i in job.get("incidents") or []],
         "committed_lost": lost,

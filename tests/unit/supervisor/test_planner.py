@@ -325,6 +325,21 @@ def test_same_rank_with_the_same_exit_on_another_node_fails_the_job() -> None:
     assert "node c and again on node a" in p.reason
 
 
+def test_same_rank_killed_by_sigkill_on_another_node_is_retried() -> None:
+    # Killed from outside twice (an operator, an OOM killer), at different steps: the code
+    # is not to blame, and the job has restarts left.
+    j = job("a", "b", "c", history=[past("c", rank=2, code=None, signal=9, step=50)])
+    p = plan(j, exit_("a", 2, code=None, signal=9, step=130), fleet(*gang("a", "b", "c")))
+    assert p.action is Action.RESTART_IN_PLACE
+
+
+def test_sigkill_at_the_same_step_as_before_still_follows_the_code() -> None:
+    # An OOM kill at the very step it struck before is the code's (or the data's) doing.
+    j = job(history=[past("b", rank=2, code=None, signal=9, step=130)])
+    p = plan(j, exit_("a", 2, code=None, signal=9, step=130), fleet(*gang("a", "b")))
+    assert p.action is Action.FAIL
+
+
 def test_same_rank_with_the_same_exit_on_the_same_node_is_retried() -> None:
     j = job(history=[past("a", rank=3, code=2, step=50)])
     p = plan(j, exit_("a", 3, code=2, step=100), fleet(*gang("a", "b")))
