@@ -16,7 +16,10 @@ is never handed out: a new save never overwrites a buffer still being written
 down. The ``keep`` most recently sealed slots are *protected*: the newest
 committed RAM copy is never overwritten before a newer one is sealed. When no
 slot is free, ``acquire`` waits (up to a timeout) or returns ``None`` (skip),
-as the caller chooses.
+as the caller chooses. A wait gives the newest saves ``commit_wait_s`` to be
+committed; past that the oldest of them is reused (its copies below stay, and
+its RAM copy is reported gone), so a catalog that lags or lost a landing costs
+one save that long, not every save its whole timeout.
 
 Slot header (64 bytes, little-endian): magic ``b"PHXSLOT\\0"``, version u32,
 state u32 (0 free, 1 writing, 2 sealed), step i64, nbytes u64, capacity u64,
@@ -219,6 +222,10 @@ def unmap(mm: mmap.mmap, pinned: int | None) -> None:
         mm.close()
 
 
+def _past(when: float, when_busy: WhenBusy) -> bool:
+    return when_busy == "wait" and time.monotonic() >= when
+
+
 class RamTier(Tier):
     """Named shared-memory slots for one job's rank; see the module docstring."""
 
@@ -234,6 +241,7 @@ class RamTier(Tier):
         keep: int = 1,
         name: str = "ram",
         pin: bool = True,
+        commit_wait_s: float = 10.0,
     ) -> None:
         if slots < 2 or not 1 <= keep < slots:
             raise ValueError(f"RamTier needs slots >= 2 and 1 <= keep < slots, not {slots}, {keep}")
@@ -247,6 +255,10 @@ class RamTier(Tier):
         # while it is the newest committed copy, whatever newer steps are merely sealed.
         self.newest_committed: int | None = None
         self.pin = pin  # an agent does not: the rank that copies into a slot pins its own map
+        # How long a waiting save gives the newest saves (protected, not yet committed) to
+        # be committed before it reuses the oldest of them: a catalog that lags or lost a
+        # landing (a broker crash) must not stall every later save until its timeout.
+        self.commit_wait_s = commit_wait_s
         self.cond = threading.Condition()
         self.slots: list[Slot | None] = [None] * slots
         self._allocating: set[int] = set()  # slots being (re)allocated, the lock released
@@ -399,22 +411,26 @@ class RamTier(Tier):
         raises ``TimeoutError``.
         """
         _check_nbytes(nbytes, "a shard of {} bytes cannot have a RAM-tier slot")
-        deadline = time.monotonic() + timeout
+        now = time.monotonic()
+        deadline = now + timeout
+        # Past this, a "wait" may reuse the oldest save protected only for its commit.
+        unprotect_at = now + min(timeout, self.commit_wait_s)
         with self.cond:
-            while (choice := self._pick()) is None:
+            while (choice := self._pick(key, unprotect=_past(unprotect_at, when_busy))) is None:
                 # A slot being allocated (reserved behind a save or a restore) is one about
                 # to be free: "skip" waits for it, within the timeout, as for its own.
                 if when_busy == "skip" and not self._allocating:
                     return None
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                left = deadline - now
                 if left <= 0:
                     if when_busy == "skip":
                         return None
                     raise TimeoutError(
                         f"no free RAM-tier slot for step {key.step} after {timeout:g} s "
-                        f"(every one of {self.nslots} is being written down or protected)"
+                        f"(every one of {self.nslots} is being written down or pinned)"
                     )
-                self.cond.wait(left)
+                self.cond.wait(min(left, unprotect_at - now) if now < unprotect_at else left)
             capacity = -(-nbytes // _GROW_ALIGN) * _GROW_ALIGN
             if isinstance(choice, int):
                 slot = self._allocate_unlocked(choice, capacity)
@@ -431,8 +447,10 @@ class RamTier(Tier):
             slot.write_head()
             return slot
 
-    def _pick(self) -> Slot | int | None:
-        """A slot to reuse, the index of a slot to allocate, or ``None``."""
+    def _pick(self, key: ShardKey | None = None, *, unprotect: bool = False) -> Slot | int | None:
+        """A slot to reuse, the index of a slot to allocate, or ``None``. ``unprotect``:
+        the newest saves not yet committed may go too (the oldest first), never the
+        newest committed step's copy."""
         live = [s for s in self.slots if s is not None and s.index not in self._allocating]
         # A staged copy (``stage``) is a restore's, with a copy below: never among the
         # ``keep`` newest saves, and the first to go (else a rank that restored an older
@@ -455,7 +473,28 @@ class RamTier(Tier):
         )
         if empty is not None:
             return empty
-        return min(candidates, key=lambda s: (not s.staged, s.seq)) if candidates else None
+        if candidates:
+            return min(candidates, key=lambda s: (not s.staged, s.seq))
+        if not unprotect:
+            return None
+        waiting = [
+            s
+            for s in live
+            if not s.busy and not s.pins and (committed is None or s is not committed)
+        ]
+        if not waiting:
+            return None
+        oldest = min(waiting, key=lambda s: s.seq)
+        log.warning(
+            "tier %s: %s: no commit of step %s came within %g s; its slot takes step %s "
+            "(that step stays on the tiers below)",
+            self.name,
+            self.namespace,
+            oldest.step,
+            self.commit_wait_s,
+            key.step if key is not None else "?",
+        )
+        return oldest
 
     def stage(
         self,

@@ -68,6 +68,29 @@ def test_a_commit_of_the_oldest_sealed_step_keeps_it_in_ram(tmp_path: Path) -> N
         ram.close()
 
 
+def test_a_save_reuses_an_uncommitted_slot_when_commits_stop_coming(tmp_path: Path) -> None:
+    # A broker crash lost the landings of 20 and 30: no catalog will ever commit them,
+    # and every slot is protected (10 committed, 20 and 30 the newest). The save of 40
+    # waits commit_wait_s, then takes 20's slot, not its whole timeout.
+    ram = RamTier(
+        "phalanx-j-r0", job="j", directory=tmp_path, slots=3, keep=2, pin=False, commit_wait_s=0.2
+    )
+    engine = Engine(ram, [], keep={"ram": 2}, catalog=_AgentModeCatalog())  # type: ignore[arg-type]
+    try:
+        _save(ram, engine, 10)
+        engine.commit("ram", TierManifest("j", 10, {0: ("x", 1)}), 0)
+        _save(ram, engine, 20)
+        _save(ram, engine, 30)
+        assert ram.acquire(ShardKey("j", 40, 0), 8, when_busy="skip", timeout=0) is None
+
+        _save(ram, engine, 40)
+
+        assert sorted(ram.steps("j")) == [10, 30, 40]  # the committed copy stays
+    finally:
+        engine.close(5.0)
+        ram.close()
+
+
 def test_a_slot_grows_after_a_tier_failure(tmp_path: Path) -> None:
     ram = RamTier("phalanx-j-r0", job="j", directory=tmp_path, slots=2, keep=1, pin=False)
     engine = Engine(ram, [_Unreachable()], keep={"ram": 1, "object": 1})
