@@ -129,6 +129,10 @@ class MqttLink:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
+    async def until_connected(self) -> None:
+        """Return once the link is up (at once if it is); a loop's wait, no limit."""
+        await self._connected.wait()
+
     async def wait_connected(self, timeout: float) -> None:
         try:
             await asyncio.wait_for(self._connected.wait(), timeout)
@@ -146,13 +150,20 @@ class MqttLink:
         qos: int = 1,
         retain: bool = False,
         timeout: float = 5.0,
+        connection: int | None = None,
     ) -> None:
-        """Publish once the link is up; raise :class:`LinkDown` after ``timeout`` seconds."""
+        """Publish once the link is up; raise :class:`LinkDown` after ``timeout`` seconds.
+        ``connection`` (a value of ``connects``): only on that connection; raise
+        :class:`LinkDown` if the link has connected again since."""
         try:
             await asyncio.wait_for(self._connected.wait(), timeout)
             client = self._client
             if client is None:
                 raise LinkDown(f"MQTT link to {self._settings.host} dropped before publishing")
+            if connection is not None and connection != self.connects:
+                raise LinkDown(
+                    f"MQTT link to {self._settings.host} connected again before publishing"
+                )
             await client.publish(topic, payload, qos=qos, retain=retain, timeout=timeout)
         except (TimeoutError, aiomqtt.MqttError) as exc:
             raise LinkDown(
@@ -247,7 +258,10 @@ class Outbox:
     supervisor only once the broker is known to hold the supervisor's session (its
     retained status was seen), since a message published to a broker that lost its
     sessions, before the supervisor subscribed again, is acknowledged by the broker and
-    delivered to nobody. ``flush`` does not wait for it."""
+    delivered to nobody. The gate is looked at once the link is up (a new connection
+    closes it before anything waiting for the link resumes), and the send is tied to
+    that connection: one that waited for the link across a reconnect is not sent on the
+    new connection until the gate opens there. ``flush`` does not wait for it."""
 
     def __init__(
         self, link: MqttLink, topic: str, what: str, *, gate: asyncio.Event | None = None
@@ -267,8 +281,10 @@ class Outbox:
         self._queue.append(message)
         self._ready.set()
 
-    async def _send_first(self, timeout: float) -> None:
-        await self._link.publish(self._topic, _encode(self._queue[0]), timeout=timeout)
+    async def _send_first(self, timeout: float, connection: int | None = None) -> None:
+        await self._link.publish(
+            self._topic, _encode(self._queue[0]), timeout=timeout, connection=connection
+        )
         self._queue.popleft()
         if not self._queue:
             self._ready.clear()
@@ -276,13 +292,18 @@ class Outbox:
     async def run(self) -> None:
         while True:
             await self._ready.wait()
+            connection = None
             if self._gate is not None:
-                await self._gate.wait()
+                await self._link.until_connected()
+                if not self._gate.is_set():
+                    await self._gate.wait()
+                    continue  # look again: the link may have gone and come back meanwhile
+                connection = self._link.connects
             async with self._sending:
                 if not self._queue:
                     continue  # a flush sent it meanwhile
                 try:
-                    await self._send_first(timeout=30.0)
+                    await self._send_first(timeout=30.0, connection=connection)
                 except LinkDown as exc:
                     log.warning("%s not yet sent on %s: %s", self._what, self._topic, exc)
 

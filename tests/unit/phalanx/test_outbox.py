@@ -23,6 +23,10 @@ class GatedLink:
         self.gate = asyncio.Event()
         self.in_flight = asyncio.Event()  # a publish has started
         self.down = False
+        self.connects = 1
+
+    async def until_connected(self) -> None:
+        return None
 
     async def publish(self, topic: str, payload: bytes, **_: Any) -> None:
         n = Event.model_validate_json(payload).n
@@ -116,3 +120,43 @@ async def test_a_flush_at_shutdown_sends_even_with_the_gate_closed() -> None:
     box.put(Event(n=1))
     await box.flush(timeout=5.0)
     assert link.sent == [1]
+
+
+class ReconnectingLink(GatedLink):
+    """A link that drops as a publish starts: the publish waits for the next connection,
+    and raises (as MqttLink does) when it was tied to an earlier one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.connected = asyncio.Event()
+
+    async def publish(
+        self, topic: str, payload: bytes, *, connection: int | None = None, **_: Any
+    ) -> None:
+        self.in_flight.set()
+        await self.connected.wait()
+        if connection is not None and connection != self.connects:
+            raise LinkDown("connected again before publishing")
+        self.sent.append(Event.model_validate_json(payload).n)
+
+
+async def test_a_send_that_waited_across_a_reconnect_waits_for_the_gate_again() -> None:
+    link = ReconnectingLink()
+    gate = asyncio.Event()
+    gate.set()  # the supervisor's status was seen on the old connection
+    box = Outbox(cast(MqttLink, link), "phalanx/v1/node/n1/ckpt", "landing", gate=gate)
+    box.put(Event(n=1))
+    runner = asyncio.create_task(box.run())
+    async with asyncio.timeout(5):
+        await link.in_flight.wait()  # the publish waits for the link, which is down
+
+    link.connects += 1  # the broker is back (it lost its sessions): a new connection,
+    gate.clear()  # whose first act closes the gate
+    link.connected.set()
+    await asyncio.sleep(0.05)
+
+    assert link.sent == [] and len(box) == 1  # not sent before the supervisor is known
+    gate.set()
+    await asyncio.sleep(0.05)
+    runner.cancel()
+    assert link.sent == [1] and len(box) == 0
