@@ -93,6 +93,7 @@ class MqttLink:
         self._persistent = persistent_session
         self._client: aiomqtt.Client | None = None
         self._connected = asyncio.Event()
+        self._gone = asyncio.Event()  # set when the current connection ends
         self._task: asyncio.Task[None] | None = None
         self._backoff = Backoff(settings.reconnect_initial_s, settings.reconnect_max_s)
         self.connects = 0
@@ -164,11 +165,43 @@ class MqttLink:
                 raise LinkDown(
                     f"MQTT link to {self._settings.host} connected again before publishing"
                 )
-            await client.publish(topic, payload, qos=qos, retain=retain, timeout=timeout)
+            await self._publish_on(client, self._gone, topic, payload, qos, retain, timeout)
         except (TimeoutError, aiomqtt.MqttError) as exc:
             raise LinkDown(
                 f"could not publish to {topic} within {timeout:.1f}s: {exc or 'broker unreachable'}"
             ) from exc
+
+    async def _publish_on(
+        self,
+        client: aiomqtt.Client,
+        gone: asyncio.Event,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        retain: bool,
+        timeout: float,
+    ) -> None:
+        """Publish on one connection; raise :class:`LinkDown` as soon as it ends. aiomqtt
+        would wait out the whole timeout for the acknowledgement of a publish whose
+        connection was lost (seen after a broker crash: an outbox held for 30 s)."""
+        send = asyncio.ensure_future(
+            client.publish(topic, payload, qos=qos, retain=retain, timeout=timeout)
+        )
+        lost = asyncio.ensure_future(gone.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {send, lost}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            lost.cancel()
+            if not send.done():
+                send.cancel()
+        if send in done:
+            send.result()
+            return
+        if lost in done:
+            raise LinkDown(f"MQTT link to {self._settings.host} lost while publishing to {topic}")
+        raise TimeoutError(f"no acknowledgement of a publish to {topic} within {timeout:.1f}s")
 
     def _tls(self) -> ssl.SSLContext | None:
         s = self._settings
@@ -200,6 +233,7 @@ class MqttLink:
             finally:
                 self._connected.clear()
                 self._client = None
+                self._gone.set()  # a publish waiting on that connection fails now
             await asyncio.sleep(delay)
 
     async def _connect_once(self) -> None:
@@ -222,6 +256,7 @@ class MqttLink:
         )
         async with client:
             self._client = client
+            self._gone = asyncio.Event()
             for topic in self._subscriptions:
                 await client.subscribe(topic, qos=1)
             self.connects += 1

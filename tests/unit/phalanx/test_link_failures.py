@@ -1,11 +1,14 @@
-"""The MQTT link survives failures that are not MQTT errors (no broker needed)."""
+"""The MQTT link survives failures: some that are not MQTT errors, a connection lost."""
 
 from __future__ import annotations
 
 import asyncio
 
-from phalanx.link import MqttLink, Will
+import pytest
+
+from phalanx.link import LinkDown, MqttLink, Will
 from phalanx.settings import MqttSettings
+from tests.harness import Broker, CuttableLink
 
 
 async def _noop(topic: str, payload: bytes) -> None:
@@ -28,3 +31,27 @@ async def test_a_will_that_cannot_be_written_is_retried_not_fatal() -> None:
             await asyncio.sleep(0.01)
         assert calls >= 3
         assert link._task is not None and not link._task.done()
+
+
+async def test_a_publish_whose_connection_drops_fails_at_once_not_after_its_timeout(
+    broker: Broker,
+) -> None:
+    relay = CuttableLink(broker.port)
+    settings = MqttSettings(
+        host="127.0.0.1", port=relay.port, reconnect_initial_s=0.05, reconnect_max_s=0.1
+    )
+    try:
+        async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
+            await link.wait_connected(10)
+            relay.cut()  # the broker's acknowledgement will never come on this connection
+            send = asyncio.create_task(link.publish("phalanx/test", b"x", timeout=60))
+            await asyncio.sleep(0.2)
+            assert not send.done()
+
+            relay.close()  # the connection is lost (a broker crash)
+
+            async with asyncio.timeout(10):  # far below the publish's own 60 s
+                with pytest.raises(LinkDown, match="lost while publishing"):
+                    await send
+    finally:
+        relay.close()
