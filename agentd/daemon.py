@@ -38,7 +38,7 @@ from agentd.commands import CommandLedger
 from agentd.config import AgentSettings
 from agentd.gpu.base import GpuBackend, GpuInfo, NodeSample
 from agentd.health import HealthClassifier
-from agentd.host import sample_host
+from agentd.host import interface_of, sample_host
 from agentd.http import start_http
 from agentd.progress import ProgressMonitor, socket_beside
 from agentd.ranks import RankRunner
@@ -111,6 +111,7 @@ class Agent:
             not_on_cpus=set(settings.ckpt.write_cpus),
             progress_socket=progress_socket,
             last_step=self._last_step,
+            socket_ifname=interface_of(settings.advertised_address()),
         )
         self.progress = ProgressMonitor(
             self.node, progress_socket, settings.data_dir, self._on_rank_event, self.ranks.pids

@@ -1,8 +1,10 @@
-"""Host health from psutil: the data disk, memory and load."""
+"""Host health from psutil: the data disk, memory and load; the interface of an address."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 from pathlib import Path
 
 import psutil
@@ -29,3 +31,24 @@ def _existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds ``address`` (an IPv4 or IPv6 literal), or None:
+    not an address of this host, not a literal, or a loopback address."""
+    try:
+        wanted = ipaddress.ip_address(address)
+    except ValueError:
+        return None
+    if wanted.is_loopback:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                if ipaddress.ip_address(a.address.split("%", 1)[0]) == wanted:
+                    return name
+            except ValueError:
+                continue
+    return None

@@ -72,10 +72,14 @@ class RankRunner:
         *,
         progress_socket: Path | None = None,
         last_step: StepLookup | None = None,
+        socket_ifname: str | None = None,
     ) -> None:
         """``progress_socket``: where ranks report steps (default: beside ``socket_path``);
-        ``last_step``: the step a rank reported last, for its exit event."""
+        ``last_step``: the step a rank reported last, for its exit event;
+        ``socket_ifname``: the interface of the agent's advertised address, given to the
+        ranks as ``GLOO_SOCKET_IFNAME`` unless the job or the host sets it."""
         self.node = node
+        self.socket_ifname = socket_ifname
         self.gpus = list(gpus or [])
         # The CPUs the ranks run on: all this agent may use but those kept for its
         # checkpoint write-down (ckpt.write_cpus); None: no restriction.
@@ -300,6 +304,10 @@ class RankRunner:
             else:
                 env[key] = value
         env.update(NCCL_ENV)
+        if self.socket_ifname and "GLOO_SOCKET_IFNAME" not in env:
+            # gloo binds to the address its host name resolves to: 127.0.0.1 on hosts
+            # whose name is not in DNS, and then no other node reaches the rendezvous.
+            env["GLOO_SOCKET_IFNAME"] = self.socket_ifname
         env.update(
             {
                 "WORLD_SIZE": str(req.world_size),

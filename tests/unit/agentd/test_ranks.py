@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from agentd.commands import CommandError
+from agentd.host import interface_of
 from agentd.ranks import RankRunner
 from phalanx import wire
 
@@ -609,3 +610,33 @@ async def test_a_rank_that_outlives_its_sigkill_leaves_no_wait_behind(
     assert f"job {JOB} rank 2 outlived SIGKILL" in caplog.text
     monkeypatch.setattr(ranks_module.os, "killpg", real_killpg)
     real_killpg(next(iter(runner.pids(JOB, 1).values())), signal.SIGKILL)
+
+
+async def test_rank_gets_the_interface_of_the_agents_address_for_gloo(
+    runner: RankRunner, reporter: Reporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    runner.socket_ifname = "eth7"
+    env = await rank_env(runner, reporter, start_args(""), rank=2)
+    assert env["GLOO_SOCKET_IFNAME"] == "eth7"
+
+
+async def test_a_jobs_own_gloo_interface_wins_over_the_agents(
+    runner: RankRunner, reporter: Reporter
+) -> None:
+    runner.socket_ifname = "eth7"
+    env = await rank_env(
+        runner, reporter, start_args("", env={"GLOO_SOCKET_IFNAME": "ib0"}), rank=2
+    )
+    assert env["GLOO_SOCKET_IFNAME"] == "ib0"
+
+
+def test_the_interface_of_an_address_is_found_and_loopback_is_none() -> None:
+    for name, addrs in psutil.net_if_addrs().items():
+        v4 = [a.address for a in addrs if a.family == socket.AF_INET]
+        if v4 and not v4[0].startswith("127."):
+            assert interface_of(v4[0]) == name
+            break
+    assert interface_of("127.0.0.1") is None
+    assert interface_of("192.0.2.77") is None  # TEST-NET-1: on no interface here
+    assert interface_of("not-an-address") is None
