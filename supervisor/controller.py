@@ -72,7 +72,7 @@ class JobController:
         self.last_pass_s = 0.0
         self._started = time.monotonic()
         self.burnins = BurnIns(registry, self.command, timeout_s=BURN_IN_TIMEOUT_S)
-        self.incidents = Incidents(self)
+        self.incidents = Incidents(self, self._newest_committed)
         self.recoveries = Recoveries(self, self.incidents)
         self.orders = GangOrders(self)
         self.reconciler = Reconciler(
@@ -518,6 +518,9 @@ class JobController:
             # Its agents free the RAM tier once the catalog says the job ended (a failed
             # job's, after ckpt_failed_ram_linger_s).
             self._publisher.publish_soon(job.id)
+
+    def _newest_committed(self, job: str, upto: int) -> int | None:
+        return max((step for step, _, _ in self.store.commits(job) if step <= upto), default=None)
 
     def save(self, job: Job) -> None:
         self.store.save_job(job.id, job.state.value, job.record())

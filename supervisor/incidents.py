@@ -11,7 +11,7 @@ step. A job knows its own goodput from them; quarantine reads them across jobs
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from phalanx import wire
@@ -21,8 +21,13 @@ from supervisor.planner import NodeIncident, Plan
 
 
 class Incidents:
-    def __init__(self, ctl: JobControl) -> None:
+    def __init__(
+        self, ctl: JobControl, newest_committed: Callable[[str, int], int | None] | None = None
+    ) -> None:
+        """``newest_committed(job, step)``: the newest step of ``job`` committed at or
+        before ``step`` (None: none), what a failed recovery's lost work counts from."""
         self.ctl = ctl
+        self.newest_committed = newest_committed
 
     def abandon(self, job: Job, outcome: str) -> None:
         """The job ended (cancelled, or its relaunch failed) with a recovery under way."""
@@ -116,7 +121,12 @@ class Incidents:
         lost_steps = None
         lost_work = 0.0
         if failed_step is not None:
-            lost_steps = max(0, failed_step - (restored or 0))
+            # No restore (the recovery failed): what is lost is what no checkpoint holds,
+            # the steps since the newest committed one (a resubmission resumes there).
+            since = restored
+            if since is None and self.newest_committed is not None:
+                since = self.newest_committed(job.id, failed_step)
+            lost_steps = max(0, failed_step - (since or 0))
             step_time = job.step_time(old)
             if step_time is not None:
                 lost_work = lost_steps * step_time
