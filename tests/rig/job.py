@@ -29,9 +29,9 @@ def spec(name: str, *extra: str) -> dict[str, Any]:
         "workdir": str(REPO),
         "command": [sys.executable, "examples/tinylm.py", *TINY, *extra],
         "grace_period": 5,
-        # gloo binds to the interface its hostname resolves to: here every namespace shares
-        # one hostname (127.0.0.1), as hosts whose name is not in DNS would.
-        "env": {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"},
+        # No GLOO_SOCKET_IFNAME: every namespace shares one host name (127.0.0.1), as hosts
+        # whose name is not in DNS would; the agent names its address's interface for gloo.
+        "env": {"OMP_NUM_THREADS": "1"},
         "checkpoint": {"tiers": TIERS, "interval": {"steps": CKPT_EVERY}},
         "restart": {
             "max_restarts": 3,
