@@ -14,7 +14,7 @@ import shlex
 import signal
 import subprocess
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,6 +133,27 @@ class NetnsHost(Host):
             proc.wait(10)
 
 
+class Unreachable(RigError):
+    """A host that does not answer over SSH; the message names it."""
+
+
+# Runs one command on this machine (ssh, ansible-playbook) with ``input`` on its stdin,
+# within ``timeout`` seconds; never raises on an exit status. The SSH fleet's I/O boundary:
+# the tests put a fake here.
+Runner = Callable[[Sequence[str], float, str], "subprocess.CompletedProcess[str]"]
+
+
+def run_local(
+    argv: Sequence[str], timeout: float, input: str = ""
+) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(
+            list(argv), input=input, capture_output=True, text=True, timeout=timeout
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RigError(f"{' '.join(argv)}: {exc}") from exc
+
+
 @dataclass
 class SshHost(Host):
     """A real host of an Ansible inventory; the daemons are its systemd units."""
@@ -140,10 +161,51 @@ class SshHost(Host):
     user: str = "root"
     port: int = 22
     ssh_options: tuple[str, ...] = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
+    groups: list[str] = field(default_factory=list)  # the inventory's: brokers, agents, ...
+    runner: Runner = field(default=run_local, repr=False, compare=False)
+
+    @property
+    def target(self) -> str:
+        return f"{self.user}@{self.address}"
 
     def wrap(self, argv: Sequence[str]) -> list[str]:
-        target = f"{self.user}@{self.address}"
-        return ["ssh", *self.ssh_options, "-p", str(self.port), target, "--", shlex.join(argv)]
+        return ["ssh", *self.ssh_options, "-p", str(self.port), self.target, "--", shlex.join(argv)]
+
+    def call(
+        self, argv: Sequence[str], *, timeout: float = 30.0, check: bool = True, input: str = ""
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` on the host. A host that does not answer (ssh's own exit 255) is
+        an error naming it, always; with ``check``, so is the command's failure."""
+        done = self.runner(self.wrap(argv), timeout, input)
+        if done.returncode == 255:
+            why = (done.stderr.strip().splitlines() or ["exit 255"])[-1]
+            raise Unreachable(
+                f"host {self.name} ({self.target}, port {self.port}) does not answer over "
+                f"SSH: {why}"
+            )
+        if check and done.returncode != 0:
+            raise RigError(
+                f"{self.name}: {shlex.join(argv)}: exit {done.returncode}: "
+                f"{done.stderr.strip()[-400:]}"
+            )
+        return done
+
+    def run(self, *argv: str, timeout: float = 30.0, check: bool = True) -> str:
+        return self.call(argv, timeout=timeout, check=check).stdout
+
+    def fill(self, path: Path) -> list[str]:
+        """As :meth:`Host.fill`, but most of it allocated at once (``fallocate``): dd alone
+        would take minutes to fill a real disk; dd then writes the rest to the last byte."""
+        ballast = shlex.quote(str(path / ".rig-ballast"))
+        where = shlex.quote(str(path))
+        return [
+            "sh",
+            "-c",
+            f"free=$(( $(stat -f -c '%a * %S' {where}) )); "
+            f"fallocate -l $(( free / 100 * 95 )) {ballast} || true; "
+            f"dd if=/dev/zero of={ballast} bs=1M oflag=append conv=notrunc status=none; "
+            "sync; true",
+        ]
 
     def kill(self, role: str) -> list[str]:
         return ["systemctl", "kill", "--signal=SIGKILL", UNITS[role]]
@@ -187,5 +249,7 @@ def read_inventory(path: Path) -> list[SshHost]:
         role = {"brokers": "control", "supervisors": "control", "agents": "gpu"}.get(group)
         if role and role not in host.roles:
             host.roles.append(role)
+        if group not in host.groups:
+            host.groups.append(group)
         hosts[name] = host
     return list(hosts.values())
