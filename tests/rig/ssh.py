@@ -241,8 +241,8 @@ class SshFleet(Fleet):
 
     def wait_agents_up(self, timeout: float) -> None:
         """Undrain what a fault drained (a GPU fault, a quarantine) until every agent node
-        is up (or warns: a real host may, and it is still placed); a node that an XID still
-        holds is drained again, so retry."""
+        is up (a node that warns gets no new work); a node that an XID still holds is
+        drained again, so retry."""
         deadline, states = time.monotonic() + timeout, {}
         while time.monotonic() < deadline:
             try:
@@ -251,7 +251,7 @@ class SshFleet(Fleet):
                 time.sleep(2)
                 continue
             states = {n: nodes.get(n, {}).get("state") for n in self.agents}
-            if all(s in ("up", "warn") for s in states.values()):
+            if all(s == "up" for s in states.values()):
                 return
             for node, state in states.items():
                 if state == "drain":
