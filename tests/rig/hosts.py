@@ -216,40 +216,81 @@ class SshHost(Host):
 
 def read_inventory(path: Path) -> list[SshHost]:
     """The hosts of an Ansible INI inventory: ``[brokers]``, ``[supervisors]`` and
-    ``[agents]`` groups, ``name ansible_host=ADDR [ansible_user=U] [ansible_port=P]
-    [phalanx_rack=R] [phalanx_rig_iface=IF]``."""
-    hosts: dict[str, SshHost] = {}
-    group = ""
+    ``[agents]`` groups (directly or through ``[group:children]``), ``name
+    ansible_host=ADDR [ansible_user=U] [ansible_port=P] [phalanx_rack=R]
+    [phalanx_rig_iface=IF]``; those variables may also come from ``[group:vars]`` (a
+    host's own win, then its nearest group's)."""
+    members: dict[str, list[str]] = {}  # group -> its hosts, in order
+    children: dict[str, list[str]] = {}  # group -> its child groups
+    group_vars: dict[str, dict[str, str]] = {}
+    host_vars: dict[str, dict[str, str]] = {}
+    group, kind = "", ""
     for n, raw in enumerate(path.read_text().splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line or line.startswith(";"):
             continue
         if line.startswith("["):
-            group = line.strip("[]").split(":", 1)[0]
-            if ":" in line:
-                group = ""  # [group:vars] / [group:children]: not hosts
+            group, _, kind = line.strip("[]").partition(":")
             continue
         if not group:
             continue
+        if kind == "children":
+            children.setdefault(group, []).append(line.split()[0])
+            continue
+        if kind == "vars":
+            k, sep, v = line.partition("=")
+            if not sep:
+                raise RigError(f"{path}:{n}: expected key=value, got {line!r}")
+            v = v.strip()
+            if len(v) >= 2 and v[0] == v[-1] and v[0] in "\"'":
+                v = v[1:-1]
+            group_vars.setdefault(group, {})[k.strip()] = v
+            continue
+        if kind:
+            continue
         name, *pairs = shlex.split(line)
-        kv = {}
+        kv = host_vars.setdefault(name, {})
         for pair in pairs:
             if "=" not in pair:
                 raise RigError(f"{path}:{n}: expected key=value, got {pair!r}")
             k, v = pair.split("=", 1)
             kv[k] = v
-        host = hosts.get(name) or SshHost(
-            name=name,
-            address=kv.get("ansible_host", name),
-            user=kv.get("ansible_user", "root"),
-            port=int(kv.get("ansible_port", "22")),
-            rack=kv.get("phalanx_rack", "rack1"),
-            iface=kv.get("phalanx_rig_iface", "eth0"),
-        )
-        role = {"brokers": "control", "supervisors": "control", "agents": "gpu"}.get(group)
-        if role and role not in host.roles:
-            host.roles.append(role)
-        if group not in host.groups:
-            host.groups.append(group)
-        hosts[name] = host
+        if name not in members.setdefault(group, []):
+            members[group].append(name)
+
+    def depth(g: str, seen: frozenset[str] = frozenset()) -> int:
+        parents = [p for p, kids in children.items() if g in kids and p not in seen]
+        return 1 + max((depth(p, seen | {g}) for p in parents), default=0)
+
+    def ancestors(g: str, seen: frozenset[str] = frozenset()) -> list[str]:
+        found = [g]
+        for parent, kids in children.items():
+            if g in kids and parent not in seen:
+                found += ancestors(parent, seen | {g})
+        return found
+
+    hosts: dict[str, SshHost] = {}
+    for g, names in members.items():
+        for name in names:
+            if name in hosts:
+                groups = hosts[name].groups
+            else:
+                groups = []
+                hosts[name] = SshHost(name=name, address=name, groups=groups)
+            for a in ancestors(g):
+                if a not in groups:
+                    groups.append(a)
+    for name, host in hosts.items():
+        kv: dict[str, str] = dict(group_vars.get("all", {}))
+        for g in sorted(host.groups, key=lambda g: (depth(g), g)):  # nearest group last
+            kv.update(group_vars.get(g, {}))
+        kv.update(host_vars.get(name, {}))
+        host.address = kv.get("ansible_host", name)
+        host.user = kv.get("ansible_user", "root")
+        host.port = int(kv.get("ansible_port", "22"))
+        host.rack = kv.get("phalanx_rack", "rack1")
+        host.iface = kv.get("phalanx_rig_iface", "eth0")
+        for group, role in (("brokers", "control"), ("supervisors", "control"), ("agents", "gpu")):
+            if group in host.groups and role not in host.roles:
+                host.roles.append(role)
     return list(hosts.values())

@@ -593,3 +593,26 @@ def test_sim_gpu_faults_on_agents_with_real_gpus_are_refused_saying_why(
     assert err.startswith("rig: ecc-dbe cannot run on this fleet: ecc-dbe edits the simulated")
     assert 'backend = "sim"' in err and "gpu1, gpu2, gpu3, gpu4 run nvml" in err
     assert fleet.cannot("kill-rank") is None
+
+
+def test_a_scenario_waits_for_a_host_the_last_one_cut_off(
+    fleet: SshFleet, lab: Lab, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lab.down = {"10.0.0.12"}  # peer-gone's link still down
+    monkeypatch.setattr("time.sleep", lambda s: lab.down.clear())  # back a while later
+    with fleet.scenario():
+        pass
+    assert lab.to("gpu2") == [
+        ["rm", "-f", "/var/lib/phalanx/ckpt/.rig-ballast"],
+        ["runuser", "-u", "phalanx", "--", PY, "-c", SIM_CLEAR, "/var/lib/phalanx/sim-gpus.json"],
+    ]
+
+
+def test_a_host_that_never_comes_back_fails_the_scenario_naming_it(
+    fleet: SshFleet, lab: Lab, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lab.down = {"10.0.0.12"}
+    monkeypatch.setattr("tests.rig.ssh.NODES_UP_S", 0.0)
+    gone = r"^host gpu2 \(root@10.0.0.12, port 22\) does not answer"
+    with pytest.raises(RigError, match=gone), fleet.scenario():
+        pass
