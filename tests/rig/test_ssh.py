@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 import shlex
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -617,42 +616,3 @@ def test_a_host_that_never_comes_back_fails_the_scenario_naming_it(
     gone = r"^host gpu2 \(root@10.0.0.12, port 22\) does not answer"
     with pytest.raises(RigError, match=gone), fleet.scenario():
         pass
-
-
-# --- the scripts a host runs, run here ------------------------------------------------------
-
-
-def test_the_rank_killer_kills_only_the_rank_of_that_job_and_generation() -> None:
-    import os
-
-    job = f"rig-test-{os.getpid()}"  # nobody else's rank on this machine can match
-
-    def rank(job: str, r: int, gen: int) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PHALANX_JOB_ID": job, "RANK": str(r), "PHALANX_GENERATION": str(gen)}
-        code = "import time; time.sleep(60)"
-        return subprocess.Popen([sys.executable, "-c", code, "examples/tinylm.py"], env=env)
-
-    procs = [rank(job, 1, 1), rank(job, 1, 2), rank(job, 0, 2), rank(f"{job}x", 1, 2)]
-    try:
-        killer = ["sh", "-c", KILL_RANK, "sh", job, "1", "2"]
-        done = subprocess.run(killer, capture_output=True, text=True, timeout=30)
-        assert (done.returncode, done.stdout.strip()) == (0, str(procs[1].pid))
-        assert procs[1].wait(10) == -9
-        assert [p.poll() for p in (procs[0], procs[2], procs[3])] == [None, None, None]
-        again = subprocess.run(killer, capture_output=True, text=True, timeout=30)
-        assert again.returncode == 3  # no such rank any more
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait(10)
-
-
-def test_the_sim_gpu_scripts_inject_and_clear_with_the_agents_own_code(tmp_path: Path) -> None:
-    from agentd.gpu.sim import new_state, read_state, write_state
-
-    sim = tmp_path / "sim-gpus.json"
-    write_state(sim, new_state("gpu1", 2, "sim"))
-    subprocess.run([sys.executable, "-c", SIM_INJECT, str(sim), "1", "ecc-dbe"], check=True)
-    assert [g["ecc_dbe_volatile"] for g in read_state(sim)["gpus"]] == [0, 1]
-    subprocess.run([sys.executable, "-c", SIM_CLEAR, str(sim)], check=True)
-    assert [g["ecc_dbe_volatile"] for g in read_state(sim)["gpus"]] == [0, 0]

@@ -1,6 +1,6 @@
-"""The bytes a fault reaches into, read and flipped here (the namespace fleet) and by the
-script a real host runs (the SSH fleet): both must find the same slot and flip the same
-byte."""
+"""The scripts the SSH fleet runs on a real host, run here: the slot reader, the byte flip
+and the step wait must do what the namespace fleet's own functions do; the rank killer must
+kill exactly the rank asked; the sim-GPU scripts must go through agentd's own code."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 from tests.rig import shards
+from tests.rig.ssh import KILL_RANK, SIM_CLEAR, SIM_INJECT
 
 HEAD = struct.Struct(shards.SLOT_HEAD_FORMAT)
 
@@ -54,3 +55,39 @@ def test_a_host_reports_the_step_that_starts_landing_while_it_waits(tmp_path: Pa
     threading.Timer(0.5, (job / "000000000020").mkdir).start()
     assert remote("newstep", str(job), "20").stdout.strip() == "000000000020"
     assert remote("newstep", str(job), "0.2").stdout == ""  # nothing new: nothing said
+
+
+def test_the_rank_killer_kills_only_the_rank_of_that_job_and_generation() -> None:
+    import os
+
+    job = f"rig-test-{os.getpid()}"  # nobody else's rank on this machine can match
+
+    def rank(job: str, r: int, gen: int) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PHALANX_JOB_ID": job, "RANK": str(r), "PHALANX_GENERATION": str(gen)}
+        code = "import time; time.sleep(60)"
+        return subprocess.Popen([sys.executable, "-c", code, "examples/tinylm.py"], env=env)
+
+    procs = [rank(job, 1, 1), rank(job, 1, 2), rank(job, 0, 2), rank(f"{job}x", 1, 2)]
+    try:
+        killer = ["sh", "-c", KILL_RANK, "sh", job, "1", "2"]
+        done = subprocess.run(killer, capture_output=True, text=True, timeout=30)
+        assert (done.returncode, done.stdout.strip()) == (0, str(procs[1].pid))
+        assert procs[1].wait(10) == -9
+        assert [p.poll() for p in (procs[0], procs[2], procs[3])] == [None, None, None]
+        again = subprocess.run(killer, capture_output=True, text=True, timeout=30)
+        assert again.returncode == 3  # no such rank any more
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+
+
+def test_the_sim_gpu_scripts_inject_and_clear_with_the_agents_own_code(tmp_path: Path) -> None:
+    from agentd.gpu.sim import new_state, read_state, write_state
+
+    sim = tmp_path / "sim-gpus.json"
+    write_state(sim, new_state("gpu1", 2, "sim"))
+    subprocess.run([sys.executable, "-c", SIM_INJECT, str(sim), "1", "ecc-dbe"], check=True)
+    assert [g["ecc_dbe_volatile"] for g in read_state(sim)["gpus"]] == [0, 1]
+    subprocess.run([sys.executable, "-c", SIM_CLEAR, str(sim)], check=True)
+    assert [g["ecc_dbe_volatile"] for g in read_state(sim)["gpus"]] == [0, 0]
