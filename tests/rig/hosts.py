@@ -218,8 +218,9 @@ def read_inventory(path: Path) -> list[SshHost]:
     """The hosts of an Ansible INI inventory: ``[brokers]``, ``[supervisors]`` and
     ``[agents]`` groups (directly or through ``[group:children]``), ``name
     ansible_host=ADDR [ansible_user=U] [ansible_port=P] [phalanx_rack=R]
-    [phalanx_rig_iface=IF]``; those variables may also come from ``[group:vars]`` (a
-    host's own win, then its nearest group's)."""
+    [phalanx_rig_iface=IF] [ansible_ssh_private_key_file=F] [ansible_ssh_common_args=A]``;
+    those variables may also come from ``[group:vars]`` (a host's own win, then its nearest
+    group's)."""
     members: dict[str, list[str]] = {}  # group -> its hosts, in order
     children: dict[str, list[str]] = {}  # group -> its child groups
     group_vars: dict[str, dict[str, str]] = {}
@@ -290,6 +291,9 @@ def read_inventory(path: Path) -> list[SshHost]:
         host.port = int(kv.get("ansible_port", "22"))
         host.rack = kv.get("phalanx_rack", "rack1")
         host.iface = kv.get("phalanx_rig_iface", "eth0")
+        key = kv.get("ansible_ssh_private_key_file") or kv.get("ansible_private_key_file")
+        more = shlex.split(kv.get("ansible_ssh_common_args", ""))
+        host.ssh_options = (*host.ssh_options, *(("-i", key) if key else ()), *more)
         for group, role in (("brokers", "control"), ("supervisors", "control"), ("agents", "gpu")):
             if group in host.groups and role not in host.roles:
                 host.roles.append(role)

@@ -109,3 +109,18 @@ def test_agents_may_come_through_child_groups_and_take_their_groups_vars(tmp_pat
     assert (a17.rack, a17.iface, a17.user) == ("r12", "ens6", "ops")  # nearest group wins
     assert (a18.rack, b01.rack, b01.user) == ("odd", "r13", "root")  # the host's own win
     assert (hosts["sup"].roles, hosts["sup"].iface) == (["control"], "ens5")
+
+
+def test_the_inventorys_ssh_key_and_options_reach_the_ssh_command(tmp_path: Path) -> None:
+    inventory = tmp_path / "hosts.ini"
+    inventory.write_text(
+        "[agents]\ngpu1 ansible_host=192.0.2.11 ansible_ssh_private_key_file=/keys/lab\n"
+        "[agents:vars]\nansible_ssh_common_args='-o ProxyJump=bastion -o Compression=yes'\n"
+    )
+    (host,) = read_inventory(inventory)
+    argv = host.wrap(["true"])
+    assert argv[: argv.index("-p")] == [
+        "ssh",
+        *("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-i", "/keys/lab"),
+        *("-o", "ProxyJump=bastion", "-o", "Compression=yes"),
+    ]
