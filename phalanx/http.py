@@ -1,12 +1,42 @@
-"""What the daemons' HTTP servers share: serving an aiohttp app, and the bearer-token check."""
+"""What the daemons' HTTP servers share: serving an aiohttp app, the bearer-token check,
+and reading a JSON body."""
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+import json
 from collections.abc import AsyncIterator, Callable
+from typing import Any, Final
 
+import pydantic_core
 from aiohttp import web
+
+# How deep a JSON document may nest: the limit of pydantic's parser (jiter), which every
+# model's ``model_validate_json`` applies too. A body nested deeper is refused with 400,
+# never parsed by recursion (``json.loads`` of a few thousand ``[`` is a RecursionError).
+MAX_JSON_DEPTH: Final = 200
+
+
+def loads(data: bytes | str) -> Any:
+    """JSON text as Python values, as every HTTP body of the daemons is read: a
+    ``ValueError`` naming line and column for anything that is not strict JSON (bytes
+    that are not UTF-8, a lone surrogate escape, ``NaN``, a number of over 4300 digits,
+    nesting past :data:`MAX_JSON_DEPTH`), and no other exception."""
+    return pydantic_core.from_json(data, allow_inf_nan=False)
+
+
+async def json_body(request: web.Request) -> Any:
+    """The request's body read by :func:`loads`; ``web.HTTPBadRequest`` (400, an
+    ``{"error": ...}`` body) when it is not JSON. A body past the app's
+    ``client_max_size`` is aiohttp's 413 before any of it is parsed."""
+    try:
+        return loads(await request.read())
+    except ValueError as exc:
+        raise web.HTTPBadRequest(
+            text=json.dumps({"error": f"request body is not JSON: {exc}"}),
+            content_type="application/json",
+        ) from None
 
 
 def bearer_ok(request: web.Request, token: bytes | None) -> bool:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +28,7 @@ from ckpt import (
     ShardRef,
     TierError,
 )
+from phalanx.http import json_body
 
 __all__ = ["Staging", "add_peer_routes"]
 
@@ -161,13 +161,11 @@ def add_peer_routes(
     async def delete(request: web.Request) -> web.Response:
         if (denied := check(request)) is not None:
             return denied
-        try:
-            wanted = json.loads(await request.read())["keys"]
-        except (ValueError, KeyError, TypeError):
+        data = await json_body(request)
+        wanted = data.get("keys") if isinstance(data, dict) else None
+        if not isinstance(wanted, list):
             return _error(400, 'body must be {"keys": [...]}')
-        if not isinstance(wanted, list) or not all(
-            isinstance(k, str) and PEER_KEY_RE.match(k) for k in wanted
-        ):
+        if not all(isinstance(k, str) and PEER_KEY_RE.match(k) for k in wanted):
             return _error(400, "not checkpoint object keys")
         await io(host.ckpt.peer_store.delete, wanted)
         return web.json_response({"deleted": len(wanted)})
