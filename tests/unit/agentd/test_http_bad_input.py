@@ -7,6 +7,7 @@ and its rank-socket app are served by aiohttp's test server on loopback ports.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -89,6 +90,23 @@ async def test_a_deeply_nested_keys_list_is_a_400(http: Client) -> None:
     resp = await http.post("/v1/ckpt/peer/delete", data=body, headers=AUTH)
 
     assert resp.status == 400
+
+
+async def test_a_peer_delete_body_past_a_mib_is_refused_with_413(http: Client) -> None:
+    body = json.dumps({"keys": ["job-1/000000000001/manifest.json"] * 40_000}).encode()
+    assert len(body) > 1 << 20
+
+    resp = await http.post("/v1/ckpt/peer/delete", data=io.BytesIO(body), headers=AUTH)
+
+    assert resp.status == 413
+
+
+async def test_a_rank_request_past_64_kib_is_refused_with_413(ranks: Client) -> None:
+    body = json.dumps({"job": "job-1", "generation": 1, "rank": 0, "error": "x" * 70_000})
+
+    resp = await ranks.post("/v1/ckpt/report", data=body.encode())
+
+    assert resp.status == 413
 
 
 @pytest.mark.parametrize("route", ["hello", "acquire", "submit", "wait", "stage", "report"])

@@ -91,6 +91,14 @@ async def test_a_body_json_cannot_hold_faithfully_is_a_400(
     assert problem in (await resp.json())["error"]
 
 
+async def test_a_body_past_64_kib_is_refused_with_413(api: TestClient[object, object]) -> None:
+    body = json.dumps({"reason": "x" * (64 * 1024)}).encode()
+
+    resp = await api.post("/v1/nodes/n01/drain", data=body, headers=AUTH)
+
+    assert resp.status == 413
+
+
 async def test_a_body_with_an_unknown_charset_is_read_as_bytes_not_a_500(
     api: TestClient[object, object],
 ) -> None:
