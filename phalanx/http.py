@@ -22,11 +22,13 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
 
 import pydantic_core
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 
 # How deep a JSON document may nest: the limit of pydantic's parser (jiter), which every
@@ -46,6 +48,26 @@ BODY_TIMEOUT: Final = web.AppKey("phalanx_body_timeout_s", float)
 LINGER_S: Final = 2.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _MalformedRequests(logging.Filter):
+    """aiohttp logs a request it cannot parse (no Host header, a line past 8 KiB) as an
+    ERROR with a traceback, one per request: any client could fill the daemon's log.
+    Such a request is the client's fault, answered 400: logged as one WARNING line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            said = record.getMessage()
+            record.msg, record.args = "%s: %s", (said, " ".join(str(exc).split()))
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+# The logger of the daemons' HTTP servers (aiohttp's "aiohttp.server" otherwise).
+server_log = logging.getLogger("phalanx.http.server")
+server_log.addFilter(_MalformedRequests())
 
 
 def loads(data: bytes | str) -> Any:
@@ -140,6 +162,7 @@ async def serve(
         shutdown_timeout=shutdown_timeout,
         keepalive_timeout=idle_timeout_s,
         lingering_time=LINGER_S,
+        logger=server_log,
     )
     await runner.setup()
     try:

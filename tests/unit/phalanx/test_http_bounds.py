@@ -261,3 +261,27 @@ async def get(port: int, path: str) -> tuple[int, str]:
         session.get(f"http://127.0.0.1:{port}{path}") as resp,
     ):
         return resp.status, await resp.text()
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "problem"),
+    [
+        (b"GET / HTTP/1.1\r\n\r\n", "Missing 'Host' header"),
+        (b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", "Got more than 8190 bytes"),
+    ],
+    ids=["no Host", "a line past 8 KiB"],
+)
+async def test_a_request_aiohttp_cannot_parse_is_a_400_logged_as_one_warning_line(
+    any_port: int, caplog: pytest.LogCaptureFixture, request_bytes: bytes, problem: str
+) -> None:
+    client = Trickler(any_port)
+    try:
+        client.send(request_bytes)
+        _, answer = await asyncio.to_thread(client.trickle, b"")
+    finally:
+        client.close()
+
+    assert answer.startswith(b"HTTP/1.0 400 Bad Request")
+    [record] = [r for r in caplog.records if r.name == "phalanx.http.server"]
+    assert record.levelname == "WARNING" and record.exc_info is None
+    assert problem in record.getMessage()
