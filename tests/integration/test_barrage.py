@@ -4,7 +4,8 @@ two agents). Afterwards both kinds of daemon are alive, every node is in the sta
 was in, nothing was answered 5xx, and a job submitted right after runs to success.
 
 Bounded: a fixed, seeded set of 665 messages (35 payloads on each of 19 topics) and 500
-requests; the barrage itself takes a few seconds, the whole test under half a minute.
+requests, plus 7 requests aiohttp cannot parse to each server; the barrage itself takes
+a few seconds, the whole test under half a minute.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import socket
 import time
 from typing import Any
 from urllib.parse import quote
@@ -220,6 +222,27 @@ def rest_barrage(
     return failed
 
 
+MALFORMED = [
+    b"GET / HTTP/1.1\r\n\r\n",  # no Host
+    b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",  # a line past 8 KiB
+    b"GARBAGE\r\n\r\n",
+    b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03",  # a TLS client hello
+    b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X-A: b\r\n" * 200 + b"\r\n",  # 200 headers
+]
+
+
+def malformed(port: int) -> list[bytes]:
+    """Send each request aiohttp cannot parse; the status lines answered."""
+    answers = []
+    for data in MALFORMED:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(data)
+            answers.append(sock.recv(200).split(b"\r\n", 1)[0])
+    return answers
+
+
 def test_a_barrage_of_garbage_leaves_the_fleet_as_it_was_and_able_to_run_a_job(
     fleet: Fleet,
 ) -> None:
@@ -242,9 +265,12 @@ def test_a_barrage_of_garbage_leaves_the_fleet_as_it_was_and_able_to_run_a_job(
     failed = rest_barrage(rng, fleet.api_port, SUPERVISOR_ROUTES, TOKEN, 300)
     for node in NODES:
         failed += rest_barrage(rng, agent_ports[node], AGENT_ROUTES, agent_token, 100)
+    unparsed = {port: malformed(port) for port in [fleet.api_port, *agent_ports.values()]}
     barrage_s = time.monotonic() - started
 
     assert failed == []
+    for answers in unparsed.values():
+        assert all(a.startswith(b"HTTP/1.") and b" 400 " in a for a in answers), answers
     assert barrage_s < 120
     assert fleet.supervisor is not None and fleet.supervisor.alive()
     assert all(fleet.agents[node].alive() for node in NODES)
