@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Final, cast
 from urllib.parse import quote
 
+import pydantic_core
 import zstandard
 
 from ckpt.errors import ObjectTooLarge, PeerError
@@ -251,7 +252,10 @@ class HttpPeerStore(ObjectStore):
                 raise ObjectTooLarge(
                     f"the listing of {prefix} from peer {self.node}", MAX_GET_NBYTES
                 )
-            found = json.loads(body)
+            try:  # jiter: a listing nested past 200 levels is a ValueError, no recursion
+                found = pydantic_core.from_json(body, allow_inf_nan=False)
+            except ValueError as exc:
+                raise PeerError(f"listing {prefix}: peer {self.node} sent no JSON: {exc}") from exc
         finally:
             conn.close()
         if not isinstance(found, list) or not all(isinstance(k, str) for k in found):
