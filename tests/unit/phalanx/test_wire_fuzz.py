@@ -154,3 +154,48 @@ def topic_of(message: wire.Message) -> str:
 def test_every_sample_message_parses_on_its_topic(message: wire.Message) -> None:
     # the mutations start from valid messages
     assert wire.parse(topic_of(message), wire.encode(message)).message == message
+
+
+LANDING = {
+    "kind": "ckpt",
+    "node": NODE,
+    "job": JOB,
+    "step": 4,
+    "rank": 0,
+    "tier": "nvme",
+    "nbytes": 10,
+    "checksum": "xxh3_128:" + "0" * 32,
+    "at": 1.0,
+}
+
+
+@pytest.mark.parametrize("number", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
+@pytest.mark.parametrize(
+    ("topic", "payload"),
+    [
+        (wire.ckpt_topic(NODE), json.dumps(LANDING).replace('"at": 1.0', '"at": X')),
+        (
+            wire.command_topic(NODE),
+            json.dumps(
+                {
+                    "kind": "cmd",
+                    "id": "c1",
+                    "node": NODE,
+                    "issued_at": 1.0,
+                    "deadline": 2.0,
+                    "args": {"op": "stop_ranks", "job": JOB, "generation": 1, "grace_s": 1.0},
+                }
+            ).replace('"grace_s": 1.0', '"grace_s": X'),
+        ),
+        (
+            wire.SUPERVISOR_STATUS_TOPIC,
+            '{"kind": "supervisor", "online": true, "since": X}',
+        ),
+    ],
+    ids=["landing at", "command grace_s", "status since"],
+)
+def test_a_number_that_is_not_finite_is_a_wire_error(
+    topic: str, payload: str, number: bytes
+) -> None:
+    with pytest.raises(wire.WireError, match="finite number"):
+        wire.parse(topic, payload.replace("X", number.decode()).encode())
