@@ -111,6 +111,12 @@ class HttpSettings(_Section):
         "and copy checkpoints (`/healthz` and `/metrics` stay open). Unset: those routes "
         "answer 403.",
     )
+    max_requests_per_peer: int = Field(
+        default=32,
+        ge=1,
+        description="Requests one address may have in flight at once (a buddy's pushes "
+        "and fetches, the supervisor's log reads, scrapes); past it: 429 until one ends.",
+    )
 
 
 class CkptSettings(_Section):
