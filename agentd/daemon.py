@@ -40,6 +40,7 @@ from agentd.gpu.base import GpuBackend, GpuInfo, NodeSample
 from agentd.health import HealthClassifier
 from agentd.host import sample_host
 from agentd.http import start_http
+from agentd.metrics import MetricsWindow
 from agentd.progress import ProgressMonitor, socket_beside
 from agentd.ranks import RankRunner
 from ckpt import Pacing
@@ -112,8 +113,17 @@ class Agent:
             progress_socket=progress_socket,
             last_step=self._last_step,
         )
+        # Training metrics: step reports folded into one batch per job and interval.
+        self.metrics = MetricsWindow(self.node)
+        self.metrics_sent = 0
+        self.metrics_dropped = 0  # batches not sent: the link was down
         self.progress = ProgressMonitor(
-            self.node, progress_socket, settings.data_dir, self._on_rank_event, self.ranks.pids
+            self.node,
+            progress_socket,
+            settings.data_dir,
+            self._on_rank_event,
+            self.ranks.pids,
+            on_step=self.metrics.add,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         # The agents' shared HTTP token (peer tier, rank logs), read once; unreadable or
@@ -185,6 +195,7 @@ class Agent:
             for name, loop in (
                 ("sample", self._sample_loop),
                 ("heartbeat", self._heartbeat_loop),
+                ("metrics", self._metrics_loop),
                 ("rank-events", self._rank_events.run),
                 ("ckpt-landings", self._landings.run),
             ):
@@ -416,6 +427,27 @@ class Agent:
             if await self.sample_health() and self.link.connected:
                 with contextlib.suppress(LinkDown):
                     await self.publish_heartbeat()
+
+    async def _metrics_loop(self) -> None:
+        """Every ``metrics_interval_s``: the window's batches to the supervisor, QoS 0 and
+        never queued (a batch lost while the link is down is a gap in a chart, no more)."""
+        while True:
+            await asyncio.sleep(self.settings.metrics_interval_s)
+            await self.publish_metrics()
+
+    async def publish_metrics(self) -> None:
+        for batch in self.metrics.flush(time.time()):
+            if not self.link.connected:
+                self.metrics_dropped += 1
+                continue
+            try:
+                await self.link.publish(
+                    wire.metrics_topic(self.node), wire.encode(batch), qos=0, timeout=2.0
+                )
+                self.metrics_sent += 1
+            except LinkDown as exc:
+                self.metrics_dropped += 1
+                log.debug("metrics of job %s not sent: %s", batch.job, exc)
 
     async def _heartbeat_loop(self) -> None:
         while True:
