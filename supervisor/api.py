@@ -20,6 +20,7 @@ GET      /v1/jobs/{id}/checkpoints     the catalog: every step with a shard some
 GET      /v1/jobs/{id}/metrics         ``?names=loss,grad_norm&since=TS&step_from=N``: the
                                        job's training series (``supervisor.metrics``),
                                        each point ``[step, ts, value, min, max, n]``
+GET      /metrics                      Prometheus (``supervisor.prom``), behind the token
 GET      /v1/events                    ``?node=ID&job=ID&limit=N&after=ID``
 GET      /v1/stats                     counters (heartbeats handled, bad messages)
 =======  ============================  ==========================================
@@ -40,6 +41,7 @@ from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import generate_latest
 
 from phalanx import wire
 from phalanx.http import bearer_ok, serve
@@ -58,6 +60,7 @@ from supervisor.errors import (
     UnknownNode,
 )
 from supervisor.metrics import MAX_SERIES, TrainingMetrics, json_number
+from supervisor.prom import registry_of
 from supervisor.registry import Node, Registry
 from supervisor.store import Store
 
@@ -339,7 +342,16 @@ def make_app(sup: Backend) -> web.Application:
             }
         )
 
+    prometheus = registry_of(sup)
+
+    async def prometheus_metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(prometheus),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
     app = web.Application(middlewares=[guard], client_max_size=64 * 1024)
+    app.router.add_get("/metrics", prometheus_metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/nodes", nodes)
     app.router.add_get("/v1/nodes/{id}", node)

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +128,20 @@ def test_metrics_queries_name_their_bad_parameter_and_unknown_jobs_are_404(
         client.get("/v1/jobs/nope/metrics")
     assert err.value.status == 404
     assert client.get(f"/v1/jobs/{job['id']}/metrics")["series"] == {}
+
+
+def test_the_supervisor_serves_prometheus_metrics_behind_its_token(fleet: Fleet) -> None:
+    fleet.start_supervisor()
+    url = f"http://127.0.0.1:{fleet.api_port}/metrics"
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(url, timeout=5)
+    assert err.value.code == 401
+    err.value.close()
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        text = resp.read().decode()
+    assert 'phalanx_jobs{state="running"} 0.0' in text
+    assert "phalanx_recoveries_total 0.0" in text
 
 
 def test_metrics_of_an_unknown_job_are_dropped_and_counted(fleet: Fleet) -> None:
