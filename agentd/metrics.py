@@ -9,12 +9,13 @@ its step range, mean step time, tokens/s, mean data wait and the (last, min, max
 of each other scalar. Nothing here does I/O: the agent's loop publishes.
 
 What it costs the fleet, per window of ``T`` = 5 s: one message per node and job, about
-``120 + 320 x ranks on the node`` bytes with three named scalars (loss, grad_norm, lr;
-each further scalar adds ~60 bytes per rank). A 16,384-GPU job (2,048 nodes x 8 ranks)
-sends the broker and the supervisor 2,048 / 5 = **410 messages/s, ~1.0 MB/s**; a
-4,096-rank job on 512 such nodes 102 messages/s, ~0.26 MB/s; 4,096 single-rank nodes
-819 messages/s, ~0.36 MB/s. A message per step instead would be 16,384 x 10 steps/s =
-164k messages/s. The largest batch allowed (64 ranks x 16 names) is ~140 KB.
+``120 + 240 x ranks on the node`` bytes with three named scalars (loss, grad_norm, lr;
+each further scalar adds ~60 bytes per rank): 2.0 KB for a node of 8 ranks. A
+16,384-GPU job (2,048 nodes x 8 ranks) sends the broker and the supervisor 2,048 / 5 =
+**410 messages/s, 0.84 MB/s**; a 4,096-rank job on 512 such nodes 102 messages/s,
+0.21 MB/s; 4,096 single-rank nodes 819 messages/s, ~0.3 MB/s (``bench/metrics.py``). A
+message per step instead would be 16,384 x 10 steps/s = 164k messages/s. Folding a report
+costs the agent ~1.6 us; the largest batch allowed (64 ranks x 16 names) is ~140 KB.
 
 Names: ``tokens`` (this rank's tokens in the step) and ``data_wait_s`` (seconds the step
 waited for data) are summarised as ``tokens_per_s`` and ``data_wait_s``; every other

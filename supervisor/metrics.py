@@ -22,8 +22,11 @@ ranks' step times through a :class:`~supervisor.anomalies.StragglerWatch`; their
 become job events (``metric_anomaly``, at most one per series and kind a minute;
 ``straggler``, ``straggler_cleared``) and the job's :meth:`summary`.
 
-Cost (``bench/metrics.py``): ingesting a batch is a pydantic parse and a dict update;
-a flush writes a handful of rows per job in one transaction.
+Cost (``bench/metrics.py``, one core of the reference machine): a batch of 8 ranks is
+parsed in ~40-60 us and taken in ~8 us; a flush writes a handful of rows per job in one
+transaction, ~10 ms for a 4,096-rank job and ~45 ms for a 16,384-rank one (the median
+and straggler look over every rank). A 16,384-GPU job at 10 steps/s (410 batches/s)
+takes ~4 % of a core; the supervisor ingests ~4.4M rank-steps/s.
 """
 
 from __future__ import annotations
