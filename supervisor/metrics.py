@@ -69,6 +69,7 @@ class _Latest:
 @dataclass
 class _JobMetrics:
     generation: int
+    placement: dict[int, str] = field(default_factory=dict)  # rank -> node, this generation
     pending: dict[int, wire.RankWindow] = field(default_factory=dict)
     latest: dict[int, _Latest] = field(default_factory=dict)
     counts: dict[tuple[str, int], int] | None = None  # the store's rows per (name, level)
@@ -187,6 +188,9 @@ class TrainingMetrics:
             if w.rank >= job.spec.world_size:
                 self._drop(batch, f"rank {w.rank} outside world size {job.spec.world_size}")
                 continue
+            if state.placement and state.placement.get(w.rank) != batch.node:
+                self._drop(batch, f"rank {w.rank} is not placed on node {batch.node}")
+                continue
             old = state.pending.get(w.rank)
             state.pending[w.rank] = w if old is None else merge_windows(old, w)
             state.latest[w.rank] = _Latest(batch.node, w, now)
@@ -196,6 +200,7 @@ class TrainingMetrics:
     def _new_state(self, job: Job, old: _JobMetrics | None) -> _JobMetrics:
         state = _JobMetrics(
             job.generation,
+            {r.rank: r.node for r in job.ranks},
             stragglers=StragglerWatch(self.straggler_margin, self.straggler_windows),
         )
         if old is not None:  # a new generation: the series go on, the ranks start afresh

@@ -12,7 +12,7 @@ import pytest
 
 from phalanx import wire
 from phalanx.jobspec import validate_spec
-from supervisor.jobs import Job, JobState
+from supervisor.jobs import Job, JobState, RankPlace
 from supervisor.metrics import MAX_SERIES, TrainingMetrics, gang_points, merge_windows
 from supervisor.store import Store
 
@@ -45,15 +45,18 @@ def make_job(world: int = 4) -> Job:
             "ranks_per_node": world // 2,
         }
     )
-    return Job(id=JOB, spec=spec, state=JobState.RUNNING, generation=2)
+    ranks = [RankPlace(r, f"n{r * 2 // world + 1}", r % (world // 2)) for r in range(world)]
+    return Job(id=JOB, spec=spec, state=JobState.RUNNING, generation=2, ranks=ranks)
 
 
-def window(rank: int, step: int, *, st: float = 0.1, **scalars: float) -> wire.RankWindow:
+def window(
+    rank: int, step: int, *, st: float = 0.1, at: float | None = None, **scalars: float
+) -> wire.RankWindow:
     return wire.RankWindow(
         rank=rank,
         step_first=step - 9,
         step_last=step,
-        at=1000.0 + step,
+        at=1000.0 + step if at is None else at,
         reports=10,
         step_time_s=st,
         tokens_per_s=100.0,
@@ -120,6 +123,7 @@ def test_gang_series_come_from_fresh_windows_only_when_pending_is_empty() -> Non
         ("other-job", 2, 0, "unknown job"),
         (JOB, 1, 0, "older generation"),
         (JOB, 2, 4, "rank outside the world"),
+        (JOB, 2, 3, "rank placed on another node"),
     ],
 )
 def test_a_batch_that_does_not_fit_the_job_is_dropped_and_counted(
@@ -201,3 +205,23 @@ def test_an_ended_job_is_forgotten_once_its_last_windows_are_written(store: Stor
     assert [p.step for p in store.series(JOB, ["loss"])["loss"]] == [9]
     m.flush()
     assert m.summary(JOB)["loss"] == 1.0 and m.summary(JOB)["ranks_reporting"] == 0
+
+
+def test_a_new_generation_continues_the_series_and_drops_the_old_ones_batches(
+    store: Store,
+) -> None:
+    job, clock = make_job(), Clock()
+    m = metrics(store, job, clock)
+    m.on_batch(batch("n1", window(0, 49, loss=2.0)))
+    m.flush()
+    job.generation = 3  # a recovery: restored step 30, the ranks start again
+    m.on_batch(batch("n1", window(0, 59, loss=3.0), generation=2))
+    m.on_batch(batch("n1", window(0, 39, at=2000.0, loss=2.2), generation=3))
+    clock.now += 5
+    m.flush()
+    assert [(p.step, p.value) for p in store.series(JOB, ["loss"])["loss"]] == [
+        (49, 2.0),
+        (39, 2.2),
+    ]
+    assert m.dropped == 1
+    assert m.summary(JOB)["ranks_reporting"] == 1
