@@ -262,7 +262,9 @@ class TrainingMetrics:
 
     def _watch(self, job: Job, state: _JobMetrics, name: str, point: Point, now: float) -> None:
         watch = state.spikes.setdefault(name, SpikeWatch(name))
-        found = watch.see(point.step, point.value)
+        # A NaN or an infinity of any rank, at any step of the window, is in the envelope.
+        odd = next((v for v in (point.low, point.high) if not math.isfinite(v)), None)
+        found = watch.see(point.step, point.value if odd is None else odd)
         if found is None:
             return
         if now - state.told.get((name, found.kind), -math.inf) < ANOMALY_EVENT_EVERY_S:

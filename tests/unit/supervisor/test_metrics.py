@@ -225,3 +225,24 @@ def test_a_new_generation_continues_the_series_and_drops_the_old_ones_batches(
     ]
     assert m.dropped == 1
     assert m.summary(JOB)["ranks_reporting"] == 1
+
+
+def test_a_nan_grad_norm_of_another_rank_than_rank_0_is_an_event_too(store: Store) -> None:
+    job, clock = make_job(), Clock()
+    m = metrics(store, job, clock)
+    nan = wire.RankWindow(
+        rank=1,
+        step_first=0,
+        step_last=9,
+        at=1009.0,
+        reports=10,
+        scalars={"grad_norm": (1.0, math.nan, math.nan, math.nan)},
+    )
+    m.on_batch(batch("n1", window(0, 9, grad_norm=1.0), nan))
+    m.flush()
+    [event] = store.events(job=JOB)
+    assert (event.kind, event.detail["name"], event.detail["value"]) == (
+        "metric_anomaly",
+        "grad_norm",
+        "NaN",
+    )
