@@ -25,6 +25,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -117,6 +118,7 @@ class Agent:
         self.metrics = MetricsWindow(self.node)
         self.metrics_sent = 0
         self.metrics_dropped = 0  # batches not sent: the link was down
+        self._names_logged = -math.inf
         self.progress = ProgressMonitor(
             self.node,
             progress_socket,
@@ -437,6 +439,16 @@ class Agent:
 
     async def publish_metrics(self) -> None:
         for batch in self.metrics.flush(time.time()):
+            if batch.dropped_names and time.monotonic() - self._names_logged >= 60.0:
+                self._names_logged = time.monotonic()
+                log.warning(
+                    "job %s: %d scalar values left out of this window's metrics: its ranks "
+                    "report more than %d names (phalanx.rank.step)",
+                    batch.job,
+                    batch.dropped_names,
+                    wire.MAX_METRIC_NAMES,
+                    extra={"job": batch.job, "event": "metrics_names_dropped"},
+                )
             if not self.link.connected:
                 self.metrics_dropped += 1
                 continue
