@@ -43,7 +43,9 @@ class RankWindow(Msg):
     rank: int = Field(ge=0, le=MAX_RANK)
     step_first: int = Field(ge=0, le=MAX_STEP)
     step_last: int = Field(ge=0, le=MAX_STEP)
-    at: float = Field(description="the rank's wall time of its report of step_last")
+    at: float = Field(
+        allow_inf_nan=False, description="the rank's wall time of its report of step_last"
+    )
     reports: int = Field(ge=1)
     step_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     tokens_per_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
@@ -63,6 +65,6 @@ class MetricsBatch(Msg):
     job: str = Field(pattern=JOB_ID_PATTERN)
     generation: int = Field(ge=1)
     window_s: float = Field(ge=0, allow_inf_nan=False)
-    sent_at: float
+    sent_at: float = Field(allow_inf_nan=False)
     ranks: list[RankWindow] = Field(min_length=1, max_length=MAX_METRIC_RANKS)
     dropped_names: int = Field(default=0, ge=0, description="scalar names past the cap")

@@ -419,3 +419,13 @@ def test_metrics_batch_with_too_many_scalar_names_is_a_wire_error() -> None:
     payload["ranks"][0]["scalars"] = {f"n{i}": [0, 0, 0, 0] for i in range(17)}
     with pytest.raises(WireError, match="scalars"):
         parse(wire.metrics_topic(NODE), json.dumps(payload).encode())
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity"])
+def test_a_metrics_window_whose_time_is_not_finite_is_a_wire_error(value: str) -> None:
+    payload = wire.encode(_metrics_batch(1, 1)).replace(
+        b'"at":1700000000.1234567', b'"at":' + value.encode()
+    )
+    assert value.encode() in payload
+    with pytest.raises(WireError, match=r"ranks\.0\.at"):
+        parse(wire.metrics_topic(NODE), payload)
