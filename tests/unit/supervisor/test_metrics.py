@@ -14,6 +14,7 @@ from phalanx import wire
 from phalanx.jobspec import validate_spec
 from supervisor.jobs import Job, JobState, RankPlace
 from supervisor.metrics import MAX_SERIES, TrainingMetrics, gang_points, merge_windows
+from supervisor.series import row_bound
 from supervisor.store import Store
 
 JOB = "tinylm-abc123"
@@ -246,3 +247,19 @@ def test_a_nan_grad_norm_of_another_rank_than_rank_0_is_an_event_too(store: Stor
         "grad_norm",
         "NaN",
     )
+
+
+def test_a_restarted_supervisor_continues_the_series_it_stored(store: Store) -> None:
+    job, clock = make_job(), Clock()
+    before = metrics(store, job, clock)
+    for i in range(200):
+        before.on_batch(batch("n1", window(0, 10 * i + 9, at=1000.0 + i, loss=1.0)))
+        before.flush()
+    after = metrics(store, job, clock)  # a new supervisor: nothing in memory
+    for i in range(200, 400):
+        after.on_batch(batch("n1", window(0, 10 * i + 9, at=1000.0 + i, loss=1.0)))
+        after.flush()
+    points = store.series(JOB, ["loss"])["loss"]
+    assert sum(p.n for p in points) == 400 and points[-1].step == 3999
+    assert len(points) < 400 and len(points) <= row_bound(400)  # thinned after the restart
+    assert [p.ts for p in points] == sorted(p.ts for p in points)
