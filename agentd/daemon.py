@@ -14,7 +14,8 @@ inside the unit's ``TimeoutStopSec``):
 3. stop the ranks (SIGTERM, ``stop_grace_s``, SIGKILL), their exits reported;
 4. close the checkpoint service: write-downs in flight finish and report their
    landings;
-5. drain: the rank events, then the checkpoint landings, are sent to the broker;
+5. drain: the rank events, then the checkpoint landings, are sent to the broker, and
+   the ranks' last metrics window;
 6. publish the ``shutdown`` death, so the supervisor does not wait for the keepalive;
 7. cancel the loops; close the link, the sockets and the HTTP server.
 """
@@ -229,6 +230,7 @@ class Agent:
         await asyncio.sleep(0)  # the landings the close queued from its threads
         await self._rank_events.flush(timeout=deadline.left(floor=1.0))
         await self._landings.flush(timeout=deadline.left(floor=1.0))
+        await self.publish_metrics()  # the ranks' last window
         if self.link.connected:
             death = wire.NodeDeath(node=self.node, seq=self._birth_seq, cause="shutdown")
             with contextlib.suppress(LinkDown):
