@@ -5,7 +5,7 @@ window of :data:`METRICS_INTERVAL_S` and sends one :class:`MetricsBatch` per job
 never a message per step. The batch is bounded: at most :data:`MAX_METRIC_RANKS` ranks
 (an agent with more ranks of a job sends several batches) and :data:`MAX_METRIC_NAMES`
 scalar names per rank (names past the cap are counted in ``dropped_names``), which keeps
-the largest batch (~180 KB) under the wire's ``MAX_PAYLOAD_BYTES``.
+the largest batch (~140 KB with 64-character names) under the wire's ``MAX_PAYLOAD_BYTES``.
 """
 
 from __future__ import annotations
