@@ -229,8 +229,17 @@ class TrainingMetrics:
             self.flush()
 
     def flush(self) -> None:
-        """Every job's windows since the last flush into its series, and its watches."""
-        now = self._clock()
+        """Every job's windows since the last flush into its series, and its watches: one
+        transaction (one fsync) for all the jobs."""
+        try:
+            with self.store.batch():
+                self._flush(self._clock())
+        except BaseException:
+            for state in self._jobs.values():
+                state.counts = None  # rolled back: read the rows per level again
+            raise
+
+    def _flush(self, now: float) -> None:
         for job_id, state in list(self._jobs.items()):
             job = self._job(job_id)
             if job is None or (job.state.final and not state.pending):
