@@ -9,9 +9,9 @@ value is an anomaly at once; a value above the series' exponential moving averag
 window: a rank whose step time stays above the gang's median by ``margin`` (0.2: 20 %
 slower) for ``windows`` looks in a row is a straggler, until a look finds it back within
 the margin. With synchronous data parallelism every rank waits for the slowest at each
-collective, so the ranks' step times converge: the watch sees a rank that is slow
-between collectives (its own data loading, a throttled GPU reporting its own timer),
-not one whose slowness the gang already shares.
+collective, so the ranks' step times converge: the watch catches ranks whose steps are
+timed apart (pipeline stages, asynchronous workers); a slow rank of a synchronous gang
+shows as a slower gang instead.
 
 Nothing here does I/O; :mod:`supervisor.metrics` turns verdicts into job events.
 """
