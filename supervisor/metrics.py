@@ -8,9 +8,11 @@ windows into one point per *gang series* and appends it to the store, downsample
 (:mod:`supervisor.series`: at most a few thousand rows a series, whatever the length of
 the run):
 
-* every named scalar (``loss``, ``grad_norm``, ``lr``, ...): rank 0's last value at its
-  last step when rank 0 reported it (a value rank 0 logged), else the mean over ranks;
-  the envelope (min, max) over ranks and the window;
+* every named scalar (``loss``, ``grad_norm``, ``lr``, ...) rank 0 reports: rank 0's
+  last value at its last step (a value rank 0 logged), written once rank 0's window came
+  (the other ranks' windows wait for it); a scalar rank 0 never reported: the mean over
+  the ranks that report it, at their furthest step; the envelope (min, max) over every
+  rank's windows since the last point;
 * ``step_time_s``: the median over ranks of their mean step time (envelope: the
   fastest and the slowest rank); ``tokens_per_s``: the sum over ranks;
   ``data_wait_s``: the mean over ranks. These three use each rank's latest window
@@ -36,7 +38,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -74,6 +76,7 @@ class _JobMetrics:
     latest: dict[int, _Latest] = field(default_factory=dict)
     counts: dict[tuple[str, int], int] | None = None  # the store's rows per (name, level)
     names: set[str] = field(default_factory=set)
+    rank_0_names: set[str] = field(default_factory=set)  # scalars that are rank 0's series
     spikes: dict[str, SpikeWatch] = field(default_factory=dict)
     stragglers: StragglerWatch = field(default_factory=StragglerWatch)
     told: dict[tuple[str, str], float] = field(default_factory=dict)  # anomaly events sent
@@ -112,26 +115,31 @@ def merge_windows(older: wire.RankWindow, newer: wire.RankWindow) -> wire.RankWi
 
 
 def gang_points(
-    pending: dict[int, wire.RankWindow], fresh: Iterable[wire.RankWindow]
+    pending: dict[int, wire.RankWindow],
+    fresh: Iterable[wire.RankWindow],
+    rank_0_names: Collection[str] = (),
 ) -> dict[str, Point]:
     """One point per gang series (see the module doc) from the windows received since
-    the last flush (``pending``, by rank) and every rank's fresh latest window."""
+    the last point (``pending``, by rank) and every rank's fresh latest window. A scalar
+    of ``rank_0_names`` has a point only when rank 0's window is pending."""
     points: dict[str, Point] = {}
+    latest = list(fresh)
+    first = pending.get(0)
     names = {name for w in pending.values() for name in w.scalars}
     for name in sorted(names - set(GANG_SERIES)):
+        if name in rank_0_names and (first is None or name not in first.scalars):
+            continue
         having = [w for w in pending.values() if name in w.scalars]
         lows = [w.scalars[name][1] for w in having]
         highs = [w.scalars[name][2] for w in having]
         nan = any(math.isnan(v) for v in (*lows, *highs))
         low, high = (math.nan, math.nan) if nan else (min(lows), max(highs))
-        first = pending.get(0)
         if first is not None and name in first.scalars:
             points[name] = Point(first.step_last, first.at, first.scalars[name][0], low, high)
         else:
             value = statistics.fmean(w.scalars[name][0] for w in having)
             step = max(w.step_last for w in having)
             points[name] = Point(step, max(w.at for w in having), value, low, high)
-    latest = list(fresh)
     if not latest:
         return points
     step = max(w.step_last for w in latest)
@@ -205,6 +213,7 @@ class TrainingMetrics:
         )
         if old is not None:  # a new generation: the series go on, the ranks start afresh
             state.counts, state.names, state.spikes = old.counts, old.names, old.spikes
+            state.rank_0_names = old.rank_0_names
         self._jobs[job.id] = state
         return state
 
@@ -252,8 +261,23 @@ class TrainingMetrics:
                 for rank, latest in state.latest.items()
                 if now - latest.heard <= FRESH_WINDOWS * self.interval_s
             }
-            points = gang_points(state.pending, (f.window for f in fresh.values()))
-            state.pending = {}
+            # A scalar rank 0 reports is rank 0's series: its point waits for rank 0's
+            # window (another rank's alone would repeat a step or mix in its own value);
+            # the windows stay pending meanwhile, merged with the next ones.
+            if (first := state.pending.get(0)) is not None:
+                state.rank_0_names.update(first.scalars)
+            deferred = (
+                first is None
+                and not job.state.final
+                and any(n in state.rank_0_names for w in state.pending.values() for n in w.scalars)
+            )
+            points = gang_points(
+                {} if deferred else state.pending,
+                (f.window for f in fresh.values()),
+                state.rank_0_names,
+            )
+            if not deferred:
+                state.pending = {}
             if state.counts is None:
                 state.counts = self.store.series_counts(job_id)
                 state.names = {name for name, _ in state.counts}

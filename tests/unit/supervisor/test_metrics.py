@@ -263,3 +263,47 @@ def test_a_restarted_supervisor_continues_the_series_it_stored(store: Store) -> 
     assert sum(p.n for p in points) == 400 and points[-1].step == 3999
     assert len(points) < 400 and len(points) <= row_bound(400)  # thinned after the restart
     assert [p.ts for p in points] == sorted(p.ts for p in points)
+
+
+def test_the_other_ranks_windows_wait_for_rank_0s_so_a_step_is_never_repeated(
+    store: Store,
+) -> None:
+    job, clock = make_job(), Clock()
+    m = metrics(store, job, clock)
+    m.on_batch(batch("n1", window(0, 9, loss=2.0)))
+    m.on_batch(batch("n2", window(2, 9, loss=2.0)))
+    m.flush()
+    clock.now += 5
+    m.on_batch(batch("n2", window(2, 19, loss=7.0)))  # rank 0's window is late
+    m.flush()
+    clock.now += 5
+    m.on_batch(batch("n1", window(0, 19, loss=1.5)))
+    m.flush()
+    points = store.series(JOB, ["loss"])["loss"]
+    assert [(p.step, p.value, p.high) for p in points] == [(9, 2.0, 3.0), (19, 1.5, 8.0)]
+    assert len(store.series(JOB, ["step_time_s"])["step_time_s"]) == 3
+
+
+def test_without_rank_0_the_gang_value_is_the_mean_of_the_ranks_that_report(
+    store: Store,
+) -> None:
+    job, clock = make_job(), Clock()
+    m = metrics(store, job, clock)
+    m.on_batch(batch("n2", window(2, 19, loss=2.0), window(3, 18, loss=4.0)))
+    m.flush()
+    [point] = store.series(JOB, ["loss"])["loss"]
+    assert (point.step, point.value) == (19, 3.0)
+
+
+def test_an_ended_jobs_last_windows_without_rank_0_add_no_point_at_a_step_it_has(
+    store: Store,
+) -> None:
+    job, clock = make_job(), Clock()
+    m = metrics(store, job, clock)
+    m.on_batch(batch("n1", window(0, 19, loss=2.0), window(1, 19, loss=2.0)))
+    m.flush()
+    m.on_batch(batch("n2", window(2, 19, loss=2.0), window(3, 19, loss=2.0)))  # came late
+    job.state = JobState.SUCCEEDED
+    clock.now += 5
+    m.flush()
+    assert [p.step for p in store.series(JOB, ["loss"])["loss"]] == [19]
