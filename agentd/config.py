@@ -218,6 +218,13 @@ class AgentSettings(BaseSettings):
     heartbeat_interval_s: float = Field(
         default=5.0, gt=0, description="Seconds between heartbeats (health is also sent on change)."
     )
+    metrics_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=300,
+        description="Seconds of ranks' step reports folded into one training-metrics batch "
+        "per job sent to the supervisor (agentd.metrics).",
+    )
     stop_grace_s: float = Field(
         default=30.0,
         gt=0,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from agentd.ckpt import add_peer_routes
@@ -75,6 +75,32 @@ class _AgentCollector(Collector):
                 if value is not None:
                     family.add_metric([node, str(g.index)], float(value))
             yield family
+        for name, doc, value in (
+            (
+                "phalanx_progress_reports",
+                "Ranks' step reports taken (phalanx.rank.step)",
+                a.progress.received,
+            ),
+            (
+                "phalanx_progress_garbage",
+                "Datagrams on the progress socket that were no report",
+                a.progress.garbage,
+            ),
+            ("phalanx_metrics_batches_sent", "Training-metrics batches sent", a.metrics_sent),
+            (
+                "phalanx_metrics_batches_dropped",
+                "Training-metrics batches dropped: the link was down",
+                a.metrics_dropped,
+            ),
+            (
+                "phalanx_metrics_names_dropped",
+                "Scalar values left out of metrics batches: past the names cap",
+                a.metrics.dropped_names,
+            ),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["node"])
+            counter.add_metric([node], value)
+            yield counter
         host = a.health.host
         if host is not None:
             for name, doc, value in (

@@ -21,11 +21,12 @@ import json
 import os
 import sys
 import time
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from phalanx import local
+from phalanx import charts, local
 from phalanx.client import ApiError, Client
 from phalanx.jobspec import JobSpecError, load_spec_file
 
@@ -247,6 +248,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     for incident in j.get("incidents") or []:
         lines.extend(_incident_lines(incident))
+    if (training := charts.summary_line(j.get("summary"))) is not None:
+        lines.append(f"training:    {training}")
+        lines.extend(f"             {s}" for s in charts.straggler_lines(j["summary"]))
     if j.get("recovery"):
         rec = j["recovery"]
         plan = rec.get("plan") or {}
@@ -338,6 +342,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
         if job["state"] in ("succeeded", "failed", "cancelled", "pending"):
             return EXIT_OK
         time.sleep(0.5)
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    query = f"?names={urllib.parse.quote(args.names, safe=',')}" if args.names else ""
+    data = _call(_client(args).get, f"/v1/jobs/{args.job}/metrics{query}")
+    _emit(args, data, charts.metrics_table(data, width=args.width))
+    return EXIT_OK
 
 
 def _size(n: int) -> str:
@@ -491,6 +502,13 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--rank", type=int, default=0)
     sp.add_argument("-f", "--follow", action="store_true")
     sp.set_defaults(fn=cmd_logs)
+
+    sp = sub.add_parser("metrics", help="a job's training metrics: latest values and charts")
+    sp.add_argument("job")
+    sp.add_argument("--names", help="comma-separated series (default: every one)")
+    sp.add_argument("--width", type=int, default=40, help="chart width in characters")
+    out(sp)
+    sp.set_defaults(fn=cmd_metrics)
 
     cp = sub.add_parser("ckpt", help="a job's checkpoints")
     csub = cp.add_subparsers(dest="ckpt_command", required=True)

@@ -17,6 +17,10 @@ GET      /v1/jobs/{id}/logs            ``?rank=N&offset=K``: bytes of a rank's l
                                        from its node; ``X-Phalanx-Offset`` is where to go on
 GET      /v1/jobs/{id}/checkpoints     the catalog: every step with a shard somewhere,
                                        the tiers it is committed at, partial tiers
+GET      /v1/jobs/{id}/metrics         ``?names=loss,grad_norm&since=TS&step_from=N``: the
+                                       job's training series (``supervisor.metrics``),
+                                       each point ``[step, ts, value, min, max, n]``
+GET      /metrics                      Prometheus (``supervisor.prom``), behind the token
 GET      /v1/events                    ``?node=ID&job=ID&limit=N&after=ID``
 GET      /v1/stats                     counters (heartbeats handled, bad messages)
 =======  ============================  ==========================================
@@ -30,11 +34,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import generate_latest
 
 from phalanx import wire
 from phalanx.http import bearer_ok, json_body, serve
@@ -52,10 +59,15 @@ from supervisor.errors import (
     UnknownJob,
     UnknownNode,
 )
+from supervisor.metrics import MAX_SERIES, TrainingMetrics, json_number
+from supervisor.prom import registry_of
 from supervisor.registry import Node, Registry
 from supervisor.store import Store
 
 log = logging.getLogger(__name__)
+
+_SERIES_NAME = re.compile(wire.SCALAR_NAME_PATTERN)
+POINT_COLUMNS = ("step", "ts", "value", "min", "max", "n")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -74,6 +86,7 @@ class Backend(Protocol):
     catalog: CheckpointCatalog
     commands: Commands
     link: MqttLink
+    metrics: TrainingMetrics
     bad_messages: int
 
 
@@ -194,11 +207,68 @@ def make_app(sup: Backend) -> web.Application:
 
     async def jobs(request: web.Request) -> web.Response:
         return web.json_response(
-            [j.view() for j in sorted(sup.jobs.jobs.values(), key=lambda j: j.submitted_at)]
+            [
+                j.view(summary=sup.metrics.summary(j.id))
+                for j in sorted(sup.jobs.jobs.values(), key=lambda j: j.submitted_at)
+            ]
         )
 
     async def job(request: web.Request) -> web.Response:
-        return web.json_response(sup.jobs.get(request.match_info["id"]).view())
+        found = sup.jobs.get(request.match_info["id"])
+        return web.json_response(found.view(summary=sup.metrics.summary(found.id)))
+
+    async def metrics(request: web.Request) -> web.Response:
+        found = sup.jobs.get(request.match_info["id"])
+        q = request.query
+        names: list[str] | None = None
+        if "names" in q:
+            names = [n for n in q["names"].split(",") if n]
+            bad = [n for n in names if not _SERIES_NAME.match(n)]
+            if bad or not names or len(names) > MAX_SERIES:
+                return _error(
+                    400,
+                    f"query 'names': a comma-separated list of at most {MAX_SERIES} series "
+                    f"names (identifiers){f'; not one: {bad[0][:80]!r}' if bad else ''}",
+                )
+        since: float | None = None
+        if "since" in q:
+            try:
+                since = float(q["since"])
+            except ValueError:
+                since = math.nan
+            if not math.isfinite(since):
+                return _error(400, "query 'since': a time in seconds since the epoch")
+        step_from: int | None = None
+        if "step_from" in q:
+            try:
+                step_from = int(q["step_from"])
+            except ValueError:
+                step_from = -1
+            if not 0 <= step_from <= wire.MAX_STEP:
+                return _error(400, f"query 'step_from': an integer in [0, {wire.MAX_STEP}]")
+        series = sup.store.series(found.id, names, since=since, step_from=step_from)
+        return web.json_response(
+            {
+                "job": found.id,
+                "generation": found.generation,
+                "columns": list(POINT_COLUMNS),
+                "series": {
+                    name: [
+                        [
+                            p.step,
+                            p.ts,
+                            json_number(p.value),
+                            json_number(p.low),
+                            json_number(p.high),
+                            p.n,
+                        ]
+                        for p in points
+                    ]
+                    for name, points in series.items()
+                },
+                "summary": sup.metrics.summary(found.id),
+            }
+        )
 
     async def cancel(request: web.Request) -> web.Response:
         return web.json_response(sup.jobs.cancel(request.match_info["id"]).view())
@@ -261,10 +331,21 @@ def make_app(sup: Backend) -> web.Application:
                 "mqtt_connects": sup.link.connects,
                 "jobs": len(sup.jobs.jobs),
                 "last_schedule_pass_s": sup.jobs.last_pass_s,
+                "metrics_batches": sup.metrics.batches,
+                "metrics_dropped": sup.metrics.dropped,
             }
         )
 
+    prometheus = registry_of(sup)
+
+    async def prometheus_metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(prometheus),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
     app = web.Application(middlewares=[guard], client_max_size=64 * 1024)
+    app.router.add_get("/metrics", prometheus_metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/nodes", nodes)
     app.router.add_get("/v1/nodes/{id}", node)
@@ -279,6 +360,7 @@ def make_app(sup: Backend) -> web.Application:
     app.router.add_post("/v1/jobs/{id}/cancel", cancel)
     app.router.add_get("/v1/jobs/{id}/logs", logs)
     app.router.add_get("/v1/jobs/{id}/checkpoints", checkpoints)
+    app.router.add_get("/v1/jobs/{id}/metrics", metrics)
     return app
 
 

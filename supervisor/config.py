@@ -56,6 +56,24 @@ class SupervisorSettings(BaseSettings):
         description="Longest time between scheduling passes (a submit, a "
         "job's end or a node change also start one).",
     )
+    metrics_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=300,
+        description="Seconds between writes of the jobs' training metrics: one point per "
+        "series and job (supervisor.metrics).",
+    )
+    straggler_margin: float = Field(
+        default=0.2,
+        gt=0,
+        description="A rank is a straggler when its step time stays above the gang's median "
+        "by this fraction (0.2: 20% slower) ...",
+    )
+    straggler_windows: int = Field(
+        default=6,
+        ge=1,
+        description="... for this many metrics intervals in a row.",
+    )
     spares: int = Field(default=0, ge=0, description="Healthy idle nodes held back as hot spares.")
     ckpt_node_mtbf_h: float = Field(
         default=5000.0,

@@ -280,7 +280,10 @@ class Fleet:
         via: CuttableLink | None = None,
         extra: str = "",
         rack: str = "rack1",
+        top: str = "",
     ) -> Process:
+        """``extra`` goes at the end of the config (in its last section, ``[ckpt]``);
+        ``top`` at its start, for top-level settings."""
         directory = self.root / "nodes" / node
         directory.mkdir(parents=True, exist_ok=True)
         port = via.port if via is not None else self.broker.port
@@ -299,7 +302,7 @@ class Fleet:
         text = text.replace(
             "keepalive_s = 5", f"keepalive_s = {keepalive_s}\nreconnect_max_s = 1.0"
         )
-        conf.write_text(text + extra)
+        conf.write_text(top + text + extra)
         agent = Process(
             f"agent-{node}",
             [sys.executable, "-m", "agentd", "--config", str(conf)],
