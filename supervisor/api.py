@@ -206,9 +206,11 @@ def make_app(sup: Backend) -> web.Application:
         return web.json_response(job.view(), status=201)
 
     async def jobs(request: web.Request) -> web.Response:
+        # The training summary of the jobs that still train only: the list grows with the
+        # job history, and each summary costs queries (GET /v1/jobs/{id} has it always).
         return web.json_response(
             [
-                j.view(summary=sup.metrics.summary(j.id))
+                j.view(summary=None if j.state.final else sup.metrics.summary(j.id))
                 for j in sorted(sup.jobs.jobs.values(), key=lambda j: j.submitted_at)
             ]
         )
