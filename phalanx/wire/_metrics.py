@@ -38,7 +38,11 @@ class RankWindow(Msg):
     scalar's (last, min, max, mean), the last being the value at ``step_last``.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+    # The one message that may carry NaN and the infinities (every other is finite, see
+    # Msg): in ``scalars`` only, each other float field refuses them itself.
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, ser_json_inf_nan="constants", allow_inf_nan=True
+    )
 
     rank: int = Field(ge=0, le=MAX_RANK)
     step_first: int = Field(ge=0, le=MAX_STEP)
