@@ -118,3 +118,19 @@ def summary_line(summary: dict[str, Any] | None) -> str | None:
     if summary.get("stragglers"):
         parts.append(f"{len(summary['stragglers'])} straggler(s)")
     return "   ".join(parts)
+
+
+def lineage_lines(lineage: dict[str, Any]) -> list[str]:
+    """A job's lineage (``JobSpec.lineage``) as the lines above its checkpoints."""
+    code = lineage.get("code_ref") or {}
+    lines = []
+    if code:
+        dirty = " (dirty tree)" if code.get("dirty") else ""
+        source = f" from {code['source']}" if code.get("source") else ""
+        lines.append(f"code: {code.get('commit')}{dirty}{source}")
+    if lineage.get("data_snapshot"):
+        lines.append(f"data: {lineage['data_snapshot']}")
+    params = lineage.get("hyperparams") or {}
+    if params:
+        lines.append("hyperparams: " + ", ".join(f"{k}={v}" for k, v in sorted(params.items())))
+    return lines

@@ -29,6 +29,7 @@ from typing import Any
 from phalanx import charts, local
 from phalanx.client import ApiError, Client
 from phalanx.jobspec import JobSpecError, load_spec_file
+from phalanx.lineage import code_ref_of
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_REFUSED = 0, 1, 2, 3, 4
 EXIT_JOB_FAILED = 5
@@ -157,6 +158,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     body = spec.model_dump(mode="json")
     if not Path(spec.workdir).is_absolute():  # relative to the spec file, as a user reads it
         body["workdir"] = str((Path(args.spec).parent / spec.workdir).resolve())
+    if args.code_ref:
+        body["code_ref"] = {"commit": args.code_ref, "dirty": False}
+    elif spec.code_ref is None:
+        body["code_ref"] = code_ref_of(Path(body["workdir"]))
     job = _call(client.post, "/v1/jobs", {"spec": body})
     print(job["id"])
     print(f"submitted {job['id']} ({spec.world_size} ranks on {spec.nodes} nodes)", file=sys.stderr)
@@ -368,10 +373,18 @@ def cmd_ckpt_ls(args: argparse.Namespace) -> int:
         committed += [t for t in s["committed"] if t not in committed]
         partial = [f"{t}({n}/{cat['world_size']})" for t, n in sorted(s["partial"].items())]
         size = max(s["bytes"].values(), default=0)
+        loss = s.get("loss")
         rows.append(
-            [str(s["step"]), ",".join(committed) or "-", " ".join(partial) or "-", _size(size)]
+            [
+                str(s["step"]),
+                ",".join(committed) or "-",
+                " ".join(partial) or "-",
+                _size(size),
+                f"{loss:.4g}" if isinstance(loss, int | float) else str(loss or "-"),
+            ]
         )
-    _emit(args, cat, _table(rows, ["STEP", "COMMITTED", "PARTIAL", "SIZE"]))
+    table = _table(rows, ["STEP", "COMMITTED", "PARTIAL", "SIZE", "LOSS"])
+    _emit(args, cat, "\n".join([*charts.lineage_lines(cat.get("lineage") or {}), table]))
     return EXIT_OK
 
 
@@ -484,6 +497,12 @@ def parser() -> argparse.ArgumentParser:
         "--wait",
         action="store_true",
         help="wait for the job to end; exit 0 if it succeeded, 5 otherwise",
+    )
+    sp.add_argument(
+        "--code-ref",
+        metavar="REF",
+        help="the code version to record with the job (default: the spec's code_ref, else "
+        "the git commit of its workdir and whether the tree was dirty)",
     )
     sp.set_defaults(fn=cmd_submit)
     sp = sub.add_parser("jobs", help="list jobs, their state and why pending ones wait")

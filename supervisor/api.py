@@ -31,6 +31,7 @@ which error of :mod:`supervisor.errors` answers which.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import logging
@@ -62,6 +63,7 @@ from supervisor.errors import (
 from supervisor.metrics import MAX_SERIES, TrainingMetrics, json_number
 from supervisor.prom import registry_of
 from supervisor.registry import Node, Registry
+from supervisor.series import Point
 from supervisor.store import Store
 
 log = logging.getLogger(__name__)
@@ -320,9 +322,10 @@ def make_app(sup: Backend) -> web.Application:
 
     async def checkpoints(request: web.Request) -> web.Response:
         found = sup.jobs.get(request.match_info["id"])
-        return web.json_response(
-            sup.catalog.view(found.id, found.spec.world_size, found.spec.checkpoint.tiers)
-        )
+        view = sup.catalog.view(found.id, found.spec.world_size, found.spec.checkpoint.tiers)
+        view["lineage"] = found.spec.lineage()
+        add_losses(view["steps"], sup.store.series(found.id, ["loss"]).get("loss", []))
+        return web.json_response(view)
 
     async def stats(request: web.Request) -> web.Response:
         return web.json_response(
@@ -376,3 +379,15 @@ async def start_api(sup: Backend) -> AsyncIterator[int]:
         shutdown_timeout=SHUTDOWN_S,
     ) as runner:
         yield int(runner.addresses[0][1])
+
+
+def add_losses(steps: list[dict[str, Any]], losses: list[Point]) -> None:
+    """Each checkpoint step's loss: the loss series' point at that step or the nearest
+    before it (``loss_step`` says which; the newest such point after a roll-back)."""
+    ordered = sorted(losses, key=lambda p: (p.step, p.ts))
+    at = [p.step for p in ordered]
+    for entry in steps:
+        i = bisect.bisect_right(at, entry["step"])
+        point = ordered[i - 1] if i else None
+        entry["loss"] = json_number(point.value) if point is not None else None
+        entry["loss_step"] = point.step if point is not None else None
