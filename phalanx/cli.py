@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from phalanx import charts, local
+from phalanx import charts, local, top
 from phalanx.client import ApiError, Client
 from phalanx.jobspec import JobSpecError, load_spec_file
 from phalanx.lineage import code_ref_of
@@ -195,6 +195,17 @@ def _age(ts: float | None) -> str:
         return "-"
     s = int(time.time() - ts)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    client = _client(args)
+
+    def fetch() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        return _call(client.get, "/v1/nodes"), _call(client.get, "/v1/jobs")
+
+    once = args.once or not sys.stdout.isatty()
+    top.run(fetch, interval_s=args.interval, frames=1 if once else None, clear=not once)
+    return EXIT_OK
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
@@ -505,6 +516,10 @@ def parser() -> argparse.ArgumentParser:
         "the git commit of its workdir and whether the tree was dirty)",
     )
     sp.set_defaults(fn=cmd_submit)
+    sp = sub.add_parser("top", help="the fleet and its jobs, refreshed in place (Ctrl-C quits)")
+    sp.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    sp.add_argument("--once", action="store_true", help="print one frame and exit")
+    sp.set_defaults(fn=cmd_top)
     sp = sub.add_parser("jobs", help="list jobs, their state and why pending ones wait")
     out(sp)
     sp.set_defaults(fn=cmd_jobs)

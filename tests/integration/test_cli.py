@@ -76,6 +76,14 @@ def test_nodes_table_lists_state_and_reasons(fleet: Fleet, api_env: dict[str, st
     assert "temp_slowdown(gpu1)" in row
 
 
+def test_top_once_shows_the_fleet_and_exits(api_env: dict[str, str]) -> None:
+    result = phalanx("top", "--once", env=api_env)
+
+    assert result.returncode == 0, result.stderr
+    assert "nodes 1: 1 up · spares 0" in result.stdout
+    assert "\x1b[" not in result.stdout  # no screen clearing in a single frame
+
+
 def test_wrong_token_exits_1_and_missing_settings_exit_2(api_env: dict[str, str]) -> None:
     wrong = phalanx("nodes", env={**api_env, "PHALANX_TOKEN": "nope-nope-nope-nope"})
     assert wrong.returncode == 1
