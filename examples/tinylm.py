@@ -216,6 +216,8 @@ def main() -> None:
 
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq).to(device)
     ddp = DistributedDataParallel(model)
+    # Model FLOPs of one training step per token: ~6 per parameter (forward and backward).
+    flops_per_token = 6 * sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     stream = TokenStream(args.vocab, args.seq, args.batch)
@@ -277,6 +279,7 @@ def main() -> None:
             loss=mean,
             grad_norm=grad_norm,
             tokens=batch[:, 1:].numel(),  # this rank's: the supervisor sums over ranks
+            flops=flops_per_token * batch[:, 1:].numel(),  # for the job's MFU
             lr=sched.get_last_lr()[0],
             data_wait_s=waited,
         ):

@@ -115,6 +115,8 @@ def summary_line(summary: dict[str, Any] | None) -> str | None:
     for key, label in (("loss", "loss"), ("tokens_per_s", "tokens/s"), ("step_time_s", "s/step")):
         if summary.get(key) is not None:
             parts.append(f"{label} {figure(summary[key])}")
+    if summary.get("mfu") is not None:
+        parts.append(f"MFU {100 * float(summary['mfu']):.3g}%")
     if summary.get("stragglers"):
         parts.append(f"{len(summary['stragglers'])} straggler(s)")
     return "   ".join(parts)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -73,6 +73,11 @@ class SupervisorSettings(BaseSettings):
         default=6,
         ge=1,
         description="... for this many metrics intervals in a row.",
+    )
+    gpu_peak_flops: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
+        default_factory=dict,
+        description="Peak FLOP/s of one GPU by its exact model name, for a job's MFU; models "
+        "not named here use supervisor.mfu.PEAKS (dense BF16 figures of known GPUs).",
     )
     spares: int = Field(default=0, ge=0, description="Healthy idle nodes held back as hot spares.")
     ckpt_node_mtbf_h: float = Field(

@@ -88,12 +88,19 @@ class Supervisor:
             interval_s=settings.metrics_interval_s,
             straggler_margin=settings.straggler_margin,
             straggler_windows=settings.straggler_windows,
+            gpu_model=self._gpu_model,
+            gpu_peaks=settings.gpu_peak_flops,
         )
         self.api_port = 0
         # What takes work: the REST API and the loops (timeouts, scheduling passes).
         self._serving = contextlib.AsyncExitStack()
         self._loops: list[asyncio.Task[None]] = []
         self._linked = False
+
+    def _gpu_model(self, node: str) -> str | None:
+        found = self.registry.nodes.get(node)
+        birth = found.birth if found is not None else None
+        return birth.gpus[0].model if birth is not None and birth.gpus else None
 
     async def __aenter__(self) -> Supervisor:
         try:

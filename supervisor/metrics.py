@@ -38,13 +38,14 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from phalanx import wire
 from supervisor.anomalies import SpikeWatch, StragglerWatch
 from supervisor.jobs import Job
+from supervisor.mfu import FLOPS, mfu, peak_flops
 from supervisor.series import Point
 from supervisor.store import Store
 
@@ -167,9 +168,15 @@ class TrainingMetrics:
         straggler_margin: float = 0.2,
         straggler_windows: int = 6,
         clock: Callable[[], float] = time.time,
+        gpu_model: Callable[[str], str | None] = lambda _node: None,
+        gpu_peaks: Mapping[str, float] | None = None,
     ) -> None:
+        """``gpu_model(node)``: the model of the node's GPUs (for MFU); ``gpu_peaks``:
+        peak FLOP/s by exact model name, before :data:`supervisor.mfu.PEAKS`."""
         self.store = store
         self._job = job
+        self._gpu_model = gpu_model
+        self._gpu_peaks = dict(gpu_peaks or {})
         self.interval_s = interval_s
         self.straggler_margin = straggler_margin
         self.straggler_windows = straggler_windows
@@ -381,12 +388,23 @@ class TrainingMetrics:
                     }
                 )
         newest = max(latest.values(), key=lambda p: p.ts, default=None)
+        utilisation = None
+        if state is not None:
+            utilisation = mfu(
+                (
+                    w.window.scalars[FLOPS][0] if FLOPS in w.window.scalars else None,
+                    w.window.step_time_s,
+                    peak_flops(self._gpu_model(w.node), self._gpu_peaks),
+                )
+                for w in state.latest.values()
+            )
         return {
             "step": newest.step if newest else None,
             "at": newest.ts if newest else None,
             "loss": _value(latest.get("loss")),
             "step_time_s": _value(latest.get(STEP_TIME)),
             "tokens_per_s": _value(latest.get(TOKENS_PER_S)),
+            "mfu": None if utilisation is None else float(f"{utilisation:.4g}"),
             "ranks_reporting": len(state.latest) if state is not None else 0,
             "stragglers": stragglers,
         }
