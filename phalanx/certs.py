@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,9 +74,11 @@ class Authority:
         return issued
 
 
-def make_authority(directory: Path, name: str = "phalanx throw-away CA") -> Authority:
+def make_authority(directory: Path, name: str = "") -> Authority:
     """A new CA under ``directory``: ``ca.pem`` (share it with clients) and ``ca.key``
-    (mode 0600)."""
+    (mode 0600). Its name (default: ``phalanx throw-away CA`` and a random tag) tells it
+    from another fleet's."""
+    name = name or f"phalanx throw-away CA {secrets.token_hex(4)}"
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     key = ec.generate_private_key(ec.SECP256R1())
