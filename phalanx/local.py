@@ -30,10 +30,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from phalanx.certs import Issued, make_authority
 from phalanx.client import ApiError, Client
+
+if TYPE_CHECKING:
+    from phalanx.certs import Authority, Issued
 
 DEFAULT_DIR = Path(os.environ.get("PHALANX_LOCAL_DIR", ".phalanx-local"))
 
@@ -243,7 +245,11 @@ def up(
     agent_token_file.write_text(secrets.token_urlsafe(24))
     agent_token_file.chmod(0o600)
     broker_port, api_port = free_port(), free_port()
-    authority = make_authority(directory / "tls") if tls else None
+    authority: Authority | None = None
+    if tls:  # cryptography is imported only where it is used
+        from phalanx.certs import make_authority
+
+        authority = make_authority(directory / "tls")
     scheme = "https" if tls else "http"
     fleet = Fleet(
         str(directory),
