@@ -156,6 +156,7 @@ class Agent:
                 compress_min_saving=settings.ckpt.compress_min_saving,
                 cpus=tuple(settings.ckpt.write_cpus),
             ),
+            peer_ssl=settings.http.peer_ssl(),  # HTTPS to buddies when this agent serves it
         )
         self.link = MqttLink(
             settings.mqtt.resolved(),

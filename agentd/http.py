@@ -1,4 +1,5 @@
-"""agentd's HTTP server: ``/healthz`` and Prometheus ``/metrics``.
+"""agentd's HTTP server: ``/healthz`` and Prometheus ``/metrics``; HTTPS when
+``http.tls_cert_file`` and ``http.tls_key_file`` are set.
 
 The supervisor reads rank logs here; buddies push and fetch the peer tier's
 checkpoint copies (``agentd.ckpt.peer_routes``), both behind the agent token.
@@ -202,9 +203,10 @@ def _read_slice(path: Path, offset: int, limit: int) -> tuple[bytes, int]:
 async def start_http(agent: Agent) -> AsyncIterator[int]:
     """Serve until the block ends; yields the bound port (useful with port 0)."""
     host, port = agent.settings.http.host, agent.settings.http.port
+    tls = agent.settings.http.server_ssl()  # None: plain HTTP
     async with serve(
         make_app(agent),
-        lambda runner: web.TCPSite(runner, host, port),
-        f"agent HTTP server on {host}:{port}",
+        lambda runner: web.TCPSite(runner, host, port, ssl_context=tls),
+        f"agent HTTP{'S' if tls else ''} server on {host}:{port}",
     ) as runner:
         yield int(runner.addresses[0][1])

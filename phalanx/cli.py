@@ -1,8 +1,9 @@
 """``phalanx``: the operator's command line.
 
 The fleet commands talk to the supervisor's REST API at ``$PHALANX_API`` with
-the token ``$PHALANX_TOKEN`` (or ``--api`` / ``--token``); ``eval "$(phalanx
-local env)"`` sets both for a local fleet. Tables go to stdout by default,
+the token ``$PHALANX_TOKEN`` (or ``--api`` / ``--token``); an ``https://`` API is
+verified against the CA in ``$PHALANX_CA`` (or ``--ca``), else the system's CA
+store. ``eval "$(phalanx local env)"`` sets them for a local fleet. Tables go to stdout by default,
 stable JSON with ``-o json``; messages go to stderr.
 
 Exit codes:
@@ -50,7 +51,11 @@ def _client(args: argparse.Namespace) -> Client:
             'fleet: eval "$(phalanx local env)"), or pass --api and --token',
             EXIT_USAGE,
         )
-    return Client(api, token)
+    ca = args.ca or os.environ.get("PHALANX_CA") or None
+    try:
+        return Client(api, token, ca_file=Path(ca) if ca else None)
+    except ApiError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
 
 
 def _call(fn: Any, *a: Any) -> Any:
@@ -416,6 +421,7 @@ def cmd_local_up(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         broker=args.broker,
         spares=args.spares,
+        tls=args.tls,
     )
     print(
         f"local fleet up: API {fleet.api}; point the CLI at it with:\n"
@@ -429,6 +435,8 @@ def cmd_local_env(args: argparse.Namespace) -> int:
     fleet = local.Fleet.load(Path(args.dir).absolute())
     print(f"export PHALANX_API={fleet.api}")
     print(f"export PHALANX_TOKEN={fleet.token}")
+    # A fleet without TLS unsets a CA left over from another one.
+    print(f"export PHALANX_CA={fleet.ca}" if fleet.ca else "unset PHALANX_CA")
     print(f"export PHALANX_LOCAL_DIR={fleet.dir}")
     return EXIT_OK
 
@@ -474,6 +482,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--api", help="supervisor URL (default: $PHALANX_API)")
     p.add_argument("--token", help="API token (default: $PHALANX_TOKEN)")
+    p.add_argument(
+        "--ca",
+        help="CA bundle (PEM) that signed the supervisor's certificate, for an https:// API "
+        "(default: $PHALANX_CA, else the system's CA store)",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     def out(sp: argparse.ArgumentParser) -> None:
@@ -572,6 +585,12 @@ def parser() -> argparse.ArgumentParser:
         help="idle nodes the supervisor holds back as hot spares for recovery",
     )
     sp.add_argument("--timeout", type=float, default=60.0)
+    sp.add_argument(
+        "--tls",
+        action="store_true",
+        help="HTTPS everywhere (API, agents' peer tier and logs) with a throw-away CA and "
+        "certificates made under DIR/tls",
+    )
     sp.add_argument(
         "--broker",
         choices=["auto", "mosquitto", "embedded"],

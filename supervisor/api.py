@@ -25,6 +25,9 @@ GET      /v1/events                    ``?node=ID&job=ID&limit=N&after=ID``
 GET      /v1/stats                     counters (heartbeats handled, bad messages)
 =======  ============================  ==========================================
 
+It serves HTTPS with ``api.tls_cert_file`` and ``api.tls_key_file``, and fetches rank
+logs from the agents over HTTPS with ``agent_tls`` (verified against ``agent_ca_file``).
+
 Errors are ``{"error": "message"}`` with a 4xx/5xx status; :data:`HTTP_STATUS` says
 which error of :mod:`supervisor.errors` answers which.
 """
@@ -114,6 +117,8 @@ def _error(status: int, message: str) -> web.Response:
 
 def make_app(sup: Backend) -> web.Application:
     token = sup.token.encode()
+    agent_tls = sup.settings.agent_ssl()  # how rank logs are fetched from the agents
+    agent_scheme = "https" if agent_tls is not None else "http"
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -291,12 +296,15 @@ def make_app(sup: Backend) -> web.Application:
         if node.birth is None:
             return _error(503, f"node {place.node} has not announced its address")
         url = (
-            f"http://{node.birth.address}:{node.birth.http_port}/v1/jobs/{found.id}/ranks/"
+            f"{agent_scheme}://{node.birth.address}:{node.birth.http_port}/v1/jobs/{found.id}/ranks/"
             f"{rank}/log?offset={offset}"
         )
         try:
             async with (
-                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http,
+                aiohttp.ClientSession(
+                    timeout=aiohttp.ClientTimeout(total=10),
+                    connector=aiohttp.TCPConnector(ssl=agent_tls or True),
+                ) as http,
                 http.get(url, headers={"Authorization": f"Bearer {sup.agent_token}"}) as resp,
             ):
                 data = await resp.read()
@@ -372,10 +380,11 @@ def make_app(sup: Backend) -> web.Application:
 @contextlib.asynccontextmanager
 async def start_api(sup: Backend) -> AsyncIterator[int]:
     api = sup.settings.api
+    tls = api.server_ssl()  # None: plain HTTP
     async with serve(
         make_app(sup),
-        lambda runner: web.TCPSite(runner, api.host, api.port),
-        f"supervisor API on {api.host}:{api.port}",
+        lambda runner: web.TCPSite(runner, api.host, api.port, ssl_context=tls),
+        f"supervisor API ({'https' if tls else 'http'}) on {api.host}:{api.port}",
         shutdown_timeout=SHUTDOWN_S,
     ) as runner:
         yield int(runner.addresses[0][1])
