@@ -74,6 +74,13 @@ class SupervisorSettings(BaseSettings):
         ge=1,
         description="... for this many metrics intervals in a row.",
     )
+    straggler_node_jobs: int = Field(
+        default=2,
+        ge=1,
+        description="A node whose ranks are stragglers in at least this many jobs at once gets "
+        "a `warn` reason `straggler` (supervisor.slow_nodes): no new work lands on it until "
+        "the flags clear or the jobs end. 1: a straggler in any one job is enough.",
+    )
     gpu_peak_flops: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
         default_factory=dict,
         description="Peak FLOP/s of one GPU by its exact model name, for a job's MFU; models "

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from types import TracebackType
 
 from phalanx import wire
@@ -20,6 +21,7 @@ from supervisor.errors import StoreError
 from supervisor.metrics import TrainingMetrics
 from supervisor.publisher import CatalogPublisher
 from supervisor.registry import Registry
+from supervisor.slow_nodes import SlowNode
 from supervisor.store import Store
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,8 @@ class Supervisor:
             interval_s=settings.metrics_interval_s,
             straggler_margin=settings.straggler_margin,
             straggler_windows=settings.straggler_windows,
+            straggler_node_jobs=settings.straggler_node_jobs,
+            on_slow_nodes=self._on_slow_nodes,
             gpu_model=self._gpu_model,
             gpu_peaks=settings.gpu_peak_flops,
         )
@@ -96,6 +100,10 @@ class Supervisor:
         self._serving = contextlib.AsyncExitStack()
         self._loops: list[asyncio.Task[None]] = []
         self._linked = False
+
+    def _on_slow_nodes(self, slow: Mapping[str, SlowNode]) -> None:
+        if self.registry.mark_slow(slow):
+            self.jobs.wake()  # a node turned warn or back up: schedule again
 
     def _gpu_model(self, node: str) -> str | None:
         found = self.registry.nodes.get(node)

@@ -22,7 +22,10 @@ A job has at most :data:`MAX_SERIES` series (names past it are dropped and count
 ``loss`` and ``grad_norm`` go through a :class:`~supervisor.anomalies.SpikeWatch` and the
 ranks' step times through a :class:`~supervisor.anomalies.StragglerWatch`; their verdicts
 become job events (``metric_anomaly``, at most one per series and kind a minute;
-``straggler``, ``straggler_cleared``) and the job's :meth:`summary`.
+``straggler``, ``straggler_cleared``) and the job's :meth:`summary`. After each flush the
+flags standing across all jobs go through :func:`supervisor.slow_nodes.slow_nodes`: the
+nodes slow in ``straggler_node_jobs`` jobs at once are handed to ``on_slow_nodes`` (the
+registry's :meth:`~supervisor.registry.Registry.mark_slow`: a ``warn`` reason).
 
 Cost (``bench/metrics.py``, one core of the reference machine): a batch of 8 ranks is
 parsed in ~40-60 us and taken in ~8 us; a flush writes a handful of rows per job in one
@@ -47,6 +50,7 @@ from supervisor.anomalies import SpikeWatch, StragglerWatch
 from supervisor.jobs import Job
 from supervisor.mfu import FLOPS, mfu, peak_flops
 from supervisor.series import Point
+from supervisor.slow_nodes import Flag, SlowNode, slow_nodes
 from supervisor.store import Store
 
 log = logging.getLogger(__name__)
@@ -80,6 +84,7 @@ class _JobMetrics:
     rank_0_names: set[str] = field(default_factory=set)  # scalars that are rank 0's series
     spikes: dict[str, SpikeWatch] = field(default_factory=dict)
     stragglers: StragglerWatch = field(default_factory=StragglerWatch)
+    flagged_at: dict[int, float] = field(default_factory=dict)  # straggler rank -> since
     told: dict[tuple[str, str], float] = field(default_factory=dict)  # anomaly events sent
     dropped_names: int = 0
 
@@ -167,12 +172,16 @@ class TrainingMetrics:
         interval_s: float = wire.METRICS_INTERVAL_S,
         straggler_margin: float = 0.2,
         straggler_windows: int = 6,
+        straggler_node_jobs: int = 2,
+        on_slow_nodes: Callable[[Mapping[str, SlowNode]], object] | None = None,
         clock: Callable[[], float] = time.time,
         gpu_model: Callable[[str], str | None] = lambda _node: None,
         gpu_peaks: Mapping[str, float] | None = None,
     ) -> None:
         """``gpu_model(node)``: the model of the node's GPUs (for MFU); ``gpu_peaks``:
-        peak FLOP/s by exact model name, before :data:`supervisor.mfu.PEAKS`."""
+        peak FLOP/s by exact model name, before :data:`supervisor.mfu.PEAKS`;
+        ``on_slow_nodes(slow)``: after every flush, the nodes slow in at least
+        ``straggler_node_jobs`` jobs (see the module doc)."""
         self.store = store
         self._job = job
         self._gpu_model = gpu_model
@@ -180,6 +189,8 @@ class TrainingMetrics:
         self.interval_s = interval_s
         self.straggler_margin = straggler_margin
         self.straggler_windows = straggler_windows
+        self.straggler_node_jobs = straggler_node_jobs
+        self._on_slow_nodes = on_slow_nodes
         self._clock = clock
         self._jobs: dict[str, _JobMetrics] = {}
         self.batches = 0  # batches taken
@@ -254,6 +265,10 @@ class TrainingMetrics:
             for state in self._jobs.values():
                 state.counts = None  # rolled back: read the rows per level again
             raise
+        if self._on_slow_nodes is not None:
+            self._on_slow_nodes(
+                slow_nodes(self.straggler_flags(), self._live(), min_jobs=self.straggler_node_jobs)
+            )
 
     def _flush(self, now: float) -> None:
         for job_id, state in list(self._jobs.items()):
@@ -298,7 +313,7 @@ class TrainingMetrics:
                     self.points += 1
                     if name in WATCHED:
                         self._watch(job, state, name, point, now)
-                self._stragglers(job, state, fresh)
+                self._stragglers(job, state, fresh, now)
 
     def _watch(self, job: Job, state: _JobMetrics, name: str, point: Point, now: float) -> None:
         watch = state.spikes.setdefault(name, SpikeWatch(name))
@@ -334,10 +349,13 @@ class TrainingMetrics:
             },
         )
 
-    def _stragglers(self, job: Job, state: _JobMetrics, fresh: dict[int, _Latest]) -> None:
+    def _stragglers(
+        self, job: Job, state: _JobMetrics, fresh: dict[int, _Latest], now: float
+    ) -> None:
         times = {r: f.window.step_time_s for r, f in fresh.items()}
         new, cleared = state.stragglers.see({r: t for r, t in times.items() if t is not None})
         for s in new:
+            state.flagged_at[s.rank] = now
             node = fresh[s.rank].node
             log.warning(
                 "job %s: rank %d on node %s is a straggler: %.3fs a step, the gang's median %.3fs",
@@ -361,6 +379,7 @@ class TrainingMetrics:
                 },
             )
         for rank in cleared:
+            state.flagged_at.pop(rank, None)
             node = fresh[rank].node
             self.store.add_event(
                 "straggler_cleared",
@@ -369,6 +388,28 @@ class TrainingMetrics:
             )
 
     # --- out ---------------------------------------------------------------------
+
+    def straggler_flags(self) -> list[Flag]:
+        """Every rank flagged as a straggler now, in every job still followed."""
+        flags = []
+        for job_id, state in self._jobs.items():
+            for rank, s in state.stragglers.flagged.items():
+                at = state.latest.get(rank)
+                node = at.node if at is not None else state.placement.get(rank)
+                if node is None:
+                    continue
+                since = state.flagged_at.get(rank, self._clock())
+                flags.append(Flag(job_id, state.generation, rank, node, since, s.ratio))
+        return flags
+
+    def _live(self) -> dict[str, int]:
+        """The generation of every followed job that has not ended."""
+        live = {}
+        for job_id in self._jobs:
+            job = self._job(job_id)
+            if job is not None and not job.state.final:
+                live[job_id] = job.generation
+        return live
 
     def summary(self, job_id: str) -> dict[str, Any]:
         """The job's latest figures: step, loss, step time, tokens/s, stragglers."""

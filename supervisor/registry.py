@@ -10,8 +10,13 @@ A node's state is derived from three facts, in this order:
   silently: the node stays drained after its health recovers, until an
   operator undrains it. Undraining a node whose health still says ``drain``
   is refused;
-* ``warn`` — its agent reports a ``warn`` reason;
+* ``warn`` — its agent reports a ``warn`` reason, or the supervisor gives it one of
+  its own: its ranks straggle in several jobs at once (:meth:`Registry.mark_slow`);
 * ``up`` — otherwise.
+
+A node's reasons are its agent's and the supervisor's (:attr:`Node.reasons`). The
+supervisor's come from the training metrics, which live in memory: they are not
+persisted, and a restarted supervisor gives them again once the flags are seen again.
 
 Every change of state, drain or health is recorded as an event and persisted,
 so a restarted supervisor remembers drained nodes and why.
@@ -22,12 +27,13 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx import wire
 from supervisor.errors import Refused, RegistryError, UnknownNode
+from supervisor.slow_nodes import SlowNode
 from supervisor.store import Event, Store
 
 log = logging.getLogger(__name__)
@@ -63,6 +69,7 @@ class Node:
     last_seen: float = 0.0  # time.monotonic() of the last birth or heartbeat
     last_seen_wall: float = 0.0
     offline_at: float = 0.0  # the registry's clock when it last went offline
+    slow: SlowNode | None = None  # the supervisor's: its ranks straggle in several jobs
 
     @property
     def state(self) -> NodeState:
@@ -70,9 +77,16 @@ class Node:
             return NodeState.OFFLINE
         if self.drain is not None:
             return NodeState.DRAIN
-        if self.health.status is wire.HealthStatus.WARN:
+        if self.health.status is wire.HealthStatus.WARN or self.slow is not None:
             return NodeState.WARN
         return NodeState.UP
+
+    @property
+    def reasons(self) -> list[wire.Reason]:
+        """Its agent's health reasons, then the supervisor's own."""
+        if self.slow is None:
+            return list(self.health.reasons)
+        return [*self.health.reasons, self.slow.reason()]
 
     def view(self) -> dict[str, Any]:
         """The node as the API and ``phalanx nodes -o json`` show it (stable keys)."""
@@ -90,7 +104,7 @@ class Node:
             "version": b.version if b else None,
             "gpu_count": len(b.gpus) if b else 0,
             "gpus": [g.model_dump() for g in b.gpus] if b else [],
-            "reasons": [r.model_dump() for r in self.health.reasons],
+            "reasons": [r.model_dump() for r in self.reasons],
             "drain": self.drain.as_dict() if self.drain else None,
             "offline_cause": None if self.online else self.offline_cause,
             "last_seen": self.last_seen_wall or None,
@@ -138,6 +152,7 @@ class Registry:
         }
         self.heartbeats = 0
         self._persisted: dict[str, tuple[object, ...]] = {}
+        self._slow: set[str] = set()  # nodes with a ``slow`` reason
 
     # --- inbound ------------------------------------------------------------------
 
@@ -223,6 +238,33 @@ class Registry:
                 self._changed(node, before, cause="heartbeat timeout")
                 gone.append(node.id)
         return gone
+
+    def mark_slow(self, slow: Mapping[str, SlowNode]) -> list[str]:
+        """The nodes slow now (:func:`supervisor.slow_nodes.slow_nodes`), every other node
+        not: gives or takes their ``straggler`` reason. Records ``node_slow`` when a node
+        becomes slow or the jobs it is slow in change (not for a mere change of how much
+        slower), ``node_slow_cleared`` when it is slow no more. Nodes the registry does not
+        know are ignored. Returns the nodes whose state changed."""
+        changed = []
+        for node_id in sorted(self._slow | slow.keys()):
+            node = self.nodes.get(node_id)
+            if node is None:
+                continue
+            new, old = slow.get(node_id), node.slow
+            if new is None and old is None:
+                continue
+            before = node.state
+            node.slow = new
+            if new is None and old is not None:
+                self._event("node_slow_cleared", node, jobs=list(old.job_ids))
+            elif new is not None and (old is None or old.job_ids != new.job_ids):
+                self._event("node_slow", node, jobs=list(new.job_ids), reason=new.reason().detail)
+            cause = "a straggler in several jobs" if new else "no longer a straggler"
+            self._changed(node, before, cause=cause)
+            if node.state is not before:
+                changed.append(node_id)
+        self._slow = {n for n in slow if n in self.nodes}
+        return changed
 
     # --- operators ----------------------------------------------------------
 
