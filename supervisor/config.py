@@ -79,7 +79,9 @@ class SupervisorSettings(BaseSettings):
         ge=1,
         description="A node whose ranks are stragglers in at least this many jobs at once gets "
         "a `warn` reason `straggler` (supervisor.slow_nodes): no new work lands on it until "
-        "the flags clear or the jobs end. 1: a straggler in any one job is enough.",
+        "the flags clear or the jobs end. 1: a straggler in any one job is enough. Two jobs "
+        "at once on one node means jobs that take part of a node's GPUs: on a fleet of "
+        "whole-node jobs only 1 ever fires.",
     )
     gpu_peak_flops: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
         default_factory=dict,
