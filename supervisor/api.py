@@ -5,7 +5,8 @@ method   path                          what
 =======  ============================  ==========================================
 GET      /healthz                      liveness (no token)
 GET      /v1/nodes                     every node (see ``Node.view``)
-GET      /v1/nodes/{id}                one node; 404 when unknown
+GET      /v1/nodes/{id}                one node, with each GPU's gauges and the host's;
+                                       404 when unknown
 POST     /v1/nodes/{id}/drain          body ``{"reason": "..."}``
 POST     /v1/nodes/{id}/undrain        body ``{"force": false}``; 409 while sick
 POST     /v1/nodes/{id}/ping           round trip of a command to the agent
@@ -13,8 +14,9 @@ POST     /v1/jobs                      body ``{"spec": {...}}``; 400 names the b
 GET      /v1/jobs                      every job (see ``Job.view``)
 GET      /v1/jobs/{id}                 one job; 404 when unknown
 POST     /v1/jobs/{id}/cancel          stop every rank, then ``cancelled``
-GET      /v1/jobs/{id}/logs            ``?rank=N&offset=K``: bytes of a rank's log, fetched
-                                       from its node; ``X-Phalanx-Offset`` is where to go on
+GET      /v1/jobs/{id}/logs            ``?rank=N&offset=K&limit=L``: bytes of a rank's log,
+                                       fetched from its node; ``X-Phalanx-Offset`` is where
+                                       to go on, ``X-Phalanx-Size`` the log's size
 GET      /v1/jobs/{id}/checkpoints     the catalog: every step with a shard somewhere,
                                        the tiers it is committed at, partial tiers
 GET      /v1/events                    ``?node=ID&job=ID&limit=N&after=ID``
@@ -60,6 +62,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 SHUTDOWN_S = 2.0  # requests in flight when the supervisor stops get this long to answer
+LOG_LIMIT = 2**20  # the most bytes of a rank's log one request fetches (the agent's default)
 
 
 class Backend(Protocol):
@@ -95,6 +98,25 @@ def http_status(exc: BaseException) -> int | None:
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
+
+
+def gauge_summary(health: wire.Health) -> dict[str, Any]:
+    """A node's GPU gauges in a few numbers (the hottest GPU, ECC and retired pages
+    summed over its GPUs, the GPUs throttled): what a fleet view of thousands shows."""
+    gpus = health.gpus
+
+    def total(field: str) -> int | None:
+        values = [getattr(g, field) for g in gpus if getattr(g, field) is not None]
+        return sum(values) if values else None
+
+    temps = [g.temperature_c for g in gpus if g.temperature_c is not None]
+    return {
+        "temperature_max_c": max(temps) if temps else None,
+        "ecc_sbe_volatile": total("ecc_sbe_volatile"),
+        "ecc_dbe_volatile": total("ecc_dbe_volatile"),
+        "retired_pages": total("retired_pages"),
+        "throttled_gpus": [g.index for g in gpus if g.throttle],
+    }
 
 
 def make_app(sup: Backend) -> web.Application:
@@ -135,19 +157,24 @@ def make_app(sup: Backend) -> web.Application:
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "mqtt_connected": sup.link.connected})
 
-    def node_view(n: Node) -> dict[str, Any]:
+    def node_view(n: Node, *, gauges: bool = False) -> dict[str, Any]:
         view = n.view()
         view["jobs"] = sorted(
             j.id for j in sup.jobs.jobs.values() if j.state.holds_nodes and n.id in j.nodes
         )
         view["spare"] = n.id in sup.jobs.spares
+        view["gauges"] = gauge_summary(n.health)
+        if gauges:  # one node: every GPU's numbers, and the host's
+            view["gpu_gauges"] = [g.model_dump() for g in n.health.gpus]
+            view["host"] = n.health.host.model_dump() if n.health.host else None
         return view
 
     async def nodes(request: web.Request) -> web.Response:
         return web.json_response([node_view(n) for _, n in sorted(sup.registry.nodes.items())])
 
     async def node(request: web.Request) -> web.Response:
-        return web.json_response(node_view(sup.registry.get(request.match_info["id"])))
+        found = sup.registry.get(request.match_info["id"])
+        return web.json_response(node_view(found, gauges=True))
 
     async def drain(request: web.Request) -> web.Response:
         data = await body(request)
@@ -214,8 +241,11 @@ def make_app(sup: Backend) -> web.Application:
         try:
             rank = int(request.query.get("rank", "0"))
             offset = int(request.query.get("offset", "0"))
+            limit = int(request.query.get("limit", str(LOG_LIMIT)))
         except ValueError:
-            return _error(400, "query 'rank' and 'offset' must be integers")
+            return _error(400, "query 'rank', 'offset' and 'limit' must be integers")
+        if not 1 <= limit <= LOG_LIMIT:
+            return _error(400, f"query 'limit': from 1 to {LOG_LIMIT} bytes")
         place = next((r for r in found.ranks if r.rank == rank), None)
         if place is None:
             return _error(404, f"job {found.id} has no rank {rank} placed")
@@ -224,7 +254,7 @@ def make_app(sup: Backend) -> web.Application:
             return _error(503, f"node {place.node} has not announced its address")
         url = (
             f"http://{node.birth.address}:{node.birth.http_port}/v1/jobs/{found.id}/ranks/"
-            f"{rank}/log?offset={offset}"
+            f"{rank}/log?offset={offset}&limit={limit}"
         )
         try:
             async with (
@@ -242,6 +272,7 @@ def make_app(sup: Backend) -> web.Application:
                     content_type="text/plain",
                     headers={
                         "X-Phalanx-Offset": resp.headers.get("X-Phalanx-Offset", str(offset)),
+                        "X-Phalanx-Size": resp.headers.get("X-Phalanx-Size", ""),
                         "X-Phalanx-Node": place.node,
                     },
                 )
