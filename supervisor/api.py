@@ -4,6 +4,10 @@
 method   path                          what
 =======  ============================  ==========================================
 GET      /healthz                      liveness (no token)
+GET      /ui/                          the web dashboard (``supervisor.dashboard``; its page
+                                       and assets need no token, its data calls do)
+POST     /ui/login, /ui/logout         body ``{"token": "..."}``: set (clear) the session
+                                       cookie the API accepts as well as the bearer token
 GET      /v1/nodes                     every node (see ``Node.view``)
 GET      /v1/nodes/{id}                one node, with each GPU's gauges and the host's;
                                        404 when unknown
@@ -22,6 +26,10 @@ GET      /v1/jobs/{id}/checkpoints     the catalog: every step with a shard some
 GET      /v1/events                    ``?node=ID&job=ID&limit=N&after=ID``
 GET      /v1/stats                     counters (heartbeats handled, bad messages)
 =======  ============================  ==========================================
+
+Every other path needs the bearer token, or the dashboard's session cookie; a request
+that changes state on the cookie's word must carry ``X-Phalanx-CSRF: 1`` too (403
+otherwise, see :mod:`supervisor.dashboard.session`).
 
 Errors are ``{"error": "message"}`` with a 4xx/5xx status; :data:`HTTP_STATUS` says
 which error of :mod:`supervisor.errors` answers which.
@@ -42,6 +50,7 @@ from phalanx import wire
 from phalanx.http import bearer_ok, serve
 from phalanx.jobspec import JobSpecError, validate_spec
 from phalanx.link import MqttLink
+from supervisor import dashboard
 from supervisor.catalog import CheckpointCatalog
 from supervisor.commands import Commands
 from supervisor.config import SupervisorSettings
@@ -124,8 +133,17 @@ def make_app(sup: Backend) -> web.Application:
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path != "/healthz" and not bearer_ok(request, token):
-            return _error(401, "missing or wrong bearer token (PHALANX_TOKEN)")
+        if request.path == "/healthz" or dashboard.is_public(request.path):
+            pass  # the dashboard's page, assets, login and logout
+        elif bearer_ok(request, token):
+            pass
+        elif dashboard.session_ok(request, token):
+            if not dashboard.csrf_ok(request):
+                return _error(
+                    403, f"a change by the dashboard's session needs {dashboard.CSRF_HEADER}: 1"
+                )
+        else:
+            return _error(401, "missing or wrong bearer token (PHALANX_TOKEN) or session")
         try:
             return await handler(request)
         except web.HTTPException:
@@ -303,6 +321,7 @@ def make_app(sup: Backend) -> web.Application:
 
     app = web.Application(middlewares=[guard], client_max_size=64 * 1024)
     app.router.add_get("/healthz", healthz)
+    dashboard.add_routes(app, token)
     app.router.add_get("/v1/nodes", nodes)
     app.router.add_get("/v1/nodes/{id}", node)
     app.router.add_post("/v1/nodes/{id}/drain", drain)

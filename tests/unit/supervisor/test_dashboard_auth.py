@@ -1,0 +1,271 @@
+"""The dashboard beside the REST API: its assets need no token; a login sets a session
+cookie the API accepts like the bearer token; a change by cookie needs the CSRF header.
+
+The real app (``supervisor.api.make_app``) on aiohttp's test server, over a real
+registry and store; the rest of the supervisor is a small fake.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from phalanx import wire
+from supervisor.api import make_app
+from supervisor.dashboard.session import COOKIE, SESSION_S, session_value
+from supervisor.errors import UnknownJob
+from supervisor.registry import Registry
+from supervisor.store import Store
+
+TOKEN = "op-token-0123456789abcdef"
+CSRF = {"X-Phalanx-CSRF": "1"}
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@dataclass
+class FakeJobs:
+    jobs: dict[str, Any] = field(default_factory=dict)
+    spares: set[str] = field(default_factory=set)
+    last_pass_s: float = 0.0
+
+    def get(self, job_id: str) -> Any:
+        raise UnknownJob(job_id)
+
+
+@dataclass
+class FakeLink:
+    connected: bool = True
+    connects: int = 1
+
+
+@dataclass
+class FakeSupervisor:
+    registry: Registry
+    store: Store
+    token: str = TOKEN
+    agent_token: str = ""
+    jobs: FakeJobs = field(default_factory=FakeJobs)
+    link: FakeLink = field(default_factory=FakeLink)
+    bad_messages: int = 0
+
+
+def _birth(node: str) -> wire.NodeBirth:
+    health = wire.Health(
+        status=wire.HealthStatus.OK,
+        gpus=[
+            wire.GpuGauges(index=0, temperature_c=41.0, ecc_sbe_volatile=2, ecc_dbe_volatile=0),
+            wire.GpuGauges(index=1, temperature_c=57.5, ecc_sbe_volatile=3, ecc_dbe_volatile=1),
+        ],
+    )
+    return wire.NodeBirth(
+        node=node,
+        seq=1,
+        hostname=f"{node}.example",
+        address="10.0.0.1",
+        http_port=9400,
+        gpus=[
+            wire.GpuDescriptor(index=i, uuid=f"GPU-{node}-{i}", model="H100", memory_bytes=2**30)
+            for i in range(2)
+        ],
+        gpu_backend="sim",
+        topology=wire.Topology(rack="r1"),
+        version="0.1.0",
+        started_at=1700000000.0,
+        health=health,
+    )
+
+
+@pytest.fixture
+def sup(tmp_path: Path) -> Iterator[FakeSupervisor]:
+    store = Store(tmp_path / "state.db")
+    registry = Registry(store, offline_after_s=60.0)
+    registry.on_birth(_birth("n1"))
+    yield FakeSupervisor(registry=registry, store=store)
+    store.close()
+
+
+@pytest.fixture
+async def client(sup: FakeSupervisor) -> AsyncIterator[TestClient[Any, Any]]:
+    async with TestClient(TestServer(make_app(sup))) as c:  # type: ignore[arg-type]
+        yield c
+
+
+async def _login(client: TestClient[Any, Any], token: str = TOKEN) -> Any:
+    return await client.post("/ui/login", json={"token": token}, headers=CSRF)
+
+
+@pytest.mark.parametrize(
+    ("path", "content_type"),
+    [
+        ("/ui/", "text/html"),
+        ("/ui/static/index.html", "text/html"),
+        ("/ui/static/js/main.js", "text/javascript"),
+        ("/ui/static/app.css", "text/css"),
+        ("/ui/static/vendor/uplot/uPlot.iife.min.js", "text/javascript"),
+        ("/ui/static/vendor/uplot/uPlot.min.css", "text/css"),
+        ("/ui/static/vendor/uplot/LICENSE", "text/plain"),
+    ],
+)
+async def test_the_dashboards_assets_are_served_without_a_token_with_their_content_type(
+    client: TestClient[Any, Any], path: str, content_type: str
+) -> None:
+    resp = await client.get(path)
+
+    assert resp.status == 200
+    assert resp.content_type == content_type
+    assert resp.headers["X-Content-Type-Options"] == "nosniff"
+    assert "frame-ancestors 'none'" in resp.headers["Content-Security-Policy"]
+    assert await resp.read()
+
+
+async def test_an_unchanged_asset_is_answered_not_modified(client: TestClient[Any, Any]) -> None:
+    first = await client.get("/ui/static/js/main.js")
+
+    again = await client.get(
+        "/ui/static/js/main.js", headers={"If-None-Match": first.headers["ETag"]}
+    )
+
+    assert again.status == 304
+
+
+@pytest.mark.parametrize(
+    "path", ["/ui/static/nothing.js", "/ui/static/../session.py", "/ui/static/%2e%2e/routes.py"]
+)
+async def test_no_path_outside_the_shipped_assets_is_served(
+    client: TestClient[Any, Any], path: str
+) -> None:
+    resp = await client.get(path)
+
+    assert resp.status == 404
+
+
+async def test_the_root_leads_to_the_dashboard(client: TestClient[Any, Any]) -> None:
+    resp = await client.get("/", allow_redirects=False)
+
+    assert resp.status == 302
+    assert resp.headers["Location"] == "/ui/"
+
+
+async def test_the_api_refuses_a_request_with_neither_token_nor_cookie(
+    client: TestClient[Any, Any],
+) -> None:
+    resp = await client.get("/v1/nodes")
+
+    assert resp.status == 401
+    assert "token" in (await resp.json())["error"]
+
+
+async def test_a_login_with_a_wrong_token_is_refused_and_sets_no_cookie(
+    client: TestClient[Any, Any],
+) -> None:
+    resp = await _login(client, "not-the-token")
+
+    assert resp.status == 401
+    assert COOKIE not in resp.cookies
+    assert (await client.get("/v1/nodes")).status == 401
+
+
+async def test_a_login_sets_an_httponly_strict_cookie_that_is_not_the_token(
+    client: TestClient[Any, Any],
+) -> None:
+    resp = await _login(client)
+
+    assert resp.status == 200
+    morsel = resp.cookies[COOKIE]
+    assert morsel["httponly"] is True
+    assert morsel["samesite"] == "Strict"
+    assert morsel["path"] == "/"
+    assert int(morsel["max-age"]) == SESSION_S
+    assert TOKEN not in morsel.value
+
+
+async def test_the_api_accepts_the_session_cookie_in_place_of_the_token(
+    client: TestClient[Any, Any],
+) -> None:
+    await _login(client)
+
+    resp = await client.get("/v1/nodes")
+
+    assert resp.status == 200
+    (node,) = await resp.json()
+    assert node["id"] == "n1"
+    assert node["gauges"]["temperature_max_c"] == 57.5
+    assert node["gauges"]["ecc_sbe_volatile"] == 5
+    assert node["gauges"]["ecc_dbe_volatile"] == 1
+
+
+async def test_a_login_without_the_csrf_header_is_refused(client: TestClient[Any, Any]) -> None:
+    resp = await client.post("/ui/login", json={"token": TOKEN})
+
+    assert resp.status == 403
+    assert COOKIE not in resp.cookies
+
+
+@pytest.mark.parametrize(
+    "cookie",
+    [
+        "v1.9999999999.0123456789abcdef",  # a made-up MAC
+        session_value(b"another-token"),  # made with another token
+        session_value(TOKEN.encode(), now=time.time() - SESSION_S - 1),  # expired
+        TOKEN,  # the token itself is no session
+        "",
+    ],
+    ids=["forged", "other-token", "expired", "raw-token", "empty"],
+)
+async def test_a_wrong_or_expired_session_cookie_is_refused(
+    client: TestClient[Any, Any], cookie: str
+) -> None:
+    resp = await client.get("/v1/nodes", headers={"Cookie": f"{COOKIE}={cookie}"})
+
+    assert resp.status == 401
+
+
+async def test_a_change_by_cookie_without_the_csrf_header_is_refused(
+    client: TestClient[Any, Any], sup: FakeSupervisor
+) -> None:
+    await _login(client)
+
+    resp = await client.post("/v1/nodes/n1/drain", json={"reason": "cable swap"})
+
+    assert resp.status == 403
+    assert "X-Phalanx-CSRF" in (await resp.json())["error"]
+    assert sup.registry.nodes["n1"].drain is None
+
+
+async def test_a_change_by_cookie_with_the_csrf_header_is_done(
+    client: TestClient[Any, Any], sup: FakeSupervisor
+) -> None:
+    await _login(client)
+
+    resp = await client.post("/v1/nodes/n1/drain", json={"reason": "cable swap"}, headers=CSRF)
+
+    assert resp.status == 200
+    drain = sup.registry.nodes["n1"].drain
+    assert drain is not None and drain.reason == "cable swap"
+
+
+async def test_a_change_by_bearer_token_needs_no_csrf_header(
+    client: TestClient[Any, Any], sup: FakeSupervisor
+) -> None:
+    resp = await client.post("/v1/nodes/n1/drain", json={"reason": "cli"}, headers=BEARER)
+
+    assert resp.status == 200
+
+
+async def test_a_logout_clears_the_cookie_and_the_api_refuses_again(
+    client: TestClient[Any, Any],
+) -> None:
+    await _login(client)
+    assert (await client.get("/v1/nodes")).status == 200
+
+    resp = await client.post("/ui/logout", headers=CSRF)
+
+    assert resp.status == 200
+    assert resp.cookies[COOKIE].value == ""
+    assert (await client.get("/v1/nodes")).status == 401
