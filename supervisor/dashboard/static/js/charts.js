@@ -13,10 +13,33 @@ export function num(v) {
   return typeof v === "number" && Number.isFinite(v) ? v : null;
 }
 
+/** A short label of an axis value: 0.0012, 3.5, 1,050. */
+function tick(v) {
+  if (v === null || v === undefined) return "";
+  if (v !== 0 && Math.abs(v) < 0.01) return v.toExponential(1);
+  return Number(v.toPrecision(4)).toLocaleString();
+}
+
+/** Shade spans of x ([from, to] pairs, `bands()`) under the lines: a job's recoveries. */
+function shade(bands) {
+  return (u) => {
+    const { left, top, width, height } = u.bbox;
+    const ctx = u.ctx;
+    ctx.save();
+    ctx.fillStyle = "rgba(220, 38, 38, 0.12)";
+    for (const [from, to] of bands()) {
+      const x0 = Math.max(left, u.valToPos(from, "x", true));
+      const x1 = Math.min(left + width, u.valToPos(to, "x", true));
+      if (x1 > x0) ctx.fillRect(x0, top, Math.max(2, x1 - x0), height);
+    }
+    ctx.restore();
+  };
+}
+
 /**
  * A chart in `el`. opts: {name, title, time: x is seconds since the epoch (else steps),
- * labels: series labels, legendValue(u, v, seriesIdx, idx)?}. Returns {set(data), destroy()},
- * data in uPlot's form: [xs, ys1, ys2, ...].
+ * labels: series labels, legendValue(u, v, seriesIdx, idx)?, bands: () => [[x0, x1]]
+ * spans to shade}. Returns {set(data), destroy()}, data in uPlot's form: [xs, ys1, ...].
  */
 export function lineChart(el, opts) {
   const labels = opts.labels || [opts.title];
@@ -42,8 +65,9 @@ export function lineChart(el, opts) {
       height: opts.height || 220,
       scales: { x: { time: !!opts.time } },
       series,
-      axes: [{}, { size: 60 }],
+      axes: [{}, { size: 60, values: (u, splits) => splits.map(tick) }],
       legend: { live: true },
+      hooks: opts.bands ? { drawClear: [shade(opts.bands)] } : {},
     },
     [[], ...labels.map(() => [])],
     box,
@@ -68,9 +92,13 @@ export function lineChart(el, opts) {
 
 /**
  * A job's series, kept in step with GET /v1/jobs/ID/metrics: the first call fetches every
- * series, later ones only the points since the newest seen (a full fetch every `fullEvery`
- * calls picks up the server's downsampling). Points are [step, ts, value, min, max, n].
+ * series, later ones only the last LOOKBACK_S before the oldest of the series' newest
+ * points (a point's time is its ranks' window's, which differs by series and may come
+ * late), new points merged in by (time, step); a full fetch every `fullEvery` calls picks
+ * up the server's downsampling. Points are [step, ts, value, min, max, n].
  */
+const LOOKBACK_S = 60;
+
 export class JobSeries {
   constructor(get, jobId, { names = null, fullEvery = 20 } = {}) {
     this.get = get;
@@ -90,8 +118,8 @@ export class JobSeries {
     const full = (this.calls - 1) % this.fullEvery === 0;
     const q = new URLSearchParams();
     if (this.names) q.set("names", this.names.join(","));
-    const newest = this.newestTs();
-    if (!full && newest !== null) q.set("since", String(newest));
+    const since = this.oldestNewestTs();
+    if (!full && since !== null) q.set("since", String(since - LOOKBACK_S));
     let body;
     try {
       body = await this.get(`v1/jobs/${encodeURIComponent(this.jobId)}/metrics?${q}`);
@@ -109,29 +137,39 @@ export class JobSeries {
         if (i >= 0) this.columns[c] = i;
       }
     }
-    const ts = this.columns.ts;
+    const { ts, step } = this.columns;
+    const key = (p) => `${p[ts]}|${p[step]}`;
     for (const [name, pts] of Object.entries(body.series || {})) {
       if (full || !this.points[name]) {
         this.points[name] = pts.slice();
         continue;
       }
       const have = this.points[name];
-      const last = have.length ? have[have.length - 1][ts] : -Infinity;
-      for (const p of pts) if (p[ts] > last) have.push(p);
+      const from = Math.min(...pts.map((p) => p[ts]));
+      const known = new Set();
+      for (let i = have.length - 1; i >= 0 && have[i][ts] >= from; i -= 1) known.add(key(have[i]));
+      let unordered = false;
+      for (const p of pts) {
+        if (known.has(key(p))) continue;
+        if (have.length && p[ts] < have[have.length - 1][ts]) unordered = true;
+        have.push(p);
+      }
+      if (unordered) have.sort((a, b) => a[ts] - b[ts]); // stable: the server's order
     }
     this.summary = body.summary || null;
     return true;
   }
 
-  newestTs() {
-    let newest = null;
+  /** The oldest of the series' newest times (null: no point yet). */
+  oldestNewestTs() {
+    let oldest = null;
     for (const pts of Object.values(this.points)) {
       if (pts.length) {
         const t = pts[pts.length - 1][this.columns.ts];
-        newest = newest === null ? t : Math.max(newest, t);
+        oldest = oldest === null ? t : Math.min(oldest, t);
       }
     }
-    return newest;
+    return oldest;
   }
 
   /** [xs, ys] of a series by time. */

@@ -324,21 +324,31 @@ export function mount(root, jobId) {
         name,
         title,
         time: true,
+        bands: recoveries,
         legendValue: (u, v, si, idx) => (v === null || v === undefined ? "–" : `${fmtNum(v)}${idx !== null && idx !== undefined ? ` @ step ${series.stepAt(name, idx)}` : ""}`),
       }));
     }
     return charts.get(name);
   };
+  // The job's recoveries, shaded on the charts: from the fault to the resumed run.
+  const recoveries = () => {
+    if (!job) return [];
+    const spans = (job.incidents || []).map((i) => [i.fault_at, i.resumed_at || i.fault_at]);
+    if (job.recovery && job.recovery.fault_at) spans.push([job.recovery.fault_at, Date.now() / 1000]);
+    return spans;
+  };
+  const titleOf = (name) => name.replace(/_s$/, " (s)").replaceAll("_", " ");
   for (const [name, title] of MAIN_CHARTS) chartFor(name, title);
   const renderCharts = () => {
     window.phalanx.metrics = series.points;
-    for (const name of Object.keys(series.points).sort()) chartFor(name, name.replaceAll("_", " "));
+    for (const name of Object.keys(series.points).sort()) chartFor(name, titleOf(name));
     for (const [name, chart] of charts) chart.set(series.byTime(name));
     const missing = MAIN_CHARTS.filter(([n]) => !(series.points[n] || []).length).map(([n]) => n);
     const s = series.summary;
     fill(
       els.chartNote,
       s && s.step !== null && s.step !== undefined ? `step ${s.step} · loss ${fmtNum(s.loss)} · ${fmtNum(s.tokens_per_s)} tokens/s · ${fmtDuration(s.step_time_s)} a step` : "",
+      (job && job.incidents && job.incidents.length) || (job && job.recovery) ? " · shaded: recoveries" : "",
       s && s.stragglers && s.stragglers.length ? ` · stragglers: ${s.stragglers.map((x) => `rank ${x.rank} (${x.ratio}×)`).join(", ")}` : "",
       missing.length ? ` · not reported (yet): ${missing.join(", ")}` : "",
     );
