@@ -36,7 +36,7 @@ function counts(nodes) {
 }
 
 function chips(c) {
-  return STATES.filter((s) => c[s]).map((s) => h("span", { class: `chip state-${s}` }, `${c[s]} ${s}`));
+  return STATES.filter((s) => c[s]).map((s) => h("span", { class: `chip state-${s}` }, `${c[s].toLocaleString()} ${s}`));
 }
 
 function tileTitle(n) {
@@ -182,8 +182,8 @@ function rackSection(rack, nodes, visible, open) {
       "div",
       { class: "rack-head" },
       h("button", { type: "button", class: "link rack-toggle", onclick: toggle }, `${open ? "▾" : "▸"} ${rack}`),
-      h("span", { class: "muted" }, ` ${plural(nodes.length, "node")} `),
-      chips(counts(nodes)),
+      h("span", { class: "muted" }, plural(nodes.length, "node")),
+      h("span", { class: "chips" }, chips(counts(nodes))),
       tiles,
     ),
     body,
