@@ -6,17 +6,26 @@ Screenshots of every page are left in the test's ``tmp_path/screens`` to look at
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
+from supervisor.api import make_app
 from supervisor.config import SupervisorSettings
+from supervisor.registry import Registry
+from supervisor.store import Store
 from tests.harness import TOKEN, Fleet, rank_pid, wait_for
 from tests.integration.test_recovery_training import TIERS, committed_step, tinylm
+from tests.unit.supervisor.test_dashboard_auth import TOKEN as FAKE_TOKEN
+from tests.unit.supervisor.test_dashboard_auth import FakeSupervisor, birth
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +40,7 @@ try:
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.chrome.webdriver import WebDriver
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
 except ImportError:  # the dev extra installs it
     pytest.skip(
         "the dashboard's browser test needs selenium (pip install selenium)",
@@ -207,16 +217,25 @@ def test_the_dashboard_shows_the_fleet_the_jobs_and_a_recovered_jobs_story(
         api = fleet.client().get(f"/v1/jobs/{job}/metrics")
         assert api["series"]["loss"], "the supervisor kept no loss"
 
+        seen: dict[str, Any] = {}
+
         def chart_matches() -> bool | None:
-            shown = ui.js("return window.phalanx.metrics.loss || []")
-            chart = ui.js("return window.phalanx.charts.loss")
-            points = fleet.client().get(f"/v1/jobs/{job}/metrics?names=loss")["series"]["loss"]
+            seen["page"] = ui.js("return window.phalanx.metrics.loss || []")
+            seen["chart"] = ui.js("return window.phalanx.charts.loss")
+            seen["api"] = fleet.client().get(f"/v1/jobs/{job}/metrics?names=loss")["series"]["loss"]
+            points = seen["api"]
             values = [p[2] if isinstance(p[2], float | int) else None for p in points]
+            chart = seen["chart"]
             return (
-                shown == points and chart["x"] == [p[1] for p in points] and chart["y"] == [values]
+                seen["page"] == points
+                and chart["x"] == [p[1] for p in points]
+                and chart["y"] == [values]
             ) or None
 
-        ui.wait(chart_matches, "the loss chart to hold the API's loss series", timeout=30)
+        try:
+            ui.wait(chart_matches, "the loss chart to hold the API's loss series", timeout=30)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{json.dumps(seen, indent=None)}") from None
     else:
         ui.wait(lambda: "No metrics yet" in ui.texts("#chart-note")[0] or None, "no metrics")
     ui.shot("job")
@@ -271,3 +290,75 @@ def test_a_wrong_token_is_refused_and_the_page_shows_no_data(
     assert ui.page() == "login"
     assert ui.browser.get_cookies() == []
     ui.shot("login-refused")
+
+
+@pytest.fixture
+def big_fleet(tmp_path: Path) -> Iterator[str]:
+    """The real API app over a registry of 2,048 nodes of 8 GPUs in 64 racks (no daemons:
+    births straight into the registry), served from a thread; yields its base URL."""
+    store = Store(tmp_path / "state.db")
+    registry = Registry(store, offline_after_s=3600.0)
+    for i in range(2048):
+        registry.on_birth(birth(f"n{i:04d}", rack=f"r{i // 32:02d}", gpus=8))
+    for i in range(0, 2048, 97):
+        registry.drain(f"n{i:04d}", "cable swap")
+    sup = FakeSupervisor(registry=registry, store=store)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    runner = web.AppRunner(make_app(sup))  # type: ignore[arg-type]
+    asyncio.run_coroutine_threadsafe(runner.setup(), loop).result(10)
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    asyncio.run_coroutine_threadsafe(site.start(), loop).result(10)
+    port = runner.addresses[0][1]
+    yield f"http://127.0.0.1:{port}"
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.close()
+    store.close()
+
+
+def test_the_fleet_page_of_2048_nodes_shows_every_node_as_a_tile_and_no_table_of_them_all(
+    big_fleet: str, browser: WebDriver, tmp_path: Path
+) -> None:
+    browser.get(f"{big_fleet}/ui/#/fleet")
+    screens = tmp_path / "screens"
+    screens.mkdir()
+    wait_for(lambda: browser.find_elements(By.ID, "token") or None, 20, "the login form")
+    browser.find_element(By.ID, "token").send_keys(FAKE_TOKEN)
+    browser.find_element(By.ID, "login-submit").click()
+
+    tiles = wait_for(
+        lambda: len(browser.find_elements(By.CSS_SELECTOR, ".tile")) == 2048 or None,
+        30,
+        "a tile for each of the 2,048 nodes",
+    )
+    assert tiles
+    assert len(browser.find_elements(By.CSS_SELECTOR, "section.rack")) == 64
+    assert browser.find_elements(By.CSS_SELECTOR, "tr.node") == []  # every rack closed
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".tile.state-drain")) == 22
+    assert "2,048 nodes" in browser.find_element(By.ID, "fleet-summary").text
+    browser.save_screenshot(str(screens / "fleet-2048.png"))
+
+    browser.find_element(By.ID, "fleet-filter").send_keys("n0194")
+    row = wait_for(
+        lambda: browser.find_elements(By.CSS_SELECTOR, "tr.node") or None, 10, "the node found"
+    )
+    assert [r.get_attribute("data-node") for r in row] == ["n0194"]
+    assert "cable swap" in row[0].text
+
+    browser.find_element(By.ID, "fleet-filter").send_keys(Keys.CONTROL, "a", Keys.BACKSPACE)
+    browser.find_element(By.CSS_SELECTOR, '[data-rack="r03"] .rack-toggle').click()
+    rows = browser.find_elements(By.CSS_SELECTOR, "tr.node")
+    assert len(rows) == 32
+    assert {r.get_attribute("data-node") for r in rows} == {f"n{i:04d}" for i in range(96, 128)}
+    browser.find_element(By.CSS_SELECTOR, 'tr.node[data-node="n0097"] button').click()
+    gpus = wait_for(
+        lambda: browser.find_elements(By.CSS_SELECTOR, "tr.detail table.inner tbody tr") or None,
+        10,
+        "n0097's GPUs",
+    )
+    assert len(gpus) == 8
+    assert "57.5" in gpus[1].text
+    browser.save_screenshot(str(screens / "fleet-2048-rack.png"))

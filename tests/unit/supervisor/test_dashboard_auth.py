@@ -55,14 +55,23 @@ class FakeSupervisor:
     bad_messages: int = 0
 
 
-def _birth(node: str) -> wire.NodeBirth:
-    health = wire.Health(
-        status=wire.HealthStatus.OK,
-        gpus=[
-            wire.GpuGauges(index=0, temperature_c=41.0, ecc_sbe_volatile=2, ecc_dbe_volatile=0),
-            wire.GpuGauges(index=1, temperature_c=57.5, ecc_sbe_volatile=3, ecc_dbe_volatile=1),
-        ],
-    )
+def birth(
+    node: str, *, rack: str = "r1", gpus: int = 2, health: wire.Health | None = None
+) -> wire.NodeBirth:
+    """A node's birth; its GPUs' gauges by default: 41.0 and 57.5 C, ECC 2/0 and 3/1."""
+    if health is None:
+        health = wire.Health(
+            status=wire.HealthStatus.OK,
+            gpus=[
+                wire.GpuGauges(
+                    index=i,
+                    temperature_c=41.0 + 16.5 * (i % 2),
+                    ecc_sbe_volatile=2 + i % 2,
+                    ecc_dbe_volatile=i % 2,
+                )
+                for i in range(gpus)
+            ],
+        )
     return wire.NodeBirth(
         node=node,
         seq=1,
@@ -71,10 +80,10 @@ def _birth(node: str) -> wire.NodeBirth:
         http_port=9400,
         gpus=[
             wire.GpuDescriptor(index=i, uuid=f"GPU-{node}-{i}", model="H100", memory_bytes=2**30)
-            for i in range(2)
+            for i in range(gpus)
         ],
         gpu_backend="sim",
-        topology=wire.Topology(rack="r1"),
+        topology=wire.Topology(rack=rack),
         version="0.1.0",
         started_at=1700000000.0,
         health=health,
@@ -85,7 +94,7 @@ def _birth(node: str) -> wire.NodeBirth:
 def sup(tmp_path: Path) -> Iterator[FakeSupervisor]:
     store = Store(tmp_path / "state.db")
     registry = Registry(store, offline_after_s=60.0)
-    registry.on_birth(_birth("n1"))
+    registry.on_birth(birth("n1"))
     yield FakeSupervisor(registry=registry, store=store)
     store.close()
 
