@@ -133,7 +133,7 @@ def make_app(sup: Backend) -> web.Application:
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path == "/healthz" or dashboard.is_public(request.path):
+        if request.path == "/healthz" or request.match_info.route.resource in public:
             pass  # the dashboard's page, assets, login and logout
         elif bearer_ok(request, token):
             pass
@@ -321,7 +321,7 @@ def make_app(sup: Backend) -> web.Application:
 
     app = web.Application(middlewares=[guard], client_max_size=64 * 1024)
     app.router.add_get("/healthz", healthz)
-    dashboard.add_routes(app, token)
+    public = dashboard.add_routes(app, token)
     app.router.add_get("/v1/nodes", nodes)
     app.router.add_get("/v1/nodes/{id}", node)
     app.router.add_post("/v1/nodes/{id}/drain", drain)

@@ -6,7 +6,7 @@ The page's assets (``static/``: plain JS modules, uPlot vendored with its licenc
 in the package (:mod:`supervisor.dashboard.routes`).
 """
 
-from supervisor.dashboard.routes import add_routes, is_public
+from supervisor.dashboard.routes import add_routes
 from supervisor.dashboard.session import CSRF_HEADER, csrf_ok, session_ok
 
-__all__ = ["CSRF_HEADER", "add_routes", "csrf_ok", "is_public", "session_ok"]
+__all__ = ["CSRF_HEADER", "add_routes", "csrf_ok", "session_ok"]

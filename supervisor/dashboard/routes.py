@@ -67,17 +67,16 @@ def load_assets(root: Path = STATIC) -> dict[str, Asset]:
     return assets
 
 
-def is_public(path: str) -> bool:
-    """Paths the dashboard serves without a token (its page, assets, login, logout)."""
-    return path in ("/", "/ui") or path.startswith(PREFIX)
-
-
 def _json_error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status, headers=HEADERS)
 
 
-def add_routes(app: web.Application, token: bytes) -> None:
-    """The dashboard under ``/ui/`` (``/`` leads there); ``token``: the operators'."""
+def add_routes(app: web.Application, token: bytes) -> frozenset[web.AbstractResource]:
+    """The dashboard under ``/ui/`` (``/`` leads there); ``token``: the operators'.
+
+    Returns the resources it added, which need no token (its page, assets, login and
+    logout): the API's guard asks which resource a request resolved to, not what its
+    path looks like, so no spelling of a path reaches another route without the token."""
     assets = load_assets()
 
     def serve(request: web.Request, name: str) -> web.Response:
@@ -125,9 +124,12 @@ def add_routes(app: web.Application, token: bytes) -> None:
         clear_session(response, request)
         return response
 
-    app.router.add_get("/", to_dashboard)
-    app.router.add_get("/ui", to_dashboard)
-    app.router.add_get(PREFIX, index)
-    app.router.add_get(PREFIX + "static/{path:.+}", static)
-    app.router.add_post(PREFIX + "login", login)
-    app.router.add_post(PREFIX + "logout", logout)
+    routes = [
+        app.router.add_get("/", to_dashboard),
+        app.router.add_get("/ui", to_dashboard),
+        app.router.add_get(PREFIX, index),
+        app.router.add_get(PREFIX + "static/{path:.+}", static),
+        app.router.add_post(PREFIX + "login", login),
+        app.router.add_post(PREFIX + "logout", logout),
+    ]
+    return frozenset(r.resource for r in routes if r.resource is not None)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from yarl import URL
 
 from phalanx import wire
 from supervisor.api import make_app
@@ -143,15 +144,35 @@ async def test_an_unchanged_asset_is_answered_not_modified(client: TestClient[An
     assert again.status == 304
 
 
-@pytest.mark.parametrize(
-    "path", ["/ui/static/nothing.js", "/ui/static/../session.py", "/ui/static/%2e%2e/routes.py"]
-)
-async def test_no_path_outside_the_shipped_assets_is_served(
-    client: TestClient[Any, Any], path: str
-) -> None:
-    resp = await client.get(path)
+async def test_an_unknown_asset_is_not_found(client: TestClient[Any, Any]) -> None:
+    resp = await client.get("/ui/static/nothing.js")
 
     assert resp.status == 404
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/ui/static/../session.py", "/ui/static/%2e%2e/routes.py", "/ui/static/..%2f..%2fapi.py"],
+)
+async def test_no_file_outside_the_shipped_assets_is_served(
+    client: TestClient[Any, Any], path: str
+) -> None:
+    resp = await client.get(URL(path, encoded=True))
+
+    assert resp.status in (401, 404)
+    assert "import" not in await resp.text()
+
+
+@pytest.mark.parametrize(
+    "path", ["/ui/../v1/nodes", "/ui/%2e%2e/v1/nodes", "/ui/static/../../v1/nodes", "/ui//v1/nodes"]
+)
+async def test_no_spelling_of_a_path_through_the_dashboard_reaches_the_api_without_a_token(
+    client: TestClient[Any, Any], path: str
+) -> None:
+    resp = await client.get(URL(path, encoded=True))
+
+    assert resp.status in (401, 404)
+    assert "n1" not in await resp.text()
 
 
 async def test_the_root_leads_to_the_dashboard(client: TestClient[Any, Any]) -> None:
