@@ -30,6 +30,7 @@ const MAIN_CHARTS = [
 const LOG_TAIL = 64 * 1024; // bytes of a rank's log the page starts from
 const LOG_LINES = 400; // lines it keeps
 const CKPT_PAGE = 10;
+const FINAL = ["succeeded", "failed", "cancelled"];
 
 function kv(pairs, cls = "kv") {
   return h(
@@ -185,6 +186,7 @@ class LogTail {
   }
 
   reset() {
+    this.quiet = false;
     this.offset = null;
     this.node = null;
     this.lines = [];
@@ -207,6 +209,7 @@ class LogTail {
       return this.refresh();
     }
     this.offset = Number(headers.get("X-Phalanx-Offset") || this.offset + text.length);
+    this.quiet = !text;
     if (text) {
       const parts = (this.partial + text).split("\n");
       this.partial = parts.pop();
@@ -387,6 +390,7 @@ export function mount(root, jobId) {
       fill(els.logNote, "No rank placed yet.");
       return;
     }
+    if (FINAL.includes(job.state) && tail.quiet) return; // the job ended and its log with it
     try {
       await tail.refresh();
       fill(els.logNote, `rank ${tail.rank} on ${tail.node || "?"}`);
