@@ -197,6 +197,19 @@ def test_the_dashboard_shows_the_fleet_the_jobs_and_a_recovered_jobs_story(
     done = fleet.wait_job(job, "succeeded", timeout=180)
     ui.wait(lambda: job in ui.attrs("#finished a.job-link", "data-job") or None, "the job done")
 
+    # The queue: a job too big for the fleet waits, and says why ...
+    big = fleet.submit(name="too-big", nodes=8, ranks_per_node=1, command=["true"])["id"]
+    waiting = wait_for(lambda: fleet.job(big)["waiting"], 10, "the big job's wait reason")
+    queued = ui.wait(lambda: ui.texts(f'#queue tr[data-job="{big}"]') or None, "the queue")
+    assert waiting["reason"] in queued[0]
+    ui.shot("jobs-queue")
+    # ... until its page cancels it (a POST by the session cookie, with the CSRF header).
+    ui.go(f"#/jobs/{big}")
+    cancel = ui.wait(lambda: ui.browser.find_elements(By.ID, "cancel") or None, "cancel button")
+    cancel[0].click()
+    ui.browser.switch_to.alert.accept()
+    fleet.wait_job(big, "cancelled", timeout=10)
+
     # The job: its two generations, the recovery between them, its checkpoints, its log.
     ui.go(f"#/jobs/{job}")
     ui.wait(lambda: len(ui.texts("#generations tr.generation")) == 2 or None, "2 generations")
