@@ -46,7 +46,7 @@ export function mount(root) {
   let metric = q.get("metric") || "loss";
   const input = h("input", { type: "text", id: "compare-jobs", size: 60, value: ids.join(", "), placeholder: "job ids, comma-separated" });
   const select = h("select", { id: "compare-metric" });
-  const els = { error: h("div"), chart: h("div", { class: "chart", id: "compare-chart" }), note: h("p", { class: "muted" }), lineage: h("div") };
+  const els = { error: h("div"), chart: h("div", { class: "chart", id: "compare-chart" }), note: h("p", { class: "muted", id: "compare-note" }), lineage: h("div") };
   fill(
     root,
     h("h1", {}, "Compare"),
@@ -96,8 +96,14 @@ export function mount(root) {
       height: 320,
     });
     chart.set(tables.length ? data : [[]]);
-    const empty = jobs.filter((j) => !(j.series.points[metric] || []).length).map((j) => j.id);
-    fill(els.note, empty.length ? `no ${metric} from: ${empty.join(", ")}` : "");
+    const none = jobs.filter((j) => j.series.available === false).map((j) => j.id);
+    const empty = jobs.filter((j) => j.series.available !== false && !(j.series.points[metric] || []).length).map((j) => j.id);
+    fill(
+      els.note,
+      none.length ? `No metrics yet from ${none.join(", ")}. ` : "",
+      empty.length ? `No ${metric} from ${empty.join(", ")}.` : "",
+    );
+    els.chart.hidden = jobs.length > 0 && none.length === jobs.length;
     fill(els.lineage, jobs.length ? lineageTable(jobs) : h("p", { class: "muted" }, "Name jobs above, or tick them on the jobs page."));
     for (const sw of els.lineage.querySelectorAll(".swatch")) sw.style.background = color(Number(sw.dataset.i));
   };
@@ -119,7 +125,6 @@ export function mount(root) {
           }
         }),
       );
-      if (jobs.some((j) => j.series.available === false && j.view)) fill(els.note, "no metrics yet");
       draw();
     }, 10000);
   };

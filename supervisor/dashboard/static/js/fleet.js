@@ -16,6 +16,7 @@ function why(n) {
   const out = [];
   if (n.drain) out.push(`drained by ${n.drain.by}: ${n.drain.reason}`);
   for (const r of n.reasons || []) {
+    if (n.drain && n.drain.reason.includes(r.code)) continue; // the drain already says it
     out.push(`${r.code}${r.gpu !== null && r.gpu !== undefined ? ` (GPU ${r.gpu})` : ""}${r.detail ? `: ${r.detail}` : ""}`);
   }
   if (n.offline_cause) out.push(n.offline_cause);
