@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,11 +16,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from agentd.gpu.sim import inject
 from supervisor.api import make_app
 from supervisor.config import SupervisorSettings
 from supervisor.registry import Registry
 from supervisor.store import Store
-from tests.harness import TOKEN, Fleet, rank_pid, wait_for
+from tests.harness import TOKEN, Fleet, wait_for
 from tests.integration.test_recovery_training import TIERS, committed_step, tinylm
 from tests.unit.supervisor.test_dashboard_auth import TOKEN as FAKE_TOKEN
 from tests.unit.supervisor.test_dashboard_auth import FakeSupervisor, birth
@@ -150,10 +149,10 @@ def start(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
         fleet.wait_state(f"n{i + 1:02d}", "up")
 
 
-def submit(fleet: Fleet, name: str, *extra: str) -> str:
+def submit(fleet: Fleet, name: str, *extra: str, nodes: int = 2) -> str:
     job = fleet.submit(
         name=name,
-        nodes=2,
+        nodes=nodes,
         ranks_per_node=2,
         workdir=str(Path(__file__).resolve().parents[2]),
         command=tinylm(*STEPS, *extra),
@@ -188,18 +187,30 @@ def test_the_dashboard_shows_the_fleet_the_jobs_and_a_recovered_jobs_story(
     ui.shot("fleet")
 
     # Jobs: the job, running (its step committed at every tier: the moment to fail it).
-    fleet.wait_job(job, "running", timeout=60)
+    running = fleet.wait_job(job, "running", timeout=60)
     ui.go("#/jobs")
     ui.wait(lambda: job in ui.attrs("#running a.job-link", "data-job") or None, "the job running")
     ui.shot("jobs")
     wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed at every tier")
-    os.kill(wait_for(lambda: rank_pid(job, 3), 10, "rank 3"), signal.SIGKILL)
+    victim = running["nodes"][1]
+    inject(fleet.sim_file(victim), 0, "ecc-dbe")  # drained; the spare takes its ranks
     done = fleet.wait_job(job, "succeeded", timeout=180)
     ui.wait(lambda: job in ui.attrs("#finished a.job-link", "data-job") or None, "the job done")
+
+    # The fleet again: the victim drained, why, and its GPU's double-bit ECC error.
+    ui.go("#/fleet")
+    row = ui.wait(
+        lambda: ui.texts(f'tr.node.state-drain[data-node="{victim}"]') or None, "the victim"
+    )[0]
+    assert "ecc_dbe" in row
+    assert fleet.node(victim)["gauges"]["ecc_dbe_volatile"] >= 1
+    assert f"/ {fleet.node(victim)['gauges']['ecc_dbe_volatile']}" in row  # ECC SBE / DBE
+    ui.shot("fleet-after")
 
     # The queue: a job too big for the fleet waits, and says why ...
     big = fleet.submit(name="too-big", nodes=8, ranks_per_node=1, command=["true"])["id"]
     waiting = wait_for(lambda: fleet.job(big)["waiting"], 10, "the big job's wait reason")
+    ui.go("#/jobs")
     queued = ui.wait(lambda: ui.texts(f'#queue tr[data-job="{big}"]') or None, "the queue")
     assert waiting["reason"] in queued[0]
     ui.shot("jobs-queue")
@@ -253,8 +264,9 @@ def test_the_dashboard_shows_the_fleet_the_jobs_and_a_recovered_jobs_story(
         ui.wait(lambda: "No metrics yet" in ui.texts("#chart-note")[0] or None, "no metrics")
     ui.shot("job")
 
-    # Compare: the job beside a second run of the same command, by step.
-    second = submit(fleet, "tinylm-dash-seed1", "--seed", "1")
+    # Compare: the job beside a second run, by step (on one node: the victim is drained
+    # and the other healthy one held back as the spare).
+    second = submit(fleet, "tinylm-dash-seed1", "--seed", "1", nodes=1)
     fleet.wait_job(second, "succeeded", timeout=120)
     ui.go(f"#/compare?jobs={job},{second}")
     ui.wait(lambda: len(ui.texts("#lineage thead th")) == 3 or None, "the lineage of both jobs")
@@ -272,6 +284,8 @@ def test_the_dashboard_shows_the_fleet_the_jobs_and_a_recovered_jobs_story(
             ),
             "both jobs' loss on the compare chart",
         )
+    else:
+        ui.wait(lambda: "No metrics yet" in ui.texts("#compare-note")[0] or None, "no metrics")
     ui.shot("compare")
 
     # Events: the job's own, then one node's.
