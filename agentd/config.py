@@ -111,6 +111,12 @@ class HttpSettings(_Section):
         "and copy checkpoints (`/healthz` and `/metrics` stay open). Unset: those routes "
         "answer 403.",
     )
+    max_requests_per_peer: int = Field(
+        default=32,
+        ge=1,
+        description="Requests one address may have in flight at once (a buddy's pushes "
+        "and fetches, the supervisor's log reads, scrapes); past it: 429 until one ends.",
+    )
 
 
 class CkptSettings(_Section):
@@ -200,8 +206,9 @@ class AgentSettings(BaseSettings):
     )
     address: str = Field(
         default="",
-        description="Address the supervisor and peers reach this agent at (default: the "
-        "address of the host name, or 127.0.0.1).",
+        description="Address the supervisor, peers and other nodes' ranks reach this agent "
+        "at (default: the address of the host name; where that is a loopback address and "
+        "the broker is not, the address this host reaches the broker from).",
     )
     rack: str = Field(default="default", min_length=1, description="Rack label, for placement.")
     nvlink_domain: str | None = Field(default=None, description="NVLink domain (NVL72 etc.).")
@@ -247,12 +254,30 @@ class AgentSettings(BaseSettings):
         return self.gpu.sim_file or self.data_dir / "sim-gpus.json"
 
     def advertised_address(self) -> str:
+        """``address``; else the host name's address, unless that is a loopback one (Debian
+        maps the host name to 127.0.1.1) while the broker is elsewhere: then the address
+        this host reaches the broker from, which its peers can reach too."""
         if self.address:
             return self.address
         try:
-            return socket.gethostbyname(socket.gethostname())
+            named = socket.gethostbyname(socket.gethostname())
         except OSError:
-            return "127.0.0.1"
+            named = "127.0.0.1"
+        if not named.startswith("127."):
+            return named
+        return _source_address(self.mqtt.host) or named
+
+
+def _source_address(host: str) -> str | None:
+    """The local address the kernel would send from to reach ``host`` (a UDP socket's
+    connect sends nothing); None when ``host`` is loopback or unresolvable."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            local = str(probe.getsockname()[0])
+    except OSError:
+        return None
+    return None if local.startswith("127.") or local == "0.0.0.0" else local
 
 
 def load(argv: Sequence[str]) -> AgentSettings:

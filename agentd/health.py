@@ -9,6 +9,7 @@ that vanished is measured against the count the node had at birth.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -193,12 +194,18 @@ def _utc(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
+def _finite(value: float | None) -> float | None:
+    """A reading, or None (unknown) for one that is NaN or infinite: the wire carries
+    finite numbers only (a sim file may say NaN; json reads it)."""
+    return value if value is None or math.isfinite(value) else None
+
+
 def _gauges(g: GpuSample) -> GpuGauges:
     return GpuGauges(
         index=g.index,
-        temperature_c=g.temperature_c,
-        power_w=g.power_w,
-        util_pct=g.util_pct,
+        temperature_c=_finite(g.temperature_c),
+        power_w=_finite(g.power_w),
+        util_pct=_finite(g.util_pct),
         mem_used_bytes=g.mem_used_bytes,
         mem_total_bytes=g.mem_total_bytes,
         ecc_sbe_volatile=g.ecc_sbe_volatile,

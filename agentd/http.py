@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from agentd.ckpt import add_peer_routes
-from phalanx.http import bearer_ok, serve
+from phalanx.http import bearer_ok, per_peer_limit, serve
 from phalanx.wire import JOB_ID_PATTERN
 
 if TYPE_CHECKING:
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _STATUS_VALUE = {"ok": 0, "warn": 1, "drain": 2}
+MAX_BODY_BYTES = 1 << 20
 
 
 class _AgentCollector(Collector):
@@ -149,7 +150,12 @@ def make_app(agent: Agent) -> web.Application:
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
 
-    app = web.Application()
+    # The largest body read whole here: a peer delete's list of keys. The peer tier's
+    # pushes stream past it, capped by their own route.
+    app = web.Application(
+        client_max_size=MAX_BODY_BYTES,
+        middlewares=[per_peer_limit(agent.settings.http.max_requests_per_peer)],
+    )
     add_peer_routes(
         app, agent, authorised, max_shard_bytes=agent.settings.ckpt.peer_max_shard_bytes
     )

@@ -37,10 +37,19 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Final, cast
 from urllib.parse import quote
 
+import pydantic_core
 import zstandard
 
 from ckpt.errors import ObjectTooLarge, PeerError
-from ckpt.format import CHECKSUM_ALGORITHM, SEAL_MAGIC, TRAILER_NBYTES, BufferLike, Hasher
+from ckpt.format import (
+    CHECKSUM_ALGORITHM,
+    PREAMBLE_NBYTES,
+    SEAL_MAGIC,
+    TRAILER_NBYTES,
+    BufferLike,
+    Hasher,
+    shard_nbytes,
+)
 from ckpt.stores import MAX_GET_NBYTES, PART_NBYTES, ObjectStore
 
 __all__ = ["PEER_KEY_RE", "HttpPeerStore", "PeerError", "SealCheck"]
@@ -60,7 +69,10 @@ class SealCheck:
 
     Compressed input is decompressed in pieces of at most ``DECOMPRESS_PIECE`` bytes
     (a zstd bomb never expands in memory), and ``feed`` raises ``ObjectTooLarge`` as
-    soon as the content passes ``max_nbytes`` (``None``: no limit)."""
+    soon as the content passes ``max_nbytes`` (``None``: no limit) or the size the
+    shard's preamble declares (``declared``, known from its first ``PREAMBLE_NBYTES``
+    bytes, themselves checked: a preamble that is not a shard's is a ``FormatError``
+    at once, and one declaring more than ``max_nbytes`` an ``ObjectTooLarge``)."""
 
     def __init__(
         self, compressed: bool, max_nbytes: int | None = None, what: str = "the shard"
@@ -70,6 +82,8 @@ class SealCheck:
         self.hasher = Hasher()
         self.tail = b""
         self.total = 0
+        self.head = b""  # the content's first PREAMBLE_NBYTES bytes, until they are read
+        self.declared: int | None = None
         self.writer = (
             zstandard.ZstdDecompressor().stream_writer(
                 cast(IO[bytes], _Sink(self._take)),
@@ -87,10 +101,13 @@ class SealCheck:
             self._take(data)
 
     def _take(self, data: BufferLike) -> None:
+        what = f"{self.what} (decompressed)" if self.writer else self.what
+        if self.declared is None:
+            self._read_preamble(data, what)
+        if self.declared is not None and self.total + len(data) > self.declared:
+            raise ObjectTooLarge(what, self.declared, " its preamble declares")
         if self.max_nbytes is not None and self.total + len(data) > self.max_nbytes:
-            raise ObjectTooLarge(
-                f"{self.what} (decompressed)" if self.writer else self.what, self.max_nbytes
-            )
+            raise ObjectTooLarge(what, self.max_nbytes)
         self.total += len(data)
         if len(data) >= TRAILER_NBYTES:  # hash what was held back and all but the new tail,
             view = memoryview(data)  # never joining them: a piece may be 8 MiB
@@ -103,6 +120,14 @@ class SealCheck:
             self.hasher.update(pending[:-TRAILER_NBYTES])
             pending = pending[-TRAILER_NBYTES:]
         self.tail = pending
+
+    def _read_preamble(self, data: BufferLike, what: str) -> None:
+        self.head += bytes(memoryview(data)[: PREAMBLE_NBYTES - len(self.head)])
+        if len(self.head) < PREAMBLE_NBYTES:
+            return
+        self.declared = shard_nbytes(self.head)  # a FormatError when it is no shard's
+        if self.max_nbytes is not None and self.declared > self.max_nbytes:
+            raise ObjectTooLarge(what, self.max_nbytes, f" (its preamble declares {self.declared})")
 
     def problem(self) -> str | None:
         """Why the shard is not whole and sealed, or ``None`` when it is."""
@@ -227,7 +252,10 @@ class HttpPeerStore(ObjectStore):
                 raise ObjectTooLarge(
                     f"the listing of {prefix} from peer {self.node}", MAX_GET_NBYTES
                 )
-            found = json.loads(body)
+            try:  # jiter: a listing nested past 200 levels is a ValueError, no recursion
+                found = pydantic_core.from_json(body, allow_inf_nan=False)
+            except ValueError as exc:
+                raise PeerError(f"listing {prefix}: peer {self.node} sent no JSON: {exc}") from exc
         finally:
             conn.close()
         if not isinstance(found, list) or not all(isinstance(k, str) for k in found):

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+import pydantic_core
+
 from ckpt.errors import CheckpointError, ShardRef, TierError
 from ckpt.files import write_file_atomic
 from ckpt.format import CHECKSUM_ALGORITHM, BufferLike, Hasher
@@ -160,7 +162,9 @@ class TierManifest:
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> TierManifest:
         try:
-            raw = json.loads(data)
+            # jiter, not json.loads: nesting past 200 levels is a ValueError, not a
+            # RecursionError; 1e999 and a 400-digit float are an OverflowError below.
+            raw = pydantic_core.from_json(data, allow_inf_nan=False)
             shards = {int(s["rank"]): (str(s["checksum"]), int(s["nbytes"])) for s in raw["shards"]}
             return cls(
                 str(raw["job"]),
@@ -170,7 +174,7 @@ class TierManifest:
                 float(raw["committed_at"]),
                 int(raw["world_size"]) if raw.get("world_size") is not None else None,
             )
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, OverflowError) as exc:
             raise CheckpointError(f"manifest {where} is not valid: {exc}") from exc
 
 

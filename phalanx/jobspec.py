@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -60,7 +60,9 @@ def parse_duration(value: Any) -> float:
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # inf and nan are no duration, interval or count: YAML's .inf, 1e999 and a string of
+    # 400 nines are refused as "Input should be a finite number".
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class FromFile(_Spec):
@@ -209,10 +211,83 @@ class JobSpec(_Spec):
         return data
 
 
+# What a spec may hold: a few dozen fields in a few levels. Past these the text is refused
+# before it is built into values, so that no input costs more than a moment: a "billion
+# laughs" of anchors and aliases stops at MAX_SPEC_NODES (aliases counted as often as they
+# are used), nesting at MAX_SPEC_DEPTH (the YAML parser recurses once per level).
+MAX_SPEC_CHARS: Final = 1 << 20
+MAX_SPEC_DEPTH: Final = 32
+MAX_SPEC_NODES: Final = 10_000
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses nesting past ``MAX_SPEC_DEPTH`` while it composes
+    (before Python's recursion limit), and turns a scalar it cannot build (a 5000-digit
+    integer, the date 2001-13-45, ``!!int abc``) into a ``ConstructorError`` at its line."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            return super().compose_node(parent, index)
+        self._depth += 1
+        try:
+            if self._depth > MAX_SPEC_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    f"nested deeper than {MAX_SPEC_DEPTH} levels",
+                    self.peek_event().start_mark,  # type: ignore[no-untyped-call]
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read {_shorter(str(node.value))!r}: {exc}", node.start_mark
+            ) from exc
+
+
+def _shorter(text: str) -> str:
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_size(root: yaml.Node, source: str) -> None:
+    """Refuse a tree that, with every alias expanded, has more than ``MAX_SPEC_NODES``
+    nodes or is nested deeper than ``MAX_SPEC_DEPTH``; walked without recursion, and
+    stopped at the first node past a limit."""
+    stack: list[tuple[yaml.Node, int]] = [(root, 1)]
+    seen = 0
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        if seen > MAX_SPEC_NODES:
+            raise JobSpecError(
+                [(source, None, f"more than {MAX_SPEC_NODES} values once its aliases expand")]
+            )
+        if depth > MAX_SPEC_DEPTH:
+            line = node.start_mark.line + 1
+            raise JobSpecError(
+                [(source, line, f"nested deeper than {MAX_SPEC_DEPTH} levels through aliases")]
+            )
+        if isinstance(node, yaml.MappingNode):
+            stack.extend((part, depth + 1) for pair in node.value for part in pair)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((item, depth + 1) for item in node.value)
+
+
 def _line_index(node: yaml.Node, path: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], int]:
     lines = {path: node.start_mark.line + 1}
     if isinstance(node, yaml.MappingNode):
         for key, value in node.value:
+            if not isinstance(key, yaml.ScalarNode):
+                continue  # the loader refuses such a key (unhashable) before this runs
             sub = (*path, key.value)
             lines[sub] = key.start_mark.line + 1
             lines.update({k: v for k, v in _line_index(value, sub).items() if k != sub})
@@ -223,10 +298,18 @@ def _line_index(node: yaml.Node, path: tuple[Any, ...] = ()) -> dict[tuple[Any, 
 
 
 def load_spec(text: str, *, source: str = "job spec") -> JobSpec:
-    """Parse and validate YAML text; raises :class:`JobSpecError`."""
+    """Parse and validate YAML text; raises :class:`JobSpecError`, and nothing else, for
+    any text: not YAML, too large (``MAX_SPEC_CHARS``, ``MAX_SPEC_NODES`` with aliases
+    expanded, ``MAX_SPEC_DEPTH``), or not a valid spec."""
+    if len(text) > MAX_SPEC_CHARS:
+        raise JobSpecError([(source, None, f"{len(text)} characters; at most {MAX_SPEC_CHARS}")])
+    loader: _Loader | None = None
     try:
-        data = yaml.safe_load(text)
-        tree = yaml.compose(text, Loader=yaml.SafeLoader)
+        loader = _Loader(text)  # refuses unprintable characters at once
+        tree = loader.get_single_node()
+        if tree is not None:
+            _check_size(tree, source)
+        data = loader.construct_document(tree) if tree is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         raise JobSpecError(
@@ -234,6 +317,9 @@ def load_spec(text: str, *, source: str = "job spec") -> JobSpec:
         ) from exc
     except yaml.YAMLError as exc:
         raise JobSpecError([(source, None, f"not valid YAML: {exc}")]) from exc
+    finally:
+        if loader is not None:
+            loader.dispose()
     if not isinstance(data, dict):
         raise JobSpecError([(source, None, "a job spec is a mapping of fields")])
     return validate_spec(data, lines=_line_index(tree) if tree is not None else {})

@@ -47,7 +47,7 @@ import aiohttp
 from aiohttp import web
 
 from phalanx import wire
-from phalanx.http import bearer_ok, serve
+from phalanx.http import bearer_ok, json_body, serve
 from phalanx.jobspec import JobSpecError, validate_spec
 from phalanx.link import MqttLink
 from supervisor import dashboard
@@ -158,13 +158,7 @@ def make_app(sup: Backend) -> web.Application:
     async def body(request: web.Request) -> dict[str, Any]:
         if not request.can_read_body:
             return {}
-        try:
-            data = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise web.HTTPBadRequest(
-                text=json.dumps({"error": "request body is not JSON"}),
-                content_type="application/json",
-            ) from None
+        data = await json_body(request)
         if not isinstance(data, dict):
             raise web.HTTPBadRequest(
                 text=json.dumps({"error": "request body must be an object"}),

@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
-import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import zstandard
-from aiohttp import web
+from aiohttp import StreamReader, web
 
 from agentd.ckpt.host import CkptHost
 from agentd.config import CkptSettings
@@ -24,15 +23,24 @@ from ckpt import (
     PEER_KEY_RE,
     AlignedBuffer,
     AtomicFile,
+    CheckpointError,
     ObjectTooLarge,
     SealCheck,
     ShardRef,
     TierError,
 )
+from ckpt.stores import MAX_GET_NBYTES
+from phalanx.http import json_body
 
-__all__ = ["Staging", "add_peer_routes"]
+__all__ = ["PUSH_IDLE_S", "PUSH_MIN_RATE", "Staging", "add_peer_routes"]
 
 log = logging.getLogger(__name__)
+
+# A buddy's push that sends nothing this long is cut off; so is one averaging under
+# PUSH_MIN_RATE once this long has passed (a push runs at disk or network speed,
+# hundreds of MB/s: 1 MiB/s is a stalled or hostile sender, not a slow one).
+PUSH_IDLE_S = 60.0
+PUSH_MIN_RATE = float(1 << 20)
 
 
 def _error(status: int, message: str, **extra: Any) -> web.Response:
@@ -45,11 +53,17 @@ def add_peer_routes(
     authorised: Callable[[web.Request], bool],
     *,
     max_shard_bytes: int | None = None,
+    idle_s: float = PUSH_IDLE_S,
+    min_rate: float = PUSH_MIN_RATE,
 ) -> None:
-    """The peer tier's objects, kept for buddies under ``DATA_DIR/ckpt-peer``: each body
-    (and what it decompresses to) is at most ``max_shard_bytes`` (the agent's
-    ``ckpt.peer_max_shard_bytes``; ``None``: that setting's default), refused with 413
-    as soon as it crosses it; nothing is stored then."""
+    """The peer tier's objects, kept for buddies under ``DATA_DIR/ckpt-peer``. A shard's
+    body (and what it decompresses to) is at most ``max_shard_bytes`` (the agent's
+    ``ckpt.peer_max_shard_bytes``; ``None``: that setting's default) and at most the
+    size its own preamble declares; any other object (a manifest) at most
+    ``MAX_GET_NBYTES``, what its readers accept. Past either: 413 as soon as it
+    crosses; a shard whose first bytes are no shard's preamble: 422 at once. A push
+    that sends nothing for ``idle_s``, or averages under ``min_rate`` bytes/s once
+    ``idle_s`` has passed, is cut off with 408. Nothing is stored then."""
     root = host.ckpt.peer_root
     pool = host.ckpt.peer_io
     max_limit = max_shard_bytes or CkptSettings().peer_max_shard_bytes  # content, decompressed
@@ -73,15 +87,16 @@ def add_peer_routes(
         path = key_path(key)
         if path is None:
             return _error(400, "not a checkpoint object key")
-        if request.content_length is not None and request.content_length > body_limit:
-            return too_large(
-                key, ObjectTooLarge(f"a body of {request.content_length} bytes", body_limit)
-            )
         seal = (
             SealCheck(path.name.endswith(".zst"), max_limit, "its content")
             if ".phx" in path.name
             else None
         )
+        limit = body_limit if seal is not None else MAX_GET_NBYTES
+        if request.content_length is not None and request.content_length > limit:
+            return too_large(
+                key, ObjectTooLarge(f"a body of {request.content_length} bytes", limit)
+            )
         try:
             out = await io(
                 functools.partial(
@@ -103,10 +118,10 @@ def add_peer_routes(
         problem: str | None = None
         try:
             staged = Staging(out, seal)
-            async for chunk in request.content.iter_chunked(PART_NBYTES):
+            async for chunk in paced(request.content, key, idle_s, min_rate):
                 received += len(chunk)
-                if received > body_limit:
-                    raise ObjectTooLarge("its body", body_limit)
+                if received > limit:
+                    raise ObjectTooLarge("its body", limit)
                 await io(staged.take, chunk)
             problem = seal.problem() if seal is not None else None
             if problem is None:
@@ -119,6 +134,12 @@ def add_peer_routes(
                 return too_large(key, exc)
             if isinstance(exc, TierError):
                 return cannot_store(key, exc)
+            if isinstance(exc, CheckpointError):  # its preamble is no shard's
+                log.warning("refused %s pushed by a peer: %s", key, exc)
+                return _error(422, f"{key}: {exc}")
+            if isinstance(exc, TimeoutError):
+                log.warning("cut off %s pushed by a peer: %s", key, exc)
+                return _error(408, f"{key}: {exc}")
             raise
         finally:
             if staged is not None:
@@ -136,6 +157,8 @@ def add_peer_routes(
 
     def too_large(key: str, exc: ObjectTooLarge) -> web.Response:
         log.warning("refused %s pushed by a peer: %s", key, exc)
+        if ".phx" not in key:
+            return _error(413, f"refused {key}: {exc}", limit=exc.limit)
         return _error(
             413, f"refused {key}: {exc} (ckpt.peer_max_shard_bytes is {max_limit})", limit=max_limit
         )
@@ -161,13 +184,11 @@ def add_peer_routes(
     async def delete(request: web.Request) -> web.Response:
         if (denied := check(request)) is not None:
             return denied
-        try:
-            wanted = json.loads(await request.read())["keys"]
-        except (ValueError, KeyError, TypeError):
+        data = await json_body(request)
+        wanted = data.get("keys") if isinstance(data, dict) else None
+        if not isinstance(wanted, list):
             return _error(400, 'body must be {"keys": [...]}')
-        if not isinstance(wanted, list) or not all(
-            isinstance(k, str) and PEER_KEY_RE.match(k) for k in wanted
-        ):
+        if not all(isinstance(k, str) and PEER_KEY_RE.match(k) for k in wanted):
             return _error(400, "not checkpoint object keys")
         await io(host.ckpt.peer_store.delete, wanted)
         return web.json_response({"deleted": len(wanted)})
@@ -176,6 +197,33 @@ def add_peer_routes(
     app.router.add_get("/v1/ckpt/peer/objects/{key:.+}", get)
     app.router.add_get("/v1/ckpt/peer/keys", keys)
     app.router.add_post("/v1/ckpt/peer/delete", delete)
+
+
+async def paced(
+    content: StreamReader, key: str, idle_s: float, min_rate: float
+) -> AsyncIterator[bytes]:
+    """The pieces of a pushed body as they arrive; a ``TimeoutError`` naming the limit
+    when no byte came for ``idle_s``, or when the body averages under ``min_rate``
+    bytes/s once ``idle_s`` has passed (a buddy trickling one byte a second holds a
+    file, a buffer and a thread of this node's: it is cut off)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    received = 0
+    while True:
+        try:
+            async with asyncio.timeout(idle_s):
+                chunk = await content.read(PART_NBYTES)
+        except TimeoutError:
+            raise TimeoutError(f"no byte of {key} for {idle_s:g} s") from None
+        if not chunk:
+            return
+        received += len(chunk)
+        elapsed = loop.time() - start
+        if elapsed > idle_s and received < min_rate * elapsed:
+            raise TimeoutError(
+                f"{received} bytes of {key} in {elapsed:.1f} s: under {min_rate:g} bytes/s"
+            )
+        yield chunk
 
 
 class Staging:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from agentd.ckpt.errors import CkptRequestError, copy_failed
 from agentd.ckpt.host import CkptHost
 from ckpt import TierError, protocol
-from phalanx.http import serve
+from phalanx.http import read_body, serve
 
 __all__ = ["make_rank_app", "start_rank_socket"]
 
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 M = TypeVar("M", bound=BaseModel)
+MAX_BODY_BYTES = 64 * 1024
 
 
 def error_response(status: int, message: str, **extra: Any) -> web.Response:
@@ -42,7 +43,7 @@ def reply(answer: BaseModel, *, status: int = 200) -> web.Response:
 async def body(request: web.Request, model: type[M]) -> M:
     """The request's JSON body as ``model``; a 400 naming each wrong field."""
     try:
-        return model.model_validate_json(await request.read())
+        return model.model_validate_json(await read_body(request))
     except ValidationError as exc:
         raise CkptRequestError(f"bad body: {protocol.problems(exc)}") from exc
 
@@ -188,7 +189,8 @@ def make_rank_app(host: CkptHost) -> web.Application:
         ck.restores.report(req.job, req.rank, req.step, req.tier, req.error)
         return reply(protocol.ReportReply())
 
-    app = web.Application(middlewares=[errors])
+    # A rank's requests are small JSON objects; a shard goes through shared memory.
+    app = web.Application(middlewares=[errors], client_max_size=MAX_BODY_BYTES)
     app.router.add_post("/v1/ckpt/hello", hello)
     app.router.add_post("/v1/ckpt/acquire", acquire)
     app.router.add_post("/v1/ckpt/submit", submit)

@@ -18,9 +18,13 @@ MAX_I64: Final = 2**63 - 1
 
 
 class Msg(BaseModel):
-    """Base of every message: strict about unknown fields, immutable."""
+    """Base of every message: strict about unknown fields, immutable, and every number
+    finite. No sender has a use for NaN or infinity (this package's own encoder writes
+    them as null), and one that got through would end in the supervisor's store (a
+    landing's ``at`` of NaN fails its NOT NULL column) or in a wait without end (a
+    command's ``grace_s`` of infinity)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 NodeId = Annotated[str, Field(pattern=NODE_ID_PATTERN)]

@@ -10,8 +10,8 @@ import time
 from typing import Any
 
 from tests.rig import job as rigjob
+from tests.rig.base import Fleet
 from tests.rig.faults import FAULTS, Strike
-from tests.rig.fleet import BUCKET, RigFleet
 from tests.rig.net import RigError
 
 log = logging.getLogger(__name__)
@@ -20,9 +20,10 @@ JOB_TIMEOUT_S = 300.0  # a scenario's job must end within this, fault and recove
 STRIKE_STEPS = (30, 120)  # the seeded step falls in this range
 
 
-def undisturbed(fleet: RigFleet) -> dict[str, Any]:
+def undisturbed(fleet: Fleet) -> dict[str, Any]:
     """The same job with no fault, on the same rig: the digest every scenario must match."""
-    job_id = fleet.client().post("/v1/jobs", {"spec": rigjob.spec("undisturbed")})["id"]
+    spec = rigjob.spec("undisturbed", **fleet.job_runtime())
+    job_id = fleet.client().post("/v1/jobs", {"spec": spec})["id"]
     job = wait_end(fleet, job_id, JOB_TIMEOUT_S)
     digest = rigjob.final_digest(fleet.rank_log(job, 0))
     if job["state"] != "succeeded" or digest is None:
@@ -30,7 +31,7 @@ def undisturbed(fleet: RigFleet) -> dict[str, Any]:
     return {"digest": digest, "wall_s": job["ended_at"] - job["started_at"]}
 
 
-def wait_end(fleet: RigFleet, job_id: str, timeout: float) -> dict[str, Any]:
+def wait_end(fleet: Fleet, job_id: str, timeout: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     last: dict[str, Any] = {}
     while time.monotonic() < deadline:
@@ -46,7 +47,7 @@ def wait_end(fleet: RigFleet, job_id: str, timeout: float) -> dict[str, Any]:
     raise RigError(f"job {job_id} did not end within {timeout:.0f} s (state {last.get('state')})")
 
 
-def wait_step(fleet: RigFleet, job_id: str, step: int, timeout: float) -> int:
+def wait_step(fleet: Fleet, job_id: str, step: int, timeout: float) -> int:
     """Block until rank 0 reports ``step`` (or later); the step it reported."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -64,7 +65,7 @@ def wait_step(fleet: RigFleet, job_id: str, step: int, timeout: float) -> int:
     raise RigError(f"job {job_id} did not reach step {step} within {timeout:.0f} s")
 
 
-def run_scenario(fleet: RigFleet, kind: str, seed: int, baseline: dict[str, Any]) -> dict[str, Any]:
+def run_scenario(fleet: Fleet, kind: str, seed: int, baseline: dict[str, Any]) -> dict[str, Any]:
     """Run fault ``kind`` once; the scenario's JSON object:
 
     fault, seed, step (the step rank 0 had reported when it struck), detected_s and
@@ -77,7 +78,8 @@ def run_scenario(fleet: RigFleet, kind: str, seed: int, baseline: dict[str, Any]
     extra: tuple[str, ...] = ()
     if kind == "code-error":
         extra = ("--fail-at-step", str(strike_step), "--fail-rank", "1")
-    job_id = fleet.client().post("/v1/jobs", {"spec": rigjob.spec(f"rig-{kind}", *extra)})["id"]
+    spec = rigjob.spec(f"rig-{kind}", *extra, **fleet.job_runtime())
+    job_id = fleet.client().post("/v1/jobs", {"spec": spec})["id"]
     strike = Strike(fleet, job_id, rng)
     # The code error strikes by itself at strike_step; the others when rank 0 reached it.
     struck_step = wait_step(fleet, job_id, 1 if kind == "code-error" else strike_step, 300)
@@ -148,21 +150,18 @@ def judge(state: str, recovery: str, r: dict[str, Any]) -> tuple[bool, str]:
     return (not why, "; ".join(why))
 
 
-def committed_lost(fleet: RigFleet, job: dict[str, Any]) -> tuple[int, int]:
+def committed_lost(fleet: Fleet, job: dict[str, Any]) -> tuple[int, int]:
     """Committed steps that no tier can restore any more and retention did not remove: a
     step the catalog still lists committed in the object tier must have every rank's shard
-    in the bucket (the durable tier; the others die with their node). (lost, checked)"""
+    in the object tier (the durable one; the others die with their node). (lost, checked)"""
     view = fleet.client().get(f"/v1/jobs/{job['id']}/checkpoints")
     world = int(view["world_size"])
-    s3 = fleet._s3()
     lost = checked = 0
     for entry in view["steps"]:
         if "object" not in entry["committed"]:
             continue
         checked += 1
-        prefix = f"ckpt/{job['id']}/{entry['step']:012d}/"
-        listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
-        ranks = {o["Key"].rsplit("/", 1)[1].split(".")[0] for o in listed}
+        ranks = fleet.object_shards(job["id"], entry["step"])
         if len({r for r in ranks if r.startswith("rank-")}) < world:
             lost += 1
     return lost, checked
@@ -201,16 +200,17 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
 SOAK_FAULTS = ("kill-rank", "kill-agent", "ecc-dbe", "xid-79", "link-cut")
 
 
-def soak(fleet: RigFleet, minutes: float, mtbf_s: float, seed: int) -> dict[str, Any]:
+def soak(fleet: Fleet, minutes: float, mtbf_s: float, seed: int) -> dict[str, Any]:
     """One long job while faults of random kinds strike at exponential intervals of mean
     ``mtbf_s``; each struck node is repaired (its GPUs cleared, undrained) once the job runs
     again, as an operator would, so the pool never runs dry. ETTR is the supervisor's: time
     on steps that count over wall time."""
     rng = random.Random(seed)
-    spec = rigjob.spec("soak", "--steps", "1000000")
+    spec = rigjob.spec("soak", "--steps", "1000000", **fleet.job_runtime())
     spec["restart"]["max_restarts"] = 1000  # every fault is one: the budget is not measured
     job_id = fleet.client().post("/v1/jobs", {"spec": spec})["id"]
     wait_step(fleet, job_id, 1, 300)
+    kinds = [k for k in SOAK_FAULTS if fleet.cannot(k) is None]  # what this fleet can strike
     end = time.monotonic() + minutes * 60
     struck: list[dict[str, Any]] = []
     while True:
@@ -222,7 +222,7 @@ def soak(fleet: RigFleet, minutes: float, mtbf_s: float, seed: int) -> dict[str,
         strike = Strike(fleet, job_id, rng)
         if strike.job()["state"] != "running":
             continue  # still recovering from the last one: this fault waits for the next
-        kind = rng.choice(SOAK_FAULTS)
+        kind = rng.choice(kinds)
         FAULTS[kind].inject(strike)
         struck.append({"fault": kind, "at": time.time(), **strike.notes})
         _repair(fleet, job_id, strike)
@@ -247,10 +247,8 @@ def soak(fleet: RigFleet, minutes: float, mtbf_s: float, seed: int) -> dict[str,
     }
 
 
-def _repair(fleet: RigFleet, job_id: str, strike: Strike) -> None:
+def _repair(fleet: Fleet, job_id: str, strike: Strike) -> None:
     """Once the job runs again: the struck host's GPUs healthy and the host undrained."""
-    from agentd.gpu.sim import inject as sim_inject
-
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and strike.job()["state"] != "running":
         time.sleep(0.5)
@@ -258,8 +256,9 @@ def _repair(fleet: RigFleet, job_id: str, strike: Strike) -> None:
     if name is None:
         return
     host = fleet.host(name)
-    for gpu in range(2):
-        sim_inject(fleet.sim_file(host), gpu, "clear")
+    if fleet.cannot("ecc-dbe") is None:  # sim GPUs to clear
+        for gpu in range(2):
+            fleet.inject_gpu(host, gpu, "clear")
     time.sleep(31)  # the agents hold an XID for xid_hold_s (30 s) after it was seen
     try:
         fleet.client().post(f"/v1/nodes/{name}/undrain", {"force": True})

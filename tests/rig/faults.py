@@ -9,28 +9,23 @@ driver checks at the end: the job's final state and which kind of recovery it to
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from agentd.gpu.sim import inject as sim_inject
-from tests.harness import rank_pid
-from tests.rig.fleet import RigFleet
-from tests.rig.hosts import NetnsHost
+from tests.rig.base import Fleet
+from tests.rig.hosts import Host
 from tests.rig.net import RigError
+from tests.rig.shards import RAM_HEADER_NBYTES
 
 
 @dataclass
 class Strike:
     """What a fault needs: the fleet, the job, the seeded choices."""
 
-    fleet: RigFleet
+    fleet: Fleet
     job_id: str
     rng: random.Random
     notes: dict[str, Any] = field(default_factory=dict)
@@ -39,26 +34,27 @@ class Strike:
         job: dict[str, Any] = self.fleet.client().get(f"/v1/jobs/{self.job_id}")
         return job
 
-    def job_hosts(self) -> list[NetnsHost]:
+    def job_hosts(self) -> list[Host]:
         return [self.fleet.host(n) for n in self.job()["nodes"]]
 
-    def victim(self) -> NetnsHost:
+    def victim(self) -> Host:
         """A host of the job, chosen by the seed (the same seed strikes the same host)."""
         host = self.rng.choice(sorted(self.job_hosts(), key=lambda h: h.name))
         self.notes["host"] = host.name
         return host
 
-    def rank_on(self, host: NetnsHost) -> int:
+    def rank_on(self, host: Host) -> int:
         ranks = sorted(r["rank"] for r in self.job()["ranks"] if r["node"] == host.name)
         rank = self.rng.choice(ranks)
         self.notes["rank"] = rank
         return rank
 
     def kill_rank(self, rank: int) -> None:
-        pid = rank_pid(self.job_id, rank, generation=self.job()["generation"])
-        if pid is None:
-            raise RigError(f"rank {rank} of {self.job_id} is not running")
-        os.kill(pid, signal.SIGKILL)
+        job = self.job()
+        node = next((r["node"] for r in job["ranks"] if r["rank"] == rank), None)
+        if node is None:
+            raise RigError(f"rank {rank} of {self.job_id} is not placed")
+        self.fleet.kill_rank(self.fleet.host(node), self.job_id, rank, job["generation"])
 
     def wait_generation(self, generation: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -87,9 +83,9 @@ def kill_rank(s: Strike) -> None:
 
 def kill_agent(s: Strike) -> None:
     host = s.victim()
-    host.kill("agent")
+    s.fleet.kill(host, "agent")
     time.sleep(2.0)  # systemd's RestartSec: the unit comes back
-    s.fleet.start_agent(host)
+    s.fleet.restart(host, "agent")
 
 
 def _gpu_fault(name: str) -> Callable[[Strike], None]:
@@ -97,7 +93,7 @@ def _gpu_fault(name: str) -> Callable[[Strike], None]:
         host = s.victim()
         gpu = s.rng.randrange(2)
         s.notes["gpu"] = gpu
-        sim_inject(s.fleet.sim_file(host), gpu, name)
+        s.fleet.inject_gpu(host, gpu, name)
 
     inject.__name__ = name.replace("-", "_")
     return inject
@@ -112,12 +108,12 @@ def partition(s: Strike) -> None:
     a, b = sorted(s.job_hosts(), key=lambda h: h.name)[:2]
     s.notes["hosts"] = [a.name, b.name]
     try:
-        a.run(*a.block(b.address))
-        b.run(*b.block(a.address))
+        a.run(*a.block(s.fleet.data_address(b)))
+        b.run(*b.block(s.fleet.data_address(a)))
         time.sleep(15)
     finally:
-        a.run(*a.unblock(b.address), check=False)
-        b.run(*b.unblock(a.address), check=False)
+        a.run(*a.unblock(s.fleet.data_address(b)), check=False)
+        b.run(*b.unblock(s.fleet.data_address(a)), check=False)
 
 
 def slow_link(s: Strike) -> None:
@@ -139,28 +135,26 @@ def slow_link(s: Strike) -> None:
 
 
 def broker_restart(s: Strike) -> None:
-    ctl = s.fleet.control
-    ctl.kill("broker")
+    ctl = s.fleet.daemon_host("broker")
+    s.fleet.kill(ctl, "broker")
     time.sleep(3)
-    s.fleet.start_broker()
+    s.fleet.restart(ctl, "broker")
 
 
 def supervisor_restart(s: Strike) -> None:
-    ctl = s.fleet.control
-    ctl.kill("supervisor")
+    ctl = s.fleet.daemon_host("supervisor")
+    s.fleet.kill(ctl, "supervisor")
     time.sleep(2)
-    s.fleet.start_supervisor()
+    s.fleet.restart(ctl, "supervisor")
 
 
 def disk_full(s: Strike) -> None:
     host = s.victim()
-    nvme = s.fleet.nvme(host)
     try:
-        host.run(*host.fill(nvme), timeout=120)
-        s.notes["free_bytes"] = os.statvfs(nvme).f_bavail * os.statvfs(nvme).f_frsize
+        s.notes["free_bytes"] = s.fleet.fill_disk(host)
         time.sleep(20)  # saves meet ENOSPC on this host's NVMe tier
     finally:
-        host.run(*host.unfill(nvme), check=False)
+        s.fleet.unfill_disk(host)
 
 
 def shard_corrupt(s: Strike) -> None:
@@ -169,42 +163,15 @@ def shard_corrupt(s: Strike) -> None:
     read another tier (``check_restored_elsewhere``)."""
     host = s.victim()
     rank = s.rank_on(host)
-    slot, step, nbytes = _newest_slot(s.fleet.shm(host), s.job_id, rank)
+    slot, step, nbytes = s.fleet.newest_slot(host, s.job_id, rank)
     shard = s.fleet.nvme(host) / s.job_id / f"{step:012d}" / f"rank-{rank:05d}.phx"
-    if not shard.exists():
+    size = s.fleet.file_size(host, shard)
+    if size is None:
         raise RigError(f"step {step} of rank {rank} is in RAM but not yet on NVMe ({shard})")
-    _flip(slot, RAM_HEADER_NBYTES, nbytes)  # the shard, not the slot's spare capacity
-    _flip(shard, 0, shard.stat().st_size)
+    s.fleet.flip(host, slot, RAM_HEADER_NBYTES, nbytes)  # the shard, not the slot's spare
+    s.fleet.flip(host, shard, 0, size)
     s.notes.update(step=step, flipped=[str(slot), str(shard)])
     s.kill_rank(rank)
-
-
-RAM_HEADER_NBYTES = 4096  # ckpt.ram: a slot's header page, then the shard
-_SLOT_HEAD = struct.Struct("<8sIIqQQQ16s")  # magic, version, state, step, nbytes, ...
-
-
-def _newest_slot(shm: Path, job: str, rank: int) -> tuple[Path, int, int]:
-    """The slot holding the rank's newest sealed shard: (path, step, shard bytes)."""
-    best: tuple[int, Path, int] | None = None
-    for path in shm.glob(f"phalanx-{job}-r{rank}.slot*"):
-        with path.open("rb") as fh:
-            _magic, _version, state, step, nbytes, _cap, _seq, _digest = _SLOT_HEAD.unpack(
-                fh.read(_SLOT_HEAD.size)
-            )
-        if state == 2 and (best is None or step > best[0]):  # sealed
-            best = (step, path, nbytes)
-    if best is None:
-        raise RigError(f"no sealed RAM slot of rank {rank} of {job} in {shm}")
-    return best[1], best[0], best[2]
-
-
-def _flip(path: Path, start: int, nbytes: int) -> None:
-    """Invert the byte in the middle of the ``nbytes`` of payload at ``start``."""
-    with path.open("r+b") as fh:
-        fh.seek(start + nbytes // 2)
-        byte = fh.read(1)
-        fh.seek(-1, os.SEEK_CUR)
-        fh.write(bytes([byte[0] ^ 0xFF]))
 
 
 def check_restored_elsewhere(s: Strike, job: dict[str, Any]) -> str | None:
@@ -229,16 +196,15 @@ def peer_gone(s: Strike) -> None:
     other host loses its peer copies with it; the ranks restore from the other tiers."""
     host = s.victim()
     s.notes["cut_for_good"] = host.name
-    host.run("ip", "link", "set", host.iface, "down")
+    s.fleet.cut_link_for_good(host)
 
 
 def object_store_down(s: Strike) -> None:
-    ctl = s.fleet.control
-    ctl.signal("s3", signal.SIGSTOP)  # every request hangs: the store is unreachable
+    s.fleet.stop_object_store()  # SIGSTOP: every request hangs, the store is unreachable
     try:
         time.sleep(60)
     finally:
-        ctl.signal("s3", signal.SIGCONT)
+        s.fleet.continue_object_store()
 
 
 def double_fault(s: Strike) -> None:
@@ -250,21 +216,15 @@ def double_fault(s: Strike) -> None:
     others = [h for h in s.job_hosts() if h is not first] or [first]
     second = s.rng.choice(others)
     s.notes["second_host"] = second.name
-    sim_inject(s.fleet.sim_file(second), 0, "ecc-dbe")
+    s.fleet.inject_gpu(second, 0, "ecc-dbe")
 
 
 def fault_during_save(s: Strike) -> None:
     """Kill a rank while a step's shards are being written down to NVMe."""
     host = s.victim()
-    job_dir = s.fleet.nvme(host) / s.job_id
-    before = {p.name for p in job_dir.glob("*")} if job_dir.exists() else set()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        now = {p.name for p in job_dir.glob("*")} if job_dir.exists() else set()
-        if now - before:  # a new step is being written down
-            s.notes["step_dir"] = sorted(now - before)[-1]
-            break
-        time.sleep(0.005)
+    step_dir = s.fleet.wait_new_step(host, s.job_id, 30)
+    if step_dir is not None:  # a new step is being written down
+        s.notes["step_dir"] = step_dir
     s.kill_rank(s.rank_on(host))
 
 
@@ -278,8 +238,8 @@ def bad_spare(s: Strike) -> None:
         raise RigError("no spare to break")
     spare = s.fleet.host(spares[0])
     s.notes["spare"] = spare.name
-    sim_inject(s.fleet.sim_file(host), 0, "ecc-dbe")
-    sim_inject(s.fleet.sim_file(spare), 1, "ecc-dbe")
+    s.fleet.inject_gpu(host, 0, "ecc-dbe")
+    s.fleet.inject_gpu(spare, 1, "ecc-dbe")
 
 
 def code_error(s: Strike) -> None:

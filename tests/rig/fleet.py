@@ -11,18 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import secrets
 import shutil
 import signal
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
+from agentd.gpu.sim import inject as sim_inject
 from phalanx.client import ApiError, Client
 from phalanx.local import find_mosquitto
-from tests.rig.hosts import NetnsHost
+from tests.harness import rank_pid
+from tests.rig import shards
+from tests.rig.base import Fleet
+from tests.rig.hosts import Host, NetnsHost
 from tests.rig.net import Network, RigError, sh, teardown
 
 log = logging.getLogger(__name__)
@@ -42,14 +47,15 @@ S3_ENV = {
 }
 
 
-class RigFleet:
-    """``RigFleet.up(gpu_hosts=4, spares=1)`` builds it; ``down()`` removes all of it."""
+class RigFleet(Fleet):
+    """``RigFleet.running(gpu_hosts=4, spares=1)`` builds it; ``down()`` removes all of it."""
 
     def __init__(self, net: Network, hosts: list[NetnsHost], token: str) -> None:
         self.net = net
-        self.hosts = hosts
+        self.hosts: list[NetnsHost] = hosts
         self.token = token
         self.spares = 1
+        self._s3_client: Any = None
 
     # --- building --------------------------------------------------------------------------
 
@@ -97,12 +103,6 @@ class RigFleet:
     @property
     def gpu_hosts(self) -> list[NetnsHost]:
         return self.hosts[1:]
-
-    def host(self, name: str) -> NetnsHost:
-        for h in self.hosts:
-            if h.name == name:
-                return h
-        raise RigError(f"no host {name!r} in the rig")
 
     def _track(self, pid: int) -> None:
         self.net.state.pids.append(pid)
@@ -175,7 +175,7 @@ class RigFleet:
         self._track(proc.pid)
         _wait(lambda: _tcp_open(ctl.address, API_PORT), 30, "the supervisor's API")
 
-    def nvme(self, host: NetnsHost) -> Path:
+    def nvme(self, host: Host) -> Path:
         return self.dir / host.name / "data" / "ckpt"
 
     def _mount_nvme(self, host: NetnsHost) -> None:
@@ -188,7 +188,7 @@ class RigFleet:
         self.net.state.save()
         sh("mount", "-o", "loop", str(image), str(mount))
 
-    def shm(self, host: NetnsHost) -> Path:
+    def shm(self, host: Host) -> Path:
         return Path("/dev/shm") / f"phalanx-rig-{self.net.state.rid}-{host.name}"
 
     def start_agent(self, host: NetnsHost) -> None:
@@ -234,13 +234,88 @@ class RigFleet:
 
         _wait(ready, timeout, f"nodes {', '.join(names)} {state}")
 
-    def sim_file(self, host: NetnsHost) -> Path:
+    def sim_file(self, host: Host) -> Path:
         return self.dir / host.name / "data" / "sim-gpus.json"
 
     def rank_log(self, job: dict[str, Any], rank: int) -> str:
         node = next(r["node"] for r in job["ranks"] if r["rank"] == rank)
         path = self.dir / node / "data" / "jobs" / job["id"] / f"g{job['generation']}"
         return (path / f"rank-{rank}.log").read_text(errors="replace")
+
+    # --- the Fleet interface (tests/rig/base.py): what the faults and the driver do ------
+
+    def daemon_host(self, role: str) -> NetnsHost:
+        return self.control
+
+    def job_runtime(self) -> dict[str, str]:
+        return {"python": sys.executable, "workdir": str(REPO)}
+
+    def kill_rank(self, host: Host, job_id: str, rank: int, generation: int) -> None:
+        pid = rank_pid(job_id, rank, generation=generation)
+        if pid is None:
+            raise RigError(f"rank {rank} of {job_id} is not running")
+        os.kill(pid, signal.SIGKILL)
+
+    def object_shards(self, job_id: str, step: int) -> set[str]:
+        if self._s3_client is None:
+            self._s3_client = self._s3()
+        prefix = f"ckpt/{job_id}/{step:012d}/"
+        listed = self._s3_client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
+        return {o["Key"].rsplit("/", 1)[1].split(".")[0] for o in listed}
+
+    def kill(self, host: Host, role: str) -> None:
+        self.host(host.name).kill(role)
+
+    def restart(self, host: Host, role: str) -> None:
+        if role == "agent":
+            self.start_agent(self.host(host.name))
+        elif role == "broker":
+            self.start_broker()
+        elif role == "supervisor":
+            self.start_supervisor()
+        else:
+            raise RigError(f"the rig has no daemon {role!r}")
+
+    def stop_object_store(self) -> None:
+        self.control.signal("s3", signal.SIGSTOP)
+
+    def continue_object_store(self) -> None:
+        self.control.signal("s3", signal.SIGCONT)
+
+    def inject_gpu(self, host: Host, gpu: int, fault: str) -> None:
+        sim_inject(self.sim_file(host), gpu, fault)
+
+    def fill_disk(self, host: Host) -> int:
+        nvme = self.nvme(host)
+        host.run(*host.fill(nvme), timeout=120)
+        return os.statvfs(nvme).f_bavail * os.statvfs(nvme).f_frsize
+
+    def unfill_disk(self, host: Host) -> None:
+        host.run(*host.unfill(self.nvme(host)), check=False)
+
+    def wait_new_step(self, host: Host, job_id: str, timeout: float) -> str | None:
+        job_dir = self.nvme(host) / job_id
+        before = {p.name for p in job_dir.glob("*")} if job_dir.exists() else set()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            now = {p.name for p in job_dir.glob("*")} if job_dir.exists() else set()
+            if now - before:  # a new step is being written down
+                return sorted(now - before)[-1]
+            time.sleep(0.005)
+        return None
+
+    def newest_slot(self, host: Host, job_id: str, rank: int) -> tuple[PurePath, int, int]:
+        return shards.newest_slot(self.shm(host), job_id, rank)
+
+    def file_size(self, host: Host, path: PurePath) -> int | None:
+        local = Path(path)
+        return local.stat().st_size if local.exists() else None
+
+    def flip(self, host: Host, path: PurePath, start: int, nbytes: int) -> None:
+        shards.flip(Path(path), start, nbytes)
+
+    def cut_link_for_good(self, host: Host) -> None:
+        host.run("ip", "link", "set", host.iface, "down")
 
     @property
     def logs(self) -> Path:

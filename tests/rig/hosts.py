@@ -14,7 +14,7 @@ import shlex
 import signal
 import subprocess
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,6 +133,27 @@ class NetnsHost(Host):
             proc.wait(10)
 
 
+class Unreachable(RigError):
+    """A host that does not answer over SSH; the message names it."""
+
+
+# Runs one command on this machine (ssh, ansible-playbook) with ``input`` on its stdin,
+# within ``timeout`` seconds; never raises on an exit status. The SSH fleet's I/O boundary:
+# the tests put a fake here.
+Runner = Callable[[Sequence[str], float, str], "subprocess.CompletedProcess[str]"]
+
+
+def run_local(
+    argv: Sequence[str], timeout: float, input: str = ""
+) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(
+            list(argv), input=input, capture_output=True, text=True, timeout=timeout
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RigError(f"{' '.join(argv)}: {exc}") from exc
+
+
 @dataclass
 class SshHost(Host):
     """A real host of an Ansible inventory; the daemons are its systemd units."""
@@ -140,10 +161,51 @@ class SshHost(Host):
     user: str = "root"
     port: int = 22
     ssh_options: tuple[str, ...] = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
+    groups: list[str] = field(default_factory=list)  # the inventory's: brokers, agents, ...
+    runner: Runner = field(default=run_local, repr=False, compare=False)
+
+    @property
+    def target(self) -> str:
+        return f"{self.user}@{self.address}"
 
     def wrap(self, argv: Sequence[str]) -> list[str]:
-        target = f"{self.user}@{self.address}"
-        return ["ssh", *self.ssh_options, "-p", str(self.port), target, "--", shlex.join(argv)]
+        return ["ssh", *self.ssh_options, "-p", str(self.port), self.target, "--", shlex.join(argv)]
+
+    def call(
+        self, argv: Sequence[str], *, timeout: float = 30.0, check: bool = True, input: str = ""
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` on the host. A host that does not answer (ssh's own exit 255) is
+        an error naming it, always; with ``check``, so is the command's failure."""
+        done = self.runner(self.wrap(argv), timeout, input)
+        if done.returncode == 255:
+            why = (done.stderr.strip().splitlines() or ["exit 255"])[-1]
+            raise Unreachable(
+                f"host {self.name} ({self.target}, port {self.port}) does not answer over "
+                f"SSH: {why}"
+            )
+        if check and done.returncode != 0:
+            raise RigError(
+                f"{self.name}: {shlex.join(argv)}: exit {done.returncode}: "
+                f"{done.stderr.strip()[-400:]}"
+            )
+        return done
+
+    def run(self, *argv: str, timeout: float = 30.0, check: bool = True) -> str:
+        return self.call(argv, timeout=timeout, check=check).stdout
+
+    def fill(self, path: Path) -> list[str]:
+        """As :meth:`Host.fill`, but most of it allocated at once (``fallocate``): dd alone
+        would take minutes to fill a real disk; dd then writes the rest to the last byte."""
+        ballast = shlex.quote(str(path / ".rig-ballast"))
+        where = shlex.quote(str(path))
+        return [
+            "sh",
+            "-c",
+            f"free=$(( $(stat -f -c '%a * %S' {where}) )); "
+            f"fallocate -l $(( free / 100 * 95 )) {ballast} || true; "
+            f"dd if=/dev/zero of={ballast} bs=1M oflag=append conv=notrunc status=none; "
+            "sync; true",
+        ]
 
     def kill(self, role: str) -> list[str]:
         return ["systemctl", "kill", "--signal=SIGKILL", UNITS[role]]
@@ -154,38 +216,85 @@ class SshHost(Host):
 
 def read_inventory(path: Path) -> list[SshHost]:
     """The hosts of an Ansible INI inventory: ``[brokers]``, ``[supervisors]`` and
-    ``[agents]`` groups, ``name ansible_host=ADDR [ansible_user=U] [ansible_port=P]
-    [phalanx_rack=R] [phalanx_rig_iface=IF]``."""
-    hosts: dict[str, SshHost] = {}
-    group = ""
+    ``[agents]`` groups (directly or through ``[group:children]``), ``name
+    ansible_host=ADDR [ansible_user=U] [ansible_port=P] [phalanx_rack=R]
+    [phalanx_rig_iface=IF] [ansible_ssh_private_key_file=F] [ansible_ssh_common_args=A]``;
+    those variables may also come from ``[group:vars]`` (a host's own win, then its nearest
+    group's)."""
+    members: dict[str, list[str]] = {}  # group -> its hosts, in order
+    children: dict[str, list[str]] = {}  # group -> its child groups
+    group_vars: dict[str, dict[str, str]] = {}
+    host_vars: dict[str, dict[str, str]] = {}
+    group, kind = "", ""
     for n, raw in enumerate(path.read_text().splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line or line.startswith(";"):
             continue
         if line.startswith("["):
-            group = line.strip("[]").split(":", 1)[0]
-            if ":" in line:
-                group = ""  # [group:vars] / [group:children]: not hosts
+            group, _, kind = line.strip("[]").partition(":")
             continue
         if not group:
             continue
+        if kind == "children":
+            children.setdefault(group, []).append(line.split()[0])
+            continue
+        if kind == "vars":
+            k, sep, v = line.partition("=")
+            if not sep:
+                raise RigError(f"{path}:{n}: expected key=value, got {line!r}")
+            v = v.strip()
+            if len(v) >= 2 and v[0] == v[-1] and v[0] in "\"'":
+                v = v[1:-1]
+            group_vars.setdefault(group, {})[k.strip()] = v
+            continue
+        if kind:
+            continue
         name, *pairs = shlex.split(line)
-        kv = {}
+        kv = host_vars.setdefault(name, {})
         for pair in pairs:
             if "=" not in pair:
                 raise RigError(f"{path}:{n}: expected key=value, got {pair!r}")
             k, v = pair.split("=", 1)
             kv[k] = v
-        host = hosts.get(name) or SshHost(
-            name=name,
-            address=kv.get("ansible_host", name),
-            user=kv.get("ansible_user", "root"),
-            port=int(kv.get("ansible_port", "22")),
-            rack=kv.get("phalanx_rack", "rack1"),
-            iface=kv.get("phalanx_rig_iface", "eth0"),
-        )
-        role = {"brokers": "control", "supervisors": "control", "agents": "gpu"}.get(group)
-        if role and role not in host.roles:
-            host.roles.append(role)
-        hosts[name] = host
+        if name not in members.setdefault(group, []):
+            members[group].append(name)
+
+    def depth(g: str, seen: frozenset[str] = frozenset()) -> int:
+        parents = [p for p, kids in children.items() if g in kids and p not in seen]
+        return 1 + max((depth(p, seen | {g}) for p in parents), default=0)
+
+    def ancestors(g: str, seen: frozenset[str] = frozenset()) -> list[str]:
+        found = [g]
+        for parent, kids in children.items():
+            if g in kids and parent not in seen:
+                found += ancestors(parent, seen | {g})
+        return found
+
+    hosts: dict[str, SshHost] = {}
+    for g, names in members.items():
+        for name in names:
+            if name in hosts:
+                groups = hosts[name].groups
+            else:
+                groups = []
+                hosts[name] = SshHost(name=name, address=name, groups=groups)
+            for a in ancestors(g):
+                if a not in groups:
+                    groups.append(a)
+    for name, host in hosts.items():
+        kv: dict[str, str] = dict(group_vars.get("all", {}))
+        for g in sorted(host.groups, key=lambda g: (depth(g), g)):  # nearest group last
+            kv.update(group_vars.get(g, {}))
+        kv.update(host_vars.get(name, {}))
+        host.address = kv.get("ansible_host", name)
+        host.user = kv.get("ansible_user", "root")
+        host.port = int(kv.get("ansible_port", "22"))
+        host.rack = kv.get("phalanx_rack", "rack1")
+        host.iface = kv.get("phalanx_rig_iface", "eth0")
+        key = kv.get("ansible_ssh_private_key_file") or kv.get("ansible_private_key_file")
+        more = shlex.split(kv.get("ansible_ssh_common_args", ""))
+        host.ssh_options = (*host.ssh_options, *(("-i", key) if key else ()), *more)
+        for group, role in (("brokers", "control"), ("supervisors", "control"), ("agents", "gpu")):
+            if group in host.groups and role not in host.roles:
+                host.roles.append(role)
     return list(hosts.values())

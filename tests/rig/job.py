@@ -20,18 +20,25 @@ TIERS = ["ram", "nvme", "peer", "object"]
 HANG_TIMEOUT_S = 20  # a partition is a hang on gloo: detected this long after the last step
 
 
-def spec(name: str, *extra: str) -> dict[str, Any]:
+def spec(
+    name: str,
+    *extra: str,
+    python: str = sys.executable,
+    workdir: str = str(REPO),
+) -> dict[str, Any]:
+    """The job; ``python`` and ``workdir`` are where it runs on the GPU hosts
+    (``Fleet.job_runtime``: this machine's for namespaces, the agents' on real hosts)."""
     return {
         "name": name,
         "team": "rig",
         "nodes": 2,
         "ranks_per_node": 2,
-        "workdir": str(REPO),
-        "command": [sys.executable, "examples/tinylm.py", *TINY, *extra],
+        "workdir": workdir,
+        "command": [python, "examples/tinylm.py", *TINY, *extra],
         "grace_period": 5,
-        # gloo binds to the interface its hostname resolves to: here every namespace shares
-        # one hostname (127.0.0.1), as hosts whose name is not in DNS would.
-        "env": {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"},
+        # No GLOO_SOCKET_IFNAME: every namespace shares one host name (127.0.0.1), as hosts
+        # whose name is not in DNS would; the agent names its address's interface for gloo.
+        "env": {"OMP_NUM_THREADS": "1"},
         "checkpoint": {"tiers": TIERS, "interval": {"steps": CKPT_EVERY}},
         "restart": {
             "max_restarts": 3,

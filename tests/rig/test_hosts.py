@@ -87,3 +87,40 @@ def test_an_inventory_line_that_is_not_key_value_is_refused_naming_it(tmp_path: 
     inventory.write_text("[agents]\ngpu1 ansible_host=192.0.2.11 oops\n")
     with pytest.raises(RigError, match=r"hosts.ini:2: expected key=value, got 'oops'"):
         read_inventory(inventory)
+
+
+def test_agents_may_come_through_child_groups_and_take_their_groups_vars(tmp_path: Path) -> None:
+    inventory = tmp_path / "hosts.ini"
+    inventory.write_text(
+        "[all:vars]\nansible_user=ops\nphalanx_rig_iface=ens5\n"
+        "[supervisors]\nsup ansible_host=192.0.2.1\n"
+        "[rack_r12]\ngpu-a17 ansible_host=192.0.2.17\n"
+        "gpu-a18 ansible_host=192.0.2.18 phalanx_rack=odd\n"
+        "[rack_r12:vars]\nphalanx_rack='r12'\n"
+        "[rack_r13]\ngpu-b01 ansible_host=192.0.2.31 ansible_user=root\n"
+        "[rack_r13:vars]\nphalanx_rack=r13\n"
+        "[agents:children]\nrack_r12\nrack_r13\n"
+        "[agents:vars]\nphalanx_rack=none\nphalanx_rig_iface=ens6\n"
+    )
+    hosts = {h.name: h for h in read_inventory(inventory)}
+    assert sorted(hosts) == ["gpu-a17", "gpu-a18", "gpu-b01", "sup"]
+    a17, a18, b01 = hosts["gpu-a17"], hosts["gpu-a18"], hosts["gpu-b01"]
+    assert a17.groups == ["rack_r12", "agents"] and a17.roles == ["gpu"]
+    assert (a17.rack, a17.iface, a17.user) == ("r12", "ens6", "ops")  # nearest group wins
+    assert (a18.rack, b01.rack, b01.user) == ("odd", "r13", "root")  # the host's own win
+    assert (hosts["sup"].roles, hosts["sup"].iface) == (["control"], "ens5")
+
+
+def test_the_inventorys_ssh_key_and_options_reach_the_ssh_command(tmp_path: Path) -> None:
+    inventory = tmp_path / "hosts.ini"
+    inventory.write_text(
+        "[agents]\ngpu1 ansible_host=192.0.2.11 ansible_ssh_private_key_file=/keys/lab\n"
+        "[agents:vars]\nansible_ssh_common_args='-o ProxyJump=bastion -o Compression=yes'\n"
+    )
+    (host,) = read_inventory(inventory)
+    argv = host.wrap(["true"])
+    assert argv[: argv.index("-p")] == [
+        "ssh",
+        *("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-i", "/keys/lab"),
+        *("-o", "ProxyJump=bastion", "-o", "Compression=yes"),
+    ]

@@ -36,6 +36,11 @@ BIN = Path(sys.executable).parent
 API_TOKEN = "rollout-test-token-0123456789"
 SUPERVISOR_PASSWORD = "supervisor-secret-5f1c"
 AGENT_HTTP_TOKEN = "agent-http-token-93ab"
+OBJECT_STORE = "file:///srv/phalanx-objects"
+OBJECT_STORE_ENV = {
+    "AWS_ENDPOINT_URL": "https://s3.test",
+    "AWS_SECRET_ACCESS_KEY": "s3-secret-5e1f",
+}
 NODE_PASSWORDS = {"gpu-a01": "gpu-a01-secret-77d2", "gpu-a02": "gpu-a02-secret-0c4e"}
 
 
@@ -169,6 +174,7 @@ def write_inventory(
         },
         "phalanx_agent_http_host": "127.0.0.1",
         "phalanx_agent_address": "127.0.0.1",
+        "phalanx_agent_ckpt_settings": {"object_store": OBJECT_STORE},
     } | (extra_agent_vars or {})
     inventory = {
         "all": {
@@ -216,6 +222,7 @@ def write_inventory(
                             "phalanx_nvlink_domain": "nvl72-1",
                             "phalanx_agent_http_port": agent_http_port,
                             "phalanx_agent_mqtt_password": NODE_PASSWORDS["gpu-a01"],
+                            "phalanx_agent_object_store_env": OBJECT_STORE_ENV,
                         },
                         "gpu-a02": agent_common
                         | {

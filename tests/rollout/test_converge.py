@@ -12,7 +12,14 @@ import pytest
 import agentd.config
 import supervisor.config
 from phalanx.settings import MqttSettings
-from tests.rollout.rollout_env import NODE_PASSWORDS, FleetTree, recap, tail
+from tests.rollout.rollout_env import (
+    NODE_PASSWORDS,
+    OBJECT_STORE,
+    OBJECT_STORE_ENV,
+    FleetTree,
+    recap,
+    tail,
+)
 
 pytestmark = [pytest.mark.rollout, pytest.mark.integration]
 
@@ -86,6 +93,7 @@ def test_rendered_agentd_toml_is_accepted_by_the_agents_loader(
     )
     assert settings.mqtt.ca_file == etc / "ca.pem"
     assert settings.data_dir == fleet_tree.host("gpu-a01") / "var/lib/phalanx"
+    assert settings.ckpt.object_store == OBJECT_STORE
     assert _password(settings.mqtt) == NODE_PASSWORDS["gpu-a01"]
 
 
@@ -134,6 +142,19 @@ def test_secrets_are_unreadable_by_other_users(fleet_tree: FleetTree, path: str)
     assert mode & 0o007 == 0, f"{path} has mode {mode:o}"
 
 
+def test_the_object_stores_environment_is_a_secret_file_the_agents_unit_reads(
+    fleet_tree: FleetTree,
+) -> None:
+    host = fleet_tree.host("gpu-a01")
+    env = host / "etc/phalanx/agentd-object-store.env"
+    unit = (host / "etc/systemd/system/phalanx-agentd.service").read_text()
+
+    assert stat.S_IMODE(env.stat().st_mode) == 0o640
+    lines = [line for line in env.read_text().splitlines() if line]
+    assert lines == [f"{k}={v}" for k, v in sorted(OBJECT_STORE_ENV.items())]
+    assert f"EnvironmentFile=-{env}\n" in unit
+
+
 def test_password_file_holds_one_user_per_node_and_the_supervisor(fleet_tree: FleetTree) -> None:
     passwd = fleet_tree.host("broker1") / "etc/mosquitto/phalanx/passwd"
 
@@ -148,6 +169,7 @@ def test_no_secret_lands_in_a_file_in_clear_except_the_secret_files(fleet_tree: 
         "agent-http-token",
         "supervisor-mqtt-password",
         "api-token",
+        "agentd-object-store.env",
     }
     leaks = [
         str(p)
@@ -155,7 +177,10 @@ def test_no_secret_lands_in_a_file_in_clear_except_the_secret_files(fleet_tree: 
         if p.is_file()
         and p.name not in secret_files
         and "venv" not in p.parts
-        and any(s.encode() in p.read_bytes() for s in NODE_PASSWORDS.values())
+        and any(
+            s.encode() in p.read_bytes()
+            for s in [*NODE_PASSWORDS.values(), OBJECT_STORE_ENV["AWS_SECRET_ACCESS_KEY"]]
+        )
     ]
 
     assert leaks == []

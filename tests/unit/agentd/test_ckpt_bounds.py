@@ -17,6 +17,7 @@ import functools
 import http.client
 import json
 import os
+import struct
 import tracemalloc
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -34,6 +35,7 @@ from agentd.config import CkptSettings
 from ckpt import (
     Checkpointer,
     CheckpointError,
+    FormatError,
     HttpPeerStore,
     LocalFolderStore,
     ObjectTier,
@@ -45,6 +47,7 @@ from ckpt import (
     TierError,
 )
 from ckpt.remote import AgentClient, AgentEnv
+from ckpt.stores import MAX_GET_NBYTES
 from ckpt.tiers import TierManifest
 from phalanx.http import bearer_ok, serve
 from tests.unit.agentd.test_ckpt_agent_mode import JOB, AgentHarness
@@ -71,6 +74,23 @@ def zstd_bomb(content_nbytes: int) -> bytes:
         [compressor.compress(zeros) for _ in range(frame_nbytes // MIB)] + [compressor.flush()]
     )
     return frame * (content_nbytes // frame_nbytes)
+
+
+def preamble(at_most: int) -> bytes:
+    """A shard's preamble (version 2, a 2-byte header) declaring the largest size the
+    format allows up to ``at_most`` bytes."""
+    nbytes = 96 + (at_most - 96) // 64 * 64  # data_start 64, the trailer, whole data units
+    return struct.pack("<8sIIQQ", b"PHXSHARD", 2, 2, nbytes, 0)
+
+
+def declared(head: bytes) -> int:
+    return int(struct.unpack_from("<Q", head, 16)[0])
+
+
+def shard_bomb(content_nbytes: int, at_most: int) -> bytes:
+    """A zstd body whose content is a preamble declaring at most ``at_most`` bytes, then
+    ``content_nbytes`` of zeros (``zstd_bomb``: zstd frames decompress one after another)."""
+    return zstandard.ZstdCompressor().compress(preamble(at_most)) + zstd_bomb(content_nbytes)
 
 
 def sealed(state: Any, key: ShardKey) -> tuple[bytearray, str]:
@@ -174,8 +194,11 @@ def test_an_object_store_get_stops_at_its_limit(
 # --------------------------------------------------------------------------- peer tier
 
 
-def test_a_seal_check_stops_decompressing_a_zstd_bomb_at_its_limit_in_bounded_memory() -> None:
-    bomb = zstd_bomb(16 * GIB)
+def test_a_seal_check_stops_decompressing_a_zstd_bomb_at_its_declared_size_in_bounded_memory() -> (
+    None
+):
+    bomb = shard_bomb(16 * GIB, at_most=64 * MIB)
+    size = declared(preamble(64 * MIB))
     seal = SealCheck(True, 64 * MIB, "job-1/000000000001/rank-00000.phx.zst")
 
     tracemalloc.start()
@@ -183,7 +206,7 @@ def test_a_seal_check_stops_decompressing_a_zstd_bomb_at_its_limit_in_bounded_me
         with pytest.raises(
             ObjectTooLarge,
             match=r"\(decompressed\) is larger than the "
-            f"{64 * MIB}-byte limit",
+            f"{size}-byte limit its preamble declares",
         ):
             for start in range(0, len(bomb), 64 << 10):
                 seal.feed(bomb[start : start + (64 << 10)])
@@ -191,8 +214,28 @@ def test_a_seal_check_stops_decompressing_a_zstd_bomb_at_its_limit_in_bounded_me
     finally:
         tracemalloc.stop()
 
-    assert seal.total <= 64 * MIB
+    assert seal.total <= size
     assert peak < 16 * MIB
+
+
+def test_a_seal_check_refuses_a_preamble_declaring_past_its_limit_at_once() -> None:
+    seal = SealCheck(False, 64 * MIB, "its content")
+
+    with pytest.raises(
+        ObjectTooLarge, match=rf"its preamble declares {declared(preamble(1 << 40))}"
+    ):
+        seal.feed(preamble(1 << 40))
+
+    assert seal.total == 0
+
+
+def test_a_seal_check_refuses_content_that_is_no_shard_from_its_first_bytes() -> None:
+    seal = SealCheck(True, 64 * MIB, "its content")
+
+    with pytest.raises(FormatError, match="not a Phalanx shard"):
+        seal.feed(zstd_bomb(GIB))
+
+    assert seal.total == 0
 
 
 @contextlib.asynccontextmanager
@@ -270,12 +313,60 @@ async def test_a_buddy_refuses_a_zstd_bomb_with_413_naming_the_limit_and_stores_
 
     with pytest.raises(PeerError) as refused:
         await asyncio.to_thread(
-            store.put_stream, "job-1/000000000001/rank-00000.phx.zst", [zstd_bomb(GIB)]
+            store.put_stream,
+            "job-1/000000000001/rank-00000.phx.zst",
+            [shard_bomb(GIB, at_most=1 << 40)],
         )
 
     assert "answered 413" in str(refused.value)
     assert "content (decompressed) is larger than the 8388608-byte limit" in str(refused.value)
+    assert f"its preamble declares {declared(preamble(1 << 40))}" in str(refused.value)
     assert "peer_max_shard_bytes is 8388608" in str(refused.value)
+    assert stored_files(root) == []
+
+
+async def test_a_buddy_refuses_a_zstd_bomb_past_the_size_its_preamble_declares(
+    buddy: tuple[HttpPeerStore, Path],
+) -> None:
+    store, root = buddy  # its limit: 8 MiB
+    size = declared(preamble(4096))
+
+    with pytest.raises(PeerError) as refused:
+        await asyncio.to_thread(
+            store.put_stream,
+            "job-1/000000000001/rank-00000.phx.zst",
+            [shard_bomb(GIB, at_most=4096)],
+        )
+
+    assert "answered 413" in str(refused.value)
+    assert f"larger than the {size}-byte limit its preamble declares" in str(refused.value)
+    assert stored_files(root) == []
+
+
+async def test_a_buddy_refuses_a_shard_push_whose_first_bytes_are_no_shard_with_422(
+    buddy: tuple[HttpPeerStore, Path],
+) -> None:
+    store, root = buddy
+
+    with pytest.raises(PeerError, match=r"answered 422.*not a Phalanx shard"):
+        await asyncio.to_thread(
+            store.put_stream, "job-1/000000000001/rank-00000.phx.zst", [zstd_bomb(GIB)]
+        )
+
+    assert stored_files(root) == []
+
+
+async def test_a_buddy_refuses_a_manifest_past_what_its_readers_accept(
+    buddy: tuple[HttpPeerStore, Path],
+) -> None:
+    store, root = buddy  # a manifest used to be capped only by the 8 MiB shard limit
+    pieces = [bytes(MIB)] * (MAX_GET_NBYTES // MIB) + [b"x"]
+
+    with pytest.raises(PeerError) as refused:
+        await asyncio.to_thread(store.put_stream, "job-1/000000000001/manifest.json", pieces)
+
+    assert "answered 413" in str(refused.value)
+    assert f"its body is larger than the {MAX_GET_NBYTES}-byte limit" in str(refused.value)
     assert stored_files(root) == []
 
 
@@ -283,7 +374,7 @@ async def test_a_buddy_refuses_a_streamed_body_past_its_limit_with_413_and_store
     buddy: tuple[HttpPeerStore, Path],
 ) -> None:
     store, root = buddy
-    pieces = [os.urandom(MIB) for _ in range(12)]
+    pieces = [preamble(8 * MIB), *(os.urandom(MIB) for _ in range(12))]
 
     with pytest.raises(PeerError, match=r"answered 413.*larger than the"):
         await asyncio.to_thread(store.put_stream, "job-1/000000000001/rank-00000.phx", pieces)

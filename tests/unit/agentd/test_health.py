@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -443,3 +444,13 @@ def test_unknown_counters_are_not_read_as_faults() -> None:
     health = _classifier(gpus_at_birth=1).classify(NodeSample(gpus=(unknown,)), None, now=0.0)
 
     assert health.status is HealthStatus.OK
+
+
+@pytest.mark.parametrize("reading", [math.nan, math.inf, -math.inf])
+def test_a_gpu_reading_that_is_not_finite_is_sent_as_unknown(reading: float) -> None:
+    gpu = _gpu(0, temperature_c=reading, power_w=reading, util_pct=reading)
+
+    health = _classifier(gpus_at_birth=1).classify(_node(gpu), _host(), now=100.0)
+
+    [gauges] = health.gpus
+    assert (gauges.temperature_c, gauges.power_w, gauges.util_pct) == (None, None, None)

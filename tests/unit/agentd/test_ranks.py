@@ -638,5 +638,5 @@ def test_the_interface_of_an_address_is_found_and_loopback_is_none() -> None:
             assert interface_of(v4[0]) == name
             break
     assert interface_of("127.0.0.1") is None
-    assert interface_of("192.0.2.77") is None  # TEST-NET-1: on no interface here
+    assert interface_of("198.51.100.77") is None  # TEST-NET-2: on no interface here
     assert interface_of("not-an-address") is None
