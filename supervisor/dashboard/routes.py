@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
 
+from phalanx.http import json_body
 from supervisor.dashboard.session import clear_session, csrf_ok, set_session
 
 log = logging.getLogger(__name__)
@@ -103,10 +103,7 @@ def add_routes(app: web.Application, token: bytes) -> frozenset[web.AbstractReso
     async def login(request: web.Request) -> web.Response:
         if not csrf_ok(request):
             return _json_error(403, "a login must come from the dashboard (X-Phalanx-CSRF)")
-        try:
-            data = json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            data = None
+        data = await json_body(request)  # 400 if not JSON, 408 if it trickles
         given = data.get("token") if isinstance(data, dict) else None
         if not isinstance(given, str):
             return _json_error(400, "field 'token': the operators' token (PHALANX_TOKEN)")

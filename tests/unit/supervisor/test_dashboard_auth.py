@@ -230,6 +230,21 @@ async def test_the_api_accepts_the_session_cookie_in_place_of_the_token(
     assert node["gauges"]["ecc_dbe_volatile"] == 1
 
 
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [(b"not json", 400), (b"[" * 5000, 400), (b'{"token": 42}', 400), (b"[]", 400)],
+    ids=["not-json", "too-deep", "token-not-a-string", "not-an-object"],
+)
+async def test_a_login_whose_body_is_not_a_token_is_a_bad_request(
+    client: TestClient[Any, Any], body: bytes, status: int
+) -> None:
+    resp = await client.post("/ui/login", data=body, headers=CSRF)
+
+    assert resp.status == status
+    assert "error" in await resp.json()
+    assert COOKIE not in resp.cookies
+
+
 async def test_a_login_without_the_csrf_header_is_refused(client: TestClient[Any, Any]) -> None:
     resp = await client.post("/ui/login", json={"token": TOKEN})
 
