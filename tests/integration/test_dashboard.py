@@ -319,6 +319,31 @@ def test_a_wrong_token_is_refused_and_the_page_shows_no_data(
     ui.shot("login-refused")
 
 
+def test_a_login_keeps_a_cookie_no_script_reads_and_a_logout_forgets_it(
+    fleet: Fleet, browser: WebDriver, tmp_path: Path
+) -> None:
+    fleet.start_supervisor()
+    ui = Dashboard(fleet, browser, tmp_path / "screens")
+    ui.open("#/fleet")
+    ui.login(TOKEN)
+    ui.wait(lambda: ui.page() == "fleet" or None, "the fleet page")
+    ui.wait(lambda: "No node" in ui.texts("#racks")[0] or None, "an empty fleet")
+    (cookie,) = browser.get_cookies()
+    assert cookie["httpOnly"] is True
+    assert cookie["sameSite"] == "Strict"
+    assert TOKEN not in cookie["value"]
+    assert ui.js("return document.cookie") == ""  # no script of the page can read it
+    ui.open("#/jobs")  # a reload: the session holds
+    ui.wait(lambda: ui.page() == "jobs" or None, "the jobs page without a login")
+
+    browser.find_element(By.ID, "logout").click()
+
+    ui.wait(lambda: ui.page() == "login" or None, "the login form")
+    assert browser.get_cookies() == []
+    ui.open("#/fleet")
+    ui.wait(lambda: ui.page() == "login" or None, "the login form after a reload")
+
+
 @pytest.fixture
 def big_fleet(tmp_path: Path) -> Iterator[str]:
     """The real API app over a registry of 2,048 nodes of 8 GPUs in 64 racks (no daemons:
