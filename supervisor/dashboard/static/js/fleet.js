@@ -146,6 +146,7 @@ function rackSection(rack, nodes, visible, open) {
         class: `tile state-${n.state}${visible.has(n.id) ? "" : " dim"}${n.spare ? " spare" : ""}`,
         href: `#/fleet`,
         title: tileTitle(n),
+        "aria-label": tileTitle(n),
         dataset: { node: n.id },
         onclick: (ev) => {
           ev.preventDefault();
