@@ -72,6 +72,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 SHUTDOWN_S = 2.0  # requests in flight when the supervisor stops get this long to answer
 LOG_LIMIT = 2**20  # the most bytes of a rank's log one request fetches (the agent's default)
+# An answer larger than this is compressed for a client that accepts it (the dashboard's
+# browser; the CLI does not ask): /v1/nodes of 2,048 nodes is 2.3 MB, 72 KB gzipped.
+COMPRESS_OVER = 32 * 1024
 
 
 class Backend(Protocol):
@@ -154,6 +157,14 @@ def make_app(sup: Backend) -> web.Application:
                 return _error(status, str(exc))
             log.exception("API %s %s failed", request.method, request.path)
             return _error(500, "internal error; see the supervisor log")
+
+    @web.middleware
+    async def compress(request: web.Request, handler: Handler) -> web.StreamResponse:
+        resp = await handler(request)
+        body = resp.body if isinstance(resp, web.Response) else None
+        if isinstance(body, bytes | bytearray) and len(body) > COMPRESS_OVER:
+            resp.enable_compression()  # by Accept-Encoding; aiohttp zlibs off the loop
+        return resp
 
     async def body(request: web.Request) -> dict[str, Any]:
         if not request.can_read_body:
@@ -313,7 +324,7 @@ def make_app(sup: Backend) -> web.Application:
             }
         )
 
-    app = web.Application(middlewares=[guard], client_max_size=64 * 1024)
+    app = web.Application(middlewares=[guard, compress], client_max_size=64 * 1024)
     app.router.add_get("/healthz", healthz)
     public = dashboard.add_routes(app, token)
     app.router.add_get("/v1/nodes", nodes)

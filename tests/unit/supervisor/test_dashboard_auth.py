@@ -314,3 +314,23 @@ async def test_a_logout_clears_the_cookie_and_the_api_refuses_again(
     assert resp.status == 200
     assert resp.cookies[COOKIE].value == ""
     assert (await client.get("/v1/nodes")).status == 401
+
+
+async def test_a_large_answer_is_gzipped_for_a_client_that_accepts_it(
+    client: TestClient[Any, Any], sup: FakeSupervisor
+) -> None:
+    for i in range(100):  # about 110 KB of node views
+        sup.registry.on_birth(birth(f"n{i + 2:03d}", gpus=8))
+
+    zipped = await client.get("/v1/nodes", headers={**BEARER, "Accept-Encoding": "gzip"})
+    plain = await client.get("/v1/nodes", headers={**BEARER, "Accept-Encoding": "identity"})
+
+    assert zipped.headers["Content-Encoding"] == "gzip"
+    assert "Content-Encoding" not in plain.headers
+    assert await zipped.json() == await plain.json()
+
+
+async def test_a_small_answer_is_sent_as_it_is(client: TestClient[Any, Any]) -> None:
+    resp = await client.get("/v1/nodes", headers={**BEARER, "Accept-Encoding": "gzip"})
+
+    assert "Content-Encoding" not in resp.headers
