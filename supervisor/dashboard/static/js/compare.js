@@ -3,7 +3,7 @@
 
 import * as api from "./api.js";
 import { JobSeries, color, lineChart } from "./charts.js";
-import { badge, errorBox, fill, fmtNum, fmtTime, h, hashQuery, poll, section, table } from "./dom.js";
+import { badge, errorBox, fill, fmtNum, fmtTime, h, hashQuery, poll, section } from "./dom.js";
 
 function setQuery(ids, metric) {
   const q = new URLSearchParams();
@@ -14,7 +14,7 @@ function setQuery(ids, metric) {
 
 function lineageTable(jobs) {
   const field = (label, get) =>
-    h("tr", {}, h("th", {}, label), jobs.map((j) => h("td", {}, j.view ? get(j.view) : errorBox(j.error))));
+    h("tr", {}, h("th", {}, label), jobs.map((j) => h("td", {}, j.view ? get(j.view) : j.error ? errorBox(j.error) : "…")));
   const spec = (j) => j.spec || {};
   const lineageKeys = [...new Set(jobs.flatMap((j) => Object.keys((j.view && (j.view.lineage || spec(j.view).lineage)) || {})))];
   return h(
