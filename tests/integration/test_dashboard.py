@@ -237,6 +237,11 @@ def test_the_dashboard_shows_the_fleet_the_jobs_and_a_recovered_jobs_story(
     assert row.count("✓") == len(newest["committed"])  # one a tier it is committed at
     assert "%" in ui.texts("#goodput")[0]
     ui.wait(lambda: '"digest"' in ui.texts("#log")[0] or None, "rank 0's log to its last line")
+    ui.js(
+        "const r = document.getElementById('log-rank'); r.value = 2;"
+        "r.dispatchEvent(new Event('change'))"
+    )
+    ui.wait(lambda: '"rank": 2' in ui.texts("#log")[0] or None, "rank 2's log")
     if METRICS:
         api = fleet.client().get(f"/v1/jobs/{job}/metrics")
         assert api["series"]["loss"], "the supervisor kept no loss"

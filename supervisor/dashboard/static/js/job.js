@@ -235,7 +235,7 @@ export function mount(root, jobId) {
     charts: h("div", { class: "charts", id: "charts" }),
     chartNote: h("p", { class: "muted", id: "chart-note" }, "loading metrics…"),
     ckpts: h("div"),
-    logRank: h("select", { id: "log-rank" }),
+    logRank: h("input", { type: "number", id: "log-rank", min: "0", value: "0", class: "rank" }),
     log: h("pre", { class: "log", id: "log" }),
     logNote: h("p", { class: "muted" }),
   };
@@ -301,16 +301,15 @@ export function mount(root, jobId) {
     fill(els.goodput, h("h2", {}, "Goodput"), goodput(job));
     fill(els.spec, specBox(job.spec));
     fill(els.gens, generations(job));
-    const ranks = job.ranks.map((r) => r.rank);
-    if (els.logRank.options.length !== ranks.length) {
-      fill(els.logRank, ranks.map((r) => h("option", { value: r, selected: r === tail.rank }, `${r}`)));
-    }
+    els.logRank.max = String(Math.max(0, job.world_size - 1)); // a number, not 16k options
   };
   const renderCkpts = () => fill(els.ckpts, checkpoints(cat, ui, renderCkpts));
 
   const tail = new LogTail(jobId, els.log);
   els.logRank.addEventListener("change", () => {
-    tail.rank = Number(els.logRank.value);
+    const rank = Number(els.logRank.value);
+    if (!Number.isInteger(rank) || rank < 0 || (job && rank >= job.world_size)) return;
+    tail.rank = rank;
     tail.reset();
     fill(els.log);
     logTimer.now();
