@@ -2,7 +2,8 @@
 
 A browser logs in with ``POST /ui/login`` and the token in a JSON body; the answer sets
 the cookie :data:`COOKIE`: ``HttpOnly`` (no script reads it), ``SameSite=Strict`` (no
-other site's page sends it) and ``Secure`` when the request came over HTTPS. Its value
+other site's page sends it) and ``Secure`` when the request came over HTTPS (or a TLS
+proxy's ``X-Forwarded-Proto`` says it did). Its value
 is not the token but an expiry and an HMAC of it keyed by the token, so a copied cookie
 dies after :data:`SESSION_S` and rotating the token ends every session.
 
@@ -55,6 +56,13 @@ def csrf_ok(request: web.Request) -> bool:
     return request.method in SAFE_METHODS or request.headers.get(CSRF_HEADER) == "1"
 
 
+def over_https(request: web.Request) -> bool:
+    """The browser reached the supervisor over HTTPS: directly, or through a proxy that
+    says so (``X-Forwarded-Proto``). Believing a client that lies only makes its own
+    cookie stricter (Secure), never another's looser."""
+    return request.secure or request.headers.get("X-Forwarded-Proto", "").lower() == "https"
+
+
 def set_session(response: web.StreamResponse, request: web.Request, token: bytes) -> None:
     response.set_cookie(
         COOKIE,
@@ -63,9 +71,11 @@ def set_session(response: web.StreamResponse, request: web.Request, token: bytes
         path="/",
         httponly=True,
         samesite="Strict",
-        secure=request.secure,
+        secure=over_https(request),
     )
 
 
 def clear_session(response: web.StreamResponse, request: web.Request) -> None:
-    response.del_cookie(COOKIE, path="/", httponly=True, samesite="Strict", secure=request.secure)
+    response.del_cookie(
+        COOKIE, path="/", httponly=True, samesite="Strict", secure=over_https(request)
+    )

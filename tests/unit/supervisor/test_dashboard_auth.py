@@ -215,6 +215,18 @@ async def test_a_login_sets_an_httponly_strict_cookie_that_is_not_the_token(
     assert TOKEN not in morsel.value
 
 
+async def test_a_login_over_plain_http_sets_no_secure_flag_one_behind_a_tls_proxy_does(
+    client: TestClient[Any, Any],
+) -> None:
+    plain = await _login(client)
+    proxied = await client.post(
+        "/ui/login", json={"token": TOKEN}, headers={**CSRF, "X-Forwarded-Proto": "https"}
+    )
+
+    assert plain.cookies[COOKIE]["secure"] == ""
+    assert proxied.cookies[COOKIE]["secure"] is True
+
+
 async def test_the_api_accepts_the_session_cookie_in_place_of_the_token(
     client: TestClient[Any, Any],
 ) -> None:
