@@ -296,6 +296,9 @@ def test_the_dashboard_shows_the_fleet_the_jobs_and_a_recovered_jobs_story(
     # Events: the job's own, then one node's.
     ui.go(f"#/events?job={job}")
     ui.wait(lambda: "job_recovered" in ui.attrs("tr.event", "data-kind") or None, "job events")
+    ui.browser.find_element(By.ID, "events-kind").send_keys("-ckpt")
+    kinds = ui.wait(lambda: ui.attrs("tr.event", "data-kind") or None, "the kinds left")
+    assert "job_recovered" in kinds and not any(k.startswith("ckpt") for k in kinds)
     ui.shot("events")
     ui.go("#/events?node=n01")
     ui.wait(lambda: ui.texts("tr.event") or None, "n01's events")

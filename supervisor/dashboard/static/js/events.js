@@ -19,7 +19,7 @@ export function mount(root) {
   const ui = { node: q.get("node") || "", job: q.get("job") || "", limit: Number(q.get("limit") || LIMIT) };
   const node = h("input", { type: "search", id: "events-node", placeholder: "node", value: ui.node });
   const job = h("input", { type: "search", id: "events-job", placeholder: "job", value: ui.job });
-  const kind = h("input", { type: "search", id: "events-kind", placeholder: "kind contains…" });
+  const kind = h("input", { type: "search", id: "events-kind", placeholder: "kind (-ckpt hides)", title: "events whose kind contains this; -text hides those that do" });
   const els = { error: h("div"), list: h("div"), more: h("div", { class: "controls" }) };
   let found = [];
   const apply = (ev) => {
@@ -42,8 +42,10 @@ export function mount(root) {
   );
   const render = () => {
     const needle = kind.value.trim().toLowerCase();
+    const hide = needle.startsWith("-");
+    const word = hide ? needle.slice(1) : needle;
     const rows = found
-      .filter((e) => !needle || e.kind.toLowerCase().includes(needle))
+      .filter((e) => !word || e.kind.toLowerCase().includes(word) !== hide)
       .slice()
       .reverse()
       .map((e) =>
