@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from phalanx.settings import MqttSettings, load_settings
+from phalanx.settings import MqttSettings, ServerTls, load_settings
+from phalanx.tls import check_ca_file, client_context
 from phalanx.wire import NODE_ID_PATTERN
 
 DEFAULT_CONFIG = Path("/etc/phalanx/agentd.toml")
@@ -102,7 +104,7 @@ class Thresholds(_Section):
     )
 
 
-class HttpSettings(_Section):
+class HttpSettings(ServerTls):
     host: str = Field(default="0.0.0.0", description="Address the HTTP server binds.")
     port: int = Field(default=9400, ge=0, le=65535, description="HTTP port (0: any free port).")
     token_file: Path | None = Field(
@@ -117,6 +119,30 @@ class HttpSettings(_Section):
         description="Requests one address may have in flight at once (a buddy's pushes "
         "and fetches, the supervisor's log reads, scrapes); past it: 429 until one ends.",
     )
+    tls_ca_file: Path | None = Field(
+        default=None,
+        description="CA bundle that signed the other agents' HTTP certificates. An agent "
+        "that serves HTTPS (`tls_cert_file`) speaks HTTPS to its peers (a fleet is all-TLS "
+        "or not) and verifies them against this bundle; unset: the system's CA store.",
+    )
+
+    @field_validator("tls_ca_file")
+    @classmethod
+    def _ca_readable(cls, path: Path | None) -> Path | None:
+        return None if path is None else check_ca_file(path)
+
+    @model_validator(mode="after")
+    def _ca_needs_tls(self) -> HttpSettings:
+        if self.tls_ca_file is not None and not self.tls:
+            raise ValueError(
+                "tls_ca_file is set but this agent serves plain HTTP (no tls_cert_file): "
+                "a fleet is all-TLS or not, and an agent speaks to its peers as it serves"
+            )
+        return self
+
+    def peer_ssl(self) -> ssl.SSLContext | None:
+        """What the peer tier verifies buddies with; ``None``: plain HTTP, as served."""
+        return client_context(self.tls_ca_file) if self.tls else None
 
 
 class CkptSettings(_Section):
@@ -217,6 +243,13 @@ class AgentSettings(BaseSettings):
     )
     heartbeat_interval_s: float = Field(
         default=5.0, gt=0, description="Seconds between heartbeats (health is also sent on change)."
+    )
+    metrics_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=300,
+        description="Seconds of ranks' step reports folded into one training-metrics batch "
+        "per job sent to the supervisor (agentd.metrics).",
     )
     stop_grace_s: float = Field(
         default=30.0,

@@ -14,7 +14,8 @@ inside the unit's ``TimeoutStopSec``):
 3. stop the ranks (SIGTERM, ``stop_grace_s``, SIGKILL), their exits reported;
 4. close the checkpoint service: write-downs in flight finish and report their
    landings;
-5. drain: the rank events, then the checkpoint landings, are sent to the broker;
+5. drain: the rank events, then the checkpoint landings, are sent to the broker, and
+   the ranks' last metrics window;
 6. publish the ``shutdown`` death, so the supervisor does not wait for the keepalive;
 7. cancel the loops; close the link, the sockets and the HTTP server.
 """
@@ -25,6 +26,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -40,6 +42,7 @@ from agentd.gpu.base import GpuBackend, GpuInfo, NodeSample
 from agentd.health import HealthClassifier
 from agentd.host import interface_of, sample_host
 from agentd.http import start_http
+from agentd.metrics import MetricsWindow
 from agentd.progress import ProgressMonitor, socket_beside
 from agentd.ranks import RankRunner
 from ckpt import Pacing
@@ -113,8 +116,18 @@ class Agent:
             last_step=self._last_step,
             socket_ifname=interface_of(settings.advertised_address()),
         )
+        # Training metrics: step reports folded into one batch per job and interval.
+        self.metrics = MetricsWindow(self.node)
+        self.metrics_sent = 0
+        self.metrics_dropped = 0  # batches not sent: the link was down
+        self._names_logged = -math.inf
         self.progress = ProgressMonitor(
-            self.node, progress_socket, settings.data_dir, self._on_rank_event, self.ranks.pids
+            self.node,
+            progress_socket,
+            settings.data_dir,
+            self._on_rank_event,
+            self.ranks.pids,
+            on_step=self.metrics.add,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         # The agents' shared HTTP token (peer tier, rank logs), read once; unreadable or
@@ -143,6 +156,7 @@ class Agent:
                 compress_min_saving=settings.ckpt.compress_min_saving,
                 cpus=tuple(settings.ckpt.write_cpus),
             ),
+            peer_ssl=settings.http.peer_ssl(),  # HTTPS to buddies when this agent serves it
         )
         self.link = MqttLink(
             settings.mqtt.resolved(),
@@ -186,6 +200,7 @@ class Agent:
             for name, loop in (
                 ("sample", self._sample_loop),
                 ("heartbeat", self._heartbeat_loop),
+                ("metrics", self._metrics_loop),
                 ("rank-events", self._rank_events.run),
                 ("ckpt-landings", self._landings.run),
             ):
@@ -217,6 +232,7 @@ class Agent:
         await asyncio.sleep(0)  # the landings the close queued from its threads
         await self._rank_events.flush(timeout=deadline.left(floor=1.0))
         await self._landings.flush(timeout=deadline.left(floor=1.0))
+        await self.publish_metrics()  # the ranks' last window
         if self.link.connected:
             death = wire.NodeDeath(node=self.node, seq=self._birth_seq, cause="shutdown")
             with contextlib.suppress(LinkDown):
@@ -417,6 +433,37 @@ class Agent:
             if await self.sample_health() and self.link.connected:
                 with contextlib.suppress(LinkDown):
                     await self.publish_heartbeat()
+
+    async def _metrics_loop(self) -> None:
+        """Every ``metrics_interval_s``: the window's batches to the supervisor, QoS 0 and
+        never queued (a batch lost while the link is down is a gap in a chart, no more)."""
+        while True:
+            await asyncio.sleep(self.settings.metrics_interval_s)
+            await self.publish_metrics()
+
+    async def publish_metrics(self) -> None:
+        for batch in self.metrics.flush(time.time()):
+            if batch.dropped_names and time.monotonic() - self._names_logged >= 60.0:
+                self._names_logged = time.monotonic()
+                log.warning(
+                    "job %s: %d scalar values left out of this window's metrics: its ranks "
+                    "report more than %d names (phalanx.rank.step)",
+                    batch.job,
+                    batch.dropped_names,
+                    wire.MAX_METRIC_NAMES,
+                    extra={"job": batch.job, "event": "metrics_names_dropped"},
+                )
+            if not self.link.connected:
+                self.metrics_dropped += 1
+                continue
+            try:
+                await self.link.publish(
+                    wire.metrics_topic(self.node), wire.encode(batch), qos=0, timeout=2.0
+                )
+                self.metrics_sent += 1
+            except LinkDown as exc:
+                self.metrics_dropped += 1
+                log.debug("metrics of job %s not sent: %s", batch.job, exc)
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -1,4 +1,5 @@
-"""agentd's HTTP server: ``/healthz`` and Prometheus ``/metrics``.
+"""agentd's HTTP server: ``/healthz`` and Prometheus ``/metrics``; HTTPS when
+``http.tls_cert_file`` and ``http.tls_key_file`` are set.
 
 The supervisor reads rank logs here; buddies push and fetch the peer tier's
 checkpoint copies (``agentd.ckpt.peer_routes``), both behind the agent token.
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from agentd.ckpt import add_peer_routes
@@ -75,6 +76,32 @@ class _AgentCollector(Collector):
                 if value is not None:
                     family.add_metric([node, str(g.index)], float(value))
             yield family
+        for name, doc, value in (
+            (
+                "phalanx_progress_reports",
+                "Ranks' step reports taken (phalanx.rank.step)",
+                a.progress.received,
+            ),
+            (
+                "phalanx_progress_garbage",
+                "Datagrams on the progress socket that were no report",
+                a.progress.garbage,
+            ),
+            ("phalanx_metrics_batches_sent", "Training-metrics batches sent", a.metrics_sent),
+            (
+                "phalanx_metrics_batches_dropped",
+                "Training-metrics batches dropped: the link was down",
+                a.metrics_dropped,
+            ),
+            (
+                "phalanx_metrics_names_dropped",
+                "Scalar values left out of metrics batches: past the names cap",
+                a.metrics.dropped_names,
+            ),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["node"])
+            counter.add_metric([node], value)
+            yield counter
         host = a.health.host
         if host is not None:
             for name, doc, value in (
@@ -176,9 +203,10 @@ def _read_slice(path: Path, offset: int, limit: int) -> tuple[bytes, int]:
 async def start_http(agent: Agent) -> AsyncIterator[int]:
     """Serve until the block ends; yields the bound port (useful with port 0)."""
     host, port = agent.settings.http.host, agent.settings.http.port
+    tls = agent.settings.http.server_ssl()  # None: plain HTTP
     async with serve(
         make_app(agent),
-        lambda runner: web.TCPSite(runner, host, port),
-        f"agent HTTP server on {host}:{port}",
+        lambda runner: web.TCPSite(runner, host, port, ssl_context=tls),
+        f"agent HTTP{'S' if tls else ''} server on {host}:{port}",
     ) as runner:
         yield int(runner.addresses[0][1])

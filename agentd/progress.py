@@ -68,6 +68,7 @@ READS_PER_WAKEUP = 256  # datagrams read in one go before the loop runs other wo
 GARBAGE_LOG_EVERY_S = 60.0
 
 Reporter = Callable[[wire.RankEvent], Awaitable[None]]
+OnStep = Callable[[StepReport], None]  # a step report of a job's current generation
 LiveRanks = Callable[[str, int], dict[int, int]]  # (job, generation) -> {rank: pid}, alive
 
 
@@ -139,7 +140,9 @@ class ProgressMonitor:
 
     ``live(job, generation)`` names the ranks of that generation alive on this node and
     their pids (``RankRunner.pids``); ``report`` takes the ``hung`` events (the agent's
-    rank-event outbox). An async context manager: the socket exists inside the block.
+    rank-event outbox); ``on_step`` sees every step report that is not fenced (the
+    agent's training metrics, :mod:`agentd.metrics`). An async context manager: the
+    socket exists inside the block.
     """
 
     def __init__(
@@ -152,6 +155,7 @@ class ProgressMonitor:
         *,
         check_interval_s: float = CHECK_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        on_step: OnStep | None = None,
     ) -> None:
         self.node = node
         self.path = path
@@ -160,6 +164,7 @@ class ProgressMonitor:
         self._live = live
         self._check_interval_s = check_interval_s
         self._clock = clock
+        self._on_step = on_step
         self._gens: dict[tuple[str, int], _Generation] = {}
         self._current: dict[str, int] = {}  # job -> the generation the agent runs
         self._sock: socket.socket | None = None
@@ -379,6 +384,8 @@ class ProgressMonitor:
                     )
                 )
             return
+        if self._on_step is not None:
+            self._on_step(report)
         r = gen.ranks.get(report.rank)
         reply_to = sender or None
         if r is None:

@@ -1,9 +1,11 @@
-"""The peer tier's transport: a buddy node's agent, spoken to over HTTP.
+"""The peer tier's transport: a buddy node's agent, spoken to over HTTP or HTTPS.
 
 The peer tier is an ``ObjectTier`` (zstd on by default: the network is slower
 than zstd) over ``HttpPeerStore``, an ``ObjectStore`` whose objects live in the
 buddy agent's ``DATA_DIR/ckpt-peer`` folder, reached through its HTTP port
-with the fleet's agent token (``http.token_file``). The buddy serves:
+with the fleet's agent token (``http.token_file``); over HTTPS when given an
+``ssl_context`` (the buddy's certificate and its name or address verified against
+it: an agent that serves TLS speaks TLS to its buddies). The buddy serves:
 
 ========  ===============================  =====================================
 PUT       /v1/ckpt/peer/objects/{key}      store the body under ``key`` (temp
@@ -32,6 +34,7 @@ import contextlib
 import http.client
 import json
 import re
+import ssl
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Final, cast
@@ -161,16 +164,29 @@ class HttpPeerStore(ObjectStore):
     parts_in_turn = True  # put_stream sends each part before it asks for the next
 
     def __init__(
-        self, node: str, address: str, port: int, token: str, *, timeout_s: float = 60.0
+        self,
+        node: str,
+        address: str,
+        port: int,
+        token: str,
+        *,
+        timeout_s: float = 60.0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.node = node
         self.address = address
         self.port = port
         self.token = token
         self.timeout_s = timeout_s
-        self.url = f"http://{address}:{port}/v1/ckpt/peer/objects/"
+        self.ssl_context = ssl_context
+        scheme = "https" if ssl_context is not None else "http"
+        self.url = f"{scheme}://{address}:{port}/v1/ckpt/peer/objects/"
 
     def _conn(self) -> http.client.HTTPConnection:
+        if self.ssl_context is not None:
+            return http.client.HTTPSConnection(
+                self.address, self.port, timeout=self.timeout_s, context=self.ssl_context
+            )
         return http.client.HTTPConnection(self.address, self.port, timeout=self.timeout_s)
 
     def _headers(self) -> dict[str, str]:

@@ -17,8 +17,10 @@ good copy. ``--ckpt-digests`` makes every rank log a digest of each state it
 saves and of the state it resumes with (what the tests compare bit for bit).
 Run by hand (no agent), it does not checkpoint.
 
-Every step is reported to the agent with ``phalanx.rank.step`` (loss, tokens, lr),
-which is how the agent sees hung ranks; when the agent asks for a checkpoint
+Every step is reported to the agent with ``phalanx.rank.step`` (the gang's mean
+loss, the gradient norm, this rank's tokens, the lr and the seconds the step waited
+for its batch), which is how the agent sees hung ranks and the supervisor draws the
+run (``phalanx metrics JOB``); when the agent asks for a checkpoint
 (``save_now``, before a preemption) the ranks agree on the step with one small
 all-reduce and save at once, besides the ``--ckpt-every`` cadence, then hold,
 training no further, until the supervisor stops them. Rank 0's last
@@ -214,6 +216,8 @@ def main() -> None:
 
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq).to(device)
     ddp = DistributedDataParallel(model)
+    # Model FLOPs of one training step per token: ~6 per parameter (forward and backward).
+    flops_per_token = 6 * sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     stream = TokenStream(args.vocab, args.seq, args.batch)
@@ -250,11 +254,17 @@ def main() -> None:
     for step in range(start, args.steps):
         if step == args.fail_at_step and rank == args.fail_rank:
             raise RuntimeError(f"injected failure at step {step}")
+        waited = time.perf_counter()
         batch = stream.get(step * world + rank).to(device)
+        waited = time.perf_counter() - waited
         logits = ddp(batch[:, :-1])
         loss = loss_fn(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        # read only (the gradients are the all-reduced ones: the same on every rank)
+        grad_norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in ddp.parameters() if p.grad is not None]
+        ).item()
         opt.step()
         sched.step()
         window_tokens += batch[:, 1:].numel() * world
@@ -264,8 +274,15 @@ def main() -> None:
         if step == start:
             first_loss = mean
         last_loss = mean
-        tokens = batch[:, 1:].numel() * world
-        if phalanx.rank.step(step, loss=mean, tokens=tokens, lr=sched.get_last_lr()[0]):
+        if phalanx.rank.step(
+            step,
+            loss=mean,
+            grad_norm=grad_norm,
+            tokens=batch[:, 1:].numel(),  # this rank's: the supervisor sums over ranks
+            flops=flops_per_token * batch[:, 1:].numel(),  # for the job's MFU
+            lr=sched.get_last_lr()[0],
+            data_wait_s=waited,
+        ):
             save_requests += 1
         if args.step_sleep:
             time.sleep(args.step_sleep)

@@ -1,8 +1,9 @@
 """``phalanx``: the operator's command line.
 
 The fleet commands talk to the supervisor's REST API at ``$PHALANX_API`` with
-the token ``$PHALANX_TOKEN`` (or ``--api`` / ``--token``); ``eval "$(phalanx
-local env)"`` sets both for a local fleet. Tables go to stdout by default,
+the token ``$PHALANX_TOKEN`` (or ``--api`` / ``--token``); an ``https://`` API is
+verified against the CA in ``$PHALANX_CA`` (or ``--ca``), else the system's CA
+store. ``eval "$(phalanx local env)"`` sets them for a local fleet. Tables go to stdout by default,
 stable JSON with ``-o json``; messages go to stderr.
 
 Exit codes:
@@ -21,13 +22,15 @@ import json
 import os
 import sys
 import time
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from phalanx import local
+from phalanx import charts, local, top
 from phalanx.client import ApiError, Client
 from phalanx.jobspec import JobSpecError, load_spec_file
+from phalanx.lineage import code_ref_of
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_REFUSED = 0, 1, 2, 3, 4
 EXIT_JOB_FAILED = 5
@@ -48,7 +51,11 @@ def _client(args: argparse.Namespace) -> Client:
             'fleet: eval "$(phalanx local env)"), or pass --api and --token',
             EXIT_USAGE,
         )
-    return Client(api, token)
+    ca = args.ca or os.environ.get("PHALANX_CA") or None
+    try:
+        return Client(api, token, ca_file=Path(ca) if ca else None)
+    except ApiError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
 
 
 def _call(fn: Any, *a: Any) -> Any:
@@ -156,6 +163,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     body = spec.model_dump(mode="json")
     if not Path(spec.workdir).is_absolute():  # relative to the spec file, as a user reads it
         body["workdir"] = str((Path(args.spec).parent / spec.workdir).resolve())
+    if args.code_ref:
+        body["code_ref"] = {"commit": args.code_ref, "dirty": False}
+    elif spec.code_ref is None:
+        body["code_ref"] = code_ref_of(Path(body["workdir"]))
     job = _call(client.post, "/v1/jobs", {"spec": body})
     print(job["id"])
     print(f"submitted {job['id']} ({spec.world_size} ranks on {spec.nodes} nodes)", file=sys.stderr)
@@ -189,6 +200,17 @@ def _age(ts: float | None) -> str:
         return "-"
     s = int(time.time() - ts)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    client = _client(args)
+
+    def fetch() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        return _call(client.get, "/v1/nodes"), _call(client.get, "/v1/jobs")
+
+    once = args.once or not sys.stdout.isatty()
+    top.run(fetch, interval_s=args.interval, frames=1 if once else None, clear=not once)
+    return EXIT_OK
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
@@ -247,6 +269,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     for incident in j.get("incidents") or []:
         lines.extend(_incident_lines(incident))
+    if (training := charts.summary_line(j.get("summary"))) is not None:
+        lines.append(f"training:    {training}")
+        lines.extend(f"             {s}" for s in charts.straggler_lines(j["summary"]))
     if j.get("recovery"):
         rec = j["recovery"]
         plan = rec.get("plan") or {}
@@ -340,6 +365,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
         time.sleep(0.5)
 
 
+def cmd_metrics(args: argparse.Namespace) -> int:
+    query = f"?names={urllib.parse.quote(args.names, safe=',')}" if args.names else ""
+    data = _call(_client(args).get, f"/v1/jobs/{args.job}/metrics{query}")
+    _emit(args, data, charts.metrics_table(data, width=args.width))
+    return EXIT_OK
+
+
 def _size(n: int) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB"):
@@ -357,10 +389,18 @@ def cmd_ckpt_ls(args: argparse.Namespace) -> int:
         committed += [t for t in s["committed"] if t not in committed]
         partial = [f"{t}({n}/{cat['world_size']})" for t, n in sorted(s["partial"].items())]
         size = max(s["bytes"].values(), default=0)
+        loss = s.get("loss")
         rows.append(
-            [str(s["step"]), ",".join(committed) or "-", " ".join(partial) or "-", _size(size)]
+            [
+                str(s["step"]),
+                ",".join(committed) or "-",
+                " ".join(partial) or "-",
+                _size(size),
+                f"{loss:.4g}" if isinstance(loss, int | float) else str(loss or "-"),
+            ]
         )
-    _emit(args, cat, _table(rows, ["STEP", "COMMITTED", "PARTIAL", "SIZE"]))
+    table = _table(rows, ["STEP", "COMMITTED", "PARTIAL", "SIZE", "LOSS"])
+    _emit(args, cat, "\n".join([*charts.lineage_lines(cat.get("lineage") or {}), table]))
     return EXIT_OK
 
 
@@ -381,6 +421,7 @@ def cmd_local_up(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         broker=args.broker,
         spares=args.spares,
+        tls=args.tls,
     )
     print(
         f"local fleet up: API {fleet.api}; point the CLI at it with:\n"
@@ -395,6 +436,8 @@ def cmd_local_env(args: argparse.Namespace) -> int:
     fleet = local.Fleet.load(Path(args.dir).absolute())
     print(f"export PHALANX_API={fleet.api}")
     print(f"export PHALANX_TOKEN={fleet.token}")
+    # A fleet without TLS unsets a CA left over from another one.
+    print(f"export PHALANX_CA={fleet.ca}" if fleet.ca else "unset PHALANX_CA")
     print(f"export PHALANX_LOCAL_DIR={fleet.dir}")
     return EXIT_OK
 
@@ -440,6 +483,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--api", help="supervisor URL (default: $PHALANX_API)")
     p.add_argument("--token", help="API token (default: $PHALANX_TOKEN)")
+    p.add_argument(
+        "--ca",
+        help="CA bundle (PEM) that signed the supervisor's certificate, for an https:// API "
+        "(default: $PHALANX_CA, else the system's CA store)",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     def out(sp: argparse.ArgumentParser) -> None:
@@ -475,7 +523,17 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="wait for the job to end; exit 0 if it succeeded, 5 otherwise",
     )
+    sp.add_argument(
+        "--code-ref",
+        metavar="REF",
+        help="the code version to record with the job (default: the spec's code_ref, else "
+        "the git commit of its workdir and whether the tree was dirty)",
+    )
     sp.set_defaults(fn=cmd_submit)
+    sp = sub.add_parser("top", help="the fleet and its jobs, refreshed in place (Ctrl-C quits)")
+    sp.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    sp.add_argument("--once", action="store_true", help="print one frame and exit")
+    sp.set_defaults(fn=cmd_top)
     sp = sub.add_parser("jobs", help="list jobs, their state and why pending ones wait")
     out(sp)
     sp.set_defaults(fn=cmd_jobs)
@@ -492,6 +550,13 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--rank", type=int, default=0)
     sp.add_argument("-f", "--follow", action="store_true")
     sp.set_defaults(fn=cmd_logs)
+
+    sp = sub.add_parser("metrics", help="a job's training metrics: latest values and charts")
+    sp.add_argument("job")
+    sp.add_argument("--names", help="comma-separated series (default: every one)")
+    sp.add_argument("--width", type=int, default=40, help="chart width in characters")
+    out(sp)
+    sp.set_defaults(fn=cmd_metrics)
 
     cp = sub.add_parser("ckpt", help="a job's checkpoints")
     csub = cp.add_subparsers(dest="ckpt_command", required=True)
@@ -521,6 +586,12 @@ def parser() -> argparse.ArgumentParser:
         help="idle nodes the supervisor holds back as hot spares for recovery",
     )
     sp.add_argument("--timeout", type=float, default=60.0)
+    sp.add_argument(
+        "--tls",
+        action="store_true",
+        help="HTTPS everywhere (API, agents' peer tier and logs) with a throw-away CA and "
+        "certificates made under DIR/tls",
+    )
     sp.add_argument(
         "--broker",
         choices=["auto", "mosquitto", "embedded"],

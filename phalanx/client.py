@@ -1,11 +1,20 @@
-"""A small synchronous client of the supervisor's REST API, for the CLI and tests."""
+"""A small synchronous client of the supervisor's REST API, for the CLI and tests.
+
+An ``https://`` API is verified against ``ca_file`` (the CLI's ``PHALANX_CA`` or
+``--ca``), or the system's CA store when none is given; never without verification.
+"""
 
 from __future__ import annotations
 
+import http.client
 import json
+import ssl
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
+
+from phalanx.tls import client_context
 
 
 class ApiError(RuntimeError):
@@ -17,10 +26,21 @@ class ApiError(RuntimeError):
 
 
 class Client:
-    def __init__(self, base_url: str, token: str, *, timeout: float = 10.0) -> None:
+    def __init__(
+        self, base_url: str, token: str, *, timeout: float = 10.0, ca_file: Path | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.timeout = timeout
+        self.ca_file = ca_file
+        self._tls: ssl.SSLContext | None = None
+        if self.base_url.startswith("https://"):
+            try:
+                self._tls = client_context(ca_file)
+            except (ssl.SSLError, OSError) as exc:
+                raise ApiError(
+                    0, f"cannot use {ca_file} as the CA of the supervisor's certificate: {exc}"
+                ) from None
 
     def get(self, path: str) -> Any:
         return self._call("GET", path, None)
@@ -31,7 +51,7 @@ class Client:
             f"{self.base_url}{path}", headers={"Authorization": f"Bearer {self.token}"}
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout, context=self._tls) as resp:
                 return resp.read(), int(resp.headers.get("X-Phalanx-Offset", "0"))
         except urllib.error.HTTPError as exc:
             raise self._http_error(exc) from None
@@ -50,7 +70,7 @@ class Client:
             headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout, context=self._tls) as resp:
                 return json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as exc:
             raise self._http_error(exc) from None
@@ -67,6 +87,26 @@ class Client:
 
     def _unreachable(self, exc: OSError) -> ApiError:
         reason = getattr(exc, "reason", exc)
+        if isinstance(reason, ssl.SSLCertVerificationError):
+            trust = f"the CA in {self.ca_file}" if self.ca_file else "the system's CA store"
+            return ApiError(
+                0,
+                f"the supervisor at {self.base_url} presented a certificate that {trust} "
+                f"does not accept ({reason.verify_message}); point PHALANX_CA (or --ca) at "
+                "the CA that signed the supervisor's certificate",
+            )
+        if isinstance(reason, ssl.SSLError):
+            return ApiError(
+                0,
+                f"no TLS connection to the supervisor at {self.base_url} "
+                f"({reason.reason or reason}): does it serve HTTPS (api.tls_cert_file)?",
+            )
+        if isinstance(reason, http.client.RemoteDisconnected) and self._tls is None:
+            return ApiError(
+                0,
+                f"the supervisor at {self.base_url} closed the connection without an answer: "
+                "if it serves HTTPS (api.tls_cert_file), use an https:// URL",
+            )
         return ApiError(
             0,
             f"cannot reach the supervisor at {self.base_url}: {reason} "

@@ -150,6 +150,24 @@ class RestartSpec(_Spec):
         return parse_duration(value)
 
 
+class CodeRef(_Spec):
+    """The code a job runs: ``phalanx submit`` fills it from the workdir's git checkout
+    when the spec has none (``--code-ref`` overrides it)."""
+
+    commit: str = Field(
+        min_length=1, max_length=128, description="A git commit (or any version string)."
+    )
+    dirty: bool = Field(
+        default=False, description="The tree had uncommitted changes when it was submitted."
+    )
+    source: str | None = Field(
+        default=None, max_length=1024, description="Where the code lives (a repository URL)."
+    )
+
+
+HyperValue = Annotated[str, Field(max_length=1024)] | int | float | bool
+
+
 class JobSpec(_Spec):
     name: str = Field(pattern=JOB_NAME_PATTERN, description="Lower-case name, used in job ids.")
     team: str = Field(min_length=1, max_length=64, description="Team charged for the GPUs.")
@@ -170,6 +188,14 @@ class JobSpec(_Spec):
     )
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     restart: RestartSpec = Field(default_factory=RestartSpec)
+    # Lineage: what made this job's checkpoints (shown with them by `phalanx ckpt ls`).
+    code_ref: CodeRef | None = Field(default=None, description="The code the job runs.")
+    data_snapshot: str | None = Field(
+        default=None, max_length=1024, description="The data it trains on (a snapshot id)."
+    )
+    hyperparams: dict[Annotated[str, Field(max_length=128)], HyperValue] = Field(
+        default_factory=dict, max_length=256, description="Its hyperparameters, by name."
+    )
 
     @field_validator("max_runtime", mode="before")
     @classmethod
@@ -200,6 +226,11 @@ class JobSpec(_Spec):
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    def lineage(self) -> dict[str, Any]:
+        """What made the job's checkpoints: its code, data snapshot and hyperparameters."""
+        data = self.model_dump(mode="json", include={"code_ref", "data_snapshot", "hyperparams"})
+        return data
 
     def redacted(self) -> dict[str, Any]:
         """The spec as the API and logs show it: file-backed env values stay references."""

@@ -9,6 +9,9 @@
     DIR/nodes/NODE/         agentd.toml, the sim GPU file, the agent's data dir
     DIR/logs/ROLE.log       every process's output
     DIR/objects/            the checkpoint object store every agent shares (a folder)
+    DIR/tls/                with ``--tls``: a throw-away CA (ca.pem, exported as
+                            PHALANX_CA by ``phalanx local env``) and the certificates
+                            of the supervisor's API and of every agent's HTTP
 
 It is what the README's demo runs and what the integration tests build on.
 """
@@ -27,9 +30,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx.client import ApiError, Client
+
+if TYPE_CHECKING:
+    from phalanx.certs import Authority, Issued
 
 DEFAULT_DIR = Path(os.environ.get("PHALANX_LOCAL_DIR", ".phalanx-local"))
 
@@ -67,6 +73,7 @@ class Fleet:
     token: str
     broker_port: int
     processes: list[Proc]
+    ca: str = ""  # the CA of the fleet's HTTPS (``--tls``); empty: plain HTTP
 
     @property
     def path(self) -> Path:
@@ -93,7 +100,7 @@ class Fleet:
         return cls(**data)
 
     def client(self) -> Client:
-        return Client(self.api, self.token, timeout=5.0)
+        return Client(self.api, self.token, timeout=5.0, ca_file=Path(self.ca) if self.ca else None)
 
     def sim_file(self, node: str) -> Path:
         path = self.path / "nodes" / node / "data" / "sim-gpus.json"
@@ -214,9 +221,11 @@ def up(
     timeout: float = 60.0,
     broker: str = "auto",
     spares: int = 0,
+    tls: bool = False,
 ) -> Fleet:
     """Start a fleet and return once every agent is up in the supervisor; ``spares`` of
-    its idle nodes are held back as hot spares."""
+    its idle nodes are held back as hot spares. With ``tls`` every HTTP hop is HTTPS,
+    with a throw-away CA and certificates made under ``DIR/tls``."""
     directory = directory.absolute()
     existing: Fleet | None = None
     with contextlib.suppress(LocalFleetError):
@@ -225,7 +234,7 @@ def up(
         raise LocalFleetError(
             f"a local fleet is already running in {directory}; stop it with `phalanx local down`"
         )
-    for sub in ("supervisor", "nodes", "broker"):
+    for sub in ("supervisor", "nodes", "broker", "tls"):
         shutil.rmtree(directory / sub, ignore_errors=True)
     (directory / "logs").mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(24)
@@ -236,7 +245,20 @@ def up(
     agent_token_file.write_text(secrets.token_urlsafe(24))
     agent_token_file.chmod(0o600)
     broker_port, api_port = free_port(), free_port()
-    fleet = Fleet(str(directory), f"http://127.0.0.1:{api_port}", token, broker_port, [])
+    authority: Authority | None = None
+    if tls:  # cryptography is imported only where it is used
+        from phalanx.certs import make_authority
+
+        authority = make_authority(directory / "tls")
+    scheme = "https" if tls else "http"
+    fleet = Fleet(
+        str(directory),
+        f"{scheme}://127.0.0.1:{api_port}",
+        token,
+        broker_port,
+        [],
+        ca=str(authority.ca) if authority else "",
+    )
     try:
         broker_proc = start_broker(directory, broker_port, broker)
         fleet.processes.append(broker_proc)
@@ -245,13 +267,20 @@ def up(
 
         sup_dir = directory / "supervisor"
         sup_dir.mkdir(parents=True)
+        api_tls = authority.issue("supervisor") if authority else None
         (sup_dir / "supervisor.toml").write_text(
             f'state_dir = "{sup_dir / "state"}"\n'
             f"offline_after_s = {offline_after_s}\n"
             f"spares = {spares}\n"
             f'agent_token_file = "{agent_token_file}"\n'
-            f"[mqtt]\nport = {broker_port}\nkeepalive_s = 5\n"
+            + (f'agent_tls = true\nagent_ca_file = "{authority.ca}"\n' if authority else "")
+            + f"[mqtt]\nport = {broker_port}\nkeepalive_s = 5\n"
             f'[api]\nport = {api_port}\ntoken_file = "{token_file}"\n'
+            + (
+                f'tls_cert_file = "{api_tls.cert}"\ntls_key_file = "{api_tls.key}"\n'
+                if api_tls
+                else ""
+            )
         )
         sup = _spawn(
             [sys.executable, "-m", "supervisor", "--config", str(sup_dir / "supervisor.toml")],
@@ -276,6 +305,8 @@ def up(
                     heartbeat_s=heartbeat_s,
                     token_file=agent_token_file,
                     object_store=directory / "objects",
+                    tls=authority.issue(node) if authority else None,
+                    ca=authority.ca if authority else None,
                 )
             )
             # Ranks find this Python (and its torch) first on PATH, as in an activated venv.
@@ -307,9 +338,12 @@ def agent_toml(
     heartbeat_s: float,
     token_file: Path | None = None,
     object_store: Path | None = None,
+    tls: Issued | None = None,
+    ca: Path | None = None,
 ) -> str:
     """An agent's config; ``object_store`` is the folder every node's object tier shares
-    (so any node restores from it), as an S3 bucket would be."""
+    (so any node restores from it), as an S3 bucket would be. With ``tls`` the agent
+    serves HTTPS with that certificate, and verifies its peers against ``ca``."""
     return (
         f'node_id = "{node}"\naddress = "127.0.0.1"\nrack = "{rack}"\n'
         f'data_dir = "{data_dir}"\nheartbeat_interval_s = {heartbeat_s}\n'
@@ -319,6 +353,8 @@ def agent_toml(
         "disk_drain_bytes = 0\ndisk_warn_fraction = 0.0\nload_warn_per_cpu = 64\n"
         'mem_warn_fraction = 0.0\n[http]\nhost = "127.0.0.1"\nport = 0\n'
         + (f'token_file = "{token_file}"\n' if token_file else "")
+        + (f'tls_cert_file = "{tls.cert}"\ntls_key_file = "{tls.key}"\n' if tls else "")
+        + (f'tls_ca_file = "{ca}"\n' if tls and ca else "")
         + (f'[ckpt]\nobject_store = "{object_store.absolute().as_uri()}"\n' if object_store else "")
     )
 

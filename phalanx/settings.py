@@ -20,12 +20,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import ssl
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
@@ -34,6 +43,8 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from phalanx.tls import check_readable, check_server_pair, server_context
+
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the field or file."""
@@ -41,6 +52,48 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class ServerTls(_Section):
+    """The two fields with which an HTTP server serves HTTPS: both or neither."""
+
+    tls_cert_file: Path | None = Field(
+        default=None,
+        description="PEM certificate (chain) to serve HTTPS with, together with "
+        "`tls_key_file`. Its subject alternative names must cover the name or address "
+        "clients dial (an agent's advertised `address`: an IP SAN does). Unset: plain HTTP.",
+    )
+    tls_key_file: Path | None = Field(
+        default=None, description="The private key of `tls_cert_file` (PEM, unencrypted)."
+    )
+
+    @field_validator("tls_cert_file", "tls_key_file")
+    @classmethod
+    def _readable(cls, path: Path | None) -> Path | None:
+        return None if path is None else check_readable(path)
+
+    @model_validator(mode="after")
+    def _pair(self) -> ServerTls:
+        cert, key = self.tls_cert_file, self.tls_key_file
+        if (cert is None) != (key is None):
+            given, missing = ("tls_cert_file", "tls_key_file")[:: 1 if key is None else -1]
+            raise ValueError(f"{given} is set but {missing} is not: HTTPS needs both")
+        if cert is not None and key is not None:
+            try:
+                check_server_pair(cert, key)
+            except ValueError as exc:
+                raise ValueError(f"tls_cert_file, tls_key_file: {exc}") from exc
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+    def server_ssl(self) -> ssl.SSLContext | None:
+        """The context to serve with; ``None``: plain HTTP."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        return server_context(self.tls_cert_file, self.tls_key_file)
 
 
 class MqttSettings(_Section):

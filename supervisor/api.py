@@ -23,6 +23,10 @@ GET      /v1/jobs/{id}/logs            ``?rank=N&offset=K&limit=L``: bytes of a 
                                        to go on, ``X-Phalanx-Size`` the log's size
 GET      /v1/jobs/{id}/checkpoints     the catalog: every step with a shard somewhere,
                                        the tiers it is committed at, partial tiers
+GET      /v1/jobs/{id}/metrics         ``?names=loss,grad_norm&since=TS&step_from=N``: the
+                                       job's training series (``supervisor.metrics``),
+                                       each point ``[step, ts, value, min, max, n]``
+GET      /metrics                      Prometheus (``supervisor.prom``), behind the token
 GET      /v1/events                    ``?node=ID&job=ID&limit=N&after=ID``
 GET      /v1/stats                     counters (heartbeats handled, bad messages)
 =======  ============================  ==========================================
@@ -31,20 +35,27 @@ Every other path needs the bearer token, or the dashboard's session cookie; a re
 that changes state on the cookie's word must carry ``X-Phalanx-CSRF: 1`` too (403
 otherwise, see :mod:`supervisor.dashboard.session`).
 
+It serves HTTPS with ``api.tls_cert_file`` and ``api.tls_key_file``, and fetches rank
+logs from the agents over HTTPS with ``agent_tls`` (verified against ``agent_ca_file``).
+
 Errors are ``{"error": "message"}`` with a 4xx/5xx status; :data:`HTTP_STATUS` says
 which error of :mod:`supervisor.errors` answers which.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import logging
+import math
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import generate_latest
 
 from phalanx import wire
 from phalanx.http import bearer_ok, json_body, serve
@@ -63,10 +74,16 @@ from supervisor.errors import (
     UnknownJob,
     UnknownNode,
 )
+from supervisor.metrics import MAX_SERIES, TrainingMetrics, json_number
+from supervisor.prom import registry_of
 from supervisor.registry import Node, Registry
+from supervisor.series import Point
 from supervisor.store import Store
 
 log = logging.getLogger(__name__)
+
+_SERIES_NAME = re.compile(wire.SCALAR_NAME_PATTERN)
+POINT_COLUMNS = ("step", "ts", "value", "min", "max", "n")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -89,6 +106,7 @@ class Backend(Protocol):
     catalog: CheckpointCatalog
     commands: Commands
     link: MqttLink
+    metrics: TrainingMetrics
     bad_messages: int
 
 
@@ -133,6 +151,8 @@ def gauge_summary(health: wire.Health) -> dict[str, Any]:
 
 def make_app(sup: Backend) -> web.Application:
     token = sup.token.encode()
+    agent_tls = sup.settings.agent_ssl()  # how rank logs are fetched from the agents
+    agent_scheme = "https" if agent_tls is not None else "http"
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -249,12 +269,71 @@ def make_app(sup: Backend) -> web.Application:
         return web.json_response(job.view(), status=201)
 
     async def jobs(request: web.Request) -> web.Response:
+        # The training summary of the jobs that still train only: the list grows with the
+        # job history, and each summary costs queries (GET /v1/jobs/{id} has it always).
         return web.json_response(
-            [j.view() for j in sorted(sup.jobs.jobs.values(), key=lambda j: j.submitted_at)]
+            [
+                j.view(summary=None if j.state.final else sup.metrics.summary(j.id))
+                for j in sorted(sup.jobs.jobs.values(), key=lambda j: j.submitted_at)
+            ]
         )
 
     async def job(request: web.Request) -> web.Response:
-        return web.json_response(sup.jobs.get(request.match_info["id"]).view())
+        found = sup.jobs.get(request.match_info["id"])
+        return web.json_response(found.view(summary=sup.metrics.summary(found.id)))
+
+    async def metrics(request: web.Request) -> web.Response:
+        found = sup.jobs.get(request.match_info["id"])
+        q = request.query
+        names: list[str] | None = None
+        if "names" in q:
+            names = [n for n in q["names"].split(",") if n]
+            bad = [n for n in names if not _SERIES_NAME.match(n)]
+            if bad or not names or len(names) > MAX_SERIES:
+                return _error(
+                    400,
+                    f"query 'names': a comma-separated list of at most {MAX_SERIES} series "
+                    f"names (identifiers){f'; not one: {bad[0][:80]!r}' if bad else ''}",
+                )
+        since: float | None = None
+        if "since" in q:
+            try:
+                since = float(q["since"])
+            except ValueError:
+                since = math.nan
+            if not math.isfinite(since):
+                return _error(400, "query 'since': a time in seconds since the epoch")
+        step_from: int | None = None
+        if "step_from" in q:
+            try:
+                step_from = int(q["step_from"])
+            except ValueError:
+                step_from = -1
+            if not 0 <= step_from <= wire.MAX_STEP:
+                return _error(400, f"query 'step_from': an integer in [0, {wire.MAX_STEP}]")
+        series = sup.store.series(found.id, names, since=since, step_from=step_from)
+        return web.json_response(
+            {
+                "job": found.id,
+                "generation": found.generation,
+                "columns": list(POINT_COLUMNS),
+                "series": {
+                    name: [
+                        [
+                            p.step,
+                            p.ts,
+                            json_number(p.value),
+                            json_number(p.low),
+                            json_number(p.high),
+                            p.n,
+                        ]
+                        for p in points
+                    ]
+                    for name, points in series.items()
+                },
+                "summary": sup.metrics.summary(found.id),
+            }
+        )
 
     async def cancel(request: web.Request) -> web.Response:
         return web.json_response(sup.jobs.cancel(request.match_info["id"]).view())
@@ -276,12 +355,15 @@ def make_app(sup: Backend) -> web.Application:
         if node.birth is None:
             return _error(503, f"node {place.node} has not announced its address")
         url = (
-            f"http://{node.birth.address}:{node.birth.http_port}/v1/jobs/{found.id}/ranks/"
+            f"{agent_scheme}://{node.birth.address}:{node.birth.http_port}/v1/jobs/{found.id}/ranks/"
             f"{rank}/log?offset={offset}&limit={limit}"
         )
         try:
             async with (
-                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http,
+                aiohttp.ClientSession(
+                    timeout=aiohttp.ClientTimeout(total=10),
+                    connector=aiohttp.TCPConnector(ssl=agent_tls or True),
+                ) as http,
                 http.get(url, headers={"Authorization": f"Bearer {sup.agent_token}"}) as resp,
             ):
                 data = await resp.read()
@@ -308,9 +390,10 @@ def make_app(sup: Backend) -> web.Application:
 
     async def checkpoints(request: web.Request) -> web.Response:
         found = sup.jobs.get(request.match_info["id"])
-        return web.json_response(
-            sup.catalog.view(found.id, found.spec.world_size, found.spec.checkpoint.tiers)
-        )
+        view = sup.catalog.view(found.id, found.spec.world_size, found.spec.checkpoint.tiers)
+        view["lineage"] = found.spec.lineage()
+        add_losses(view["steps"], sup.store.series(found.id, ["loss"]).get("loss", []))
+        return web.json_response(view)
 
     async def stats(request: web.Request) -> web.Response:
         return web.json_response(
@@ -321,10 +404,21 @@ def make_app(sup: Backend) -> web.Application:
                 "mqtt_connects": sup.link.connects,
                 "jobs": len(sup.jobs.jobs),
                 "last_schedule_pass_s": sup.jobs.last_pass_s,
+                "metrics_batches": sup.metrics.batches,
+                "metrics_dropped": sup.metrics.dropped,
             }
         )
 
+    prometheus = registry_of(sup)
+
+    async def prometheus_metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(prometheus),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
     app = web.Application(middlewares=[guard, compress], client_max_size=64 * 1024)
+    app.router.add_get("/metrics", prometheus_metrics)
     app.router.add_get("/healthz", healthz)
     public = dashboard.add_routes(app, token)
     app.router.add_get("/v1/nodes", nodes)
@@ -340,16 +434,30 @@ def make_app(sup: Backend) -> web.Application:
     app.router.add_post("/v1/jobs/{id}/cancel", cancel)
     app.router.add_get("/v1/jobs/{id}/logs", logs)
     app.router.add_get("/v1/jobs/{id}/checkpoints", checkpoints)
+    app.router.add_get("/v1/jobs/{id}/metrics", metrics)
     return app
 
 
 @contextlib.asynccontextmanager
 async def start_api(sup: Backend) -> AsyncIterator[int]:
     api = sup.settings.api
+    tls = api.server_ssl()  # None: plain HTTP
     async with serve(
         make_app(sup),
-        lambda runner: web.TCPSite(runner, api.host, api.port),
-        f"supervisor API on {api.host}:{api.port}",
+        lambda runner: web.TCPSite(runner, api.host, api.port, ssl_context=tls),
+        f"supervisor API ({'https' if tls else 'http'}) on {api.host}:{api.port}",
         shutdown_timeout=SHUTDOWN_S,
     ) as runner:
         yield int(runner.addresses[0][1])
+
+
+def add_losses(steps: list[dict[str, Any]], losses: list[Point]) -> None:
+    """Each checkpoint step's loss: the loss series' point at that step or the nearest
+    before it (``loss_step`` says which; the newest such point after a roll-back)."""
+    ordered = sorted(losses, key=lambda p: (p.step, p.ts))
+    at = [p.step for p in ordered]
+    for entry in steps:
+        i = bisect.bisect_right(at, entry["step"])
+        point = ordered[i - 1] if i else None
+        entry["loss"] = json_number(point.value) if point is not None else None
+        entry["loss_step"] = point.step if point is not None else None

@@ -5,22 +5,22 @@ Precedence as in :mod:`phalanx.settings`: flags > environment > file > defaults.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from phalanx.settings import ConfigError, MqttSettings, load_settings
+from phalanx.settings import ConfigError, MqttSettings, ServerTls, load_settings
+from phalanx.tls import check_ca_file, client_context
 
 DEFAULT_CONFIG = Path("/etc/phalanx/supervisor.toml")
 ENV_PREFIX = "PHALANX_SUPERVISOR_"
 
 
-class ApiSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ApiSettings(ServerTls):
     host: str = Field(default="127.0.0.1", description="Address the REST API binds.")
     port: int = Field(default=8740, ge=0, le=65535, description="REST API port (0: any).")
     token: SecretStr | None = Field(default=None, description="Bearer token the CLI presents.")
@@ -56,6 +56,29 @@ class SupervisorSettings(BaseSettings):
         description="Longest time between scheduling passes (a submit, a "
         "job's end or a node change also start one).",
     )
+    metrics_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=300,
+        description="Seconds between writes of the jobs' training metrics: one point per "
+        "series and job (supervisor.metrics).",
+    )
+    straggler_margin: float = Field(
+        default=0.2,
+        gt=0,
+        description="A rank is a straggler when its step time stays above the gang's median "
+        "by this fraction (0.2: 20% slower) ...",
+    )
+    straggler_windows: int = Field(
+        default=6,
+        ge=1,
+        description="... for this many metrics intervals in a row.",
+    )
+    gpu_peak_flops: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
+        default_factory=dict,
+        description="Peak FLOP/s of one GPU by its exact model name, for a job's MFU; models "
+        "not named here use supervisor.mfu.PEAKS (dense BF16 figures of known GPUs).",
+    )
     spares: int = Field(default=0, ge=0, description="Healthy idle nodes held back as hot spares.")
     ckpt_node_mtbf_h: float = Field(
         default=5000.0,
@@ -86,6 +109,16 @@ class SupervisorSettings(BaseSettings):
         description="The agents' HTTP token (the same file as their "
         "http.token_file), used to fetch rank logs.",
     )
+    agent_tls: bool = Field(
+        default=False,
+        description="Reach the agents' HTTP (rank logs) over HTTPS: set it when the agents "
+        "serve TLS (their http.tls_cert_file).",
+    )
+    agent_ca_file: Path | None = Field(
+        default=None,
+        description="CA bundle that signed the agents' HTTP certificates (needs agent_tls); "
+        "unset: the system's CA store.",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_json: bool = Field(default=False, description="Log JSON lines instead of text.")
     mqtt: MqttSettings = Field(default_factory=MqttSettings)
@@ -95,6 +128,24 @@ class SupervisorSettings(BaseSettings):
     @classmethod
     def _absolute(cls, value: Path) -> Path:
         return value.expanduser().absolute()
+
+    @field_validator("agent_ca_file")
+    @classmethod
+    def _ca_readable(cls, path: Path | None) -> Path | None:
+        return None if path is None else check_ca_file(path)
+
+    @model_validator(mode="after")
+    def _ca_needs_tls(self) -> SupervisorSettings:
+        if self.agent_ca_file is not None and not self.agent_tls:
+            raise ValueError(
+                "agent_ca_file is set but agent_tls is not: set agent_tls = true to reach "
+                "the agents over HTTPS"
+            )
+        return self
+
+    def agent_ssl(self) -> ssl.SSLContext | None:
+        """What the supervisor verifies agents with; ``None``: plain HTTP."""
+        return client_context(self.agent_ca_file) if self.agent_tls else None
 
     def api_token(self) -> str:
         if self.api.token_file is not None:

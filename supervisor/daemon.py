@@ -16,6 +16,8 @@ from supervisor.catalog import CheckpointCatalog
 from supervisor.commands import Commands
 from supervisor.config import SupervisorSettings
 from supervisor.controller import JobController
+from supervisor.errors import StoreError
+from supervisor.metrics import TrainingMetrics
 from supervisor.publisher import CatalogPublisher
 from supervisor.registry import Registry
 from supervisor.store import Store
@@ -80,11 +82,25 @@ class Supervisor:
             publisher=self.publisher,
             offline_confirmed=self.offline_confirmed,
         )
+        self.metrics = TrainingMetrics(
+            self.store,
+            self.jobs.jobs.get,
+            interval_s=settings.metrics_interval_s,
+            straggler_margin=settings.straggler_margin,
+            straggler_windows=settings.straggler_windows,
+            gpu_model=self._gpu_model,
+            gpu_peaks=settings.gpu_peak_flops,
+        )
         self.api_port = 0
         # What takes work: the REST API and the loops (timeouts, scheduling passes).
         self._serving = contextlib.AsyncExitStack()
         self._loops: list[asyncio.Task[None]] = []
         self._linked = False
+
+    def _gpu_model(self, node: str) -> str | None:
+        found = self.registry.nodes.get(node)
+        birth = found.birth if found is not None else None
+        return birth.gpus[0].model if birth is not None and birth.gpus else None
 
     async def __aenter__(self) -> Supervisor:
         try:
@@ -94,6 +110,7 @@ class Supervisor:
             group = await self._serving.enter_async_context(asyncio.TaskGroup())
             self._loops.append(group.create_task(supervised("timeouts", self._timeout_loop)))
             self._loops.append(group.create_task(supervised("jobs", self.jobs.loop)))
+            self._loops.append(group.create_task(supervised("metrics", self.metrics.loop)))
             self.jobs.resume()
         except BaseException:
             for task in self._loops:
@@ -172,6 +189,10 @@ class Supervisor:
                 await self.link.__aexit__(exc_type, exc, tb)
         finally:
             self.publisher.close()
+            try:
+                self.metrics.flush()  # the windows heard since the last flush
+            except StoreError as exc:
+                log.error("the last metrics were not written: %s", exc)
             self.store.close()
 
     async def _on_connect(self) -> None:
@@ -226,6 +247,8 @@ class Supervisor:
                         self.jobs.wake()
             case wire.RankEvent():
                 self.jobs.on_rank_event(msg)
+            case wire.MetricsBatch():
+                self.metrics.on_batch(msg)
             case wire.CkptLanding():
                 self.publisher.on_landing(msg)
             case wire.CkptReleased():

@@ -144,8 +144,9 @@ class Job:
         if to.final:
             self.ended_at = time.time()
 
-    def view(self) -> dict[str, Any]:
-        """The job as the API and ``phalanx status -o json`` show it (stable keys)."""
+    def view(self, summary: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The job as the API and ``phalanx status -o json`` show it (stable keys);
+        ``summary``: its latest training figures (``TrainingMetrics.summary``)."""
         return {
             "id": self.id,
             "name": self.spec.name,
@@ -182,6 +183,7 @@ class Job:
             "recovery": self.recovery,
             "incidents": self.incidents[-MAX_INCIDENTS_SHOWN:],
             "goodput": self.goodput(),
+            "summary": summary,
             "spec": self.spec.redacted(),
         }
 

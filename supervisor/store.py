@@ -1,7 +1,8 @@
 """The supervisor's persistent store: SQLite under the state directory.
 
 Only what must survive a restart is written: a node's identity, its drain and
-last known health and state, and the event log. Heartbeats that change
+last known health and state, the event log, the checkpoint catalog, and the jobs'
+downsampled metric series (``supervisor.series_rows``). Heartbeats that change
 nothing never touch the disk. Writes are small and synchronous (WAL mode), so
 that a change acknowledged to an operator is on disk.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.errors import StoreError
+from supervisor.series_rows import SERIES_SCHEMA, SeriesRows
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -129,7 +131,7 @@ class CatalogQueries:
         return {str(r[0]) for r in rows}
 
 
-class Store(CatalogQueries):
+class Store(CatalogQueries, SeriesRows):
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
@@ -138,6 +140,7 @@ class Store(CatalogQueries):
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(SCHEMA)
+            self._db.executescript(SERIES_SCHEMA)
             columns = {r[1] for r in self._db.execute("PRAGMA table_info(ckpt_shards)")}
             if "generation" not in columns:  # a store from before landings had one
                 self._db.execute(

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from phalanx.certs import Authority, make_authority
 from phalanx.client import ApiError, Client
 from phalanx.local import agent_toml, find_mosquitto, free_port, write_mosquitto_conf
 
@@ -227,11 +228,14 @@ class CuttableLink:
 
 
 class Fleet:
-    """Broker + supervisor + agents for one test, each a real process."""
+    """Broker + supervisor + agents for one test, each a real process. With ``tls`` every
+    HTTP hop is HTTPS: a throw-away CA (``authority``, as ``phalanx local up --tls`` makes)
+    signs the API's and each agent's certificate (IP SAN 127.0.0.1)."""
 
-    def __init__(self, root: Path, broker: Broker) -> None:
+    def __init__(self, root: Path, broker: Broker, *, tls: bool = False) -> None:
         self.root = root
         self.broker = broker
+        self.authority: Authority | None = make_authority(root / "tls") if tls else None
         self.supervisor: Process | None = None
         self.api_port = 0
         self.agents: dict[str, Process] = {}
@@ -254,13 +258,18 @@ class Fleet:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "token").write_text(TOKEN)
         conf = directory / "supervisor.toml"
+        tls_top, tls_api = "", ""
+        if self.authority is not None:
+            files = self.authority.issue("supervisor")
+            tls_top = f'agent_tls = true\nagent_ca_file = "{self.authority.ca}"\n'
+            tls_api = f'tls_cert_file = "{files.cert}"\ntls_key_file = "{files.key}"\n'
         conf.write_text(
             f'state_dir = "{directory / "state"}"\noffline_after_s = {offline_after_s}\n'
             f'agent_token_file = "{self.agent_token_file()}"\nschedule_interval_s = 0.5\n'
-            f"spares = {spares}\n{extra}"
+            f"spares = {spares}\n{tls_top}{extra}"
             f"[mqtt]\nport = {self.broker.port}\nkeepalive_s = {keepalive_s}\n"
             "reconnect_max_s = 1.0\n"
-            f'[api]\nport = {self.api_port}\ntoken_file = "{directory / "token"}"\n'
+            f'[api]\nport = {self.api_port}\ntoken_file = "{directory / "token"}"\n{tls_api}'
         )
         self.supervisor = Process(
             "supervisor",
@@ -280,7 +289,10 @@ class Fleet:
         via: CuttableLink | None = None,
         extra: str = "",
         rack: str = "rack1",
+        top: str = "",
     ) -> Process:
+        """``extra`` goes at the end of the config (in its last section, ``[ckpt]``);
+        ``top`` at its start, for top-level settings."""
         directory = self.root / "nodes" / node
         directory.mkdir(parents=True, exist_ok=True)
         port = via.port if via is not None else self.broker.port
@@ -294,12 +306,14 @@ class Fleet:
             heartbeat_s=heartbeat_s,
             token_file=self.agent_token_file(),
             object_store=self.root / "objects",
+            tls=self.authority.issue(node) if self.authority else None,
+            ca=self.authority.ca if self.authority else None,
         )
         text += f'shm_dir = "{self.shm_dir}"\n'  # in the [ckpt] section agent_toml ends with
         text = text.replace(
             "keepalive_s = 5", f"keepalive_s = {keepalive_s}\nreconnect_max_s = 1.0"
         )
-        conf.write_text(text + extra)
+        conf.write_text(top + text + extra)
         agent = Process(
             f"agent-{node}",
             [sys.executable, "-m", "agentd", "--config", str(conf)],
@@ -333,8 +347,20 @@ class Fleet:
     def sim_file(self, node: str) -> Path:
         return self.root / "nodes" / node / "data" / "sim-gpus.json"
 
+    @property
+    def api_url(self) -> str:
+        return f"{'https' if self.authority else 'http'}://127.0.0.1:{self.api_port}"
+
+    def cli_env(self) -> dict[str, str]:
+        """What points the CLI at this fleet: PHALANX_API, PHALANX_TOKEN (and PHALANX_CA)."""
+        env = {"PHALANX_API": self.api_url, "PHALANX_TOKEN": TOKEN}
+        if self.authority is not None:
+            env["PHALANX_CA"] = str(self.authority.ca)
+        return env
+
     def client(self) -> Client:
-        return Client(f"http://127.0.0.1:{self.api_port}", TOKEN, timeout=5)
+        ca = self.authority.ca if self.authority else None
+        return Client(self.api_url, TOKEN, timeout=5, ca_file=ca)
 
     def node(self, node: str) -> dict[str, Any]:
         result: dict[str, Any] = self.client().get(f"/v1/nodes/{node}")

@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -72,12 +73,13 @@ class CkptService:
         publish: Publish,
         *,
         pacing: Pacing | None = None,
+        peer_ssl: ssl.SSLContext | None = None,
     ) -> None:
         self.node = node
         self.publish_threadsafe = publish
         self.shm_dir = shm_dir
         self.pacing = pacing if pacing is not None else Pacing()  # ckpt.write_nice etc.
-        self.tiers = NodeTiers(node, data_dir, object_store, token, self.pacing)
+        self.tiers = NodeTiers(node, data_dir, object_store, token, self.pacing, peer_ssl=peer_ssl)
         self.peer_root = self.tiers.peer_root  # what the peer routes keep for buddies
         self.peer_store = self.tiers.peer_store
         self.jobs = JobBook()

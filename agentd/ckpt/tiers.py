@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ssl
 import threading
 import time
 from pathlib import Path
@@ -36,10 +37,18 @@ class NodeTiers:
     """The tiers this node writes to and reads from; safe to use from threads."""
 
     def __init__(
-        self, node: str, data_dir: Path, object_store: str, token: str, pacing: Pacing
+        self,
+        node: str,
+        data_dir: Path,
+        object_store: str,
+        token: str,
+        pacing: Pacing,
+        *,
+        peer_ssl: ssl.SSLContext | None = None,
     ) -> None:
         self.node = node
         self.token = token
+        self.peer_ssl = peer_ssl  # None: buddies are spoken to over plain HTTP
         self.pacing = pacing
         self.disk_root = data_dir / "ckpt"
         self.peer_root = data_dir / "ckpt-peer"
@@ -86,8 +95,10 @@ class NodeTiers:
         return tiers, holder
 
     def buddy_store(self, buddy: wire.PeerAddr) -> HttpPeerStore:
-        """The objects a buddy node keeps for this one, over HTTP."""
-        return HttpPeerStore(buddy.node, buddy.address, buddy.http_port, self.token)
+        """The objects a buddy node keeps for this one, over HTTP (HTTPS with ``peer_ssl``)."""
+        return HttpPeerStore(
+            buddy.node, buddy.address, buddy.http_port, self.token, ssl_context=self.peer_ssl
+        )
 
     def listing(self, job: str, tier: ObjectTier) -> list[str]:
         """The keys under ``JOB/`` at a remote tier, listed once for every rank of this

@@ -16,6 +16,7 @@ topic                                  publisher  retain   payload
 ``phalanx/v1/node/{node}/rank``        agent      no       :class:`RankEvent`
 ``phalanx/v1/node/{node}/ckpt``        agent      no       :class:`CkptLanding`,
                                                            :class:`CkptReleased`
+``phalanx/v1/node/{node}/metrics``     agent      no       :class:`MetricsBatch`
 ``phalanx/v1/job/{job}/ckpt/{node}``   supervisor yes      :class:`CkptCatalog`
 ``phalanx/v1/supervisor/status``       supervisor yes      :class:`SupervisorStatus`
 =====================================  =========  =======  ==========================
@@ -29,7 +30,8 @@ checks it is JSON and validates it against the model of its topic. Anything
 else raises :class:`WireError`; the daemons log it and drop the message.
 
 The modules, by idea: ``_topics`` (every topic, built and matched), ``_node``
-(a node's health, lifecycle and rank events), ``_ckpt`` (landings, releases,
+(a node's health, lifecycle and rank events), ``_metrics`` (training metrics batches),
+``_ckpt`` (landings, releases,
 catalogs), ``_commands`` (commands and acks), ``_codec`` (parse and encode),
 ``_base`` (the base model, id patterns and limits). This file is the surface.
 """
@@ -72,6 +74,15 @@ from phalanx.wire._commands import (
     StartRanksArgs,
     StopRanksArgs,
 )
+from phalanx.wire._metrics import (
+    MAX_METRIC_NAMES,
+    MAX_METRIC_RANKS,
+    METRICS_INTERVAL_S,
+    SCALAR_NAME_PATTERN,
+    MetricsBatch,
+    RankWindow,
+    ScalarStats,
+)
 from phalanx.wire._node import (
     GpuDescriptor,
     GpuGauges,
@@ -102,6 +113,7 @@ from phalanx.wire._topics import (
     command_topic,
     death_topic,
     heartbeat_topic,
+    metrics_topic,
     rank_topic,
 )
 
@@ -109,12 +121,16 @@ __all__ = [
     "JOB_ID_PATTERN",
     "MAX_CATALOG_STEPS",
     "MAX_I64",
+    "MAX_METRIC_NAMES",
+    "MAX_METRIC_RANKS",
     "MAX_PAYLOAD_BYTES",
     "MAX_RANK",
     "MAX_STEP",
+    "METRICS_INTERVAL_S",
     "NODE_ID_PATTERN",
     "NODE_TOPIC_KINDS",
     "PREFIX",
+    "SCALAR_NAME_PATTERN",
     "SUPERVISOR_STATUS_TOPIC",
     "SUPERVISOR_SUBSCRIPTIONS",
     "AckStatus",
@@ -142,6 +158,7 @@ __all__ = [
     "Inbound",
     "JobRanks",
     "Message",
+    "MetricsBatch",
     "NodeBirth",
     "NodeDeath",
     "NodeId",
@@ -149,10 +166,12 @@ __all__ = [
     "PingArgs",
     "RankEvent",
     "RankSlot",
+    "RankWindow",
     "Reason",
     "RebirthArgs",
     "ResampleArgs",
     "SaveNowArgs",
+    "ScalarStats",
     "StartRanksArgs",
     "StopRanksArgs",
     "SupervisorStatus",
@@ -169,6 +188,7 @@ __all__ = [
     "death_topic",
     "encode",
     "heartbeat_topic",
+    "metrics_topic",
     "parse",
     "rank_topic",
 ]

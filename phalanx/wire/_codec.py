@@ -10,6 +10,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from phalanx.wire._base import Msg
 from phalanx.wire._ckpt import CkptCatalog, CkptLanding, CkptReleased, CkptReport
 from phalanx.wire._commands import Command, CommandAck
+from phalanx.wire._metrics import MetricsBatch
 from phalanx.wire._node import Heartbeat, NodeBirth, NodeDeath, RankEvent, SupervisorStatus
 from phalanx.wire._topics import (
     PREFIX,
@@ -42,6 +43,7 @@ Message = (
     | CkptLanding
     | CkptReleased
     | CkptCatalog
+    | MetricsBatch
 )
 
 # The model of each node topic's payload (one per kind of NODE_TOPIC_KINDS).
@@ -53,6 +55,7 @@ _MODELS: dict[str, type[Msg]] = {
     "ack": CommandAck,
     "rank": RankEvent,
     "ckpt": CkptLanding,  # or CkptReleased: see _CKPT_REPORT
+    "metrics": MetricsBatch,
 }
 _CKPT_REPORT: TypeAdapter[CkptLanding | CkptReleased] = TypeAdapter(CkptReport)
 

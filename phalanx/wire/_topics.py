@@ -15,7 +15,16 @@ from phalanx.wire._base import JOB_ID_PATTERN, NODE_ID_PATTERN
 PREFIX: Final = "phalanx/v1"
 
 # The kinds of a node's topics: what its agent publishes, and ``cmd``, the supervisor's.
-NODE_TOPIC_KINDS: Final = ("birth", "death", "heartbeat", "cmd", "ack", "rank", "ckpt")
+NODE_TOPIC_KINDS: Final = (
+    "birth",
+    "death",
+    "heartbeat",
+    "cmd",
+    "ack",
+    "rank",
+    "ckpt",
+    "metrics",
+)
 
 _NODE_ID_RE = re.compile(NODE_ID_PATTERN)
 _JOB_ID_RE = re.compile(JOB_ID_PATTERN)
@@ -69,6 +78,10 @@ def rank_topic(node: str) -> str:
 
 def ckpt_topic(node: str) -> str:
     return _node_topic(_node(node), "ckpt")
+
+
+def metrics_topic(node: str) -> str:
+    return _node_topic(_node(node), "metrics")
 
 
 def catalog_prefix(job: str) -> str:

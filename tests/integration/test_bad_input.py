@@ -58,6 +58,7 @@ def test_garbage_on_every_topic_is_dropped_and_both_daemons_keep_working(fleet: 
         wire.heartbeat_topic("n01"),
         wire.command_topic("n01"),
         wire.ack_topic("n01"),
+        wire.metrics_topic("n01"),
         wire.SUPERVISOR_STATUS_TOPIC,
         wire.birth_topic("ghost"),
         "phalanx/v1/node/bad id!/heartbeat",

@@ -137,7 +137,7 @@ def test_checkpoints_land_in_all_four_tiers_are_kept_per_tier_and_ckpt_ls_shows_
     wanted = {12: ["nvme", "object", "peer"], 8: ["object"]}
     wait_for(lambda: committed(fleet, job["id"]) == wanted, 30, f"the catalog to hold {wanted}")
     table = cli(fleet, "ckpt", "ls", job["id"]).stdout.splitlines()
-    assert table[0].split() == ["STEP", "COMMITTED", "PARTIAL", "SIZE"]
+    assert table[0].split() == ["STEP", "COMMITTED", "PARTIAL", "SIZE", "LOSS"]
     assert table[1].split()[:3] == ["12", "nvme,peer,object", "-"]
     assert table[2].split()[:3] == ["8", "object", "-"]
     data = fleet.root / "nodes"

@@ -27,6 +27,12 @@ def phalanx(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
+def exports(script: str) -> dict[str, str]:
+    """The variables ``phalanx local env`` exports."""
+    lines = [line.removeprefix("export ") for line in script.splitlines()]
+    return dict(line.split("=", 1) for line in lines if "=" in line)
+
+
 @pytest.fixture
 def api_env(fleet: Fleet) -> dict[str, str]:
     fleet.start_supervisor()
@@ -76,6 +82,14 @@ def test_nodes_table_lists_state_and_reasons(fleet: Fleet, api_env: dict[str, st
     assert "temp_slowdown(gpu1)" in row
 
 
+def test_top_once_shows_the_fleet_and_exits(api_env: dict[str, str]) -> None:
+    result = phalanx("top", "--once", env=api_env)
+
+    assert result.returncode == 0, result.stderr
+    assert "nodes 1: 1 up · spares 0" in result.stdout
+    assert "\x1b[" not in result.stdout  # no screen clearing in a single frame
+
+
 def test_wrong_token_exits_1_and_missing_settings_exit_2(api_env: dict[str, str]) -> None:
     wrong = phalanx("nodes", env={**api_env, "PHALANX_TOKEN": "nope-nope-nope-nope"})
     assert wrong.returncode == 1
@@ -110,6 +124,8 @@ def test_agent_serves_healthz_and_prometheus_metrics_with_reasons_as_labels(
     )
     assert 'phalanx_gpu_ecc_dbe_volatile{gpu="0",node="n01"} 1.0' in metrics
     assert 'phalanx_node_health{node="n01"} 2.0' in metrics
+    assert 'phalanx_metrics_batches_dropped_total{node="n01"} 0.0' in metrics
+    assert 'phalanx_progress_garbage_total{node="n01"} 0.0' in metrics
 
 
 def test_local_fleet_comes_up_reports_its_processes_and_goes_down_leaving_none(
@@ -120,7 +136,8 @@ def test_local_fleet_comes_up_reports_its_processes_and_goes_down_leaving_none(
     try:
         assert up.returncode == 0, up.stderr
         env_lines = phalanx("local", "env", "--dir", directory).stdout
-        env = dict(line.removeprefix("export ").split("=", 1) for line in env_lines.splitlines())
+        env = exports(env_lines)
+        assert "unset PHALANX_CA" in env_lines.splitlines()  # no TLS: no CA of another fleet
         status = json.loads(phalanx("local", "status", "-o", "json", "--dir", directory).stdout)
         roles = sorted((p["role"], p["node"]) for p in status)
         assert roles == [("agent", "n01"), ("agent", "n02"), ("broker", None), ("supervisor", None)]
@@ -174,3 +191,27 @@ def test_local_fleet_runs_on_the_embedded_broker_where_mosquitto_is_missing(
         assert "amqtt" in Path(f"/proc/{broker['pid']}/cmdline").read_text()
     finally:
         phalanx("local", "down", "--dir", directory)
+
+
+def test_local_fleet_with_tls_serves_https_and_local_env_exports_its_ca(tmp_path: Path) -> None:
+    directory = tmp_path / "fleet"
+    up = phalanx(
+        "local", "up", "--tls", "--nodes", "2", "--gpus-per-node", "1", "--dir", str(directory)
+    )
+    try:
+        assert up.returncode == 0, up.stderr
+        env = exports(phalanx("local", "env", "--dir", str(directory)).stdout)
+        assert env["PHALANX_API"].startswith("https://127.0.0.1:")
+        assert env["PHALANX_CA"] == str(directory / "tls" / "ca.pem")
+        nodes = phalanx("nodes", "-o", "json", env=env)
+        assert nodes.returncode == 0, nodes.stderr
+        assert {n["id"] for n in json.loads(nodes.stdout)} == {"n01", "n02"}
+        assert (directory / "tls" / "ca.key").stat().st_mode & 0o777 == 0o600
+        assert sorted(p.name for p in (directory / "tls").glob("*.pem")) == [
+            "ca.pem",
+            "n01.pem",
+            "n02.pem",
+            "supervisor.pem",
+        ]
+    finally:
+        phalanx("local", "down", "--dir", str(directory))

@@ -19,12 +19,11 @@ from aiohttp import web
 from agentd.gpu.sim import inject
 from supervisor.api import make_app
 from supervisor.config import SupervisorSettings
-from supervisor.registry import Registry
-from supervisor.store import Store
+from supervisor.daemon import Supervisor
 from tests.harness import TOKEN, Fleet, wait_for
 from tests.integration.test_recovery_training import TIERS, committed_step, tinylm
 from tests.unit.supervisor.test_dashboard_auth import TOKEN as FAKE_TOKEN
-from tests.unit.supervisor.test_dashboard_auth import FakeSupervisor, birth
+from tests.unit.supervisor.test_dashboard_auth import birth
 
 pytestmark = pytest.mark.integration
 
@@ -354,19 +353,18 @@ def test_a_login_keeps_a_cookie_no_script_reads_and_a_logout_forgets_it(
 
 @pytest.fixture
 def big_fleet(tmp_path: Path) -> Iterator[str]:
-    """The real API app over a registry of 2,048 nodes of 8 GPUs in 64 racks (no daemons:
-    births straight into the registry), served from a thread; yields its base URL."""
-    store = Store(tmp_path / "state.db")
-    registry = Registry(store, offline_after_s=3600.0)
+    """The real supervisor's API app (the supervisor built, never started: no broker)
+    over a registry of 2,048 nodes of 8 GPUs in 64 racks, births straight into it,
+    served from a thread; yields its base URL."""
+    sup = Supervisor(SupervisorSettings(state_dir=tmp_path, offline_after_s=3600.0), FAKE_TOKEN)
     for i in range(2048):
-        registry.on_birth(birth(f"n{i:04d}", rack=f"r{i // 32:02d}", gpus=8))
+        sup.registry.on_birth(birth(f"n{i:04d}", rack=f"r{i // 32:02d}", gpus=8))
     for i in range(0, 2048, 97):
-        registry.drain(f"n{i:04d}", "cable swap")
-    sup = FakeSupervisor(registry=registry, store=store)
+        sup.registry.drain(f"n{i:04d}", "cable swap")
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    runner = web.AppRunner(make_app(sup))  # type: ignore[arg-type]
+    runner = web.AppRunner(make_app(sup))
     asyncio.run_coroutine_threadsafe(runner.setup(), loop).result(10)
     site = web.TCPSite(runner, "127.0.0.1", 0)
     asyncio.run_coroutine_threadsafe(site.start(), loop).result(10)
@@ -376,7 +374,7 @@ def big_fleet(tmp_path: Path) -> Iterator[str]:
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
     loop.close()
-    store.close()
+    sup.store.close()
 
 
 def test_the_fleet_page_of_2048_nodes_shows_every_node_as_a_tile_and_no_table_of_them_all(

@@ -72,6 +72,34 @@ def test_example_job_trains_to_a_lower_loss_and_succeeds_on_two_nodes_of_two_ran
     assert summary["last_loss"] < summary["first_loss"]
 
 
+def test_submit_records_the_workdirs_commit_and_ckpt_ls_shows_the_lineage(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    fleet.start_supervisor()
+    fleet.start_agent("n01")
+    fleet.wait_state("n01", "up")
+    spec = tmp_path / "lineage.yaml"
+    spec.write_text(
+        'name: lineage\nteam: research\ncommand: ["true"]\n'
+        f"workdir: {REPO}\nnodes: 1\nranks_per_node: 1\n"
+        "data_snapshot: c4-en@2026-11-01\nhyperparams: {lr: 0.0003}\n"
+    )
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+    submitted = cli(fleet, "submit", str(spec), "--wait")
+
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    job = json.loads(cli(fleet, "status", job_id, "-o", "json").stdout)
+    assert job["spec"]["code_ref"]["commit"] == head
+    listed = cli(fleet, "ckpt", "ls", job_id)
+    assert listed.returncode == 0, listed.stderr
+    assert f"code: {head}" in listed.stdout
+    assert "data: c4-en@2026-11-01" in listed.stdout and "hyperparams: lr=0.0003" in listed.stdout
+
+
 def test_ranks_get_the_torch_distributed_environment_and_secrets_from_files(
     fleet: Fleet,
     tmp_path: Path,

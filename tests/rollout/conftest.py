@@ -106,7 +106,9 @@ def live_fleet(fleet_tree: FleetTree, rendered_broker: Daemon) -> Iterator[LiveF
         [sys.executable, "-m", "agentd", "--config", str(node / "etc/phalanx/agentd.toml")],
         fleet_tree.root / "agent.log",
     )
-    client = Client(f"http://127.0.0.1:{fleet_tree.api_port}", API_TOKEN, timeout=5)
+    client = Client(
+        f"https://127.0.0.1:{fleet_tree.api_port}", API_TOKEN, timeout=5, ca_file=fleet_tree.pki.ca
+    )
     fleet = LiveFleet(supervisor, agent, client)
     try:
         wait_until(

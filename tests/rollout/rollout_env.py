@@ -7,8 +7,6 @@ touch /etc, /opt or systemd.
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import re
 import signal
@@ -22,11 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
+from phalanx.certs import Issued, make_authority
 from phalanx.client import ApiError, Client
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,61 +89,21 @@ def tail(text: str, lines: int = 60) -> str:
 @dataclass
 class Pki:
     ca: Path
-    cert: Path
+    cert: Path  # the broker's
     key: Path
+    http: dict[str, Issued]  # each HTTP server's certificate (supervisor, agents), by host
+
+
+HTTP_HOSTS = ("sup1", "gpu-a01", "gpu-a02")
 
 
 def make_pki(directory: Path) -> Pki:
-    """A throw-away CA and a broker certificate for 127.0.0.1 and localhost."""
-    directory.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "phalanx test CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False),
-            critical=True,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    pki = Pki(directory / "ca.pem", directory / "server.pem", directory / "server.key")
-    pki.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    pki.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    pki.key.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    pki.key.chmod(0o600)
-    return pki
+    """A throw-away CA (``phalanx.certs``, as ``phalanx local up --tls`` makes), a broker
+    certificate and one HTTP certificate per supervisor and agent host, all for 127.0.0.1
+    and localhost."""
+    authority = make_authority(directory)
+    broker = authority.issue("server")
+    return Pki(authority.ca, broker.cert, broker.key, {h: authority.issue(h) for h in HTTP_HOSTS})
 
 
 def write_inventory(
@@ -176,6 +131,13 @@ def write_inventory(
         "phalanx_agent_address": "127.0.0.1",
         "phalanx_agent_ckpt_settings": {"object_store": OBJECT_STORE},
     } | (extra_agent_vars or {})
+
+    def http_tls(host: str) -> dict[str, str]:
+        return {
+            "phalanx_http_tls_cert_file": str(pki.http[host].cert),
+            "phalanx_http_tls_key_file": str(pki.http[host].key),
+        }
+
     inventory = {
         "all": {
             "vars": {
@@ -188,7 +150,10 @@ def write_inventory(
                 "phalanx_supervisor_mqtt_password": SUPERVISOR_PASSWORD,
                 "phalanx_api_token": API_TOKEN,
                 "phalanx_agent_http_token": AGENT_HTTP_TOKEN,
-                "phalanx_supervisor_api_url": f"http://127.0.0.1:{api_port}",
+                # Every HTTP hop over TLS, with the broker's CA.
+                "phalanx_http_tls": True,
+                "phalanx_supervisor_api_url": f"https://127.0.0.1:{api_port}",
+                "phalanx_supervisor_api_ca_path": str(pki.ca),
                 "phalanx_no_log": False,
             },
             "children": {
@@ -211,6 +176,7 @@ def write_inventory(
                             "phalanx_supervisor_api_port": api_port,
                             "phalanx_supervisor_offline_after_s": 5,
                         }
+                        | http_tls("sup1")
                     }
                 },
                 "agents": {
@@ -223,14 +189,16 @@ def write_inventory(
                             "phalanx_agent_http_port": agent_http_port,
                             "phalanx_agent_mqtt_password": NODE_PASSWORDS["gpu-a01"],
                             "phalanx_agent_object_store_env": OBJECT_STORE_ENV,
-                        },
+                        }
+                        | http_tls("gpu-a01"),
                         "gpu-a02": agent_common
                         | {
                             "phalanx_root": str(root / "gpu-a02"),
                             "phalanx_rack": "r1",
                             "phalanx_spare": True,
                             "phalanx_agent_mqtt_password": NODE_PASSWORDS["gpu-a02"],
-                        },
+                        }
+                        | http_tls("gpu-a02"),
                     }
                 },
             },

@@ -92,6 +92,13 @@ def test_rendered_agentd_toml_is_accepted_by_the_agents_loader(
         "gpu-a01",
     )
     assert settings.mqtt.ca_file == etc / "ca.pem"
+    http = settings.http
+    assert (http.tls_cert_file, http.tls_key_file, http.tls_ca_file) == (
+        etc / "http.pem",
+        etc / "http.key",
+        etc / "http-ca.pem",
+    )
+    assert (etc / "http.pem").read_bytes() == fleet_tree.pki.http["gpu-a01"].cert.read_bytes()
     assert settings.data_dir == fleet_tree.host("gpu-a01") / "var/lib/phalanx"
     assert settings.ckpt.object_store == OBJECT_STORE
     assert _password(settings.mqtt) == NODE_PASSWORDS["gpu-a01"]
@@ -111,6 +118,11 @@ def test_rendered_supervisor_toml_is_accepted_by_the_supervisors_loader(
         fleet_tree.api_port,
     )
     assert settings.api_token() == "rollout-test-token-0123456789"
+    assert (settings.api.tls_cert_file, settings.api.tls_key_file) == (
+        etc / "http.pem",
+        etc / "http.key",
+    )
+    assert (settings.agent_tls, settings.agent_ca_file) == (True, etc / "http-ca.pem")
     assert settings.state_dir == fleet_tree.host("sup1") / "var/lib/phalanx-supervisor"
 
 
@@ -129,6 +141,8 @@ def test_supervisor_holds_back_as_many_spares_as_the_inventory_marks(
         "gpu-a01/etc/phalanx/agentd-mqtt-password",
         "gpu-a01/etc/phalanx/agent-http-token",
         "gpu-a01/etc/phalanx/agentd.toml",
+        "gpu-a01/etc/phalanx/http.key",
+        "sup1/etc/phalanx/http.key",
         "sup1/etc/phalanx/supervisor-mqtt-password",
         "sup1/etc/phalanx/api-token",
         "broker1/etc/mosquitto/phalanx/server.key",

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import phalanx.rank
+from agentd.metrics import MetricsWindow
 from agentd.progress import HANG_FLOOR_S, ProgressMonitor, hang_timeout, socket_beside
 from agentd.ranks import RankRunner
 from phalanx import progress, wire
@@ -644,3 +645,26 @@ async def test_the_exit_event_of_a_rank_that_never_reported_has_no_step(
     await eventually(lambda: bool(reporter.of("exited")), "the rank's exit")
 
     assert reporter.of("exited")[0].step is None
+
+
+async def test_only_the_current_generations_steps_reach_the_metrics_window(
+    tmp_path: Path, path: Path, reporter: Reporter, channels: list[RankChannel]
+) -> None:
+    window = MetricsWindow(NODE)
+    monitor = ProgressMonitor(
+        NODE, path, tmp_path / "data", reporter, lambda job, gen: {}, on_step=window.add
+    )
+    async with monitor:
+        monitor.begin(JOB, 2)
+        old, new = channel(path, generation=1), channel(path, rank=1, generation=2)
+        channels.extend([old, new])
+        old.step(5, loss=9.0)
+        new.restored(3, 0.5)
+        new.step(3, loss=1.0)
+        new.step(4, loss=0.5)
+        await reported(monitor, 1, 4, generation=2)
+        await eventually(lambda: monitor.fenced == 1, "the old generation's step fenced")
+    [batch] = window.flush(time.time())
+    assert (batch.generation, [r.rank for r in batch.ranks]) == (2, [1])
+    assert (batch.ranks[0].step_first, batch.ranks[0].step_last) == (3, 4)
+    assert batch.ranks[0].scalars["loss"][0] == 0.5

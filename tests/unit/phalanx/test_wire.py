@@ -349,3 +349,83 @@ def test_health_statuses_are_ordered_by_severity() -> None:
         1,
         2,
     ]
+
+
+def _metrics_batch(ranks: int, names: int) -> wire.MetricsBatch:
+    return wire.MetricsBatch(
+        node=NODE,
+        job="tinylm-abc123",
+        generation=2,
+        window_s=5.0,
+        sent_at=1.7e9,
+        ranks=[
+            wire.RankWindow(
+                rank=r,
+                step_first=10**11,
+                step_last=10**11 + 99,
+                at=1.7e9 + 0.123456789,
+                reports=100,
+                step_time_s=0.0501234567,
+                tokens_per_s=123456.789012,
+                data_wait_s=0.00123456789,
+                scalars={
+                    f"scalar_with_a_long_name_{n:02d}_{'x' * 30}": (
+                        -1.2345678901234567e-300,
+                        float("nan"),
+                        float("inf"),
+                        2.2250738585072014e-308,
+                    )
+                    for n in range(names)
+                },
+            )
+            for r in range(ranks)
+        ],
+    )
+
+
+def test_metrics_batch_survives_encode_and_parse_with_nan_and_infinity() -> None:
+    batch = _metrics_batch(2, 3)
+    got = parse(wire.metrics_topic(NODE), wire.encode(batch)).message
+    assert isinstance(got, wire.MetricsBatch)
+    assert got.ranks[1].step_last == batch.ranks[1].step_last
+    stats = next(iter(got.ranks[0].scalars.values()))
+    assert stats[0] == -1.2345678901234567e-300 and stats[1] != stats[1]
+    assert stats[2] == float("inf")
+
+
+def test_largest_metrics_batch_fits_in_one_payload() -> None:
+    batch = _metrics_batch(wire.MAX_METRIC_RANKS, wire.MAX_METRIC_NAMES)
+    assert len(wire.encode(batch)) < MAX_PAYLOAD_BYTES
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("ranks", []),
+        ("ranks", [{"rank": 0}]),
+        ("generation", 0),
+        ("job", "Bad Job"),
+    ],
+)
+def test_bad_metrics_batch_is_a_wire_error_naming_the_field(field: str, value: object) -> None:
+    payload = json.loads(wire.encode(_metrics_batch(1, 1)).replace(b"NaN", b"0"))
+    payload[field] = value
+    with pytest.raises(WireError, match=field):
+        parse(wire.metrics_topic(NODE), json.dumps(payload).encode())
+
+
+def test_metrics_batch_with_too_many_scalar_names_is_a_wire_error() -> None:
+    payload = json.loads(wire.encode(_metrics_batch(1, 1)).replace(b"NaN", b"0"))
+    payload["ranks"][0]["scalars"] = {f"n{i}": [0, 0, 0, 0] for i in range(17)}
+    with pytest.raises(WireError, match="scalars"):
+        parse(wire.metrics_topic(NODE), json.dumps(payload).encode())
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity"])
+def test_a_metrics_window_whose_time_is_not_finite_is_a_wire_error(value: str) -> None:
+    payload = wire.encode(_metrics_batch(1, 1)).replace(
+        b'"at":1700000000.1234567', b'"at":' + value.encode()
+    )
+    assert value.encode() in payload
+    with pytest.raises(WireError, match=r"ranks\.0\.at"):
+        parse(wire.metrics_topic(NODE), payload)

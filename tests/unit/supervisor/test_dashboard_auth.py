@@ -1,15 +1,14 @@
 """The dashboard beside the REST API: its assets need no token; a login sets a session
 cookie the API accepts like the bearer token; a change by cookie needs the CSRF header.
 
-The real app (``supervisor.api.make_app``) on aiohttp's test server, over a real
-registry and store; the rest of the supervisor is a small fake.
+The real app (``supervisor.api.make_app``) of the real supervisor, built but never
+started (no broker), on aiohttp's test server.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,41 +18,13 @@ from yarl import URL
 
 from phalanx import wire
 from supervisor.api import make_app
+from supervisor.config import SupervisorSettings
+from supervisor.daemon import Supervisor
 from supervisor.dashboard.session import COOKIE, SESSION_S, session_value
-from supervisor.errors import UnknownJob
-from supervisor.registry import Registry
-from supervisor.store import Store
 
 TOKEN = "op-token-0123456789abcdef"
 CSRF = {"X-Phalanx-CSRF": "1"}
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@dataclass
-class FakeJobs:
-    jobs: dict[str, Any] = field(default_factory=dict)
-    spares: set[str] = field(default_factory=set)
-    last_pass_s: float = 0.0
-
-    def get(self, job_id: str) -> Any:
-        raise UnknownJob(job_id)
-
-
-@dataclass
-class FakeLink:
-    connected: bool = True
-    connects: int = 1
-
-
-@dataclass
-class FakeSupervisor:
-    registry: Registry
-    store: Store
-    token: str = TOKEN
-    agent_token: str = ""
-    jobs: FakeJobs = field(default_factory=FakeJobs)
-    link: FakeLink = field(default_factory=FakeLink)
-    bad_messages: int = 0
 
 
 def birth(
@@ -92,17 +63,17 @@ def birth(
 
 
 @pytest.fixture
-def sup(tmp_path: Path) -> Iterator[FakeSupervisor]:
-    store = Store(tmp_path / "state.db")
-    registry = Registry(store, offline_after_s=60.0)
-    registry.on_birth(birth("n1"))
-    yield FakeSupervisor(registry=registry, store=store)
-    store.close()
+def sup(tmp_path: Path) -> Iterator[Supervisor]:
+    """The real supervisor, built but never started (no broker), knowing node n1."""
+    built = Supervisor(SupervisorSettings(state_dir=tmp_path), TOKEN)
+    built.registry.on_birth(birth("n1"))
+    yield built
+    built.store.close()
 
 
 @pytest.fixture
-async def client(sup: FakeSupervisor) -> AsyncIterator[TestClient[Any, Any]]:
-    async with TestClient(TestServer(make_app(sup))) as c:  # type: ignore[arg-type]
+async def client(sup: Supervisor) -> AsyncIterator[TestClient[Any, Any]]:
+    async with TestClient(TestServer(make_app(sup))) as c:
         yield c
 
 
@@ -284,7 +255,7 @@ async def test_a_wrong_or_expired_session_cookie_is_refused(
 
 
 async def test_a_change_by_cookie_without_the_csrf_header_is_refused(
-    client: TestClient[Any, Any], sup: FakeSupervisor
+    client: TestClient[Any, Any], sup: Supervisor
 ) -> None:
     await _login(client)
 
@@ -296,7 +267,7 @@ async def test_a_change_by_cookie_without_the_csrf_header_is_refused(
 
 
 async def test_a_change_by_cookie_with_the_csrf_header_is_done(
-    client: TestClient[Any, Any], sup: FakeSupervisor
+    client: TestClient[Any, Any], sup: Supervisor
 ) -> None:
     await _login(client)
 
@@ -308,7 +279,7 @@ async def test_a_change_by_cookie_with_the_csrf_header_is_done(
 
 
 async def test_a_change_by_bearer_token_needs_no_csrf_header(
-    client: TestClient[Any, Any], sup: FakeSupervisor
+    client: TestClient[Any, Any], sup: Supervisor
 ) -> None:
     resp = await client.post("/v1/nodes/n1/drain", json={"reason": "cli"}, headers=BEARER)
 
@@ -329,7 +300,7 @@ async def test_a_logout_clears_the_cookie_and_the_api_refuses_again(
 
 
 async def test_a_large_answer_is_gzipped_for_a_client_that_accepts_it(
-    client: TestClient[Any, Any], sup: FakeSupervisor
+    client: TestClient[Any, Any], sup: Supervisor
 ) -> None:
     for i in range(100):  # about 110 KB of node views
         sup.registry.on_birth(birth(f"n{i + 2:03d}", gpus=8))

@@ -40,6 +40,7 @@ VIEW_KEYS = {
     "recovery",
     "incidents",
     "goodput",
+    "summary",
 }
 
 

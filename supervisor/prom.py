@@ -1,0 +1,113 @@
+"""The supervisor's Prometheus metrics, read from its state at scrape time (``GET /metrics``).
+
+Labels are bounded: node and job states (a handful), and the job id for jobs that hold
+nodes now (starting, running, recovering, stopping: bounded by the fleet's size). There
+is never a per-rank or per-node label here: a 16k-GPU job is a few series, not 16k;
+per-node figures are the agents' own ``/metrics``.
+
+=======================================  =======  ======================================
+metric                                   type     labels
+=======================================  =======  ======================================
+``phalanx_nodes``                        gauge    ``state`` (up, warn, drain, offline)
+``phalanx_spares``                       gauge
+``phalanx_jobs``                         gauge    ``state``
+``phalanx_recoveries_total``             counter  (in-place restarts of every job)
+``phalanx_job_step``                     gauge    ``job``
+``phalanx_job_loss``                     gauge    ``job``
+``phalanx_job_step_time_seconds``        gauge    ``job`` (median over ranks)
+``phalanx_job_tokens_per_second``        gauge    ``job`` (sum over ranks)
+``phalanx_job_stragglers``               gauge    ``job``
+``phalanx_metrics_batches_total``        counter  (agents' metrics batches taken)
+``phalanx_metrics_dropped_total``        counter  (batches dropped: unknown job, ...)
+``phalanx_bad_messages_total``           counter  (MQTT messages that broke the contract)
+=======================================  =======  ======================================
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from supervisor.controller import JobController
+from supervisor.jobs import JobState
+from supervisor.metrics import TrainingMetrics
+from supervisor.registry import NodeState, Registry
+
+
+class Source(Protocol):
+    """What the collector reads of the supervisor (``supervisor.daemon.Supervisor``)."""
+
+    registry: Registry
+    jobs: JobController
+    metrics: TrainingMetrics
+    bad_messages: int
+
+
+class SupervisorCollector(Collector):
+    def __init__(self, sup: Source) -> None:
+        self.sup = sup
+
+    def collect(self) -> Iterator[Metric]:
+        sup = self.sup
+        nodes = GaugeMetricFamily("phalanx_nodes", "Nodes by state", labels=["state"])
+        by_state = Counter(n.state.value for n in sup.registry.nodes.values())
+        for state in NodeState:
+            nodes.add_metric([state.value], by_state.get(state.value, 0))
+        yield nodes
+        spares = GaugeMetricFamily("phalanx_spares", "Hot spares held back")
+        spares.add_metric([], len(sup.jobs.spares))
+        yield spares
+        jobs = list(sup.jobs.jobs.values())
+        family = GaugeMetricFamily("phalanx_jobs", "Jobs by state", labels=["state"])
+        job_states = Counter(j.state.value for j in jobs)
+        for job_state in JobState:
+            family.add_metric([job_state.value], job_states.get(job_state.value, 0))
+        yield family
+        recoveries = CounterMetricFamily(
+            "phalanx_recoveries", "In-place restarts of every job (recoveries)"
+        )
+        recoveries.add_metric([], sum(j.restarts for j in jobs))
+        yield recoveries
+        gauges = {
+            "step": GaugeMetricFamily("phalanx_job_step", "Latest step", labels=["job"]),
+            "loss": GaugeMetricFamily("phalanx_job_loss", "Latest loss", labels=["job"]),
+            "step_time_s": GaugeMetricFamily(
+                "phalanx_job_step_time_seconds", "Median step time over ranks", labels=["job"]
+            ),
+            "tokens_per_s": GaugeMetricFamily(
+                "phalanx_job_tokens_per_second", "Tokens/s, summed over ranks", labels=["job"]
+            ),
+        }
+        stragglers = GaugeMetricFamily(
+            "phalanx_job_stragglers", "Ranks flagged as stragglers", labels=["job"]
+        )
+        for job in sorted(jobs, key=lambda j: j.id):
+            if not job.state.holds_nodes:
+                continue
+            summary = sup.metrics.summary(job.id)
+            for key, gauge in gauges.items():
+                value = summary.get(key)
+                if value is not None:  # "NaN", "Infinity": float() reads them too
+                    gauge.add_metric([job.id], float(value))
+            stragglers.add_metric([job.id], len(summary.get("stragglers") or []))
+        yield from gauges.values()
+        yield stragglers
+        for name, doc, value in (
+            ("phalanx_metrics_batches", "Agents' metrics batches taken", sup.metrics.batches),
+            ("phalanx_metrics_dropped", "Metrics batches dropped", sup.metrics.dropped),
+            ("phalanx_bad_messages", "MQTT messages that broke the contract", sup.bad_messages),
+        ):
+            counter = CounterMetricFamily(name, doc)
+            counter.add_metric([], value)
+            yield counter
+
+
+def registry_of(sup: Source) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SupervisorCollector(sup))
+    return registry

@@ -1,0 +1,111 @@
+"""The supervisor's Prometheus metrics: fleet and job figures, never a per-rank label."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import generate_latest
+
+from phalanx import wire
+from phalanx.jobspec import validate_spec
+from supervisor.jobs import Job, JobState
+from supervisor.metrics import TrainingMetrics
+from supervisor.prom import registry_of
+from supervisor.registry import NodeState
+from supervisor.store import Store
+
+
+@dataclass
+class FakeNode:
+    state: NodeState
+
+
+@dataclass
+class FakeRegistry:
+    nodes: dict[str, FakeNode]
+
+
+@dataclass
+class FakeJobs:
+    jobs: dict[str, Job]
+    spares: tuple[str, ...] = ()
+
+
+@dataclass
+class FakeSupervisor:
+    registry: FakeRegistry
+    jobs: FakeJobs
+    metrics: TrainingMetrics
+    bad_messages: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def job(job_id: str, state: JobState, restarts: int = 0) -> Job:
+    spec = validate_spec(
+        {
+            "name": "tinylm",
+            "team": "research",
+            "command": ["python", "t.py"],
+            "workdir": "/srv/t",
+            "nodes": 64,
+            "ranks_per_node": 8,
+        }
+    )
+    return Job(id=job_id, spec=spec, state=state, generation=1, restarts=restarts)
+
+
+def test_prometheus_shows_the_fleet_and_each_running_jobs_figures_by_job_only(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "state.db")
+    jobs = {
+        "big-1": job("big-1", JobState.RUNNING, restarts=2),
+        "old-1": job("old-1", JobState.SUCCEEDED, restarts=1),
+    }
+    metrics = TrainingMetrics(store, jobs.get)
+    metrics.on_batch(
+        wire.MetricsBatch(
+            node="n1",
+            job="big-1",
+            generation=1,
+            window_s=5.0,
+            sent_at=1.0,
+            ranks=[
+                wire.RankWindow(
+                    rank=r,
+                    step_first=0,
+                    step_last=99,
+                    at=1.0,
+                    reports=100,
+                    step_time_s=0.5,
+                    tokens_per_s=1000.0,
+                    scalars={"loss": (2.5, 2.0, 3.0, 2.5)},
+                )
+                for r in range(wire.MAX_METRIC_RANKS)
+            ],
+        )
+    )
+    metrics.flush()
+    sup = FakeSupervisor(
+        FakeRegistry({"n1": FakeNode(NodeState.UP), "n2": FakeNode(NodeState.DRAIN)}),
+        FakeJobs(jobs, spares=("n3",)),
+        metrics,
+        bad_messages=3,
+    )
+    text = generate_latest(registry_of(sup)).decode()  # type: ignore[arg-type]
+    lines = {line for line in text.splitlines() if not line.startswith("#")}
+    assert 'phalanx_nodes{state="up"} 1.0' in lines
+    assert 'phalanx_nodes{state="drain"} 1.0' in lines
+    assert "phalanx_spares 1.0" in lines
+    assert 'phalanx_jobs{state="running"} 1.0' in lines
+    assert "phalanx_recoveries_total 3.0" in lines
+    assert 'phalanx_job_step{job="big-1"} 99.0' in lines
+    assert 'phalanx_job_loss{job="big-1"} 2.5' in lines
+    assert 'phalanx_job_step_time_seconds{job="big-1"} 0.5' in lines
+    assert 'phalanx_job_tokens_per_second{job="big-1"} 64000.0' in lines
+    assert "phalanx_bad_messages_total 3.0" in lines
+    assert "old-1" not in text  # an ended job has no series
+    assert "rank" not in text.replace("ranks", "")  # no per-rank label, ever
+    store.close()
