@@ -13,10 +13,14 @@ export function num(v) {
   return typeof v === "number" && Number.isFinite(v) ? v : null;
 }
 
-/** A short label of an axis value: 0.0012, 3.5, 1,050. */
+/** A short label of an axis value: 1.2e-3, 3.5, 1,050, 250k, 1.2M, 3.4G. */
 function tick(v) {
   if (v === null || v === undefined) return "";
-  if (v !== 0 && Math.abs(v) < 0.01) return v.toExponential(1);
+  const a = Math.abs(v);
+  if (v !== 0 && a < 0.01) return v.toExponential(1);
+  for (const [from, size, unit] of [[1e12, 1e12, "T"], [1e9, 1e9, "G"], [1e6, 1e6, "M"], [1e4, 1e3, "k"]]) {
+    if (a >= from) return `${Number((v / size).toPrecision(3))}${unit}`;
+  }
   return Number(v.toPrecision(4)).toLocaleString();
 }
 
