@@ -148,9 +148,12 @@ def start(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
         fleet.wait_state(f"n{i + 1:02d}", "up")
 
 
-def submit(fleet: Fleet, name: str, *extra: str, nodes: int = 2) -> str:
+def submit(fleet: Fleet, name: str, *extra: str, nodes: int = 2, seed: int = 0) -> str:
     job = fleet.submit(
         name=name,
+        code_ref={"commit": "0a1b2c3", "source": "https://example.org/tinylm.git"},
+        data_snapshot="tiny-2026-11",
+        hyperparams={"seed": seed, "dim": 16},
         nodes=nodes,
         ranks_per_node=2,
         workdir=str(Path(__file__).resolve().parents[2]),
@@ -234,6 +237,10 @@ def test_the_dashboard_shows_the_fleet_the_jobs_and_a_recovered_jobs_story(
     ui.wait(lambda: str(newest["step"]) in ui.attrs("tr.ckpt", "data-step") or None, "checkpoints")
     row = ui.texts(f'tr.ckpt[data-step="{newest["step"]}"]')[0]
     assert row.count("✓") == len(newest["committed"])  # one a tier it is committed at
+    if newest.get("loss") is not None:  # the step's loss, where the supervisor knows it
+        assert "loss" in ui.texts("#checkpoints thead")[0]
+        assert f"{newest['loss']:.3}"[:3] in row
+    assert "0a1b2c3" in ui.texts("section.card dl.kv")[0]  # the spec's code
     assert "%" in ui.texts("#goodput")[0]
     ui.wait(lambda: '"digest"' in ui.texts("#log")[0] or None, "rank 0's log to its last line")
     ui.js(
@@ -270,13 +277,17 @@ def test_the_dashboard_shows_the_fleet_the_jobs_and_a_recovered_jobs_story(
 
     # Compare: the job beside a second run, by step (on one node: the victim is drained
     # and the other healthy one held back as the spare).
-    second = submit(fleet, "tinylm-dash-seed1", "--seed", "1", nodes=1)
+    second = submit(fleet, "tinylm-dash-seed1", "--seed", "1", nodes=1, seed=1)
     fleet.wait_job(second, "succeeded", timeout=120)
     ui.go(f"#/compare?jobs={job},{second}")
     ui.wait(lambda: len(ui.texts("#lineage thead th")) == 3 or None, "the lineage of both jobs")
     lineage = ui.texts("#lineage")[0]
     assert "tinylm-dash" in lineage and "tinylm-dash-seed1" in lineage
     assert "OMP_NUM_THREADS" in lineage
+    assert "0a1b2c3 from https://example.org/tinylm.git" in lineage
+    assert "tiny-2026-11" in lineage
+    differs = ui.texts("#lineage tr.differs th")
+    assert "hyperparam seed" in differs and "hyperparam dim" not in differs
     if METRICS:
         ui.wait(
             lambda: (

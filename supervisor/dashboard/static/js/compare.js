@@ -3,7 +3,7 @@
 
 import * as api from "./api.js";
 import { JobSeries, color, lineChart } from "./charts.js";
-import { badge, errorBox, fill, fmtNum, fmtTime, h, hashQuery, poll, section } from "./dom.js";
+import { badge, codeText, errorBox, fill, fmtNum, fmtTime, h, hashQuery, poll, section } from "./dom.js";
 
 function setQuery(ids, metric) {
   const q = new URLSearchParams();
@@ -12,11 +12,23 @@ function setQuery(ids, metric) {
   history.replaceState(null, "", `#/compare?${q}`);
 }
 
+/** A row of the lineage table: the label, each job's cell; a row of what made the runs
+ * (`made`) is marked where the jobs differ. */
+function row(label, jobs, get, made = false) {
+  const texts = jobs.map((j) => (j.view ? get(j.view) : null));
+  const shown = texts.filter((t) => t !== null).map((t) => (typeof t === "string" ? t : t.textContent));
+  const differ = made && new Set(shown).size > 1;
+  return h(
+    "tr",
+    { class: differ ? "differs" : "" },
+    h("th", {}, label),
+    jobs.map((j, i) => h("td", {}, j.view ? texts[i] : j.error ? errorBox(j.error) : "…")),
+  );
+}
+
 function lineageTable(jobs) {
-  const field = (label, get) =>
-    h("tr", {}, h("th", {}, label), jobs.map((j) => h("td", {}, j.view ? get(j.view) : j.error ? errorBox(j.error) : "…")));
-  const spec = (j) => j.spec || {};
-  const lineageKeys = [...new Set(jobs.flatMap((j) => Object.keys((j.view && (j.view.lineage || spec(j.view).lineage)) || {})))];
+  const spec = (v) => v.spec || {};
+  const hyper = [...new Set(jobs.flatMap((j) => Object.keys((j.view && spec(j.view).hyperparams) || {})))].sort();
   return h(
     "table",
     { id: "lineage", class: "lineage" },
@@ -24,18 +36,20 @@ function lineageTable(jobs) {
     h(
       "tbody",
       {},
-      field("name", (v) => v.name),
-      field("state", (v) => badge(v.state)),
-      field("team", (v) => v.team),
-      field("submitted", (v) => fmtTime(v.submitted_at)),
-      field("command", (v) => h("code", {}, (spec(v).command || []).join(" "))),
-      field("workdir", (v) => spec(v).workdir || "–"),
-      field("env keys", (v) => Object.keys(spec(v).env || {}).join(", ") || "–"),
-      field("size", (v) => `${spec(v).nodes}×${spec(v).ranks_per_node}`),
-      field("checkpoint", (v) => (spec(v).checkpoint ? (spec(v).checkpoint.tiers || []).join(" → ") : "–")),
-      field("restarts", (v) => String(v.restarts)),
-      field("latest", (v) => (v.summary && v.summary.step !== null && v.summary.step !== undefined ? `step ${v.summary.step}, loss ${fmtNum(v.summary.loss)}` : "–")),
-      lineageKeys.map((k) => field(`lineage: ${k}`, (v) => JSON.stringify(((v.lineage || spec(v).lineage) || {})[k] ?? "–"))),
+      row("name", jobs, (v) => v.name),
+      row("state", jobs, (v) => badge(v.state)),
+      row("team", jobs, (v) => v.team),
+      row("submitted", jobs, (v) => fmtTime(v.submitted_at)),
+      row("code", jobs, (v) => codeText(spec(v).code_ref), true),
+      row("data", jobs, (v) => spec(v).data_snapshot || "–", true),
+      hyper.map((k) => row(`hyperparam ${k}`, jobs, (v) => (k in (spec(v).hyperparams || {}) ? String(spec(v).hyperparams[k]) : "–"), true)),
+      row("command", jobs, (v) => h("code", {}, (spec(v).command || []).join(" ")), true),
+      row("workdir", jobs, (v) => spec(v).workdir || "–"),
+      row("env keys", jobs, (v) => Object.keys(spec(v).env || {}).join(", ") || "–", true),
+      row("size", jobs, (v) => `${spec(v).nodes}×${spec(v).ranks_per_node}`, true),
+      row("checkpoint", jobs, (v) => (spec(v).checkpoint ? (spec(v).checkpoint.tiers || []).join(" → ") : "–")),
+      row("restarts", jobs, (v) => String(v.restarts)),
+      row("latest", jobs, (v) => (v.summary && v.summary.step !== null && v.summary.step !== undefined ? `step ${v.summary.step}, loss ${fmtNum(v.summary.loss)}` : "–")),
     ),
   );
 }

@@ -153,3 +153,9 @@ export function hashQuery() {
 export function errorBox(err) {
   return h("p", { class: "error" }, err && err.message ? err.message : String(err));
 }
+
+/** The code a spec's code_ref names: "abc1234 (dirty) from URL". */
+export function codeText(ref) {
+  if (!ref) return "–";
+  return `${ref.commit}${ref.dirty ? " (dirty)" : ""}${ref.source ? ` from ${ref.source}` : ""}`;
+}

@@ -5,6 +5,7 @@ import * as api from "./api.js";
 import { JobSeries, lineChart } from "./charts.js";
 import {
   badge,
+  codeText,
   errorBox,
   fill,
   fmtAgo,
@@ -137,6 +138,7 @@ function checkpoints(cat, ui, rerender) {
     const s = steps.find((x) => t in x.committed);
     return h("span", { class: "chip" }, `${t}: ${s ? `step ${s.step}` : "none"}`);
   });
+  const withLoss = steps.some((s) => "loss" in s); // the supervisor knows each step's loss
   const slice = steps.slice(ui.ckptPage * CKPT_PAGE, (ui.ckptPage + 1) * CKPT_PAGE);
   const rows = slice.map((s) =>
     h(
@@ -148,6 +150,7 @@ function checkpoints(cat, ui, rerender) {
         if (t in s.partial) return h("td", { class: "warn" }, `${s.partial[t]}/${cat.world_size} ranks`);
         return h("td", { class: "muted" }, "–");
       }),
+      withLoss ? h("td", { class: "num" }, fmtNum(s.loss)) : null,
       h("td", { class: "num" }, fmtBytes(Math.max(0, ...Object.values(s.bytes || {})))),
     ),
   );
@@ -155,7 +158,7 @@ function checkpoints(cat, ui, rerender) {
     "div",
     {},
     h("p", {}, "Newest committed: ", newest),
-    table([{ num: "step" }, ...tiers, { num: "size" }], rows, { id: "checkpoints" }),
+    table([{ num: "step" }, ...tiers, withLoss ? { num: "loss" } : null, { num: "size" }].filter(Boolean), rows, { id: "checkpoints" }),
     pager(steps.length, CKPT_PAGE, ui.ckptPage, (p) => {
       ui.ckptPage = p;
       rerender();
@@ -172,7 +175,9 @@ function specBox(spec) {
     ["env", env.length ? env.join(", ") : "–"],
     ["size", `${spec.nodes} nodes × ${spec.ranks_per_node} ranks`],
     ["checkpoint", spec.checkpoint ? `${(spec.checkpoint.tiers || []).join(" → ")}` : "–"],
-    ["lineage", spec.lineage ? JSON.stringify(spec.lineage) : null],
+    ["code", spec.code_ref ? codeText(spec.code_ref) : null],
+    ["data", spec.data_snapshot],
+    ["hyperparams", Object.entries(spec.hyperparams || {}).map(([k, v]) => `${k}=${v}`).join(" ") || null],
   ]);
 }
 
