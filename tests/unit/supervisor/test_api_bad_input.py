@@ -129,6 +129,8 @@ ROUTES = [
     ("POST", "/v1/jobs/{id}/cancel"),
     ("GET", "/v1/jobs/{id}/logs"),
     ("GET", "/v1/jobs/{id}/checkpoints"),
+    ("GET", "/v1/jobs/{id}/metrics"),
+    ("GET", "/metrics"),
     # the dashboard (supervisor.dashboard): its page, an asset, login, logout
     ("GET", "/"),
     ("GET", "/ui/"),
@@ -139,7 +141,7 @@ ROUTES = [
 # Statuses that say another process did not answer, not that the request was bad: a ping
 # needs the broker (never connected here), a log the rank's node.
 GATEWAY = {"/ping": {503, 504}, "/logs": {502, 503}}
-QUERY_KEYS = ["limit", "after", "node", "job", "rank", "offset"]
+QUERY_KEYS = ["limit", "after", "node", "job", "rank", "offset", "names", "since", "step_from"]
 
 
 def spec_bodies() -> st.SearchStrategy[bytes]:
