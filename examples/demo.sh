@@ -54,6 +54,7 @@ say "bringing up a local fleet: broker, supervisor, 4 agents x 4 simulated GPUs 
 phalanx local up --nodes 4 --gpus-per-node 4 --spares 1 --dir "$DIR"
 eval "$(phalanx local env --dir "$DIR")"
 phalanx nodes
+say "the web dashboard, while the demo runs: $PHALANX_API/ui/ (the token: $DIR/token)"
 
 say "training a small transformer on 2 nodes x 2 ranks, a checkpoint every 20 steps"
 spec="$DIR/demo-job.yaml"

@@ -29,7 +29,8 @@ def cmd_local_up(args: argparse.Namespace) -> int:
     )
     print(
         f"local fleet up: API {fleet.api}; point the CLI at it with:\n"
-        f'  eval "$(phalanx local env --dir {args.dir})"',
+        f'  eval "$(phalanx local env --dir {args.dir})"\n'
+        f"the web dashboard: {fleet.api}/ui/ (log in with the token in {args.dir}/token)",
         file=sys.stderr,
     )
     return EXIT_OK

@@ -4,8 +4,13 @@
 method   path                          what
 =======  ============================  ==========================================
 GET      /healthz                      liveness (no token)
+GET      /ui/                          the web dashboard (``supervisor.dashboard``; its page
+                                       and assets need no token, its data calls do)
+POST     /ui/login, /ui/logout         body ``{"token": "..."}``: set (clear) the session
+                                       cookie the API accepts as well as the bearer token
 GET      /v1/nodes                     every node (see ``Node.view``)
-GET      /v1/nodes/{id}                one node; 404 when unknown
+GET      /v1/nodes/{id}                one node, with each GPU's gauges and the host's;
+                                       404 when unknown
 POST     /v1/nodes/{id}/drain          body ``{"reason": "..."}``
 POST     /v1/nodes/{id}/undrain        body ``{"force": false}``; 409 while sick
 POST     /v1/nodes/{id}/ping           round trip of a command to the agent
@@ -13,8 +18,9 @@ POST     /v1/jobs                      body ``{"spec": {...}}``; 400 names the b
 GET      /v1/jobs                      every job (see ``Job.view``)
 GET      /v1/jobs/{id}                 one job; 404 when unknown
 POST     /v1/jobs/{id}/cancel          stop every rank, then ``cancelled``
-GET      /v1/jobs/{id}/logs            ``?rank=N&offset=K``: bytes of a rank's log, fetched
-                                       from its node; ``X-Phalanx-Offset`` is where to go on
+GET      /v1/jobs/{id}/logs            ``?rank=N&offset=K&limit=L``: bytes of a rank's log,
+                                       fetched from its node; ``X-Phalanx-Offset`` is where
+                                       to go on, ``X-Phalanx-Size`` the log's size
 GET      /v1/jobs/{id}/checkpoints     the catalog: every step with a shard somewhere,
                                        the tiers it is committed at, partial tiers
 GET      /v1/jobs/{id}/metrics         ``?names=loss,grad_norm&since=TS&step_from=N``: the
@@ -24,6 +30,10 @@ GET      /metrics                      Prometheus (``supervisor.prom``), behind 
 GET      /v1/events                    ``?node=ID&job=ID&limit=N&after=ID``
 GET      /v1/stats                     counters (heartbeats handled, bad messages)
 =======  ============================  ==========================================
+
+Every other path needs the bearer token, or the dashboard's session cookie; a request
+that changes state on the cookie's word must carry ``X-Phalanx-CSRF: 1`` too (403
+otherwise, see :mod:`supervisor.dashboard.session`).
 
 It serves HTTPS with ``api.tls_cert_file`` and ``api.tls_key_file``, and fetches rank
 logs from the agents over HTTPS with ``agent_tls`` (verified against ``agent_ca_file``).
@@ -51,6 +61,7 @@ from phalanx import wire
 from phalanx.http import bearer_ok, json_body, serve
 from phalanx.jobspec import JobSpecError, validate_spec
 from phalanx.link import MqttLink
+from supervisor import dashboard
 from supervisor.catalog import CheckpointCatalog
 from supervisor.commands import Commands
 from supervisor.config import SupervisorSettings
@@ -77,6 +88,10 @@ POINT_COLUMNS = ("step", "ts", "value", "min", "max", "n")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 SHUTDOWN_S = 2.0  # requests in flight when the supervisor stops get this long to answer
+LOG_LIMIT = 2**20  # the most bytes of a rank's log one request fetches (the agent's default)
+# An answer larger than this is compressed for a client that accepts it (the dashboard's
+# browser; the CLI does not ask): /v1/nodes of 2,048 nodes is 2.3 MB, 72 KB gzipped.
+COMPRESS_OVER = 32 * 1024
 
 
 class Backend(Protocol):
@@ -115,6 +130,25 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+def gauge_summary(health: wire.Health) -> dict[str, Any]:
+    """A node's GPU gauges in a few numbers (the hottest GPU, ECC and retired pages
+    summed over its GPUs, the GPUs throttled): what a fleet view of thousands shows."""
+    gpus = health.gpus
+
+    def total(field: str) -> int | None:
+        values = [getattr(g, field) for g in gpus if getattr(g, field) is not None]
+        return sum(values) if values else None
+
+    temps = [g.temperature_c for g in gpus if g.temperature_c is not None]
+    return {
+        "temperature_max_c": max(temps) if temps else None,
+        "ecc_sbe_volatile": total("ecc_sbe_volatile"),
+        "ecc_dbe_volatile": total("ecc_dbe_volatile"),
+        "retired_pages": total("retired_pages"),
+        "throttled_gpus": [g.index for g in gpus if g.throttle],
+    }
+
+
 def make_app(sup: Backend) -> web.Application:
     token = sup.token.encode()
     agent_tls = sup.settings.agent_ssl()  # how rank logs are fetched from the agents
@@ -122,8 +156,17 @@ def make_app(sup: Backend) -> web.Application:
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path != "/healthz" and not bearer_ok(request, token):
-            return _error(401, "missing or wrong bearer token (PHALANX_TOKEN)")
+        if request.path == "/healthz" or request.match_info.route.resource in public:
+            pass  # the dashboard's page, assets, login and logout
+        elif bearer_ok(request, token):
+            pass
+        elif dashboard.session_ok(request, token):
+            if not dashboard.csrf_ok(request):
+                return _error(
+                    403, f"a change by the dashboard's session needs {dashboard.CSRF_HEADER}: 1"
+                )
+        else:
+            return _error(401, "missing or wrong bearer token (PHALANX_TOKEN) or session")
         try:
             return await handler(request)
         except web.HTTPException:
@@ -134,6 +177,14 @@ def make_app(sup: Backend) -> web.Application:
                 return _error(status, str(exc))
             log.exception("API %s %s failed", request.method, request.path)
             return _error(500, "internal error; see the supervisor log")
+
+    @web.middleware
+    async def compress(request: web.Request, handler: Handler) -> web.StreamResponse:
+        resp = await handler(request)
+        body = resp.body if isinstance(resp, web.Response) else None
+        if isinstance(body, bytes | bytearray) and len(body) > COMPRESS_OVER:
+            resp.enable_compression()  # by Accept-Encoding; aiohttp zlibs off the loop
+        return resp
 
     async def body(request: web.Request) -> dict[str, Any]:
         if not request.can_read_body:
@@ -149,19 +200,24 @@ def make_app(sup: Backend) -> web.Application:
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "mqtt_connected": sup.link.connected})
 
-    def node_view(n: Node) -> dict[str, Any]:
+    def node_view(n: Node, *, gauges: bool = False) -> dict[str, Any]:
         view = n.view()
         view["jobs"] = sorted(
             j.id for j in sup.jobs.jobs.values() if j.state.holds_nodes and n.id in j.nodes
         )
         view["spare"] = n.id in sup.jobs.spares
+        view["gauges"] = gauge_summary(n.health)
+        if gauges:  # one node: every GPU's numbers, and the host's
+            view["gpu_gauges"] = [g.model_dump() for g in n.health.gpus]
+            view["host"] = n.health.host.model_dump() if n.health.host else None
         return view
 
     async def nodes(request: web.Request) -> web.Response:
         return web.json_response([node_view(n) for _, n in sorted(sup.registry.nodes.items())])
 
     async def node(request: web.Request) -> web.Response:
-        return web.json_response(node_view(sup.registry.get(request.match_info["id"])))
+        found = sup.registry.get(request.match_info["id"])
+        return web.json_response(node_view(found, gauges=True))
 
     async def drain(request: web.Request) -> web.Response:
         data = await body(request)
@@ -287,8 +343,11 @@ def make_app(sup: Backend) -> web.Application:
         try:
             rank = int(request.query.get("rank", "0"))
             offset = int(request.query.get("offset", "0"))
+            limit = int(request.query.get("limit", str(LOG_LIMIT)))
         except ValueError:
-            return _error(400, "query 'rank' and 'offset' must be integers")
+            return _error(400, "query 'rank', 'offset' and 'limit' must be integers")
+        if not 1 <= limit <= LOG_LIMIT:
+            return _error(400, f"query 'limit': from 1 to {LOG_LIMIT} bytes")
         place = next((r for r in found.ranks if r.rank == rank), None)
         if place is None:
             return _error(404, f"job {found.id} has no rank {rank} placed")
@@ -297,7 +356,7 @@ def make_app(sup: Backend) -> web.Application:
             return _error(503, f"node {place.node} has not announced its address")
         url = (
             f"{agent_scheme}://{node.birth.address}:{node.birth.http_port}/v1/jobs/{found.id}/ranks/"
-            f"{rank}/log?offset={offset}"
+            f"{rank}/log?offset={offset}&limit={limit}"
         )
         try:
             async with (
@@ -318,6 +377,7 @@ def make_app(sup: Backend) -> web.Application:
                     content_type="text/plain",
                     headers={
                         "X-Phalanx-Offset": resp.headers.get("X-Phalanx-Offset", str(offset)),
+                        "X-Phalanx-Size": resp.headers.get("X-Phalanx-Size", ""),
                         "X-Phalanx-Node": place.node,
                     },
                 )
@@ -357,9 +417,10 @@ def make_app(sup: Backend) -> web.Application:
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
 
-    app = web.Application(middlewares=[guard], client_max_size=64 * 1024)
+    app = web.Application(middlewares=[guard, compress], client_max_size=64 * 1024)
     app.router.add_get("/metrics", prometheus_metrics)
     app.router.add_get("/healthz", healthz)
+    public = dashboard.add_routes(app, token)
     app.router.add_get("/v1/nodes", nodes)
     app.router.add_get("/v1/nodes/{id}", node)
     app.router.add_post("/v1/nodes/{id}/drain", drain)

@@ -129,11 +129,19 @@ ROUTES = [
     ("POST", "/v1/jobs/{id}/cancel"),
     ("GET", "/v1/jobs/{id}/logs"),
     ("GET", "/v1/jobs/{id}/checkpoints"),
+    ("GET", "/v1/jobs/{id}/metrics"),
+    ("GET", "/metrics"),
+    # the dashboard (supervisor.dashboard): its page, an asset, login, logout
+    ("GET", "/"),
+    ("GET", "/ui/"),
+    ("GET", "/ui/static/{id}"),
+    ("POST", "/ui/login"),
+    ("POST", "/ui/logout"),
 ]
 # Statuses that say another process did not answer, not that the request was bad: a ping
 # needs the broker (never connected here), a log the rank's node.
 GATEWAY = {"/ping": {503, 504}, "/logs": {502, 503}}
-QUERY_KEYS = ["limit", "after", "node", "job", "rank", "offset"]
+QUERY_KEYS = ["limit", "after", "node", "job", "rank", "offset", "names", "since", "step_from"]
 
 
 def spec_bodies() -> st.SearchStrategy[bytes]:
@@ -173,7 +181,16 @@ def requests(
     path = template.replace("{id}", quote(ident, safe=""))
     params = draw(st.dictionaries(st.sampled_from(QUERY_KEYS) | st.text(max_size=5), st.text()))
     headers = draw(
-        st.sampled_from([AUTH, {}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}])
+        st.sampled_from(
+            [
+                AUTH,
+                {},
+                {"Authorization": "Bearer wrong"},
+                {"Authorization": TOKEN},
+                {"X-Phalanx-CSRF": "1"},  # the dashboard's login, without a session
+                {"X-Phalanx-CSRF": "1", "Cookie": "phalanx_session=v1.99999999999.00"},
+            ]
+        )
     )
     content_type = draw(
         st.sampled_from([None, "application/json", "text/plain; charset=nope", "multipart/x"])
