@@ -3,8 +3,9 @@ else, and the fleet's tokens and broker passwords stay in the files that hold th
 
 One real fleet (Mosquitto with a password per user, the supervisor and two agents, all
 logging at DEBUG) runs a job whose ranks get ``DB_PASSWORD`` from a file. Each rank checks
-the value against its SHA-256 (never printing it) and waits to be let go, so that the
-process table is read while it runs. Then every place Phalanx writes, serves, publishes or
+the value against its SHA-256 (never printing it), reports a step, saves a checkpoint that
+lands at every tier, and waits to be let go, so that the process table is read while it
+runs. Then every place Phalanx writes, serves, publishes or
 runs is searched for the bytes of every secret: each file under the test's directory (the
 supervisor's SQLite database with its -wal and -shm files, every log, the agents' data
 dirs, rank logs included, the object store) and the agents' RAM tier, before and after
@@ -37,10 +38,20 @@ NODES = ("n01", "n02")
 OBSERVER = "observer"
 
 # argv[1]: the SHA-256 of the value the rank should find in DB_PASSWORD; argv[2]: a file
-# whose appearance lets the rank exit (0 with the right value, 3 without). Bounded: 30 s.
+# whose appearance lets the rank exit (0 with the right value, 3 without). Before it waits,
+# it reports a step and saves a checkpoint, so that metrics and every checkpoint tier (the
+# RAM slots, the disk, the buddy over HTTP, the object store) are among the places searched.
+# Every wait is bounded: 30 s.
 RANK = """\
 import hashlib, os, pathlib, sys, time
+import phalanx.rank
+from ckpt import Checkpointer
 ok = hashlib.sha256(os.environ.get("DB_PASSWORD", "").encode()).hexdigest() == sys.argv[1]
+phalanx.rank.step(1, loss=0.5, tokens=8.0)
+saver = Checkpointer(wait_timeout_s=30)
+saver.save(1, {"step": 1, "note": "harmless"})
+saver.wait()
+saver.close()
 print("rank", os.environ["RANK"], "has its secret" if ok else "LACKS its secret", flush=True)
 release, deadline = pathlib.Path(sys.argv[2]), time.monotonic() + 30
 while not release.exists() and time.monotonic() < deadline:
@@ -243,7 +254,13 @@ def test_secrets_appear_nowhere_phalanx_writes_serves_publishes_or_runs(
             assert not any("LACKS" in t for t in texts), texts
             return all("has its secret" in t for t in texts)
 
-        wait_for(checked, 30, "both ranks to check their secret")
+        wait_for(checked, 40, "both ranks to check their secret and checkpoint")
+
+        def committed() -> bool:
+            steps = fleet.client().get(f"/v1/jobs/{job_id}/checkpoints")["steps"]
+            return any(s["step"] == 1 and len(s["committed"]) == 4 for s in steps)
+
+        wait_for(committed, 20, "step 1 committed at all four tiers")
         needles = kept.needles(fleet)
         homes = kept.homes(fleet)
         daemons = [p.pid for p in [fleet.supervisor, *fleet.agents.values()] if p is not None]
