@@ -182,6 +182,19 @@ def _pids_under(roots: list[int]) -> list[int]:
     return seen
 
 
+def _ranks_of(job: str, pids: list[int]) -> list[int]:
+    """Those of ``pids`` that are ranks of ``job`` (the agent set PHALANX_JOB_ID for them)."""
+    marker = f"PHALANX_JOB_ID={job}".encode()
+    found = []
+    for pid in pids:
+        try:
+            if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
 def _titles(pids: list[int]) -> dict[str, bytes]:
     """Each process's command line (argv, NUL-separated, as a process title shows) and name."""
     found = {}
@@ -266,7 +279,7 @@ def test_secrets_appear_nowhere_phalanx_writes_serves_publishes_or_runs(
         daemons = [p.pid for p in [fleet.supervisor, *fleet.agents.values()] if p is not None]
         assert fleet.broker.process is not None
         running = _pids_under([*daemons, fleet.broker.process.pid])
-        assert len(running) >= len(daemons) + 2, "the ranks are not among the fleet's processes"
+        assert len(_ranks_of(job_id, running)) == 2, "the ranks are not among those searched"
         leaks = _leaks(_titles(running), needles)
         leaks += _leaks(_files(fleet.root, fleet.shm_dir, skip=homes), needles)
 
