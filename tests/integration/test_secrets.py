@@ -5,7 +5,8 @@ One real fleet (Mosquitto with a password per user, the supervisor and two agent
 logging at DEBUG) runs a job whose ranks get ``DB_PASSWORD`` from a file. Each rank checks
 the value against its SHA-256 (never printing it), reports a step, saves a checkpoint that
 lands at every tier, and waits to be let go, so that the process table is read while it
-runs. Then every place Phalanx writes, serves, publishes or
+runs. A second job's secret is a raw key, not text: its start fails, and the failure
+quotes none of it. Then every place Phalanx writes, serves, publishes or
 runs is searched for the bytes of every secret: each file under the test's directory (the
 supervisor's SQLite database with its -wal and -shm files, every log, the agents' data
 dirs, rank logs included, the object store) and the agents' RAM tier, before and after
@@ -69,6 +70,10 @@ class Secrets:
         self.file = root / "secrets" / "db-password"
         self.file.parent.mkdir(parents=True)
         self.file.write_text(self.value + "\n")
+        # A secret that is not text (a raw key): its start fails, and the error must not
+        # quote it (Python's decode error names a byte and its offset).
+        self.binary = self.file.with_name("raw-key")
+        self.binary.write_bytes(b"\xa7\xfe" + secrets.token_bytes(14))
         self.passwords = {
             user: f"pw-{user}-{secrets.token_hex(12)}"
             for user in ("phalanx-supervisor", *NODES, OBSERVER)
@@ -86,6 +91,8 @@ class Secrets:
     def needles(self, fleet: Fleet) -> dict[str, bytes]:
         found = {
             "the from_file secret": self.value.encode(),
+            "the raw key": self.binary.read_bytes(),
+            "a decode error quoting a byte": b"can't decode byte",
             "the API token": TOKEN.encode(),
             "the agents' HTTP token": fleet.agent_token_file().read_text().strip().encode(),
         }
@@ -286,6 +293,16 @@ def test_secrets_appear_nowhere_phalanx_writes_serves_publishes_or_runs(
         release.touch()
         ended = fleet.wait_job(job_id, "succeeded", timeout=30)
         assert [r["exit_code"] for r in ended["ranks"]] == [0, 0]
+        raw = fleet.submit(
+            name="raw-key",
+            nodes=1,
+            ranks_per_node=1,
+            command=[sys.executable, "-c", "pass"],
+            env={"RAW_KEY": {"from_file": str(kept.binary)}},
+        )
+        failed = fleet.wait_job(raw["id"], "failed", timeout=20)
+        assert f"RAW_KEY: {kept.binary} on node" in failed["reason"], failed["reason"]
+        assert "is not UTF-8 text" in failed["reason"], failed["reason"]
 
         client = fleet.client()
         paths = [
@@ -294,6 +311,7 @@ def test_secrets_appear_nowhere_phalanx_writes_serves_publishes_or_runs(
             f"/v1/jobs/{job_id}/checkpoints",
             f"/v1/jobs/{job_id}/metrics",
             *(f"/v1/jobs/{job_id}/logs?rank={r}" for r in range(len(NODES))),
+            f"/v1/jobs/{raw['id']}",
             "/v1/events?limit=10000",
             f"/v1/events?job={job_id}&limit=10000",
             "/v1/nodes",
