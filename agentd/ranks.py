@@ -293,14 +293,7 @@ class RankRunner:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_AGENTD_")}
         for key, value in req.env.items():
             if isinstance(value, wire.EnvFromFile):
-                try:
-                    env[key] = Path(value.from_file).read_text().strip()
-                except OSError as exc:
-                    raise CommandError(
-                        f"job {req.job}: env {key}: cannot read "
-                        f"{value.from_file} on node {self.node}: "
-                        f"{exc.strerror or exc}"
-                    ) from exc
+                env[key] = self._read_secret(req.job, key, value.from_file)
             else:
                 env[key] = value
         env.update(NCCL_ENV)
@@ -323,6 +316,25 @@ class RankRunner:
             }
         )
         return env
+
+    def _read_secret(self, job: str, key: str, path: str) -> str:
+        """The value of env ``key`` from the file ``path``. No error shows any of its bytes:
+        a decode error would name one and its offset, so it is not chained either."""
+        where = f"job {job}: env {key}: {path} on node {self.node}"
+        try:
+            raw = Path(path).read_bytes()
+        except OSError as exc:
+            raise CommandError(
+                f"job {job}: env {key}: cannot read {path} on node {self.node}: "
+                f"{exc.strerror or exc}"
+            ) from exc
+        try:
+            value = raw.decode().strip()
+        except UnicodeDecodeError:
+            raise CommandError(f"{where} is not UTF-8 text") from None
+        if "\0" in value:  # the environment cannot hold it: exec would refuse
+            raise CommandError(f"{where} holds a NUL byte")
+        return value
 
     async def stop(self, job: str, generation: int, *, grace_s: float) -> dict[str, Any]:
         """Stop every rank of ``job`` up to ``generation``; returns once all are gone."""

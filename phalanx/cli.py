@@ -1,7 +1,8 @@
 """``phalanx``: the operator's command line.
 
 The fleet commands talk to the supervisor's REST API at ``$PHALANX_API`` with
-the token ``$PHALANX_TOKEN`` (or ``--api`` / ``--token``); an ``https://`` API is
+the token ``$PHALANX_TOKEN`` (or ``--api`` / ``--token-file``; ``--token`` works too,
+but shows the token to every user of the machine in ``ps``); an ``https://`` API is
 verified against the CA in ``$PHALANX_CA`` (or ``--ca``), else the system's CA
 store. ``eval "$(phalanx local env)"`` sets them for a local fleet. Tables go to stdout by default,
 stable JSON with ``-o json``; messages go to stderr.
@@ -49,11 +50,11 @@ from phalanx.lineage import code_ref_of
 
 def _client(args: argparse.Namespace) -> Client:
     api = args.api or os.environ.get("PHALANX_API")
-    token = args.token or os.environ.get("PHALANX_TOKEN")
+    token = args.token or _token_file(args.token_file) or os.environ.get("PHALANX_TOKEN")
     if not api or not token:
         raise CliError(
             "no supervisor configured: set PHALANX_API and PHALANX_TOKEN (for a local "
-            'fleet: eval "$(phalanx local env)"), or pass --api and --token',
+            'fleet: eval "$(phalanx local env)"), or pass --api and --token-file',
             EXIT_USAGE,
         )
     ca = args.ca or os.environ.get("PHALANX_CA") or None
@@ -61,6 +62,18 @@ def _client(args: argparse.Namespace) -> Client:
         return Client(api, token, ca_file=Path(ca) if ca else None)
     except ApiError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
+
+
+def _token_file(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"--token-file: cannot read {path}: {exc}", EXIT_USAGE) from None
+    if not token:
+        raise CliError(f"--token-file: {path} is empty", EXIT_USAGE)
+    return token
 
 
 def _call(fn: Any, *a: Any) -> Any:
@@ -401,7 +414,18 @@ def parser() -> argparse.ArgumentParser:
         "3 not found, 4 refused, 5 the waited-for job did not succeed",
     )
     p.add_argument("--api", help="supervisor URL (default: $PHALANX_API)")
-    p.add_argument("--token", help="API token (default: $PHALANX_TOKEN)")
+    given = p.add_mutually_exclusive_group()
+    given.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="file holding the API token (default: $PHALANX_TOKEN)",
+    )
+    given.add_argument(
+        "--token",
+        help="API token; every user of this machine sees it in ps: prefer $PHALANX_TOKEN "
+        "or --token-file",
+    )
     p.add_argument(
         "--ca",
         help="CA bundle (PEM) that signed the supervisor's certificate, for an https:// API "

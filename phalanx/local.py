@@ -2,7 +2,8 @@
 
 ``phalanx local up`` starts them as detached processes under one directory::
 
-    DIR/fleet.json          what was started (pids, ports, roles), read by the other verbs
+    DIR/fleet.json          what was started (pids, ports, roles, the API token; mode
+                            0600), read by the other verbs
     DIR/token               the API token (mode 0600)
     DIR/broker/             mosquitto.conf
     DIR/supervisor/         supervisor.toml and its state
@@ -80,9 +81,13 @@ class Fleet:
         return Path(self.dir)
 
     def save(self) -> None:
+        """Write fleet.json (it holds the API token: mode 0600, as the token file)."""
         data = asdict(self)
         tmp = self.path / "fleet.json.tmp"
-        tmp.write_text(json.dumps(data, indent=1))
+        tmp.unlink(missing_ok=True)  # a leftover keeps its mode through os.open
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(data, indent=1))
         os.replace(tmp, self.path / "fleet.json")
 
     @classmethod

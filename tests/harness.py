@@ -104,12 +104,14 @@ class Process:
 class Broker:
     """A real Mosquitto on a free loopback port; restartable on the same port."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, conf_extra: str = "") -> None:
+        """``conf_extra``: more lines for its mosquitto.conf (a password file, say)."""
         binary = find_mosquitto()
         if binary is None:
             raise RuntimeError("these tests need Mosquitto: apt-get install -y mosquitto")
         self.binary = binary
         self.directory = directory
+        self.conf_extra = conf_extra
         self.port = 0
         self.process: Process | None = None
 
@@ -117,7 +119,7 @@ class Broker:
         for _ in range(5):
             port = self.port or free_port()
             conf = self.directory / "mosquitto.conf"
-            write_mosquitto_conf(conf, port)
+            write_mosquitto_conf(conf, port, extra=self.conf_extra)
             self.process = Process(
                 "broker", [self.binary, "-c", str(conf)], self.directory / "broker.log"
             ).start()
@@ -252,7 +254,9 @@ class Fleet:
         keepalive_s: int = 5,
         spares: int = 0,
         extra: str = "",
+        mqtt: str = "",
     ) -> Process:
+        """``extra`` goes at the top level of the config, ``mqtt`` in its ``[mqtt]``."""
         self.api_port = self.api_port or free_port()
         directory = self.root / "supervisor"
         directory.mkdir(parents=True, exist_ok=True)
@@ -268,7 +272,7 @@ class Fleet:
             f'agent_token_file = "{self.agent_token_file()}"\nschedule_interval_s = 0.5\n'
             f"spares = {spares}\n{tls_top}{extra}"
             f"[mqtt]\nport = {self.broker.port}\nkeepalive_s = {keepalive_s}\n"
-            "reconnect_max_s = 1.0\n"
+            f"reconnect_max_s = 1.0\n{mqtt}"
             f'[api]\nport = {self.api_port}\ntoken_file = "{directory / "token"}"\n{tls_api}'
         )
         self.supervisor = Process(
@@ -290,9 +294,10 @@ class Fleet:
         extra: str = "",
         rack: str = "rack1",
         top: str = "",
+        mqtt: str = "",
     ) -> Process:
         """``extra`` goes at the end of the config (in its last section, ``[ckpt]``);
-        ``top`` at its start, for top-level settings."""
+        ``top`` at its start, for top-level settings; ``mqtt`` in its ``[mqtt]``."""
         directory = self.root / "nodes" / node
         directory.mkdir(parents=True, exist_ok=True)
         port = via.port if via is not None else self.broker.port
@@ -311,7 +316,7 @@ class Fleet:
         )
         text += f'shm_dir = "{self.shm_dir}"\n'  # in the [ckpt] section agent_toml ends with
         text = text.replace(
-            "keepalive_s = 5", f"keepalive_s = {keepalive_s}\nreconnect_max_s = 1.0"
+            "keepalive_s = 5", f"keepalive_s = {keepalive_s}\nreconnect_max_s = 1.0\n{mqtt}"
         )
         conf.write_text(top + text + extra)
         agent = Process(
@@ -386,13 +391,16 @@ class Fleet:
 class RawMqtt:
     """A plain paho client for tests that speak MQTT directly (garbage, raw commands)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, *, auth: tuple[str, str] | None = None) -> None:
+        """``auth``: the user and password to connect as, where the broker wants one."""
         import paho.mqtt.client as mqtt
 
         self.messages: list[tuple[str, bytes]] = []
         self._lock = threading.Lock()
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
         self.client.on_message = self._on_message
+        if auth is not None:
+            self.client.username_pw_set(*auth)
         self.client.connect("127.0.0.1", port)
         self.client.loop_start()
 
@@ -411,6 +419,11 @@ class RawMqtt:
     def received(self, topic: str) -> list[bytes]:
         with self._lock:
             return [p for t, p in self.messages if t == topic]
+
+    def heard(self) -> list[tuple[str, bytes]]:
+        """Every message received so far, as (topic, payload)."""
+        with self._lock:
+            return list(self.messages)
 
     def close(self) -> None:
         self.client.loop_stop()

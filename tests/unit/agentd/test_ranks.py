@@ -245,6 +245,31 @@ async def test_missing_env_file_fails_the_start_naming_the_file(
         await runner.start(args)
 
 
+async def test_env_file_that_is_not_text_fails_the_start_showing_none_of_its_bytes(
+    runner: RankRunner, tmp_path: Path
+) -> None:
+    # A decode error names the offending byte and its offset: a piece of the secret.
+    secret = tmp_path / "key"
+    secret.write_bytes(b"k3y-\xa7\xfe-rest")
+    args = start_args("sleep 30", env={"TOKEN": wire.EnvFromFile(from_file=str(secret))})
+    with pytest.raises(CommandError, match=f"TOKEN: {secret} on node .* is not UTF-8") as raised:
+        await runner.start(args)
+    assert not any(part in str(raised.value) for part in ("0xa7", "\\xa7", "position", "k3y"))
+    assert runner.running() == []
+
+
+async def test_env_file_holding_a_nul_byte_fails_the_start_naming_the_variable(
+    runner: RankRunner, tmp_path: Path
+) -> None:
+    secret = tmp_path / "key"
+    secret.write_bytes(b"k3y\x00rest")
+    args = start_args("sleep 30", env={"TOKEN": wire.EnvFromFile(from_file=str(secret))})
+    with pytest.raises(CommandError, match=f"TOKEN: {secret} on node .* holds a NUL byte"):
+        await runner.start(args)
+    assert runner.running() == []
+    assert new_children() == set()
+
+
 async def test_missing_env_file_starts_nothing(runner: RankRunner, tmp_path: Path) -> None:
     args = start_args(
         "sleep 30", env={"TOKEN": wire.EnvFromFile(from_file=str(tmp_path / "missing"))}
