@@ -363,6 +363,18 @@ class Fleet:
             env["PHALANX_CA"] = str(self.authority.ca)
         return env
 
+    def cli(
+        self, *args: str, timeout: float = 300.0, **env: str
+    ) -> subprocess.CompletedProcess[str]:
+        """``phalanx ARGS`` pointed at this fleet (``env``: more variables), its output text."""
+        return subprocess.run(
+            [sys.executable, "-m", "phalanx.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **self.cli_env(), **env},
+        )
+
     def client(self) -> Client:
         ca = self.authority.ca if self.authority else None
         return Client(self.api_url, TOKEN, timeout=5, ca_file=ca)

@@ -25,7 +25,7 @@ import pytest
 
 from phalanx import wire
 from phalanx.local import free_port
-from tests.harness import TOKEN, Fleet, RawMqtt, rank_pid, wait_for
+from tests.harness import Fleet, RawMqtt, rank_pid, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -50,21 +50,6 @@ TINY = [
 ]
 
 
-def cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PHALANX_API": f"http://127.0.0.1:{fleet.api_port}",
-        "PHALANX_TOKEN": TOKEN,
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "phalanx.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
-
-
 def start_two_racks(fleet: Fleet, supervisor_extra: str = "") -> None:
     fleet.start_supervisor(extra=supervisor_extra)
     fleet.start_agent("n01", rack="rack1")
@@ -78,7 +63,7 @@ def tinylm(*args: str) -> list[str]:
 
 
 def catalog(fleet: Fleet, job: str) -> dict[str, Any]:
-    out = cli(fleet, "ckpt", "ls", job, "-o", "json")
+    out = fleet.cli("ckpt", "ls", job, "-o", "json")
     assert out.returncode == 0, out.stderr
     result: dict[str, Any] = json.loads(out.stdout)
     return result
@@ -136,7 +121,7 @@ def test_checkpoints_land_in_all_four_tiers_are_kept_per_tier_and_ckpt_ls_shows_
     # once the job has ended; the one before only where 2 are kept; none older.
     wanted = {12: ["nvme", "object", "peer"], 8: ["object"]}
     wait_for(lambda: committed(fleet, job["id"]) == wanted, 30, f"the catalog to hold {wanted}")
-    table = cli(fleet, "ckpt", "ls", job["id"]).stdout.splitlines()
+    table = fleet.cli("ckpt", "ls", job["id"]).stdout.splitlines()
     assert table[0].split() == ["STEP", "COMMITTED", "PARTIAL", "SIZE", "LOSS"]
     assert table[1].split()[:3] == ["12", "nvme,peer,object", "-"]
     assert table[2].split()[:3] == ["8", "object", "-"]

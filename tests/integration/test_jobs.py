@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.client import ApiError
-from tests.harness import TOKEN, Fleet, processes_matching, wait_for
+from tests.harness import Fleet, processes_matching, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -27,21 +26,6 @@ def two_by_two(fleet: Fleet, **agent: object) -> None:
     fleet.wait_state("n02", "up")
 
 
-def cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PHALANX_API": f"http://127.0.0.1:{fleet.api_port}",
-        "PHALANX_TOKEN": TOKEN,
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "phalanx.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-
-
 def test_example_job_trains_to_a_lower_loss_and_succeeds_on_two_nodes_of_two_ranks(
     fleet: Fleet,
     tmp_path: Path,
@@ -54,10 +38,10 @@ def test_example_job_trains_to_a_lower_loss_and_succeeds_on_two_nodes_of_two_ran
         f"workdir: {REPO}\nnodes: 2\nranks_per_node: 2\nmax_runtime: 5m\n"
     )
 
-    submitted = cli(fleet, "submit", str(spec), "--wait")
+    submitted = fleet.cli("submit", str(spec), "--wait")
 
     assert submitted.returncode == 0, submitted.stderr
-    job = json.loads(cli(fleet, "status", submitted.stdout.strip(), "-o", "json").stdout)
+    job = json.loads(fleet.cli("status", submitted.stdout.strip(), "-o", "json").stdout)
     assert job["state"] == "succeeded"
     assert job["world_size"] == 4
     assert [(r["rank"], r["node"], r["local_rank"], r["exit_code"]) for r in job["ranks"]] == [
@@ -66,7 +50,7 @@ def test_example_job_trains_to_a_lower_loss_and_succeeds_on_two_nodes_of_two_ran
         (2, "n02", 0, 0),
         (3, "n02", 1, 0),
     ]
-    log = cli(fleet, "logs", job["id"], "--rank", "0").stdout
+    log = fleet.cli("logs", job["id"], "--rank", "0").stdout
     summary = json.loads(log.strip().splitlines()[-1])
     assert summary["done"] is True
     assert summary["last_loss"] < summary["first_loss"]
@@ -88,13 +72,13 @@ def test_submit_records_the_workdirs_commit_and_ckpt_ls_shows_the_lineage(
         ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
     ).stdout.strip()
 
-    submitted = cli(fleet, "submit", str(spec), "--wait")
+    submitted = fleet.cli("submit", str(spec), "--wait")
 
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
-    job = json.loads(cli(fleet, "status", job_id, "-o", "json").stdout)
+    job = json.loads(fleet.cli("status", job_id, "-o", "json").stdout)
     assert job["spec"]["code_ref"]["commit"] == head
-    listed = cli(fleet, "ckpt", "ls", job_id)
+    listed = fleet.cli("ckpt", "ls", job_id)
     assert listed.returncode == 0, listed.stderr
     assert f"code: {head}" in listed.stdout
     assert "data: c4-en@2026-11-01" in listed.stdout and "hyperparams: lr=0.0003" in listed.stdout
@@ -181,7 +165,7 @@ def test_cancel_leaves_no_rank_process_behind_even_one_ignoring_sigterm(fleet: F
     fleet.wait_job(job["id"], "running")
     wait_for(lambda: len(processes_matching("sleep 3232")) >= 4, 10, "four ranks")
 
-    cancelled = cli(fleet, "cancel", job["id"], "--wait")
+    cancelled = fleet.cli("cancel", job["id"], "--wait")
 
     assert cancelled.returncode == 0, cancelled.stderr
     assert fleet.job(job["id"])["state"] == "cancelled"
@@ -214,7 +198,7 @@ def test_an_invalid_spec_is_rejected_naming_the_field_and_line(
     spec = tmp_path / "bad.yaml"
     spec.write_text("name: bad\nteam: t\ncommand: [x]\nworkdir: /\nnodes: 0\nranks_per_node: 1\n")
 
-    done = cli(fleet, "submit", str(spec))
+    done = fleet.cli("submit", str(spec))
 
     assert done.returncode == 2
     assert "nodes (line 5)" in done.stderr

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 import urllib.error
@@ -44,21 +42,6 @@ def rank0_losses(fleet: Fleet, job: dict[str, Any]) -> dict[int, float]:
     log = fleet.root / "nodes" / node / "data" / "jobs" / job["id"] / "g1" / "rank-0.log"
     lines = [json.loads(x) for x in log.read_text().splitlines() if x.startswith('{"step"')]
     return {line["step"]: line["loss"] for line in lines}
-
-
-def phalanx(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PHALANX_API": f"http://127.0.0.1:{fleet.api_port}",
-        "PHALANX_TOKEN": TOKEN,
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "phalanx.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
 
 
 def test_a_jobs_loss_series_is_what_rank_0_logged_and_phalanx_metrics_prints_it(
@@ -100,14 +83,14 @@ def test_a_jobs_loss_series_is_what_rank_0_logged_and_phalanx_metrics_prints_it(
     # tinylm reports its FLOPs per step; a sim GPU is a "Simulated H100": a CPU's tiny share
     assert 0 < summary["mfu"] < 0.01
 
-    shown = phalanx(fleet, "metrics", job_id)
+    shown = fleet.cli("metrics", job_id)
     assert shown.returncode == 0, shown.stderr
     loss_line = next(x for x in shown.stdout.splitlines() if x.startswith("loss "))
     _, last, step, _range, chart = loss_line.split()
     assert (float(last), int(step)) == (pytest.approx(logged[STEPS - 1], abs=1e-3), STEPS - 1)
     assert set(chart) <= set("▁▂▃▄▅▆▇█")
     assert any(x.startswith("tokens_per_s ") for x in shown.stdout.splitlines())
-    as_json = json.loads(phalanx(fleet, "metrics", job_id, "-o", "json").stdout)
+    as_json = json.loads(fleet.cli("metrics", job_id, "-o", "json").stdout)
     assert as_json["series"]["loss"] == points
 
 

@@ -4,8 +4,6 @@ certificates from one throw-away CA (``phalanx.certs``, as ``phalanx local up --
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -33,16 +31,6 @@ def tls_fleet(tmp_path: Path, broker: Broker) -> Iterator[Fleet]:
     f.stop()
 
 
-def cli(fleet: Fleet, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "phalanx.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, **fleet.cli_env(), **env},
-    )
-
-
 def test_a_tls_fleet_runs_a_job_whose_peer_copies_land_and_the_cli_reads_it_over_https(
     tls_fleet: Fleet,
 ) -> None:
@@ -66,7 +54,7 @@ def test_a_tls_fleet_runs_a_job_whose_peer_copies_land_and_the_cli_reads_it_over
 
     # The peer copies went over HTTPS to the buddy and were committed at tier peer ...
     def committed() -> dict[int, list[str]]:
-        out = cli(fleet, "ckpt", "ls", job["id"], "-o", "json")
+        out = fleet.cli("ckpt", "ls", job["id"], "-o", "json")
         assert out.returncode == 0, out.stderr
         return {s["step"]: sorted(s["committed"]) for s in json.loads(out.stdout)["steps"]}
 
@@ -75,7 +63,7 @@ def test_a_tls_fleet_runs_a_job_whose_peer_copies_land_and_the_cli_reads_it_over
         copy = fleet.root / "nodes" / buddy / "data" / "ckpt-peer" / job["id"] / "000000000008"
         assert (copy / f"rank-{rank:05d}.phx.zst").is_file(), f"{node}'s copy on {buddy}"
     # ... and the supervisor fetched a rank's log from its agent over HTTPS.
-    log = cli(fleet, "logs", job["id"], "--rank", "0")
+    log = fleet.cli("logs", job["id"], "--rank", "0")
     assert log.returncode == 0, log.stderr
     assert json.loads(log.stdout.strip().splitlines()[-1])["done"] is True
 
@@ -89,7 +77,7 @@ def test_a_client_trusting_another_ca_is_refused_with_a_clear_error(
     node = fleet.wait_state("n01", "up")
     other = make_authority(tmp_path / "other-ca")
 
-    refused = cli(fleet, "nodes", PHALANX_CA=str(other.ca))
+    refused = fleet.cli("nodes", PHALANX_CA=str(other.ca))
 
     assert refused.returncode == 1
     assert "Traceback" not in refused.stderr
@@ -112,7 +100,7 @@ def test_the_cli_takes_the_ca_from_its_ca_option(tls_fleet: Fleet) -> None:
     fleet.start_supervisor()
     assert fleet.authority is not None
 
-    listed = cli(fleet, "--ca", str(fleet.authority.ca), "nodes", "-o", "json", PHALANX_CA="")
+    listed = fleet.cli("--ca", str(fleet.authority.ca), "nodes", "-o", "json", PHALANX_CA="")
 
     assert listed.returncode == 0, listed.stderr
     assert json.loads(listed.stdout) == []
