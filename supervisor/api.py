@@ -74,6 +74,7 @@ from supervisor.errors import (
     UnknownJob,
     UnknownNode,
 )
+from supervisor.jobs import Job
 from supervisor.metrics import MAX_SERIES, TrainingMetrics, json_number
 from supervisor.prom import registry_of
 from supervisor.registry import Node, Registry
@@ -87,6 +88,7 @@ POINT_COLUMNS = ("step", "ts", "value", "min", "max", "n")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+SUMMARY_CHECKPOINTS = 8  # a job's summary lists its newest committed steps, this many
 SHUTDOWN_S = 2.0  # requests in flight when the supervisor stops get this long to answer
 LOG_LIMIT = 2**20  # the most bytes of a rank's log one request fetches (the agent's default)
 # An answer larger than this is compressed for a client that accepts it (the dashboard's
@@ -278,9 +280,27 @@ def make_app(sup: Backend) -> web.Application:
             ]
         )
 
+    def checkpoint_view(found: Job) -> dict[str, Any]:
+        view = sup.catalog.view(found.id, found.spec.world_size, found.spec.checkpoint.tiers)
+        view["lineage"] = found.spec.lineage()
+        add_losses(view["steps"], sup.store.series(found.id, ["loss"]).get("loss", []))
+        return view
+
     async def job(request: web.Request) -> web.Response:
         found = sup.jobs.get(request.match_info["id"])
-        return web.json_response(found.view(summary=sup.metrics.summary(found.id)))
+        summary = sup.metrics.summary(found.id)
+        # The newest committed steps, each with its tiers and the loss at it.
+        summary["checkpoints"] = [
+            {
+                "step": s["step"],
+                "tiers": sorted(s["committed"]),
+                "loss": s["loss"],
+                "loss_step": s["loss_step"],
+            }
+            for s in checkpoint_view(found)["steps"]
+            if s["committed"]
+        ][-SUMMARY_CHECKPOINTS:]
+        return web.json_response(found.view(summary=summary))
 
     async def metrics(request: web.Request) -> web.Response:
         found = sup.jobs.get(request.match_info["id"])
@@ -389,11 +409,7 @@ def make_app(sup: Backend) -> web.Application:
             )
 
     async def checkpoints(request: web.Request) -> web.Response:
-        found = sup.jobs.get(request.match_info["id"])
-        view = sup.catalog.view(found.id, found.spec.world_size, found.spec.checkpoint.tiers)
-        view["lineage"] = found.spec.lineage()
-        add_losses(view["steps"], sup.store.series(found.id, ["loss"]).get("loss", []))
-        return web.json_response(view)
+        return web.json_response(checkpoint_view(sup.jobs.get(request.match_info["id"])))
 
     async def stats(request: web.Request) -> web.Response:
         return web.json_response(

@@ -25,6 +25,7 @@ metric                                   type     labels
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Protocol
@@ -37,6 +38,7 @@ from supervisor.controller import JobController
 from supervisor.jobs import JobState
 from supervisor.metrics import TrainingMetrics
 from supervisor.registry import NodeState, Registry
+from supervisor.store import Store
 
 
 class Source(Protocol):
@@ -45,6 +47,7 @@ class Source(Protocol):
     registry: Registry
     jobs: JobController
     metrics: TrainingMetrics
+    store: Store
     bad_messages: int
 
 
@@ -73,6 +76,28 @@ class SupervisorCollector(Collector):
         )
         recoveries.add_metric([], sum(j.restarts for j in jobs))
         yield recoveries
+        now = time.time()
+        waited = GaugeMetricFamily(
+            "phalanx_queue_wait_seconds", "How long the oldest pending job has waited"
+        )
+        pending = [now - j.submitted_at for j in jobs if j.state is JobState.PENDING]
+        waited.add_metric([], max(pending, default=0.0))
+        yield waited
+        # Tiering falling behind: per running job and tier (bounded: jobs x 4 tiers).
+        commit_age = GaugeMetricFamily(
+            "phalanx_ckpt_commit_age_seconds",
+            "Seconds since the job's newest checkpoint was committed at the tier",
+            labels=["job", "tier"],
+        )
+        for job in sorted(jobs, key=lambda j: j.id):
+            if not job.state.holds_nodes:
+                continue
+            newest: dict[str, float] = {}
+            for _step, tier, at in sup.store.commits(job.id):
+                newest[tier] = max(newest.get(tier, 0.0), at)
+            for tier, at in sorted(newest.items()):
+                commit_age.add_metric([job.id, tier], max(0.0, now - at))
+        yield commit_age
         gauges = {
             "step": GaugeMetricFamily("phalanx_job_step", "Latest step", labels=["job"]),
             "loss": GaugeMetricFamily("phalanx_job_loss", "Latest loss", labels=["job"]),

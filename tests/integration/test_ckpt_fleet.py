@@ -121,6 +121,8 @@ def test_checkpoints_land_in_all_four_tiers_are_kept_per_tier_and_ckpt_ls_shows_
     # once the job has ended; the one before only where 2 are kept; none older.
     wanted = {12: ["nvme", "object", "peer"], 8: ["object"]}
     wait_for(lambda: committed(fleet, job["id"]) == wanted, 30, f"the catalog to hold {wanted}")
+    refs = fleet.job(job["id"])["summary"]["checkpoints"]  # the job's own view lists them
+    assert [(c["step"], c["tiers"]) for c in refs] == [(8, ["object"]), (12, sorted(wanted[12]))]
     table = fleet.cli("ckpt", "ls", job["id"]).stdout.splitlines()
     assert table[0].split() == ["STEP", "COMMITTED", "PARTIAL", "SIZE", "LOSS"]
     assert table[1].split()[:3] == ["12", "nvme,peer,object", "-"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ class FakeSupervisor:
     registry: FakeRegistry
     jobs: FakeJobs
     metrics: TrainingMetrics
+    store: Store
     bad_messages: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -63,7 +65,11 @@ def test_prometheus_shows_the_fleet_and_each_running_jobs_figures_by_job_only(
     jobs = {
         "big-1": job("big-1", JobState.RUNNING, restarts=2),
         "old-1": job("old-1", JobState.SUCCEEDED, restarts=1),
+        "wait-1": job("wait-1", JobState.PENDING),
     }
+    jobs["wait-1"].submitted_at = time.time() - 600  # queued for 10 minutes
+    store.add_commit("big-1", 90, "ram", time.time() - 5)
+    store.add_commit("big-1", 60, "object", time.time() - 300)  # the object tier lags
     metrics = TrainingMetrics(store, jobs.get)
     metrics.on_batch(
         wire.MetricsBatch(
@@ -92,6 +98,7 @@ def test_prometheus_shows_the_fleet_and_each_running_jobs_figures_by_job_only(
         FakeRegistry({"n1": FakeNode(NodeState.UP), "n2": FakeNode(NodeState.DRAIN)}),
         FakeJobs(jobs, spares=("n3",)),
         metrics,
+        store,
         bad_messages=3,
     )
     text = generate_latest(registry_of(sup)).decode()  # type: ignore[arg-type]
@@ -106,6 +113,10 @@ def test_prometheus_shows_the_fleet_and_each_running_jobs_figures_by_job_only(
     assert 'phalanx_job_step_time_seconds{job="big-1"} 0.5' in lines
     assert 'phalanx_job_tokens_per_second{job="big-1"} 64000.0' in lines
     assert "phalanx_bad_messages_total 3.0" in lines
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line}
+    assert 600 <= values["phalanx_queue_wait_seconds"] < 660
+    assert 5 <= values['phalanx_ckpt_commit_age_seconds{job="big-1",tier="ram"}'] < 60
+    assert 300 <= values['phalanx_ckpt_commit_age_seconds{job="big-1",tier="object"}'] < 360
     assert "old-1" not in text  # an ended job has no series
     assert "rank" not in text.replace("ranks", "")  # no per-rank label, ever
     store.close()
