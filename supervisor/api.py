@@ -289,17 +289,12 @@ def make_app(sup: Backend) -> web.Application:
     async def job(request: web.Request) -> web.Response:
         found = sup.jobs.get(request.match_info["id"])
         summary = sup.metrics.summary(found.id)
-        # The newest committed steps, each with its tiers and the loss at it.
-        summary["checkpoints"] = [
-            {
-                "step": s["step"],
-                "tiers": sorted(s["committed"]),
-                "loss": s["loss"],
-                "loss_step": s["loss_step"],
-            }
-            for s in checkpoint_view(found)["steps"]
-            if s["committed"]
-        ][-SUMMARY_CHECKPOINTS:]
+        # The newest committed steps, each with its tiers and the loss at it: from the
+        # commits, not the catalog view (every shard row), as the dashboard polls this.
+        committed = sorted(sup.store.committed_tiers(found.id).items())[-SUMMARY_CHECKPOINTS:]
+        refs = [{"step": step, "tiers": tiers} for step, tiers in committed]
+        add_losses(refs, sup.store.series(found.id, ["loss"]).get("loss", []))
+        summary["checkpoints"] = refs
         return web.json_response(found.view(summary=summary))
 
     async def metrics(request: web.Request) -> web.Response:

@@ -101,6 +101,20 @@ class CatalogQueries:
         ).fetchall()
         return [(int(r[0]), str(r[1]), float(r[2])) for r in rows]
 
+    def committed_tiers(self, job: str) -> dict[int, list[str]]:
+        """Each step of ``job`` committed somewhere that still has a shard, and its tiers
+        (what ``CheckpointCatalog.view`` says is committed, without reading every shard)."""
+        rows = self._db.execute(
+            "SELECT c.step, c.tier FROM ckpt_commits c WHERE c.job = ? AND EXISTS "
+            "(SELECT 1 FROM ckpt_shards s WHERE s.job = c.job AND s.step = c.step) "
+            "ORDER BY c.step, c.tier",
+            (job,),
+        ).fetchall()
+        found: dict[int, list[str]] = {}
+        for step, tier in rows:
+            found.setdefault(int(step), []).append(str(tier))
+        return found
+
     def committed_shards(self, job: str) -> list[tuple[int, str, int, str, str | None, int, str]]:
         """Like ``shards``, for the (step, tier) pairs committed only."""
         rows = self._db.execute(
