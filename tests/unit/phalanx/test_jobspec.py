@@ -317,3 +317,11 @@ def test_an_unquoted_number_in_env_becomes_its_string() -> None:
     )
 
     assert spec.env == {"OMP_NUM_THREADS": "1", "RATIO": "0.5"}
+
+
+@pytest.mark.parametrize(
+    "example", sorted((Path(__file__).parents[3] / "examples").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_every_example_spec_loads(example: Path) -> None:
+    spec = load_spec_file(example)
+    assert spec.command[1] == "tinylm.py"
