@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--api", help="the supervisor's API URL (default: its supervisor.toml's)")
     g.add_argument("--token-file", type=Path, help="the API token (default: the supervisor's)")
     g.add_argument(
+        "--ca",
+        type=Path,
+        help="the CA of an HTTPS API's certificate (default: the supervisor's agent_ca_file)",
+    )
+    g.add_argument(
         "--object-store-unit",
         metavar="HOST:UNIT",
         help="the object store's systemd unit, which object-store-down freezes",
@@ -168,6 +173,7 @@ def _ssh_fleet(args: Any) -> SshFleet:
         ansible_args=args.ansible_arg,
         api=args.api,
         token=token,
+        ca_file=args.ca,
         object_store_unit=unit,
     )
 

@@ -23,6 +23,7 @@ import re
 import shlex
 import socket
 import subprocess
+import tempfile
 import time
 import tomllib
 from collections.abc import Iterator, Sequence
@@ -133,6 +134,7 @@ class SshFleet(Fleet):
         token: str,
         object_store_unit: tuple[str, str] | None = None,
         tunnel: subprocess.Popen[bytes] | None = None,
+        ca_file: Path | None = None,
     ) -> None:
         self.hosts: list[SshHost] = hosts
         self.agents = agents
@@ -140,6 +142,8 @@ class SshFleet(Fleet):
         self.token = token
         self.object_store_unit = object_store_unit
         self.tunnel = tunnel
+        self.ca_file = ca_file  # the CA of an https:// API's certificate
+        self._ca_dir: tempfile.TemporaryDirectory[str] | None = None
 
     # --- building --------------------------------------------------------------------------
 
@@ -152,6 +156,7 @@ class SshFleet(Fleet):
         ansible_args: Sequence[str] = (),
         api: str | None = None,
         token: str | None = None,
+        ca_file: Path | None = None,
         object_store_unit: tuple[str, str] | None = None,
         runner: Runner = run_local,
     ) -> SshFleet:
@@ -159,7 +164,10 @@ class SshFleet(Fleet):
         ``ansible-playbook -i PATH ansible/site.yml`` (with ``ansible_args``, e.g. a vault
         password file). Every host must answer over SSH; ``api`` and ``token`` default to
         what the supervisor's configuration says (through a tunnel when it listens on
-        loopback). ``object_store_unit``: (host, systemd unit) of the object store that
+        loopback). An API that serves HTTPS (``[api] tls_cert_file``) is called at https://,
+        verified against ``ca_file``, by default the supervisor's ``agent_ca_file`` (the
+        roles issue the API's and the agents' certificates from that CA) copied from its
+        host. ``object_store_unit``: (host, systemd unit) of the object store that
         object-store-down freezes. ``runner`` runs every command (ssh, ansible-playbook)."""
         hosts = read_inventory(path)
         for h in hosts:
@@ -175,7 +183,7 @@ class SshFleet(Fleet):
                 agent = _read_agent(h)
                 h.name = agent.node_id  # the fleet names hosts as the supervisor names nodes
                 agents[h.name] = agent
-        fleet = cls(hosts, agents, api or "", token or "", object_store_unit)
+        fleet = cls(hosts, agents, api or "", token or "", object_store_unit, ca_file=ca_file)
         if not agents:
             raise RigError(f"{path}: no host in [agents]")
         fleet.daemon_host("broker")
@@ -185,19 +193,24 @@ class SshFleet(Fleet):
         fleet.job_runtime()  # one interpreter on every agent host
         for h in fleet.gpu_hosts:
             _install_job(h, fleet.agents[h.name])
+        https = (api or "").startswith("https://")
+        conf = _read_supervisor(sup) if api is None or token is None or https else {}
+        api_conf = conf.get("api", {})
+        tls = https if api is not None else bool(api_conf.get("tls_cert_file"))
+        if tls and ca_file is None:
+            fleet.fetch_ca(sup, conf)
         if api is None or token is None:
-            conf = _read_supervisor(sup)
-            api_conf = conf.get("api", {})
             if token is None:
                 token_file = api_conf.get("token_file", "/etc/phalanx/api-token")
                 fleet.token = sup.run("cat", str(token_file)).strip()
             if api is None:
                 bind, port = str(api_conf.get("host", "127.0.0.1")), int(api_conf.get("port", 8740))
-                if bind in LOOPBACK:
-                    fleet.tunnel, fleet.api = open_tunnel(sup, port)
+                scheme = "https" if tls else "http"
+                if bind in LOOPBACK:  # the roles' API certificate names 127.0.0.1
+                    fleet.tunnel, fleet.api = open_tunnel(sup, port, scheme=scheme)
                 else:
                     where = sup.address if bind in ("0.0.0.0", "::", "") else bind
-                    fleet.api = f"http://{where}:{port}"
+                    fleet.api = f"{scheme}://{where}:{port}"
         return fleet
 
     def __enter__(self) -> SshFleet:
@@ -206,12 +219,31 @@ class SshFleet(Fleet):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def fetch_ca(self, sup: SshHost, conf: dict[str, Any]) -> None:
+        """The CA an https:// API is verified against: the supervisor's ``agent_ca_file``,
+        copied here into a folder of the fleet's own (gone at :meth:`close`)."""
+        where = conf.get("agent_ca_file")
+        if not where:
+            raise RigError(
+                f"host {sup.name}: the supervisor's API serves HTTPS but its configuration "
+                "names no agent_ca_file to verify it with: pass the CA (--ca FILE)"
+            )
+        pem = sup.run("cat", str(where))
+        if "BEGIN CERTIFICATE" not in pem:
+            raise RigError(f"host {sup.name}: {where} holds no PEM certificate")
+        self._ca_dir = tempfile.TemporaryDirectory(prefix="phalanx-rig-ca-")
+        self.ca_file = Path(self._ca_dir.name) / "ca.pem"
+        self.ca_file.write_text(pem)
+
     def close(self) -> None:
         if self.tunnel is not None and self.tunnel.poll() is None:
             self.tunnel.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.tunnel.wait(5)
         self.tunnel = None
+        if self._ca_dir is not None:
+            self._ca_dir.cleanup()
+            self._ca_dir = None
 
     @contextlib.contextmanager
     def scenario(self) -> Iterator[SshFleet]:
@@ -284,7 +316,7 @@ class SshFleet(Fleet):
         return (agent.address if agent else "") or host.address
 
     def client(self) -> Client:
-        return Client(self.api, self.token)
+        return Client(self.api, self.token, ca_file=self.ca_file)
 
     def cannot(self, kind: str) -> str | None:
         if kind in SIM_GPU_FAULTS:
@@ -531,7 +563,9 @@ def tunnel_argv(host: SshHost, local_port: int, remote_port: int) -> list[str]:
     ]
 
 
-def open_tunnel(host: SshHost, remote_port: int) -> tuple[subprocess.Popen[bytes], str]:
+def open_tunnel(
+    host: SshHost, remote_port: int, *, scheme: str = "http"
+) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         local = int(s.getsockname()[1])
@@ -550,7 +584,7 @@ def open_tunnel(host: SshHost, remote_port: int) -> tuple[subprocess.Popen[bytes
         with socket.socket() as s:
             s.settimeout(0.5)
             if s.connect_ex(("127.0.0.1", local)) == 0:
-                return proc, f"http://127.0.0.1:{local}"
+                return proc, f"{scheme}://127.0.0.1:{local}"
         time.sleep(0.2)
     proc.terminate()
     raise RigError(f"the tunnel to {host.name}'s API (port {remote_port}): not up within 20 s")

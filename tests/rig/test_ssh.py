@@ -5,15 +5,18 @@ commands sent to each host are checked."""
 
 from __future__ import annotations
 
+import functools
 import random
 import shlex
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from phalanx.certs import make_authority
 from tests.rig import __main__ as cli
 from tests.rig.base import Fleet
 from tests.rig.faults import FAULTS, Strike
@@ -59,6 +62,13 @@ def agentd_toml(node: str, backend: str) -> str:
     )
 
 
+@functools.cache
+def ca_pem() -> str:
+    """A real CA certificate (the client builds its TLS context from it)."""
+    with tempfile.TemporaryDirectory() as d:
+        return make_authority(Path(d)).ca.read_text()
+
+
 class Lab:
     """The fake behind ``SshHost.runner``: answers what the lab's hosts would answer and
     records every command, as (host, argv) with the host named by the node it runs."""
@@ -72,6 +82,7 @@ class Lab:
         self.answers: dict[str, tuple[int, str, str]] = {}  # remote command -> answer
         self.data_fs = "/var/lib/phalanx"
         self.api: FakeApi | None = None
+        self.tls = False  # the supervisor's API serves HTTPS, as the roles set it up
 
     def __call__(
         self, argv: Sequence[str], timeout: float, input: str = ""
@@ -105,7 +116,13 @@ class Lab:
             return 0, agentd_toml(host, self.backend), ""
         if argv == ["cat", "/etc/phalanx/supervisor.toml"]:
             api = '[api]\nhost = "10.0.0.2"\nport = 8740\ntoken_file = "/etc/phalanx/api-token"\n'
-            return 0, 'state_dir = "/var/lib/phalanx-supervisor"\n' + api, ""
+            top = 'state_dir = "/var/lib/phalanx-supervisor"\n'
+            if self.tls:
+                top += 'agent_tls = true\nagent_ca_file = "/etc/phalanx/http-ca.pem"\n'
+                api += 'tls_cert_file = "/etc/phalanx/http.pem"\n'
+            return 0, top + api, ""
+        if argv == ["cat", "/etc/phalanx/http-ca.pem"]:
+            return 0, ca_pem(), ""
         if argv == ["cat", "/etc/phalanx/api-token"]:
             return 0, "s3cret-token\n", ""
         if argv[:2] == ["df", "--output=target"]:
@@ -273,6 +290,35 @@ def test_the_api_address_and_token_are_read_from_the_supervisors_configuration(
     fleet = build(tmp_path, lab, api=None, token=None)
     assert (fleet.api, fleet.token) == ("http://10.0.0.2:8740", "s3cret-token")
     assert ["cat", "/etc/phalanx/api-token"] in lab.to("ctl")
+
+
+def test_an_https_api_is_called_at_https_verified_with_the_supervisors_ca(
+    tmp_path: Path, lab: Lab
+) -> None:
+    lab.tls = True
+    fleet = build(tmp_path, lab, api=None, token=None)
+    try:
+        assert fleet.api == "https://10.0.0.2:8740"
+        assert fleet.ca_file is not None and fleet.ca_file.read_text() == ca_pem()
+        assert fleet.client().ca_file == fleet.ca_file
+    finally:
+        fleet.close()
+    assert not fleet.ca_file.exists()
+
+
+def test_an_https_api_given_by_hand_is_verified_with_the_supervisors_ca(
+    tmp_path: Path, lab: Lab
+) -> None:
+    lab.tls = True
+    with build(tmp_path, lab, api="https://10.0.0.2:8740") as fleet:
+        assert fleet.ca_file is not None and fleet.ca_file.read_text() == ca_pem()
+
+
+def test_an_https_api_without_a_ca_to_verify_it_is_refused_by_name(
+    tmp_path: Path, lab: Lab
+) -> None:
+    with pytest.raises(RigError, match="names no agent_ca_file"):
+        build(tmp_path, lab, api="https://10.0.0.2:8740")
 
 
 def test_an_api_on_loopback_is_reached_through_its_own_ssh_tunnel(tmp_path: Path, lab: Lab) -> None:
