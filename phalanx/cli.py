@@ -258,9 +258,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     ]
     if j.get("waiting") and j["state"] in ("pending", "recovering"):
         lines.append(f"waiting:     {j['waiting']['reason']}: {j['waiting']['detail']}")
+    first, this = j.get("first_started_at") or j["started_at"], j["started_at"]
     lines.append(
-        f"submitted:   {_when(j['submitted_at'])}   started: {_when(j['started_at'])}"
-        f"   ended: {_when(j['ended_at'])}"
+        f"submitted:   {_when(j['submitted_at'])}   started: {_when(first)}"
+        + (f" (generation {j['generation']}: {_when(this)})" if this and this != first else "")
+        + f"   ended: {_when(j['ended_at'])}"
     )
     goodput = j.get("goodput") or {}
     if goodput.get("ettr") is not None:

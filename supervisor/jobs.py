@@ -173,7 +173,8 @@ class Job:
                 else None
             ),
             "submitted_at": self.submitted_at,
-            "started_at": self.started_at,
+            "started_at": self.started_at,  # this generation's start
+            "first_started_at": self.first_started_at,  # the first generation's
             "ended_at": self.ended_at,
             "waiting": self.waiting,
             "reason": self.reason or None,

@@ -60,6 +60,10 @@ def test_a_rank_that_exits_1_is_restarted_in_place_on_the_same_nodes(fleet: Flee
     assert incident["plan"]["quarantine"] == []
     for node in ("n01", "n02", "n03"):
         assert fleet.node(node)["state"] == "up"
+    # The job started when generation 1 did; generation 2 has a start of its own.
+    assert done["first_started_at"] == first["started_at"] < done["started_at"]
+    shown = fleet.cli("status", job["id"]).stdout
+    assert " (generation 2: " in shown.split("started: ", 1)[1].splitlines()[0]
 
 
 def test_ranks_of_a_node_whose_gpu_fails_move_to_the_spare_in_its_rack(fleet: Fleet) -> None:

@@ -30,6 +30,7 @@ VIEW_KEYS = {
     "master",
     "submitted_at",
     "started_at",
+    "first_started_at",
     "ended_at",
     "waiting",
     "reason",
