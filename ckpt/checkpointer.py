@@ -34,15 +34,13 @@ from typing import Any
 
 import xxhash
 
+from ckpt.agent_restore import restore_via_agent
 from ckpt.engine import Engine, EventKind, LocalCatalog, TierEvent
 from ckpt.errors import (
-    AgentError,
     CheckpointError,
     FormatError,
     ShardCorrupt,
-    ShardGone,
     ShardMismatch,
-    ShardRef,
     TierError,
     UnsupportedVersion,
 )
@@ -50,9 +48,8 @@ from ckpt.format import ShardPlan, decode, plan, write_into
 from ckpt.objects import ObjectTier
 from ckpt.pacing import Pacing
 from ckpt.policy import Interval
-from ckpt.protocol import Candidate, StageReply, TierName
 from ckpt.ram import HEADER_NBYTES, RamTier, WhenBusy
-from ckpt.remote import AgentClient, AgentEnv, read_file
+from ckpt.remote import AgentClient, AgentEnv
 from ckpt.stores import ObjectStore, open_store
 from ckpt.tiers import DiskTier, ShardKey, Tier, check_job
 
@@ -71,17 +68,6 @@ def _cuda_device() -> int | None:
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     return int(torch.cuda.current_device())
-
-
-def _decode_slot(
-    view: memoryview, expected: str | None, ref: ShardRef, into: object, fresh: list[str]
-) -> Any:
-    """Decode a shard in a RAM slot, copied out (the slot is reused by later saves)."""
-    try:
-        return decode(view, copy=True, expected=expected, ref=ref, into=into, fresh=fresh)
-    finally:
-        with contextlib.suppress(BufferError):
-            view.release()
 
 
 class Checkpointer:
@@ -424,12 +410,22 @@ class Checkpointer:
         self.restored_fresh = []
         if self.agent is not None:
             t0 = time.perf_counter()
-            found = self._restore_via_agent(step, into)
-            if found is not None:  # the agent times the gang's restore with it
-                import phalanx.rank
+            got = restore_via_agent(
+                self.agent, self.job, self.rank, step, into, timeout_s=self.wait_timeout_s
+            )
+            if got is None:
+                return None
+            self.restored_from, self.restored_fresh = got.tier, got.fresh
+            log.info(
+                "restored step %d of %s rank %d from tier %s",
+                *(got.step, self.job, self.rank, got.tier),
+            )
+            self._note_fresh(into, got.step)
+            self._reserve_behind(ShardKey(self.job, got.step, self.rank), got.state)
+            import phalanx.rank  # the agent times the gang's restore with it
 
-                phalanx.rank.restored(found[0], time.perf_counter() - t0)
-            return found
+            phalanx.rank.restored(got.step, time.perf_counter() - t0)
+            return got.step, got.state
         tiers: list[Tier] = [self.ram, *self.tiers]
         listed: dict[str, set[int]] = {}
         for tier in tiers:
@@ -478,155 +474,6 @@ class Checkpointer:
                 len(self.restored_fresh),
                 ", ".join(self.restored_fresh[:10]),
             )
-
-    def _restore_via_agent(self, step: int | None, into: object = None) -> tuple[int, Any] | None:
-        assert self.agent is not None
-        found = self.agent.restore_plan(step)
-        if found.unavailable:
-            # Committed steps exist but none this whole gang can read: starting from
-            # scratch here would silently diverge from the other ranks.
-            raise CheckpointError(
-                f"no checkpoint to restore rank {self.rank} from: {found.unavailable}",
-                ref=ShardRef(job=self.job, rank=self.rank),
-            )
-        last_error: CheckpointError | None = None
-        for entry in found.steps:
-            key = ShardKey(self.job, entry.step, self.rank)
-            for where in entry.candidates:
-                tier = where.tier
-                try:
-                    state = self._read_via_agent(where, key, into)
-                    if state is None:
-                        raise ShardGone(
-                            f"the copy of step {key.step} at tier {tier} is gone",
-                            ref=key.ref(where.path),
-                        )
-                except (
-                    ShardCorrupt,
-                    FormatError,
-                    ShardMismatch,
-                    ShardGone,
-                    TierError,
-                    AgentError,
-                    TimeoutError,
-                ) as exc:
-                    last_error = (
-                        exc
-                        if isinstance(exc, CheckpointError)
-                        else TierError(str(exc), tier=tier, ref=key.ref())
-                    )
-                    log.warning(
-                        "restore of step %d rank %d from tier %s failed: %s",
-                        key.step,
-                        self.rank,
-                        tier,
-                        exc,
-                    )
-                    # Only a copy proven bad (it does not verify or parse, or a local file
-                    # is gone) is reported: the catalog then drops it. A network error or a
-                    # timeout says nothing about the copy.
-                    definite = (
-                        isinstance(exc, ShardCorrupt | FormatError | ShardMismatch)
-                        and not isinstance(exc, UnsupportedVersion)
-                    ) or (isinstance(exc, ShardGone) and where.path is not None)
-                    if definite:
-                        with contextlib.suppress(CheckpointError, TimeoutError):
-                            self.agent.report(key.step, tier, str(exc))
-                    continue
-                self.restored_from = tier
-                log.info(
-                    "restored step %d of %s rank %d from tier %s",
-                    key.step,
-                    self.job,
-                    self.rank,
-                    self.restored_from,
-                )
-                self._note_fresh(into, key.step)
-                self._reserve_behind(key, state[0])
-                return key.step, state[0]
-            # The agent names the one step the whole gang restores from: never fall back
-            # to another on this rank's own.
-            raise CheckpointError(
-                f"rank {self.rank} has no readable copy of step {key.step} (tried "
-                f"{', '.join(w.tier for w in entry.candidates) or 'no tier'}): "
-                f"{last_error or 'no copy reachable from this node'}",
-                ref=key.ref(),
-            )
-        return None
-
-    def _read_via_agent(
-        self, where: Candidate, key: ShardKey, into: object = None
-    ) -> tuple[Any] | None:
-        from ckpt.ram import read_slot_view
-
-        assert self.agent is not None
-        tier, expected, path = where.tier, where.checksum, where.path
-        fresh: list[str] = []
-        self.restored_fresh = fresh
-        if path is not None:
-            mm = read_file(path)
-            if mm is None:
-                return None
-            try:
-                if tier == "ram":
-                    view = read_slot_view(mm, key.step)
-                    if view is None:
-                        return None
-                    state = _decode_slot(view, expected, key.ref(path), into, fresh)
-                else:
-                    state = decode(mm, expected=expected, ref=key.ref(path), into=into, fresh=fresh)
-            finally:
-                with contextlib.suppress(BufferError):  # tensors still view a disk map
-                    mm.close()
-            return (state,)
-        nbytes = where.nbytes
-        if nbytes is None:
-            raise AgentError(
-                f"the agent's restore plan lists no size for step {key.step} at "
-                f"tier {tier}: {nbytes!r}",
-                ref=key.ref(),
-            )
-        staged = self._stage_via_agent(tier, key)
-        if staged.gone:
-            return None
-        if staged.path:
-            try:
-                view = read_slot_view(self.agent.map_slot(staged.path), key.step)
-            except OSError as exc:  # its file removed since (a /dev/shm cleaner): stream it
-                log.warning(
-                    "cannot map the RAM slot %s the agent staged step %d in: %s",
-                    staged.path,
-                    key.step,
-                    exc,
-                )
-                view = None
-            if view is not None:  # else reused since (not by this rank): stream it
-                return (_decode_slot(view, expected, key.ref(f"{tier}:"), into, fresh),)
-        # One buffer of the catalog's size, filled as the body streams in; a longer body
-        # is refused, never buffered.
-        data = self.agent.fetch_shard(tier, key.step, nbytes, timeout=self.wait_timeout_s)
-        if data is None:
-            return None
-        return (decode(data, expected=expected, ref=key.ref(f"{tier}:"), into=into, fresh=fresh),)
-
-    def _stage_via_agent(self, tier: TierName, key: ShardKey) -> StageReply:
-        """Ask the agent to read the copy into a free RAM slot of this rank's (see
-        ``/v1/ckpt/stage``); nothing staged from an agent that does not know how (an older
-        one during a rolling upgrade): the copy is streamed then."""
-        assert self.agent is not None
-        try:
-            staged = self.agent.stage(key.step, tier, timeout=self.wait_timeout_s)
-        except AgentError as exc:
-            if exc.status != 404:  # the route itself is unknown (a 404 about a copy names
-                raise  # its tier, and is a TierError)
-            log.info(
-                "the agent stages no copies in RAM (%s): streaming step %d from %s",
-                exc,
-                key.step,
-                tier,
-            )
-            return StageReply()
-        return staged
 
     def _read(self, tier: Tier, key: ShardKey, into: object = None) -> tuple[Any] | None:
 
