@@ -196,6 +196,9 @@ def add_peer_routes(
                 if request.transport is not None:
                     request.transport.abort()
                 return resp
+            except ConnectionError:  # the reader went away (had what it wanted, or died)
+                log.debug("peer %s closed the connection reading %s", request.remote, key)
+                return resp
             await resp.write_eof()
             return resp
         finally:

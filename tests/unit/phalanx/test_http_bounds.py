@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -403,3 +404,22 @@ async def test_a_peer_object_read_at_full_speed_arrives_whole_with_its_length(
             url.replace("rank-00000", "rank-00001"), headers={"Authorization": f"Bearer {TOKEN}"}
         ) as resp:
             assert resp.status == 404
+
+
+async def test_a_peer_object_reader_that_hangs_up_midway_ends_the_answer_without_an_error(
+    agent: Agent, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("DEBUG", logger="agentd.ckpt.peer_routes")
+    key = peer_object(agent, 64 << 20)
+    async with peer_routes(agent) as port:
+        client = SlowReader(port, key, rcvbuf=1 << 20)
+        await asyncio.to_thread(client.sock.recv, 1 << 16)  # the answer has begun
+        client.close()
+        deadline = time.monotonic() + 10
+        while not [r for r in caplog.records if r.name == "agentd.ckpt.peer_routes"]:
+            assert time.monotonic() < deadline, "the answer did not end 10 s after the hang-up"
+            await asyncio.sleep(0.05)
+
+    [line] = [r for r in caplog.records if r.name == "agentd.ckpt.peer_routes"]
+    assert line.levelname == "DEBUG" and "closed the connection reading" in line.getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
