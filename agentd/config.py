@@ -151,7 +151,8 @@ class RankSettings(_Section):
         description="Variables of the agent's own environment its ranks get all the same. "
         "By default a rank sees the agent's environment less the agent's settings "
         "(`PHALANX_AGENTD_*`, the broker password among them) and the object store's "
-        "credentials (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`); "
+        "credentials (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`) "
+        "and the CLI's `PHALANX_TOKEN`; "
         "a job that needs credentials gets them from its spec's `env` (`from_file`).",
     )
 

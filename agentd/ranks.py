@@ -37,11 +37,14 @@ log = logging.getLogger(__name__)
 # (a process stuck in the kernel); its watcher still reports it when it goes.
 KILL_WAIT_S = 10.0
 
-# The agent's credentials for the object store (the Ansible role's EnvironmentFile): the
-# ranks never see them, nor the agent's own settings (ENV_PREFIX: the broker password
-# among them), unless ranks.pass_env names one. A job that needs cloud credentials gets
-# them through its spec's env (from_file).
-AGENT_ONLY_ENV = frozenset({"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"})
+# The agent's credentials for the object store (the Ansible role's EnvironmentFile), and
+# the CLI's API token where the agent was started from an operator's shell (a local
+# fleet): the ranks never see them, nor the agent's own settings (ENV_PREFIX: the broker
+# password among them), unless ranks.pass_env names one. A job that needs cloud
+# credentials gets them through its spec's env (from_file).
+AGENT_ONLY_ENV = frozenset(
+    {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "PHALANX_TOKEN"}
+)
 
 # Make a hung NCCL collective fail fast and leave a flight-recorder dump.
 NCCL_ENV = {

@@ -221,16 +221,17 @@ async def test_rank_does_not_inherit_the_agents_own_settings(
     assert "PHALANX_AGENTD_MQTT__PASSWORD" not in env
 
 
-async def test_rank_does_not_inherit_the_agents_object_store_credentials(
+async def test_rank_does_not_inherit_the_agents_object_store_credentials_or_api_token(
     runner: RankRunner, reporter: Reporter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         monkeypatch.setenv(name, f"agent-{name}")
+    monkeypatch.setenv("PHALANX_TOKEN", "agent-PHALANX_TOKEN")  # the CLI's, in a local fleet
     monkeypatch.setenv("AWS_ENDPOINT_URL", "https://s3.internal")
 
     env = await rank_env(runner, reporter, start_args(""), rank=2)
 
-    assert not any(value.startswith("agent-AWS_") for value in env.values())
+    assert not any(value.startswith("agent-") for value in env.values())
     assert env["AWS_ENDPOINT_URL"] == "https://s3.internal"  # not a secret: it passes
 
 
