@@ -290,7 +290,8 @@ async def drained(
                     await resp.write(piece)
             except TimeoutError:
                 raise TimeoutError(
-                    f"the peer took no byte of {key} for {idle_s:g} s ({sent} bytes sent)"
+                    f"the peer did not take the next piece of {key} within {idle_s:g} s "
+                    f"({sent} bytes sent)"
                 ) from None
             sent += len(piece)
             elapsed = loop.time() - start
