@@ -145,6 +145,26 @@ class HttpSettings(ServerTls):
         return client_context(self.tls_ca_file) if self.tls else None
 
 
+class RankSettings(_Section):
+    pass_env: list[str] = Field(
+        default_factory=list,
+        description="Variables of the agent's own environment its ranks get all the same. "
+        "By default a rank sees the agent's environment less the agent's settings "
+        "(`PHALANX_AGENTD_*`, the broker password among them) and the object store's "
+        "credentials (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`) "
+        "and the CLI's `PHALANX_TOKEN`; "
+        "a job that needs credentials gets them from its spec's `env` (`from_file`).",
+    )
+
+    @field_validator("pass_env")
+    @classmethod
+    def _names(cls, names: list[str]) -> list[str]:
+        bad = [n for n in names if not n or "=" in n or "\0" in n]
+        if bad:
+            raise ValueError(f"not environment variable names: {bad}")
+        return names
+
+
 class CkptSettings(_Section):
     shm_dir: Path = Field(
         default=Path("/dev/shm"),
@@ -264,6 +284,7 @@ class AgentSettings(BaseSettings):
     thresholds: Thresholds = Field(default_factory=Thresholds)
     http: HttpSettings = Field(default_factory=HttpSettings)
     ckpt: CkptSettings = Field(default_factory=CkptSettings)
+    ranks: RankSettings = Field(default_factory=RankSettings)
 
     @field_validator("data_dir")
     @classmethod

@@ -115,6 +115,7 @@ class Agent:
             progress_socket=progress_socket,
             last_step=self._last_step,
             socket_ifname=interface_of(settings.advertised_address()),
+            pass_env=settings.ranks.pass_env,
         )
         # Training metrics: step reports folded into one batch per job and interval.
         self.metrics = MetricsWindow(self.node)

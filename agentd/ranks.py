@@ -1,7 +1,8 @@
 """The rank runner: starts a job's local rank processes and reports how they end.
 
 Each rank is a child process in its own session (so a stop kills its whole
-tree), with the torch.distributed environment and its output in a per-rank
+tree), with the torch.distributed environment (and the agent's own, less its
+settings and object-store credentials: ``AGENT_ONLY_ENV``) and its output in a per-rank
 log file under ``DATA_DIR/jobs/JOB/gGEN/rank-N.log``, and the progress socket its
 ``phalanx.rank.step`` reports to (``PHALANX_PROGRESS_SOCKET``). Commands are fenced by
 generation: a start for an older generation than one already started is
@@ -19,12 +20,13 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agentd.commands import CommandError
+from agentd.config import ENV_PREFIX
 from agentd.progress import socket_beside
 from phalanx import wire
 from phalanx.tasks import Tasks
@@ -34,6 +36,15 @@ log = logging.getLogger(__name__)
 # How long a stop waits for ranks to exit after their SIGKILL before it returns without them
 # (a process stuck in the kernel); its watcher still reports it when it goes.
 KILL_WAIT_S = 10.0
+
+# The agent's credentials for the object store (the Ansible role's EnvironmentFile), and
+# the CLI's API token where the agent was started from an operator's shell (a local
+# fleet): the ranks never see them, nor the agent's own settings (ENV_PREFIX: the broker
+# password among them), unless ranks.pass_env names one. A job that needs cloud
+# credentials gets them through its spec's env (from_file).
+AGENT_ONLY_ENV = frozenset(
+    {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "PHALANX_TOKEN"}
+)
 
 # Make a hung NCCL collective fail fast and leave a flight-recorder dump.
 NCCL_ENV = {
@@ -73,12 +84,16 @@ class RankRunner:
         progress_socket: Path | None = None,
         last_step: StepLookup | None = None,
         socket_ifname: str | None = None,
+        pass_env: Collection[str] = (),
     ) -> None:
         """``progress_socket``: where ranks report steps (default: beside ``socket_path``);
         ``last_step``: the step a rank reported last, for its exit event;
         ``socket_ifname``: the interface of the agent's advertised address, given to the
-        ranks as ``GLOO_SOCKET_IFNAME`` unless the job or the host sets it."""
+        ranks as ``GLOO_SOCKET_IFNAME`` unless the job or the host sets it;
+        ``pass_env``: the agent's own variables its ranks get all the same
+        (``ranks.pass_env``)."""
         self.node = node
+        self.pass_env = frozenset(pass_env)
         self.socket_ifname = socket_ifname
         self.gpus = list(gpus or [])
         # The CPUs the ranks run on: all this agent may use but those kept for its
@@ -290,7 +305,7 @@ class RankRunner:
             del self._claims[job]
 
     def _environment(self, req: wire.StartRanksArgs) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_AGENTD_")}
+        env = {k: v for k, v in os.environ.items() if self.passes(k)}
         for key, value in req.env.items():
             if isinstance(value, wire.EnvFromFile):
                 env[key] = self._read_secret(req.job, key, value.from_file)
@@ -316,6 +331,14 @@ class RankRunner:
             }
         )
         return env
+
+    def passes(self, name: str) -> bool:
+        """Whether the agent's environment variable ``name`` reaches its ranks: all do
+        but the agent's own (its settings, ``ENV_PREFIX``, and the object store's
+        credentials, ``AGENT_ONLY_ENV``), unless ``pass_env`` names it."""
+        if name in self.pass_env:
+            return True
+        return not name.startswith(ENV_PREFIX) and name not in AGENT_ONLY_ENV
 
     def _read_secret(self, job: str, key: str, path: str) -> str:
         """The value of env ``key`` from the file ``path``. No error shows any of its bytes:

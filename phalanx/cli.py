@@ -14,6 +14,8 @@ Exit codes:
   3  not found (an unknown node, no local fleet)
   4  refused (e.g. undraining a node that still reports drain reasons)
   5  `submit --wait`: the job ended failed or cancelled
+  141  stdout was a pipe its reader closed (`phalanx local env | head -1`): nothing is
+     printed about it, as with other Unix tools
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 from phalanx import charts, cli_local, local, top
 from phalanx.cli_base import (
+    EXIT_BROKEN_PIPE,
     EXIT_FAILED,
     EXIT_JOB_FAILED,
     EXIT_NOT_FOUND,
@@ -515,6 +518,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = parser().parse_args(argv)
     try:
         return int(args.fn(args))
@@ -526,6 +539,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_NOT_FOUND if "no local fleet" in str(exc) else EXIT_FAILED
     except KeyboardInterrupt:
         return 130
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (``| head``). Python flushes stdout once more at
+    exit, which would fail again and print "Exception ignored ... BrokenPipeError":
+    stdout is pointed at /dev/null first, so the command ends quietly."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from typing import Any
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_REFUSED = 0, 1, 2, 3, 4
 EXIT_JOB_FAILED = 5
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for `yes | head -1`'s yes
 
 
 class CliError(Exception):

@@ -14,7 +14,10 @@
                             PHALANX_CA by ``phalanx local env``) and the certificates
                             of the supervisor's API and of every agent's HTTP
 
-It is what the README's demo runs and what the integration tests build on.
+It is what the README's demo runs and what the integration tests build on. Its broker
+listens on 127.0.0.1 without users or an ACL (anonymous): any local user can publish as
+any node. The broker the Ansible roles install has a user per node and an ACL that
+keeps each to its own topics.
 """
 
 from __future__ import annotations

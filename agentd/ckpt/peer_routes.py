@@ -9,9 +9,10 @@ import asyncio
 import errno
 import functools
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import zstandard
 from aiohttp import StreamReader, web
@@ -38,9 +39,13 @@ log = logging.getLogger(__name__)
 
 # A buddy's push that sends nothing this long is cut off; so is one averaging under
 # PUSH_MIN_RATE once this long has passed (a push runs at disk or network speed,
-# hundreds of MB/s: 1 MiB/s is a stalled or hostile sender, not a slow one).
+# hundreds of MB/s: 1 MiB/s is a stalled or hostile sender, not a slow one). A reader
+# of an object is held to the same two limits.
 PUSH_IDLE_S = 60.0
 PUSH_MIN_RATE = float(1 << 20)
+# A read (GET) of an object is sent in pieces of this size, each awaited until the
+# client has taken it: the same two limits apply to a reader as to a pusher.
+SEND_NBYTES = 1 << 20
 
 
 def _error(status: int, message: str, **extra: Any) -> web.Response:
@@ -63,7 +68,10 @@ def add_peer_routes(
     ``MAX_GET_NBYTES``, what its readers accept. Past either: 413 as soon as it
     crosses; a shard whose first bytes are no shard's preamble: 422 at once. A push
     that sends nothing for ``idle_s``, or averages under ``min_rate`` bytes/s once
-    ``idle_s`` has passed, is cut off with 408. Nothing is stored then."""
+    ``idle_s`` has passed, is cut off with 408. Nothing is stored then. A read (GET)
+    whose client takes nothing for ``idle_s``, or takes under ``min_rate`` bytes/s once
+    ``idle_s`` has passed, is cut off the same way: its connection is dropped mid-body
+    (short of its Content-Length) and one warning line names the peer and the key."""
     root = host.ckpt.peer_root
     pool = host.ckpt.peer_io
     max_limit = max_shard_bytes or CkptSettings().peer_max_shard_bytes  # content, decompressed
@@ -169,9 +177,32 @@ def add_peer_routes(
         path = key_path(request.match_info["key"])
         if path is None:
             return _error(400, "not a checkpoint object key")
-        if not path.is_file():
-            return _error(404, f"no {request.match_info['key']} on node {host.node}")
-        return web.FileResponse(path)
+        key = request.match_info["key"]
+        try:
+            source = await io(open_object, path)
+        except (FileNotFoundError, IsADirectoryError):
+            return _error(404, f"no {key} on node {host.node}")
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            resp.content_length = os.fstat(source.fileno()).st_size
+            await resp.prepare(request)
+            try:
+                await drained(resp, source, io, key, idle_s, min_rate)
+            except TimeoutError as exc:
+                # The client holds this file, a slot and a connection: drop it. It reads
+                # a body shorter than the Content-Length it was promised, so never takes
+                # the cut-off copy for a whole one.
+                log.warning("cut off %s read by peer %s: %s", key, request.remote, exc)
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
+            except ConnectionError:  # the reader went away (had what it wanted, or died)
+                log.debug("peer %s closed the connection reading %s", request.remote, key)
+                return resp
+            await resp.write_eof()
+            return resp
+        finally:
+            await io(source.close)
 
     async def keys(request: web.Request) -> web.Response:
         if (denied := check(request)) is not None:
@@ -224,6 +255,51 @@ async def paced(
                 f"{received} bytes of {key} in {elapsed:.1f} s: under {min_rate:g} bytes/s"
             )
         yield chunk
+
+
+def open_object(path: Path) -> BinaryIO:
+    """``path`` opened for reading; a directory (a job's folder) reads as absent."""
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "a folder, not an object", str(path))
+    return path.open("rb")
+
+
+async def drained(
+    resp: web.StreamResponse,
+    source: BinaryIO,
+    io: Callable[..., Any],
+    key: str,
+    idle_s: float,
+    min_rate: float,
+) -> None:
+    """Send ``source`` through ``resp`` in ``SEND_NBYTES`` pieces, each awaited until the
+    client has taken it in (``write`` waits for the transport to drain); a
+    ``TimeoutError`` naming the limit when a piece is not taken within ``idle_s``, or
+    when the client averages under ``min_rate`` bytes/s once ``idle_s`` has passed (a
+    reader taking one byte a second of a GiB object would hold the file, a request slot
+    and a connection of this node's for years)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    sent = 0
+    while block := await io(source.read, PART_NBYTES):
+        view = memoryview(block)
+        for at in range(0, len(view), SEND_NBYTES):
+            piece = view[at : at + SEND_NBYTES]
+            try:
+                async with asyncio.timeout(idle_s):
+                    await resp.write(piece)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"the peer did not take the next piece of {key} within {idle_s:g} s "
+                    f"({sent} bytes sent)"
+                ) from None
+            sent += len(piece)
+            elapsed = loop.time() - start
+            if elapsed > idle_s and sent < min_rate * elapsed:
+                raise TimeoutError(
+                    f"the peer took {sent} bytes of {key} in {elapsed:.1f} s: "
+                    f"under {min_rate:.0f} bytes/s"
+                )
 
 
 class Staging:

@@ -42,6 +42,7 @@ from phalanx.wire._base import (
     MAX_RANK,
     MAX_STEP,
     NODE_ID_PATTERN,
+    JobId,
     NodeId,
 )
 from phalanx.wire._ckpt import (
@@ -156,6 +157,7 @@ __all__ = [
     "Heartbeat",
     "HostGauges",
     "Inbound",
+    "JobId",
     "JobRanks",
     "Message",
     "MetricsBatch",

@@ -28,3 +28,4 @@ class Msg(BaseModel):
 
 
 NodeId = Annotated[str, Field(pattern=NODE_ID_PATTERN)]
+JobId = Annotated[str, Field(pattern=JOB_ID_PATTERN)]

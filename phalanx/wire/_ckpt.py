@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from phalanx.wire._base import MAX_I64, MAX_RANK, MAX_STEP, Msg, NodeId
+from phalanx.wire._base import MAX_I64, MAX_RANK, MAX_STEP, JobId, Msg, NodeId
 
 CkptTierName = Literal["ram", "nvme", "peer", "object"]
 
@@ -26,7 +26,7 @@ class CkptLanding(Msg):
 
     kind: Literal["ckpt"] = "ckpt"
     node: NodeId
-    job: str
+    job: JobId
     step: int = Field(ge=0, le=MAX_STEP)
     rank: int = Field(ge=0, le=MAX_RANK)
     tier: CkptTierName
@@ -54,7 +54,7 @@ class CkptReleased(Msg):
 
     kind: Literal["ckpt_released"] = "ckpt_released"
     node: NodeId
-    job: str
+    job: JobId
     at: float
 
 
@@ -103,7 +103,7 @@ class CkptCatalog(Msg):
     """
 
     kind: Literal["ckpt_catalog"] = "ckpt_catalog"
-    job: str
+    job: JobId
     node: NodeId
     world_size: int = Field(ge=1)
     generation: int = Field(default=0, ge=0, description="the job's generation when sent")

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from phalanx.wire._base import JOB_ID_PATTERN, Msg, NodeId
+from phalanx.wire._base import JobId, Msg, NodeId
 from phalanx.wire._ckpt import CkptPlan
 
 
@@ -48,7 +48,7 @@ class StartRanksArgs(Msg):
     """Start this node's ranks of one job generation (idempotent for the same generation)."""
 
     op: Literal["start_ranks"] = "start_ranks"
-    job: str = Field(pattern=JOB_ID_PATTERN)
+    job: JobId
     generation: int = Field(ge=1)
     command: list[str] = Field(min_length=1)
     workdir: str
@@ -80,7 +80,7 @@ class StopRanksArgs(Msg):
     """Stop every rank of ``job`` up to ``generation``: SIGTERM, ``grace_s``, SIGKILL."""
 
     op: Literal["stop_ranks"] = "stop_ranks"
-    job: str = Field(pattern=JOB_ID_PATTERN)
+    job: JobId
     generation: int = Field(ge=1)
     grace_s: float = Field(default=30.0, gt=0)
     reason: str = ""
@@ -105,7 +105,7 @@ class SaveNowArgs(Msg):
     preemption); they see it through ``phalanx.rank.step``."""
 
     op: Literal["save_now"] = "save_now"
-    job: str = Field(pattern=JOB_ID_PATTERN)
+    job: JobId
     generation: int = Field(ge=1)
 
 

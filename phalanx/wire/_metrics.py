@@ -14,7 +14,7 @@ from typing import Annotated, Final, Literal
 
 from pydantic import ConfigDict, Field
 
-from phalanx.wire._base import JOB_ID_PATTERN, MAX_RANK, MAX_STEP, Msg, NodeId
+from phalanx.wire._base import MAX_RANK, MAX_STEP, JobId, Msg, NodeId
 
 METRICS_INTERVAL_S: Final = 5.0  # the agent's default window (``metrics_interval_s``)
 MAX_METRIC_RANKS: Final = 64  # ranks per batch
@@ -66,7 +66,7 @@ class MetricsBatch(Msg):
 
     kind: Literal["metrics"] = "metrics"
     node: NodeId
-    job: str = Field(pattern=JOB_ID_PATTERN)
+    job: JobId
     generation: int = Field(ge=1)
     window_s: float = Field(ge=0, allow_inf_nan=False)
     sent_at: float = Field(allow_inf_nan=False)

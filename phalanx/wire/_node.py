@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from phalanx.wire._base import MAX_STEP, Msg, NodeId
+from phalanx.wire._base import MAX_STEP, JobId, Msg, NodeId
 
 # --- health ---------------------------------------------------------------
 
@@ -111,7 +111,7 @@ class NodeDeath(Msg):
 class JobRanks(Msg):
     """The ranks of one job generation that an agent runs now."""
 
-    job: str
+    job: JobId
     generation: int = Field(ge=1)
     ranks: list[int]
 
@@ -145,7 +145,7 @@ class RankEvent(Msg):
 
     kind: Literal["rank"] = "rank"
     node: NodeId
-    job: str
+    job: JobId
     generation: int = Field(ge=1)
     rank: int = Field(ge=0)
     event: Literal["started", "exited", "hung", "restored", "stepped"]

@@ -10,9 +10,12 @@ submit time, then id. Fair share is read from the input; the starts of this
 pass do not re-rank a team within the pass (the caller's next usage figure
 does). For each job, in this order:
 
-1. A job that can never fit this cluster (too big, unknown GPU type, a
-   required spread over more racks than exist) waits for ``resources`` or
-   ``topology`` and gets no reservation.
+1. A job that cannot fit the nodes in service (too big, unknown GPU type, a
+   required spread over more racks than have such nodes) waits for
+   ``resources`` or ``topology`` and gets no reservation. Its detail says
+   "can never start" only when it could not fit even with every node the
+   cluster knows; else "cannot start yet", counting the nodes that are
+   drained, sick or offline (they can return) and those held as spares.
 2. A job whose start would take its team past its hard GPU quota waits for
    ``quota``. Quota-blocked jobs never hold others back.
 3. It starts if its whole gang can be placed now (see `_placement`). A job
@@ -254,17 +257,44 @@ class _Pass:
                 types.append((t, None))
         if types:
             return _Shape(tuple(types), None, text)
+        # Not with the nodes in service now. Whether it ever could counts every node the
+        # cluster knows: a drained, sick or offline node can return, a spare be let go.
+        known = max((self._known_counts(t, g) for t in candidates), key=lambda c: c[0])
+        known_nodes, known_racks, out, spare = known
+        gpus = f"{g} {_gpu_text(job)}GPUs"
         if most >= n:
-            detail = (
-                f"can never start: spread required over {n} racks, but only {most_racks} racks "
-                f"have usable nodes with {g} {_gpu_text(job)}GPUs"
-            )
+            if known_racks < n:
+                detail = (
+                    f"can never start: spread required over {n} racks, but only "
+                    f"{known_racks} racks have nodes with {gpus}"
+                )
+            else:
+                detail = (
+                    f"cannot start yet: spread required over {n} racks, but only {most_racks} "
+                    f"racks have nodes with {gpus} in service; {known_racks} racks have such "
+                    f"nodes in all ({_out_text(out, spare)})"
+                )
             return _Shape((), Wait(job.id, WaitReason.TOPOLOGY, detail), text)
-        detail = (
-            f"can never start: needs {text}, the cluster has {most} such nodes "
-            f"(schedulable, not spare)"
-        )
+        if known_nodes < n:
+            detail = f"can never start: needs {text}, the cluster has {known_nodes} such nodes"
+            if out or spare:
+                detail += f" in all ({most} in service, {_out_text(out, spare)})"
+        else:
+            detail = (
+                f"cannot start yet: needs {text}, the cluster has {most} such nodes in "
+                f"service, {_out_text(out, spare)}"
+            )
         return _Shape((), Wait(job.id, WaitReason.RESOURCES, detail), text)
+
+    def _known_counts(self, t: int, g: int) -> tuple[int, int, int, int]:
+        """Of type ``t``'s nodes with at least ``g`` GPUs, in any state: how many, in how
+        many racks, how many out of service (drained, sick or offline), how many spares."""
+        layout = self.layout
+        spares = set(self.spares)
+        nodes = [i for i in layout.type_nodes[t] if layout.node_gpus[i] >= g]
+        out = sum(1 for i in nodes if not layout.schedulable[i])
+        spare = sum(1 for i in nodes if layout.schedulable[i] and i in spares)
+        return len(nodes), len({layout.node_rack[i] for i in nodes}), out, spare
 
     def _static_counts(self, t: int, g: int) -> list[int]:
         """Per rack of type ``t``: usable nodes with at least ``g`` GPUs, busy or not."""
@@ -513,6 +543,17 @@ def _holdings(
                 f"{', '.join(holders)} hold {layout.node_gpus[i] - left}",
             )
     return free, allocations
+
+
+def _out_text(out: int, spare: int) -> str:
+    """'2 drained, sick or offline (they can return: `phalanx undrain`), 1 held as a
+    hot spare'."""
+    parts = []
+    if out or not spare:
+        parts.append(f"{out} drained, sick or offline (they can return: `phalanx undrain`)")
+    if spare:
+        parts.append(f"{spare} held as {'a hot spare' if spare == 1 else 'hot spares'}")
+    return ", ".join(parts)
 
 
 def _gpu_text(job: PendingJob) -> str:

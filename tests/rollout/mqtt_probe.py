@@ -14,6 +14,7 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
@@ -31,11 +32,16 @@ class Probe:
         *,
         ca: Path | None,
         client_id: str = "",
+        will: tuple[str, bytes] | None = None,
     ) -> None:
+        """``will``: the (topic, payload) of a last will the broker publishes when this
+        client goes without a clean DISCONNECT (or with ``close_with_will``)."""
         self.port = port
         self.client = mqtt.Client(
             CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5
         )
+        if will is not None:
+            self.client.will_set(will[0], will[1], qos=1)
         if ca is not None:
             self.client.tls_set(ca_certs=str(ca), tls_version=ssl.PROTOCOL_TLS_CLIENT)
         if user is not None:
@@ -135,6 +141,13 @@ class Probe:
         time.sleep(seconds)
         with self._cond:
             return not self.disconnected
+
+    def close_with_will(self, timeout: float = 10.0) -> None:
+        """End the session as a lost client does: the broker publishes the will (MQTT v5's
+        DISCONNECT reason 0x04, "disconnect with will message")."""
+        self.client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, identifier=4))
+        self._wait("the end of the connection", lambda: self.disconnected, timeout)
+        self.client.loop_stop()
 
     def close(self) -> None:
         self.client.disconnect()

@@ -30,7 +30,13 @@ class ProbeMaker:
         self.made: list[Probe] = []
 
     def raw(
-        self, user: str | None, password: str | None, *, tls: bool = True, client_id: str = ""
+        self,
+        user: str | None,
+        password: str | None,
+        *,
+        tls: bool = True,
+        client_id: str = "",
+        will: tuple[str, bytes] | None = None,
     ) -> Probe:
         probe = Probe(
             self.tree.broker_port,
@@ -38,6 +44,7 @@ class ProbeMaker:
             password,
             ca=self.tree.pki.ca if tls else None,
             client_id=client_id,
+            will=will,
         )
         self.made.append(probe)
         return probe
@@ -72,20 +79,56 @@ def test_node_publishes_its_own_topic_to_the_supervisor(probes: ProbeMaker, kind
     supervisor.wait_message(f"phalanx/v1/node/gpu-a01/{kind}", payload)
 
 
+@pytest.mark.parametrize(
+    "topic",
+    [f"phalanx/v1/node/gpu-a02/{kind}" for kind in NODE_KINDS]
+    + ["phalanx/v1/job/job-1/ckpt/gpu-a02", "phalanx/v1/job/job-1/ckpt/gpu-a01"],
+)
 def test_node_publishing_into_another_nodes_topics_is_refused_and_never_delivered(
-    probes: ProbeMaker,
+    probes: ProbeMaker, topic: str
 ) -> None:
+    # A forged birth, heartbeat, death, rank event or landing of gpu-a02, or a checkpoint
+    # catalog (the supervisor's, even the one for gpu-a01 itself).
     supervisor, node = probes.supervisor(), probes.node("gpu-a01")
-    assert supervisor.subscribe("phalanx/v1/node/#") == 1
+    assert supervisor.subscribe("phalanx/v1/#") == 1
     forged, own = _marker(), _marker()
 
-    refused = node.publish("phalanx/v1/node/gpu-a02/heartbeat", forged)
+    refused = node.publish(topic, forged)
     assert node.publish("phalanx/v1/node/gpu-a01/heartbeat", own) == SUCCESS
     # Messages of one client arrive in order: once the later one is in, the forged one never is.
     supervisor.wait_message("phalanx/v1/node/gpu-a01/heartbeat", own)
 
     assert refused == NOT_AUTHORIZED
-    assert supervisor.received("phalanx/v1/node/gpu-a02/heartbeat") == []
+    assert supervisor.received(topic) == []
+
+
+def test_node_whose_last_will_names_another_nodes_death_never_gets_it_delivered(
+    probes: ProbeMaker,
+) -> None:
+    # The agent's will is its death topic, which the broker publishes on its behalf: one
+    # naming gpu-a02's would declare a healthy node dead.
+    supervisor = probes.supervisor()
+    assert supervisor.subscribe("phalanx/v1/node/#") == 1
+    forger = probes.raw(
+        "gpu-a01", NODE_PASSWORDS["gpu-a01"], will=("phalanx/v1/node/gpu-a02/death", _marker())
+    )
+    honest = probes.raw(
+        "gpu-a01",
+        NODE_PASSWORDS["gpu-a01"],
+        client_id="honest",
+        will=("phalanx/v1/node/gpu-a01/death", will := _marker()),
+    )
+
+    connack = forger.connect()
+    if connack == SUCCESS:  # else the broker refused the will at CONNECT: also fine
+        forger.close_with_will()
+    assert honest.connect() == SUCCESS
+    honest.close_with_will()
+    # One broker thread handles both: the later will is in, so the earlier one never comes.
+    supervisor.wait_message("phalanx/v1/node/gpu-a01/death", will)
+
+    assert connack in (SUCCESS, NOT_AUTHORIZED)
+    assert supervisor.received("phalanx/v1/node/gpu-a02/death") == []
 
 
 def test_node_cannot_publish_a_command_even_to_itself(probes: ProbeMaker) -> None:

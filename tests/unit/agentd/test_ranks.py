@@ -221,6 +221,46 @@ async def test_rank_does_not_inherit_the_agents_own_settings(
     assert "PHALANX_AGENTD_MQTT__PASSWORD" not in env
 
 
+async def test_rank_does_not_inherit_the_agents_object_store_credentials_or_api_token(
+    runner: RankRunner, reporter: Reporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.setenv(name, f"agent-{name}")
+    monkeypatch.setenv("PHALANX_TOKEN", "agent-PHALANX_TOKEN")  # the CLI's, in a local fleet
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "https://s3.internal")
+
+    env = await rank_env(runner, reporter, start_args(""), rank=2)
+
+    assert not any(value.startswith("agent-") for value in env.values())
+    assert env["AWS_ENDPOINT_URL"] == "https://s3.internal"  # not a secret: it passes
+
+
+async def test_a_job_gets_credentials_through_its_spec_and_the_operator_may_pass_the_agents(
+    tmp_path: Path, reporter: Reporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "agent-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "agent-secret")
+    monkeypatch.setenv("PHALANX_AGENTD_RACK", "r7")
+    secret = tmp_path / "job-secret"
+    secret.write_text("job-secret\n")
+    runner = RankRunner(
+        NODE,
+        tmp_path / "data",
+        tmp_path / "agent.sock",
+        reporter,
+        pass_env=["AWS_ACCESS_KEY_ID", "PHALANX_AGENTD_RACK"],
+    )
+    args = start_args("", env={"AWS_SECRET_ACCESS_KEY": wire.EnvFromFile(from_file=str(secret))})
+    try:
+        env = await rank_env(runner, reporter, args, rank=2)
+    finally:
+        await runner.stop_all(grace_s=1.0)
+
+    assert env["AWS_ACCESS_KEY_ID"] == "agent-key"  # ranks.pass_env names it
+    assert env["PHALANX_AGENTD_RACK"] == "r7"
+    assert env["AWS_SECRET_ACCESS_KEY"] == "job-secret"  # the job's own, from its spec
+
+
 async def test_rank_gets_the_specs_plain_env(runner: RankRunner, reporter: Reporter) -> None:
     env = await rank_env(runner, reporter, start_args("", env={"MODE": "fast"}), rank=2)
     assert env["MODE"] == "fast"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -285,3 +286,140 @@ async def test_a_request_aiohttp_cannot_parse_is_a_400_logged_as_one_warning_lin
     [record] = [r for r in caplog.records if r.name == "phalanx.http.server"]
     assert record.levelname == "WARNING" and record.exc_info is None
     assert problem in record.getMessage()
+
+
+class SlowReader:
+    """A raw client that asks for a peer object and reads it slowly through a small
+    receive buffer; records what it got (head and body)."""
+
+    def __init__(self, port: int, key: str, *, rcvbuf: int = 16384) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect
+        self.sock.connect(("127.0.0.1", port))
+        self.sock.settimeout(0.05)
+        lines = [f"GET /v1/ckpt/peer/objects/{key} HTTP/1.1", "Host: test"]
+        lines.append(f"Authorization: Bearer {TOKEN}")
+        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        self.received = b""
+
+    def read(self, rate: float, for_s: float) -> bool:
+        """Read at most ``rate`` bytes/s for ``for_s`` s, then the rest as fast as it
+        comes; True when the connection ended (closed or reset) within 20 s more. What
+        the server sent before it gave up sits in the sockets' buffers: only once that
+        is read does the end show."""
+        start = time.monotonic()
+        while (elapsed := time.monotonic() - start) < for_s + 20:
+            slow = elapsed < for_s
+            try:
+                piece = self.sock.recv(max(1, min(1 << 16, int(rate / 10))) if slow else 1 << 20)
+            except TimeoutError:
+                continue
+            except OSError:  # reset: dropped by the server
+                return True
+            if not piece:
+                return True
+            self.received += piece
+            if slow:  # wait until the average is back under the rate
+                time.sleep(max(0.0, len(self.received) / rate - (time.monotonic() - start)))
+        return False
+
+    def body_and_length(self) -> tuple[int, int]:
+        head, _, body = self.received.partition(b"\r\n\r\n")
+        [length] = [
+            int(line.split(b":")[1]) for line in head.split(b"\r\n") if b"Content-Length" in line
+        ]
+        assert head.startswith(b"HTTP/1.1 200 ")
+        return len(body), length
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def peer_object(agent: Agent, nbytes: int) -> str:
+    key = "job-1/000000000001/manifest.json"  # any object: the route never parses it
+    path = agent.ckpt.peer_root / key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes(nbytes))
+    return key
+
+
+async def test_a_peer_object_read_one_byte_a_second_is_cut_off_and_logged_naming_the_key(
+    agent: Agent, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = peer_object(agent, 64 << 20)  # far past what the sockets' buffers can hold
+    async with peer_routes(agent) as port:
+        client = SlowReader(port, key)
+        try:
+            closed = await asyncio.to_thread(client.read, 1, 4.0)
+        finally:
+            client.close()
+
+    assert closed
+    got, length = client.body_and_length()
+    assert length == 64 << 20 and got < length  # short: never mistaken for a whole copy
+    [line] = [r.getMessage() for r in caplog.records if r.name == "agentd.ckpt.peer_routes"]
+    assert line.startswith(f"cut off {key} read by peer 127.0.0.1: ")
+    assert "the peer did not take the next piece" in line and "within 1.5 s" in line
+
+
+async def test_a_peer_object_read_under_the_rate_floor_is_cut_off_once_the_idle_time_passed(
+    agent: Agent, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = peer_object(agent, 64 << 20)
+    app = web.Application()  # a floor of 64 MiB/s; the reader takes 8 MiB/s
+    add_peer_routes(
+        app, agent, lambda r: bearer_ok(r, TOKEN.encode()), idle_s=1.0, min_rate=64 << 20
+    )
+    try:
+        async with served(app) as port:
+            client = SlowReader(port, key, rcvbuf=1 << 20)
+            try:
+                closed = await asyncio.to_thread(client.read, 8 << 20, 3.0)
+            finally:
+                client.close()
+    finally:
+        await agent.ckpt.close()
+
+    assert closed
+    got, length = client.body_and_length()
+    assert 0 < got < length
+    [line] = [r.getMessage() for r in caplog.records if r.name == "agentd.ckpt.peer_routes"]
+    assert line.startswith(f"cut off {key} read by peer 127.0.0.1: the peer took ")
+    assert "under 67108864 bytes/s" in line
+
+
+async def test_a_peer_object_read_at_full_speed_arrives_whole_with_its_length(
+    agent: Agent,
+) -> None:
+    data = bytes(range(256)) * (12 << 12)  # 12 MiB: more than one piece and one block
+    key = "job-1/000000000001/rank-00000.phx"
+    (agent.ckpt.peer_root / "job-1/000000000001").mkdir(parents=True)
+    (agent.ckpt.peer_root / key).write_bytes(data)
+    async with peer_routes(agent) as port, aiohttp.ClientSession() as session:
+        url = f"http://127.0.0.1:{port}/v1/ckpt/peer/objects/{key}"
+        async with session.get(url, headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+            assert resp.status == 200 and resp.content_length == len(data)
+            assert await resp.read() == data
+        async with session.get(
+            url.replace("rank-00000", "rank-00001"), headers={"Authorization": f"Bearer {TOKEN}"}
+        ) as resp:
+            assert resp.status == 404
+
+
+async def test_a_peer_object_reader_that_hangs_up_midway_ends_the_answer_without_an_error(
+    agent: Agent, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("DEBUG", logger="agentd.ckpt.peer_routes")
+    key = peer_object(agent, 64 << 20)
+    async with peer_routes(agent) as port:
+        client = SlowReader(port, key, rcvbuf=1 << 20)
+        await asyncio.to_thread(client.sock.recv, 1 << 16)  # the answer has begun
+        client.close()
+        deadline = time.monotonic() + 10
+        while not [r for r in caplog.records if r.name == "agentd.ckpt.peer_routes"]:
+            assert time.monotonic() < deadline, "the answer did not end 10 s after the hang-up"
+            await asyncio.sleep(0.05)
+
+    [line] = [r for r in caplog.records if r.name == "agentd.ckpt.peer_routes"]
+    assert line.levelname == "DEBUG" and "closed the connection reading" in line.getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -298,3 +298,14 @@ def test_write_cpus_name_cpus_this_node_has_and_leave_the_ranks_one(tmp_path: Pa
         agentd.config.load(["--config", str(_toml(tmp_path, "[ckpt]\nwrite_cpus = [4095]\n"))])
     with pytest.raises(ConfigError, match=r"ckpt\.write_cpus.*leaves the ranks no CPU"):
         agentd.config.load(["--config", str(_toml(tmp_path, f"[ckpt]\nwrite_cpus = {usable}\n"))])
+
+
+def test_the_agents_ranks_pass_env_is_read_from_the_file_and_a_bad_name_is_refused(
+    tmp_path: Path,
+) -> None:
+    path = _toml(tmp_path, '[ranks]\npass_env = ["AWS_ACCESS_KEY_ID"]\n')
+    assert agentd.config.load(["--config", str(path)]).ranks.pass_env == ["AWS_ACCESS_KEY_ID"]
+
+    bad = _toml(tmp_path, '[ranks]\npass_env = ["A=B"]\n', name="bad.toml")
+    with pytest.raises(ConfigError, match=r"ranks\.pass_env.*not environment variable names"):
+        agentd.config.load(["--config", str(bad)])

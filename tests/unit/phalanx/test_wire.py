@@ -429,3 +429,42 @@ def test_a_metrics_window_whose_time_is_not_finite_is_a_wire_error(value: str) -
     assert value.encode() in payload
     with pytest.raises(WireError, match=r"ranks\.0\.at"):
         parse(wire.metrics_topic(NODE), payload)
+
+
+def _rank_event(job: str) -> bytes:
+    event = wire.RankEvent(node=NODE, job="j-1", generation=1, rank=0, event="started", at=1.0)
+    return json.dumps({**json.loads(wire.encode(event)), "job": job}).encode()
+
+
+def _catalog(job: str) -> bytes:
+    catalog = wire.CkptCatalog(job="j-1", node=NODE, world_size=1)
+    return json.dumps({**json.loads(wire.encode(catalog)), "job": job}).encode()
+
+
+def _landing(job: str) -> bytes:
+    return json.dumps({**json.loads(wire.encode(ROUND_TRIPS[-2][1]())), "job": job}).encode()
+
+
+def _heartbeat_with(job: str) -> bytes:
+    beat = json.loads(wire.encode(_heartbeat()))
+    beat["jobs"] = [{"job": job, "generation": 1, "ranks": [0]}]
+    return json.dumps(beat).encode()
+
+
+@pytest.mark.parametrize(
+    ("topic", "payload", "model"),
+    [
+        (wire.rank_topic(NODE), _rank_event, "RankEvent"),
+        (f"phalanx/v1/job/Bad_Job!/ckpt/{NODE}", _catalog, "CkptCatalog"),
+        (wire.ckpt_topic(NODE), _landing, "CkptLanding or CkptReleased"),
+        (wire.heartbeat_topic(NODE), _heartbeat_with, "Heartbeat"),
+    ],
+    ids=["rank event", "catalog", "landing", "heartbeat's jobs"],
+)
+def test_a_message_naming_a_job_id_outside_the_pattern_is_a_wire_error_naming_the_field(
+    topic: str, payload: Callable[[str], bytes], model: str
+) -> None:
+    assert parse(topic.replace("Bad_Job!", "j-1"), payload("j-1")).message is not None
+
+    with pytest.raises(WireError, match=f"{model} invalid: .*job: String should match pattern"):
+        parse(topic, payload("Bad_Job!"))

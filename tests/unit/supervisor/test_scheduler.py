@@ -157,6 +157,51 @@ def test_job_larger_than_cluster_waits_for_resources_without_reservation() -> No
     assert "can never start" in wait.detail
 
 
+def test_a_job_that_fits_once_a_drained_node_returns_cannot_start_yet_but_not_never() -> None:
+    nodes = (node("n0"), node("n1", schedulable=False))  # n1: drained, sick or offline
+
+    wait = waits(run(nodes, (job("a", nodes=2),), now=0.0))["a"]
+
+    assert (wait.reason, wait.reserved_start) == (WaitReason.RESOURCES, None)
+    assert wait.detail == (
+        "cannot start yet: needs 2 nodes with 8 free GPUs each, the cluster has 1 such nodes "
+        "in service, 1 drained, sick or offline (they can return: `phalanx undrain`)"
+    )
+
+
+def test_a_job_that_fits_only_with_the_spare_says_so_and_cannot_start_yet() -> None:
+    wait = waits(run(racks(1, 2), (job("a", nodes=2),), now=0.0, spare_pool=1))["a"]
+
+    assert wait.detail == (
+        "cannot start yet: needs 2 nodes with 8 free GPUs each, the cluster has 1 such nodes "
+        "in service, 1 held as a hot spare"
+    )
+
+
+def test_a_job_too_big_even_with_every_known_node_can_never_start() -> None:
+    nodes = (node("n0"), node("n1", schedulable=False), node("small", gpus=4))
+
+    wait = waits(run(nodes, (job("a", nodes=3),), now=0.0))["a"]
+
+    assert wait.detail == (
+        "can never start: needs 3 nodes with 8 free GPUs each, the cluster has 2 such nodes "
+        "in all (1 in service, 1 drained, sick or offline (they can return: `phalanx undrain`))"
+    )
+
+
+def test_a_spread_that_fits_once_a_drained_rack_returns_cannot_start_yet() -> None:
+    nodes = (node("a", rack="r0"), node("b", rack="r1", schedulable=False), node("c", rack="r0"))
+    spread = job("s", nodes=2, placement=Placement.SPREAD, required=True)
+
+    wait = waits(run(nodes, (spread,), now=0.0))["s"]
+
+    assert wait.reason is WaitReason.TOPOLOGY
+    assert wait.detail.startswith(
+        "cannot start yet: spread required over 2 racks, but only 1 racks have nodes with "
+        "8 GPUs in service; 2 racks have such nodes in all (1 drained"
+    )
+
+
 def test_job_of_unknown_gpu_type_waits_for_resources() -> None:
     decisions = run(racks(1, 1), (job("a", gpu_type="b200"),), now=0.0)
     assert waits(decisions)["a"].reason is WaitReason.RESOURCES
