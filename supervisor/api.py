@@ -23,9 +23,13 @@ GET      /v1/jobs/{id}/logs            ``?rank=N&offset=K&limit=L``: bytes of a 
                                        to go on, ``X-Phalanx-Size`` the log's size
 GET      /v1/jobs/{id}/checkpoints     the catalog: every step with a shard somewhere,
                                        the tiers it is committed at, partial tiers
-GET      /v1/jobs/{id}/metrics         ``?names=loss,grad_norm&since=TS&step_from=N``: the
-                                       job's training series (``supervisor.metrics``),
-                                       each point ``[step, ts, value, min, max, n]``
+GET      /v1/jobs/{id}/metrics         ``?names=loss,grad_norm&after=CURSOR&since=TS&step_from=N``:
+                                       the job's training series (``supervisor.metrics``),
+                                       each point ``[step, ts, value, min, max, n]``;
+                                       ``cursor`` in the answer: ``after`` it returns the
+                                       points inserted since, late windows included
+                                       (``since`` filters by a window's time: it misses
+                                       those; see ``supervisor.series_rows``)
 GET      /metrics                      Prometheus (``supervisor.prom``), behind the token
 GET      /v1/events                    ``?node=ID&job=ID&limit=N&after=ID``
 GET      /v1/stats                     counters (heartbeats handled, bad messages)
@@ -326,11 +330,25 @@ def make_app(sup: Backend) -> web.Application:
                 step_from = -1
             if not 0 <= step_from <= wire.MAX_STEP:
                 return _error(400, f"query 'step_from': an integer in [0, {wire.MAX_STEP}]")
-        series = sup.store.series(found.id, names, since=since, step_from=step_from)
+        after: int | None = None
+        if "after" in q:
+            try:
+                after = int(q["after"])
+            except ValueError:
+                after = -1
+            if not 0 <= after < 2**63:
+                return _error(400, "query 'after': a cursor (a non-negative integer) it gave")
+        # The high-water mark first, and no row above it: the rows inserted meanwhile
+        # come with the next poll's after=cursor.
+        cursor = sup.store.cursor(found.id)
+        series = sup.store.series(
+            found.id, names, since=since, step_from=step_from, after=after, upto=cursor
+        )
         return web.json_response(
             {
                 "job": found.id,
                 "generation": found.generation,
+                "cursor": cursor,
                 "columns": list(POINT_COLUMNS),
                 "series": {
                     name: [
