@@ -456,15 +456,20 @@ def test_the_jobs_page_pages_the_finished_jobs_on_the_server_newest_first(
 ) -> None:
     sup = Supervisor(SupervisorSettings(state_dir=tmp_path), FAKE_TOKEN)
 
-    def shown() -> list[str]:
-        return [
-            str(e.get_attribute("data-job"))
-            for e in browser.find_elements(By.CSS_SELECTOR, "#finished a.job-link")
-        ]
+    # Read and click in one script each: the page redraws every poll, so an element
+    # found by one call may be gone by the next.
+    def shown(css: str = "#finished a.job-link") -> list[str]:
+        jobs: list[str] = browser.execute_script(
+            "return [...document.querySelectorAll(arguments[0])].map((e) => e.dataset.job)", css
+        )
+        return jobs
 
     def turn(to: str) -> None:
-        buttons = browser.find_elements(By.CSS_SELECTOR, ".pager button")
-        next(b for b in buttons if to in b.text).click()
+        browser.execute_script(
+            "[...document.querySelectorAll('.pager button')]"
+            ".find((b) => b.textContent.includes(arguments[0])).click()",
+            to,
+        )
 
     with serve_unstarted(sup) as url:
         client = Client(url, FAKE_TOKEN)
@@ -480,9 +485,10 @@ def test_the_jobs_page_pages_the_finished_jobs_on_the_server_newest_first(
 
         login(browser, url, "#/jobs")
         wait_for(lambda: shown() == finished[:25] or None, 20, "the newest 25 finished jobs")
-        queue = browser.find_elements(By.CSS_SELECTOR, "#queue tr[data-job]")
-        assert {q.get_attribute("data-job") for q in queue} == set(ids[55:])
-        assert "page 1 of 3 (55)" in browser.find_element(By.CSS_SELECTOR, ".pager").text
+        assert set(shown("#queue tr[data-job]")) == set(ids[55:])
+        assert "page 1 of 3 (55)" in browser.execute_script(
+            "return document.querySelector('.pager').textContent"
+        )
         turn("next")
         wait_for(lambda: shown() == finished[25:50] or None, 10, "the second page")
         turn("next")
