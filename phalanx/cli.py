@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 import urllib.parse
@@ -219,7 +220,23 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    jobs = _call(_client(args).get, "/v1/jobs")
+    query = {
+        key: value
+        for key, value in (
+            ("state", args.state),
+            ("team", args.team),
+            ("limit", None if args.limit is None else str(args.limit)),
+            ("before", args.before),
+        )
+        if value is not None
+    }
+    path = "/v1/jobs" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+    jobs, more = _call(_client(args).get_page, path)
+    if more is not None:  # a page, newest first: say how to get the next one
+        print(
+            f"phalanx: more jobs: phalanx jobs{_page_args(args)} --before {more}",
+            file=sys.stderr,
+        )
     rows = []
     for j in jobs:
         note = j["reason"] or ""
@@ -249,6 +266,15 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         ),
     )
     return EXIT_OK
+
+
+def _page_args(args: argparse.Namespace) -> str:
+    """``phalanx jobs``' filter and limit options, as typed again for the next page."""
+    return "".join(
+        f" --{name} {shlex.quote(str(value))}"
+        for name, value in (("state", args.state), ("team", args.team), ("limit", args.limit))
+        if value is not None
+    )
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -482,7 +508,15 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     sp.add_argument("--once", action="store_true", help="print one frame and exit")
     sp.set_defaults(fn=cmd_top)
-    sp = sub.add_parser("jobs", help="list jobs, their state and why pending ones wait")
+    sp = sub.add_parser(
+        "jobs",
+        help="list jobs, their state and why pending ones wait (every job, oldest first; "
+        "with --limit or --before a page, newest first)",
+    )
+    sp.add_argument("--state", help="comma-separated states, e.g. running,pending")
+    sp.add_argument("--team", help="only this team's jobs")
+    sp.add_argument("--limit", type=int, help="at most N jobs, newest submitted first")
+    sp.add_argument("--before", metavar="CURSOR", help="the page after the one that said so")
     out(sp)
     sp.set_defaults(fn=cmd_jobs)
     sp = sub.add_parser("status", help="one job: state, rank map, exit codes")

@@ -11,6 +11,7 @@ import json
 import ssl
 import urllib.error
 import urllib.request
+from email.message import Message
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,13 @@ class Client:
                 ) from None
 
     def get(self, path: str) -> Any:
-        return self._call("GET", path, None)
+        return self._call("GET", path, None)[0]
+
+    def get_page(self, path: str) -> tuple[Any, str | None]:
+        """A page of a paged list (``GET /v1/jobs?limit=N``) and the next page's cursor
+        (``X-Phalanx-Next``; None: the last page)."""
+        body, headers = self._call("GET", path, None)
+        return body, headers.get("X-Phalanx-Next")
 
     def get_bytes(self, path: str) -> tuple[bytes, int]:
         """Raw bytes and the ``X-Phalanx-Offset`` header (for logs)."""
@@ -59,9 +66,9 @@ class Client:
             raise self._unreachable(exc) from None
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
-        return self._call("POST", path, body or {})
+        return self._call("POST", path, body or {})[0]
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
+    def _call(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[Any, Message]:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(
             f"{self.base_url}{path}",
@@ -71,7 +78,7 @@ class Client:
         )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout, context=self._tls) as resp:
-                return json.loads(resp.read() or b"null")
+                return json.loads(resp.read() or b"null"), resp.headers
         except urllib.error.HTTPError as exc:
             raise self._http_error(exc) from None
         except (urllib.error.URLError, OSError) as exc:

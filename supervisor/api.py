@@ -15,7 +15,12 @@ POST     /v1/nodes/{id}/drain          body ``{"reason": "..."}``
 POST     /v1/nodes/{id}/undrain        body ``{"force": false}``; 409 while sick
 POST     /v1/nodes/{id}/ping           round trip of a command to the agent
 POST     /v1/jobs                      body ``{"spec": {...}}``; 400 names the bad fields
-GET      /v1/jobs                      every job (see ``Job.view``)
+GET      /v1/jobs                      every job (see ``Job.view``), oldest first;
+                                       ``?state=running,pending&team=T`` filters, and
+                                       ``limit=N&before=CURSOR`` pages, newest first:
+                                       ``X-Phalanx-Next`` is the next page's cursor,
+                                       ``X-Phalanx-Total`` the jobs on all pages
+                                       (``supervisor.job_pages``)
 GET      /v1/jobs/{id}                 one job; 404 when unknown
 POST     /v1/jobs/{id}/cancel          stop every rank, then ``cancelled``
 GET      /v1/jobs/{id}/logs            ``?rank=N&offset=K&limit=L``: bytes of a rank's log,
@@ -23,9 +28,13 @@ GET      /v1/jobs/{id}/logs            ``?rank=N&offset=K&limit=L``: bytes of a 
                                        to go on, ``X-Phalanx-Size`` the log's size
 GET      /v1/jobs/{id}/checkpoints     the catalog: every step with a shard somewhere,
                                        the tiers it is committed at, partial tiers
-GET      /v1/jobs/{id}/metrics         ``?names=loss,grad_norm&since=TS&step_from=N``: the
-                                       job's training series (``supervisor.metrics``),
-                                       each point ``[step, ts, value, min, max, n]``
+GET      /v1/jobs/{id}/metrics         ``?names=loss,grad_norm&after=CURSOR&since=TS&step_from=N``:
+                                       the job's training series (``supervisor.metrics``),
+                                       each point ``[step, ts, value, min, max, n]``;
+                                       ``cursor`` in the answer: ``after`` it returns the
+                                       points inserted since, late windows included
+                                       (``since`` filters by a window's time: it misses
+                                       those; see ``supervisor.series_rows``)
 GET      /metrics                      Prometheus (``supervisor.prom``), behind the token
 GET      /v1/events                    ``?node=ID&job=ID&limit=N&after=ID``
 GET      /v1/stats                     counters (heartbeats handled, bad messages)
@@ -61,7 +70,7 @@ from phalanx import wire
 from phalanx.http import bearer_ok, json_body, serve
 from phalanx.jobspec import JobSpecError, validate_spec
 from phalanx.link import MqttLink
-from supervisor import dashboard
+from supervisor import dashboard, job_pages
 from supervisor.catalog import CheckpointCatalog
 from supervisor.commands import Commands
 from supervisor.config import SupervisorSettings
@@ -271,13 +280,23 @@ def make_app(sup: Backend) -> web.Application:
         return web.json_response(job.view(), status=201)
 
     async def jobs(request: web.Request) -> web.Response:
+        try:
+            found = job_pages.page(sup.jobs.jobs.values(), request.query)
+        except job_pages.PageQueryError as exc:
+            return _error(400, str(exc))
+        headers = {}
+        if "limit" in request.query or "before" in request.query:
+            headers["X-Phalanx-Total"] = str(found.total)
+            if found.next is not None:
+                headers["X-Phalanx-Next"] = found.next
         # The training summary of the jobs that still train only: the list grows with the
         # job history, and each summary costs queries (GET /v1/jobs/{id} has it always).
         return web.json_response(
             [
                 j.view(summary=None if j.state.final else sup.metrics.summary(j.id))
-                for j in sorted(sup.jobs.jobs.values(), key=lambda j: j.submitted_at)
-            ]
+                for j in found.jobs
+            ],
+            headers=headers,
         )
 
     def checkpoint_view(found: Job) -> dict[str, Any]:
@@ -326,11 +345,25 @@ def make_app(sup: Backend) -> web.Application:
                 step_from = -1
             if not 0 <= step_from <= wire.MAX_STEP:
                 return _error(400, f"query 'step_from': an integer in [0, {wire.MAX_STEP}]")
-        series = sup.store.series(found.id, names, since=since, step_from=step_from)
+        after: int | None = None
+        if "after" in q:
+            try:
+                after = int(q["after"])
+            except ValueError:
+                after = -1
+            if not 0 <= after < 2**63:
+                return _error(400, "query 'after': a cursor (a non-negative integer) it gave")
+        # The high-water mark first, and no row above it: the rows inserted meanwhile
+        # come with the next poll's after=cursor.
+        cursor = sup.store.cursor(found.id)
+        series = sup.store.series(
+            found.id, names, since=since, step_from=step_from, after=after, upto=cursor
+        )
         return web.json_response(
             {
                 "job": found.id,
                 "generation": found.generation,
+                "cursor": cursor,
                 "columns": list(POINT_COLUMNS),
                 "series": {
                     name: [

@@ -8,6 +8,16 @@ them in memory (``supervisor.metrics``), bounded by the world size, and rebuilds
 within one window after a restart.
 
 SQLite stores a NaN as NULL: a NULL value reads back as NaN.
+
+**The insertion cursor.** Each row has an ``id`` (``AUTOINCREMENT``: never reused, not
+even after a restart or a ``VACUUM``); a new full-resolution point gets the next one.
+A merged point (thinning) keeps the larger ``id`` of the two it replaces, so "rows with
+an ``id`` above C" means exactly "points that stand for a window inserted after C": a
+client that polls with ``after`` = the cursor it was given (:meth:`SeriesRows.cursor`)
+gets every window that came since, a late one with an older time included (a poll by
+time, ``since``, misses those), and no merged point for windows it already has. A
+merged point it does get may share its (time, step) with a point it holds: the newer
+one stands for both.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from supervisor.series import MAX_LEVEL, Point, pairwise, to_merge
 
 SERIES_SCHEMA = """
 CREATE TABLE IF NOT EXISTS metric_points (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,  -- the insertion cursor (see the module doc)
     job TEXT NOT NULL,
     name TEXT NOT NULL,
     level INTEGER NOT NULL,        -- a point of level k stands for 2**k windows
@@ -33,7 +44,34 @@ CREATE TABLE IF NOT EXISTS metric_points (
     n INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS metric_points_series ON metric_points (job, name, level, ts);
+CREATE INDEX IF NOT EXISTS metric_points_inserted ON metric_points (job, id);
 """
+_COLUMNS = "job, name, level, step, ts, value, low, high, n"
+
+
+def open_series(db: sqlite3.Connection) -> None:
+    """Create the table, or give a store's table from before the cursor its ``id``
+    column: its rows are copied in their insertion order (their rowid), in one
+    transaction."""
+    columns = {r[1] for r in db.execute("PRAGMA table_info(metric_points)")}
+    if columns and "id" not in columns:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.execute("ALTER TABLE metric_points RENAME TO metric_points_before_cursor")
+            db.execute("DROP INDEX IF EXISTS metric_points_series")
+            for statement in SERIES_SCHEMA.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+            db.execute(
+                f"INSERT INTO metric_points ({_COLUMNS}) SELECT {_COLUMNS} "
+                "FROM metric_points_before_cursor ORDER BY rowid"
+            )
+            db.execute("DROP TABLE metric_points_before_cursor")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+    db.executescript(SERIES_SCHEMA)
 
 
 def _float(value: float | None) -> float:
@@ -72,8 +110,8 @@ class SeriesRows:
                 if not n:
                     break
                 rows = self._db.execute(
-                    "SELECT rowid, step, ts, value, low, high, n FROM metric_points WHERE "
-                    "job = ? AND name = ? AND level = ? ORDER BY ts, rowid LIMIT ?",
+                    "SELECT id, step, ts, value, low, high, n FROM metric_points WHERE "
+                    "job = ? AND name = ? AND level = ? ORDER BY ts, id LIMIT ?",
                     (job, name, level, n),
                 ).fetchall()
                 oldest = [
@@ -81,22 +119,37 @@ class SeriesRows:
                     for r in rows
                 ]
                 self._write(
-                    f"DELETE FROM metric_points WHERE rowid IN ({','.join('?' * len(rows))})",
+                    f"DELETE FROM metric_points WHERE id IN ({','.join('?' * len(rows))})",
                     tuple(r[0] for r in rows),
                 )
                 up = min(level + 1, MAX_LEVEL)
                 merged = pairwise(oldest[: len(oldest) - len(oldest) % 2])
-                self._insert(job, name, up, merged)
+                # a merged point keeps the cursor of the newer window of its two
+                ids = [max(rows[i][0], rows[i + 1][0]) for i in range(0, len(merged) * 2, 2)]
+                self._insert(job, name, up, merged, ids)
                 counts[(name, level)] -= len(oldest)
                 counts[(name, up)] = counts.get((name, up), 0) + len(merged)
 
-    def _insert(self, job: str, name: str, level: int, points: Sequence[Point]) -> None:
-        for p in points:
+    def _insert(
+        self,
+        job: str,
+        name: str,
+        level: int,
+        points: Sequence[Point],
+        ids: Sequence[int | None] | None = None,
+    ) -> None:
+        """Insert ``points``, each with its ``ids`` entry as its id (None: the next)."""
+        for p, row_id in zip(points, ids or [None] * len(points), strict=True):
             self._write(
-                "INSERT INTO metric_points (job, name, level, step, ts, value, low, high, n) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (job, name, level, p.step, p.ts, p.value, p.low, p.high, p.n),
+                f"INSERT INTO metric_points (id, {_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (row_id, job, name, level, p.step, p.ts, p.value, p.low, p.high, p.n),
             )
+
+    def cursor(self, job: str) -> int:
+        """The high-water mark of ``job``'s series: the largest ``id`` of its rows (0:
+        none yet). A later read with ``after`` = this returns what comes next."""
+        row = self._db.execute("SELECT MAX(id) FROM metric_points WHERE job = ?", (job,)).fetchone()
+        return int(row[0] or 0)
 
     def series(
         self,
@@ -105,9 +158,12 @@ class SeriesRows:
         *,
         since: float | None = None,
         step_from: int | None = None,
+        after: int | None = None,
+        upto: int | None = None,
     ) -> dict[str, list[Point]]:
         """``job``'s series by name (every name when ``names`` is None), oldest point
-        first, from time ``since`` and step ``step_from`` on."""
+        first, from time ``since`` and step ``step_from`` on, of the rows inserted after
+        cursor ``after`` and up to cursor ``upto`` (see the module doc)."""
         query = "SELECT name, step, ts, value, low, high, n FROM metric_points WHERE job = ?"
         args: list[Any] = [job]
         if names is not None:
@@ -119,6 +175,12 @@ class SeriesRows:
         if step_from is not None:
             query += " AND step >= ?"
             args.append(step_from)
+        if after is not None:
+            query += " AND id > ?"
+            args.append(after)
+        if upto is not None:
+            query += " AND id <= ?"
+            args.append(upto)
         query += " ORDER BY name, ts, level DESC"
         found: dict[str, list[Point]] = {name: [] for name in names or ()}
         for r in self._iter(query, args):

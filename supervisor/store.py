@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.errors import StoreError
-from supervisor.series_rows import SERIES_SCHEMA, SeriesRows
+from supervisor.series_rows import SeriesRows, open_series
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -154,7 +154,7 @@ class Store(CatalogQueries, SeriesRows):
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(SCHEMA)
-            self._db.executescript(SERIES_SCHEMA)
+            open_series(self._db)
             columns = {r[1] for r in self._db.execute("PRAGMA table_info(ckpt_shards)")}
             if "generation" not in columns:  # a store from before landings had one
                 self._db.execute(

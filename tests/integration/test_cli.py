@@ -215,3 +215,26 @@ def test_local_fleet_with_tls_serves_https_and_local_env_exports_its_ca(tmp_path
         ]
     finally:
         phalanx("local", "down", "--dir", str(directory))
+
+
+def test_jobs_filters_by_state_and_team_and_pages_newest_first(
+    fleet: Fleet, api_env: dict[str, str]
+) -> None:
+    big = {"nodes": 8, "ranks_per_node": 1, "command": ["true"]}  # more than the fleet: waits
+    ids = [fleet.submit(name=f"big{i}", team="ab"[i % 2], **big)["id"] for i in range(7)]
+    for job in ids[:5]:
+        fleet.client().post(f"/v1/jobs/{job}/cancel")
+
+    first = phalanx("jobs", "--state", "cancelled", "--limit", "2", "-o", "json", env=api_env)
+    cursor = first.stderr.split("--before ")[-1].strip()
+    rest = phalanx("jobs", "--state", "cancelled", "--before", cursor, "-o", "json", env=api_env)
+    team = phalanx("jobs", "--team", "b", "--state", "pending,cancelled", env=api_env)
+    bad = phalanx("jobs", "--state", "done", env=api_env)
+
+    assert first.returncode == 0, first.stderr
+    assert "phalanx jobs --state cancelled --limit 2 --before " in first.stderr
+    got = [j["id"] for j in json.loads(first.stdout)] + [j["id"] for j in json.loads(rest.stdout)]
+    assert got == ids[4::-1]  # newest submitted first
+    assert rest.returncode == 0 and "more jobs" not in rest.stderr
+    assert {line.split()[0] for line in team.stdout.splitlines()[1:]} == set(ids[1::2])
+    assert bad.returncode == 2 and "query 'state'" in bad.stderr

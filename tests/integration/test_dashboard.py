@@ -7,6 +7,7 @@ Screenshots of every page are left in the test's ``tmp_path/screens`` to look at
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pytest
 from aiohttp import web
 
 from agentd.gpu.sim import inject
+from phalanx.client import Client
 from supervisor.api import make_app
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import Supervisor
@@ -372,6 +374,13 @@ def big_fleet(tmp_path: Path) -> Iterator[str]:
         sup.registry.on_birth(birth(f"n{i:04d}", rack=f"r{i // 32:02d}", gpus=8))
     for i in range(0, 2048, 97):
         sup.registry.drain(f"n{i:04d}", "cable swap")
+    with serve_unstarted(sup) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serve_unstarted(sup: Supervisor) -> Iterator[str]:
+    """The API app of ``sup`` (built, never started) served from a thread; its base URL."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -380,12 +389,14 @@ def big_fleet(tmp_path: Path) -> Iterator[str]:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     asyncio.run_coroutine_threadsafe(site.start(), loop).result(10)
     port = runner.addresses[0][1]
-    yield f"http://127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-    loop.close()
-    sup.store.close()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+        sup.store.close()
 
 
 def test_the_fleet_page_of_2048_nodes_shows_every_node_as_a_tile_and_no_table_of_them_all(
@@ -431,3 +442,57 @@ def test_the_fleet_page_of_2048_nodes_shows_every_node_as_a_tile_and_no_table_of
     assert len(gpus) == 8
     assert "57.5" in gpus[1].text
     browser.save_screenshot(str(screens / "fleet-2048-rack.png"))
+
+
+def login(browser: WebDriver, url: str, route: str) -> None:
+    browser.get(f"{url}/ui/{route}")
+    wait_for(lambda: browser.find_elements(By.ID, "token") or None, 20, "the login form")
+    browser.find_element(By.ID, "token").send_keys(FAKE_TOKEN)
+    browser.find_element(By.ID, "login-submit").click()
+
+
+def test_the_jobs_page_pages_the_finished_jobs_on_the_server_newest_first(
+    browser: WebDriver, tmp_path: Path
+) -> None:
+    sup = Supervisor(SupervisorSettings(state_dir=tmp_path), FAKE_TOKEN)
+
+    # Read and click in one script each: the page redraws every poll, so an element
+    # found by one call may be gone by the next.
+    def shown(css: str = "#finished a.job-link") -> list[str]:
+        jobs: list[str] = browser.execute_script(
+            "return [...document.querySelectorAll(arguments[0])].map((e) => e.dataset.job)", css
+        )
+        return jobs
+
+    def turn(to: str) -> None:
+        browser.execute_script(
+            "[...document.querySelectorAll('.pager button')]"
+            ".find((b) => b.textContent.includes(arguments[0])).click()",
+            to,
+        )
+
+    with serve_unstarted(sup) as url:
+        client = Client(url, FAKE_TOKEN)
+        spec = {"team": "ml", "command": ["true"], "workdir": "/w", "nodes": 1, "ranks_per_node": 1}
+        ids = [
+            client.post("/v1/jobs", {"spec": {**spec, "name": f"run{i}"}})["id"] for i in range(60)
+        ]
+        for job in ids[:55]:
+            client.post(f"/v1/jobs/{job}/cancel")
+        everything = client.get("/v1/jobs")
+        newest_first = [j["id"] for j in sorted(everything, key=lambda j: -j["submitted_at"])]
+        finished = [j for j in newest_first if j in ids[:55]]
+
+        login(browser, url, "#/jobs")
+        wait_for(lambda: shown() == finished[:25] or None, 20, "the newest 25 finished jobs")
+        assert set(shown("#queue tr[data-job]")) == set(ids[55:])
+        assert "page 1 of 3 (55)" in browser.execute_script(
+            "return document.querySelector('.pager').textContent"
+        )
+        turn("next")
+        wait_for(lambda: shown() == finished[25:50] or None, 10, "the second page")
+        turn("next")
+        wait_for(lambda: shown() == finished[50:] or None, 10, "the last page")
+        browser.save_screenshot(str(tmp_path / "jobs-page-3.png"))
+        turn("prev")
+        wait_for(lambda: shown() == finished[25:50] or None, 10, "the second page again")

@@ -48,6 +48,14 @@ export async function get(path) {
   return resp.json();
 }
 
+/** GET a page of a paged list (GET /v1/jobs?limit=N&before=C): the items, the next
+ * page's cursor (null: the last page) and the items on every page. */
+export async function getPage(path) {
+  const resp = await call(new URL(path, ROOT));
+  const total = resp.headers.get("X-Phalanx-Total");
+  return { items: await resp.json(), next: resp.headers.get("X-Phalanx-Next"), total: total === null ? null : Number(total) };
+}
+
 /** GET raw text and the response's headers (a rank's log). */
 export async function getText(path) {
   const resp = await call(new URL(path, ROOT));

@@ -96,13 +96,11 @@ export function lineChart(el, opts) {
 
 /**
  * A job's series, kept in step with GET /v1/jobs/ID/metrics: the first call fetches every
- * series, later ones only the last LOOKBACK_S before the oldest of the series' newest
- * points (a point's time is its ranks' window's, which differs by series and may come
- * late), new points merged in by (time, step); a full fetch every `fullEvery` calls picks
- * up the server's downsampling. Points are [step, ts, value, min, max, n].
+ * series and the answer's cursor, later ones only the points inserted since (after=cursor:
+ * late windows of older times included), merged in by (time, step); a full fetch every
+ * `fullEvery` calls picks up the server's downsampling. Points are [step, ts, value, min,
+ * max, n].
  */
-const LOOKBACK_S = 60;
-
 export class JobSeries {
   constructor(get, jobId, { names = null, fullEvery = 20 } = {}) {
     this.get = get;
@@ -110,6 +108,7 @@ export class JobSeries {
     this.names = names;
     this.fullEvery = fullEvery;
     this.calls = 0;
+    this.cursor = null; // the server's high-water mark of what this holds
     this.points = {}; // name -> points, oldest first
     this.columns = { step: 0, ts: 1, value: 2 };
     this.available = null; // false: the endpoint answered 404 (not there, or no such job)
@@ -119,11 +118,10 @@ export class JobSeries {
     this.calls += 1;
     // Without the endpoint (an older supervisor), ask again only now and then.
     if (this.available === false && this.calls % 10 !== 0) return false;
-    const full = (this.calls - 1) % this.fullEvery === 0;
+    const full = (this.calls - 1) % this.fullEvery === 0 || this.cursor === null;
     const q = new URLSearchParams();
     if (this.names) q.set("names", this.names.join(","));
-    const since = this.oldestNewestTs();
-    if (!full && since !== null) q.set("since", String(since - LOOKBACK_S));
+    if (!full) q.set("after", String(this.cursor));
     let body;
     try {
       body = await this.get(`v1/jobs/${encodeURIComponent(this.jobId)}/metrics?${q}`);
@@ -160,20 +158,12 @@ export class JobSeries {
       }
       if (unordered) have.sort((a, b) => a[ts] - b[ts]); // stable: the server's order
     }
+    // A cursor below the one sent: the supervisor's store is not the one it was; the
+    // next call fetches everything again.
+    const cursor = Number.isInteger(body.cursor) ? body.cursor : null;
+    this.cursor = !full && cursor !== null && cursor < this.cursor ? null : cursor;
     this.summary = body.summary || null;
     return true;
-  }
-
-  /** The oldest of the series' newest times (null: no point yet). */
-  oldestNewestTs() {
-    let oldest = null;
-    for (const pts of Object.values(this.points)) {
-      if (pts.length) {
-        const t = pts[pts.length - 1][this.columns.ts];
-        oldest = oldest === null ? t : Math.min(oldest, t);
-      }
-    }
-    return oldest;
   }
 
   /** [xs, ys] of a series by time. */

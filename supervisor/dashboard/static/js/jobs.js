@@ -1,5 +1,6 @@
 // Jobs: the queue with why each job waits, the jobs holding nodes, the finished ones
-// (a page at a time). Ticked jobs open side by side on the compare page.
+// (a page at a time, newest submitted first, paged by the server: GET /v1/jobs?state=
+// &limit=&before=). Ticked jobs open side by side on the compare page.
 
 import * as api from "./api.js";
 import { badge, errorBox, fill, fmtAgo, fmtDuration, fmtPct, h, pager, poll, section, table } from "./dom.js";
@@ -8,7 +9,8 @@ const ACTIVE = ["starting", "running", "recovering", "stopping"];
 const FINISHED = ["succeeded", "failed", "cancelled"];
 const PAGE = 25;
 
-const ui = { page: 0, picked: new Set() };
+// cursors[n]: the `before` of finished page n (null: the first), from X-Phalanx-Next
+const ui = { page: 0, cursors: [null], picked: new Set() };
 
 function jobLink(j) {
   return h("a", { href: `#/jobs/${encodeURIComponent(j.id)}`, class: "job-link", dataset: { job: j.id } }, j.id);
@@ -45,7 +47,9 @@ function summaryCell(j) {
 }
 
 let els = null;
-let jobsCache = [];
+let jobsCache = []; // the jobs not ended: few, all of them
+let finished = { items: [], total: 0 }; // the finished page shown
+let loads = 0; // the newest load's number: an older one in flight renders nothing
 
 function renderCompare() {
   if (!els) return;
@@ -64,12 +68,7 @@ function render() {
     .filter((j) => j.state === "pending")
     .sort((a, b) => b.priority - a.priority || a.submitted_at - b.submitted_at);
   const active = jobsCache.filter((j) => ACTIVE.includes(j.state));
-  const finished = jobsCache
-    .filter((j) => FINISHED.includes(j.state))
-    .sort((a, b) => (b.ended_at || 0) - (a.ended_at || 0));
-  const pages = Math.max(1, Math.ceil(finished.length / PAGE));
-  ui.page = Math.min(ui.page, pages - 1);
-  const slice = finished.slice(ui.page * PAGE, (ui.page + 1) * PAGE);
+  const slice = finished.items;
   fill(
     els.body,
     section(
@@ -122,8 +121,8 @@ function render() {
         : h("p", { class: "muted" }, "No job holds nodes."),
     ),
     section(
-      `Finished (${finished.length})`,
-      finished.length
+      `Finished (${finished.total})`,
+      finished.total
         ? table(
             ["", "job", "name", "team", "state", "reason", "ended", "took", { num: "restarts" }, { num: "ETTR" }],
             slice.map((j) =>
@@ -145,28 +144,51 @@ function render() {
             { id: "finished" },
           )
         : h("p", { class: "muted" }, "No job has ended yet."),
-      pager(finished.length, PAGE, ui.page, (p) => {
+      pager(finished.total, PAGE, ui.page, (p) => {
+        if (ui.cursors[p] === undefined) return; // no cursor for it yet: only the next page
         ui.page = p;
-        render();
+        load();
       }),
     ),
   );
+}
+
+async function load() {
+  const mine = ++loads;
+  const q = new URLSearchParams({ state: FINISHED.join(","), limit: String(PAGE) });
+  if (ui.cursors[ui.page]) q.set("before", ui.cursors[ui.page]);
+  let active;
+  let page;
+  try {
+    [active, page] = await Promise.all([
+      api.get(`v1/jobs?state=${["pending", ...ACTIVE].join(",")}`),
+      api.getPage(`v1/jobs?${q}`),
+    ]);
+  } catch (err) {
+    if (els && mine === loads) fill(els.error, errorBox(err));
+    return;
+  }
+  if (!els || mine !== loads) return;
+  if (!page.items.length && ui.page > 0) {
+    // the page emptied (jobs gone from it): back to the first
+    ui.page = 0;
+    ui.cursors = [null];
+    load();
+    return;
+  }
+  fill(els.error);
+  jobsCache = active;
+  finished = { items: page.items, total: page.total ?? page.items.length };
+  ui.cursors.length = ui.page + 1;
+  if (page.next) ui.cursors.push(page.next);
+  render();
 }
 
 export function mount(root) {
   els = { body: h("div"), compare: h("div", { class: "controls" }), error: h("div") };
   fill(root, h("h1", {}, "Jobs"), els.compare, els.error, els.body);
   renderCompare();
-  const timer = poll(async () => {
-    try {
-      jobsCache = await api.get("v1/jobs");
-      fill(els.error);
-    } catch (err) {
-      fill(els.error, errorBox(err));
-      return;
-    }
-    render();
-  }, 5000);
+  const timer = poll(load, 5000);
   return {
     unmount() {
       timer.stop();
