@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from phalanx import charts, cli_local, local, top
+from phalanx import agent_tokens, charts, cli_local, local, top
 from phalanx.cli_base import (
     EXIT_FAILED,
     EXIT_JOB_FAILED,
@@ -509,6 +509,7 @@ def parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_ckpt_ls)
 
     cli_local.add_parser(sub, out)
+    agent_tokens.add_parser(sub)
     return p
 
 
