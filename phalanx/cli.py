@@ -7,6 +7,9 @@ verified against the CA in ``$PHALANX_CA`` (or ``--ca``), else the system's CA
 store. ``eval "$(phalanx local env)"`` sets them for a local fleet. Tables go to stdout by default,
 stable JSON with ``-o json``; messages go to stderr.
 
+``phalanx agent-token --secret-file S NODE`` needs no API: it prints the node's agent
+token derived from the fleet agent secret (``phalanx.agent_tokens``).
+
 Exit codes:
   0  success
   1  the supervisor failed or could not be reached
