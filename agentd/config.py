@@ -109,9 +109,11 @@ class HttpSettings(ServerTls):
     port: int = Field(default=9400, ge=0, le=65535, description="HTTP port (0: any free port).")
     token_file: Path | None = Field(
         default=None,
-        description="Shared secret the supervisor and peer agents present to read rank logs "
-        "and copy checkpoints (`/healthz` and `/metrics` stay open). Unset: those routes "
-        "answer 403.",
+        description="This node's own agent token, derived from the fleet agent secret "
+        "(`phalanx agent-token --secret-file S NODE`): it opens this node's rank logs (the "
+        "supervisor derives it to read them) and peer-tier routes, which also take a "
+        "buddy's credential the supervisor sent it (`/healthz` and `/metrics` stay open). "
+        "Unset: those routes answer 403.",
     )
     max_requests_per_peer: int = Field(
         default=32,

@@ -131,8 +131,8 @@ class Agent:
             on_step=self.metrics.add,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
-        # The agents' shared HTTP token (peer tier, rank logs), read once; unreadable or
-        # unset, the token routes answer 403.
+        # This node's own HTTP token (its rank logs and peer tier; phalanx.agent_tokens),
+        # read once; unreadable or unset, the token routes answer 403.
         self.http_token = ""
         if settings.http.token_file is not None:
             try:
@@ -143,13 +143,11 @@ class Agent:
                     settings.http.token_file,
                     exc,
                 )
-        token = self.http_token
         self.ckpt = CkptService(
             self.node,
             settings.data_dir,
             settings.ckpt.shm_dir,
             settings.ckpt.object_store,
-            token,
             self._publish_landing,
             pacing=Pacing(
                 nice=settings.ckpt.write_nice,

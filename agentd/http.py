@@ -2,7 +2,11 @@
 ``http.tls_cert_file`` and ``http.tls_key_file`` are set.
 
 The supervisor reads rank logs here; buddies push and fetch the peer tier's
-checkpoint copies (``agentd.ckpt.peer_routes``), both behind the agent token.
+checkpoint copies (``agentd.ckpt.peer_routes``). Both are behind this node's own agent
+token (``http.token_file``: a per-node token, ``phalanx.agent_tokens``), which the
+supervisor derives to fetch logs; the peer routes also take a buddy's credential for
+this node, with ``X-Phalanx-Node`` naming the buddy (``agentd.access``). Nothing opens
+the rank-log route but this node's own token.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agentd.access import Access
 from agentd.ckpt import add_peer_routes
-from phalanx.http import bearer_ok, per_peer_limit, serve
+from phalanx.http import per_peer_limit, serve
 from phalanx.wire import JOB_ID_PATTERN
 
 if TYPE_CHECKING:
@@ -137,17 +142,11 @@ def make_app(agent: Agent) -> web.Application:
         }
         return web.json_response(body)
 
-    token = agent.http_token.encode() or None
-
-    def authorised(request: web.Request) -> bool:
-        return bearer_ok(request, token)
+    access = Access(agent.node, agent.http_token)
 
     async def rank_log(request: web.Request) -> web.Response:
-        if not authorised(request):
-            return web.json_response(
-                {"error": "missing or wrong bearer token (http.token_file)"},
-                status=403 if token is None else 401,
-            )
+        if (denied := access.check(request, peer_route=False)) is not None:
+            return denied.response()
         job = request.match_info["job"]
         if not re.match(JOB_ID_PATTERN, job):
             return web.json_response({"error": f"invalid job id {job!r}"}, status=400)
@@ -183,9 +182,7 @@ def make_app(agent: Agent) -> web.Application:
         client_max_size=MAX_BODY_BYTES,
         middlewares=[per_peer_limit(agent.settings.http.max_requests_per_peer)],
     )
-    add_peer_routes(
-        app, agent, authorised, max_shard_bytes=agent.settings.ckpt.peer_max_shard_bytes
-    )
+    add_peer_routes(app, agent, access, max_shard_bytes=agent.settings.ckpt.peer_max_shard_bytes)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/jobs/{job}/ranks/{rank}/log", rank_log)

@@ -411,6 +411,7 @@ def serve_buddy(root: Path, port: int) -> None:
 
     from aiohttp import web
 
+    from agentd.access import Access
     from agentd.ckpt import add_peer_routes
 
     pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="ckpt-peer")
@@ -424,7 +425,7 @@ def serve_buddy(root: Path, port: int) -> None:
     add_peer_routes(
         app,
         agent,
-        lambda request: True,  # type: ignore[arg-type]
+        Access("buddy", "-"),
         max_shard_bytes=64 * GIB,
     )
     web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True)
@@ -640,7 +641,6 @@ def serve_agent(root: Path, shm: Path, nice: int) -> None:
             root / "data",
             shm,
             (root / "objects").as_uri(),
-            "",
             landing,
             pacing=Pacing(nice=nice),
         )

@@ -47,6 +47,7 @@ def serve_buddy(root: Path, port: int, cert: str, key: str) -> None:
 
     from aiohttp import web
 
+    from agentd.access import Access
     from agentd.ckpt import add_peer_routes
     from phalanx.tls import server_context
 
@@ -58,7 +59,7 @@ def serve_buddy(root: Path, port: int, cert: str, key: str) -> None:
         ),
     )
     app = web.Application()
-    add_peer_routes(app, agent, lambda request: True, max_shard_bytes=64 * GIB)  # type: ignore[arg-type]
+    add_peer_routes(app, agent, Access("buddy", "-"), max_shard_bytes=64 * GIB)
     tls = server_context(Path(cert), Path(key)) if cert else None
     web.run_app(app, host="127.0.0.1", port=port, ssl_context=tls, print=None)
 

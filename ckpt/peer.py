@@ -3,7 +3,12 @@
 The peer tier is an ``ObjectTier`` (zstd on by default: the network is slower
 than zstd) over ``HttpPeerStore``, an ``ObjectStore`` whose objects live in the
 buddy agent's ``DATA_DIR/ckpt-peer`` folder, reached through its HTTP port
-with the fleet's agent token (``http.token_file``); over HTTPS when given an
+with this node's credential for that buddy (``token``, sent as the bearer token with
+``X-Phalanx-Node: AS_NODE``): the supervisor derives it from the buddy's own agent
+token and sends it inside the ``wire.PeerAddr`` it names the buddy with
+(``phalanx.agent_tokens``); no other node's token is ever needed. Without
+``as_node`` the token is presented alone, as the buddy's own token (the supervisor,
+tests, tools). Over HTTPS when given an
 ``ssl_context`` (the buddy's certificate and its name or address verified against
 it: an agent that serves TLS speaks TLS to its buddies). The buddy serves:
 
@@ -58,6 +63,7 @@ from ckpt.stores import MAX_GET_NBYTES, PART_NBYTES, ObjectStore
 __all__ = ["PEER_KEY_RE", "HttpPeerStore", "PeerError", "SealCheck"]
 
 DECOMPRESS_PIECE: Final = 1 << 20  # SealCheck's largest piece of decompressed output
+NODE_HEADER: Final = "X-Phalanx-Node"  # phalanx.agent_tokens.NODE_HEADER (ckpt needs no phalanx)
 _ANSWER_NBYTES: Final = 1 << 16  # the most of a buddy's short JSON answer ever read
 
 PEER_KEY_RE: Final = re.compile(
@@ -170,13 +176,15 @@ class HttpPeerStore(ObjectStore):
         port: int,
         token: str,
         *,
+        as_node: str | None = None,
         timeout_s: float = 60.0,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.node = node
         self.address = address
         self.port = port
-        self.token = token
+        self._token = token  # not in any repr
+        self.as_node = as_node
         self.timeout_s = timeout_s
         self.ssl_context = ssl_context
         scheme = "https" if ssl_context is not None else "http"
@@ -190,7 +198,10 @@ class HttpPeerStore(ObjectStore):
         return http.client.HTTPConnection(self.address, self.port, timeout=self.timeout_s)
 
     def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"}
+        headers = {"Authorization": f"Bearer {self._token}"}
+        if self.as_node is not None:
+            headers[NODE_HEADER] = self.as_node
+        return headers
 
     def _check(self, resp: http.client.HTTPResponse, what: str) -> None:
         if resp.status == 404:

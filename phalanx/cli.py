@@ -7,6 +7,9 @@ verified against the CA in ``$PHALANX_CA`` (or ``--ca``), else the system's CA
 store. ``eval "$(phalanx local env)"`` sets them for a local fleet. Tables go to stdout by default,
 stable JSON with ``-o json``; messages go to stderr.
 
+``phalanx agent-token --secret-file S NODE`` needs no API: it prints the node's agent
+token derived from the fleet agent secret (``phalanx.agent_tokens``).
+
 Exit codes:
   0  success
   1  the supervisor failed or could not be reached
@@ -30,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from phalanx import charts, cli_local, local, top
+from phalanx import agent_tokens, charts, cli_local, local, top
 from phalanx.cli_base import (
     EXIT_BROKEN_PIPE,
     EXIT_FAILED,
@@ -548,6 +551,7 @@ def parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_ckpt_ls)
 
     cli_local.add_parser(sub, out)
+    agent_tokens.add_parser(sub)
     return p
 
 

@@ -6,8 +6,10 @@
                             0600), read by the other verbs
     DIR/token               the API token (mode 0600)
     DIR/broker/             mosquitto.conf
-    DIR/supervisor/         supervisor.toml and its state
-    DIR/nodes/NODE/         agentd.toml, the sim GPU file, the agent's data dir
+    DIR/supervisor/         supervisor.toml, its state, and agent-secret: the fleet
+                            agent secret (mode 0600) every agent's token derives from
+    DIR/nodes/NODE/         agentd.toml, the sim GPU file, the agent's data dir, and
+                            agent-token: that node's own token (mode 0600)
     DIR/logs/ROLE.log       every process's output
     DIR/objects/            the checkpoint object store every agent shares (a folder)
     DIR/tls/                with ``--tls``: a throw-away CA (ca.pem, exported as
@@ -36,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from phalanx.agent_tokens import new_secret, node_token
 from phalanx.client import ApiError, Client
 
 if TYPE_CHECKING:
@@ -214,6 +217,14 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
+def _write_private(path: Path, text: str) -> None:
+    """``text`` in ``path``, created readable by its owner only (0600) from the start."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text + "\n")
+    path.chmod(0o600)  # an older file kept its mode
+
+
 def node_name(i: int) -> str:
     return f"n{i + 1:02d}"
 
@@ -249,9 +260,10 @@ def up(
     token_file = directory / "token"
     token_file.write_text(token)
     token_file.chmod(0o600)
-    agent_token_file = directory / "agent-token"
-    agent_token_file.write_text(secrets.token_urlsafe(24))
-    agent_token_file.chmod(0o600)
+    # The fleet agent secret stays with the supervisor; each agent gets only its own
+    # token, derived from it (phalanx.agent_tokens).
+    agent_secret = new_secret()
+    agent_secret_file = directory / "supervisor" / "agent-secret"
     broker_port, api_port = free_port(), free_port()
     authority: Authority | None = None
     if tls:  # cryptography is imported only where it is used
@@ -275,12 +287,13 @@ def up(
 
         sup_dir = directory / "supervisor"
         sup_dir.mkdir(parents=True)
+        _write_private(agent_secret_file, agent_secret)
         api_tls = authority.issue("supervisor") if authority else None
         (sup_dir / "supervisor.toml").write_text(
             f'state_dir = "{sup_dir / "state"}"\n'
             f"offline_after_s = {offline_after_s}\n"
             f"spares = {spares}\n"
-            f'agent_token_file = "{agent_token_file}"\n'
+            f'agent_token_file = "{agent_secret_file}"\n'
             + (f'agent_tls = true\nagent_ca_file = "{authority.ca}"\n' if authority else "")
             + f"[mqtt]\nport = {broker_port}\nkeepalive_s = 5\n"
             f'[api]\nport = {api_port}\ntoken_file = "{token_file}"\n'
@@ -303,6 +316,8 @@ def up(
             node = node_name(i)
             node_dir = directory / "nodes" / node
             node_dir.mkdir(parents=True)
+            node_token_file = node_dir / "agent-token"
+            _write_private(node_token_file, node_token(agent_secret, node))
             (node_dir / "agentd.toml").write_text(
                 agent_toml(
                     node,
@@ -311,7 +326,7 @@ def up(
                     gpus_per_node,
                     rack=f"rack{i // nodes_per_rack + 1}",
                     heartbeat_s=heartbeat_s,
-                    token_file=agent_token_file,
+                    token_file=node_token_file,
                     object_store=directory / "objects",
                     tls=authority.issue(node) if authority else None,
                     ca=authority.ca if authority else None,

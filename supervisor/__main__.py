@@ -39,6 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         asyncio.run(run_until_signal(serve, notifier))
+    except ConfigError as exc:  # a file the settings name that proved unusable
+        print(f"phalanx-supervisor: {exc}", file=sys.stderr)
+        return 2
     except (OSError, StoreError) as exc:
         print(f"phalanx-supervisor: {exc}", file=sys.stderr)
         return 1

@@ -67,6 +67,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from phalanx import wire
+from phalanx.agent_tokens import node_token
 from phalanx.http import bearer_ok, json_body, serve
 from phalanx.jobspec import JobSpecError, validate_spec
 from phalanx.link import MqttLink
@@ -109,7 +110,7 @@ class Backend(Protocol):
     """What the API serves of the supervisor (``supervisor.daemon.Supervisor``)."""
 
     token: str  # the operators' bearer token
-    agent_token: str  # the agents', to fetch rank logs from them
+    agent_token: str  # the fleet agent secret: a node's token, to fetch its logs, derives from it
     settings: SupervisorSettings
     registry: Registry
     jobs: JobController
@@ -406,13 +407,15 @@ def make_app(sup: Backend) -> web.Application:
             f"{agent_scheme}://{node.birth.address}:{node.birth.http_port}/v1/jobs/{found.id}/ranks/"
             f"{rank}/log?offset={offset}&limit={limit}"
         )
+        # The node's own token (phalanx.agent_tokens): it opens that node's logs alone.
+        bearer = node_token(sup.agent_token, place.node) if sup.agent_token else ""
         try:
             async with (
                 aiohttp.ClientSession(
                     timeout=aiohttp.ClientTimeout(total=10),
                     connector=aiohttp.TCPConnector(ssl=agent_tls or True),
                 ) as http,
-                http.get(url, headers={"Authorization": f"Bearer {sup.agent_token}"}) as resp,
+                http.get(url, headers={"Authorization": f"Bearer {bearer}"}) as resp,
             ):
                 data = await resp.read()
                 if resp.status != 200:

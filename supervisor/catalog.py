@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
+
+from pydantic import SecretStr
 
 from phalanx import wire
 from supervisor.store import CatalogQueries, Store
@@ -266,6 +268,7 @@ class CheckpointCatalog:
         ended: bool = False,
         nodes: Sequence[str] = (),
         store: CatalogQueries | None = None,
+        credential: Callable[[str, str], str | None] | None = None,
     ) -> list[wire.CkptCatalog]:
         """The job's catalog as each node needs it: one message per node that runs a rank
         of the job (``placement``: rank -> node, the current generation), landed a shard,
@@ -276,7 +279,9 @@ class CheckpointCatalog:
         its size does not grow with the job. ``peers`` gives the address of each node
         that can hold a peer copy; ``alive`` the nodes not offline (default: all).
         ``store``: where to read (default: the catalog's store), such as a snapshot
-        when the messages are built off the event loop.
+        when the messages are built off the event loop. ``credential(holder, node)``:
+        what ``node`` presents at ``holder``'s peer routes; each message's peer
+        addresses carry its own node's credential only (none without ``credential``).
         """
         db = store if store is not None else self.store
         placement = dict(placement or {})
@@ -300,6 +305,19 @@ class CheckpointCatalog:
                 "every step the job committed is gone from the catalog (deleted, or "
                 "reported corrupt or unreadable): nothing the whole gang can restore"
             )
+        addresses: dict[tuple[str, str], wire.PeerAddr | None] = {}
+
+        def addressed(holder: str, node: str) -> wire.PeerAddr | None:
+            """Where ``holder`` listens, with ``node``'s credential there."""
+            key = (holder, node)
+            if key not in addresses:
+                addr = peers.get(holder)
+                token = credential(holder, node) if credential and addr else None
+                if addr is not None and token is not None:
+                    addr = addr.model_copy(update={"token": SecretStr(token)})
+                addresses[key] = addr
+            return addresses[key]
+
         runs: dict[str, set[int]] = {}
         for rank, node in placement.items():
             runs.setdefault(node, set()).add(rank)
@@ -324,7 +342,7 @@ class CheckpointCatalog:
                             rank=rank,
                             checksum=checksum,
                             nbytes=nbytes,
-                            peer=peers.get(holder)
+                            peer=addressed(holder, node)
                             if holder and "peer" in committed[step]
                             else None,
                         )

@@ -115,8 +115,12 @@ class SupervisorSettings(BaseSettings):
     )
     agent_token_file: Path | None = Field(
         default=None,
-        description="The agents' HTTP token (the same file as their "
-        "http.token_file), used to fetch rank logs.",
+        description="The fleet agent secret (at least 16 characters; keep it on this host "
+        "only): each node's agent token (its http.token_file) is derived from it "
+        "(`phalanx agent-token`), and from that each node's credential at its buddies' "
+        "peer tier, sent to that node alone. Used to fetch rank logs and in checkpoint "
+        "plans and catalogs. Unset: rank logs cannot be fetched and the peer tier is "
+        "refused.",
     )
     agent_tls: bool = Field(
         default=False,

@@ -13,6 +13,7 @@ from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from phalanx import wire
+from phalanx.agent_tokens import AgentKeys
 from supervisor.burnin import BurnIns
 from supervisor.config import SupervisorSettings
 from supervisor.jobs import Job, JobState
@@ -27,6 +28,7 @@ class JobControl(Protocol):
     store: Store
     settings: SupervisorSettings
     burnins: BurnIns
+    agent_keys: AgentKeys  # the nodes' peer credentials, for their checkpoint plans
 
     async def command(
         self, node: str, args: wire.CommandArgsType, timeout: float | None = None

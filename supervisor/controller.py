@@ -18,6 +18,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from phalanx import wire
+from phalanx.agent_tokens import AgentKeys
 from phalanx.jobspec import JobSpec
 from phalanx.tasks import Tasks
 from supervisor.burnin import BurnIns
@@ -55,8 +56,10 @@ class JobController:
         send: CommandSender,
         publisher: CatalogPublisher,
         offline_confirmed: Callable[[float], bool],
+        agent_keys: AgentKeys | None = None,
     ) -> None:
         self.store = store
+        self.agent_keys = agent_keys if agent_keys is not None else AgentKeys("")
         self.registry = registry
         self.settings = settings
         self._send = send

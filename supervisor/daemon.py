@@ -10,7 +10,9 @@ from collections.abc import Mapping
 from types import TracebackType
 
 from phalanx import wire
+from phalanx.agent_tokens import AgentKeys, read_secret
 from phalanx.link import LinkDown, MqttLink, Will
+from phalanx.settings import ConfigError
 from phalanx.tasks import Deadline, supervised
 from supervisor.api import start_api
 from supervisor.catalog import CheckpointCatalog
@@ -42,9 +44,15 @@ class Supervisor:
     def __init__(self, settings: SupervisorSettings, token: str) -> None:
         self.settings = settings
         self.token = token
+        # The fleet agent secret: every node's agent token and peer credential derive
+        # from it (phalanx.agent_tokens); it stays on this host.
         self.agent_token = ""
         if settings.agent_token_file is not None:
-            self.agent_token = settings.agent_token_file.read_text().strip()
+            try:
+                self.agent_token = read_secret(settings.agent_token_file)
+            except ValueError as exc:
+                raise ConfigError(f"agent_token_file: {exc}") from exc
+        self.agent_keys = AgentKeys(self.agent_token)
         self.store = Store(settings.state_dir / "state.db")
         self.registry = Registry(self.store, offline_after_s=settings.offline_after_s)
         self.started_at = time.time()
@@ -75,6 +83,7 @@ class Supervisor:
             job=lambda job_id: self.jobs.jobs.get(job_id),
             registry=self.registry,
             ram_linger_s=settings.ckpt_failed_ram_linger_s,
+            agent_keys=self.agent_keys,
         )
         self.jobs = JobController(
             self.store,
@@ -83,6 +92,7 @@ class Supervisor:
             send=self.commands.send,
             publisher=self.publisher,
             offline_confirmed=self.offline_confirmed,
+            agent_keys=self.agent_keys,
         )
         self.metrics = TrainingMetrics(
             self.store,

@@ -8,6 +8,8 @@ import asyncio
 import logging
 import time
 
+from pydantic import SecretStr
+
 from phalanx import wire
 from phalanx.jobspec import FromFile
 from supervisor.catalog import pick_buddies
@@ -50,7 +52,8 @@ class GangOrders:
         )
 
     def ckpt_plan(self, job: Job, node: str) -> wire.CkptPlan:
-        """The job's checkpoint tiers for one node, with the buddy its peer copies go to."""
+        """The job's checkpoint tiers for one node, with the buddy its peer copies go to
+        and that node's credential there (this plan goes to ``node`` alone)."""
         spec = job.spec.checkpoint
         racks = {}
         for n in job.nodes:
@@ -60,8 +63,12 @@ class GangOrders:
         name = pick_buddies(job.nodes, racks).get(node) if "peer" in spec.tiers else None
         found = self.ctl.registry.nodes.get(name) if name else None
         if found is not None and found.birth is not None and found.birth.http_port:
+            credential = self.ctl.agent_keys.peer_credential(found.id, node)
             buddy = wire.PeerAddr(
-                node=found.id, address=found.birth.address, http_port=found.birth.http_port
+                node=found.id,
+                address=found.birth.address,
+                http_port=found.birth.http_port,
+                token=None if credential is None else SecretStr(credential),
             )
         interval: str | float | int = "auto"
         if isinstance(spec.interval, dict):

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from phalanx import wire
+from phalanx.agent_tokens import AgentKeys
 from phalanx.link import LinkDown, Publish
 from phalanx.tasks import Tasks
 from supervisor.catalog import CheckpointCatalog
@@ -95,6 +96,7 @@ class CatalogPublisher:
         job: JobLookup,
         registry: Registry,
         ram_linger_s: float,
+        agent_keys: AgentKeys | None = None,
     ) -> None:
         self.catalog = catalog
         self.store = catalog.store
@@ -102,6 +104,7 @@ class CatalogPublisher:
         self._job = job
         self._registry = registry
         self._ram_linger_s = ram_linger_s
+        self._agent_keys = agent_keys if agent_keys is not None else AgentKeys("")
         self.tasks = Tasks("checkpoint catalogs")
         self._sent: dict[str, bytes] = {}  # topic -> the payload last published
         self._locks: dict[str, asyncio.Lock] = {}  # job -> held while its catalogs go out
@@ -186,6 +189,7 @@ class CatalogPublisher:
                         ended=ended,
                         nodes=nodes,
                         store=snapshot,
+                        credential=self._agent_keys.peer_credential,
                     )
                 return [
                     (m.node, wire.catalog_topic(job_id, m.node), wire.encode(m)) for m in messages

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from phalanx.agent_tokens import node_token
 from phalanx.certs import Authority, make_authority
 from phalanx.client import ApiError, Client
 from phalanx.local import agent_toml, find_mosquitto, free_port, write_mosquitto_conf
@@ -269,7 +270,7 @@ class Fleet:
             tls_api = f'tls_cert_file = "{files.cert}"\ntls_key_file = "{files.key}"\n'
         conf.write_text(
             f'state_dir = "{directory / "state"}"\noffline_after_s = {offline_after_s}\n'
-            f'agent_token_file = "{self.agent_token_file()}"\nschedule_interval_s = 0.5\n'
+            f'agent_token_file = "{self.agent_secret_file()}"\nschedule_interval_s = 0.5\n'
             f"spares = {spares}\n{tls_top}{extra}"
             f"[mqtt]\nport = {self.broker.port}\nkeepalive_s = {keepalive_s}\n"
             f"reconnect_max_s = 1.0\n{mqtt}"
@@ -309,7 +310,7 @@ class Fleet:
             gpus,
             rack=rack,
             heartbeat_s=heartbeat_s,
-            token_file=self.agent_token_file(),
+            token_file=self.agent_token_file(node),
             object_store=self.root / "objects",
             tls=self.authority.issue(node) if self.authority else None,
             ca=self.authority.ca if self.authority else None,
@@ -327,10 +328,23 @@ class Fleet:
         self.agents[node] = agent
         return agent
 
-    def agent_token_file(self) -> Path:
-        path = self.root / "agent-token"
+    def agent_secret_file(self) -> Path:
+        """The fleet agent secret: the supervisor's ``agent_token_file``."""
+        path = self.root / "agent-secret"
         if not path.exists():
-            path.write_text("agent-token-0123456789abcdef")
+            path.write_text("agent-secret-0123456789abcdef")
+            path.chmod(0o600)
+        return path
+
+    def agent_token_file(self, node: str) -> Path:
+        """Node ``node``'s own agent token (its ``http.token_file``), derived from the
+        fleet secret as the Ansible role and ``phalanx local up`` derive it."""
+        path = self.root / "nodes" / node / "agent-token"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            secret = self.agent_secret_file().read_text().strip()
+            path.write_text(node_token(secret, node) + "\n")
+            path.chmod(0o600)
         return path
 
     def submit(self, **spec: Any) -> dict[str, Any]:

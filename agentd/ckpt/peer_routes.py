@@ -1,6 +1,7 @@
 """The peer tier on the agent's HTTP port: the objects this node keeps for its buddies
-under ``DATA_DIR/ckpt-peer`` (``ckpt.peer`` documents the routes), behind the fleet's
-agent token.
+under ``DATA_DIR/ckpt-peer`` (``ckpt.peer`` documents the routes), behind this node's
+own agent token or a peer's credential for it (``agentd.access``): a buddy presents
+``X-Phalanx-Node: ITS_ID`` and the credential the supervisor sent it for this node.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, BinaryIO
 import zstandard
 from aiohttp import StreamReader, web
 
+from agentd.access import Access
 from agentd.ckpt.host import CkptHost
 from agentd.config import CkptSettings
 from ckpt import (
@@ -55,7 +57,7 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
 def add_peer_routes(
     app: web.Application,
     host: CkptHost,
-    authorised: Callable[[web.Request], bool],
+    access: Access,
     *,
     max_shard_bytes: int | None = None,
     idle_s: float = PUSH_IDLE_S,
@@ -71,7 +73,9 @@ def add_peer_routes(
     ``idle_s`` has passed, is cut off with 408. Nothing is stored then. A read (GET)
     whose client takes nothing for ``idle_s``, or takes under ``min_rate`` bytes/s once
     ``idle_s`` has passed, is cut off the same way: its connection is dropped mid-body
-    (short of its Content-Length) and one warning line names the peer and the key."""
+    (short of its Content-Length) and one warning line names the peer and the key.
+    ``access`` lets in this node's own token and its peers' credentials (401 otherwise,
+    403 when the node has no token)."""
     root = host.ckpt.peer_root
     pool = host.ckpt.peer_io
     max_limit = max_shard_bytes or CkptSettings().peer_max_shard_bytes  # content, decompressed
@@ -81,9 +85,8 @@ def add_peer_routes(
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     def check(request: web.Request) -> web.Response | None:
-        if not authorised(request):
-            return _error(401, "missing or wrong bearer token (http.token_file)")
-        return None
+        denied = access.check(request, peer_route=True)
+        return None if denied is None else denied.response()
 
     def key_path(key: str) -> Path | None:
         return root / key if PEER_KEY_RE.match(key) else None

@@ -69,7 +69,6 @@ class CkptService:
         data_dir: Path,
         shm_dir: Path,
         object_store: str,
-        token: str,
         publish: Publish,
         *,
         pacing: Pacing | None = None,
@@ -79,7 +78,7 @@ class CkptService:
         self.publish_threadsafe = publish
         self.shm_dir = shm_dir
         self.pacing = pacing if pacing is not None else Pacing()  # ckpt.write_nice etc.
-        self.tiers = NodeTiers(node, data_dir, object_store, token, self.pacing, peer_ssl=peer_ssl)
+        self.tiers = NodeTiers(node, data_dir, object_store, self.pacing, peer_ssl=peer_ssl)
         self.peer_root = self.tiers.peer_root  # what the peer routes keep for buddies
         self.peer_store = self.tiers.peer_store
         self.jobs = JobBook()

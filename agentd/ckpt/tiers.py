@@ -41,13 +41,11 @@ class NodeTiers:
         node: str,
         data_dir: Path,
         object_store: str,
-        token: str,
         pacing: Pacing,
         *,
         peer_ssl: ssl.SSLContext | None = None,
     ) -> None:
         self.node = node
-        self.token = token
         self.peer_ssl = peer_ssl  # None: buddies are spoken to over plain HTTP
         self.pacing = pacing
         self.disk_root = data_dir / "ckpt"
@@ -95,9 +93,16 @@ class NodeTiers:
         return tiers, holder
 
     def buddy_store(self, buddy: wire.PeerAddr) -> HttpPeerStore:
-        """The objects a buddy node keeps for this one, over HTTP (HTTPS with ``peer_ssl``)."""
+        """The objects a buddy node keeps for this one, over HTTP (HTTPS with ``peer_ssl``),
+        reached with the credential for it that the supervisor put in ``buddy`` (none
+        there: the buddy refuses every call, and says so)."""
         return HttpPeerStore(
-            buddy.node, buddy.address, buddy.http_port, self.token, ssl_context=self.peer_ssl
+            buddy.node,
+            buddy.address,
+            buddy.http_port,
+            "" if buddy.token is None else buddy.token.get_secret_value(),
+            as_node=self.node,
+            ssl_context=self.peer_ssl,
         )
 
     def listing(self, job: str, tier: ObjectTier) -> list[str]:

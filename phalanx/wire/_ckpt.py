@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, SecretStr, Tag, field_serializer
 
 from phalanx.wire._base import MAX_I64, MAX_RANK, MAX_STEP, JobId, Msg, NodeId
 
@@ -59,11 +59,26 @@ class CkptReleased(Msg):
 
 
 class PeerAddr(Msg):
-    """A buddy node's agent, where the peer tier pushes this node's shards."""
+    """A buddy node's agent, where the peer tier pushes this node's shards (or where a
+    rank's peer copy lies), and the credential the receiving node presents there.
+
+    ``token`` is the receiving node's own credential at ``node`` (``phalanx.agent_tokens``
+    ``peer_credential``): every message carrying a ``PeerAddr`` goes to one node, and
+    carries that node's credential only. It is sent in JSON and hidden everywhere else
+    (repr, ``str``, a Python dump)."""
 
     node: NodeId
     address: str
     http_port: int = Field(ge=1, le=65535)
+    token: SecretStr | None = Field(
+        default=None,
+        description="the receiving node's credential at the buddy's peer routes, "
+        "presented with ``X-Phalanx-Node`` naming the receiving node",
+    )
+
+    @field_serializer("token", when_used="json")
+    def _reveal(self, token: SecretStr | None) -> str | None:
+        return None if token is None else token.get_secret_value()
 
 
 class CkptShard(Msg):

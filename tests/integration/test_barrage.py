@@ -251,7 +251,6 @@ def test_a_barrage_of_garbage_leaves_the_fleet_as_it_was_and_able_to_run_a_job(
         fleet.start_agent(node, gpus=1)
     before = {node: fleet.wait_state(node, "up")["state"] for node in NODES}
     agent_ports = {node: fleet.node(node)["http_port"] for node in NODES}
-    agent_token = fleet.agent_token_file().read_text().strip()
     rng = random.Random(16)
     started = time.monotonic()
 
@@ -264,7 +263,8 @@ def test_a_barrage_of_garbage_leaves_the_fleet_as_it_was_and_able_to_run_a_job(
         raw.close()
     failed = rest_barrage(rng, fleet.api_port, SUPERVISOR_ROUTES, TOKEN, 300)
     for node in NODES:
-        failed += rest_barrage(rng, agent_ports[node], AGENT_ROUTES, agent_token, 100)
+        token = fleet.agent_token_file(node).read_text().strip()  # the node's own: it opens
+        failed += rest_barrage(rng, agent_ports[node], AGENT_ROUTES, token, 100)
     unparsed = {port: malformed(port) for port in [fleet.api_port, *agent_ports.values()]}
     barrage_s = time.monotonic() - started
 

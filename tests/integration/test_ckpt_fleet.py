@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import SecretStr
 
 from phalanx import wire
+from phalanx.agent_tokens import AgentKeys
 from phalanx.local import free_port
 from tests.harness import Fleet, RawMqtt, rank_pid, wait_for
 
@@ -303,7 +305,7 @@ class Gang:
                 master_addr="127.0.0.1",
                 master_port=port,
                 ranks=[wire.RankSlot(rank=2 * group + i, local_rank=i) for i in range(2)],
-                ckpt=wire.CkptPlan(tiers=TIERS, buddy=self.peers[buddy]),
+                ckpt=wire.CkptPlan(tiers=TIERS, buddy=self.buddy(node, buddy)),
             )
             self.mqtt.publish(wire.command_topic(node), wire.encode(wire.Command.new(node, args)))
 
@@ -328,6 +330,13 @@ class Gang:
             )[-1]
             for rank in range(4)
         }
+
+    def buddy(self, node: str, buddy: str) -> wire.PeerAddr:
+        """``buddy``'s address with ``node``'s credential there, as the supervisor sends it."""
+        keys = AgentKeys(self.fleet.agent_secret_file().read_text().strip())
+        credential = keys.peer_credential(buddy, node)
+        assert credential is not None
+        return self.peers[buddy].model_copy(update={"token": SecretStr(credential)})
 
     def tiers_used(self, restored: dict[int, dict[str, Any]]) -> dict[int, str]:
         for rank, line in restored.items():

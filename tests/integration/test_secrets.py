@@ -5,13 +5,16 @@ One real fleet (Mosquitto with a password per user, the supervisor and two agent
 logging at DEBUG) runs a job whose ranks get ``DB_PASSWORD`` from a file. Each rank checks
 the value against its SHA-256 (never printing it), reports a step, saves a checkpoint that
 lands at every tier, and waits to be let go, so that the process table is read while it
-runs. A second job's secret is a raw key, not text: its start fails, and the failure
-quotes none of it. Then every place Phalanx writes, serves, publishes or
-runs is searched for the bytes of every secret: each file under the test's directory (the
-supervisor's SQLite database with its -wal and -shm files, every log, the agents' data
-dirs, rank logs included, the object store) and the agents' RAM tier, before and after
-the daemons stop; every API answer; every MQTT message the broker carried; and the command
-line and name of every process of the fleet, ranks included.
+runs. The agents' HTTP secrets are per node: the fleet secret stays in the supervisor's
+file, each node's token in that node's file, and each node's credential at its buddy
+travels only in MQTT messages to that node (its start order, its catalog). A second job's
+secret is a raw key, not text: its start fails, and the failure quotes none of it. Then
+every place Phalanx writes, serves, publishes or runs is searched for the bytes of every
+secret: each file under the test's directory (the supervisor's SQLite database with its
+-wal and -shm files, every log, the agents' data dirs, rank logs included, the object
+store) and the agents' RAM tier, before and after the daemons stop; every API answer;
+every MQTT message the broker carried; and the command line and name of every process of
+the fleet, ranks included.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from typing import Any
 
 import pytest
 
+from phalanx import wire
+from phalanx.agent_tokens import AgentKeys
 from tests.harness import TOKEN, Broker, Fleet, RawMqtt, wait_for
 
 pytestmark = pytest.mark.integration
@@ -94,8 +99,11 @@ class Secrets:
             "the raw key": self.binary.read_bytes(),
             "a decode error quoting a byte": b"can't decode byte",
             "the API token": TOKEN.encode(),
-            "the agents' HTTP token": fleet.agent_token_file().read_text().strip().encode(),
+            "the fleet agent secret": fleet.agent_secret_file().read_text().strip().encode(),
         }
+        for node in NODES:
+            token = fleet.agent_token_file(node).read_text().strip()
+            found[f"the agent token of {node}"] = token.encode()
         found.update({f"the broker password of {u}": p.encode() for u, p in self.passwords.items()})
         # Encoded the ways a message might carry bytes: base64 (a Basic auth header, a
         # binary field in JSON).
@@ -110,7 +118,18 @@ class Secrets:
             *self.file.parent.iterdir(),
             self.passwd,
             fleet.root / "supervisor" / "token",
-            fleet.agent_token_file(),
+            fleet.agent_secret_file(),
+            *(fleet.agent_token_file(node) for node in NODES),
+        }
+
+    def credentials(self, fleet: Fleet) -> dict[tuple[str, str], bytes]:
+        """(holder, node) -> what ``node`` presents at ``holder``'s peer routes."""
+        keys = AgentKeys(fleet.agent_secret_file().read_text().strip())
+        return {
+            (holder, node): str(keys.peer_credential(holder, node)).encode()
+            for holder in NODES
+            for node in NODES
+            if holder != node
         }
 
     def mqtt(self, user: str) -> str:
@@ -281,7 +300,10 @@ def test_secrets_appear_nowhere_phalanx_writes_serves_publishes_or_runs(
             return any(s["step"] == 1 and len(s["committed"]) == 4 for s in steps)
 
         wait_for(committed, 20, "step 1 committed at all four tiers")
+        credentials = kept.credentials(fleet)
         needles = kept.needles(fleet)
+        # A node's credential at its buddy is in no file, answer or process title at all.
+        needles |= {f"{n}'s credential at {h}": c for (h, n), c in credentials.items()}
         homes = kept.homes(fleet)
         daemons = [p.pid for p in [fleet.supervisor, *fleet.agents.values()] if p is not None]
         assert fleet.broker.process is not None
@@ -329,6 +351,12 @@ def test_secrets_appear_nowhere_phalanx_writes_serves_publishes_or_runs(
     leaks += _leaks(_files(fleet.root, skip=homes), needles)
     carried = {f"MQTT {topic} #{i}": p for i, (topic, p) in enumerate(observer.heard())}
     assert any(t.startswith("MQTT phalanx/") for t in carried), "the observer heard nothing"
-    leaks += _leaks(carried, needles)
+    leaks += _leaks(carried, {k: v for k, v in needles.items() if "credential" not in k})
+    # The credentials do travel, each only to its own node (its start order and catalog).
+    for (holder, node), credential in credentials.items():
+        mine = (f"MQTT {wire.command_topic(node)} ", f"MQTT {wire.catalog_topic(job_id, node)} ")
+        sent = [name for name, p in carried.items() if credential in p]
+        assert sent, f"{node}'s credential at {holder} was never sent to {node}"
+        leaks += [f"{node}'s credential at {holder} in {n}" for n in sent if not n.startswith(mine)]
 
     assert sorted(set(leaks)) == []

@@ -22,6 +22,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from agentd.gpu.sim import inject as sim_inject
+from phalanx.agent_tokens import new_secret, node_token
 from phalanx.client import ApiError, Client
 from phalanx.local import find_mosquitto
 from tests.harness import rank_pid
@@ -127,7 +128,7 @@ class RigFleet(Fleet):
         _wait(lambda: _tcp_open(ctl.address, S3_PORT), 30, "the S3 server")
         self._s3().create_bucket(Bucket=BUCKET)
         (d / "token").write_text(self.token)
-        (self.dir / "agent-token").write_text(secrets.token_hex(16))
+        (self.dir / "agent-secret").write_text(new_secret())  # the supervisor's alone
         self.start_supervisor()
 
     def _s3(self) -> Any:
@@ -160,7 +161,7 @@ class RigFleet(Fleet):
         conf = d / "supervisor.toml"
         conf.write_text(
             f'state_dir = "{d / "state"}"\noffline_after_s = 4.0\n'
-            f'agent_token_file = "{self.dir / "agent-token"}"\nschedule_interval_s = 0.5\n'
+            f'agent_token_file = "{self.dir / "agent-secret"}"\nschedule_interval_s = 0.5\n'
             f"spares = {self.spares}\n"
             f'[mqtt]\nhost = "{ctl.address}"\nport = {BROKER_PORT}\nkeepalive_s = 5\n'
             "reconnect_max_s = 1.0\n"
@@ -197,6 +198,12 @@ class RigFleet(Fleet):
         shm.mkdir(parents=True, exist_ok=True)
         ctl = self.control
         conf = d / "agentd.toml"
+        # The host's own agent token, derived from the fleet secret (phalanx.agent_tokens).
+        token = d / "agent-token"
+        token.parent.mkdir(parents=True, exist_ok=True)
+        secret = (self.dir / "agent-secret").read_text().strip()
+        token.write_text(node_token(secret, host.name) + "\n")
+        token.chmod(0o600)
         conf.write_text(
             f'node_id = "{host.name}"\naddress = "{host.address}"\nrack = "{host.rack}"\n'
             f'data_dir = "{d / "data"}"\nheartbeat_interval_s = 1.0\nstop_grace_s = 5\n'
@@ -207,7 +214,7 @@ class RigFleet(Fleet):
             "disk_drain_bytes = 0\ndisk_warn_fraction = 0.0\nload_warn_per_cpu = 64\n"
             "mem_warn_fraction = 0.0\n"
             f'[http]\nhost = "{host.address}"\nport = 9400\n'
-            f'token_file = "{self.dir / "agent-token"}"\n'
+            f'token_file = "{token}"\n'
             f'[ckpt]\nobject_store = "s3://{BUCKET}/ckpt"\nshm_dir = "{shm}"\n'
         )
         env = {**S3_ENV, "AWS_ENDPOINT_URL": f"http://{ctl.address}:{S3_PORT}"}

@@ -11,8 +11,10 @@ import pytest
 
 import agentd.config
 import supervisor.config
+from phalanx.agent_tokens import node_token
 from phalanx.settings import MqttSettings
 from tests.rollout.rollout_env import (
+    AGENT_HTTP_TOKEN,
     NODE_PASSWORDS,
     OBJECT_STORE,
     OBJECT_STORE_ENV,
@@ -145,6 +147,7 @@ def test_supervisor_holds_back_as_many_spares_as_the_inventory_marks(
         "sup1/etc/phalanx/http.key",
         "sup1/etc/phalanx/supervisor-mqtt-password",
         "sup1/etc/phalanx/api-token",
+        "sup1/etc/phalanx/agent-http-token",
         "broker1/etc/mosquitto/phalanx/server.key",
         "broker1/etc/mosquitto/phalanx/passwd",
         "broker1/etc/mosquitto/phalanx/acl",
@@ -154,6 +157,23 @@ def test_secrets_are_unreadable_by_other_users(fleet_tree: FleetTree, path: str)
     mode = stat.S_IMODE((fleet_tree.root / "hosts" / path).stat().st_mode)
 
     assert mode & 0o007 == 0, f"{path} has mode {mode:o}"
+
+
+def test_an_agent_gets_its_own_derived_token_and_the_fleet_secret_stays_on_the_supervisor(
+    fleet_tree: FleetTree,
+) -> None:
+    agent = fleet_tree.host("gpu-a01")
+    sup = fleet_tree.host("sup1")
+
+    installed = (agent / "etc/phalanx/agent-http-token").read_text().strip()
+
+    assert installed == node_token(AGENT_HTTP_TOKEN, "gpu-a01")
+    assert (sup / "etc/phalanx/agent-http-token").read_text().strip() == AGENT_HTTP_TOKEN
+    assert [
+        str(p)
+        for p in agent.rglob("*")
+        if p.is_file() and "venv" not in p.parts and AGENT_HTTP_TOKEN.encode() in p.read_bytes()
+    ] == []
 
 
 def test_the_object_stores_environment_is_a_secret_file_the_agents_unit_reads(

@@ -82,7 +82,6 @@ class AgentHarness:
             self.root / "data",
             self.root / "shm",
             (self.root / "objects").as_uri(),
-            "",
             self._landing,
         )
         self.service.configure(

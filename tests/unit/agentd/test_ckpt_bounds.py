@@ -30,6 +30,7 @@ import zstandard
 from aiohttp import web
 
 import ckpt
+from agentd.access import Access
 from agentd.ckpt import add_peer_routes
 from agentd.config import CkptSettings
 from ckpt import (
@@ -49,7 +50,7 @@ from ckpt import (
 from ckpt.remote import AgentClient, AgentEnv
 from ckpt.stores import MAX_GET_NBYTES
 from ckpt.tiers import TierManifest
-from phalanx.http import bearer_ok, serve
+from phalanx.http import serve
 from tests.unit.agentd.test_ckpt_agent_mode import JOB, AgentHarness
 from tests.unit.ckpt.helpers import (
     COPY_PATHS,
@@ -253,7 +254,7 @@ async def running_buddy(root: Path, limit: int) -> AsyncIterator[HttpPeerStore]:
     add_peer_routes(
         app,
         agent,
-        lambda request: bearer_ok(request, TOKEN.encode()),  # type: ignore[arg-type]
+        Access("n02", TOKEN),
         max_shard_bytes=CkptSettings(peer_max_shard_bytes=limit).peer_max_shard_bytes,
     )
     try:

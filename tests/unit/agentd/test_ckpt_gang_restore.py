@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from agentd.access import Access
 from agentd.ckpt import CkptService, Standalone, add_peer_routes, start_rank_socket
 from ckpt import (
     Checkpointer,
@@ -31,7 +32,7 @@ from ckpt import (
     verify,
 )
 from phalanx import wire
-from phalanx.http import bearer_ok
+from phalanx.agent_tokens import AgentKeys
 from phalanx.local import free_port
 from supervisor.catalog import CheckpointCatalog
 from supervisor.store import Store
@@ -44,7 +45,8 @@ from tests.unit.ckpt.helpers import (
 )
 
 JOB = "job-1"
-TOKEN = "agent-token"
+SECRET = "fleet-agent-secret-0123456789"  # each node gets its own token from it
+KEYS = AgentKeys(SECRET)
 STEP = 5
 
 
@@ -74,12 +76,11 @@ class Node:
             self.root / "data",
             self.root / "shm",
             (self.root / "objects").as_uri(),
-            TOKEN,
             self.landings.append,
         )
         agent = Standalone(self.name, self.service)
         app = web.Application()
-        add_peer_routes(app, agent, lambda request: bearer_ok(request, TOKEN.encode()))
+        add_peer_routes(app, agent, Access(self.name, KEYS.node_token(self.name)))
         runner = web.AppRunner(app)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", self.port).start()
@@ -169,7 +170,13 @@ def send_catalog(fleet: dict[str, Any], alive: set[str]) -> wire.CkptCatalog:
     """What the supervisor sends n03 when it launches generation 2 with rank 1 there."""
     n01, n03 = fleet["n01"], fleet["n03"]
     messages = fleet["catalog"].messages(
-        JOB, 2, generation=2, placement={0: "n01", 1: "n03"}, peers={"n01": n01.peer()}, alive=alive
+        JOB,
+        2,
+        generation=2,
+        placement={0: "n01", 1: "n03"},
+        peers={"n01": n01.peer()},
+        alive=alive,
+        credential=KEYS.peer_credential,  # n03's credential at n01, as the supervisor sends
     )
     mine = next(m for m in messages if m.node == "n03")
     assert n03.service is not None

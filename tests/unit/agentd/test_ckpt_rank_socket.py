@@ -24,7 +24,6 @@ async def service(tmp_path: Path) -> AsyncIterator[CkptService]:
         tmp_path / "data",
         tmp_path / "shm",
         (tmp_path / "objects").as_uri(),
-        "",
         landings.append,
     )
     try:

@@ -27,7 +27,6 @@ async def service(tmp_path: Path) -> AsyncIterator[CkptService]:
         tmp_path / "data",
         tmp_path / "shm",
         (tmp_path / "objects").as_uri(),
-        "",
         lambda msg: None,
     )
     service.configure(JOB, 1, wire.CkptPlan(tiers=["ram", "nvme"]))

@@ -14,10 +14,11 @@ from types import SimpleNamespace
 import pytest
 from aiohttp import web
 
+from agentd.access import Access
 from agentd.ckpt import add_peer_routes
 from ckpt import HttpPeerStore, LocalFolderStore, Pacing, PeerError
 from phalanx.certs import Authority, Issued, make_authority
-from phalanx.http import bearer_ok, serve
+from phalanx.http import serve
 from phalanx.tls import client_context, server_context
 
 TOKEN = "peer-token-0123456789abcdef"
@@ -43,7 +44,7 @@ async def tls_buddy(root: Path, files: Issued) -> AsyncIterator[int]:
     add_peer_routes(
         app,
         agent,
-        lambda request: bearer_ok(request, TOKEN.encode()),  # type: ignore[arg-type]
+        Access("n02", TOKEN),
         max_shard_bytes=1 << 30,
     )
     tls = server_context(files.cert, files.key)

@@ -20,12 +20,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from agentd.access import Access
 from agentd.ckpt import add_peer_routes
 from agentd.config import AgentSettings, CkptSettings, GpuSettings, HttpSettings, Thresholds
 from agentd.daemon import Agent
 from agentd.gpu.sim import SimBackend
 from agentd.http import make_app as agent_app
-from phalanx.http import BODY_TIMEOUT, bearer_ok, serve
+from phalanx.http import BODY_TIMEOUT, serve
 from supervisor.api import make_app as supervisor_app
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import Supervisor
@@ -200,9 +201,7 @@ async def test_a_json_body_trickled_one_byte_a_second_is_answered_408(
 async def peer_routes(agent: Agent) -> AsyncIterator[int]:
     """The agent's peer routes alone, with a 1.5 s idle limit and a 1 KiB/s floor."""
     app = web.Application()
-    add_peer_routes(
-        app, agent, lambda request: bearer_ok(request, TOKEN.encode()), idle_s=1.5, min_rate=1024
-    )
+    add_peer_routes(app, agent, Access("n01", TOKEN), idle_s=1.5, min_rate=1024)
     try:
         async with served(app) as port:
             yield port
@@ -367,9 +366,7 @@ async def test_a_peer_object_read_under_the_rate_floor_is_cut_off_once_the_idle_
 ) -> None:
     key = peer_object(agent, 64 << 20)
     app = web.Application()  # a floor of 64 MiB/s; the reader takes 8 MiB/s
-    add_peer_routes(
-        app, agent, lambda r: bearer_ok(r, TOKEN.encode()), idle_s=1.0, min_rate=64 << 20
-    )
+    add_peer_routes(app, agent, Access("n01", TOKEN), idle_s=1.0, min_rate=64 << 20)
     try:
         async with served(app) as port:
             client = SlowReader(port, key, rcvbuf=1 << 20)

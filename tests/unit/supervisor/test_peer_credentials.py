@@ -1,0 +1,105 @@
+"""The supervisor sends each node its own credential at the buddy holding a peer copy, and
+no other node's: in the catalog it sends that node (issue 16). The credential travels in
+the message's JSON and shows nowhere else (repr, a Python dump)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from phalanx import wire
+from phalanx.agent_tokens import AgentKeys
+from supervisor.catalog import CheckpointCatalog
+from supervisor.store import Store
+
+KEYS = AgentKeys("fleet-agent-secret-0123456789abcdef")
+PEERS = {
+    n: wire.PeerAddr(node=n, address="127.0.0.1", http_port=9400 + i)
+    for i, n in enumerate(("n01", "n02", "n03"))
+}
+
+
+def catalog_with_peer_copies(tmp_path: Path) -> CheckpointCatalog:
+    """Step 5 of a 2-rank job: rank 0 on n01 (its peer copy on n02), rank 1 on n02 (its
+    peer copy on n01)."""
+    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    for rank, node, holder in ((0, "n01", "n02"), (1, "n02", "n01")):
+        for tier in ("nvme", "peer"):
+            catalog.on_landing(
+                wire.CkptLanding(
+                    node=node,
+                    job="j-1",
+                    step=5,
+                    rank=rank,
+                    tier=tier,
+                    nbytes=100,
+                    checksum=f"xxh3_128:{rank:032x}",
+                    holder=holder if tier == "peer" else None,
+                    at=time.time(),
+                ),
+                world_size=2,
+            )
+    return catalog
+
+
+def peers_in(msg: wire.CkptCatalog) -> dict[int, wire.PeerAddr]:
+    return {s.rank: s.peer for st in msg.steps for s in st.shards if s.peer is not None}
+
+
+def test_each_catalog_carries_its_own_nodes_credential_at_the_holder_only(
+    tmp_path: Path,
+) -> None:
+    catalog = catalog_with_peer_copies(tmp_path)
+
+    msgs = catalog.messages(
+        "j-1",
+        2,
+        placement={0: "n01", 1: "n03"},  # rank 1 moved to the spare n03
+        peers=PEERS,
+        credential=KEYS.peer_credential,
+    )
+
+    by_node = {m.node: m for m in msgs}
+    spare = peers_in(by_node["n03"])[1]
+    assert spare.node == "n01"
+    assert spare.token is not None
+    assert spare.token.get_secret_value() == KEYS.peer_credential("n01", "n03")
+    own = peers_in(by_node["n01"])[0]
+    assert own.token is not None
+    assert own.token.get_secret_value() == KEYS.peer_credential("n02", "n01")
+    everyone_elses = {
+        KEYS.peer_credential(holder, other) for holder in PEERS for other in PEERS if other != "n03"
+    }
+    assert not any(c.encode() in wire.encode(by_node["n03"]) for c in everyone_elses)
+
+
+def test_a_catalog_sends_the_credential_in_json_and_hides_it_elsewhere(tmp_path: Path) -> None:
+    catalog = catalog_with_peer_copies(tmp_path)
+    msg = next(
+        m
+        for m in catalog.messages(
+            "j-1", 2, placement={0: "n01", 1: "n02"}, peers=PEERS, credential=KEYS.peer_credential
+        )
+        if m.node == "n01"
+    )
+    credential = KEYS.peer_credential("n02", "n01")
+
+    assert credential.encode() in wire.encode(msg)
+    assert credential not in repr(msg) and credential not in str(msg.model_dump())
+    parsed = wire.parse(wire.catalog_topic("j-1", "n01"), wire.encode(msg)).message
+    assert isinstance(parsed, wire.CkptCatalog)
+    assert peers_in(parsed)[0].token == peers_in(msg)[0].token
+
+
+def test_without_a_fleet_secret_no_credential_is_sent(tmp_path: Path) -> None:
+    catalog = catalog_with_peer_copies(tmp_path)
+
+    msgs = catalog.messages(
+        "j-1",
+        2,
+        placement={0: "n01", 1: "n02"},
+        peers=PEERS,
+        credential=AgentKeys("").peer_credential,
+    )
+
+    assert all(p.token is None for m in msgs for p in peers_in(m).values())
