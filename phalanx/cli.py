@@ -10,9 +10,10 @@ stable JSON with ``-o json``; messages go to stderr.
 Exit codes:
   0  success
   1  the supervisor failed or could not be reached
-  2  bad usage (arguments, missing API settings)
+  2  bad usage (arguments, missing API settings, a wrong, expired or revoked token)
   3  not found (an unknown node, no local fleet)
-  4  refused (e.g. undraining a node that still reports drain reasons)
+  4  refused (e.g. undraining a node that still reports drain reasons, or a request
+     outside the token's role)
   5  `submit --wait`: the job ended failed or cancelled
 """
 
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from phalanx import charts, cli_local, local, top
+from phalanx import charts, cli_local, cli_tokens, local, top
 from phalanx.cli_base import (
     EXIT_FAILED,
     EXIT_JOB_FAILED,
@@ -80,9 +81,13 @@ def _call(fn: Any, *a: Any) -> Any:
     try:
         return fn(*a)
     except ApiError as exc:
-        code = {404: EXIT_NOT_FOUND, 409: EXIT_REFUSED, 400: EXIT_USAGE}.get(
-            exc.status, EXIT_FAILED
-        )
+        code = {
+            404: EXIT_NOT_FOUND,
+            409: EXIT_REFUSED,
+            403: EXIT_REFUSED,
+            400: EXIT_USAGE,
+            401: EXIT_USAGE,
+        }.get(exc.status, EXIT_FAILED)
         raise CliError(str(exc), code) from None
 
 
@@ -157,8 +162,12 @@ def _detail(detail: dict[str, Any]) -> str:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    def token_team() -> str | None:  # a spec without a team: the token's (as the server)
+        team: str | None = _call(_client(args).get, "/v1/whoami").get("team")
+        return team
+
     try:
-        spec = load_spec_file(Path(args.spec))
+        spec = load_spec_file(Path(args.spec), default_team=token_team)
     except JobSpecError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     client = _client(args)
@@ -508,6 +517,7 @@ def parser() -> argparse.ArgumentParser:
     out(sp)
     sp.set_defaults(fn=cmd_ckpt_ls)
 
+    cli_tokens.add_parser(sub, out, _client, _call)
     cli_local.add_parser(sub, out)
     return p
 
