@@ -203,6 +203,10 @@ def requests(
                 {"Authorization": TOKEN},
                 {"X-Phalanx-CSRF": "1"},  # the dashboard's login, without a session
                 {"X-Phalanx-CSRF": "1", "Cookie": "phalanx_session=v1.99999999999.00"},
+                {"X-Phalanx-CSRF": "1", "Cookie": "phalanx_session=v2.t1.99999999999.00"},
+                {"Cookie": "phalanx_session=v2.bootstrap.99999999999.00"},
+                {"Authorization": "Bearer phx_t1_" + "A" * 43},
+                {"Authorization": "Bearer phx_t99999999999999999999999_x"},
             ]
         )
     )
