@@ -19,6 +19,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from phalanx.jobspec import validate_spec
+from supervisor import access
 from supervisor.access import rule_of
 from supervisor.api import make_app
 from supervisor.auth import Role
@@ -365,6 +366,19 @@ async def test_identical_denials_are_one_event(
         assert resp.status == 403
 
     assert len(denials(sup)) == 1
+
+
+async def test_the_first_denial_after_the_window_counts_those_left_out(
+    client: TestClient[Any, Any], sup: Supervisor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    viewer = await make_token(client, role="viewer")
+    for _ in range(3):
+        await client.get("/v1/tokens", headers=bearer(viewer["secret"]))
+    monkeypatch.setattr(access, "DENIAL_WINDOW_S", 0.0)  # the window has passed
+
+    await client.get("/v1/tokens", headers=bearer(viewer["secret"]))
+
+    assert [e.get("repeats") for e in denials(sup)] == [None, 2]
 
 
 # --- submit -----------------------------------------------------------------------------
