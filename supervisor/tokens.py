@@ -171,6 +171,11 @@ class Tokens:
         return [self._info(r) for r in self._rows.token_rows()]
 
     def revoke(self, token_id: str, by: Principal) -> TokenInfo:
+        if token_id == BOOTSTRAP_ID:
+            raise Refused(
+                "the bootstrap token is the one in api.token_file: to end it, put a new "
+                "token in that file and restart the supervisor"
+            )
         found = self.info(token_id)
         if found.revoked_at is not None:
             raise Refused(f"token {token_id} was revoked at {when(found.revoked_at)} already")

@@ -197,6 +197,15 @@ async def test_revoking_a_revoked_token_is_refused_and_an_unknown_one_not_found(
     assert "t9" in (await unknown.json())["error"]
 
 
+async def test_the_bootstrap_token_cannot_be_revoked_through_the_api(
+    client: TestClient[Any, Any],
+) -> None:
+    resp = await client.post("/v1/tokens/bootstrap/revoke", headers=ADMIN)
+
+    assert resp.status == 409
+    assert "api.token_file" in (await resp.json())["error"]
+
+
 async def test_an_expired_token_is_a_401_saying_when_it_expired(
     client: TestClient[Any, Any], sup: Supervisor
 ) -> None:
