@@ -4,7 +4,9 @@ The fleet commands talk to the supervisor's REST API at ``$PHALANX_API`` with
 the token ``$PHALANX_TOKEN`` (or ``--api`` / ``--token-file``; ``--token`` works too,
 but shows the token to every user of the machine in ``ps``); an ``https://`` API is
 verified against the CA in ``$PHALANX_CA`` (or ``--ca``), else the system's CA
-store. ``eval "$(phalanx local env)"`` sets them for a local fleet. Tables go to stdout by default,
+store. ``eval "$(phalanx local env)"`` sets them for a local fleet. A token has a role
+(viewer, member of a team, operator, admin); an admin makes them with ``phalanx token``
+(:mod:`phalanx.cli_tokens`). Tables go to stdout by default,
 stable JSON with ``-o json``; messages go to stderr.
 
 Exit codes:
