@@ -20,7 +20,7 @@ from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from phalanx.jobspec import validate_spec
 from supervisor import access
-from supervisor.access import rule_of
+from supervisor.access import RULES, rule_of
 from supervisor.api import make_app
 from supervisor.auth import Role
 from supervisor.config import SupervisorSettings
@@ -90,6 +90,17 @@ def test_every_route_of_the_api_has_an_access_rule(sup: Supervisor) -> None:
     ]
 
     assert missing == []
+
+
+def test_every_access_rule_is_of_a_route_the_api_has(sup: Supervisor) -> None:
+    app = make_app(sup)
+    routes = {
+        (r.method, r.resource.canonical)
+        for r in app.router.routes()
+        if r.resource is not None and r.method != "HEAD"
+    }
+
+    assert set(RULES) - routes == set()
 
 
 # --- create, list, revoke ---------------------------------------------------------------
