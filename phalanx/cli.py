@@ -11,8 +11,9 @@ stable JSON with ``-o json``; messages go to stderr.
 
 Exit codes:
   0  success
-  1  the supervisor failed or could not be reached
-  2  bad usage (arguments, missing API settings, a wrong, expired or revoked token)
+  1  the supervisor failed, could not be reached, or refused the token (wrong, expired,
+     revoked)
+  2  bad usage (arguments, missing API settings)
   3  not found (an unknown node, no local fleet)
   4  refused (e.g. undraining a node that still reports drain reasons, or a request
      outside the token's role)
@@ -88,7 +89,6 @@ def _call(fn: Any, *a: Any) -> Any:
             409: EXIT_REFUSED,
             403: EXIT_REFUSED,
             400: EXIT_USAGE,
-            401: EXIT_USAGE,
         }.get(exc.status, EXIT_FAILED)
         raise CliError(str(exc), code) from None
 

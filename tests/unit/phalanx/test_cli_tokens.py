@@ -78,7 +78,7 @@ def test_token_whoami_names_the_token_the_cli_uses(
     assert capsys.readouterr().out.startswith("t1 (wall): viewer, expires 20")
 
 
-def test_a_revoked_token_is_refused_as_a_usage_error_saying_so(
+def test_a_revoked_token_exits_1_saying_when_it_was_revoked(
     api: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     secret = create(capsys, "--role", "operator")
@@ -87,7 +87,7 @@ def test_a_revoked_token_is_refused_as_a_usage_error_saying_so(
 
     code = cli.main(["nodes"])
 
-    assert code == cli.EXIT_USAGE
+    assert code == cli.EXIT_FAILED
     assert "token t1 was revoked at" in capsys.readouterr().err
 
 
