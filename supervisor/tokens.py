@@ -68,8 +68,11 @@ class Principal(BaseModel):
     role: Role
     team: str | None = None
     expires_at: float | None = None
-    # The SHA-256 of the secret: the key of the token's dashboard sessions. Never shown.
+    # The SHA-256 of the secret, as the store keeps it. Never shown.
     key: str = Field(exclude=True, repr=False)
+    # The key of the token's dashboard sessions: its hash, HMAC'd with the bootstrap token
+    # (see :meth:`Tokens.session_key`), so a reader of the store cannot forge a session.
+    session_key: str = Field(default="", exclude=True, repr=False)
 
     def view(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -137,9 +140,23 @@ class Tokens:
     ) -> None:
         self._rows = store
         self._clock = clock
+        self._server_secret = bootstrap.encode()  # in api.token_file, never in the store
+        key = digest(bootstrap)
         self.bootstrap = Principal(
-            id=BOOTSTRAP_ID, name=BOOTSTRAP_ID, role=Role.ADMIN, key=digest(bootstrap)
+            id=BOOTSTRAP_ID,
+            name=BOOTSTRAP_ID,
+            role=Role.ADMIN,
+            key=key,
+            session_key=self.session_key(key),
         )
+
+    def session_key(self, key: str) -> str:
+        """The dashboard-session key of the token whose stored hash is ``key``: keyed by
+        the bootstrap token too, which lives in ``api.token_file`` and never in the store,
+        so that reading ``state.db`` forges no session. Revoking a token ends its sessions;
+        replacing the bootstrap token ends them all."""
+        message = b"phalanx dashboard session key v2:" + key.encode()
+        return hmac.new(self._server_secret, message, hashlib.sha256).hexdigest()
 
     def create(self, req: TokenRequest, by: Principal) -> tuple[TokenInfo, str]:
         """A new token and its secret (the only time the secret exists outside a client)."""
@@ -214,6 +231,7 @@ class Tokens:
             team=info.team,
             expires_at=info.expires_at,
             key=str(row[4]),
+            session_key=self.session_key(str(row[4])),
         )
 
     def _info(self, row: tuple[Any, ...]) -> TokenInfo:

@@ -6,9 +6,10 @@ the cookie :data:`COOKIE`: ``HttpOnly`` (no script reads it), ``SameSite=Strict`
 other site's page sends it) and ``Secure`` when the request came over HTTPS (or a TLS
 proxy's ``X-Forwarded-Proto`` says it did). Its value
 is not the token but ``v2.<token id>.<expiry>.<HMAC>``, the HMAC keyed by the token's
-stored hash: a copied cookie dies after :data:`SESSION_S`, the session has the rights
-of that token and no other, and revoking the token (or rotating the bootstrap token)
-ends its sessions, as each request looks the token up again.
+session key (its stored hash HMAC'd with the bootstrap token, which the store never
+holds: ``Tokens.session_key``): a copied cookie dies after :data:`SESSION_S`, the session
+has the rights of that token and no other, revoking the token ends its sessions (each
+request looks the token up again) and rotating the bootstrap token ends them all.
 
 The API accepts the cookie as well as the bearer header. A state-changing request
 (not GET/HEAD/OPTIONS) authenticated by the cookie must also carry
@@ -45,7 +46,9 @@ def session_value(who: Principal, *, now: float | None = None) -> str:
     expires = int((time.time() if now is None else now) + SESSION_S)
     if who.expires_at is not None:
         expires = min(expires, int(who.expires_at))
-    return f"{_VERSION}.{who.id}.{expires}.{_mac(who.key, who.id, expires)}"
+    if not who.session_key:
+        raise ValueError(f"token {who.id} has no session key: made by Tokens only")
+    return f"{_VERSION}.{who.id}.{expires}.{_mac(who.session_key, who.id, expires)}"
 
 
 def session_of(
@@ -65,8 +68,10 @@ def session_of(
     if expires < (time.time() if now is None else now):
         return None
     who = lookup(token_id)
-    if who is None or not hmac.compare_digest(
-        mac.encode(), _mac(who.key, who.id, expires).encode()
+    if (
+        who is None
+        or not who.session_key
+        or not hmac.compare_digest(mac.encode(), _mac(who.session_key, who.id, expires).encode())
     ):
         return None
     return who

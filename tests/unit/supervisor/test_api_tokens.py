@@ -515,9 +515,41 @@ def test_a_session_cookie_made_for_one_token_is_not_valid_for_another(sup: Super
     tokens = Tokens(sup.store, TOKEN)
     _, secret = tokens.create(TokenRequest(role=Role.VIEWER), tokens.bootstrap)
     viewer = tokens.authenticate(secret)
-    forged = Principal(id="bootstrap", name="x", role=Role.ADMIN, key=viewer.key)
+    forged = Principal(
+        id="bootstrap", name="x", role=Role.ADMIN, key=viewer.key, session_key=viewer.session_key
+    )
 
     value = session_value(forged)  # the viewer's key, the bootstrap's id
     request = make_mocked_request("GET", "/v1/nodes", headers={"Cookie": f"{COOKIE}={value}"})
 
     assert session_of(request, tokens.principal) is None
+
+
+def test_a_session_cannot_be_forged_from_what_the_store_holds(sup: Supervisor) -> None:
+    tokens = Tokens(sup.store, TOKEN)
+    _, secret = tokens.create(TokenRequest(role=Role.ADMIN), tokens.bootstrap)
+    admin = tokens.authenticate(secret)
+    # A reader of state.db has the token's id and stored hash, not the bootstrap token.
+    from_store = Principal(
+        id=admin.id, name=admin.name, role=admin.role, key=admin.key, session_key=admin.key
+    )
+
+    value = session_value(from_store)
+    request = make_mocked_request("GET", "/v1/nodes", headers={"Cookie": f"{COOKIE}={value}"})
+
+    assert admin.session_key not in (admin.key, "")
+    assert session_of(request, tokens.principal) is None
+    good = make_mocked_request(
+        "GET", "/v1/nodes", headers={"Cookie": f"{COOKIE}={session_value(admin)}"}
+    )
+    assert session_of(good, tokens.principal) == admin
+
+
+def test_replacing_the_bootstrap_token_ends_every_session(sup: Supervisor) -> None:
+    tokens = Tokens(sup.store, TOKEN)
+    _, secret = tokens.create(TokenRequest(role=Role.VIEWER), tokens.bootstrap)
+    value = session_value(tokens.authenticate(secret))
+    request = make_mocked_request("GET", "/v1/nodes", headers={"Cookie": f"{COOKIE}={value}"})
+
+    assert session_of(request, tokens.principal) is not None
+    assert session_of(request, Tokens(sup.store, TOKEN + "-rotated").principal) is None
