@@ -4,7 +4,9 @@ The fleet commands talk to the supervisor's REST API at ``$PHALANX_API`` with
 the token ``$PHALANX_TOKEN`` (or ``--api`` / ``--token-file``; ``--token`` works too,
 but shows the token to every user of the machine in ``ps``); an ``https://`` API is
 verified against the CA in ``$PHALANX_CA`` (or ``--ca``), else the system's CA
-store. ``eval "$(phalanx local env)"`` sets them for a local fleet. Tables go to stdout by default,
+store. ``eval "$(phalanx local env)"`` sets them for a local fleet. A token has a role
+(viewer, member of a team, operator, admin); an admin makes them with ``phalanx token``
+(:mod:`phalanx.cli_tokens`). Tables go to stdout by default,
 stable JSON with ``-o json``; messages go to stderr.
 
 ``phalanx agent-token --secret-file S NODE`` needs no API: it prints the node's agent
@@ -12,10 +14,12 @@ token derived from the fleet agent secret (``phalanx.agent_tokens``).
 
 Exit codes:
   0  success
-  1  the supervisor failed or could not be reached
+  1  the supervisor failed, could not be reached, or refused the token (wrong, expired,
+     revoked)
   2  bad usage (arguments, missing API settings)
   3  not found (an unknown node, no local fleet)
-  4  refused (e.g. undraining a node that still reports drain reasons)
+  4  refused (e.g. undraining a node that still reports drain reasons, or a request
+     outside the token's role)
   5  `submit --wait`: the job ended failed or cancelled
   141  stdout was a pipe its reader closed (`phalanx local env | head -1`): nothing is
      printed about it, as with other Unix tools
@@ -33,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from phalanx import agent_tokens, charts, cli_local, local, top
+from phalanx import agent_tokens, charts, cli_local, cli_tokens, local, top
 from phalanx.cli_base import (
     EXIT_BROKEN_PIPE,
     EXIT_FAILED,
@@ -87,9 +91,12 @@ def _call(fn: Any, *a: Any) -> Any:
     try:
         return fn(*a)
     except ApiError as exc:
-        code = {404: EXIT_NOT_FOUND, 409: EXIT_REFUSED, 400: EXIT_USAGE}.get(
-            exc.status, EXIT_FAILED
-        )
+        code = {
+            404: EXIT_NOT_FOUND,
+            409: EXIT_REFUSED,
+            403: EXIT_REFUSED,
+            400: EXIT_USAGE,
+        }.get(exc.status, EXIT_FAILED)
         raise CliError(str(exc), code) from None
 
 
@@ -164,8 +171,12 @@ def _detail(detail: dict[str, Any]) -> str:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    def token_team() -> str | None:  # a spec without a team: the token's (as the server)
+        team: str | None = _call(_client(args).get, "/v1/whoami").get("team")
+        return team
+
     try:
-        spec = load_spec_file(Path(args.spec))
+        spec = load_spec_file(Path(args.spec), default_team=token_team)
     except JobSpecError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     client = _client(args)
@@ -550,6 +561,7 @@ def parser() -> argparse.ArgumentParser:
     out(sp)
     sp.set_defaults(fn=cmd_ckpt_ls)
 
+    cli_tokens.add_parser(sub, out, _client, _call)
     cli_local.add_parser(sub, out)
     agent_tokens.add_parser(sub)
     return p

@@ -4,17 +4,22 @@ See ``docs/jobspec.md`` for every field. Errors name the field and, where the
 YAML gives one, the line: ``nodes (line 7): Input should be greater than 0``.
 Secrets never travel or show in clear: an env value may be
 ``{from_file: /etc/...}``, read on the node when the ranks start, and shown
-redacted everywhere else.
+redacted everywhere else. ``team`` may be left out where the API token has a team
+(:func:`validate_spec`'s ``default_team``).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# Where a spec that names no team takes one: the API token's team (None: it has none).
+TeamOf = Callable[[], str | None]
 
 JOB_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -328,10 +333,13 @@ def _line_index(node: yaml.Node, path: tuple[Any, ...] = ()) -> dict[tuple[Any, 
     return lines
 
 
-def load_spec(text: str, *, source: str = "job spec") -> JobSpec:
+def load_spec(
+    text: str, *, source: str = "job spec", default_team: TeamOf | None = None
+) -> JobSpec:
     """Parse and validate YAML text; raises :class:`JobSpecError`, and nothing else, for
     any text: not YAML, too large (``MAX_SPEC_CHARS``, ``MAX_SPEC_NODES`` with aliases
-    expanded, ``MAX_SPEC_DEPTH``), or not a valid spec."""
+    expanded, ``MAX_SPEC_DEPTH``), or not a valid spec. ``default_team``: as
+    :func:`validate_spec` takes it."""
     if len(text) > MAX_SPEC_CHARS:
         raise JobSpecError([(source, None, f"{len(text)} characters; at most {MAX_SPEC_CHARS}")])
     loader: _Loader | None = None
@@ -353,12 +361,29 @@ def load_spec(text: str, *, source: str = "job spec") -> JobSpec:
             loader.dispose()
     if not isinstance(data, dict):
         raise JobSpecError([(source, None, "a job spec is a mapping of fields")])
-    return validate_spec(data, lines=_line_index(tree) if tree is not None else {})
+    return validate_spec(
+        data, lines=_line_index(tree) if tree is not None else {}, default_team=default_team
+    )
 
 
 def validate_spec(
-    data: dict[str, Any], *, lines: dict[tuple[Any, ...], int] | None = None
+    data: dict[str, Any],
+    *,
+    lines: dict[tuple[Any, ...], int] | None = None,
+    default_team: TeamOf | None = None,
 ) -> JobSpec:
+    """``data`` as a :class:`JobSpec`, or :class:`JobSpecError` naming each bad field.
+
+    ``default_team``: where a spec that names no ``team`` takes one (the API token's
+    team: the supervisor's ``POST /v1/jobs``, the CLI's ``submit``); called only then.
+    Without it, or when it gives None, such a spec is refused on field 'team'."""
+    if default_team is not None and data.get("team") is None:
+        team = default_team()
+        if team is None:
+            raise JobSpecError(
+                [("team", None, "the spec names no team and the API token has none: add team")]
+            )
+        data = {**data, "team": team}
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
@@ -382,9 +407,9 @@ def validate_spec(
         raise JobSpecError([(f, ln, " or ".join(ms)) for f, (ln, ms) in merged.items()]) from exc
 
 
-def load_spec_file(path: Path) -> JobSpec:
+def load_spec_file(path: Path, *, default_team: TeamOf | None = None) -> JobSpec:
     try:
         text = path.read_text()
     except OSError as exc:
         raise JobSpecError([(str(path), None, f"cannot read: {exc.strerror}")]) from exc
-    return load_spec(text, source=str(path))
+    return load_spec(text, source=str(path), default_team=default_team)

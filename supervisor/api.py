@@ -1,4 +1,4 @@
-"""The supervisor's REST API (aiohttp), behind a bearer token.
+"""The supervisor's REST API (aiohttp), behind bearer tokens with roles.
 
 =======  ============================  ==========================================
 method   path                          what
@@ -35,14 +35,25 @@ GET      /v1/jobs/{id}/metrics         ``?names=loss,grad_norm&after=CURSOR&sinc
                                        points inserted since, late windows included
                                        (``since`` filters by a window's time: it misses
                                        those; see ``supervisor.series_rows``)
-GET      /metrics                      Prometheus (``supervisor.prom``), behind the token
+GET      /metrics                      Prometheus (``supervisor.prom``), any valid token
 GET      /v1/events                    ``?node=ID&job=ID&limit=N&after=ID``
 GET      /v1/stats                     counters (heartbeats handled, bad messages)
+GET      /v1/whoami                    the request's token: id, name, role, team, expiry
+POST     /v1/tokens                    admin: body ``{"role": ..., "team": ..., "name": ...,
+                                       "expires": "30d"}``; the answer holds the secret,
+                                       once (``supervisor.token_api``)
+GET      /v1/tokens                    admin: every token, never a secret or hash
+POST     /v1/tokens/{id}/revoke        admin: the token and its dashboard sessions end
 =======  ============================  ==========================================
 
-Every other path needs the bearer token, or the dashboard's session cookie; a request
-that changes state on the cookie's word must carry ``X-Phalanx-CSRF: 1`` too (403
-otherwise, see :mod:`supervisor.dashboard.session`).
+Every other path needs a token (:mod:`supervisor.tokens`: the bootstrap token of
+``api.token_file``, an admin, or one an admin created) as a bearer header, or the
+dashboard's session cookie of one; a request that changes state on the cookie's word
+must carry ``X-Phalanx-CSRF: 1`` too (403 otherwise, see
+:mod:`supervisor.dashboard.session`). What a token may do is its role's
+(:mod:`supervisor.auth`); each route's action is in :data:`supervisor.access.RULES`.
+A missing, wrong, expired or revoked token is a 401 saying which; a request outside
+the token's role is a 403 naming what it needs, recorded as an ``auth_denied`` event.
 
 It serves HTTPS with ``api.tls_cert_file`` and ``api.tls_key_file``, and fetches rank
 logs from the agents over HTTPS with ``agent_tls`` (verified against ``agent_ca_file``).
@@ -68,21 +79,26 @@ from prometheus_client import generate_latest
 
 from phalanx import wire
 from phalanx.agent_tokens import node_token
-from phalanx.http import bearer_ok, json_body, serve
+from phalanx.http import json_body, serve
 from phalanx.jobspec import JobSpecError, validate_spec
 from phalanx.link import MqttLink
 from supervisor import dashboard, job_pages
+from supervisor.access import PRINCIPAL, Access
+from supervisor.auth import Action
 from supervisor.catalog import CheckpointCatalog
 from supervisor.commands import Commands
 from supervisor.config import SupervisorSettings
 from supervisor.controller import JobController
 from supervisor.errors import (
     CommandTimeout,
+    Forbidden,
     Refused,
     RegistryError,
     SupervisorError,
+    Unauthorized,
     UnknownJob,
     UnknownNode,
+    UnknownToken,
 )
 from supervisor.jobs import Job
 from supervisor.metrics import MAX_SERIES, TrainingMetrics, json_number
@@ -90,6 +106,8 @@ from supervisor.prom import registry_of
 from supervisor.registry import Node, Registry
 from supervisor.series import Point
 from supervisor.store import Store
+from supervisor.token_api import add_token_routes
+from supervisor.tokens import Tokens
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +127,7 @@ COMPRESS_OVER = 32 * 1024
 class Backend(Protocol):
     """What the API serves of the supervisor (``supervisor.daemon.Supervisor``)."""
 
-    token: str  # the operators' bearer token
+    token: str  # the bootstrap (admin) bearer token
     agent_token: str  # the fleet agent secret: a node's token, to fetch its logs, derives from it
     settings: SupervisorSettings
     registry: Registry
@@ -125,8 +143,11 @@ class Backend(Protocol):
 # The operator's request errors and their HTTP status, the most specific first; any other
 # error is a 500 (logged: the supervisor's fault, not the request's).
 HTTP_STATUS: tuple[tuple[type[SupervisorError], int], ...] = (
+    (Unauthorized, 401),
+    (Forbidden, 403),
     (UnknownNode, 404),
     (UnknownJob, 404),
+    (UnknownToken, 404),
     (Refused, 409),
     (RegistryError, 400),
     (CommandTimeout, 504),
@@ -162,24 +183,18 @@ def gauge_summary(health: wire.Health) -> dict[str, Any]:
 
 
 def make_app(sup: Backend) -> web.Application:
-    token = sup.token.encode()
+    tokens = Tokens(sup.store, sup.token)
+    access = Access(tokens, sup.store, lambda job: sup.jobs.get(job).spec.team)
     agent_tls = sup.settings.agent_ssl()  # how rank logs are fetched from the agents
     agent_scheme = "https" if agent_tls is not None else "http"
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path == "/healthz" or request.match_info.route.resource in public:
-            pass  # the dashboard's page, assets, login and logout
-        elif bearer_ok(request, token):
-            pass
-        elif dashboard.session_ok(request, token):
-            if not dashboard.csrf_ok(request):
-                return _error(
-                    403, f"a change by the dashboard's session needs {dashboard.CSRF_HEADER}: 1"
-                )
-        else:
-            return _error(401, "missing or wrong bearer token (PHALANX_TOKEN) or session")
         try:
+            if request.match_info.http_exception is not None:  # no route: 404 or 405
+                access.authenticate(request)
+            else:
+                access.check(request)
             return await handler(request)
         except web.HTTPException:
             raise
@@ -267,8 +282,9 @@ def make_app(sup: Backend) -> web.Application:
         spec = data.get("spec")
         if not isinstance(spec, dict):
             return _error(400, "field 'spec': a job spec object is required")
+        who = request[PRINCIPAL]
         try:
-            parsed = validate_spec(spec)
+            parsed = validate_spec(spec, default_team=lambda: who.team)
         except JobSpecError as exc:
             return web.json_response(
                 {
@@ -277,6 +293,8 @@ def make_app(sup: Backend) -> web.Application:
                 },
                 status=400,
             )
+        team = parsed.team
+        access.require(request, Action.SUBMIT, team, f"a job for team {team}")
         job = sup.jobs.submit(parsed)
         return web.json_response(job.view(), status=201)
 
@@ -388,6 +406,7 @@ def make_app(sup: Backend) -> web.Application:
         return web.json_response(sup.jobs.cancel(request.match_info["id"]).view())
 
     async def logs(request: web.Request) -> web.StreamResponse:
+        # Who may read them: ``access.check`` (an operator, or a member of the job's team).
         found = sup.jobs.get(request.match_info["id"])
         try:
             rank = int(request.query.get("rank", "0"))
@@ -467,7 +486,8 @@ def make_app(sup: Backend) -> web.Application:
     app = web.Application(middlewares=[guard, compress], client_max_size=64 * 1024)
     app.router.add_get("/metrics", prometheus_metrics)
     app.router.add_get("/healthz", healthz)
-    public = dashboard.add_routes(app, token)
+    dashboard.add_routes(app, tokens)
+    add_token_routes(app, tokens, sup.store)
     app.router.add_get("/v1/nodes", nodes)
     app.router.add_get("/v1/nodes/{id}", node)
     app.router.add_post("/v1/nodes/{id}/drain", drain)

@@ -68,3 +68,23 @@ class StoreError(SupervisorError):
     def __init__(self, path: Path, message: str) -> None:
         super().__init__(message)
         self.path = path
+
+
+class Unauthorized(SupervisorError):
+    """A request whose token (or session) is missing, wrong, expired or revoked (401)."""
+
+
+class Forbidden(SupervisorError):
+    """A valid token asking for something outside its role (403); ``needs``: what it
+    lacks, ``action`` and ``target`` what it asked for (recorded as an ``auth_denied``
+    event)."""
+
+    def __init__(self, message: str, *, action: str, needs: str, target: str | None) -> None:
+        super().__init__(message)
+        self.action, self.needs, self.target = action, needs, target
+
+
+class UnknownToken(SupervisorError):
+    def __init__(self, token: str) -> None:
+        super().__init__(f"token {token!r} is not known to this supervisor")
+        self.token = token

@@ -1,8 +1,9 @@
 """The supervisor's persistent store: SQLite under the state directory.
 
 Only what must survive a restart is written: a node's identity, its drain and
-last known health and state, the event log, the checkpoint catalog, and the jobs'
-downsampled metric series (``supervisor.series_rows``). Heartbeats that change
+last known health and state, the event log, the checkpoint catalog, the jobs'
+downsampled metric series (``supervisor.series_rows``) and the API tokens, hashed
+(``supervisor.token_rows``). Heartbeats that change
 nothing never touch the disk. Writes are small and synchronous (WAL mode), so
 that a change acknowledged to an operator is on disk.
 """
@@ -20,6 +21,7 @@ from typing import Any
 
 from supervisor.errors import StoreError
 from supervisor.series_rows import SeriesRows, open_series
+from supervisor.token_rows import TOKEN_SCHEMA, TokenRows
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -145,7 +147,7 @@ class CatalogQueries:
         return {str(r[0]) for r in rows}
 
 
-class Store(CatalogQueries, SeriesRows):
+class Store(CatalogQueries, SeriesRows, TokenRows):
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
@@ -155,6 +157,7 @@ class Store(CatalogQueries, SeriesRows):
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(SCHEMA)
             open_series(self._db)
+            self._db.executescript(TOKEN_SCHEMA)
             columns = {r[1] for r in self._db.execute("PRAGMA table_info(ckpt_shards)")}
             if "generation" not in columns:  # a store from before landings had one
                 self._db.execute(

@@ -9,7 +9,6 @@ its own scripts and styles and talk only to its own origin, and forbids framing 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,8 @@ from aiohttp import web
 
 from phalanx.http import json_body
 from supervisor.dashboard.session import clear_session, csrf_ok, set_session
+from supervisor.errors import Unauthorized
+from supervisor.tokens import Tokens
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,8 @@ def _json_error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status, headers=HEADERS)
 
 
-def add_routes(app: web.Application, token: bytes) -> frozenset[web.AbstractResource]:
-    """The dashboard under ``/ui/`` (``/`` leads there); ``token``: the operators'.
+def add_routes(app: web.Application, tokens: Tokens) -> frozenset[web.AbstractResource]:
+    """The dashboard under ``/ui/`` (``/`` leads there); ``tokens``: those a login takes.
 
     Returns the resources it added, which need no token (its page, assets, login and
     logout): the API's guard asks which resource a request resolved to, not what its
@@ -106,12 +107,14 @@ def add_routes(app: web.Application, token: bytes) -> frozenset[web.AbstractReso
         data = await json_body(request)  # 400 if not JSON, 408 if it trickles
         given = data.get("token") if isinstance(data, dict) else None
         if not isinstance(given, str):
-            return _json_error(400, "field 'token': the operators' token (PHALANX_TOKEN)")
-        if not token or not hmac.compare_digest(given.strip().encode(), token):
-            log.warning("dashboard login with a wrong token from %s", request.remote)
-            return _json_error(401, "wrong token")
-        response = web.json_response({"ok": True}, headers=HEADERS)
-        set_session(response, request, token)
+            return _json_error(400, "field 'token': an API token (PHALANX_TOKEN)")
+        try:
+            who = tokens.authenticate(given)
+        except Unauthorized as exc:
+            log.warning("dashboard login refused from %s: %s", request.remote, exc)
+            return _json_error(401, str(exc))
+        response = web.json_response({"ok": True, "token": who.view()}, headers=HEADERS)
+        set_session(response, request, who)
         return response
 
     async def logout(request: web.Request) -> web.Response:

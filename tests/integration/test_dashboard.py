@@ -364,6 +364,41 @@ def test_a_login_keeps_a_cookie_no_script_reads_and_a_logout_forgets_it(
     ui.wait(lambda: ui.page() == "login" or None, "the login form after a reload")
 
 
+def test_a_viewers_session_is_refused_a_cancel_and_ends_when_its_token_is_revoked(
+    fleet: Fleet, browser: WebDriver, tmp_path: Path
+) -> None:
+    fleet.start_supervisor()
+    admin = fleet.client()
+    viewer = admin.post("/v1/tokens", {"role": "viewer", "name": "wall"})
+    job = fleet.submit(name="waits", nodes=1, ranks_per_node=1, command=["true"])["id"]
+    ui = Dashboard(fleet, browser, tmp_path / "screens")
+    ui.open(f"#/jobs/{job}")
+    ui.login(viewer["secret"])
+    ui.wait(lambda: "wall (viewer)" in ui.texts("#who")[0] or None, "who is logged in")
+
+    cancel = ui.wait(lambda: ui.browser.find_elements(By.ID, "cancel") or None, "cancel button")
+    cancel[0].click()
+    ui.browser.switch_to.alert.accept()
+
+    refused = ui.wait(
+        lambda: [t for t in ui.texts("p.error") if "cannot cancel" in t] or None, "the 403"
+    )
+    assert refused[0] == (
+        f"token 'wall' (viewer) cannot cancel job {job} of team research: needs role "
+        "operator, or member of team research"
+    )
+    assert fleet.job(job)["state"] == "pending"
+    ui.shot("viewer-refused")
+
+    admin.post(f"/v1/tokens/{viewer['id']}/revoke")
+
+    ended = ui.wait(
+        lambda: (ui.page() == "login" and ui.texts("#login-error")[0]) or None, "the login form"
+    )
+    assert f"token {viewer['id']} was revoked at" in ended
+    ui.shot("session-revoked")
+
+
 @pytest.fixture
 def big_fleet(tmp_path: Path) -> Iterator[str]:
     """The real supervisor's API app (the supervisor built, never started: no broker)

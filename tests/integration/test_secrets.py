@@ -8,7 +8,10 @@ lands at every tier, and waits to be let go, so that the process table is read w
 runs. The agents' HTTP secrets are per node: the fleet secret stays in the supervisor's
 file, each node's token in that node's file, and each node's credential at its buddy
 travels only in MQTT messages to that node (its start order, its catalog). A second job's
-secret is a raw key, not text: its start fails, and the failure quotes none of it. Then
+secret is a raw key, not text: its start fails, and the failure quotes none of it. An
+admin makes an API token (its secret is in the answer that made it, and must be nowhere
+else: the store keeps its hash), which is used, refused once and logs into the
+dashboard. Then
 every place Phalanx writes, serves, publishes or runs is searched for the bytes of every
 secret: each file under the test's directory (the supervisor's SQLite database with its
 -wal and -shm files, every log, the agents' data dirs, rank logs included, the object
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 import pwd
 import secrets
@@ -28,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,7 @@ import pytest
 
 from phalanx import wire
 from phalanx.agent_tokens import AgentKeys
+from phalanx.client import ApiError, Client
 from tests.harness import TOKEN, Broker, Fleet, RawMqtt, wait_for
 
 pytestmark = pytest.mark.integration
@@ -72,6 +78,7 @@ class Secrets:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.value = f"s3cr3t-{secrets.token_hex(16)}"
+        self.token = ""  # the secret of an API token the test makes (issue 16)
         self.file = root / "secrets" / "db-password"
         self.file.parent.mkdir(parents=True)
         self.file.write_text(self.value + "\n")
@@ -104,6 +111,9 @@ class Secrets:
         for node in NODES:
             token = fleet.agent_token_file(node).read_text().strip()
             found[f"the agent token of {node}"] = token.encode()
+        if self.token:
+            found["an admin-made API token"] = self.token.encode()
+            found["an admin-made API token's random part"] = self.token.split("_", 2)[2].encode()
         found.update({f"the broker password of {u}": p.encode() for u, p in self.passwords.items()})
         # Encoded the ways a message might carry bytes: base64 (a Basic auth header, a
         # binary field in JSON).
@@ -271,6 +281,24 @@ def test_secrets_appear_nowhere_phalanx_writes_serves_publishes_or_runs(
             fleet.start_agent(node, gpus=1, top='log_level = "DEBUG"\n', mqtt=kept.mqtt(node))
         for node in NODES:
             fleet.wait_state(node, "up")
+        # A token an admin made (issue 16): its secret is in the answer that made it and
+        # nowhere else. It is used, refused once (an auth_denied event, a warning logged)
+        # and logs into the dashboard, so its traces are among the places searched.
+        made = fleet.client().post("/v1/tokens", {"role": "member", "team": "ml", "name": "m"})
+        kept.token = made["secret"]
+        member = Client(fleet.api_url, kept.token, timeout=5)
+        assert member.get("/v1/whoami")["id"] == made["id"]
+        with pytest.raises(ApiError) as refused:
+            member.post("/v1/nodes/n01/drain", {"reason": "not mine to drain"})
+        assert refused.value.status == 403
+        login = urllib.request.Request(
+            f"{fleet.api_url}/ui/login",
+            data=json.dumps({"token": kept.token}).encode(),
+            headers={"X-Phalanx-CSRF": "1", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(login, timeout=5) as resp:
+            cookie = resp.headers["Set-Cookie"]
+        assert cookie.startswith("phalanx_session=v2.")
         release = fleet.root / "release"
         digest = hashlib.sha256(kept.value.encode()).hexdigest()
         job = fleet.submit(
@@ -340,6 +368,8 @@ def test_secrets_appear_nowhere_phalanx_writes_serves_publishes_or_runs(
             *(f"/v1/nodes/{n}" for n in NODES),
             "/v1/stats",
             "/metrics",
+            "/v1/tokens",
+            "/v1/whoami",
         ]
         answers = {f"GET {p}": client.get_bytes(p)[0] for p in paths}
         assert f"<from_file {kept.file}>".encode() in answers[f"GET /v1/jobs/{job_id}"]

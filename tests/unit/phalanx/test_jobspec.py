@@ -319,6 +319,34 @@ def test_an_unquoted_number_in_env_becomes_its_string() -> None:
     assert spec.env == {"OMP_NUM_THREADS": "1", "RATIO": "0.5"}
 
 
+# --- a team from the API token (issue 16) ---------------------------------------------
+
+NO_TEAM = BASE.replace("team: research\n", "")
+
+
+def test_a_spec_without_a_team_takes_the_default_team() -> None:
+    assert load_spec(NO_TEAM, default_team=lambda: "nlp").team == "nlp"
+
+
+def test_a_spec_that_names_its_team_keeps_it_and_never_asks_for_the_default() -> None:
+    def never() -> str:
+        raise AssertionError("asked for the token's team though the spec names one")
+
+    assert load_spec(BASE, default_team=never).team == "research"
+
+
+def test_a_spec_without_a_team_and_no_default_team_is_refused_on_field_team() -> None:
+    with pytest.raises(JobSpecError) as caught:
+        load_spec(NO_TEAM, default_team=lambda: None)
+
+    assert [f for f, _, _ in caught.value.errors] == ["team"]
+    assert "the API token has none" in str(caught.value)
+
+
+def test_without_a_default_team_a_spec_must_name_one() -> None:
+    assert [f for f, _, _ in errors(NO_TEAM)] == ["team"]
+
+
 @pytest.mark.parametrize(
     "example", sorted((Path(__file__).parents[3] / "examples").glob("*.yaml")), ids=lambda p: p.name
 )

@@ -131,6 +131,11 @@ ROUTES = [
     ("GET", "/v1/jobs/{id}/checkpoints"),
     ("GET", "/v1/jobs/{id}/metrics"),
     ("GET", "/metrics"),
+    # the tokens (supervisor.token_api)
+    ("GET", "/v1/whoami"),
+    ("POST", "/v1/tokens"),
+    ("GET", "/v1/tokens"),
+    ("POST", "/v1/tokens/{id}/revoke"),
     # the dashboard (supervisor.dashboard): its page, an asset, login, logout
     ("GET", "/"),
     ("GET", "/ui/"),
@@ -161,10 +166,19 @@ bodies = st.one_of(
     st.fixed_dictionaries({}, optional={"reason": json_values, "force": json_values}).map(
         lambda v: json.dumps(v).encode()
     ),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "role": st.sampled_from(["admin", "member", "viewer", "x"]) | json_values,
+            "team": json_values,
+            "name": json_values,
+            "expires": json_values,
+        },
+    ).map(lambda v: json.dumps(v).encode()),
     spec_bodies(),
     st.integers(1, 20_000).map(nested),
 )
-ids = st.sampled_from([NODE, "ghost", "j-unknown"]) | path_parts
+ids = st.sampled_from([NODE, "ghost", "j-unknown", "t1", "t0", "bootstrap"]) | path_parts
 
 
 Request = tuple[str, str, dict[str, str], Any, dict[str, str]]
@@ -189,6 +203,10 @@ def requests(
                 {"Authorization": TOKEN},
                 {"X-Phalanx-CSRF": "1"},  # the dashboard's login, without a session
                 {"X-Phalanx-CSRF": "1", "Cookie": "phalanx_session=v1.99999999999.00"},
+                {"X-Phalanx-CSRF": "1", "Cookie": "phalanx_session=v2.t1.99999999999.00"},
+                {"Cookie": "phalanx_session=v2.bootstrap.99999999999.00"},
+                {"Authorization": "Bearer phx_t1_" + "A" * 43},
+                {"Authorization": "Bearer phx_t99999999999999999999999_x"},
             ]
         )
     )

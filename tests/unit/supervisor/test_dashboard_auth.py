@@ -21,9 +21,12 @@ from supervisor.api import make_app
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import Supervisor
 from supervisor.dashboard.session import COOKIE, SESSION_S, session_value
+from supervisor.token_rows import TokenRows
+from supervisor.tokens import Tokens
 
 TOKEN = "op-token-0123456789abcdef"
 CSRF = {"X-Phalanx-CSRF": "1"}
+_NO_ROWS = TokenRows()  # the bootstrap token needs no store
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -238,13 +241,14 @@ async def test_a_login_without_the_csrf_header_is_refused(client: TestClient[Any
 @pytest.mark.parametrize(
     "cookie",
     [
-        "v1.9999999999.0123456789abcdef",  # a made-up MAC
-        session_value(b"another-token"),  # made with another token
-        session_value(TOKEN.encode(), now=time.time() - SESSION_S - 1),  # expired
+        "v2.bootstrap.9999999999.0123456789abcdef",  # a made-up MAC
+        session_value(Tokens(_NO_ROWS, "another-token-0123456789").bootstrap),  # another key
+        session_value(Tokens(_NO_ROWS, TOKEN).bootstrap, now=time.time() - SESSION_S - 1),
+        f"v2.t1.9999999999.{'0' * 64}",  # a token that does not exist
         TOKEN,  # the token itself is no session
         "",
     ],
-    ids=["forged", "other-token", "expired", "raw-token", "empty"],
+    ids=["forged", "other-token", "expired", "unknown-token", "raw-token", "empty"],
 )
 async def test_a_wrong_or_expired_session_cookie_is_refused(
     client: TestClient[Any, Any], cookie: str

@@ -1,5 +1,6 @@
 // The supervisor's REST API from the page: the session cookie goes along (same origin),
-// every request carries the CSRF header, a 401 asks for the token again.
+// every request carries the CSRF header, a 401 asks for the token again (saying why: a
+// revoked or expired token ends its sessions).
 
 const ROOT = new URL("../", document.baseURI); // the page is /ui/: the API is at /v1/...
 const UI = new URL("./", document.baseURI);
@@ -26,9 +27,6 @@ async function call(url, init = {}) {
     throw new ApiError(0, message);
   }
   window.dispatchEvent(new CustomEvent("phalanx:status", { detail: { ok: true } }));
-  if (resp.status === 401) {
-    window.dispatchEvent(new CustomEvent("phalanx:login"));
-  }
   if (!resp.ok) {
     let message = `${resp.status} ${resp.statusText}`;
     try {
@@ -36,6 +34,9 @@ async function call(url, init = {}) {
       if (body && body.error) message = body.error;
     } catch {
       /* not JSON: the status says it */
+    }
+    if (resp.status === 401) {
+      window.dispatchEvent(new CustomEvent("phalanx:login", { detail: { message } }));
     }
     throw new ApiError(resp.status, message);
   }

@@ -13,6 +13,7 @@ const view = document.getElementById("view");
 const nav = document.getElementById("nav");
 const status = document.getElementById("status");
 const logoutButton = document.getElementById("logout");
+const who = document.getElementById("who");
 
 // What the tests (and a curious operator's console) can read: the charts' data.
 window.phalanx = { page: null, charts: {}, metrics: {} };
@@ -45,7 +46,18 @@ function show() {
   current = mod.mount(view, arg) || { unmount() {} };
 }
 
+// The session's token in the header: "alice (member of team nlp)".
+function showWho(token) {
+  if (!token) {
+    fill(who);
+    return;
+  }
+  const role = token.team ? `${token.role} of team ${token.team}` : token.role;
+  fill(who, `${token.name} (${role})`);
+}
+
 function showLogin(message) {
+  showWho(null);
   if (current) current.unmount();
   current = null;
   loggingIn = true;
@@ -66,7 +78,7 @@ function showLogin(message) {
     "form",
     { class: "login card", id: "login" },
     h("h2", {}, "Log in to the supervisor"),
-    h("p", { class: "muted" }, "The operators' token (what PHALANX_TOKEN holds). It is sent once; the browser keeps a session cookie."),
+    h("p", { class: "muted" }, "An API token (what PHALANX_TOKEN holds); its role decides what this page may do. It is sent once; the browser keeps a session cookie."),
     input,
     h("button", { type: "submit", id: "login-submit" }, "Log in"),
     error,
@@ -74,12 +86,14 @@ function showLogin(message) {
   form.addEventListener("submit", async (ev) => {
     ev.preventDefault();
     fill(error);
+    let answer;
     try {
-      await api.login(input.value);
+      answer = await api.login(input.value);
     } catch (err) {
-      fill(error, err.status === 401 ? "Wrong token." : err.message);
+      fill(error, err.status === 401 && err.message === "wrong token" ? "Wrong token." : err.message);
       return;
     }
+    showWho(answer.token);
     loggingIn = false;
     nav.hidden = false;
     logoutButton.hidden = false;
@@ -89,8 +103,10 @@ function showLogin(message) {
   input.focus();
 }
 
-window.addEventListener("phalanx:login", () => {
-  if (!loggingIn) showLogin("Your session ended or was never started: log in.");
+window.addEventListener("phalanx:login", (ev) => {
+  const why = ev.detail && ev.detail.message;
+  const ended = why && why.startsWith("the dashboard's session ended: ") ? why : null;
+  if (!loggingIn) showLogin(ended ? `${ended}; log in.` : "Your session ended or was never started: log in.");
 });
 
 window.addEventListener("phalanx:status", (ev) => {
@@ -112,8 +128,9 @@ window.addEventListener("hashchange", show);
 
 // The first look: is there a session? (a 401 shows the login form)
 api
-  .get("v1/stats")
-  .then(() => {
+  .get("v1/whoami")
+  .then((token) => {
+    showWho(token);
     logoutButton.hidden = false;
     show();
   })
