@@ -1,5 +1,6 @@
-"""What the daemons' HTTP servers share: serving an aiohttp app, the bearer-token check,
-reading a JSON body, and the bounds every server keeps.
+"""What the daemons' HTTP servers share: serving an aiohttp app, reading a JSON body, and
+the bounds every server keeps (who may call is each server's own: ``supervisor.access``,
+``agentd.access``).
 
 The bounds, where each is enforced:
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -105,17 +105,6 @@ async def json_body(request: web.Request) -> Any:
             text=json.dumps({"error": f"request body is not JSON: {exc}"}),
             content_type="application/json",
         ) from None
-
-
-def bearer_ok(request: web.Request, token: bytes | None) -> bool:
-    """True when the request carries ``Authorization: Bearer <token>`` (constant-time);
-    never true when no token is configured."""
-    given = request.headers.get("Authorization", "")
-    return (
-        token is not None
-        and given.startswith("Bearer ")
-        and hmac.compare_digest(given[7:].strip().encode(), token)
-    )
 
 
 def per_peer_limit(limit: int) -> Middleware:
