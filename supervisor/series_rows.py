@@ -169,18 +169,15 @@ class SeriesRows:
         if names is not None:
             query += f" AND name IN ({','.join('?' * len(names))})"
             args.extend(names)
-        if since is not None:
-            query += " AND ts >= ?"
-            args.append(since)
-        if step_from is not None:
-            query += " AND step >= ?"
-            args.append(step_from)
-        if after is not None:
-            query += " AND id > ?"
-            args.append(after)
-        if upto is not None:
-            query += " AND id <= ?"
-            args.append(upto)
+        for clause, value in (
+            ("ts >= ?", since),
+            ("step >= ?", step_from),
+            ("id > ?", after),
+            ("id <= ?", upto),
+        ):
+            if value is not None:
+                query += f" AND {clause}"
+                args.append(value)
         query += " ORDER BY name, ts, level DESC"
         found: dict[str, list[Point]] = {name: [] for name in names or ()}
         for r in self._iter(query, args):
