@@ -208,10 +208,17 @@ class TreeEncoder:
         return out
 
 
-def write_blobs(view: memoryview, data_start: int, blobs: tuple[Blob, ...]) -> int:
-    """Copy each blob to ``data_start`` + its offset, zeroing the gaps; returns the end."""
+def write_blobs(
+    view: memoryview,
+    data_start: int,
+    blobs: tuple[Blob, ...],
+    defer: Callable[[Blob], bool] | None = None,
+) -> tuple[int, list[Blob]]:
+    """Copy each blob to ``data_start`` + its offset, zeroing the gaps; returns the end
+    and the blobs ``defer`` held back (their bytes left for the caller to copy)."""
     base = torch.frombuffer(view, dtype=torch.uint8)
     pos = data_start
+    deferred: list[Blob] = []
     with torch.no_grad():
         for blob in blobs:
             start = data_start + blob.offset
@@ -219,6 +226,9 @@ def write_blobs(view: memoryview, data_start: int, blobs: tuple[Blob, ...]) -> i
                 view[pos:start] = bytes(start - pos)
             pos = max(pos, start + blob.nbytes)
             if blob.nbytes == 0:
+                continue
+            if defer is not None and defer(blob):
+                deferred.append(blob)
                 continue
             if blob.kind == "tensor":
                 dst = base[start : start + blob.nbytes].view(TORCH_DTYPES[blob.dtype])
@@ -230,7 +240,7 @@ def write_blobs(view: memoryview, data_start: int, blobs: tuple[Blob, ...]) -> i
                 np.copyto(dst.reshape(blob.shape), blob.value, casting="equiv")
             else:
                 view[start : start + blob.nbytes] = blob.value
-    return pos
+    return pos, deferred
 
 
 def _child(target: object, key: object) -> object:

@@ -79,7 +79,10 @@ def restore_via_agent(
         )
     last_error: CheckpointError | None = None
     for entry in found.steps:
-        key = ShardKey(job, entry.step, rank)
+        # Another rank's shard when an elastic gang changed size: read as that rank.
+        saved = entry.rank if entry.rank is not None else rank
+        key = ShardKey(job, entry.step, saved)
+        agent = agent.as_rank(saved)
         for where in entry.candidates:
             tier = where.tier
             fresh: list[str] = []

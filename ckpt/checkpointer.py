@@ -11,12 +11,18 @@ copies its state into an agent-owned RAM slot (see ``ckpt.remote``).
         step, state = found              # the RAM slots are allocated behind it
     else:
         ckpt.reserve(state)              # optional: allocate the RAM slots now
+    ckpt.attach(optimizer)               # optional: lazy saves (see below)
     for step in range(...):
         ...
         if ckpt.due(step):
-            ckpt.save(step, state)       # returns once the state is in RAM
+            ckpt.save(step, state)       # returns once the state is in RAM (or on its way)
     ckpt.wait()                          # every save committed on every tier
     ckpt.close()
+
+With ``attach(optimizer)`` a save returns once the copy of the optimizer's tensors
+(parameters and state) is started, and the optimizer's next step waits for it; the
+rest of the state is copied at the call (``ckpt.lazy``). ``fence()`` waits for the copy:
+call it before changing saved tensors in place outside the optimizer's step.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -45,6 +51,7 @@ from ckpt.errors import (
     UnsupportedVersion,
 )
 from ckpt.format import ShardPlan, decode, plan, write_into
+from ckpt.lazy import Copy, LazySaves, LazySaving, cuda_device, to_agent, to_engine
 from ckpt.objects import ObjectTier
 from ckpt.pacing import Pacing
 from ckpt.policy import Interval
@@ -53,24 +60,25 @@ from ckpt.remote import AgentClient, AgentEnv
 from ckpt.stores import ObjectStore, open_store
 from ckpt.tiers import DiskTier, ShardKey, Tier, check_job
 
+if TYPE_CHECKING:
+    from ckpt._tree import Blob
+
 __all__ = ["Checkpointer"]
 
 
 log = logging.getLogger(__name__)
 
+
+def _guard_tripped() -> bool:
+    """Whether this process's loss guard tripped (``phalanx.rank``, when it is in use)."""
+    rank = sys.modules.get("phalanx.rank")
+    return rank is not None and rank.tripped() is not None
+
+
 TierSpec = str | Tier
 
 
-def _cuda_device() -> int | None:
-    """The calling thread's current CUDA device, where this process uses CUDA (a thread
-    starts on device 0: a slot pinned from one would open a context on GPU 0)."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    return int(torch.cuda.current_device())
-
-
-class Checkpointer:
+class Checkpointer(LazySaving):
     """Saves a rank's state to RAM in one copy and lets the engine carry it down.
 
     * ``tiers``: the tiers below RAM, nearest first, as names (``"disk"``,
@@ -86,6 +94,10 @@ class Checkpointer:
     * ``interval``/``mtbf_s``: the policy ``due`` answers (see ``ckpt.policy``).
     * ``on_event``: called with every ``TierEvent`` (landed, committed, failed,
       corrupt, skipped, deleted), from the engine's threads.
+
+    ``attach(optimizer, ...)`` makes saves lazy; ``fence``, ``detach``, ``copying`` and
+    ``fence_waits`` go with it (``ckpt.lazy.LazySaving``). Without it ``save`` copies
+    the whole state before it returns.
 
     Under Phalanx (no ``dir``) the agent owns the tiers: their list, ``keep``, the
     object store, the RAM slots and the pacing come from the job spec and the
@@ -121,6 +133,8 @@ class Checkpointer:
         self._last_saved: int | None = None
         self._reserving: threading.Thread | None = None  # see _reserve_behind
         self._reserved_nbytes = 0  # the shard size the RAM slots were last reserved for
+        self.lazy = LazySaves(f"ckpt-copy-r{rank}", wait_timeout_s)
+        self.closed = False
         if dir is None:
             self._init_agent_mode(
                 when_busy, busy_timeout_s, wait_timeout_s, interval, mtbf_s, on_event
@@ -136,6 +150,7 @@ class Checkpointer:
         self.wait_timeout_s = wait_timeout_s
         self.pacing = pacing if pacing is not None else Pacing()
         self.policy = Interval.of(interval, mtbf_s)
+        self.lazy.on_wait = self.policy.waited
         self.stalls: list[float] = []
         self.skipped: list[int] = []
         self.restored_from: str | None = None
@@ -192,6 +207,8 @@ class Checkpointer:
         if mtbf_s is None:  # the fleet's, as the supervisor learned or was told it
             mtbf_s = hello.mtbf_s or 6 * 3600.0
         self.policy = Interval.of(interval, mtbf_s)
+        self.lazy = LazySaves(f"ckpt-copy-r{self.rank}", wait_timeout_s)
+        self.lazy.on_wait = self.policy.waited
 
     def _build_tiers(
         self,
@@ -266,7 +283,7 @@ class Checkpointer:
         ):
             return
         self._reserved_nbytes = nbytes  # once: a failure is logged, and saves allocate
-        device = _cuda_device()  # pinning a slot for DMA there, not on a new thread's GPU 0
+        device = cuda_device()  # pinning a slot for DMA there, not on a new thread's GPU 0
 
         def run() -> None:
             try:
@@ -288,21 +305,27 @@ class Checkpointer:
     def save(self, step: int, state: object) -> bool:
         """Copy ``state`` into a RAM slot and return; the engine does the rest.
 
-        Returns ``False`` when the save was skipped (``when_busy="skip"`` and
-        every slot still being written down). Raises ``UnsupportedValue`` for a
-        state the format cannot hold, ``TimeoutError`` when waiting for a slot
-        took longer than ``busy_timeout_s``.
+        With ``attach`` it returns once the copy is started (see there). Returns
+        ``False`` when the save was skipped (``when_busy="skip"`` and every slot
+        still being written down, or the rank's loss guard tripped: the weights are
+        the spike's, see ``phalanx.rank.tripped``). Raises ``UnsupportedValue`` for a
+        state the format cannot hold, ``TimeoutError`` when waiting for a slot took
+        longer than ``busy_timeout_s``, and the ``CheckpointError`` of an earlier lazy
+        save whose copy failed.
         """
+        if _guard_tripped():
+            if not self.skipped or self.skipped[-1] != step:
+                log.warning("checkpoint of step %d not saved: the loss guard tripped", step)
+            self.skipped.append(step)
+            return False
         start = time.perf_counter()
+        self.lazy.copier.check()
         key = ShardKey(self.job, step, self.rank)
         shard_plan = plan(state, ref=key.ref())
         if self.agent is not None:
             if not self._save_via_agent(key, shard_plan):
                 return False
-            stall = time.perf_counter() - start
-            self.stalls.append(stall)
-            self.policy.saved(step, stall)
-            self._reserve_nbytes_behind(shard_plan.nbytes)  # the next saves' slots
+            self._saved(step, start, shard_plan.nbytes)
             return True
         slot = self.ram.acquire(
             key, shard_plan.nbytes, when_busy=self.when_busy, timeout=self.busy_timeout_s
@@ -321,17 +344,35 @@ class Checkpointer:
                 )
             )
             return False
+        view = slot.view(shard_plan.nbytes)
         try:
-            write_into(shard_plan, slot.view(shard_plan.nbytes))
+            deferred = self._write(shard_plan, view)
         except BaseException:
+            view.release()
             self.ram.release(slot, keep_content=False)
             raise
-        self.engine.submit(slot, key)
+        if deferred:
+            finish = to_engine(self.ram, self.engine, slot, key)
+            self.lazy.copier.start(Copy(key, deferred, view, len(shard_plan.head), finish))
+        else:
+            view.release()
+            self.engine.submit(slot, key)
+        self._saved(step, start, shard_plan.nbytes)
+        return True
+
+    def _write(self, shard_plan: ShardPlan, view: memoryview) -> list[Blob]:
+        """Lay the shard into ``view``; with optimizers attached, all but their tensors
+        (returned: the copier copies them)."""
+        if not self.lazy.attached:
+            write_into(shard_plan, view)
+            return []
+        return write_into(shard_plan, view, defer=self.lazy.defer())
+
+    def _saved(self, step: int, start: float, nbytes: int) -> None:
         stall = time.perf_counter() - start
         self.stalls.append(stall)
         self.policy.saved(step, stall)
-        self._reserve_nbytes_behind(shard_plan.nbytes)  # the next saves' slots
-        return True
+        self._reserve_nbytes_behind(nbytes)  # the next saves' slots
 
     def _save_via_agent(self, key: ShardKey, shard_plan: ShardPlan) -> bool:
         assert self.agent is not None
@@ -343,20 +384,26 @@ class Checkpointer:
             self.skipped.append(key.step)
             log.warning("step %d not saved: %s", key.step, got.why or "no free RAM slot")
             return False
-        slot = got.slot
+        slot, agent = got.slot, self.agent
         try:
-            mm = self.agent.map_slot(got.path)
+            mm = agent.map_slot(got.path)
             view = memoryview(mm)[HEADER_NBYTES : HEADER_NBYTES + nbytes]
             try:
-                write_into(shard_plan, view)
-            finally:
+                deferred = self._write(shard_plan, view)
+            except BaseException:
                 view.release()
+                raise
         except BaseException:
             with contextlib.suppress(CheckpointError):
-                self.agent.submit(key.step, slot, nbytes, abort=True)
+                agent.submit(key.step, slot, nbytes, abort=True)
             raise
-        self.agent.submit(key.step, slot, nbytes)
         self._last_saved = key.step
+        if deferred:
+            finish = to_agent(agent, key.step, slot, nbytes)
+            self.lazy.copier.start(Copy(key, deferred, view, len(shard_plan.head), finish))
+        else:
+            view.release()
+            agent.submit(key.step, slot, nbytes)
         return True
 
     def due(self, step: int) -> bool:
@@ -366,6 +413,7 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far is committed on every tier; raises the
         ``TierError`` of a tier that failed (``.tier`` names it)."""
+        self.lazy.copier.drain(self.wait_timeout_s if timeout is None else timeout)
         if self.agent is not None:
             if self._last_saved is None:
                 return
@@ -408,6 +456,7 @@ class Checkpointer:
         written only from a copy that verified and decoded whole.
         """
         self.restored_fresh = []
+        self.lazy.copier.drain(self.wait_timeout_s)  # ``into`` is written in place
         if self.agent is not None:
             t0 = time.perf_counter()
             got = restore_via_agent(
@@ -511,7 +560,14 @@ class Checkpointer:
         """Finish the write-down, stop the engine, let go of the tiers. The RAM
         slots are removed when the last save is committed at a lower tier (else
         they stay, so a rerun can restore from them). Under Phalanx the agent
-        keeps the tiers: this lets go of the slot mappings only."""
+        keeps the tiers: this lets go of the slot mappings only. A lazy save's copy
+        is finished first, and the optimizers are detached."""
+        self.closed = True
+        try:
+            self.lazy.copier.close(self.wait_timeout_s if timeout is None else timeout)
+        except (CheckpointError, TimeoutError) as exc:  # that step is not saved; close on
+            log.error("closing after a lazy save that was not saved: %s", exc)
+        self.lazy.detach()
         if self._reserving is not None:
             self._reserving.join(self.wait_timeout_s if timeout is None else timeout)
             if self._reserving.is_alive():

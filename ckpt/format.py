@@ -61,6 +61,7 @@ import mmap
 import os
 import struct
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
@@ -181,12 +182,21 @@ def plan(state: object, *, ref: ShardRef | None = None) -> ShardPlan:
     return ShardPlan(nbytes, planner.cursor, ref, head, tuple(planner.blobs))
 
 
-def write_into(shard_plan: ShardPlan, buffer: BufferLike) -> None:
+def write_into(
+    shard_plan: ShardPlan,
+    buffer: BufferLike,
+    *,
+    defer: Callable[[Blob], bool] | None = None,
+) -> list[Blob]:
     """Lay the planned shard into ``buffer`` (writable, exactly ``nbytes`` long).
 
     Each tensor lands with a single ``copy_`` (a device-to-host copy for a GPU
     tensor); gaps are zeroed so that the same state gives the same bytes. The
     trailer is left zeroed: the shard reads as unsealed until ``seal``.
+
+    ``defer``: the blobs (tensors, arrays, bytes) it answers true for are not
+    copied; they are returned, for the caller to copy to ``len(shard_plan.head)``
+    plus their ``offset`` before the shard is sealed (``ckpt.lazy``'s copier).
     """
     view = _byte_view(buffer)
     if view.readonly:
@@ -197,8 +207,9 @@ def write_into(shard_plan: ShardPlan, buffer: BufferLike) -> None:
     view[:data_start] = shard_plan.head
     from ckpt._tree import write_blobs
 
-    pos = write_blobs(view, data_start, shard_plan.blobs)
+    pos, deferred = write_blobs(view, data_start, shard_plan.blobs, defer)
     view[pos:] = bytes(len(view) - pos)  # tail padding and the (unsealed) trailer
+    return deferred
 
 
 def encode(state: object, *, ref: ShardRef | None = None) -> bytearray:

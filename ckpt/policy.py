@@ -1,8 +1,9 @@
 """When to checkpoint: every N steps, every T seconds, or ``auto`` (Young/Daly).
 
 ``auto`` checkpoints every sqrt(2 x C x MTBF) seconds, C being the measured
-cost of one checkpoint to the training loop (the ``save`` stall: the
-write-down is off the critical path) and MTBF the mean time between failures
+cost of one checkpoint to the training loop (the ``save`` stall, and for a
+lazy save the time the optimizer step waited for its copy: the write-down is
+off the critical path) and MTBF the mean time between failures
 of the whole job. Until a save has been measured, ``auto`` says "now" so that
 it learns C from the first one.
 """
@@ -55,6 +56,7 @@ class Interval:
     stall_s: float | None = None  # the measured cost C, a moving average
     last_step: int | None = None
     last_time: float = field(default_factory=time.monotonic)
+    last_weight: float = 1.0  # the last save's share of ``stall_s``
 
     @classmethod
     def of(cls, interval: int | float | str, mtbf_s: float | None) -> Interval:
@@ -84,4 +86,11 @@ class Interval:
     def saved(self, step: int, stall_s: float) -> None:
         self.last_step = step
         self.last_time = time.monotonic()
+        self.last_weight = 1.0 if self.stall_s is None else 0.3
         self.stall_s = stall_s if self.stall_s is None else 0.7 * self.stall_s + 0.3 * stall_s
+
+    def waited(self, seconds: float) -> None:
+        """The last (lazy) save held the loop ``seconds`` more: an optimizer step waited
+        for its copy. Part of that save's cost."""
+        if self.stall_s is not None:
+            self.stall_s += self.last_weight * seconds

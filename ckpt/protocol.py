@@ -177,6 +177,11 @@ class Candidate(_Reply):
 
 class RestoreStep(_Reply):
     step: Step
+    rank: Rank | None = Field(
+        default=None,
+        description="whose shard the candidates are, when not the asking rank's own: an "
+        "elastic gang that changed size restores the shards saved at its earlier size",
+    )
     candidates: list[Candidate] = Field(default_factory=list, description="nearest first")
 
 

@@ -38,6 +38,7 @@ down, so the training process pays for one memory copy per save.
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import mmap
@@ -145,6 +146,15 @@ class AgentClient:
         # path -> (inode, size, map, the address pinned for DMA or None)
         self._maps: dict[str, tuple[int, int, mmap.mmap, int | None]] = {}
         self._maps_lock = threading.Lock()
+
+    def as_rank(self, rank: int) -> AgentClient:
+        """This client asking for rank ``rank``'s copies (an elastic gang that changed size
+        restores another rank's shard): the same agent and generation."""
+        if rank == self.env.rank:
+            return self
+        other = AgentClient(dataclasses.replace(self.env, rank=rank), timeout_s=self.timeout_s)
+        other._maps, other._maps_lock = self._maps, self._maps_lock
+        return other
 
     def _ident(self) -> dict[str, Any]:
         return {"job": self.env.job, "generation": self.env.generation, "rank": self.env.rank}
