@@ -172,9 +172,19 @@ class Agent:
         # sent before the supervisor subscribes again would be delivered to nobody.
         self.supervisor_known = asyncio.Event()
         gate = self.supervisor_known
-        self._rank_events = Outbox(self.link, wire.rank_topic(self.node), "rank event", gate=gate)
+        self._rank_events = Outbox(
+            self.link,
+            wire.rank_topic(self.node),
+            "rank event",
+            gate=gate,
+            pack=wire.pack_rank_events,  # what queued up goes in one message
+        )
         self._landings = Outbox(
-            self.link, wire.ckpt_topic(self.node), "checkpoint landing", gate=gate
+            self.link,
+            wire.ckpt_topic(self.node),
+            "checkpoint landing",
+            gate=gate,
+            pack=wire.pack_landings,  # what queued up goes in one message
         )
         self.http_port = 0
         self._group: asyncio.TaskGroup | None = None
@@ -344,7 +354,10 @@ class Agent:
             case wire.StopRanksArgs():
                 self.progress.end(cmd.args.job, cmd.args.generation)
                 return await self.ranks.stop(
-                    cmd.args.job, cmd.args.generation, grace_s=cmd.args.grace_s
+                    cmd.args.job,
+                    cmd.args.generation,
+                    grace_s=cmd.args.grace_s,
+                    keep_warm=cmd.args.keep_warm,
                 )
             case wire.BurnInArgs():
                 await self.sample_health()

@@ -18,7 +18,7 @@ import os
 import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -27,15 +27,46 @@ from prometheus_client.registry import Collector
 
 from agentd.access import Access
 from agentd.ckpt import add_peer_routes
+from agentd.ckpt.host import CkptHost
+from agentd.config import AgentSettings
+from agentd.gpu.base import GpuBackend, GpuInfo
+from agentd.metrics import MetricsWindow
+from agentd.progress import ProgressMonitor
+from agentd.ranks import RankRunner
+from phalanx import wire
 from phalanx.http import per_peer_limit, serve
 from phalanx.wire import JOB_ID_PATTERN
-
-if TYPE_CHECKING:
-    from agentd.daemon import Agent
 
 log = logging.getLogger(__name__)
 _STATUS_VALUE = {"ok": 0, "warn": 1, "drain": 2}
 MAX_BODY_BYTES = 1 << 20
+
+
+class Agent(CkptHost, Protocol):
+    """What the HTTP server reads of the agent (``agentd.daemon.Agent`` is one): its
+    health, link, GPUs, ranks' logs, progress and metrics counters, settings, and what
+    the checkpoint routes need. Nothing here imports the daemon."""
+
+    settings: AgentSettings
+    health: wire.Health
+    inventory: list[GpuInfo]
+    backend: GpuBackend
+    http_token: str
+    ranks: RankRunner
+    metrics: MetricsWindow
+    metrics_sent: int
+    metrics_dropped: int
+
+    @property
+    def link(self) -> _Link: ...
+
+    @property
+    def progress(self) -> ProgressMonitor: ...
+
+
+class _Link(Protocol):
+    @property
+    def connected(self) -> bool: ...
 
 
 class _AgentCollector(Collector):

@@ -22,6 +22,11 @@ else the one furthest behind, else the one silent longest, and listing the
 flight-recorder dumps the generation's ranks left. A new generation re-arms the
 detection; a stop, or a rank of the generation exiting (its exit event explains what
 follows), disarms it.
+
+A rank whose loss guard tripped (``phalanx.guard``) sends a ``guard`` report: it becomes
+one ``RankEvent(event="guard")`` per generation and node, the first rank's (the
+supervisor rolls the gang back), and disarms the hang detection (the ranks hold until
+they are stopped).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from agentd.training_events import digest_event, guard_event
 from phalanx import wire
 from phalanx.progress import (
     MAX_MESSAGE_BYTES,
@@ -133,6 +139,7 @@ class _Generation:
     restored: set[int] = field(default_factory=set)  # ranks whose restore was reported
     waiting: dict[int, int] = field(default_factory=dict)  # rank -> checkpoint waits open
     finished: set[int] = field(default_factory=set)  # ranks past their last step
+    guarded: set[int] = field(default_factory=set)  # ranks whose loss guard tripped
 
 
 class ProgressMonitor:
@@ -367,6 +374,12 @@ class ProgressMonitor:
         if report.kind == "finished":
             gen.finished.add(report.rank)  # past its last step: its silence is no hang
             return
+        if report.kind == "guard":
+            self._on_guard(gen, report)
+            return
+        if report.kind == "digest":
+            self._on_digest(report)
+            return
         if report.kind == "restored":
             if report.rank not in gen.restored:  # once per rank: what the supervisor times
                 gen.restored.add(report.rank)
@@ -428,6 +441,34 @@ class ProgressMonitor:
                 report.step,
                 extra={"job": report.job, "rank": report.rank, "event": "save_now"},
             )
+
+    def _on_guard(self, gen: _Generation, report: StepReport) -> None:
+        """A rank's loss guard tripped: told once per generation and node (the others'
+        trips say the same: at 8 ranks a node, a 16k-rank gang sends 2k events, not 16k);
+        the ranks now hold (their silence is no hang) until the supervisor rolls the gang
+        back."""
+        told = bool(gen.guarded)
+        gen.guarded.add(report.rank)
+        gen.ended = True
+        if told:
+            return
+        event = guard_event(self.node, report)
+        log.warning(
+            "job %s gen %d: rank %d's loss guard tripped at step %d (%s since step %s)",
+            report.job,
+            report.generation,
+            report.rank,
+            report.step,
+            event.guard,
+            event.onset,
+            extra={"job": report.job, "rank": report.rank, "event": "guard"},
+        )
+        self._tell(event)
+
+    def _on_digest(self, report: StepReport) -> None:
+        """A rank's parameter digest: to the supervisor, which compares the replicas'."""
+        if (event := digest_event(self.node, report)) is not None:
+            self._tell(event)
 
     def _tell(self, event: wire.RankEvent) -> None:
         """Hand a rank's first step or restore to the agent's rank events (from the

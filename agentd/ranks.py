@@ -8,6 +8,11 @@ log file under ``DATA_DIR/jobs/JOB/gGEN/rank-N.log``, and the progress socket it
 generation: a start for an older generation than one already started is
 refused, a stop for generation G stops every generation up to G, and a start
 of generation G first stops what still runs of the generations before it.
+
+A job whose start carries a ``warm`` plan keeps warm interpreters (``agentd.warm``)
+behind its ranks: a start hands each slot's rank to the slot's ready one, when there
+is one, instead of launching a process; the rank is then watched, logged, stopped and
+reported exactly as a process launched cold.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 from agentd.commands import CommandError
 from agentd.config import ENV_PREFIX
 from agentd.progress import socket_beside
+from agentd.warm import Template, WarmPool, template_for
 from phalanx import wire
 from phalanx.tasks import Tasks
 
@@ -62,6 +68,7 @@ class Rank:
     proc: asyncio.subprocess.Process
     log_path: Path
     started_at: float
+    warm: bool = False  # a warm interpreter became it (no process was launched)
     code: int | None = None
     signal: int | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -114,6 +121,9 @@ class RankRunner:
         self._claims: dict[str, tuple[int, set[int]]] = {}  # job -> (generation, gpus)
         self._locks: dict[str, asyncio.Lock] = {}
         self.closing = False  # set when the agent stops: no new start is accepted
+        self.warm = WarmPool(
+            node, data_dir, on_spawn=self._keep_off_write_cpus if self.cpus is not None else None
+        )
 
     # --- queries -----------------------------------------------------------
 
@@ -206,6 +216,7 @@ class RankRunner:
         logs = self.data_dir / "jobs" / req.job / f"g{req.generation}"
         logs.mkdir(parents=True, exist_ok=True)
         pids = {}
+        templates: dict[int, Template] = {}
         visible = ",".join(str(s.gpu) for s in slots if s.gpu is not None)
         for slot in slots:
             rank_env = {
@@ -217,6 +228,15 @@ class RankRunner:
             if visible:
                 rank_env["CUDA_VISIBLE_DEVICES"] = visible
             log_path = logs / f"rank-{slot.rank}.log"
+            template = template_for(req, workdir, rank_env)
+            if template is not None:
+                templates[slot.local_rank] = template
+            proc = await self.warm.start_rank(req, slot, template, rank_env, workdir, log_path)
+            if proc is not None:
+                rank = Rank(req.job, req.generation, slot, proc, log_path, time.time(), warm=True)
+                self._started(rank)
+                pids[slot.rank] = proc.pid
+                continue
             with log_path.open("ab") as out:
                 try:
                     proc = await asyncio.create_subprocess_exec(
@@ -236,20 +256,45 @@ class RankRunner:
                     ) from exc
             if self.cpus is not None:
                 self._keep_off_write_cpus(proc.pid)
-            rank = Rank(req.job, req.generation, slot, proc, log_path, time.time())
-            self._ranks[(req.job, slot.rank)] = rank
-            self._record()
+            self._started(Rank(req.job, req.generation, slot, proc, log_path, time.time()))
             pids[slot.rank] = proc.pid
-            self._watchers.spawn(self._watch(rank), name=f"rank-{req.job}-{slot.rank}")
-            log.info(
-                "job %s gen %d: started rank %d (pid %d)",
-                req.job,
-                req.generation,
-                slot.rank,
-                proc.pid,
-                extra={"job": req.job, "rank": slot.rank, "event": "rank_started"},
+        if templates:
+            ranks = [s.rank for s in slots]
+            self.warm.refill(
+                req.job, templates, lambda: self._settled(req.job, req.generation, ranks)
             )
+        else:
+            self.warm.discard(req.job)
         return {"pids": pids}
+
+    def _started(self, rank: Rank) -> None:
+        self._ranks[(rank.job, rank.slot.rank)] = rank
+        self._record()
+        self._watchers.spawn(self._watch(rank), name=f"rank-{rank.job}-{rank.slot.rank}")
+        log.info(
+            "job %s gen %d: started rank %d (pid %d%s)",
+            rank.job,
+            rank.generation,
+            rank.slot.rank,
+            rank.proc.pid,
+            ", a warm interpreter" if rank.warm else "",
+            extra={"job": rank.job, "rank": rank.slot.rank, "event": "rank_started"},
+        )
+
+    async def _settled(self, job: str, generation: int, ranks: list[int]) -> None:
+        """Return once every rank of that start here reported a step (or ended)."""
+        while self._last_step is not None:
+            pending = [
+                r
+                for r in ranks
+                if (rank := self._ranks.get((job, r))) is not None
+                and rank.generation == generation
+                and not rank.done.is_set()
+                and self._last_step(job, generation, r) is None
+            ]
+            if not pending:
+                return
+            await asyncio.sleep(0.2)
 
     def _keep_off_write_cpus(self, pid: int) -> None:
         """Put a rank just started on ``self.cpus``: every thread it has (it has only just
@@ -359,9 +404,14 @@ class RankRunner:
             raise CommandError(f"{where} holds a NUL byte")
         return value
 
-    async def stop(self, job: str, generation: int, *, grace_s: float) -> dict[str, Any]:
-        """Stop every rank of ``job`` up to ``generation``; returns once all are gone."""
+    async def stop(
+        self, job: str, generation: int, *, grace_s: float, keep_warm: bool = False
+    ) -> dict[str, Any]:
+        """Stop every rank of ``job`` up to ``generation``; returns once all are gone.
+        ``keep_warm``: the job goes on (a recovery), so its warm interpreters stay."""
         async with self._lock(job):
+            if not keep_warm:
+                self.warm.discard(job)
             return await self._stop(job, generation, grace_s=grace_s)
 
     async def _stop(self, job: str, generation: int, *, grace_s: float) -> dict[str, Any]:
@@ -397,6 +447,7 @@ class RankRunner:
         """At shutdown: refuse new starts, stop every rank, and return once each rank's exit
         was reported (or its watcher given up on, ``KILL_WAIT_S`` after the stops)."""
         self.closing = True
+        await self.warm.close()
         jobs = {(r.job, r.generation) for r in self._ranks.values() if not r.done.is_set()}
         await asyncio.gather(*(self.stop(j, g, grace_s=grace_s) for j, g in jobs))
         await self._watchers.shutdown(timeout=KILL_WAIT_S)
@@ -468,6 +519,7 @@ class RankRunner:
         rank.done.set()
         self._release_if_idle(rank.job, rank.generation)
         self._record()
+        self._warm_after_exit(rank)
         log.info(
             "job %s gen %d: rank %d exited (code %s, signal %s)",
             rank.job,
@@ -499,6 +551,24 @@ class RankRunner:
         )
         with contextlib.suppress(Exception):
             await self._report(event)
+
+    def _warm_after_exit(self, rank: Rank) -> None:
+        """The last rank of its generation here gone: the job's warm interpreters go now
+        when every one exited 0 (the job is done here), else once it stays idle."""
+        generation = [
+            r for r in self._ranks.values() if r.job == rank.job and r.generation == rank.generation
+        ]
+        if not all(r.done.is_set() for r in generation):
+            return
+        if all(r.code == 0 for r in generation):
+            self.warm.discard(rank.job)
+        else:
+            self.warm.discard_when_idle(
+                rank.job,
+                lambda: any(
+                    r.job == rank.job and not r.done.is_set() for r in self._ranks.values()
+                ),
+            )
 
 
 async def _wait_done(ranks: list[Rank], timeout: float) -> list[Rank]:

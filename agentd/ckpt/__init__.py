@@ -3,8 +3,8 @@ restores, and the two sets of routes that serve them.
 
 * ``service`` — ``CkptService``, composed of the parts below; answers a saving rank.
 * ``jobs`` — what the node knows of each job: plan, generation, the supervisor's catalog.
-* ``stores`` — ``RankStore``: one rank's RAM tier, engine and bookkeeping; ``RankStores``.
-* ``tiers`` — the node's tiers below RAM (disk, object store, buddies) and their listings.
+* ``rank_stores`` — ``RankStore``: one rank's RAM tier, engine and bookkeeping; ``RankStores``.
+* ``node_tiers`` — the node's tiers below RAM (disk, object store, buddies) and their listings.
 * ``commits`` — the supervisor's catalogs applied here: manifests, retention, the end of
   a job's RAM tier.
 * ``restores`` — which step a rank restores from, and where its copies lie.
@@ -25,8 +25,8 @@ from agentd.ckpt.errors import CkptRequestError
 from agentd.ckpt.host import CkptHost, Progress, Standalone, Unwatched
 from agentd.ckpt.peer_routes import add_peer_routes
 from agentd.ckpt.rank_routes import make_rank_app, start_rank_socket
+from agentd.ckpt.rank_stores import RankStore
 from agentd.ckpt.service import CkptService
-from agentd.ckpt.stores import RankStore
 
 __all__ = [
     "CkptHost",

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from agentd.ckpt.jobs import JobBook
-from agentd.ckpt.stores import Publish, RankStore, RankStores
-from agentd.ckpt.tiers import NodeTiers
+from agentd.ckpt.node_tiers import NodeTiers
+from agentd.ckpt.rank_stores import Publish, RankStore, RankStores
 from ckpt import TierError, TierManifest, namespace_for
 from phalanx import wire
 from phalanx.tasks import Tasks
@@ -176,12 +176,17 @@ class Commits:
                         entry.step,
                         shards,
                         committed_at=entry.committed[tier],
-                        world_size=catalog.world_size,
+                        world_size=entry.world_size or catalog.world_size,
                     )
                     fleet = {e.step for e in catalog.steps if tier in e.committed}
                     try:
                         if not store.engine.commit(
-                            tier, manifest, store.rank, fleet_committed=fleet, protect=protect
+                            tier,
+                            manifest,
+                            store.rank,
+                            fleet_committed=fleet,
+                            # the loss guard's steps, below RAM (a RAM slot is reused anyway)
+                            protect=protect if tier == "ram" else protect | set(catalog.hold),
                         ):
                             continue  # not a tier of this store
                     except TierError as exc:

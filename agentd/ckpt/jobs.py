@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from agentd.ckpt.errors import CkptRequestError
-from agentd.ckpt.stores import TIER_ORDER
+from agentd.ckpt.rank_stores import TIER_ORDER
 from phalanx import wire
 
 __all__ = ["DEFAULT_PLAN", "JobBook"]

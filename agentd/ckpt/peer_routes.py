@@ -182,7 +182,9 @@ def add_peer_routes(
             return _error(400, "not a checkpoint object key")
         key = request.match_info["key"]
         try:
-            source = await io(open_object, path)
+            # Opened and closed on the loop, not in a thread: a request cancelled while a
+            # thread opened the file would leave that file open, with no one to close it.
+            source = open_object(path)
         except (FileNotFoundError, IsADirectoryError):
             return _error(404, f"no {key} on node {host.node}")
         try:
@@ -205,7 +207,7 @@ def add_peer_routes(
             await resp.write_eof()
             return resp
         finally:
-            await io(source.close)
+            source.close()
 
     async def keys(request: web.Request) -> web.Response:
         if (denied := check(request)) is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -69,6 +70,14 @@ def make_rank_app(host: CkptHost) -> web.Application:
             return error_response(exc.status, str(exc), **exc.extra)
         except ValueError as exc:  # what the tiers refuse to name (a job, a size)
             return error_response(400, f"bad request: {exc}")
+        except TierError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EFBIG):
+                # The RAM tier's file system cannot hold the slot asked for: too large a
+                # request for this node, answered as such (the message names the path).
+                return error_response(413, str(exc))
+            log.exception("ckpt %s %s failed", request.method, request.path)
+            return error_response(500, f"internal error: {exc!r}")
         except web.HTTPException:
             raise
         except Exception as exc:

@@ -17,8 +17,8 @@ from typing import TypeVar
 
 from agentd.ckpt.errors import CkptRequestError, copy_failed
 from agentd.ckpt.jobs import JobBook
-from agentd.ckpt.stores import TIER_ORDER, Publish, RankStore
-from agentd.ckpt.tiers import NodeTiers
+from agentd.ckpt.node_tiers import NodeTiers
+from agentd.ckpt.rank_stores import TIER_ORDER, Publish, RankStore
 from ckpt import (
     FormatError,
     ObjectTier,
@@ -118,6 +118,9 @@ class Restores:
             )
             return protocol.RestorePlan(unavailable=f"job {job}: {why}")
         entry = entries[0]
+        asking, rank = rank, rank
+        if entry.step == catalog.restore_step:  # an elastic gang of another size's
+            rank = catalog.sources.get(asking, asking)
         shard = next((s for s in entry.shards if s.rank == rank), None)
         if shard is None:
             return protocol.RestorePlan(
@@ -148,7 +151,13 @@ class Restores:
                 )
             )
         return protocol.RestorePlan(
-            steps=[protocol.RestoreStep(step=entry.step, candidates=candidates)]
+            steps=[
+                protocol.RestoreStep(
+                    step=entry.step,
+                    rank=rank if rank != asking else None,
+                    candidates=candidates,
+                )
+            ]
         )
 
     def read_tier(self, job: str, rank: int, step: int, tier: str) -> Tier | None:

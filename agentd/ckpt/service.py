@@ -1,11 +1,11 @@
 """The agent's checkpoint service: RAM slots its ranks copy into, and the write-down.
 
 For every (job, rank) on this node the agent keeps a ``RankStore``
-(``agentd.ckpt.stores``): a ``ckpt.RamTier`` whose segments in ``ckpt.shm_dir``
+(``agentd.ckpt.rank_stores``): a ``ckpt.RamTier`` whose segments in ``ckpt.shm_dir``
 are named ``ckpt.namespace_for(job, rank)`` and owned by the agent (they outlive
 the rank, ``kill -9`` included, and the job's generations), and a ``ckpt.Engine``
 that seals each saved shard and writes it down the node's tiers
-(``agentd.ckpt.tiers``) as the job spec's ``checkpoint.tiers`` say.
+(``agentd.ckpt.node_tiers``) as the job spec's ``checkpoint.tiers`` say.
 
 ``CkptService`` answers a saving rank itself (acquire, submit, reserve, wait) and
 holds the parts it is composed of: what it knows of each job (``JobBook``), the
@@ -31,9 +31,9 @@ from typing import TypeVar
 from agentd.ckpt.commits import Commits
 from agentd.ckpt.errors import CkptRequestError
 from agentd.ckpt.jobs import DEFAULT_PLAN, JobBook
+from agentd.ckpt.node_tiers import NodeTiers
+from agentd.ckpt.rank_stores import TIER_ORDER, Publish, RankStore, RankStores, Reporter
 from agentd.ckpt.restores import Restores
-from agentd.ckpt.stores import TIER_ORDER, Publish, RankStore, RankStores, Reporter
-from agentd.ckpt.tiers import NodeTiers
 from ckpt import (
     Engine,
     ObjectTier,

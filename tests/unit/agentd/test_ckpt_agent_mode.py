@@ -1,7 +1,7 @@
 """``Checkpointer()`` against a real agent-side service on a unix socket, in one process.
 
 The agent's checkpoint service (``agentd.ckpt``) and its rank routes run on an
-event loop in a thread; the supervisor's catalog (``supervisor.catalog``, on a
+event loop in a thread; the supervisor's catalog (``supervisor.checkpoints.catalog``, on a
 real SQLite store) commits what lands and feeds the catalog back, as MQTT would.
 """
 
@@ -33,10 +33,10 @@ from ckpt import (
     ObjectTier,
     TierError,
 )
-from ckpt.format import FormatError, decode, seal, verify
+from ckpt.format import FormatError, decode, encode, seal, verify
 from ckpt.tiers import step_dir
 from phalanx import wire
-from supervisor.catalog import CheckpointCatalog
+from supervisor.checkpoints.catalog import CheckpointCatalog
 from supervisor.store import Store
 from tests.unit.ckpt.helpers import (
     assert_bit_identical,
@@ -55,10 +55,16 @@ class AgentHarness:
     of an earlier agent on the same node."""
 
     def __init__(
-        self, root: Path, *, deliver: bool = True, catalog: CheckpointCatalog | None = None
+        self,
+        root: Path,
+        *,
+        deliver: bool = True,
+        catalog: CheckpointCatalog | None = None,
+        hold_steps: int | None = None,
     ) -> None:
         self.root = root
         self.deliver = deliver
+        self.hold_steps = hold_steps  # the loss guard's reach, as the supervisor sends it
         self.ended = False  # the job ended: the catalogs delivered say so
         self.landings: list[wire.CkptLanding] = []  # every landing the agent published
         self.released: list[wire.CkptReleased] = []  # every job it let go of
@@ -105,7 +111,9 @@ class AgentHarness:
             if self.catalog.on_landing(msg, world_size=1) and self.deliver:
                 task = asyncio.ensure_future(
                     self.service.on_catalog(
-                        self.catalog.messages(JOB, 1, generation=1, ended=self.ended)[0]
+                        self.catalog.messages(
+                            JOB, 1, generation=1, ended=self.ended, hold_steps=self.hold_steps
+                        )[0]
                     )
                 )
                 self.tasks.add(task)
@@ -264,6 +272,32 @@ def test_save_lands_in_agent_owned_ram_and_wait_returns_once_every_tier_committe
     step, restored = Checkpointer().restore()  # type: ignore[misc]
     assert step == 3
     assert_bit_identical(restored, state)
+
+
+def test_a_lazy_save_through_the_agent_commits_the_state_of_its_call(
+    agent: AgentHarness,
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters())
+
+    def step() -> None:
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+
+    step()
+    c = Checkpointer().attach(opt)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    before = bytes(encode(state))
+
+    assert c.save(3, state)
+    step()  # waits for the copy when it is still in flight, then changes every weight
+    c.wait(timeout=60)
+
+    assert committed_tiers(agent, 3) == ["nvme", "object", "ram"]
+    c.close()
+    found = Checkpointer().restore()
+    assert found is not None and found[0] == 3 and bytes(encode(found[1])) == before
 
 
 def test_an_ended_jobs_catalog_frees_its_ram_forgets_the_job_and_tells_the_supervisor(
@@ -677,7 +711,12 @@ def test_a_full_nvme_tier_fails_there_alone_and_keeps_its_last_committed_step(
     )
     assert not nvme_shard(agent, 2).exists() and not list(small_nvme.rglob("*.tmp-*"))
     assert (nvme_shard(agent, 1).parent / "manifest.json").is_file()
-    assert "nvme" in committed_tiers(agent, 1)
+    # The catalog commits step 2 at RAM before the agent applies that commit, whose
+    # retention then frees step 1's slot: until then a restore of step 1 reads RAM.
+    wait_until(
+        lambda: committed_tiers(agent, 1) == ["nvme", "object"],
+        "step 1 kept at nvme and object, its RAM slot freed",
+    )
     reader = Checkpointer()
     found = reader.restore(1)
     assert found is not None and found[0] == 1 and reader.restored_from == "nvme"
@@ -834,3 +873,21 @@ def test_the_ranks_of_a_node_share_one_listing_of_a_remote_tier(
 
     assert listed == [f"{JOB}/"]
     assert [sorted(s.landed) for s in stores] == [[], [], [("object", 3)], []]
+
+
+def test_retention_below_ram_keeps_the_steps_the_loss_guard_may_roll_back_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent = start_agent(tmp_path, monkeypatch, hold_steps=4)  # keep: nvme 2, object 2
+    try:
+        with Checkpointer() as c:
+            for step in range(1, 7):
+                c.save(step, {"w": torch.full((100,), float(step))})
+                c.wait(timeout=60)
+
+        # keep alone would leave 5 and 6; the guard's reach of 4 steps holds 1 (at least 4
+        # older than 6) and 3 (the newest of its 2-step span, next in line for the hold).
+        for tier in (tmp_path / "data" / "ckpt" / JOB, tmp_path / "objects" / JOB):
+            assert sorted(p.name for p in tier.iterdir()) == [step_dir(s) for s in (1, 3, 5, 6)]
+    finally:
+        agent.close()

@@ -34,7 +34,7 @@ from ckpt import (
 from phalanx import wire
 from phalanx.agent_tokens import AgentKeys
 from phalanx.local import free_port
-from supervisor.catalog import CheckpointCatalog
+from supervisor.checkpoints.catalog import CheckpointCatalog
 from supervisor.store import Store
 from tests.unit.ckpt.helpers import (
     COPY_PATHS,

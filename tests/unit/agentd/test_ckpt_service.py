@@ -12,7 +12,7 @@ import pytest
 
 from agentd.ckpt import CkptService
 from agentd.ckpt.errors import copy_failed
-from agentd.ckpt.stores import RankStore
+from agentd.ckpt.rank_stores import RankStore
 from ckpt import CheckpointError, FormatError, ShardCorrupt, TierError, UnsupportedVersion
 from phalanx import wire
 

@@ -21,6 +21,7 @@ from agentd.metrics import MetricsWindow
 from agentd.progress import HANG_FLOOR_S, ProgressMonitor, hang_timeout, socket_beside
 from agentd.ranks import RankRunner
 from phalanx import progress, wire
+from phalanx.guard import LossGuard, parse_rule
 from phalanx.progress import ProgressError, Requests, StepReport
 from phalanx.rank import RankChannel
 
@@ -668,3 +669,166 @@ async def test_only_the_current_generations_steps_reach_the_metrics_window(
     assert (batch.generation, [r.rank for r in batch.ranks]) == (2, [1])
     assert (batch.ranks[0].step_first, batch.ranks[0].step_last) == (3, 4)
     assert batch.ranks[0].scalars["loss"][0] == 0.5
+
+
+# --- the loss guard ---------------------------------------------------------------------
+
+
+def guarded(path: Path, rule: str, *, rank: int = 0) -> RankChannel:
+    return RankChannel(path, job=JOB, generation=1, rank=rank, guard=LossGuard(parse_rule(rule)))
+
+
+async def test_a_tripped_loss_guard_is_reported_once_with_its_onset_and_baseline(
+    monitor: ProgressMonitor, path: Path, channels: list[RankChannel], reporter: Reporter
+) -> None:
+    monitor.begin(JOB, 1)
+    ch = guarded(path, '{"ratio": 2, "window": 3, "patience": 2}', rank=2)
+    channels.append(ch)
+
+    answers = [ch.step(s, loss=loss) for s, loss in enumerate([1.0, 1.0, 1.0, 4.0, 5.0, 6.0])]
+    await eventually(lambda: bool(reporter.of("guard")), "the guard's event")
+
+    assert [a.rollback for a in answers] == [False] * 4 + [True, True]
+    (event,) = reporter.of("guard")
+    assert (event.rank, event.step, event.onset, event.guard) == (2, 4, 3, "loss_spike")
+    assert (event.value, event.baseline) == (4.0, 1.0)
+    await reported(monitor, 2, 4)
+    assert monitor.progress(JOB, 1)[2].step == 4  # nothing is reported past the trip
+
+
+async def test_a_nan_loss_is_reported_as_a_nan_trip_without_a_value(
+    monitor: ProgressMonitor, path: Path, channels: list[RankChannel], reporter: Reporter
+) -> None:
+    monitor.begin(JOB, 1)
+    ch = guarded(path, '{"window": 100}')
+    channels.append(ch)
+
+    assert ch.step(0, loss=math.nan).rollback
+    await eventually(lambda: bool(reporter.of("guard")), "the guard's event")
+
+    (event,) = reporter.of("guard")
+    assert (event.guard, event.step, event.onset, event.value, event.baseline) == (
+        "nan",
+        0,
+        0,
+        None,
+        None,
+    )
+
+
+async def test_the_ranks_of_a_node_whose_guards_trip_are_told_once(
+    monitor: ProgressMonitor, path: Path, channels: list[RankChannel], reporter: Reporter
+) -> None:
+    monitor.begin(JOB, 1)
+    ranks = [guarded(path, '{"window": 2, "patience": 1}', rank=r) for r in (0, 1)]
+    channels.extend(ranks)
+    for ch in ranks:
+        ch.step(0, loss=math.nan)
+        ch.step(1, loss=1.0)
+    await reported(monitor, 1, 0)
+    await eventually(lambda: bool(reporter.of("guard")), "the guard's event")
+
+    assert len(reporter.of("guard")) == 1
+
+
+async def test_no_hang_is_reported_once_a_ranks_guard_tripped(
+    monitor: ProgressMonitor, path: Path, channels: list[RankChannel], reporter: Reporter
+) -> None:
+    monitor.begin(JOB, 1, hang_timeout_s=0.2)
+    ch = guarded(path, '{"window": 2, "patience": 1}')
+    channels.append(ch)
+    ch.step(0, loss=math.nan)
+    await eventually(lambda: bool(reporter.of("guard")), "the guard's event")
+
+    assert await monitor.check() == []
+
+
+def test_an_unreadable_guard_rule_leaves_the_guard_off(path: Path) -> None:
+    env = {
+        "PHALANX_PROGRESS_SOCKET": str(path),
+        "PHALANX_JOB_ID": JOB,
+        "PHALANX_GENERATION": "1",
+        "PHALANX_GUARD": '{"ratio": 0.5}',
+    }
+    ch = RankChannel.from_environment(env)
+    try:
+        assert ch.enabled and ch.guard is None
+    finally:
+        ch.close()
+
+
+def test_the_ranks_read_the_skipped_steps_and_the_lr_scale_from_their_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PHALANX_SKIP", "[[30, 35], [10, 12]]")
+    monkeypatch.setenv("PHALANX_LR_SCALE", '{"factor": 0.25, "from": 35, "until": 40}')
+
+    assert phalanx.rank.skip() == ((10, 12), (30, 35))
+    assert [phalanx.rank.next_step(s) for s in (10, 29, 30, 34)] == [12, 29, 35, 35]
+    assert [phalanx.rank.lr_scale(s) for s in (34, 35, 39, 40)] == [1.0, 0.25, 0.25, 1.0]
+
+
+def test_without_a_rollback_nothing_is_skipped_and_the_lr_is_not_scaled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PHALANX_SKIP", raising=False)
+    monkeypatch.delenv("PHALANX_LR_SCALE", raising=False)
+
+    assert (phalanx.rank.skip(), phalanx.rank.next_step(7), phalanx.rank.lr_scale(7)) == (
+        (),
+        7,
+        1.0,
+    )
+
+
+def test_a_checkpoint_is_not_saved_once_the_guard_tripped(
+    path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt import Checkpointer
+
+    ch = guarded(path, '{"window": 2, "patience": 1}')
+    monkeypatch.setattr(phalanx.rank, "_default", ch)
+    ckpt = Checkpointer(dir=tmp_path / "c", tiers=[], ram_dir=tmp_path, ram_namespace="guard-t")
+    try:
+        assert ckpt.save(1, {"w": 1})
+        ch.step(1, loss=math.nan)
+
+        assert phalanx.rank.tripped() is not None
+        assert not ckpt.save(2, {"w": 2})
+        assert ckpt.skipped == [2]
+    finally:
+        ckpt.close()
+        ch.close()
+
+
+async def test_a_ranks_parameter_digest_reaches_the_supervisor_as_a_digest_event(
+    monitor: ProgressMonitor, path: Path, channels: list[RankChannel], reporter: Reporter
+) -> None:
+    monitor.begin(JOB, 1)
+    ch = channel(path, rank=1)
+    channels.append(ch)
+
+    ch.digest(15, 0xFEDC_BA98_7654_3210)
+    await eventually(lambda: bool(reporter.of("digest")), "the digest's event")
+
+    (event,) = reporter.of("digest")
+    assert (event.rank, event.step, event.digest) == (1, 15, 0xFEDC_BA98_7654_3210)
+
+
+def test_digest_reports_only_every_n_steps_the_job_asks_for(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    monkeypatch.setattr(phalanx.rank, "_default", RankChannel(None))
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.delenv("PHALANX_DIGEST_EVERY", raising=False)
+    assert phalanx.rank.digest(10, model) is None
+    monkeypatch.setenv("PHALANX_DIGEST_EVERY", "5")
+
+    assert [phalanx.rank.digest(s, model) is not None for s in (9, 10, 11, 15)] == [
+        False,
+        True,
+        False,
+        True,
+    ]

@@ -10,6 +10,7 @@ import pytest
 
 from agentd.gpu.base import GpuBackendError, GpuSample, RecoveryAction, Throttle
 from agentd.gpu.sim import FAULTS, SimBackend, inject, read_state, write_state
+from phalanx.simgpu import SimFileError
 
 MODEL = "Simulated H100 80GB HBM3"
 
@@ -247,13 +248,13 @@ def test_a_file_corrupted_while_running_raises_gpu_backend_error_at_the_next_sam
         sim.sample()
 
 
-def test_inject_into_a_corrupt_file_raises_gpu_backend_error_naming_the_path(
+def test_inject_into_a_corrupt_file_raises_a_value_error_naming_the_path(
     path: Path,
 ) -> None:
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
 
-    with pytest.raises(GpuBackendError, match=re.escape(str(path))):
+    with pytest.raises(SimFileError, match=re.escape(str(path))):
         inject(path, 0, "ecc-dbe")
 
 

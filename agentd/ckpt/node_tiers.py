@@ -1,4 +1,5 @@
-"""The node's checkpoint tiers below RAM, and what a job's plan makes of them.
+"""The node's tiers below RAM (``nvme``, ``peer``, ``object``), and what a plan makes
+of them; ``ckpt.tiers`` is the library's tier interface they are built on.
 
 ``nvme`` is one ``DiskTier`` under ``DATA_DIR/ckpt`` for every rank; ``object`` the
 object store (``ckpt.object_store``, a folder under ``DATA_DIR/ckpt-objects`` by
