@@ -11,7 +11,7 @@ redacted everywhere else. ``team`` may be left out where the API token has a tea
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 TeamOf = Callable[[], str | None]
 
 JOB_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
+_MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
@@ -142,6 +143,19 @@ class RestartSpec(_Spec):
         "most 60 s. Other restarts are immediate.",
     )
 
+    warm: bool = Field(
+        default=True,
+        description="Keep warm interpreters on the job's nodes (Python started, `warm_imports` "
+        "imported) that become its ranks at a restart, instead of a cold launch. Only a "
+        "command `python script.py ...` or `python -m module ...` can use them; false: "
+        "every start is a cold launch.",
+    )
+    warm_imports: list[Annotated[str, Field(pattern=_MODULE_PATTERN)]] = Field(
+        default=["torch", "torch.distributed"],
+        max_length=64,
+        description="Modules a warm interpreter imports while it waits to become a rank.",
+    )
+
     @field_validator("hang_timeout", mode="before")
     @classmethod
     def _hang_timeout(cls, value: Any) -> Any:
@@ -153,6 +167,118 @@ class RestartSpec(_Spec):
     @classmethod
     def _spare_wait(cls, value: Any) -> Any:
         return parse_duration(value)
+
+
+class LrScaleSpec(_Spec):
+    factor: float = Field(gt=0, le=10, description="What the learning rate is multiplied by.")
+    steps: int = Field(ge=1, le=10**9, description="For this many steps after the skipped ones.")
+
+
+class GuardSpec(_Spec):
+    """The loss guard (``phalanx.guard``): a NaN, or a loss spike that lasts, rolls the
+    gang back to a checkpoint before it and skips the data that led there."""
+
+    ratio: float = Field(
+        default=3.0, gt=1, le=1e6, description="A loss above ratio x its moving average spikes."
+    )
+    window: int = Field(
+        default=100, ge=1, le=100_000, description="Steps in the moving average of the loss."
+    )
+    patience: int = Field(
+        default=3, ge=1, description="Spiking steps in a row before the gang is rolled back."
+    )
+    margin: int = Field(
+        default=0,
+        ge=0,
+        le=10**9,
+        description="The checkpoint restored is at least this many steps older than the onset.",
+    )
+    max_rollbacks: int = Field(
+        default=3, ge=0, le=10_000, description="Rollbacks within rollback_window; then it fails."
+    )
+    rollback_window: float = Field(
+        default=86400.0, gt=0, description="The window max_rollbacks counts in; seconds or '24h'."
+    )
+    lr_scale: LrScaleSpec | None = Field(
+        default=None, description="Scale the learning rate for a while after a rollback."
+    )
+
+    @field_validator("rollback_window", mode="before")
+    @classmethod
+    def _window(cls, value: Any) -> Any:
+        return parse_duration(value)
+
+    @field_validator("patience")
+    @classmethod
+    def _patience(cls, value: int, info: Any) -> int:
+        window = info.data.get("window")
+        if window is not None and value > window:
+            raise ValueError(f"patience {value} is longer than the window ({window} steps)")
+        return value
+
+    @property
+    def hold_steps(self) -> int:
+        """How far back retention keeps a committed step (the window and the margin)."""
+        return self.window + self.margin
+
+
+class SdcSpec(_Spec):
+    """Silent data corruption: the data-parallel replicas' parameter digests compared."""
+
+    every: int = Field(
+        ge=1, le=10**9, description="Ranks report a digest of their parameters every N steps."
+    )
+
+
+class ElasticSpec(_Spec):
+    """Keep training on fewer nodes when a node is lost and none can take its ranks,
+    with the same global batch (more gradient accumulation per rank), and grow back.
+
+    A size of ``n`` nodes is allowed when ``global_batch`` is a multiple of
+    ``micro_batch`` x the data-parallel size (``n`` x ``ranks_per_node``); each rank
+    then accumulates ``global_batch / (micro_batch x n x ranks_per_node)`` micro
+    batches per optimizer step. The job's own size (``nodes``) must be allowed."""
+
+    min_nodes: int = Field(ge=1, le=4096, description="The fewest nodes the job runs on.")
+    global_batch: int = Field(
+        ge=1, le=10**9, description="Samples per optimizer step, the same at every size."
+    )
+    micro_batch: int = Field(
+        ge=1, le=10**6, description="Samples per forward and backward pass of one rank."
+    )
+    prefer: Literal["spare", "shrink"] = Field(
+        default="spare",
+        description="`spare`: shrink only when no spare or idle node can take a lost "
+        "node's ranks; `shrink`: shrink at once, never waiting for a node.",
+    )
+    state: Literal["replicated", "sharded"] = Field(
+        default="replicated",
+        description="`replicated`: every rank holds the whole training state (plain data "
+        "parallel), so any rank's checkpoint restores any rank; `sharded` (FSDP, ZeRO, "
+        "pipeline stages): the job never shrinks and waits for a spare instead.",
+    )
+    grow_after: Annotated[float, Field(ge=0, le=7 * 86400)] = Field(
+        default=300.0,
+        description="Seconds a shrunk job runs at its size before it grows back onto "
+        "returned nodes (a flapping node cannot thrash it); `5m`, `1h`.",
+    )
+
+    @field_validator("grow_after", mode="before")
+    @classmethod
+    def _grow_after(cls, value: Any) -> Any:
+        return parse_duration(value)
+
+    def sizes(self, nodes: int, ranks_per_node: int) -> list[int]:
+        """The allowed node counts, from ``min_nodes`` up to ``nodes``, smallest first."""
+        return [
+            n
+            for n in range(self.min_nodes, nodes + 1)
+            if self.global_batch % (self.micro_batch * n * ranks_per_node) == 0
+        ]
+
+    def accumulation(self, nodes: int, ranks_per_node: int) -> int:
+        """Micro batches each rank accumulates per optimizer step on ``nodes`` nodes."""
+        return self.global_batch // (self.micro_batch * nodes * ranks_per_node)
 
 
 class CodeRef(_Spec):
@@ -193,6 +319,21 @@ class JobSpec(_Spec):
     )
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     restart: RestartSpec = Field(default_factory=RestartSpec)
+    guard: GuardSpec | None = Field(
+        default_factory=GuardSpec,
+        description="The loss guard (on by default); `off` (or null) turns it off.",
+    )
+    sdc: SdcSpec | None = Field(
+        default=None,
+        description="Compare the replicas' parameter digests every `every` steps (off by "
+        "default); needs `phalanx.rank.digest`.",
+    )
+    elastic: ElasticSpec | None = Field(
+        default=None,
+        description="Shrink onto the healthy nodes, with the same global batch, when a "
+        "node is lost and none can replace it; grow back when nodes return. Without it "
+        "the job never changes size.",
+    )
     # Lineage: what made this job's checkpoints (shown with them by `phalanx ckpt ls`).
     code_ref: CodeRef | None = Field(default=None, description="The code the job runs.")
     data_snapshot: str | None = Field(
@@ -206,6 +347,16 @@ class JobSpec(_Spec):
     @classmethod
     def _duration(cls, value: Any) -> float:
         return parse_duration(value)
+
+    @field_validator("guard", mode="before")
+    @classmethod
+    def _guard(cls, value: Any) -> Any:
+        # YAML reads `off`/`on` as booleans.
+        if value is False or value == "off":
+            return None
+        if value is True or value == "on":
+            return {}
+        return value
 
     @field_validator("env", mode="before")
     @classmethod
@@ -228,9 +379,42 @@ class JobSpec(_Spec):
                 raise ValueError(f"{key} is set by Phalanx for every rank and cannot be overridden")
         return value
 
+    @field_validator("elastic")
+    @classmethod
+    def _elastic_sizes(cls, value: ElasticSpec | None, info: Any) -> ElasticSpec | None:
+        nodes, per_node = info.data.get("nodes"), info.data.get("ranks_per_node")
+        if value is None or nodes is None or per_node is None:
+            return value
+        if value.min_nodes > nodes:
+            raise ValueError(f"min_nodes {value.min_nodes} is more than nodes ({nodes})")
+        sizes = value.sizes(nodes, per_node)
+        if nodes not in sizes:
+            dp = nodes * per_node
+            raise ValueError(
+                f"global_batch {value.global_batch} is not a multiple of micro_batch "
+                f"{value.micro_batch} x the data-parallel size {dp} ({nodes} nodes x "
+                f"{per_node} ranks) at the job's own size; allowed sizes from min_nodes "
+                f"{value.min_nodes} to {nodes}: "
+                + (", ".join(map(str, sizes)) if sizes else "none")
+            )
+        return value
+
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def reshapes(self) -> bool:
+        """Elastic with replicated state: its size may change, and any rank's checkpoint
+        shard restores any rank."""
+        return self.elastic is not None and self.elastic.state == "replicated"
+
+    def elastic_sizes(self) -> list[int]:
+        """The node counts the job may run on, smallest first (only ``nodes`` when it is
+        not elastic)."""
+        if self.elastic is None:
+            return [self.nodes]
+        return self.elastic.sizes(self.nodes, self.ranks_per_node)
 
     def lineage(self) -> dict[str, Any]:
         """What made the job's checkpoints: its code, data snapshot and hyperparameters."""
@@ -333,13 +517,36 @@ def _line_index(node: yaml.Node, path: tuple[Any, ...] = ()) -> dict[tuple[Any, 
     return lines
 
 
-def load_spec(
-    text: str, *, source: str = "job spec", default_team: TeamOf | None = None
-) -> JobSpec:
-    """Parse and validate YAML text; raises :class:`JobSpecError`, and nothing else, for
-    any text: not YAML, too large (``MAX_SPEC_CHARS``, ``MAX_SPEC_NODES`` with aliases
-    expanded, ``MAX_SPEC_DEPTH``), or not a valid spec. ``default_team``: as
-    :func:`validate_spec` takes it."""
+def field_errors(
+    exc: ValidationError,
+    lines: Mapping[tuple[Any, ...], int] | None,
+    tags: frozenset[str] = frozenset({"str", "FromFile"}),
+) -> list[tuple[str, int | None, str]]:
+    """pydantic's errors as (field, line, message), one per field, its messages joined
+    by "or"; pydantic's union-branch and discriminator ``tags`` (and ``dict[...]``,
+    ``[key]``) left out of the field's name. ``lines``: each key path's line."""
+    merged: dict[str, tuple[int | None, list[str]]] = {}
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in tags)))
+        field = ".".join(str(p) for p in loc) or "<root>"
+        line = None
+        for cut in range(len(loc), 0, -1):
+            if lines and loc[:cut] in lines:
+                line = lines[loc[:cut]]
+                break
+        message = err["msg"].removeprefix("Value error, ")
+        if message not in merged.setdefault(field, (line, []))[1]:
+            merged[field][1].append(message)
+    return [(f, ln, " or ".join(ms)) for f, (ln, ms) in merged.items()]
+
+
+def load_mapping(
+    text: str, *, source: str, what: str
+) -> tuple[dict[str, Any], dict[tuple[str | int, ...], int]]:
+    """YAML text as a mapping and the line of each key, within the size limits
+    (``MAX_SPEC_CHARS``, ``MAX_SPEC_NODES`` with aliases expanded, ``MAX_SPEC_DEPTH``);
+    raises :class:`JobSpecError`, and nothing else, for any text that is not such a
+    mapping. ``what`` names the document in the error (``a job spec``)."""
     if len(text) > MAX_SPEC_CHARS:
         raise JobSpecError([(source, None, f"{len(text)} characters; at most {MAX_SPEC_CHARS}")])
     loader: _Loader | None = None
@@ -360,10 +567,18 @@ def load_spec(
         if loader is not None:
             loader.dispose()
     if not isinstance(data, dict):
-        raise JobSpecError([(source, None, "a job spec is a mapping of fields")])
-    return validate_spec(
-        data, lines=_line_index(tree) if tree is not None else {}, default_team=default_team
-    )
+        raise JobSpecError([(source, None, f"{what} is a mapping of fields")])
+    return data, _line_index(tree) if tree is not None else {}
+
+
+def load_spec(
+    text: str, *, source: str = "job spec", default_team: TeamOf | None = None
+) -> JobSpec:
+    """Parse and validate YAML text; raises :class:`JobSpecError`, and nothing else, for
+    any text: not YAML, too large (:func:`load_mapping`), or not a valid spec.
+    ``default_team``: as :func:`validate_spec` takes it."""
+    data, lines = load_mapping(text, source=source, what="a job spec")
+    return validate_spec(data, lines=lines, default_team=default_team)
 
 
 def validate_spec(
@@ -387,24 +602,7 @@ def validate_spec(
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
-        merged: dict[str, tuple[int | None, list[str]]] = {}
-        for err in exc.errors():
-            # Drop pydantic's union-branch tags ("str", "FromFile", "dict[...]", "[key]").
-            loc = tuple(
-                p
-                for p in err["loc"]
-                if not (isinstance(p, str) and ("[" in p or p in ("str", "FromFile")))
-            )
-            field = ".".join(str(p) for p in loc) or "<root>"
-            line = None
-            for cut in range(len(loc), 0, -1):
-                if lines and loc[:cut] in lines:
-                    line = lines[loc[:cut]]
-                    break
-            message = err["msg"].removeprefix("Value error, ")
-            if message not in merged.setdefault(field, (line, []))[1]:
-                merged[field][1].append(message)
-        raise JobSpecError([(f, ln, " or ".join(ms)) for f, (ln, ms) in merged.items()]) from exc
+        raise JobSpecError(field_errors(exc, lines)) from exc
 
 
 def load_spec_file(path: Path, *, default_team: TeamOf | None = None) -> JobSpec:

@@ -16,10 +16,10 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiomqtt
 from pydantic import BaseModel
@@ -70,6 +70,59 @@ class Backoff:
         self._attempt = 0
 
 
+class _Client(aiomqtt.Client):
+    """aiomqtt 2.5's client, its socket watches made safe for many sockets in one loop.
+
+    aiomqtt registers a socket's reader (at open) and writer (whenever paho has bytes to
+    send) on the event loop through ``call_soon_threadsafe`` with the descriptor's
+    number, to run later. When the socket closes before that runs (a connection refused
+    or lost, by the hundred in a broker restart), the registration either fails (``Bad
+    file descriptor``) or, once another socket got that number, puts the dead
+    connection's callback in place of the new socket's: that connection never reads
+    or writes again. Seen in bench/fleet_scale.py's simulators (512 links a process),
+    where nodes' outboxes stalled after a broker restart; a daemon's HTTP sockets share
+    its loop the same way. Here a registration runs only if paho still holds that
+    socket."""
+
+    def _on_socket_open(self, client: Any, userdata: Any, sock: Any) -> None:
+        fd = sock.fileno()
+
+        def readable() -> None:
+            # paho may not consume every decoded byte of an SSL socket in one read
+            try:
+                while True:
+                    client.loop_read()
+                    pending = getattr(client.socket(), "pending", None)
+                    if pending is None or pending() <= 0:
+                        break
+            except Exception as exc:  # a broken pipe: the connection is lost
+                if not self._disconnected.done():
+                    self._disconnected.set_exception(exc)
+
+        def watch() -> None:
+            if client.socket() is sock and sock.fileno() == fd:
+                self._loop.add_reader(fd, readable)
+                self._misc_task = self._loop.create_task(self._misc_loop())
+
+        self._loop.call_soon_threadsafe(watch)  # paho may call from connect's thread
+
+    def _on_socket_register_write(self, client: Any, userdata: Any, sock: Any) -> None:
+        fd = sock.fileno()
+
+        def writable() -> None:
+            try:
+                client.loop_write()
+            except Exception as exc:
+                if not self._disconnected.done():
+                    self._disconnected.set_exception(exc)
+
+        def watch() -> None:
+            if client.socket() is sock and sock.fileno() == fd:
+                self._loop.add_writer(fd, writable)
+
+        self._loop.call_soon_threadsafe(watch)
+
+
 class MqttLink:
     """A supervised connection to the broker, usable as ``async with MqttLink(...)``."""
 
@@ -97,6 +150,16 @@ class MqttLink:
         self._task: asyncio.Task[None] | None = None
         self._backoff = Backoff(settings.reconnect_initial_s, settings.reconnect_max_s)
         self.connects = 0
+        self.caught_up_at = time.monotonic()  # when every message received was handled
+
+    @property
+    def behind_s(self) -> float:
+        """How long the handler has had messages received and not yet handled (0: none
+        waiting): the daemon is this far behind its broker."""
+        client = self._client
+        if client is None or not len(client.messages):
+            return 0.0
+        return max(0.0, time.monotonic() - self.caught_up_at)
 
     @property
     def connected(self) -> bool:
@@ -240,7 +303,7 @@ class MqttLink:
         """One connection, from connect until it is lost (it ends by raising)."""
         s = self._settings
         will = self._will() if self._will else None
-        client = aiomqtt.Client(
+        client = _Client(
             s.host,
             s.port,
             identifier=self._client_id,
@@ -253,7 +316,11 @@ class MqttLink:
             will=aiomqtt.Will(will.topic, will.payload, qos=1, retain=will.retain)
             if will
             else None,
+            max_inflight_messages=s.max_inflight,
         )
+        # aiomqtt logs a warning for every publish made while more than this wait for
+        # their acknowledgement: a recovery's orders to a thousand nodes are no warning.
+        client.pending_calls_threshold = max(s.max_inflight, 65536)
         async with client:
             self._client = client
             self._gone = asyncio.Event()
@@ -267,6 +334,8 @@ class MqttLink:
                 await self._on_connect()
             async for message in client.messages:
                 await self._dispatch(str(message.topic), message.payload)
+                if not len(client.messages):
+                    self.caught_up_at = time.monotonic()
 
     async def _dispatch(self, topic: str, payload: object) -> None:
         data = payload if isinstance(payload, bytes | bytearray) else str(payload or "").encode()
@@ -276,6 +345,11 @@ class MqttLink:
             raise
         except Exception:
             log.exception("handler failed on a message from %s; message dropped", topic)
+
+
+# What an outbox sends for its queue's head: one message standing for the first
+# ``count`` queued (``count`` >= 1), e.g. ``wire.pack_landings``.
+Pack = Callable[[Iterable[BaseModel]], tuple[BaseModel, int]]
 
 
 class Outbox:
@@ -289,6 +363,10 @@ class Outbox:
     message whose publish was cut short may be sent twice: at least once and in order,
     which is what QoS 1 promises anyway.
 
+    ``pack``, when given, makes what is sent of the queue's head: several queued
+    messages may go as one (the agent's landings, ``wire.pack_landings``), each still
+    sent at least once and in order.
+
     ``gate``, when given, holds ``run`` until it is set: the agent sends what it owes the
     supervisor only once the broker is known to hold the supervisor's session (its
     retained status was seen), since a message published to a broker that lost its
@@ -299,12 +377,19 @@ class Outbox:
     new connection until the gate opens there. ``flush`` does not wait for it."""
 
     def __init__(
-        self, link: MqttLink, topic: str, what: str, *, gate: asyncio.Event | None = None
+        self,
+        link: MqttLink,
+        topic: str,
+        what: str,
+        *,
+        gate: asyncio.Event | None = None,
+        pack: Pack | None = None,
     ) -> None:
         self._link = link
         self._topic = topic
         self._what = what
         self._gate = gate
+        self._pack = pack
         self._queue: collections.deque[BaseModel] = collections.deque()
         self._ready = asyncio.Event()
         self._sending = asyncio.Lock()
@@ -316,13 +401,18 @@ class Outbox:
         self._queue.append(message)
         self._ready.set()
 
-    async def _send_first(self, timeout: float, connection: int | None = None) -> None:
+    async def _send_first(self, timeout: float, connection: int | None = None) -> int:
+        """Send the head of the queue (what ``pack`` makes of it: one message, or several
+        in one); return how many queued messages went."""
+        message, count = self._pack(self._queue) if self._pack else (self._queue[0], 1)
         await self._link.publish(
-            self._topic, _encode(self._queue[0]), timeout=timeout, connection=connection
+            self._topic, _encode(message), timeout=timeout, connection=connection
         )
-        self._queue.popleft()
+        for _ in range(count):
+            self._queue.popleft()
         if not self._queue:
             self._ready.clear()
+        return count
 
     async def run(self) -> None:
         while True:

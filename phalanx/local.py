@@ -1,4 +1,5 @@
-"""The local fleet: a broker, the supervisor and N simulated-GPU agents on one machine.
+"""The local fleet: a broker, the supervisor and N simulated-GPU agents on one machine,
+or one agent on this machine's real GPUs (``gpu_backend="nvml"``).
 
 ``phalanx local up`` starts them as detached processes under one directory::
 
@@ -8,8 +9,9 @@
     DIR/broker/             mosquitto.conf
     DIR/supervisor/         supervisor.toml, its state, and agent-secret: the fleet
                             agent secret (mode 0600) every agent's token derives from
-    DIR/nodes/NODE/         agentd.toml, the sim GPU file, the agent's data dir, and
-                            agent-token: that node's own token (mode 0600)
+    DIR/nodes/NODE/         agentd.toml, the sim GPU file (none on real GPUs), the
+                            agent's data dir, and agent-token: that node's own token
+                            (mode 0600)
     DIR/logs/ROLE.log       every process's output
     DIR/objects/            the checkpoint object store every agent shares (a folder)
     DIR/tls/                with ``--tls``: a throw-away CA (ca.pem, exported as
@@ -81,6 +83,7 @@ class Fleet:
     broker_port: int
     processes: list[Proc]
     ca: str = ""  # the CA of the fleet's HTTPS (``--tls``); empty: plain HTTP
+    gpu_backend: str = "sim"  # "sim", or "nvml": one agent on this machine's real GPUs
 
     @property
     def path(self) -> Path:
@@ -114,11 +117,19 @@ class Fleet:
         return Client(self.api, self.token, timeout=5.0, ca_file=Path(self.ca) if self.ca else None)
 
     def sim_file(self, node: str) -> Path:
+        if self.gpu_backend != "sim":
+            raise LocalFleetError(
+                f"this local fleet runs on real GPUs (--gpu-backend {self.gpu_backend}): "
+                "it has no simulated GPU to inject a fault into"
+            )
         path = self.path / "nodes" / node / "data" / "sim-gpus.json"
         if not path.exists():
             known = ", ".join(p.node for p in self.processes if p.node) or "none"
             raise LocalFleetError(f"node {node!r} is not part of this local fleet (nodes: {known})")
         return path
+
+
+GPU_BACKENDS = ("sim", "nvml")
 
 
 def free_port() -> int:
@@ -241,10 +252,22 @@ def up(
     broker: str = "auto",
     spares: int = 0,
     tls: bool = False,
+    gpu_backend: str = "sim",
 ) -> Fleet:
     """Start a fleet and return once every agent is up in the supervisor; ``spares`` of
     its idle nodes are held back as hot spares. With ``tls`` every HTTP hop is HTTPS,
-    with a throw-away CA and certificates made under ``DIR/tls``."""
+    with a throw-away CA and certificates made under ``DIR/tls``. ``gpu_backend``
+    "nvml": one agent (``nodes`` must be 1) on this machine's real GPUs, read through
+    NVML, its ranks on them (``gpus_per_node`` is then what NVML counts, not asked)."""
+    if gpu_backend not in GPU_BACKENDS:
+        raise LocalFleetError(
+            f"gpu_backend: {gpu_backend!r} is not one of {', '.join(GPU_BACKENDS)}"
+        )
+    if gpu_backend == "nvml" and nodes != 1:
+        raise LocalFleetError(
+            f"--nodes {nodes} with --gpu-backend nvml: one machine's GPUs are one node; "
+            "run one agent (--nodes 1), or simulated GPUs for a bigger local fleet"
+        )
     directory = directory.absolute()
     existing: Fleet | None = None
     with contextlib.suppress(LocalFleetError):
@@ -278,6 +301,7 @@ def up(
         broker_port,
         [],
         ca=str(authority.ca) if authority else "",
+        gpu_backend=gpu_backend,
     )
     try:
         broker_proc = start_broker(directory, broker_port, broker)
@@ -330,6 +354,7 @@ def up(
                     object_store=directory / "objects",
                     tls=authority.issue(node) if authority else None,
                     ca=authority.ca if authority else None,
+                    gpu_backend=gpu_backend,
                 )
             )
             # Ranks find this Python (and its torch) first on PATH, as in an activated venv.
@@ -363,17 +388,28 @@ def agent_toml(
     object_store: Path | None = None,
     tls: Issued | None = None,
     ca: Path | None = None,
+    gpu_backend: str = "sim",
+    xid_hold_s: float = 30.0,
 ) -> str:
     """An agent's config; ``object_store`` is the folder every node's object tier shares
     (so any node restores from it), as an S3 bucket would be. With ``tls`` the agent
-    serves HTTPS with that certificate, and verifies its peers against ``ca``."""
+    serves HTTPS with that certificate, and verifies its peers against ``ca``. With
+    ``gpu_backend`` "nvml" it reads this machine's real GPUs (``gpus`` unused) and
+    keeps an XID's reason for the agent's default hour, as on a GPU node; a simulated
+    one keeps it ``xid_hold_s``."""
+    if gpu_backend == "nvml":
+        gpu = '[gpu]\nbackend = "nvml"\nsample_interval_s = 1.0\n'
+        thresholds = "[thresholds]\nslowdown_sustain_s = 5\n"
+    else:
+        gpu = f'[gpu]\nbackend = "sim"\nsim_gpus = {gpus}\nsample_interval_s = 0.5\n'
+        thresholds = f"[thresholds]\nxid_hold_s = {xid_hold_s}\nslowdown_sustain_s = 5\n"
     return (
         f'node_id = "{node}"\naddress = "127.0.0.1"\nrack = "{rack}"\n'
         f'data_dir = "{data_dir}"\nheartbeat_interval_s = {heartbeat_s}\n'
         f"[mqtt]\nport = {broker_port}\nkeepalive_s = 5\n"
-        f'[gpu]\nbackend = "sim"\nsim_gpus = {gpus}\nsample_interval_s = 0.5\n'
-        "[thresholds]\nxid_hold_s = 30\nslowdown_sustain_s = 5\n"
-        "disk_drain_bytes = 0\ndisk_warn_fraction = 0.0\nload_warn_per_cpu = 64\n"
+        + gpu
+        + thresholds
+        + "disk_drain_bytes = 0\ndisk_warn_fraction = 0.0\nload_warn_per_cpu = 64\n"
         'mem_warn_fraction = 0.0\n[http]\nhost = "127.0.0.1"\nport = 0\n'
         + (f'token_file = "{token_file}"\n' if token_file else "")
         + (f'tls_cert_file = "{tls.cert}"\ntls_key_file = "{tls.key}"\n' if tls else "")

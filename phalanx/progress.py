@@ -40,7 +40,7 @@ MAX_GENERATION: Final = 2**63 - 1
 _JOB_RE = re.compile(JOB_ID_PATTERN)
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
 _REPORT_KEYS = frozenset({"v", "job", "generation", "rank", "pid", "kind", "step", "at", "scalars"})
-KINDS: Final = ("step", "restored", "finished")
+KINDS: Final = ("step", "restored", "finished", "guard", "digest")
 
 
 class ProgressError(ValueError):
@@ -54,7 +54,12 @@ class StepReport:
     ``kind="restored"``: the rank restored checkpoint ``step`` instead (once, at its
     start), ``scalars["took_s"]`` the seconds it took. ``kind="finished"``: the rank took
     its last step, ``step``; what it does from now on (evaluation, export, waiting for
-    the others) is no hang."""
+    the others) is no hang. ``kind="guard"``: the rank's loss guard tripped at ``step``
+    (:mod:`phalanx.guard`); ``scalars``: ``onset``, ``nan`` (1.0 for a NaN or infinite
+    loss, 0.0 for a spike), ``value`` (the first bad loss, when finite) and ``baseline``
+    (the mean before it, when known). ``kind="digest"``: the digest of the rank's
+    parameters after ``step`` (``phalanx.digest``), its 64 bits as ``scalars["hi"]`` and
+    ``scalars["lo"]`` (32 bits each, exact as floats)."""
 
     job: str
     generation: int
@@ -71,9 +76,14 @@ class Requests:
     """What the agent asks of the training loop; the answer to ``phalanx.rank.step``.
 
     ``save_now``: checkpoint at this step (the supervisor is about to preempt the job).
+    ``rollback``: this rank's loss guard tripped (:mod:`phalanx.guard`): train no further
+    and save nothing more; the supervisor stops the gang and rolls it back. Set by the
+    rank's own channel, never sent by the agent; not part of the truth value, which
+    stays ``save_now``.
     """
 
     save_now: bool = False
+    rollback: bool = False
 
     def __bool__(self) -> bool:
         return self.save_now

@@ -18,15 +18,35 @@ reports to detect hung ranks and answers with :class:`Requests`, e.g. ``save_now
 before the supervisor preempts the job. Answers are read without waiting, so the
 answer to one report is returned by the next call (a request is seen a step late).
 
+The job spec's ``guard:`` (``PHALANX_GUARD``, set by the supervisor) makes :func:`step`
+watch ``loss`` (:mod:`phalanx.guard`): on a NaN, or a spike that lasts, it tells the agent
+once and from then on answers ``rollback`` (train no further; ``ckpt.Checkpointer.save``
+saves nothing more); the supervisor stops the gang and restarts it from a checkpoint
+before the spike. The restarted ranks learn the steps to skip from :func:`skip` and
+:func:`next_step`, and an LR scale from :func:`lr_scale`::
+
+    step = phalanx.rank.next_step(start)
+    while step < steps:
+        loss = train_one_step(step, lr=base_lr * phalanx.rank.lr_scale(step))
+        if phalanx.rank.step(step, loss=loss).rollback:
+            hold()  # until the supervisor stops this rank
+        step = phalanx.rank.next_step(step + 1)
+
 Each rank binds its own datagram socket for the replies (an abstract-namespace
 address on Linux, else a file in a private temporary folder removed on close);
 a reply counts only when it comes from the agent's socket path.
+
+:func:`checkpointer` is the rank's ``ckpt.Checkpointer`` with its optimizers attached
+(lazy saves), made once per process; a torchrun-style script needs one line::
+
+    ckpt = phalanx.rank.checkpointer(optimizer)  # under Phalanx: the agent's tiers
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import socket
@@ -35,8 +55,22 @@ import tempfile
 import time
 import weakref
 from collections.abc import Mapping
-from typing import Final
+from typing import TYPE_CHECKING, Any, Final
 
+from phalanx.elastic import Elastic, ElasticSampler
+from phalanx.elastic import from_environment as _elastic_from_environment
+from phalanx.guard import (
+    ENV_GUARD,
+    ENV_LR_SCALE,
+    ENV_SKIP,
+    GuardError,
+    LossGuard,
+    Trip,
+    parse_lr_scale,
+    parse_rule,
+    parse_skip,
+)
+from phalanx.guard import next_step as _next_step
 from phalanx.progress import (
     MAX_MESSAGE_BYTES,
     NO_REQUESTS,
@@ -47,15 +81,29 @@ from phalanx.progress import (
     report_prefix,
 )
 
+if TYPE_CHECKING:
+    import torch
+
+    from ckpt import Checkpointer
+
 __all__ = [
     "ENV_SOCKET",
+    "Elastic",
+    "ElasticSampler",
     "RankChannel",
     "Requests",
     "channel",
+    "checkpointer",
+    "digest",
     "drops",
+    "elastic",
     "finished",
+    "lr_scale",
+    "next_step",
     "restored",
+    "skip",
     "step",
+    "tripped",
 ]
 
 log = logging.getLogger(__name__)
@@ -65,15 +113,17 @@ ENV_SOCKET: Final = "PHALANX_PROGRESS_SOCKET"
 # for this long: a failed send costs more than a successful one.
 NO_AGENT_RETRY_S: Final = 1.0
 _SAVE_NOW: Final = Requests(save_now=True)
+_ROLLBACK: Final = Requests(rollback=True)
+_SAVE_NOW_ROLLBACK: Final = Requests(save_now=True, rollback=True)
 
 
 class RankChannel:
     """One rank's channel to its agent's progress socket at ``path`` (None: a no-op).
 
     ``sent`` counts the reports the kernel took, ``drops`` those it did not (no agent,
-    a full queue) or that could not be encoded. Not thread-safe: call it from the
-    training loop. An invalid ``job``, ``generation`` or ``rank`` raises
-    :class:`~phalanx.progress.ProgressError`.
+    a full queue) or that could not be encoded. ``guard``: judges every ``loss`` reported
+    (:mod:`phalanx.guard`). Not thread-safe: call it from the training loop. An invalid
+    ``job``, ``generation`` or ``rank`` raises :class:`~phalanx.progress.ProgressError`.
     """
 
     def __init__(
@@ -83,8 +133,10 @@ class RankChannel:
         job: str = "",
         generation: int = 0,
         rank: int = 0,
+        guard: LossGuard | None = None,
     ) -> None:
         self.path = os.fspath(path) if path else None
+        self.guard = guard if path else None
         self.job = job
         self.generation = generation
         self.rank = rank
@@ -110,7 +162,13 @@ class RankChannel:
             job = env["PHALANX_JOB_ID"]
             generation = int(env["PHALANX_GENERATION"])
             rank = int(env.get("RANK", "0"))
-            return cls(path, job=job, generation=generation, rank=rank)
+            guard = None
+            if rule := env.get(ENV_GUARD):
+                try:
+                    guard = LossGuard(parse_rule(rule))
+                except GuardError as exc:
+                    log.warning("the loss guard is off: %s", exc)
+            return cls(path, job=job, generation=generation, rank=rank, guard=guard)
         except (KeyError, ValueError) as exc:  # ProgressError is a ValueError
             log.warning(
                 "%s is set but the job's environment is not (%r): progress is not reported",
@@ -128,6 +186,13 @@ class RankChannel:
         sock = self._sock
         if sock is None:
             return NO_REQUESTS
+        guard = self.guard
+        if guard is not None:
+            if guard.tripped is not None:
+                return self._requests(sock)  # tripped: the supervisor rolls the gang back
+            loss = scalars.get("loss")
+            if loss is not None and (trip := guard.see(step, float(loss))) is not None:
+                self._tripped(trip)
         now = time.time()
         if now < self._retry_at:
             self.drops += 1
@@ -160,6 +225,28 @@ class RankChannel:
         (evaluation, export, waiting in a barrier) is not a hang."""
         self._send_kind("finished", step, {})
 
+    def digest(self, step: int, value: int) -> None:
+        """Report the digest of this rank's parameters after ``step`` (64 bits)."""
+        value &= (1 << 64) - 1
+        self._send_kind("digest", step, {"hi": float(value >> 32), "lo": float(value & 0xFFFFFFFF)})
+
+    def _tripped(self, trip: Trip) -> None:
+        log.error(
+            "phalanx.rank: the loss guard tripped at step %d (%s since step %d: %r, the "
+            "mean before it %r): training stops here; the supervisor rolls the gang back",
+            trip.step,
+            trip.kind,
+            trip.onset,
+            trip.value,
+            trip.baseline,
+        )
+        scalars = {"onset": float(trip.onset), "nan": 1.0 if trip.kind == "nan" else 0.0}
+        if math.isfinite(trip.value):
+            scalars["value"] = trip.value
+        if trip.baseline is not None:
+            scalars["baseline"] = trip.baseline
+        self._send_kind("guard", trip.step, scalars)
+
     def _send_kind(self, kind: str, step: int, scalars: Mapping[str, float]) -> None:
         sock = self._sock
         if sock is None:
@@ -182,6 +269,8 @@ class RankChannel:
                 continue  # not our agent's socket
             with contextlib.suppress(ProgressError):
                 save_now |= decode_requests(data).save_now
+        if self.guard is not None and self.guard.tripped is not None:
+            return _SAVE_NOW_ROLLBACK if save_now else _ROLLBACK
         return _SAVE_NOW if save_now else NO_REQUESTS
 
     def close(self) -> None:
@@ -258,3 +347,118 @@ def finished(step: int) -> None:
 def drops() -> int:
     """Reports of this process's channel that did not reach the agent."""
     return channel().drops
+
+
+_checkpointer: tuple[int, Checkpointer] | None = None
+
+
+def checkpointer(*optimizers: torch.optim.Optimizer, **options: Any) -> Checkpointer:
+    """This process's ``ckpt.Checkpointer``, made at the first call (again in a forked
+    child), with ``optimizers`` attached: its saves are lazy, each optimizer's next step
+    waiting for the copy (``Checkpointer.attach``; none given: saves copy everything
+    before they return). Under Phalanx it is the agent's (``Checkpointer()``); ``options``
+    go to ``Checkpointer`` at the first call (``dir=PATH`` to run the tiers in-process, by
+    hand). A later call attaches its optimizers to the same one and ignores ``options``.
+    The script still calls its ``close()`` (or ``wait()``) at the end."""
+    global _checkpointer
+    if _checkpointer is None or _checkpointer[0] != os.getpid() or _checkpointer[1].closed:
+        from ckpt import Checkpointer
+
+        _checkpointer = (os.getpid(), Checkpointer(**options))
+    return _checkpointer[1].attach(*optimizers)
+
+
+def tripped() -> Trip | None:
+    """The trip of this process's loss guard (None: it has not tripped, or there is none).
+    ``ckpt.Checkpointer.save`` saves nothing once it has: the weights are the spike's."""
+    current = _default
+    if current is None or current.pid != os.getpid() or current.guard is None:
+        return None
+    return current.guard.tripped
+
+
+_skips: tuple[str, tuple[tuple[int, int], ...]] | None = None
+_scale: tuple[str, float, int, int] | None = None
+
+
+def skip() -> tuple[tuple[int, int], ...]:
+    """The steps this job skips, as half-open ``(start, stop)`` ranges, sorted: the data
+    of every rollback so far (``PHALANX_SKIP``, set by the supervisor; empty without).
+    A step's data is what the rank reads for that step: a script whose data position is
+    its step (tinylm) skips those batches by skipping the steps (:func:`next_step`)."""
+    global _skips
+    text = os.environ.get(ENV_SKIP, "")
+    if _skips is None or _skips[0] != text:
+        ranges: tuple[tuple[int, int], ...] = ()
+        if text:
+            try:
+                ranges = parse_skip(text)
+            except GuardError as exc:
+                log.error("no step is skipped: %s", exc)
+        _skips = (text, ranges)
+    return _skips[1]
+
+
+def elastic() -> Elastic | None:
+    """This generation's batch layout when the job spec is elastic (``elastic:``): the
+    global batch, micro batch, data-parallel size and accumulation steps, which change
+    when the gang shrinks or grows (:mod:`phalanx.elastic`); None otherwise. A
+    malformed layout raises ``ValueError``: training on a guessed batch would change
+    the run's learning dynamics behind its owner's back."""
+    return _elastic_from_environment()
+
+
+def next_step(step: int) -> int:
+    """The first step at or after ``step`` that :func:`skip` does not skip."""
+    return _next_step(step, skip())
+
+
+def lr_scale(step: int) -> float:
+    """The factor to scale the learning rate by at ``step``: the guard's ``lr_scale`` for
+    the steps after a rollback (``PHALANX_LR_SCALE``), else 1.0."""
+    global _scale
+    text = os.environ.get(ENV_LR_SCALE, "")
+    if not text:
+        return 1.0
+    if _scale is None or _scale[0] != text:
+        try:
+            parsed = parse_lr_scale(text)
+            _scale = (text, parsed.factor, parsed.start, parsed.until)
+        except GuardError as exc:
+            log.error("the learning rate is not scaled: %s", exc)
+            _scale = (text, 1.0, 0, 0)
+    _text, factor, start, until = _scale
+    return factor if start <= step < until else 1.0
+
+
+ENV_DIGEST_EVERY: Final = "PHALANX_DIGEST_EVERY"
+_every: tuple[str, int] | None = None
+
+
+def digest(step: int, model: object) -> int | None:
+    """Every ``sdc.every`` steps of the job spec (``PHALANX_DIGEST_EVERY``), the digest of
+    ``model``'s parameters after ``step`` (a ``torch.nn.Module`` or tensors), computed on
+    their device (:func:`phalanx.digest.digest`) and reported to the agent: the
+    supervisor compares the data-parallel replicas' and quarantines the node of the odd
+    one out. Other steps, or without the variable: None, at no cost. Call it after the
+    optimizer step, on every rank."""
+    global _every
+    text = os.environ.get(ENV_DIGEST_EVERY, "")
+    if not text:
+        return None
+    if _every is None or _every[0] != text:
+        try:
+            every = int(text)
+        except ValueError:
+            every = 0
+        if every < 1:
+            log.error("%s=%r is not a positive number of steps: no digest", ENV_DIGEST_EVERY, text)
+        _every = (text, every)
+    every = _every[1]
+    if every < 1 or step % every:
+        return None
+    from phalanx.digest import digest as compute
+
+    value = compute(model)
+    channel().digest(step, value)
+    return value

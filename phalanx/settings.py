@@ -118,6 +118,13 @@ class MqttSettings(_Section):
     connect_timeout_s: float = Field(default=10.0, gt=0, description="Timeout of one connect.")
     reconnect_initial_s: float = Field(default=0.2, gt=0, description="First reconnect delay.")
     reconnect_max_s: float = Field(default=10.0, gt=0, description="Reconnect delay cap.")
+    max_inflight: int = Field(
+        default=1000,
+        ge=1,
+        le=65535,
+        description="QoS 1 messages this client sends before the broker acknowledges any "
+        "(paho's default, 20, held a 1,024-node recovery's orders back in a queue).",
+    )
 
     def resolved(self) -> MqttSettings:
         """Read ``password_file`` into ``password``."""

@@ -13,8 +13,10 @@ topic                                  publisher  retain   payload
 ``phalanx/v1/node/{node}/heartbeat``   agent      no       :class:`Heartbeat`
 ``phalanx/v1/node/{node}/cmd``         supervisor no       :class:`Command`
 ``phalanx/v1/node/{node}/ack``         agent      no       :class:`CommandAck`
-``phalanx/v1/node/{node}/rank``        agent      no       :class:`RankEvent`
+``phalanx/v1/node/{node}/rank``        agent      no       :class:`RankEvent`,
+                                                           :class:`RankEvents`
 ``phalanx/v1/node/{node}/ckpt``        agent      no       :class:`CkptLanding`,
+                                                           :class:`CkptLandings`,
                                                            :class:`CkptReleased`
 ``phalanx/v1/node/{node}/metrics``     agent      no       :class:`MetricsBatch`
 ``phalanx/v1/job/{job}/ckpt/{node}``   supervisor yes      :class:`CkptCatalog`
@@ -47,8 +49,10 @@ from phalanx.wire._base import (
 )
 from phalanx.wire._ckpt import (
     MAX_CATALOG_STEPS,
+    MAX_LANDINGS_BATCHED,
     CkptCatalog,
     CkptLanding,
+    CkptLandings,
     CkptPlan,
     CkptReleased,
     CkptReport,
@@ -56,6 +60,7 @@ from phalanx.wire._ckpt import (
     CkptStep,
     CkptTierName,
     PeerAddr,
+    pack_landings,
 )
 from phalanx.wire._codec import MAX_PAYLOAD_BYTES, Inbound, Message, WireError, encode, parse
 from phalanx.wire._commands import (
@@ -74,6 +79,7 @@ from phalanx.wire._commands import (
     SaveNowArgs,
     StartRanksArgs,
     StopRanksArgs,
+    WarmPlan,
 )
 from phalanx.wire._metrics import (
     MAX_METRIC_NAMES,
@@ -95,9 +101,12 @@ from phalanx.wire._node import (
     NodeBirth,
     NodeDeath,
     RankEvent,
+    RankEvents,
+    RankReport,
     Reason,
     SupervisorStatus,
     Topology,
+    pack_rank_events,
 )
 from phalanx.wire._topics import (
     NODE_TOPIC_KINDS,
@@ -122,6 +131,7 @@ __all__ = [
     "JOB_ID_PATTERN",
     "MAX_CATALOG_STEPS",
     "MAX_I64",
+    "MAX_LANDINGS_BATCHED",
     "MAX_METRIC_NAMES",
     "MAX_METRIC_RANKS",
     "MAX_PAYLOAD_BYTES",
@@ -139,6 +149,7 @@ __all__ = [
     "BurnInArgs",
     "CkptCatalog",
     "CkptLanding",
+    "CkptLandings",
     "CkptPlan",
     "CkptReleased",
     "CkptReport",
@@ -167,6 +178,8 @@ __all__ = [
     "PeerAddr",
     "PingArgs",
     "RankEvent",
+    "RankEvents",
+    "RankReport",
     "RankSlot",
     "RankWindow",
     "Reason",
@@ -178,6 +191,7 @@ __all__ = [
     "StopRanksArgs",
     "SupervisorStatus",
     "Topology",
+    "WarmPlan",
     "WireError",
     "ack_topic",
     "agent_subscriptions",
@@ -191,6 +205,8 @@ __all__ = [
     "encode",
     "heartbeat_topic",
     "metrics_topic",
+    "pack_landings",
+    "pack_rank_events",
     "parse",
     "rank_topic",
 ]

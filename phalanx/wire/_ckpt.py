@@ -3,11 +3,31 @@ sends each node of a job, and the tiers a job's start order names."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Iterable
+from typing import Annotated, Literal
 
-from pydantic import Discriminator, Field, SecretStr, Tag, field_serializer
+from pydantic import (
+    BaseModel,
+    Discriminator,
+    Field,
+    SecretStr,
+    Tag,
+    field_serializer,
+    model_validator,
+)
 
-from phalanx.wire._base import MAX_I64, MAX_RANK, MAX_STEP, JobId, Msg, NodeId
+from phalanx.wire._base import (
+    MAX_BATCHED,
+    MAX_I64,
+    MAX_RANK,
+    MAX_STEP,
+    JobId,
+    Msg,
+    NodeId,
+    kind_or,
+    of_one_node,
+    pack_leading,
+)
 
 CkptTierName = Literal["ram", "nvme", "peer", "object"]
 
@@ -44,6 +64,39 @@ class CkptLanding(Msg):
         "since; for ``staged``, the generation that copied it)",
     )
     at: float
+
+
+MAX_LANDINGS_BATCHED = MAX_BATCHED  # landings in one CkptLandings (~300 bytes each)
+MAX_BATCHED_ERROR = 1024  # a landing with a longer error goes alone
+
+
+class CkptLandings(Msg):
+    """Several landings of one node in one message, in the order they happened: what
+    the agent's outbox holds when it sends (a step's ranks at a tier, retention's
+    deletions). At 2,048 nodes a checkpoint is 65,536 landings and as many deletions;
+    one message per rank made the broker and the supervisor carry eight times the
+    messages (issue 22). Same topic as ``CkptLanding``; a supervisor takes both, so
+    it is upgraded before the agents (docs/rollout.md)."""
+
+    kind: Literal["ckpt_batch"] = "ckpt_batch"
+    node: NodeId
+    landings: list[CkptLanding] = Field(min_length=1, max_length=MAX_LANDINGS_BATCHED)
+
+    @model_validator(mode="after")
+    def _of_its_node(self) -> CkptLandings:
+        of_one_node(self.node, self.landings, "a landing")
+        return self
+
+
+def pack_landings(queued: Iterable[BaseModel]) -> tuple[BaseModel, int]:
+    """The head of an agent's landing outbox: its first report, or the landings that
+    lead it as one :class:`CkptLandings` (a landing with a long error goes alone)."""
+    return pack_leading(
+        queued,
+        CkptLanding,
+        lambda m: len(m.error) <= MAX_BATCHED_ERROR,
+        lambda leading: CkptLandings(node=leading[0].node, landings=list(leading)),
+    )
 
 
 class CkptReleased(Msg):
@@ -99,6 +152,14 @@ class CkptStep(Msg):
     step: int = Field(ge=0, le=MAX_STEP)
     committed: dict[CkptTierName, float] = Field(description="tier -> commit time")
     shards: list[CkptShard]
+    world_size: int | None = Field(
+        default=None,
+        ge=1,
+        # Left out unless set: an agent from before it refuses a step that has it.
+        exclude_if=lambda world: world is None,
+        description="the ranks that saved the step, where not the catalog's `world_size` "
+        "(an elastic job's step saved at another size): its manifests say so",
+    )
 
 
 class CkptCatalog(Msg):
@@ -125,11 +186,27 @@ class CkptCatalog(Msg):
     steps: list[CkptStep] = Field(default_factory=list)
     restore_step: int | None = None
     restore_note: str = ""
+    hold: list[int] = Field(
+        default_factory=list,
+        max_length=8,
+        description="committed steps the tiers below RAM keep beyond `keep`: those the "
+        "loss guard may roll back to (see supervisor.catalog.guard_hold)",
+    )
     ended: bool = Field(
         default=False,
         description="the job succeeded or was cancelled, or "
         "failed `ckpt_failed_ram_linger_s` ago: agents free its RAM tier (the "
         "lower tiers keep what `keep` says)",
+    )
+    sources: dict[int, int] = Field(
+        default_factory=dict,
+        max_length=4096,
+        # Left out when empty: an agent from before it refuses a catalog that has it
+        # (the supervisor is upgraded first), and only an elastic job's resize needs it.
+        exclude_if=lambda sources: not sources,
+        description="an elastic gang of another size than the one that saved "
+        "`restore_step`: rank -> the saved rank whose shard of it the rank restores (this "
+        "node's ranks); a rank not listed restores its own",
     )
 
 
@@ -154,14 +231,9 @@ class CkptPlan(Msg):
     )
 
 
-def _ckpt_kind(value: Any) -> str:
-    """Which message a ``ckpt`` payload is: its ``kind``, ``ckpt`` (a landing) when it
-    names none, as a landing's ``kind`` has a default."""
-    kind = value.get("kind", "ckpt") if isinstance(value, dict) else getattr(value, "kind", "")
-    return kind if isinstance(kind, str) else ""
-
-
 CkptReport = Annotated[
-    Annotated[CkptLanding, Tag("ckpt")] | Annotated[CkptReleased, Tag("ckpt_released")],
-    Discriminator(_ckpt_kind),
+    Annotated[CkptLanding, Tag("ckpt")]
+    | Annotated[CkptReleased, Tag("ckpt_released")]
+    | Annotated[CkptLandings, Tag("ckpt_batch")],
+    Discriminator(kind_or("ckpt")),
 ]

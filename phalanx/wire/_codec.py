@@ -7,11 +7,19 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from phalanx.wire._base import Msg
-from phalanx.wire._ckpt import CkptCatalog, CkptLanding, CkptReleased, CkptReport
+from phalanx.wire._base import MAX_BATCH_BYTES, Msg
+from phalanx.wire._ckpt import CkptCatalog, CkptLanding, CkptLandings, CkptReleased, CkptReport
 from phalanx.wire._commands import Command, CommandAck
 from phalanx.wire._metrics import MetricsBatch
-from phalanx.wire._node import Heartbeat, NodeBirth, NodeDeath, RankEvent, SupervisorStatus
+from phalanx.wire._node import (
+    Heartbeat,
+    NodeBirth,
+    NodeDeath,
+    RankEvent,
+    RankEvents,
+    RankReport,
+    SupervisorStatus,
+)
 from phalanx.wire._topics import (
     PREFIX,
     SUPERVISOR_STATUS_TOPIC,
@@ -21,6 +29,7 @@ from phalanx.wire._topics import (
 )
 
 MAX_PAYLOAD_BYTES = 256 * 1024
+assert MAX_BATCH_BYTES * 2 <= MAX_PAYLOAD_BYTES  # a batch's envelope fits in the rest
 
 
 class WireError(ValueError):
@@ -40,8 +49,10 @@ Message = (
     | CommandAck
     | SupervisorStatus
     | RankEvent
+    | RankEvents
     | CkptLanding
     | CkptReleased
+    | CkptLandings
     | CkptCatalog
     | MetricsBatch
 )
@@ -53,11 +64,12 @@ _MODELS: dict[str, type[Msg]] = {
     "heartbeat": Heartbeat,
     "cmd": Command,
     "ack": CommandAck,
-    "rank": RankEvent,
+    "rank": RankEvent,  # or RankEvents: see _RANK_REPORT
     "ckpt": CkptLanding,  # or CkptReleased: see _CKPT_REPORT
     "metrics": MetricsBatch,
 }
-_CKPT_REPORT: TypeAdapter[CkptLanding | CkptReleased] = TypeAdapter(CkptReport)
+_CKPT_REPORT: TypeAdapter[CkptLanding | CkptReleased | CkptLandings] = TypeAdapter(CkptReport)
+_RANK_REPORT: TypeAdapter[RankEvent | RankEvents] = TypeAdapter(RankReport)
 
 
 @dataclass(frozen=True)
@@ -110,7 +122,11 @@ def parse(topic: str, payload: bytes | bytearray | str | None) -> Inbound:
     if not payload:
         return Inbound(node, None)
     if kind == "ckpt":
-        message = _validate(topic, _CKPT_REPORT, payload, "CkptLanding or CkptReleased")
+        message = _validate(
+            topic, _CKPT_REPORT, payload, "CkptLanding, CkptLandings or CkptReleased"
+        )
+    elif kind == "rank":
+        message = _validate(topic, _RANK_REPORT, payload, "RankEvent or RankEvents")
     else:
         message = _validate(topic, _MODELS[kind], payload)
     named = getattr(message, "node", node)

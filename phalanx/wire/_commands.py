@@ -44,6 +44,15 @@ class RankSlot(Msg):
     gpu: int | None = Field(default=None, description="GPU index on the node, None on CPU")
 
 
+class WarmPlan(Msg):
+    """The job keeps warm interpreters on the node: ready processes, one per local rank
+    slot, that become the slot's rank at its next start instead of a cold launch."""
+
+    imports: list[str] = Field(
+        default_factory=list, description="modules a warm interpreter imports while it waits"
+    )
+
+
 class StartRanksArgs(Msg):
     """Start this node's ranks of one job generation (idempotent for the same generation)."""
 
@@ -74,6 +83,10 @@ class StartRanksArgs(Msg):
         "reported a step for this long (None: derived from the observed step time, "
         "never under the agent's floor)",
     )
+    warm: WarmPlan | None = Field(
+        default=None,
+        description="keep warm interpreters behind the ranks (None: cold launches only)",
+    )
 
 
 class StopRanksArgs(Msg):
@@ -84,6 +97,11 @@ class StopRanksArgs(Msg):
     generation: int = Field(ge=1)
     grace_s: float = Field(default=30.0, gt=0)
     reason: str = ""
+    keep_warm: bool = Field(
+        default=False,
+        description="a stop on the way to the job's next generation (a recovery): the "
+        "job's warm interpreters stay, for it; otherwise they go with the ranks",
+    )
 
 
 class AllocPortArgs(Msg):

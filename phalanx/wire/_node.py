@@ -4,11 +4,21 @@ and the supervisor's status."""
 from __future__ import annotations
 
 import enum
-from typing import Literal
+from collections.abc import Iterable
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
 
-from phalanx.wire._base import MAX_STEP, JobId, Msg, NodeId
+from phalanx.wire._base import (
+    MAX_BATCHED,
+    MAX_STEP,
+    JobId,
+    Msg,
+    NodeId,
+    kind_or,
+    of_one_node,
+    pack_leading,
+)
 
 # --- health ---------------------------------------------------------------
 
@@ -141,6 +151,15 @@ class RankEvent(Msg):
     ``step`` in ``took_s`` seconds (``step`` None: it found nothing to restore).
     ``stepped`` (once per rank and generation): the rank reported its first step,
     ``step``. The supervisor times a recovery's restore and first-step phases by them.
+
+    ``guard`` (once per node and generation): a rank's loss guard tripped at step
+    ``step`` (``phalanx.guard``): ``guard`` says why (``nan``: a NaN or infinite loss;
+    ``loss_spike``: a loss above the guard's ratio for its patience), ``onset`` the step
+    the loss went bad, ``value`` the first bad loss (None when not finite) and
+    ``baseline`` the mean of the losses before it (None when not yet known).
+
+    ``digest``: the digest of the rank's parameters after step ``step``
+    (``phalanx.digest``, every ``sdc.every`` steps), in ``digest``.
     """
 
     kind: Literal["rank"] = "rank"
@@ -148,7 +167,7 @@ class RankEvent(Msg):
     job: JobId
     generation: int = Field(ge=1)
     rank: int = Field(ge=0)
-    event: Literal["started", "exited", "hung", "restored", "stepped"]
+    event: Literal["started", "exited", "hung", "restored", "stepped", "guard", "digest"]
     code: int | None = None
     signal: int | None = None
     pid: int | None = None
@@ -158,7 +177,45 @@ class RankEvent(Msg):
     detail: str = Field(default="", max_length=1000)
     dumps: list[str] = Field(default_factory=list, max_length=64)
     took_s: float | None = Field(default=None, ge=0)
+    guard: Literal["nan", "loss_spike"] | None = None
+    onset: int | None = Field(default=None, ge=0, le=MAX_STEP)
+    value: float | None = Field(default=None, allow_inf_nan=False)
+    baseline: float | None = Field(default=None, allow_inf_nan=False)
+    digest: int | None = Field(default=None, ge=0, le=2**64 - 1)
     at: float
+
+
+class RankEvents(Msg):
+    """Several rank events of one node in one message, in the order they happened: what
+    the agent's outbox holds when it sends (a generation's ranks starting, restoring,
+    stepping, exiting: 65,536 events a recovery at 2,048 nodes, issue 22). Same topic
+    as ``RankEvent``; a supervisor takes both, so it is upgraded before the agents."""
+
+    kind: Literal["rank_batch"] = "rank_batch"
+    node: NodeId
+    events: list[RankEvent] = Field(min_length=1, max_length=MAX_BATCHED)
+
+    @model_validator(mode="after")
+    def _of_its_node(self) -> RankEvents:
+        of_one_node(self.node, self.events, "an event")
+        return self
+
+
+def pack_rank_events(queued: Iterable[BaseModel]) -> tuple[BaseModel, int]:
+    """The head of an agent's rank-event outbox: its first event, or the events that lead
+    it as one :class:`RankEvents` (one naming flight-recorder dumps goes alone)."""
+    return pack_leading(
+        queued,
+        RankEvent,
+        lambda m: not m.dumps,
+        lambda leading: RankEvents(node=leading[0].node, events=list(leading)),
+    )
+
+
+RankReport = Annotated[
+    Annotated[RankEvent, Tag("rank")] | Annotated[RankEvents, Tag("rank_batch")],
+    Discriminator(kind_or("rank")),
+]
 
 
 class SupervisorStatus(Msg):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx import cli
+import phalanx.cli.commands as cli
 from phalanx.agent_tokens import AgentKeys, node_token, peer_credential
 from phalanx.local import free_port
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from phalanx import charts
+from phalanx.cli import charts
 
 
 def test_a_sparkline_goes_from_the_lowest_block_to_the_highest() -> None:
@@ -58,3 +58,16 @@ def test_the_summary_line_names_loss_throughput_step_time_and_stragglers() -> No
     )
     assert line == "step 120   loss 2.5   tokens/s 123,456   s/step 0.05   1 straggler(s)"
     assert charts.summary_line({"step": None}) is None
+
+
+def test_a_straggler_against_a_zero_median_reads_as_infinitely_slower() -> None:
+    """JSON has no infinity: the API writes a ratio over a median of 0 as null."""
+    summary = {
+        "stragglers": [
+            {"rank": 3, "node": "n1", "step_time_s": 0.5, "ratio": None, "median_s": 0.0}
+        ]
+    }
+
+    assert charts.straggler_lines(summary) == [
+        "straggler: rank 3 on n1: 0.5s a step, inf x the gang's median 0s"
+    ]

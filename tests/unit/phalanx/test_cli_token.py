@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx import cli
+from phalanx.cli import commands as cli
 
 TOKEN = "cli-token-0123456789abcdef"
 

@@ -27,7 +27,7 @@ from agentd.daemon import Agent
 from agentd.gpu.sim import SimBackend
 from agentd.http import make_app as agent_app
 from phalanx.http import BODY_TIMEOUT, serve
-from supervisor.api import make_app as supervisor_app
+from supervisor.api.app import make_app as supervisor_app
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import Supervisor
 

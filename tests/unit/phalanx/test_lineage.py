@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.charts import lineage_lines
+from phalanx.cli.charts import lineage_lines
 from phalanx.jobspec import JobSpecError, load_spec
 from phalanx.lineage import code_ref_of
-from supervisor.api import add_losses
-from supervisor.series import Point
+from supervisor.api.app import add_losses
+from supervisor.telemetry.series import Point
 
 BASE = """\
 name: tinylm

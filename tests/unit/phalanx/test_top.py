@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from phalanx.top import MAX_NODES_LISTED, frame, run
+from phalanx.cli.top import MAX_NODES_LISTED, frame, run
 
 
 def node(i: int, state: str = "up", rack: str = "r1", **extra: Any) -> dict[str, Any]:

@@ -174,10 +174,10 @@ def test_json_of_another_message_schema_raises_wire_error_naming_the_topic() -> 
     assert caught.value.topic == topic
 
 
-def test_a_checkpoint_report_of_neither_kind_raises_wire_error_naming_both() -> None:
+def test_a_checkpoint_report_of_no_kind_raises_wire_error_naming_each() -> None:
     topic = wire.ckpt_topic(NODE)
 
-    with pytest.raises(WireError, match="CkptLanding or CkptReleased invalid"):
+    with pytest.raises(WireError, match="CkptLanding, CkptLandings or CkptReleased invalid"):
         parse(topic, json.dumps({"kind": "ckpt_gone", "node": NODE, "job": "j"}).encode())
     with pytest.raises(WireError, match="job"):
         parse(topic, json.dumps({"kind": "ckpt_released", "node": NODE, "at": 1.0}).encode())
@@ -454,9 +454,9 @@ def _heartbeat_with(job: str) -> bytes:
 @pytest.mark.parametrize(
     ("topic", "payload", "model"),
     [
-        (wire.rank_topic(NODE), _rank_event, "RankEvent"),
+        (wire.rank_topic(NODE), _rank_event, "RankEvent or RankEvents"),
         (f"phalanx/v1/job/Bad_Job!/ckpt/{NODE}", _catalog, "CkptCatalog"),
-        (wire.ckpt_topic(NODE), _landing, "CkptLanding or CkptReleased"),
+        (wire.ckpt_topic(NODE), _landing, "CkptLanding, CkptLandings or CkptReleased"),
         (wire.heartbeat_topic(NODE), _heartbeat_with, "Heartbeat"),
     ],
     ids=["rank event", "catalog", "landing", "heartbeat's jobs"],
@@ -468,3 +468,16 @@ def test_a_message_naming_a_job_id_outside_the_pattern_is_a_wire_error_naming_th
 
     with pytest.raises(WireError, match=f"{model} invalid: .*job: String should match pattern"):
         parse(topic, payload("Bad_Job!"))
+
+
+def test_a_catalog_carries_its_restore_sources_only_when_it_has_some() -> None:
+    """An agent from before ``sources`` refuses a catalog that has the field (extra fields
+    are forbidden) and the supervisor is upgraded first: only an elastic job's resize
+    sends it."""
+    plain = wire.CkptCatalog(job="j-1", node=NODE, world_size=4, restore_step=20)
+    assert "sources" not in json.loads(wire.encode(plain))
+    resized = plain.model_copy(update={"sources": {2: 4, 3: 5}})
+    encoded = wire.encode(resized)
+    assert json.loads(encoded)["sources"] == {"2": 4, "3": 5}
+    got = wire.parse(wire.catalog_topic("j-1", NODE), encoded).message
+    assert isinstance(got, wire.CkptCatalog) and got.sources == {2: 4, 3: 5}

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from phalanx.cli_base import EXIT_OK, emit, table
+from phalanx.cli.base import EXIT_OK, emit, table
 from phalanx.client import Client
 
 ClientOf = Callable[[argparse.Namespace], Client]

@@ -8,24 +8,31 @@ from collections.abc import Callable
 from pathlib import Path
 
 from phalanx import local
-from phalanx.cli_base import EXIT_OK, EXIT_USAGE, CliError, emit, table
+from phalanx.cli.base import EXIT_OK, EXIT_USAGE, CliError, emit, table
 
 
 def cmd_local_up(args: argparse.Namespace) -> int:
-    print(
-        f"starting a local fleet of {args.nodes} nodes x {args.gpus_per_node} sim GPUs in "
-        f"{args.dir} ...",
-        file=sys.stderr,
-    )
+    nvml = args.gpu_backend == "nvml"
+    nodes = args.nodes if args.nodes is not None else (1 if nvml else 3)
+    if nvml:
+        what = "1 node on this machine's real GPUs (NVML)"
+    else:
+        what = f"{nodes} nodes x {args.gpus_per_node} sim GPUs"
+    if nvml and nodes != 1:
+        raise CliError(
+            f"--nodes {nodes} with --gpu-backend nvml: this machine's GPUs are one node", EXIT_USAGE
+        )
+    print(f"starting a local fleet of {what} in {args.dir} ...", file=sys.stderr)
     fleet = local.up(
         Path(args.dir),
-        nodes=args.nodes,
+        nodes=nodes,
         gpus_per_node=args.gpus_per_node,
         nodes_per_rack=args.nodes_per_rack,
         timeout=args.timeout,
         broker=args.broker,
         spares=args.spares,
         tls=args.tls,
+        gpu_backend=args.gpu_backend,
     )
     print(
         f"local fleet up: API {fleet.api}; point the CLI at it with:\n"
@@ -48,7 +55,7 @@ def cmd_local_env(args: argparse.Namespace) -> int:
 
 def cmd_local_inject(args: argparse.Namespace) -> int:
     fleet = local.Fleet.load(Path(args.dir).absolute())
-    from agentd.gpu.sim import inject
+    from phalanx.simgpu import inject
 
     try:
         inject(fleet.sim_file(args.node), args.gpu, args.fault)
@@ -83,7 +90,9 @@ def add_parser(
     out: Callable[[argparse.ArgumentParser], None],
 ) -> None:
     """The ``local`` command and its subcommands, under ``sub``."""
-    lp = sub.add_parser("local", help="a whole fleet on this machine (sim GPUs)")
+    lp = sub.add_parser(
+        "local", help="a whole fleet on this machine (sim GPUs, or its real GPUs as one node)"
+    )
     lsub = lp.add_subparsers(dest="local_command", required=True)
 
     def ldir(sp: argparse.ArgumentParser) -> None:
@@ -94,8 +103,19 @@ def add_parser(
         )
 
     sp = lsub.add_parser("up", help="start broker, supervisor and agents")
-    sp.add_argument("--nodes", type=int, default=3)
-    sp.add_argument("--gpus-per-node", type=int, default=4)
+    sp.add_argument(
+        "--nodes", type=int, default=None, help="agents (default 3; 1 with --gpu-backend nvml)"
+    )
+    sp.add_argument(
+        "--gpus-per-node", type=int, default=4, help="simulated GPUs per agent (sim only)"
+    )
+    sp.add_argument(
+        "--gpu-backend",
+        choices=list(local.GPU_BACKENDS),
+        default="sim",
+        help="sim: simulated GPUs (faults by `local inject`); nvml: one agent on this "
+        "machine's real NVIDIA GPUs, NVML health, ranks on them (CUDA_VISIBLE_DEVICES)",
+    )
     sp.add_argument("--nodes-per-rack", type=int, default=2)
     sp.add_argument(
         "--spares",
@@ -124,7 +144,7 @@ def add_parser(
     sp = lsub.add_parser("inject", help="inject a fault into a node's simulated GPU")
     sp.add_argument("--node", required=True)
     sp.add_argument("--gpu", type=int, required=True)
-    from agentd.gpu.sim import FAULTS
+    from phalanx.simgpu import FAULTS
 
     sp.add_argument("--fault", required=True, choices=FAULTS)
     ldir(sp)

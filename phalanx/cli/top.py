@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any, Final
 
-from phalanx.charts import figure
+from phalanx.cli.charts import figure
 
 MAX_NODES_LISTED: Final = 12
 MAX_RACKS_LISTED: Final = 16

@@ -6,7 +6,7 @@ but shows the token to every user of the machine in ``ps``); an ``https://`` API
 verified against the CA in ``$PHALANX_CA`` (or ``--ca``), else the system's CA
 store. ``eval "$(phalanx local env)"`` sets them for a local fleet. A token has a role
 (viewer, member of a team, operator, admin); an admin makes them with ``phalanx token``
-(:mod:`phalanx.cli_tokens`). Tables go to stdout by default,
+(:mod:`phalanx.cli.tokens`). Tables go to stdout by default,
 stable JSON with ``-o json``; messages go to stderr.
 
 ``phalanx agent-token --secret-file S NODE`` needs no API: it prints the node's agent
@@ -20,7 +20,9 @@ Exit codes:
   3  not found (an unknown node, no local fleet)
   4  refused (e.g. undraining a node that still reports drain reasons, or a request
      outside the token's role)
-  5  `submit --wait`: the job ended failed or cancelled
+  5  `submit --wait`: the job ended failed or cancelled, or can never start on this fleet
+     (it needs more nodes, GPUs or racks than the fleet has, even with every node back);
+     `sweep submit --wait`: the sweep ended without a best trial
   141  stdout was a pipe its reader closed (`phalanx local env | head -1`): nothing is
      printed about it, as with other Unix tools
 """
@@ -37,8 +39,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from phalanx import agent_tokens, charts, cli_local, cli_tokens, local, top
-from phalanx.cli_base import (
+from phalanx import agent_tokens, local
+from phalanx.cli import charts, top
+from phalanx.cli import local as cli_local
+from phalanx.cli import sweeps as cli_sweeps
+from phalanx.cli import tokens as cli_tokens
+from phalanx.cli.base import (
     EXIT_BROKEN_PIPE,
     EXIT_FAILED,
     EXIT_JOB_FAILED,
@@ -48,14 +54,15 @@ from phalanx.cli_base import (
     EXIT_USAGE,
     CliError,
 )
-from phalanx.cli_base import (
+from phalanx.cli.base import (
     emit as _emit,
 )
-from phalanx.cli_base import (
+from phalanx.cli.base import (
     table as _table,
 )
+from phalanx.cli.incidents import ettr_text, incident_lines
 from phalanx.client import ApiError, Client
-from phalanx.jobspec import JobSpecError, load_spec_file
+from phalanx.jobspec import JobSpec, JobSpecError, load_spec_file
 from phalanx.lineage import code_ref_of
 
 
@@ -190,14 +197,34 @@ def cmd_submit(args: argparse.Namespace) -> int:
     job = _call(client.post, "/v1/jobs", {"spec": body})
     print(job["id"])
     print(f"submitted {job['id']} ({spec.world_size} ranks on {spec.nodes} nodes)", file=sys.stderr)
+    if spec.elastic is not None:
+        print(elastic_sizes_text(spec), file=sys.stderr)
     if not args.wait:
         return EXIT_OK
-    final = _wait_job(client, job["id"])
+    final = _wait_job(client, job["id"], until_never=True)
+    if final["state"] == "pending":  # it can never start: waiting would be forever
+        print(
+            f"phalanx: job {final['id']} {final['waiting']['detail']}; it stays pending "
+            f"until the fleet grows or it is cancelled (phalanx cancel {final['id']})",
+            file=sys.stderr,
+        )
+        return EXIT_JOB_FAILED
     print(f"job {final['id']} {final['state']}: {final['reason'] or ''}", file=sys.stderr)
     return EXIT_OK if final["state"] == "succeeded" else EXIT_JOB_FAILED
 
 
-def _wait_job(client: Client, job_id: str) -> dict[str, Any]:
+def _never_starts(job: dict[str, Any]) -> bool:
+    """Whether ``job`` waits for what the fleet cannot give it: more nodes, GPUs, racks
+    or a GPU type than it has even with every drained, offline or spare node back
+    (the scheduler's "can never start"). sbatch would refuse such a job."""
+    waiting = job.get("waiting") or {}
+    detail = str(waiting.get("detail") or "")
+    return job["state"] == "pending" and detail.startswith("can never start")
+
+
+def _wait_job(client: Client, job_id: str, *, until_never: bool = False) -> dict[str, Any]:
+    """Poll the job until it ends; with ``until_never``, also until it is pending with no
+    chance to start (`_never_starts`), and return it then."""
     last_state = None
     while True:
         job: dict[str, Any] = _call(client.get, f"/v1/jobs/{job_id}")
@@ -211,6 +238,8 @@ def _wait_job(client: Client, job_id: str) -> dict[str, Any]:
             print(f"job {job_id}: {job['state']}{extra}", file=sys.stderr)
             last_state = job["state"]
         if job["state"] in ("succeeded", "failed", "cancelled"):
+            return job
+        if until_never and _never_starts(job):
             return job
         time.sleep(0.5)
 
@@ -291,6 +320,21 @@ def _page_args(args: argparse.Namespace) -> str:
     )
 
 
+def elastic_sizes_text(spec: JobSpec) -> str:
+    """What an elastic spec allows: each size, its data-parallel size and accumulation."""
+    e = spec.elastic
+    assert e is not None
+    per = spec.ranks_per_node
+    sizes = ", ".join(
+        f"{n} ({n * per} ranks, accumulation {e.accumulation(n, per)})"
+        for n in spec.elastic_sizes()
+    )
+    return (
+        f"elastic: global batch {e.global_batch} in micro batches of {e.micro_batch}; "
+        f"allowed sizes in nodes: {sizes}"
+    )
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     j = _call(_client(args).get, f"/v1/jobs/{args.job}")
     lines = [
@@ -299,6 +343,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"world size:  {j['world_size']}   generation: {j['generation']}   "
         f"master: {j['master'] or '-'}",
     ]
+    if (e := j.get("elastic")) is not None:
+        lines.append(
+            f"elastic:     {e['nodes']} of {e['of_nodes']} nodes (min {e['min_nodes']}), "
+            f"data-parallel {e['dp_size']}, global batch {e['global_batch']} = micro batch "
+            f"{e['micro_batch']} x {e['dp_size']} x accumulation {e['accumulation']}"
+        )
     if j.get("waiting") and j["state"] in ("pending", "recovering"):
         lines.append(f"waiting:     {j['waiting']['reason']}: {j['waiting']['detail']}")
     first, this = j.get("first_started_at") or j["started_at"], j["started_at"]
@@ -307,15 +357,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         + (f" (generation {j['generation']}: {_when(this)})" if this and this != first else "")
         + f"   ended: {_when(j['ended_at'])}"
     )
-    goodput = j.get("goodput") or {}
-    if goodput.get("ettr") is not None:
+    if (ettr := ettr_text(j.get("goodput") or {})) is not None:
+        rollbacks = f"rollbacks: {j['rollbacks']}   " if j.get("rollbacks") else ""
         lines.append(
-            f"restarts:    {j.get('restarts', 0)} of {j.get('max_restarts')}   "
-            f"ETTR: {goodput['ettr'] * 100:.1f}% (lost {goodput['lost_s']:.1f}s of "
-            f"{goodput['wall_s']:.1f}s)"
+            f"restarts:    {j.get('restarts', 0)} of {j.get('max_restarts')}   {rollbacks}{ettr}"
         )
     for incident in j.get("incidents") or []:
-        lines.extend(_incident_lines(incident))
+        lines.extend(incident_lines(incident))
     if (training := charts.summary_line(j.get("summary"))) is not None:
         lines.append(f"training:    {training}")
         lines.extend(f"             {s}" for s in charts.straggler_lines(j["summary"]))
@@ -346,38 +394,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         table += "\n\n" + _table(rows, ["RANK", "NODE", "LOCAL", "EXIT"])
     _emit(args, j, table)
     return EXIT_OK
-
-
-PHASES = ("detect", "plan", "stop", "launch", "restore", "first_step")
-
-
-def _incident_lines(incident: dict[str, Any]) -> list[str]:
-    """One recovery: what failed, what was done, how long each phase took, what it lost."""
-    failure = (incident.get("failures") or [{}])[0]
-    plan = incident.get("plan") or {}
-    where = (
-        f"rank {failure['rank']} on {failure.get('node')}"
-        if failure.get("rank") is not None
-        else f"node {failure.get('node')}"
-    )
-    phases = incident.get("phases") or {}
-    timing = "  ".join(f"{p} {phases[p]:.2f}s" for p in PHASES if phases.get(p) is not None)
-    lost = incident.get("lost_steps")
-    out = [
-        f"generation {incident.get('generation')}: {failure.get('kind')} ({where}) -> "
-        f"{plan.get('action', '-')}: {incident.get('outcome')}",
-        f"    {plan.get('reason', '')}",
-    ]
-    if timing:
-        out.append(f"    phases: {timing}")
-    if incident.get("mttr_s") is not None:
-        out.append(
-            f"    MTTR {incident['mttr_s']:.2f}s; restored step "
-            f"{incident.get('restored_step')}; lost "
-            f"{'-' if lost is None else lost} step(s), {incident['lost_work_s']:.2f}s "
-            "of work"
-        )
-    return out
 
 
 def _when(ts: float | None) -> str:
@@ -509,7 +525,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--wait",
         action="store_true",
-        help="wait for the job to end; exit 0 if it succeeded, 5 otherwise",
+        help="wait for the job to end; exit 0 if it succeeded, 5 otherwise (it failed, was "
+        "cancelled, or can never start on this fleet)",
     )
     sp.add_argument(
         "--code-ref",
@@ -562,6 +579,7 @@ def parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_ckpt_ls)
 
     cli_tokens.add_parser(sub, out, _client, _call)
+    cli_sweeps.add_parser(sub, out, _client, _call)
     cli_local.add_parser(sub, out)
     agent_tokens.add_parser(sub)
     return p

@@ -102,9 +102,17 @@ def metrics_table(data: dict[str, Any], width: int = 40) -> str:
 def straggler_lines(summary: dict[str, Any]) -> list[str]:
     return [
         f"straggler: rank {s['rank']} on {s.get('node') or '?'}: {s['step_time_s']:.4g}s a "
-        f"step, {s['ratio']:.2f}x the gang's median {s['median_s']:.4g}s"
+        f"step, {_ratio(s.get('ratio'))} the gang's median {s['median_s']:.4g}s"
         for s in summary.get("stragglers") or []
     ]
+
+
+def _ratio(ratio: float | None) -> str:
+    """A straggler's ratio to the median: JSON has no infinity (a median of 0 gives
+    one), which the API writes as null."""
+    if ratio is None or ratio != ratio or ratio == float("inf"):
+        return "inf x"
+    return f"{ratio:.2f}x"
 
 
 def summary_line(summary: dict[str, Any] | None) -> str | None:
