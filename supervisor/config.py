@@ -36,12 +36,61 @@ class TeamSettings(BaseModel):
     weight: float = Field(default=1.0, gt=0, description="Fair-share weight.")
 
 
+class StoreSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(
+        default="",
+        description="The store's database: empty for SQLite at STATE_DIR/state.db (the "
+        "default, for one host), or `postgresql://USER@HOST:PORT/DB` for PostgreSQL "
+        "(libpq's URL: `?host=/run/postgresql` for a unix socket, `sslmode=...`). Keep "
+        "the password out of it: libpq reads PGPASSFILE (or ~/.pgpass). The backups "
+        "below are SQLite's; PostgreSQL is backed up with its own tools.",
+    )
+
+    backup_path: Path | None = Field(
+        default=None,
+        description="Folder of the store's rolling online backups: whole copies of "
+        "state.db named state-<UTC time>.db, each checked with quick_check before it is "
+        "renamed in place. Put it on another disk or a network mount, so that it outlives "
+        "the state disk. Unset: STATE_DIR/backup.",
+    )
+    backup_interval_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="Seconds between two backups (the first once the newest one in the "
+        "folder is this old, so restarts do not add any); 0: no backups.",
+    )
+    backup_keep: int = Field(
+        default=12,
+        ge=1,
+        description="Backups kept: once a new one is in place the oldest beyond this are "
+        "removed (a copy that fails its check never replaces one).",
+    )
+
+    @field_validator("backup_path")
+    @classmethod
+    def _absolute(cls, value: Path | None) -> Path | None:
+        return None if value is None else value.expanduser().absolute()
+
+    @field_validator("url")
+    @classmethod
+    def _postgresql(cls, value: str) -> str:
+        if value and not value.startswith(("postgresql://", "postgres://")):
+            raise ValueError(
+                "must be empty (SQLite under state_dir) or a postgresql:// URL, "
+                f"not {value.split('://')[0]!r}"
+            )
+        return value
+
+
 class SupervisorSettings(BaseSettings):
     model_config = SettingsConfigDict(extra="forbid")
 
     state_dir: Path = Field(
         default=Path("/var/lib/phalanx-supervisor"),
-        description="Holds the SQLite store (state.db).",
+        description="Holds the SQLite store (state.db) and the sweeps' Optuna journal "
+        "(sweeps.journal).",
     )
     offline_after_s: float = Field(
         default=15.0,
@@ -61,7 +110,7 @@ class SupervisorSettings(BaseSettings):
         gt=0,
         le=300,
         description="Seconds between writes of the jobs' training metrics: one point per "
-        "series and job (supervisor.metrics).",
+        "series and job (supervisor.telemetry.training).",
     )
     straggler_margin: float = Field(
         default=0.2,
@@ -78,15 +127,15 @@ class SupervisorSettings(BaseSettings):
         default=2,
         ge=1,
         description="A node whose ranks are stragglers in at least this many jobs at once gets "
-        "a `warn` reason `straggler` (supervisor.slow_nodes): no new work lands on it until "
-        "the flags clear or the jobs end. 1: a straggler in any one job is enough. Two jobs "
+        "a `warn` reason `straggler` (supervisor.telemetry.slow_nodes): no new work lands on it "
+        "until the flags clear or the jobs end. 1: a straggler in any one job is enough. Two jobs "
         "at once on one node means jobs that take part of a node's GPUs: on a fleet of "
         "whole-node jobs only 1 ever fires.",
     )
     gpu_peak_flops: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
         default_factory=dict,
         description="Peak FLOP/s of one GPU by its exact model name, for a job's MFU; models "
-        "not named here use supervisor.mfu.PEAKS (dense BF16 figures of known GPUs).",
+        "not named here use supervisor.telemetry.mfu.PEAKS (dense BF16 figures of known GPUs).",
     )
     spares: int = Field(default=0, ge=0, description="Healthy idle nodes held back as hot spares.")
     ckpt_node_mtbf_h: float = Field(
@@ -136,6 +185,7 @@ class SupervisorSettings(BaseSettings):
     log_json: bool = Field(default=False, description="Log JSON lines instead of text.")
     mqtt: MqttSettings = Field(default_factory=MqttSettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
+    store: StoreSettings = Field(default_factory=StoreSettings)
 
     @field_validator("state_dir")
     @classmethod
@@ -155,6 +205,13 @@ class SupervisorSettings(BaseSettings):
                 "the agents over HTTPS"
             )
         return self
+
+    def backup_dir(self) -> Path | None:
+        """Where the store's backups go; None: no backups (``store.backup_interval_s`` 0,
+        or the store is PostgreSQL's)."""
+        if self.store.backup_interval_s == 0 or self.store.url:
+            return None
+        return self.store.backup_path or self.state_dir / "backup"
 
     def agent_ssl(self) -> ssl.SSLContext | None:
         """What the supervisor verifies agents with; ``None``: plain HTTP."""

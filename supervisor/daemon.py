@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import TracebackType
 
 from phalanx import wire
@@ -14,17 +14,20 @@ from phalanx.agent_tokens import AgentKeys, read_secret
 from phalanx.link import LinkDown, MqttLink, Will
 from phalanx.settings import ConfigError
 from phalanx.tasks import Deadline, supervised
-from supervisor.api import start_api
-from supervisor.catalog import CheckpointCatalog
-from supervisor.commands import Commands
+from supervisor.api.app import start_api
+from supervisor.backup import StoreBackups
+from supervisor.checkpoints.catalog import CheckpointCatalog
+from supervisor.checkpoints.publisher import CatalogPublisher
 from supervisor.config import SupervisorSettings
-from supervisor.controller import JobController
+from supervisor.control.controller import JobController
 from supervisor.errors import StoreError
-from supervisor.metrics import TrainingMetrics
-from supervisor.publisher import CatalogPublisher
-from supervisor.registry import Registry
-from supervisor.slow_nodes import SlowNode
+from supervisor.fleet.commands import Commands
+from supervisor.fleet.registry import Registry
 from supervisor.store import Store
+from supervisor.sweeps import Sweeps
+from supervisor.telemetry.slow_nodes import SlowNode
+from supervisor.telemetry.training import TrainingMetrics
+from supervisor.telemetry.wire_stats import WireStats
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,9 @@ OFFLINE_CONFIRM_S = 2.0
 # The whole shutdown's deadline (systemd's TimeoutStopSec is 30 s): what runs past it is
 # cancelled, and a job's persisted state tells the next supervisor what to take up.
 SHUTDOWN_S = 5.0
+# The store's writes from the fleet (node events, a gang's rank exits) are written
+# together this long after the first of them (or before any other write).
+WRITE_SOON_S = 0.25
 
 
 class Supervisor:
@@ -53,10 +59,25 @@ class Supervisor:
             except ValueError as exc:
                 raise ConfigError(f"agent_token_file: {exc}") from exc
         self.agent_keys = AgentKeys(self.agent_token)
-        self.store = Store(settings.state_dir / "state.db")
+        backup_dir = settings.backup_dir()
+        self.store = Store(
+            settings.state_dir / "state.db", backups=backup_dir, url=settings.store.url or None
+        )
+        self.backups = (
+            StoreBackups(
+                self.store.path,
+                backup_dir,
+                interval_s=settings.store.backup_interval_s,
+                keep=settings.store.backup_keep,
+            )
+            if backup_dir is not None
+            else None
+        )
+        self.store.defer(self._flush_soon)
         self.registry = Registry(self.store, offline_after_s=settings.offline_after_s)
         self.started_at = time.time()
         self.bad_messages = 0
+        self.wire_stats = WireStats()  # messages taken by kind, heartbeat lag
         # When the link to the broker last came up (None: down) and went down, on the
         # registry's clock: a node offline is acted on only once the link stayed up.
         self.link_since: float | None = None
@@ -105,11 +126,35 @@ class Supervisor:
             gpu_model=self._gpu_model,
             gpu_peaks=settings.gpu_peak_flops,
         )
+        # A trial's last windows: the agent's (default) window and two of ours.
+        self.sweeps = Sweeps(
+            settings.state_dir,
+            self.jobs,
+            self.store,
+            settle_s=wire.METRICS_INTERVAL_S + 2 * settings.metrics_interval_s,
+        )
         self.api_port = 0
         # What takes work: the REST API and the loops (timeouts, scheduling passes).
         self._serving = contextlib.AsyncExitStack()
         self._loops: list[asyncio.Task[None]] = []
         self._linked = False
+
+    def _flush_soon(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop yet (a store touched while the daemon is built)
+            self._flush_store()
+            return
+        loop.call_later(WRITE_SOON_S, self._flush_store)
+
+    def _flush_store(self) -> None:
+        try:
+            self.store.flush()
+        except StoreError as exc:
+            log.error(
+                "%d store write(s) not written yet, trying again: %s", self.store.pending, exc
+            )
+            asyncio.get_running_loop().call_later(1.0, self._flush_store)
 
     def _on_slow_nodes(self, slow: Mapping[str, SlowNode]) -> None:
         if self.registry.mark_slow(slow):
@@ -129,6 +174,9 @@ class Supervisor:
             self._loops.append(group.create_task(supervised("timeouts", self._timeout_loop)))
             self._loops.append(group.create_task(supervised("jobs", self.jobs.loop)))
             self._loops.append(group.create_task(supervised("metrics", self.metrics.loop)))
+            self._loops.append(group.create_task(supervised("sweeps", self.sweeps.loop)))
+            if self.backups is not None:
+                self._loops.append(group.create_task(supervised("backup", self.backups.loop)))
             self.jobs.resume()
         except BaseException:
             for task in self._loops:
@@ -191,6 +239,8 @@ class Supervisor:
                 )
         self.publisher.stop()
         self.jobs.close()
+        if self.backups is not None:
+            self.backups.close()  # a copy in flight ends at its next step
         for task in self._loops:
             task.cancel()
         await self._serving.aclose()
@@ -202,6 +252,8 @@ class Supervisor:
         tb: TracebackType | None,
     ) -> None:
         self.commands.cancel_waits()
+        if self.backups is not None:
+            self.backups.close()
         try:
             if self._linked:
                 await self.link.__aexit__(exc_type, exc, tb)
@@ -238,12 +290,17 @@ class Supervisor:
 
     def offline_confirmed(self, offline_at: float) -> bool:
         """Whether a node offline since ``offline_at`` (registry clock) is offline for sure:
-        the supervisor's link has been up for ``OFFLINE_CONFIRM_S`` since then (a will the
+        the supervisor's link has been up, and its messages handled, for
+        ``OFFLINE_CONFIRM_S`` since then (a will the
         broker sent as it went down is taken back when the link returns, see
         :meth:`Registry.revive`)."""
         if not self.link.connected or self.link_since is None:
             return False
-        return self.registry.clock() - max(offline_at, self.link_since) >= OFFLINE_CONFIRM_S
+        # Only as far as the supervisor has handled what it received: a broker that kept
+        # the sessions across its restart delivers the wills it sent as it went down
+        # first, and the nodes' new births after them, queued behind.
+        heard_until = self.registry.clock() - self.link.behind_s
+        return heard_until - max(offline_at, self.link_since) >= OFFLINE_CONFIRM_S
 
     async def _on_message(self, topic: str, payload: bytes) -> None:
         try:
@@ -253,6 +310,7 @@ class Supervisor:
             log.warning("dropped: %s", exc)
             return
         msg = inbound.message
+        self.wire_stats.on_message(msg, time.time())
         match msg:
             case wire.Heartbeat():
                 before = self.registry.nodes.get(msg.node)
@@ -265,10 +323,18 @@ class Supervisor:
                         self.jobs.wake()
             case wire.RankEvent():
                 self.jobs.on_rank_event(msg)
+            case wire.RankEvents():
+                for event in msg.events:
+                    with _each(event):
+                        self.jobs.on_rank_event(event)
             case wire.MetricsBatch():
                 self.metrics.on_batch(msg)
             case wire.CkptLanding():
                 self.publisher.on_landing(msg)
+            case wire.CkptLandings():
+                for landing in msg.landings:
+                    with _each(landing):
+                        self.publisher.on_landing(landing)
             case wire.CkptReleased():
                 self.publisher.on_release(msg)
             case wire.NodeBirth():
@@ -295,5 +361,22 @@ class Supervisor:
                     self.link_lost_at = self.registry.clock()
                     self.link_since = None
                 continue
-            if self.registry.check_timeouts():
+            # Heartbeats waiting in our own queue are no node's silence: a supervisor
+            # behind on its messages (busy, or starved of CPU) must not judge its fleet
+            # offline and quarantine it.
+            if self.registry.check_timeouts(behind_s=self.link.behind_s):
                 self.jobs.wake()
+
+
+@contextlib.contextmanager
+def _each(message: wire.RankEvent | wire.CkptLanding) -> Iterator[None]:
+    """One message of a batch: one that fails is logged and dropped, the rest of its
+    batch is still taken (as each was when it came alone)."""
+    try:
+        yield
+    except Exception:
+        log.exception(
+            "handler failed on a %s of node %s in a batch; it is dropped",
+            message.kind,
+            message.node,
+        )

@@ -1,7 +1,7 @@
 """The supervisor's errors, one family: each carries the ids that matter as attributes.
 
 Nothing here knows HTTP: the REST API maps each error to its status
-(:func:`supervisor.api.http_status`). The pure scheduler keeps its own family
+(:func:`supervisor.api.app.http_status`). The pure scheduler keeps its own family
 (:mod:`supervisor.scheduler`), as it imports nothing of the supervisor's.
 """
 
@@ -68,6 +68,27 @@ class StoreError(SupervisorError):
     def __init__(self, path: Path, message: str) -> None:
         super().__init__(message)
         self.path = path
+
+
+class StoreCorrupt(StoreError):
+    """The state database is damaged (SQLite says the disk image is malformed, or the file
+    is not a database); ``detail``: what SQLite found, ``backups``: the folder of the
+    rolling backups to restore from (None: none configured)."""
+
+    def __init__(self, path: Path, detail: str, backups: Path | None) -> None:
+        where = (
+            f"copy the newest state-*.db of {backups} in its place"
+            if backups is not None
+            else "copy a backup of it in its place"
+        )
+        super().__init__(
+            path,
+            f"the supervisor store {path} is corrupt ({detail}); to recover, stop the "
+            f"supervisor, move {path.name} and its -wal and -shm files aside, {where}, and "
+            "start it again (docs/operations.md, 'The store's safety')",
+        )
+        self.detail = detail
+        self.backups = backups
 
 
 class Unauthorized(SupervisorError):

@@ -14,7 +14,7 @@ States and the only legal moves between them (anything else raises
 ``recovering``: a rank, GPU or node failed and the job has restarts left; its
 ranks are stopped everywhere (each node keeps the job's RAM tier), a failed
 node is swapped for a spare, and the next generation starts from the newest
-checkpoint the whole gang can read (:mod:`supervisor.recovery`).
+checkpoint the whole gang can read (:mod:`supervisor.recovery.executor`).
 
 A job runs as numbered *generations*: every launch and every in-place restart
 increments it, and every command and rank event carries it, so nothing from an
@@ -26,9 +26,11 @@ from __future__ import annotations
 import enum
 import secrets
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from phalanx import wire
 from phalanx.jobspec import JobSpec
 from supervisor.errors import IllegalTransition
 
@@ -129,6 +131,61 @@ class Job:
     ran_before_s: float = 0.0
     # Per generation: [first step, its time, last step seen, its time] (for lost work).
     progress: dict[str, list[float]] = field(default_factory=dict)
+    # Every rollback of a loss guard's trip (supervisor.recovery.rollbacks), oldest first: when,
+    # the generation it rolled back, the step restored ("after"), the steps skipped.
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
+    # A loss guard's trip that came while a recovery's launch was being acknowledged
+    # (the ranks hold meanwhile): taken once the generation runs. Not persisted.
+    guard_pending: Any = None
+    # The step the gang restores from, as the catalog last published it (None: nothing
+    # committed). Not persisted: each launch publishes it first.
+    published_restore: int | None = None
+    # Each recent generation's world size (an elastic job's change): a late landing of
+    # an earlier generation commits when that generation's ranks all landed.
+    worlds: dict[str, int] = field(default_factory=dict)
+    # ``ranks`` indexed by rank and by node, built once per list of places (a new
+    # generation assigns a new list): a 16,384-rank gang looked a rank up in the whole
+    # list for every rank event, 268 million comparisons a step (issue 22).
+    _index: tuple[list[RankPlace], dict[int, RankPlace], dict[str, list[RankPlace]]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    _clean: tuple[list[RankPlace] | None, int] = field(
+        default=(None, 0), init=False, repr=False, compare=False
+    )
+
+    def _places(self) -> tuple[dict[int, RankPlace], dict[str, list[RankPlace]]]:
+        index = self._index
+        if index is None or index[0] is not self.ranks or len(index[1]) != len(self.ranks):
+            by_rank = {r.rank: r for r in self.ranks}
+            by_node: dict[str, list[RankPlace]] = {}
+            for r in self.ranks:
+                by_node.setdefault(r.node, []).append(r)
+            index = self._index = (self.ranks, by_rank, by_node)
+        return index[1], index[2]
+
+    def all_exited_clean(self) -> bool:
+        """Whether every rank of the generation exited 0. Asked at each rank's exit: it
+        goes on from where it stopped last time (a rank that exited 0 stays so)."""
+        ranks, (of, upto) = self.ranks, self._clean
+        i = upto if of is ranks else 0
+        while i < len(ranks) and ranks[i].exited and ranks[i].clean:
+            i += 1
+        self._clean = (ranks, i)
+        return i == len(ranks)
+
+    @property
+    def world_size(self) -> int:
+        """The current generation's ranks: an elastic job's may be fewer than its spec's."""
+        return len(self.nodes) * self.spec.ranks_per_node if self.nodes else self.spec.world_size
+
+    def place(self, rank: int) -> RankPlace | None:
+        """Where ``rank`` runs in the current generation (None: not placed)."""
+        return self._places()[0].get(rank)
+
+    def places_on(self, node: str) -> list[RankPlace]:
+        """The current generation's ranks on ``node``, in rank order."""
+        return list(self._places()[1].get(node, ()))
 
     @staticmethod
     def new_id(name: str) -> str:
@@ -153,8 +210,9 @@ class Job:
             "team": self.spec.team,
             "priority": self.spec.priority,
             "state": self.state.value,
-            "world_size": self.spec.world_size,
+            "world_size": self.world_size,
             "nodes": list(self.nodes),
+            "elastic": self.elastic_view(),
             "ranks": [
                 {
                     "rank": r.rank,
@@ -181,11 +239,45 @@ class Job:
             "preemptions": self.preemptions,
             "restarts": self.restarts,
             "max_restarts": self.spec.restart.max_restarts,
+            "rollbacks": sum(1 for r in self.rollbacks if r.get("kind") != "sdc"),
+            "skipped_steps": [r["skip"] for r in self.rollbacks if r.get("skip")],
             "recovery": self.recovery,
             "incidents": self.incidents[-MAX_INCIDENTS_SHOWN:],
             "goodput": self.goodput(),
             "summary": summary,
             "spec": self.spec.redacted(),
+        }
+
+    def world_size_of(self, generation: int) -> int:
+        """The world size generation ``generation`` ran with (the current one's when not
+        recorded: a job from before they were)."""
+        return self.worlds.get(str(generation), self.world_size)
+
+    def size(self) -> dict[str, Any]:
+        """The current generation's size: nodes, ranks and (elastic) accumulation steps;
+        each incident keeps the one of the generation it ended."""
+        e, n = self.spec.elastic, len(self.nodes) or self.spec.nodes
+        return {
+            "nodes": n,
+            "world_size": n * self.spec.ranks_per_node,
+            "accumulation": e.accumulation(n, self.spec.ranks_per_node) if e else None,
+        }
+
+    def elastic_view(self) -> dict[str, Any] | None:
+        """An elastic job's size now: nodes, data-parallel size, accumulation steps."""
+        e = self.spec.elastic
+        if e is None:
+            return None
+        n = len(self.nodes) or self.spec.nodes
+        return {
+            "nodes": n,
+            "of_nodes": self.spec.nodes,
+            "min_nodes": e.min_nodes,
+            "sizes": self.spec.elastic_sizes(),
+            "dp_size": n * self.spec.ranks_per_node,
+            "global_batch": e.global_batch,
+            "micro_batch": e.micro_batch,
+            "accumulation": e.accumulation(n, self.spec.ranks_per_node),
         }
 
     def note_step(self, generation: int, step: int, at: float) -> None:
@@ -210,28 +302,43 @@ class Job:
     def goodput(self, now: float | None = None) -> dict[str, Any]:
         """ETTR: time on steps that count over wall time since the first start. Lost: each
         recovery's downtime (failure to the next generation's first step) and the steps
-        trained after the step it restored, at that generation's step time."""
+        trained after the step it restored, at that generation's step time.
+
+        A job that reports no steps leaves an incident's lost work unknown (what it
+        trained since its own last snapshot, Phalanx cannot see) and its downtime ending
+        at the start acks: ``lost_work_unknown`` counts such incidents, and ``ettr`` is
+        then an upper bound (``ettr_upper_bound``), never a figure that calls it 0."""
         if self.first_started_at is None:
             return {
                 "ettr": None,
+                "ettr_upper_bound": False,
                 "wall_s": 0.0,
                 "lost_s": 0.0,
                 "downtime_s": 0.0,
                 "lost_work_s": 0.0,
+                "lost_work_unknown": 0,
             }
         end = self.ended_at or (now if now is not None else time.time())
         wall = max(end - self.first_started_at, 1e-9)
         down = sum(i.get("downtime_s") or 0.0 for i in self.incidents)
         work = sum(i.get("lost_work_s") or 0.0 for i in self.incidents)
+        unknown = sum(1 for i in self.incidents if "lost_work_s" in i and i["lost_work_s"] is None)
+        # downtime to the start acks only: the first step never came (or not yet)
+        untimed = any(
+            i.get("outcome") == "recovered" and "mttr_s" in i and i["mttr_s"] is None
+            for i in self.incidents
+        )
         if self.recovery is not None and self.recovery.get("detected_at"):
             down += max(0.0, end - self.recovery["detected_at"])  # the one going on now
         lost = min(wall, down + work)
         return {
             "ettr": round((wall - lost) / wall, 4),
+            "ettr_upper_bound": bool(unknown) or untimed,
             "wall_s": round(wall, 2),
             "lost_s": round(lost, 2),
             "downtime_s": round(down, 2),
             "lost_work_s": round(work, 2),
+            "lost_work_unknown": unknown,
         }
 
     def record(self) -> dict[str, Any]:
@@ -257,6 +364,8 @@ class Job:
             "first_started_at": self.first_started_at,
             "ran_before_s": self.ran_before_s,
             "progress": self.progress,
+            "rollbacks": self.rollbacks,
+            "worlds": self.worlds,
         }
 
     @classmethod
@@ -284,4 +393,22 @@ class Job:
             first_started_at=rec.get("first_started_at"),
             ran_before_s=rec.get("ran_before_s", 0.0),
             progress=dict(rec.get("progress", {})),
+            rollbacks=list(rec.get("rollbacks", [])),
+            worlds={str(k): int(v) for k, v in rec.get("worlds", {}).items()},
         )
+
+
+def is_void(step: int, generation: int, rollbacks: Sequence[Mapping[str, int]]) -> bool:
+    """Whether a save of ``step`` by ``generation`` is one a rollback voided: the step is
+    newer than the one a rollback restored, and the generation is one it rolled back."""
+    return any(step > r["after"] and generation <= r["generation"] for r in rollbacks)
+
+
+def void_landing(job: Job, msg: wire.CkptLanding) -> bool:
+    """Whether a checkpoint landing is a late one of a save a rollback voided."""
+    return bool(job.rollbacks) and is_void(msg.step, msg.generation, job.rollbacks)
+
+
+def hold_steps(job: Job) -> int | None:
+    """How far back retention keeps one committed step for the guard (None: no guard)."""
+    return job.spec.guard.hold_steps if job.spec.guard is not None else None

@@ -1,27 +1,50 @@
-"""The supervisor's persistent store: SQLite under the state directory.
+"""The supervisor's persistent store: SQLite under the state directory, or PostgreSQL
+(``store.url``; :mod:`supervisor.store_db` says how one set of queries serves both).
 
 Only what must survive a restart is written: a node's identity, its drain and
 last known health and state, the event log, the checkpoint catalog, the jobs'
-downsampled metric series (``supervisor.series_rows``) and the API tokens, hashed
-(``supervisor.token_rows``). Heartbeats that change
+downsampled metric series (``supervisor.telemetry.rows``) and the API tokens, hashed
+(``supervisor.auth.rows``). Heartbeats that change
 nothing never touch the disk. Writes are small and synchronous (WAL mode), so
 that a change acknowledged to an operator is on disk.
+
+The writes that come by the thousand from the fleet (a node's events and record at a
+birth or a heartbeat timeout, a 16,384-rank gang's exits) may be written *soon*
+instead (:meth:`Store.add_event_soon`, :meth:`~Store.save_node_soon`,
+:meth:`~Store.save_job_soon`) once the daemon has said how (:meth:`Store.defer`):
+queued, a record's JSON built only when written (the newest one per node or job),
+and written together, in one transaction, within ``defer``'s delay or before any
+other write, so the event log keeps its order. Without ``defer`` they are written at
+once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from supervisor.errors import StoreError
-from supervisor.series_rows import SeriesRows, open_series
-from supervisor.token_rows import TOKEN_SCHEMA, TokenRows
+from supervisor.errors import StoreCorrupt, StoreError
+from supervisor.store_db import DB_ERRORS, Cursor, Db, PgDb, open_pg, redacted
+from supervisor.store_guard import GuardedConnection, is_corrupt, quick_check
+
+log = logging.getLogger(__name__)
+
+_SAVE_NODE = (
+    "INSERT INTO nodes (id, record, updated_at) VALUES (?, ?, ?) "
+    "ON CONFLICT(id) DO UPDATE SET record = excluded.record, updated_at = excluded.updated_at"
+)
+_SAVE_JOB = (
+    "INSERT INTO jobs (id, state, record, updated_at) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT(id) DO UPDATE SET state = excluded.state, record = excluded.record, "
+    "updated_at = excluded.updated_at"
+)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -95,7 +118,7 @@ class CatalogQueries:
     """The checkpoint catalog's reads, on ``self._db``: the store's own connection, or a
     snapshot's (``Store.snapshot``)."""
 
-    _db: sqlite3.Connection
+    _db: Db
 
     def commits(self, job: str) -> list[tuple[int, str, float]]:
         rows = self._db.execute(
@@ -147,54 +170,217 @@ class CatalogQueries:
         return {str(r[0]) for r in rows}
 
 
-class Store(CatalogQueries, SeriesRows, TokenRows):
-    def __init__(self, path: Path) -> None:
+class Store(CatalogQueries):
+    """SQLite at ``path``, or PostgreSQL at ``url`` (``supervisor.store_db``; ``path`` then
+    only names the store in its errors). ``backups``: the folder of the store's rolling
+    backups (``supervisor.backup``), named in the message that refuses a damaged store.
+    A store found damaged at open is refused (:class:`StoreCorrupt`); one met damaged
+    later raises it from the read or write that met it, and ``corrupt`` keeps it
+    (``supervisor.store_guard``)."""
+
+    def __init__(self, path: Path, *, backups: Path | None = None, url: str | None = None) -> None:
         self.path = path
+        self._wing_tables: set[str] = set()
+        # The writes queued by the *_soon methods, in order: (key, sql, args), where a key
+        # (a node's or a job's record) holds the newest only; args is a thunk for those.
+        self._soon: list[tuple[str | None, str, Callable[[], tuple[Any, ...]]]] = []
+        self._soon_keys: dict[str, int] = {}
+        self._schedule: Callable[[], None] | None = None
+        self.backups = backups
+        self.corrupt: StoreCorrupt | None = None
+        self.url = url  # PostgreSQL's (None: SQLite at ``path``)
+        self.where = redacted(url) if url is not None else str(path)  # in messages
+        if url is not None:
+            try:
+                self._db = open_pg(url, path)
+            except DB_ERRORS as exc:  # a StoreError (the server away) passes as it is
+                raise StoreError(
+                    path, f"cannot open the supervisor store {self.where}: {exc}"
+                ) from exc
+            return
+        db: GuardedConnection | None = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(SCHEMA)
-            open_series(self._db)
-            self._db.executescript(TOKEN_SCHEMA)
-            columns = {r[1] for r in self._db.execute("PRAGMA table_info(ckpt_shards)")}
+            db = sqlite3.connect(
+                path, isolation_level=None, check_same_thread=False, factory=GuardedConnection
+            )
+            found = quick_check(db)  # before anything is loaded from it or written to it
+            if found is not None:
+                raise StoreCorrupt(path, found, backups)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            db.executescript(SCHEMA)
+            columns = {r[1] for r in db.execute("PRAGMA table_info(ckpt_shards)")}
             if "generation" not in columns:  # a store from before landings had one
-                self._db.execute(
+                db.execute(
                     "ALTER TABLE ckpt_shards ADD COLUMN generation INTEGER NOT NULL DEFAULT 0"
                 )
-        except (OSError, sqlite3.Error) as exc:
+        except (OSError, sqlite3.Error, StoreError) as exc:
+            if db is not None:
+                db.close()
+            if isinstance(exc, StoreError):
+                raise
+            if is_corrupt(exc):
+                raise StoreCorrupt(path, str(exc), backups) from exc
             raise StoreError(path, f"cannot open the supervisor store {path}: {exc}") from exc
+        db.on_corrupt = self._on_corrupt
+        self._db = db
+
+    def _on_corrupt(self, exc: sqlite3.DatabaseError) -> NoReturn:
+        """A damaged page met at runtime: said once, loudly; the caller gets StoreCorrupt."""
+        err = StoreCorrupt(self.path, str(exc), self.backups)
+        if self.corrupt is None:
+            log.critical(
+                "%s. Until then the supervisor runs on what it holds in memory, and "
+                "what it cannot read or write is lost",
+                err,
+            )
+        self.corrupt = err
+        raise err from exc
 
     def close(self) -> None:
+        with contextlib.suppress(StoreError):
+            self.flush()
         self._db.close()
+
+    @property
+    def db(self) -> Db:
+        """The store's connection, for a wing's rows (``telemetry.rows``, ``auth.rows``):
+        each wing creates its own tables and reads and writes them through it, with
+        :meth:`write` and :meth:`batch` for the writes."""
+        return self._db
+
+    def open_tables(self, name: str, create: Callable[[sqlite3.Connection], None]) -> None:
+        """Create (or migrate) a wing's SQLite tables with ``create``, once per open store:
+        the wing owns its schema, the store its file and transactions. On PostgreSQL the
+        schema of every wing is made at open (``supervisor.store_db``), so this does nothing."""
+        if name in self._wing_tables or self.url is not None:
+            return
+        assert isinstance(self._db, sqlite3.Connection)
+        try:
+            create(self._db)
+        except sqlite3.Error as exc:
+            raise StoreError(
+                self.path, f"cannot open the {name} tables of the store {self.path}: {exc}"
+            ) from exc
+        self._wing_tables.add(name)
+
+    def write(self, sql: str, args: tuple[Any, ...]) -> Cursor:
+        """One write; a failure is a :class:`StoreError` naming the store's file."""
+        return self._write(sql, args)
+
+    def _snapshot_db(self) -> Db:
+        if self.url is not None:
+            return PgDb(self.url, self.path, read_only_snapshot=True)
+        db = sqlite3.connect(
+            f"{self.path.resolve().as_uri()}?mode=ro",
+            uri=True,
+            isolation_level=None,
+            check_same_thread=False,
+        )
+        db.execute("BEGIN")
+        return db
+
+    # --- writes soon ----------------------------------------------------------------
+
+    def defer(self, schedule: Callable[[], None] | None) -> None:
+        """Write the ``*_soon`` writes later: ``schedule()`` is called when the first
+        one is queued and must see that :meth:`flush` runs soon (the daemon's event loop
+        calls it after a short delay). None: write them at once."""
+        self._schedule = schedule
+
+    def _queue(self, key: str | None, sql: str, args: Callable[[], tuple[Any, ...]]) -> None:
+        if self._schedule is None:
+            self._write(sql, args())
+            return
+        if key is not None and key in self._soon_keys:
+            self._soon[self._soon_keys[key]] = (key, sql, args)
+            return
+        if key is not None:
+            self._soon_keys[key] = len(self._soon)
+        self._soon.append((key, sql, args))
+        if len(self._soon) == 1:
+            self._schedule()
+
+    @property
+    def pending(self) -> int:
+        """Writes queued by the ``*_soon`` methods, not yet written."""
+        return len(self._soon)
+
+    def flush(self) -> None:
+        """Write what the ``*_soon`` methods queued, in one transaction. On an error
+        they stay queued (and the error is raised)."""
+        if not self._soon:
+            return
+        queued = self._soon
+        try:
+            if self._db.in_transaction:  # within a batch: its transaction holds them
+                for _key, sql, args in queued:
+                    self._db.execute(sql, args())
+            else:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    for _key, sql, args in queued:
+                        self._db.execute(sql, args())
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+        except DB_ERRORS as exc:
+            raise StoreError(
+                self.path, f"cannot write the supervisor store {self.where}: {exc}"
+            ) from exc
+        self._soon, self._soon_keys = [], {}
+
+    def add_event_soon(self, kind: str, node: str | None, detail: dict[str, Any]) -> None:
+        """:meth:`add_event`, written soon (see :meth:`defer`)."""
+        row = (time.time(), kind, node, json.dumps(detail))
+        self._queue(
+            None, "INSERT INTO events (ts, kind, node, detail) VALUES (?, ?, ?, ?)", lambda: row
+        )
+
+    def save_node_soon(self, node_id: str, record: Callable[[], dict[str, Any]]) -> None:
+        """:meth:`save_node` of the newest ``record()``, written soon."""
+        self._queue(
+            f"node:{node_id}",
+            _SAVE_NODE,
+            lambda: (node_id, json.dumps(record()), time.time()),
+        )
+
+    def save_job_soon(
+        self, job_id: str, state: Callable[[], str], record: Callable[[], dict[str, Any]]
+    ) -> None:
+        """:meth:`save_job` of the newest ``state()`` and ``record()``, written soon."""
+        self._queue(
+            f"job:{job_id}",
+            _SAVE_JOB,
+            lambda: (job_id, state(), json.dumps(record()), time.time()),
+        )
 
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[CatalogQueries]:
         """The catalog's reads on a connection of their own, for another thread: one read
-        transaction, so they see one committed state (WAL: never a batch in progress on
-        the store's connection, never one that is rolled back), while the event loop
-        keeps writing."""
+        transaction, so they see one committed state (WAL, or PostgreSQL's repeatable
+        read: never a batch in progress on the store's connection, never one that is
+        rolled back), while the event loop keeps writing."""
         try:
-            db = sqlite3.connect(
-                f"{self.path.resolve().as_uri()}?mode=ro",
-                uri=True,
-                isolation_level=None,
-                check_same_thread=False,
-            )
-            db.execute("BEGIN")
+            db = self._snapshot_db()
             db.execute("SELECT 1 FROM ckpt_commits LIMIT 1").fetchall()  # the snapshot starts
-        except sqlite3.Error as exc:
+        except DB_ERRORS as exc:
+            if is_corrupt(exc):
+                self._on_corrupt(exc)
             raise StoreError(
-                self.path, f"cannot read the supervisor store {self.path}: {exc}"
+                self.path, f"cannot read the supervisor store {self.where}: {exc}"
             ) from exc
         view = CatalogQueries()
         view._db = db
         try:
             yield view
-        except sqlite3.Error as exc:
+        except DB_ERRORS as exc:
+            if is_corrupt(exc):
+                self._on_corrupt(exc)
             raise StoreError(
-                self.path, f"cannot read the supervisor store {self.path}: {exc}"
+                self.path, f"cannot read the supervisor store {self.where}: {exc}"
             ) from exc
         finally:
             db.close()
@@ -207,23 +393,26 @@ class Store(CatalogQueries, SeriesRows, TokenRows):
         if self._db.in_transaction:
             yield
             return
+        self.flush()  # what was queued before goes first, on its own
         try:
             self._db.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as exc:
+        except DB_ERRORS as exc:
             raise StoreError(
-                self.path, f"cannot write the supervisor store {self.path}: {exc}"
+                self.path, f"cannot write the supervisor store {self.where}: {exc}"
             ) from exc
         try:
             yield
         except BaseException:
-            self._db.execute("ROLLBACK")
+            with contextlib.suppress(*DB_ERRORS, StoreError):  # the error says what failed
+                self._db.execute("ROLLBACK")
             raise
         try:
             self._db.execute("COMMIT")
-        except sqlite3.Error as exc:
-            self._db.execute("ROLLBACK")
+        except DB_ERRORS as exc:
+            with contextlib.suppress(*DB_ERRORS, StoreError):
+                self._db.execute("ROLLBACK")
             raise StoreError(
-                self.path, f"cannot write the supervisor store {self.path}: {exc}"
+                self.path, f"cannot write the supervisor store {self.where}: {exc}"
             ) from exc
 
     def load_nodes(self) -> dict[str, dict[str, Any]]:
@@ -231,32 +420,22 @@ class Store(CatalogQueries, SeriesRows, TokenRows):
         return {node_id: json.loads(record) for node_id, record in rows}
 
     def save_node(self, node_id: str, record: dict[str, Any]) -> None:
-        self._write(
-            "INSERT INTO nodes (id, record, updated_at) VALUES (?, ?, ?) "
-            "ON CONFLICT(id) DO UPDATE SET record = excluded.record, "
-            "updated_at = excluded.updated_at",
-            (node_id, json.dumps(record), time.time()),
-        )
+        self._write(_SAVE_NODE, (node_id, json.dumps(record), time.time()))
 
     def load_jobs(self) -> dict[str, dict[str, Any]]:
         rows = self._db.execute("SELECT id, record FROM jobs").fetchall()
         return {job_id: json.loads(record) for job_id, record in rows}
 
     def save_job(self, job_id: str, state: str, record: dict[str, Any]) -> None:
-        self._write(
-            "INSERT INTO jobs (id, state, record, updated_at) VALUES (?, ?, ?, ?) "
-            "ON CONFLICT(id) DO UPDATE SET state = excluded.state, record = excluded.record, "
-            "updated_at = excluded.updated_at",
-            (job_id, state, json.dumps(record), time.time()),
-        )
+        self._write(_SAVE_JOB, (job_id, state, json.dumps(record), time.time()))
 
     def add_event(self, kind: str, node: str | None, detail: dict[str, Any]) -> Event:
         ts = time.time()
         cur = self._write(
-            "INSERT INTO events (ts, kind, node, detail) VALUES (?, ?, ?, ?)",
+            "INSERT INTO events (ts, kind, node, detail) VALUES (?, ?, ?, ?) RETURNING id",
             (ts, kind, node, json.dumps(detail)),
         )
-        return Event(int(cur.lastrowid or 0), ts, kind, node, detail)
+        return Event(int(cur.fetchone()[0]), ts, kind, node, detail)
 
     def events(
         self, *, node: str | None = None, job: str | None = None, limit: int = 100, after: int = 0
@@ -308,8 +487,11 @@ class Store(CatalogQueries, SeriesRows, TokenRows):
         generation: int = 0,
     ) -> None:
         self._write(
-            "INSERT OR REPLACE INTO ckpt_shards (job, step, tier, rank, node, holder, nbytes, "
-            "checksum, at, generation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO ckpt_shards (job, step, tier, rank, node, holder, nbytes, "
+            "checksum, at, generation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (job, step, tier, rank) DO UPDATE SET node = excluded.node, "
+            "holder = excluded.holder, nbytes = excluded.nbytes, checksum = excluded.checksum, "
+            "at = excluded.at, generation = excluded.generation",
             (job, step, tier, rank, node, holder, nbytes, checksum, at, generation),
         )
 
@@ -355,8 +537,8 @@ class Store(CatalogQueries, SeriesRows, TokenRows):
 
     def add_commit(self, job: str, step: int, tier: str, at: float) -> bool:
         cur = self._write(
-            "INSERT OR IGNORE INTO ckpt_commits (job, step, tier, committed_at) "
-            "VALUES (?, ?, ?, ?)",
+            "INSERT INTO ckpt_commits (job, step, tier, committed_at) "
+            "VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
             (job, step, tier, at),
         )
         return cur.rowcount > 0
@@ -366,7 +548,8 @@ class Store(CatalogQueries, SeriesRows, TokenRows):
         with self.batch():
             for node in nodes:
                 self._write(
-                    "INSERT OR IGNORE INTO ckpt_ended_catalogs (job, node) VALUES (?, ?)",
+                    "INSERT INTO ckpt_ended_catalogs (job, node) VALUES (?, ?) "
+                    "ON CONFLICT DO NOTHING",
                     (job, node),
                 )
 
@@ -412,10 +595,12 @@ class Store(CatalogQueries, SeriesRows, TokenRows):
             (int(r[0]), str(r[1]), int(r[2]), str(r[3]), r[4], int(r[5]), str(r[6])) for r in rows
         ]
 
-    def _write(self, sql: str, args: tuple[Any, ...]) -> sqlite3.Cursor:
+    def _write(self, sql: str, args: tuple[Any, ...]) -> Cursor:
+        self.flush()  # the writes queued soon go first: the event log keeps its order
         try:
-            return self._db.execute(sql, args)
-        except sqlite3.Error as exc:
+            cur: Cursor = self._db.execute(sql, args)
+            return cur
+        except DB_ERRORS as exc:
             raise StoreError(
-                self.path, f"cannot write the supervisor store {self.path}: {exc}"
+                self.path, f"cannot write the supervisor store {self.where}: {exc}"
             ) from exc

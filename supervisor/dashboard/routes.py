@@ -15,10 +15,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from phalanx.http import json_body
+from phalanx.http import json_body, json_response
+from supervisor.auth.tokens import Tokens
 from supervisor.dashboard.session import clear_session, csrf_ok, set_session
 from supervisor.errors import Unauthorized
-from supervisor.tokens import Tokens
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def load_assets(root: Path = STATIC) -> dict[str, Asset]:
 
 
 def _json_error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status, headers=HEADERS)
+    return json_response({"error": message}, status=status, headers=HEADERS)
 
 
 def add_routes(app: web.Application, tokens: Tokens) -> frozenset[web.AbstractResource]:
@@ -113,14 +113,14 @@ def add_routes(app: web.Application, tokens: Tokens) -> frozenset[web.AbstractRe
         except Unauthorized as exc:
             log.warning("dashboard login refused from %s: %s", request.remote, exc)
             return _json_error(401, str(exc))
-        response = web.json_response({"ok": True, "token": who.view()}, headers=HEADERS)
+        response = json_response({"ok": True, "token": who.view()}, headers=HEADERS)
         set_session(response, request, who)
         return response
 
     async def logout(request: web.Request) -> web.Response:
         if not csrf_ok(request):
             return _json_error(403, "a logout must come from the dashboard (X-Phalanx-CSRF)")
-        response = web.json_response({"ok": True}, headers=HEADERS)
+        response = json_response({"ok": True}, headers=HEADERS)
         clear_session(response, request)
         return response
 

@@ -1,7 +1,7 @@
 """The dashboard's session: an API token, asked once, kept in a cookie.
 
 A browser logs in with ``POST /ui/login`` and a token (any valid one,
-:mod:`supervisor.tokens`) in a JSON body; the answer sets
+:mod:`supervisor.auth.tokens`) in a JSON body; the answer sets
 the cookie :data:`COOKIE`: ``HttpOnly`` (no script reads it), ``SameSite=Strict`` (no
 other site's page sends it) and ``Secure`` when the request came over HTTPS (or a TLS
 proxy's ``X-Forwarded-Proto`` says it did). Its value
@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from supervisor.tokens import Principal
+from supervisor.auth.tokens import Principal
 
 COOKIE = "phalanx_session"
 CSRF_HEADER = "X-Phalanx-CSRF"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from supervisor.anomalies import SpikeWatch, StragglerWatch
+from supervisor.telemetry.anomalies import SpikeWatch, StragglerWatch
 
 
 def steady(watch: SpikeWatch, n: int = 30, value: float = 2.0) -> None:

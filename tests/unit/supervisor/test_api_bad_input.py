@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from supervisor.api import make_app
+from supervisor.api.app import make_app
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import Supervisor
 from tests.unit.phalanx.test_wire import _birth
@@ -131,7 +131,7 @@ ROUTES = [
     ("GET", "/v1/jobs/{id}/checkpoints"),
     ("GET", "/v1/jobs/{id}/metrics"),
     ("GET", "/metrics"),
-    # the tokens (supervisor.token_api)
+    # the tokens (supervisor.api.token_routes)
     ("GET", "/v1/whoami"),
     ("POST", "/v1/tokens"),
     ("GET", "/v1/tokens"),

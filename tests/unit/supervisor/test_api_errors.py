@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from supervisor.api import http_status
+from supervisor.api.app import http_status
 from supervisor.errors import (
     CommandTimeout,
     IllegalTransition,
     Refused,
     RegistryError,
+    StoreCorrupt,
+    StoreError,
     UnknownJob,
     UnknownNode,
 )
@@ -23,6 +27,8 @@ from supervisor.errors import (
         (Refused("node 'n1' is not drained"), 409),
         (RegistryError("a drain needs a reason"), 400),
         (CommandTimeout("n1", "ping", "c0ffee", 10.0), 504),
+        (StoreError(Path("state.db"), "cannot write the supervisor store: disk full"), 503),
+        (StoreCorrupt(Path("state.db"), "database disk image is malformed", None), 503),
     ],
     ids=lambda v: type(v).__name__ if isinstance(v, Exception) else str(v),
 )

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from supervisor.api import make_app
+from supervisor.api.app import make_app
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import Supervisor
 

@@ -1,11 +1,11 @@
-"""Who may do what (``supervisor.auth.decide``): every role, every action, on a job of
+"""Who may do what (``supervisor.auth.roles.decide``): every role, every action, on a job of
 the token's own team, of another team, and on no team."""
 
 from __future__ import annotations
 
 import pytest
 
-from supervisor.auth import Action, Role, decide, describe, min_role
+from supervisor.auth.roles import Action, Role, decide, describe, min_role
 
 OWN, OTHER = "nlp", "vision"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from phalanx import wire
-from supervisor.burnin import BurnIns
-from supervisor.registry import NodeState, Registry
+from supervisor.fleet.burnin import BurnIns
+from supervisor.fleet.registry import NodeState, Registry
 from supervisor.store import Store
 
 OK = wire.Health(status=wire.HealthStatus.OK)
@@ -153,3 +153,20 @@ async def test_a_pass_holds_for_one_birth_only(registry: Registry, agents: Agent
     registry.on_birth(birth("n1", seq=2))  # the agent restarted: the node may have changed
 
     assert not burnins.passed("n1")
+
+
+async def test_a_suspect_that_passed_while_drained_needs_no_second_burn_in_once_reinstated(
+    registry: Registry,
+    agents: Agents,
+) -> None:
+    burnins = BurnIns(registry, agents.send)
+    registry.drain("n1", "quarantined by job j: rank 0 exited", by="supervisor")
+    burnins.observe()
+
+    assert await burnins.run("n1") == (True, "")
+    burnins.observe()  # still drained: the pass does not make it schedulable yet
+    registry.undrain("n1")
+    burnins.reinstated("n1")
+
+    assert burnins.observe() == []  # no second burn-in to start
+    assert burnins.passed("n1") and not burnins.needs("n1")

@@ -19,12 +19,12 @@ import pytest
 
 from phalanx import wire
 from phalanx.jobspec import validate_spec
-from supervisor.catalog import CheckpointCatalog
+from supervisor.checkpoints.catalog import CheckpointCatalog
+from supervisor.checkpoints.publisher import CatalogPublisher
 from supervisor.errors import StoreError
+from supervisor.fleet.registry import Registry
 from supervisor.jobs import Job, JobState, RankPlace
-from supervisor.publisher import CatalogPublisher
-from supervisor.registry import Registry
-from supervisor.store import Store
+from tests.unit.supervisor.conftest import OpenStore
 
 WORLD = 8
 NODES = [f"n{i:02d}" for i in range(WORLD)]
@@ -109,9 +109,9 @@ Make = Callable[..., CatalogPublisher]
 
 
 @pytest.fixture
-def make(tmp_path: Path) -> Iterator[Make]:
+def make(tmp_path: Path, open_store: OpenStore) -> Iterator[Make]:
     """Build a publisher on a real store in ``tmp_path`` (one store per test)."""
-    store = Store(tmp_path / "state.db")
+    store = open_store()
     built: list[CatalogPublisher] = []
 
     def build(
@@ -218,8 +218,10 @@ async def test_a_landing_the_store_cannot_take_is_dropped_and_never_holds_up_the
     assert publisher.record_landings() == set()  # nothing left queued
 
 
-def test_a_snapshot_sees_committed_rows_only_never_a_batch_in_progress(tmp_path: Path) -> None:
-    store = Store(tmp_path / "state.db")
+def test_a_snapshot_sees_committed_rows_only_never_a_batch_in_progress(
+    tmp_path: Path, open_store: OpenStore
+) -> None:
+    store = open_store()
     store.add_commit("j-1", 4, "nvme", 1.0)
     seen: list[list[int]] = []
 

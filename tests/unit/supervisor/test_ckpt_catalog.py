@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from hypothesis import given
+from hypothesis import strategies as st
 
 import ckpt
 from ckpt import Checkpointer, CheckpointError
 from ckpt.peer import SealCheck
 from phalanx import wire
-from supervisor.catalog import CheckpointCatalog, pick_buddies
-from supervisor.store import Store
+from supervisor.checkpoints.catalog import CheckpointCatalog, pick_buddies
+from tests.unit.supervisor.conftest import OpenStore
 
 
 def landing(
@@ -42,6 +44,44 @@ def test_buddies_leave_the_rack_when_another_rack_exists() -> None:
     assert sorted(buddies.values()) == sorted(racks)  # nobody holds two nodes' copies
 
 
+def _buddies_node_by_node(nodes: list[str], racks: dict[str, str]) -> dict[str, str]:
+    """The rule tried shift by shift and node by node: what pick_buddies must agree with."""
+    if len(nodes) < 2:
+        return {}
+    ring = sorted(nodes, key=lambda n: (racks.get(n, ""), n))
+    size = len(ring)
+    moved = {
+        s: sum(racks.get(ring[i], "") != racks.get(ring[(i + s) % size], "") for i in range(size))
+        for s in range(1, size)
+    }
+    best = max(range(1, size), key=lambda s: (moved[s], -s))
+    return {ring[i]: ring[(i + best) % size] for i in range(size)}
+
+
+@given(st.lists(st.integers(0, 5), min_size=0, max_size=40))
+def test_buddies_agree_with_trying_every_shift_node_by_node(rack_of: list[int]) -> None:
+    racks = {f"n{i:02d}": f"r{r}" for i, r in enumerate(rack_of)}
+    nodes = list(racks)
+
+    assert pick_buddies(nodes, racks) == _buddies_node_by_node(nodes, racks)
+
+
+def test_buddies_of_one_big_rack_and_many_lone_nodes_are_found_at_once() -> None:
+    racks = {f"n{i:04d}": ("big" if i < 1100 else f"r{i}") for i in range(2048)}
+
+    buddies = pick_buddies(list(racks), racks)
+
+    assert sum(racks[n] != racks[b] for n, b in buddies.items()) == 2 * (2048 - 1100)
+
+
+def test_buddies_of_2048_unlabelled_nodes_are_a_ring() -> None:
+    nodes = [f"n{i:04d}" for i in range(2048)]
+
+    buddies = pick_buddies(nodes, {})
+
+    assert buddies["n0000"] == "n0001" and buddies["n2047"] == "n0000"
+
+
 def test_buddies_in_one_rack_form_a_ring_and_a_lone_node_has_none() -> None:
     racks = {"n1": "r", "n2": "r", "n3": "r"}
 
@@ -49,8 +89,10 @@ def test_buddies_in_one_rack_form_a_ring_and_a_lone_node_has_none() -> None:
     assert pick_buddies(["n1"], racks) == {}
 
 
-def test_a_step_is_committed_at_a_tier_only_once_every_rank_landed_there(tmp_path: Path) -> None:
-    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+def test_a_step_is_committed_at_a_tier_only_once_every_rank_landed_there(
+    tmp_path: Path, open_store: OpenStore
+) -> None:
+    catalog = CheckpointCatalog(open_store())
 
     assert catalog.on_landing(landing(5, 0), world_size=2) is False
     assert [(m.node, m.steps) for m in catalog.messages("j-1", 2)] == [("n01", [])]
@@ -70,8 +112,10 @@ def test_a_step_is_committed_at_a_tier_only_once_every_rank_landed_there(tmp_pat
     }
 
 
-def test_a_deleted_step_leaves_the_catalog_at_that_tier_only(tmp_path: Path) -> None:
-    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+def test_a_deleted_step_leaves_the_catalog_at_that_tier_only(
+    tmp_path: Path, open_store: OpenStore
+) -> None:
+    catalog = CheckpointCatalog(open_store())
     for tier in ("nvme", "object"):
         for rank in (0, 1):
             catalog.on_landing(landing(5, rank, tier), world_size=2)
@@ -110,9 +154,10 @@ def test_the_catalog_message_is_retained_per_job_and_node_and_checks_its_topic()
 
 def test_the_message_of_a_node_stays_small_however_many_ranks_the_job_has(
     tmp_path: Path,
+    open_store: OpenStore,
 ) -> None:
     world, per_node = 4096, 8  # one step of the old per-job message overflowed at ~2,400
-    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    catalog = CheckpointCatalog(open_store())
     for step in (10, 20):
         for rank in range(world):
             catalog.on_landing(
@@ -133,8 +178,9 @@ def test_the_message_of_a_node_stays_small_however_many_ranks_the_job_has(
 
 def test_the_gang_restores_from_the_newest_step_every_rank_can_read_where_it_runs(
     tmp_path: Path,
+    open_store: OpenStore,
 ) -> None:
-    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    catalog = CheckpointCatalog(open_store())
     for rank, node, buddy in ((0, "n01", "n02"), (1, "n02", "n01")):
         for step, tiers in (
             (10, ("nvme", "object")),
@@ -169,8 +215,9 @@ def test_the_gang_restores_from_the_newest_step_every_rank_can_read_where_it_run
 
 def test_a_rank_reporting_a_corrupt_copy_uncommits_the_step_at_that_tier_only(
     tmp_path: Path,
+    open_store: OpenStore,
 ) -> None:
-    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    catalog = CheckpointCatalog(open_store())
     for tier in ("nvme", "object"):
         for rank in (0, 1):
             catalog.on_landing(landing(5, rank, tier, node=f"n0{rank + 1}"), world_size=2)
@@ -216,8 +263,9 @@ def test_a_buddy_accepts_a_sealed_shard_and_refuses_one_with_a_flipped_bit(
 
 def test_landings_recorded_in_one_batch_commit_once_and_a_failed_batch_leaves_nothing(
     tmp_path: Path,
+    open_store: OpenStore,
 ) -> None:
-    store = Store(tmp_path / "state.db")
+    store = open_store()
     catalog = CheckpointCatalog(store)
 
     with store.batch():
@@ -237,8 +285,9 @@ def test_landings_recorded_in_one_batch_commit_once_and_a_failed_batch_leaves_no
 
 def test_a_step_saved_again_by_a_newer_generation_never_commits_two_generations_shards(
     tmp_path: Path,
+    open_store: OpenStore,
 ) -> None:
-    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    catalog = CheckpointCatalog(open_store())
 
     def land(rank: int, generation: int) -> bool:
         msg = landing(8, rank).model_copy(
@@ -262,8 +311,10 @@ def test_a_step_saved_again_by_a_newer_generation_never_commits_two_generations_
     assert [s.checksum for s in catalog.messages("j-1", 2)[0].steps[0].shards] == ["g3r0", "g3r1"]
 
 
-def test_a_staged_copy_of_a_save_counts_with_that_saves_shards(tmp_path: Path) -> None:
-    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+def test_a_staged_copy_of_a_save_counts_with_that_saves_shards(
+    tmp_path: Path, open_store: OpenStore
+) -> None:
+    catalog = CheckpointCatalog(open_store())
 
     def land(rank: int, generation: int, checksum: str, node: str, event: str = "landed") -> bool:
         msg = landing(8, rank, tier="ram", node=node).model_copy(
@@ -288,11 +339,12 @@ def test_a_staged_copy_of_a_save_counts_with_that_saves_shards(tmp_path: Path) -
 
 def test_a_newer_generations_save_of_the_same_bytes_is_a_save_not_a_copy(
     tmp_path: Path,
+    open_store: OpenStore,
 ) -> None:
     # Generation 2 restored step 8 and trained to step 10 again: rank 0's state came out
     # bit for bit the same (a shard holds no time or generation), rank 1's did not. Both
     # are generation 2's saves: the step commits with them, and the agents hear of it.
-    catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
+    catalog = CheckpointCatalog(open_store())
 
     def land(rank: int, generation: int, checksum: str) -> bool:
         msg = landing(10, rank).model_copy(update={"generation": generation, "checksum": checksum})
@@ -304,3 +356,52 @@ def test_a_newer_generations_save_of_the_same_bytes_is_a_save_not_a_copy(
     assert land(1, 2, "B1") is True  # ... and generation 2's comes
     shards = catalog.messages("j-1", 2)[0].steps[0].shards
     assert [s.checksum for s in shards] == ["A0", "B1"]
+
+
+def test_a_shrunk_gang_restores_the_shards_its_nodes_saved_at_the_larger_size(
+    open_store: OpenStore,
+) -> None:
+    """Three nodes of two ranks saved step 20 in RAM; n02 is gone, the gang runs on n01 and
+    n03 (ranks 0-3), n03's ranks 2 and 3 restoring the shards of its old ranks 4 and 5."""
+    catalog = CheckpointCatalog(open_store())
+    for rank in range(6):
+        catalog.on_landing(landing(20, rank, "ram", node=f"n0{rank // 2 + 1}"), world_size=6)
+    placement = {0: "n01", 1: "n01", 2: "n03", 3: "n03"}
+    alive = {"n01", "n03"}
+    plain = catalog.messages("j-1", 4, placement=placement, alive=alive)
+    assert {m.restore_step for m in plain} == {None}  # ranks 2, 3 own no copy on n03
+    msgs = {
+        m.node: m
+        for m in catalog.messages("j-1", 4, placement=placement, alive=alive, elastic=True)
+    }
+    assert {m.restore_step for m in msgs.values()} == {20}
+    assert msgs["n03"].sources == {2: 4, 3: 5}
+    # Step 20 was saved by 6 ranks: the manifests an agent writes of it say so.
+    assert msgs["n03"].steps[0].world_size == 6
+    assert msgs["n01"].sources == {}  # its ranks restore their own shards
+    assert {4, 5} <= {s.rank for s in msgs["n03"].steps[0].shards}  # what its ranks read
+    # A step the smaller gang saved itself is read by each rank as its own.
+    for rank in range(4):
+        catalog.on_landing(landing(30, rank, "ram", node=placement[rank]), world_size=4)
+    msgs = {
+        m.node: m
+        for m in catalog.messages("j-1", 4, placement=placement, alive=alive, elastic=True)
+    }
+    assert msgs["n03"].restore_step == 30 and msgs["n03"].sources == {}
+    step30 = next(s for s in msgs["n03"].steps if s.step == 30)
+    assert step30.world_size is None  # saved by the gang's own 4 ranks
+    assert "world_size" not in step30.model_dump(mode="json")  # what older agents read
+    assert {s.rank for s in next(s for s in msgs["n03"].steps if s.step == 30).shards} == {2, 3}
+    # The gang grows back to 3 nodes: n02's ranks 4, 5 (a new node, no copy) read shards
+    # 0 and 1 from the object store (ranks 0 and 1 read them too: 4 shards, 6 ranks).
+    for rank in range(4):
+        catalog.on_landing(landing(30, rank, "object", node=placement[rank]), world_size=4)
+    grown = {**placement, 4: "n02", 5: "n02"}
+    msgs = {
+        m.node: m
+        for m in catalog.messages("j-1", 6, placement=grown, alive=alive | {"n02"}, elastic=True)
+    }
+    assert {m.restore_step for m in msgs.values()} == {30}
+    assert msgs["n02"].sources == {4: 0, 5: 1} and msgs["n01"].sources == {}
+    step30 = next(s for s in msgs["n02"].steps if s.step == 30)
+    assert {0, 1} <= {s.rank for s in step30.shards}  # what n02's ranks read, listed there

@@ -1,7 +1,7 @@
 """The dashboard beside the REST API: its assets need no token; a login sets a session
 cookie the API accepts like the bearer token; a change by cookie needs the CSRF header.
 
-The real app (``supervisor.api.make_app``) of the real supervisor, built but never
+The real app (``supervisor.api.app.make_app``) of the real supervisor, built but never
 started (no broker), on aiohttp's test server.
 """
 
@@ -10,23 +10,23 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from yarl import URL
 
 from phalanx import wire
-from supervisor.api import make_app
+from supervisor.api.app import make_app
+from supervisor.auth.rows import TokenRows
+from supervisor.auth.tokens import Tokens
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import Supervisor
 from supervisor.dashboard.session import COOKIE, SESSION_S, session_value
-from supervisor.token_rows import TokenRows
-from supervisor.tokens import Tokens
 
 TOKEN = "op-token-0123456789abcdef"
 CSRF = {"X-Phalanx-CSRF": "1"}
-_NO_ROWS = TokenRows()  # the bootstrap token needs no store
+_NO_ROWS = cast(TokenRows, None)  # the bootstrap token needs no store
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
 
 

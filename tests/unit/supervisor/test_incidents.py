@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any, cast
 
-from supervisor.control import JobControl
-from supervisor.incidents import Incidents
+from phalanx import wire
+from supervisor.actuator import JobControl
 from supervisor.jobs import Job, JobState
+from supervisor.recovery.incidents import Incidents
 from tests.unit.supervisor.test_jobs_state import make_job
 
 
@@ -67,3 +68,71 @@ def test_a_recovered_incident_counts_from_the_restored_step() -> None:
     log.finish(job, None, outcome="recovered", resumed_at=time.time())
 
     assert job.incidents[0]["lost_steps"] == 7
+
+
+def relaunched(fault_at: float) -> Job:
+    """A job whose recovery launched generation 2 at ``fault_at + 1``, now acked."""
+    job = make_job(JobState.RUNNING)
+    job.generation = 2
+    job.recovery = {
+        "generation": 1,
+        "failures": [],
+        "fault_at": fault_at,
+        "detected_at": fault_at,
+        "phases": {"detect": 0.0},
+        "launch_started_at": fault_at + 1.0,
+        "restored_step": 50,
+        "awaiting": {"restored": {}, "stepped": {}},
+    }
+    return job
+
+
+def stepped(rank: int, at: float) -> wire.RankEvent:
+    return wire.RankEvent(
+        node="n01", job="tinylm-abc123", generation=2, rank=rank, event="stepped", step=50, at=at
+    )
+
+
+def test_a_recovery_acked_reports_when_its_ranks_started_and_no_mttr_yet() -> None:
+    ctl = Control()
+    job = relaunched(time.time() - 2.0)
+
+    Incidents(cast(JobControl, ctl)).on_started(job)
+
+    ((kind, detail),) = ctl.events
+    assert kind == "job_recovered"
+    assert "mttr_s" not in detail and 1.9 <= detail["acked_s"] < 10.0
+    assert job.incidents[0]["mttr_s"] is None
+
+
+def test_the_mttr_is_the_fault_to_the_new_generations_first_step() -> None:
+    ctl = Control()
+    fault_at = time.time() - 30.0
+    job = relaunched(fault_at)
+    log = Incidents(cast(JobControl, ctl))
+    log.on_started(job)
+
+    for rank in range(4):
+        log.on_progress(job, stepped(rank, fault_at + 7.0 + rank))
+
+    timed = [d for k, d in ctl.events if k == "recovery_timed"]
+    assert [d["mttr_s"] for d in timed] == [10.0]
+    assert job.incidents[0]["mttr_s"] == 10.0
+
+
+def test_a_recovery_of_a_job_that_reports_no_steps_lost_unknown_work_not_none() -> None:
+    job = make_job(JobState.RECOVERING)
+    now = time.time()
+    job.recovery = {
+        "generation": 1,
+        "failures": [],
+        "fault_at": now - 1,
+        "detected_at": now - 1,
+        "phases": {},
+        "restored_step": None,
+    }
+
+    Incidents(cast(JobControl, Control())).finish(job, None, outcome="recovered", resumed_at=now)
+
+    (incident,) = job.incidents
+    assert (incident["lost_steps"], incident["lost_work_s"]) == (None, None)

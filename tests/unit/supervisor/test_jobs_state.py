@@ -24,6 +24,7 @@ VIEW_KEYS = {
     "priority",
     "state",
     "world_size",
+    "elastic",
     "nodes",
     "ranks",
     "generation",
@@ -38,6 +39,8 @@ VIEW_KEYS = {
     "spec",
     "restarts",
     "max_restarts",
+    "rollbacks",
+    "skipped_steps",
     "recovery",
     "incidents",
     "goodput",
@@ -340,5 +343,36 @@ def test_goodput_counts_each_incidents_downtime_and_lost_work_against_wall_time(
     assert (view["ettr"], view["wall_s"], view["lost_s"]) == (0.9, 100.0, 10.0)
 
 
+def test_an_incident_whose_lost_work_is_unknown_makes_the_ettr_an_upper_bound() -> None:
+    job = make_job(JobState.RUNNING)
+    job.first_started_at = 1000.0
+    job.incidents = [
+        {"outcome": "recovered", "downtime_s": 6.0, "lost_work_s": None, "mttr_s": None}
+    ]
+
+    view = job.goodput(now=1100.0)
+
+    assert (view["ettr"], view["ettr_upper_bound"], view["lost_work_unknown"]) == (0.94, True, 1)
+
+
+def test_incidents_with_known_lost_work_and_mttr_give_an_exact_ettr() -> None:
+    job = make_job(JobState.RUNNING)
+    job.first_started_at = 1000.0
+    job.incidents = [{"outcome": "recovered", "downtime_s": 6.0, "lost_work_s": 0.0, "mttr_s": 6}]
+
+    assert job.goodput(now=1100.0)["ettr_upper_bound"] is False
+
+
 def test_a_job_never_started_has_no_ettr() -> None:
     assert make_job().goodput()["ettr"] is None
+
+
+def test_a_job_keeps_each_generations_world_size_across_a_restart() -> None:
+    """An elastic job's generations differ in size: a late landing of an earlier one
+    commits against that generation's ranks (``world_size_of``)."""
+    job = busy_job()
+    job.worlds = {"1": 6, "2": 4}
+    again = Job.from_record(job.id, json.loads(json.dumps(job.record())))
+    assert again.worlds == {"1": 6, "2": 4}
+    assert (again.world_size_of(1), again.world_size_of(2)) == (6, 4)
+    assert again.world_size_of(7) == again.world_size  # not recorded: the current one's

@@ -13,9 +13,11 @@ import pytest
 from phalanx import wire
 from phalanx.jobspec import validate_spec
 from supervisor.jobs import Job, JobState, RankPlace
-from supervisor.metrics import MAX_SERIES, TrainingMetrics, gang_points, merge_windows
-from supervisor.series import row_bound
 from supervisor.store import Store
+from supervisor.telemetry.rows import SeriesRows
+from supervisor.telemetry.series import row_bound
+from supervisor.telemetry.training import MAX_SERIES, TrainingMetrics, gang_points, merge_windows
+from tests.unit.supervisor.conftest import OpenStore
 
 JOB = "tinylm-abc123"
 
@@ -29,8 +31,8 @@ class Clock:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store(tmp_path / "state.db")
+def store(tmp_path: Path, open_store: OpenStore) -> Iterator[Store]:
+    s = open_store()
     yield s
     s.close()
 
@@ -81,7 +83,7 @@ def test_rank_0s_loss_at_its_last_step_is_the_gangs_loss(store: Store) -> None:
     m.on_batch(batch("n1", window(0, 19, loss=2.5), window(1, 19, loss=9.0)))
     m.on_batch(batch("n2", window(2, 18, loss=1.0), window(3, 19, loss=3.0)))
     m.flush()
-    [loss] = store.series(JOB, ["loss"])["loss"]
+    [loss] = SeriesRows(store).series(JOB, ["loss"])["loss"]
     assert (loss.step, loss.value, loss.low, loss.high) == (19, 2.5, 0.0, 10.0)
 
 
@@ -91,7 +93,7 @@ def test_step_time_is_the_median_and_throughput_the_sum_over_ranks(store: Store)
     m.on_batch(batch("n1", window(0, 9, st=0.1), window(1, 9, st=0.2)))
     m.on_batch(batch("n2", window(2, 9, st=0.3), window(3, 9, st=1.0)))
     m.flush()
-    series = store.series(JOB, ["step_time_s", "tokens_per_s"])
+    series = SeriesRows(store).series(JOB, ["step_time_s", "tokens_per_s"])
     [st], [tps] = series["step_time_s"], series["tokens_per_s"]
     assert st.value == pytest.approx(0.25) and (st.low, st.high) == (0.1, 1.0)
     assert tps.value == 400.0
@@ -103,7 +105,7 @@ def test_two_windows_of_a_rank_in_one_flush_make_one_point(store: Store) -> None
     m.on_batch(batch("n1", window(0, 9, loss=5.0)))
     m.on_batch(batch("n1", window(0, 19, loss=4.0)))
     m.flush()
-    [loss] = store.series(JOB, ["loss"])["loss"]
+    [loss] = SeriesRows(store).series(JOB, ["loss"])["loss"]
     assert (loss.step, loss.value, loss.low, loss.high) == (19, 4.0, 3.0, 6.0)
 
 
@@ -144,7 +146,7 @@ def test_a_batch_that_does_not_fit_the_job_is_dropped_and_counted(
     )
     m.flush()
     assert m.dropped == 1, why
-    assert store.series(JOB) == {}
+    assert SeriesRows(store).series(JOB) == {}
 
 
 def test_a_nan_loss_is_a_job_event_once_a_minute(store: Store) -> None:
@@ -194,7 +196,7 @@ def test_a_job_keeps_at_most_max_series_names(store: Store) -> None:
         names = {f"r{rank}_n{i}": 1.0 for i in range(wire.MAX_METRIC_NAMES)}
         m.on_batch(batch("n1", window(rank, 9, **names)))
     m.flush()
-    assert len(store.series(JOB)) == MAX_SERIES
+    assert len(SeriesRows(store).series(JOB)) == MAX_SERIES
 
 
 def test_an_ended_job_is_forgotten_once_its_last_windows_are_written(store: Store) -> None:
@@ -203,7 +205,7 @@ def test_an_ended_job_is_forgotten_once_its_last_windows_are_written(store: Stor
     m.on_batch(batch("n1", window(0, 9, loss=1.0)))
     job.state = JobState.SUCCEEDED
     m.flush()
-    assert [p.step for p in store.series(JOB, ["loss"])["loss"]] == [9]
+    assert [p.step for p in SeriesRows(store).series(JOB, ["loss"])["loss"]] == [9]
     m.flush()
     assert m.summary(JOB)["loss"] == 1.0 and m.summary(JOB)["ranks_reporting"] == 0
 
@@ -220,7 +222,7 @@ def test_a_new_generation_continues_the_series_and_drops_the_old_ones_batches(
     m.on_batch(batch("n1", window(0, 39, at=2000.0, loss=2.2), generation=3))
     clock.now += 5
     m.flush()
-    assert [(p.step, p.value) for p in store.series(JOB, ["loss"])["loss"]] == [
+    assert [(p.step, p.value) for p in SeriesRows(store).series(JOB, ["loss"])["loss"]] == [
         (49, 2.0),
         (39, 2.2),
     ]
@@ -259,7 +261,7 @@ def test_a_restarted_supervisor_continues_the_series_it_stored(store: Store) -> 
     for i in range(200, 400):
         after.on_batch(batch("n1", window(0, 10 * i + 9, at=1000.0 + i, loss=1.0)))
         after.flush()
-    points = store.series(JOB, ["loss"])["loss"]
+    points = SeriesRows(store).series(JOB, ["loss"])["loss"]
     assert sum(p.n for p in points) == 400 and points[-1].step == 3999
     assert len(points) < 400 and len(points) <= row_bound(400)  # thinned after the restart
     assert [p.ts for p in points] == sorted(p.ts for p in points)
@@ -279,9 +281,9 @@ def test_the_other_ranks_windows_wait_for_rank_0s_so_a_step_is_never_repeated(
     clock.now += 5
     m.on_batch(batch("n1", window(0, 19, loss=1.5)))
     m.flush()
-    points = store.series(JOB, ["loss"])["loss"]
+    points = SeriesRows(store).series(JOB, ["loss"])["loss"]
     assert [(p.step, p.value, p.high) for p in points] == [(9, 2.0, 3.0), (19, 1.5, 8.0)]
-    assert len(store.series(JOB, ["step_time_s"])["step_time_s"]) == 3
+    assert len(SeriesRows(store).series(JOB, ["step_time_s"])["step_time_s"]) == 3
 
 
 def test_without_rank_0_the_gang_value_is_the_mean_of_the_ranks_that_report(
@@ -291,7 +293,7 @@ def test_without_rank_0_the_gang_value_is_the_mean_of_the_ranks_that_report(
     m = metrics(store, job, clock)
     m.on_batch(batch("n2", window(2, 19, loss=2.0), window(3, 18, loss=4.0)))
     m.flush()
-    [point] = store.series(JOB, ["loss"])["loss"]
+    [point] = SeriesRows(store).series(JOB, ["loss"])["loss"]
     assert (point.step, point.value) == (19, 3.0)
 
 
@@ -306,4 +308,4 @@ def test_an_ended_jobs_last_windows_without_rank_0_add_no_point_at_a_step_it_has
     job.state = JobState.SUCCEEDED
     clock.now += 5
     m.flush()
-    assert [p.step for p in store.series(JOB, ["loss"])["loss"]] == [19]
+    assert [p.step for p in SeriesRows(store).series(JOB, ["loss"])["loss"]] == [19]

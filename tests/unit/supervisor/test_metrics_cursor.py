@@ -11,11 +11,13 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from supervisor.api import make_app
+from supervisor.api.app import make_app
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import Supervisor
-from supervisor.series import KEEP_PER_LEVEL, Point
 from supervisor.store import Store
+from supervisor.telemetry.rows import SeriesRows
+from supervisor.telemetry.series import KEEP_PER_LEVEL, Point
+from tests.unit.supervisor.conftest import OpenStore
 
 TOKEN = "t" * 32
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -38,13 +40,13 @@ async def served(tmp_path: Path) -> AsyncIterator[tuple[Supervisor, TestClient[A
 
 
 def add(store: Store, job: str, step: int, ts: float, name: str = "loss") -> None:
-    store.add_point(
+    SeriesRows(store).add_point(
         job, name, Point(step, ts, float(step), float(step), float(step)), counts(store, job)
     )
 
 
 def counts(store: Store, job: str) -> dict[tuple[str, int], int]:
-    return store.series_counts(job)
+    return SeriesRows(store).series_counts(job)
 
 
 async def submit(client: TestClient[Any, Any]) -> str:
@@ -136,19 +138,21 @@ async def test_a_bad_after_is_a_400_naming_it(
 
 def test_thinning_keeps_the_cursor_of_the_newer_window_so_no_cursor_is_reused(
     tmp_path: Path,
+    open_store: OpenStore,
 ) -> None:
-    store = Store(tmp_path / "state.db")
+    store = open_store()
+    rows = SeriesRows(store)  # its table made before the batch's transaction begins
     windows = 3 * KEEP_PER_LEVEL
     marks = {}
     with store.batch():  # one transaction: no fsync a window
         for i in range(1, windows + 1):
             add(store, "j", i, 1000.0 + 5 * i)
-            marks[i] = store.cursor("j")
+            marks[i] = rows.cursor("j")
 
-    late = store.series("j", ["loss"], after=marks[windows - 10])["loss"]
+    late = rows.series("j", ["loss"], after=marks[windows - 10])["loss"]
 
-    assert store.cursor("j") == windows  # one id per window: merged points take no new one
-    assert sum(store.series_counts("j").values()) < windows  # it did thin
+    assert rows.cursor("j") == windows  # one id per window: merged points take no new one
+    assert sum(rows.series_counts("j").values()) < windows  # it did thin
     assert [p.step for p in late] == list(range(windows - 9, windows + 1))
     store.close()
 
@@ -171,9 +175,10 @@ def test_a_store_from_before_the_cursor_keeps_its_points_in_their_order(tmp_path
     db.close()
 
     store = Store(path)
+    rows = SeriesRows(store)
     add(store, "j", 4, 104.0)
 
-    assert [p.step for p in store.series("j", ["loss"])["loss"]] == [1, 2, 3, 4]
-    assert [p.step for p in store.series("j", ["loss"], after=2)["loss"]] == [2, 4]
-    assert store.cursor("j") == 4
+    assert [p.step for p in rows.series("j", ["loss"])["loss"]] == [1, 2, 3, 4]
+    assert [p.step for p in rows.series("j", ["loss"], after=2)["loss"]] == [2, 4]
+    assert rows.cursor("j") == 4
     store.close()

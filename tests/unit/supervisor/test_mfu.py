@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.metrics import TrainingMetrics
-from supervisor.mfu import mfu, peak_flops
 from supervisor.store import Store
+from supervisor.telemetry.mfu import mfu, peak_flops
+from supervisor.telemetry.training import TrainingMetrics
 from tests.unit.supervisor.test_metrics import JOB, Clock, batch, make_job, store, window
 
 __all__ = ["store"]  # the fixture

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from supervisor.mtbf import node_mtbf
-from supervisor.store import Store
+from supervisor.fleet.mtbf import node_mtbf
+from tests.unit.supervisor.conftest import OpenStore
 
 HOUR = 3600.0
 
 
 def test_the_configured_mtbf_holds_until_enough_failures_are_seen_then_it_is_learned(
     tmp_path: Path,
+    open_store: OpenStore,
 ) -> None:
-    store = Store(tmp_path / "state.db")
+    store = open_store()
     for node in ("n01", "n02", "n03", "n04"):
         store.add_event("node_joined", node, {"rack": "r1"})
     joined = store.first_events("node_joined")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from phalanx import wire
 from phalanx.agent_tokens import AgentKeys
-from supervisor.catalog import CheckpointCatalog
+from supervisor.checkpoints.catalog import CheckpointCatalog
 from supervisor.store import Store
 
 KEYS = AgentKeys("fleet-agent-secret-0123456789abcdef")

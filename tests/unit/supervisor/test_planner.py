@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.planner import (
+from supervisor.recovery.planner import (
     TIER_ORDER,
     Action,
     CatalogView,
@@ -302,6 +303,64 @@ def test_incident_of_another_job_on_another_node_does_not_count() -> None:
     assert p.cause is Cause.SOFTWARE
 
 
+# -- rule 4: a suspect node with no replacement --------------------------------------------
+
+
+def strike(kind: FailureKind = FailureKind.RANK_EXIT, node_id: str = "a") -> NodeIncident:
+    """Another job's failure on ``node_id`` ten minutes ago."""
+    return NodeIncident("other", node_id, NOW - 600.0, kind.value)
+
+
+def test_a_suspect_node_with_no_replacement_is_burned_in_while_the_job_waits() -> None:
+    p = plan(job("a"), exit_("a"), fleet(*gang("a")), node_incidents=[strike()])
+    assert (p.action, p.quarantine, p.burn_in, p.reinstate) == (Action.WAIT, ("a",), ("a",), ())
+    assert "looks like software" in p.reason
+
+
+def test_a_hang_struck_suspect_is_burned_in_too() -> None:
+    p = plan(job("a"), hang("a"), fleet(*gang("a")), node_incidents=[strike(FailureKind.HANG)])
+    assert p.burn_in == ("a",)
+
+
+def test_a_suspect_that_passed_its_burn_in_takes_its_own_ranks_back() -> None:
+    j = replace(job("a"), quarantined=frozenset({"a"}), vetted=frozenset({"a"}))
+    nodes = fleet(node("a", state="drain", busy=True))  # drained by this recovery
+    p = plan(j, exit_("a"), nodes, node_incidents=[strike()])
+    assert (p.action, p.nodes, p.swaps, p.reinstate) == (
+        Action.RESTART_IN_PLACE,
+        ("a",),
+        (),
+        ("a",),
+    )
+    assert "passed a burn-in" in p.reason and "restarts on them" in p.reason
+
+
+def test_a_suspect_with_a_spare_at_hand_moves_to_the_spare() -> None:
+    j = replace(job("a"), quarantined=frozenset({"a"}), vetted=frozenset({"a"}))
+    nodes = fleet(node("a", state="drain", busy=True), node("s", spare=True))
+    p = plan(j, exit_("a"), nodes, node_incidents=[strike()])
+    assert (p.action, p.swaps, p.reinstate, p.burn_in) == (Action.REPLACE, (("a", "s"),), (), ())
+
+
+def test_a_node_another_job_lost_to_hardware_is_no_suspect() -> None:
+    p = plan(
+        job("a"), exit_("a"), fleet(*gang("a")), node_incidents=[strike(FailureKind.NODE_DRAIN)]
+    )
+    assert (p.action, p.burn_in) == (Action.WAIT, ())
+
+
+def test_a_node_drained_for_another_reason_is_no_suspect() -> None:
+    j = replace(job("a"), vetted=frozenset({"a"}))  # drained, but not by this quarantine
+    p = plan(j, exit_("a"), fleet(node("a", state="drain", busy=True)), node_incidents=[strike()])
+    assert (p.action, p.burn_in, p.reinstate) == (Action.WAIT, (), ())
+
+
+def test_a_suspect_not_yet_vetted_is_not_restarted_on() -> None:
+    j = replace(job("a"), quarantined=frozenset({"a"}))
+    p = plan(j, exit_("a"), fleet(node("a", state="drain", busy=True)), node_incidents=[strike()])
+    assert (p.action, p.burn_in, p.nodes) == (Action.WAIT, ("a",), ())
+
+
 # -- rule 2: follows the code ----------------------------------------------------
 
 
@@ -371,6 +430,34 @@ def test_exit_without_a_step_never_matches_by_step() -> None:
     j = job(history=[past("b", rank=9, code=1, step=None)])
     p = plan(j, exit_("a", 0, code=1, step=None), fleet(*gang("a", "b")))
     assert p.action is Action.RESTART_IN_PLACE
+
+
+def test_crash_before_the_first_step_after_restoring_the_crashed_step_follows_the_code() -> None:
+    # Generation 1 failed after step 59; generation 2 restored step 60 (60 steps done) and
+    # failed again before it reported a step: the same place, the code's.
+    j = job(history=[past("a", rank=2, code=1, step=59, restored=60)])
+    f = replace(exit_("a", 2, code=1, step=None), from_restore=60)
+    p = plan(j, f, fleet(*gang("a", "b")))
+    assert (p.action, p.cause) == (Action.FAIL, Cause.SOFTWARE)
+    assert "before its first step after restoring step 60" in p.reason
+
+
+def test_crash_before_the_first_step_matches_a_checkpoint_named_by_its_last_step() -> None:
+    j = job(history=[past("a", rank=2, code=1, step=60, restored=60)])
+    f = replace(exit_("a", 2, code=1, step=None), from_restore=60)
+    assert plan(j, f, fleet(*gang("a", "b"))).action is Action.FAIL
+
+
+def test_two_crashes_before_the_first_step_after_the_same_restore_follow_the_code() -> None:
+    earlier = replace(past("a", rank=2, code=1, step=None, restored=60), from_restore=60)
+    f = replace(exit_("a", 2, code=1, step=None), from_restore=60)
+    assert plan(job(history=[earlier]), f, fleet(*gang("a", "b"))).action is Action.FAIL
+
+
+def test_crash_before_the_first_step_after_restoring_a_later_step_is_retried() -> None:
+    j = job(history=[past("a", rank=2, code=1, step=59, restored=80)])
+    f = replace(exit_("a", 2, code=1, step=None), from_restore=80)
+    assert plan(j, f, fleet(*gang("a", "b"))).action is Action.RESTART_IN_PLACE
 
 
 def test_exit_without_code_or_signal_never_follows_the_code() -> None:

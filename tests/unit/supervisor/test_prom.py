@@ -11,11 +11,12 @@ from prometheus_client import generate_latest
 
 from phalanx import wire
 from phalanx.jobspec import validate_spec
+from supervisor.api.prom import registry_of
+from supervisor.backup import StoreBackups, take_backup
+from supervisor.fleet.registry import NodeState
 from supervisor.jobs import Job, JobState
-from supervisor.metrics import TrainingMetrics
-from supervisor.prom import registry_of
-from supervisor.registry import NodeState
 from supervisor.store import Store
+from supervisor.telemetry.training import TrainingMetrics
 
 
 @dataclass
@@ -41,6 +42,7 @@ class FakeSupervisor:
     metrics: TrainingMetrics
     store: Store
     bad_messages: int = 0
+    backups: StoreBackups | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -119,4 +121,22 @@ def test_prometheus_shows_the_fleet_and_each_running_jobs_figures_by_job_only(
     assert 300 <= values['phalanx_ckpt_commit_age_seconds{job="big-1",tier="object"}'] < 360
     assert "old-1" not in text  # an ended job has no series
     assert "rank" not in text.replace("ranks", "")  # no per-rank label, ever
+    store.close()
+
+
+def test_prometheus_shows_the_stores_health_and_its_newest_backup(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.db")
+    made = take_backup(store.path, tmp_path / "backup", keep=2)
+    backups = StoreBackups(store.path, tmp_path / "backup", interval_s=300.0, keep=2)
+    sup = FakeSupervisor(
+        FakeRegistry({}), FakeJobs({}), TrainingMetrics(store, {}.get), store, backups=backups
+    )
+
+    text = generate_latest(registry_of(sup)).decode()  # type: ignore[arg-type]
+
+    lines = {line for line in text.splitlines() if not line.startswith("#")}
+    assert "phalanx_store_ok 1.0" in lines
+    assert "phalanx_store_backup_failures_total 0.0" in lines
+    newest = next(line for line in lines if line.startswith("phalanx_store_backup_timestamp"))
+    assert float(newest.split()[1]) == made.path.stat().st_mtime
     store.close()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from supervisor.recovery import BACKOFF_MAX_S, backoff_delay
+from supervisor.recovery.executor import BACKOFF_MAX_S, backoff_delay
 
 
 def test_the_first_failure_restarts_at_once() -> None:

@@ -10,8 +10,9 @@ import pytest
 from phalanx import wire
 from phalanx.wire import Health, HealthStatus, Reason
 from supervisor.errors import Refused, RegistryError, UnknownNode
-from supervisor.registry import NodeState, Registry
+from supervisor.fleet.registry import NodeState, Registry
 from supervisor.store import Event, Store
+from tests.unit.supervisor.conftest import OpenStore
 
 OFFLINE_AFTER_S = 15.0
 
@@ -25,8 +26,8 @@ class Clock:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    store = Store(tmp_path / "state.db")
+def store(open_store: OpenStore) -> Iterator[Store]:
+    store = open_store()
     yield store
     store.close()
 
@@ -328,6 +329,17 @@ def test_check_timeouts_marks_a_silent_node_offline(registry: Registry, clock: C
     assert "no heartbeat" in node.offline_cause
 
 
+def test_a_supervisor_behind_on_its_messages_gives_its_nodes_that_long_more(
+    registry: Registry, clock: Clock
+) -> None:
+    registry.on_birth(_birth("quiet"))
+    clock.now += OFFLINE_AFTER_S + 1
+
+    assert registry.check_timeouts(behind_s=5.0) == []
+    clock.now += 5.0
+    assert registry.check_timeouts(behind_s=5.0) == ["quiet"]
+
+
 def test_check_timeouts_leaves_a_node_that_beat_recently(registry: Registry, clock: Clock) -> None:
     registry.on_birth(_birth("silent"))
     registry.on_birth(_birth("fresh"))
@@ -413,9 +425,10 @@ def test_on_event_sees_every_recorded_event(store: Store, clock: Clock) -> None:
 def test_a_new_registry_over_the_same_store_remembers_drains_reasons_and_events(
     tmp_path: Path,
     clock: Clock,
+    open_store: OpenStore,
 ) -> None:
     path = tmp_path / "state.db"
-    first_store = Store(path)
+    first_store = open_store(path)
     first = Registry(first_store, offline_after_s=OFFLINE_AFTER_S, clock=clock)
     first.on_birth(_birth("sick", gpus=3))
     first.on_heartbeat(_beat("sick", health=DRAIN))
@@ -424,7 +437,7 @@ def test_a_new_registry_over_the_same_store_remembers_drains_reasons_and_events(
     events_before = first_store.events(limit=1000)
     first_store.close()
 
-    store = Store(path)
+    store = open_store(path)
     try:
         again = Registry(store, offline_after_s=OFFLINE_AFTER_S, clock=clock)
 
@@ -442,15 +455,16 @@ def test_a_new_registry_over_the_same_store_remembers_drains_reasons_and_events(
 def test_a_restarted_registry_shows_remembered_nodes_offline_until_they_are_heard(
     tmp_path: Path,
     clock: Clock,
+    open_store: OpenStore,
 ) -> None:
     path = tmp_path / "state.db"
-    first_store = Store(path)
+    first_store = open_store(path)
     Registry(first_store, offline_after_s=OFFLINE_AFTER_S, clock=clock).on_birth(
         _birth(seq=2, health=DRAIN)
     )
     first_store.close()
 
-    store = Store(path)
+    store = open_store(path)
     try:
         again = Registry(store, offline_after_s=OFFLINE_AFTER_S, clock=clock)
         assert again.get("n1").state is NodeState.OFFLINE

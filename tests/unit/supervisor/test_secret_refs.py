@@ -17,7 +17,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from phalanx import wire
-from supervisor.api import make_app
+from supervisor.api.app import make_app
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import Supervisor
 from supervisor.jobs import RankPlace

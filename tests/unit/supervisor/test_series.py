@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.series import KEEP_PER_LEVEL, Point, Series, merge, row_bound
-from supervisor.store import Store
+from supervisor.telemetry.rows import SeriesRows
+from supervisor.telemetry.series import KEEP_PER_LEVEL, Point, Series, merge, row_bound
+from tests.unit.supervisor.conftest import OpenStore
 
 
 def point(i: int, value: float | None = None) -> Point:
@@ -46,33 +47,41 @@ def test_a_nan_in_a_merged_point_stays_in_its_envelope() -> None:
     assert got.value == 1.0 and math.isnan(got.low) and math.isnan(got.high)
 
 
-def test_the_store_thins_a_series_exactly_as_the_policy_says(tmp_path: Path) -> None:
-    store = Store(tmp_path / "state.db")
+def test_the_store_thins_a_series_exactly_as_the_policy_says(
+    tmp_path: Path, open_store: OpenStore
+) -> None:
+    store = open_store()
+    rows = SeriesRows(store)
     series = Series()
     counts: dict[tuple[str, int], int] = {}
     with store.batch():
         for i in range(3_000):
             p = point(i, math.nan if i == 7 else None)
             series.add(p)
-            store.add_point("job-1", "loss", p, counts)
-    stored = store.series("job-1", ["loss"])["loss"]
+            rows.add_point("job-1", "loss", p, counts)
+    stored = rows.series("job-1", ["loss"])["loss"]
     expected = series.points()
     assert len(stored) == len(expected) == sum(counts.values())
     assert [(p.step, p.n) for p in stored] == [(p.step, p.n) for p in expected]
     assert math.isnan(stored[0].low)  # the NaN of step 7 is in the oldest point's envelope
-    assert store.series_counts("job-1") == {k: v for k, v in counts.items() if v}
+    assert rows.series_counts("job-1") == {k: v for k, v in counts.items() if v}
     store.close()
 
 
-def test_series_are_read_by_name_time_and_step(tmp_path: Path) -> None:
-    store = Store(tmp_path / "state.db")
+def test_series_are_read_by_name_time_and_step(tmp_path: Path, open_store: OpenStore) -> None:
+    store = open_store()
+    rows = SeriesRows(store)
     counts: dict[tuple[str, int], int] = {}
     for i in range(10):
-        store.add_point("job-1", "loss", point(i), counts)
-        store.add_point("job-1", "lr", point(i), counts)
-    assert set(store.series("job-1")) == {"loss", "lr"}
-    assert [p.step for p in store.series("job-1", ["loss"], step_from=7)["loss"]] == [7, 8, 9]
-    assert [p.step for p in store.series("job-1", ["lr"], since=1008.0)["lr"]] == [8, 9]
-    assert store.series("job-1", ["nothing"]) == {"nothing": []}
-    assert store.latest_points("job-1", ["loss", "nothing"]) == {"loss": point(9)}
+        rows.add_point("job-1", "loss", point(i), counts)
+        rows.add_point("job-1", "lr", point(i), counts)
+    assert set(rows.series("job-1")) == {"loss", "lr"}
+    assert [p.step for p in rows.series("job-1", ["loss"], step_from=7)["loss"]] == [
+        7,
+        8,
+        9,
+    ]
+    assert [p.step for p in rows.series("job-1", ["lr"], since=1008.0)["lr"]] == [8, 9]
+    assert rows.series("job-1", ["nothing"]) == {"nothing": []}
+    assert rows.latest_points("job-1", ["loss", "nothing"]) == {"loss": point(9)}
     store.close()

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from phalanx import wire
-from phalanx.cli import _reasons
+from phalanx.cli.commands import _reasons
 from phalanx.jobspec import validate_spec
-from supervisor.cluster import cluster_state
 from supervisor.config import SupervisorSettings
+from supervisor.control.cluster import cluster_state
+from supervisor.fleet.registry import NodeState, Registry
 from supervisor.jobs import Job, JobState, RankPlace
-from supervisor.metrics import TrainingMetrics
-from supervisor.registry import NodeState, Registry
 from supervisor.store import Store
+from supervisor.telemetry.training import TrainingMetrics
 
 # Two jobs of 2 nodes x 2 ranks share node n2 (4 GPUs): job a on n1 and n2, b on n2 and n3.
 PLACES = {"a": ("n1", "n2"), "b": ("n2", "n3")}

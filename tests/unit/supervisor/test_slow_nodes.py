@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from supervisor.slow_nodes import STRAGGLER, Flag, SlowJob, slow_nodes
+from supervisor.telemetry.slow_nodes import STRAGGLER, Flag, SlowJob, slow_nodes
 
 
 def flag(

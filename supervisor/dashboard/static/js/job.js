@@ -78,7 +78,9 @@ function failures(list) {
 function planText(plan) {
   if (!plan) return "–";
   const swaps = (plan.swaps || []).map(([a, b]) => `${a} → ${b}`).join(", ");
-  return [plan.action, plan.cause ? `(${plan.cause})` : "", swaps ? `swaps ${swaps}` : ""].filter(Boolean).join(" ");
+  // A rollback (the loss guard) skips the steps [start, stop): their data is not trained again.
+  const skip = plan.skip ? `skipped steps ${plan.skip[0]}–${plan.skip[1] - 1}` : "";
+  return [plan.action, plan.cause ? `(${plan.cause})` : "", swaps ? `swaps ${swaps}` : "", skip].filter(Boolean).join(" ");
 }
 
 /** One row per generation: when it ran, how it ended, and the recovery that followed. */
@@ -99,32 +101,59 @@ function generations(job) {
         { class: "generation", dataset: { generation: g } },
         h("td", { class: "num" }, g),
         h("td", {}, fmtTime(began)),
+        h("td", {}, sizeText(inc ? inc.size : g === job.generation ? currentSize(job) : null)),
         h("td", {}, ended),
         h("td", {}, inc ? planText(inc.plan) : "–"),
         h("td", {}, inc ? `${inc.outcome}${inc.restored_step !== null && inc.restored_step !== undefined ? `, restored step ${inc.restored_step}` : ""}` : "–"),
-        h("td", { class: "num" }, inc ? `${inc.lost_steps ?? "–"} steps, ${fmtDuration(inc.lost_work_s)}` : "–"),
+        h("td", { class: "num" }, inc ? lostWork(inc) : "–"),
         h("td", { class: "num" }, inc ? fmtDuration(inc.downtime_s) : "–"),
         h("td", { class: "phases-cell" }, inc ? phaseBar(inc.phases || {}) : "–"),
       ),
     );
   }
-  return table([{ num: "gen" }, "began", "ended", "recovery plan", "outcome", { num: "work lost" }, { num: "downtime" }, "recovery phases"], rows, {
+  return table([{ num: "gen" }, "began", "size", "ended", "recovery plan", "outcome", { num: "work lost" }, { num: "downtime" }, "recovery phases"], rows, {
     id: "generations",
   });
 }
 
+/** A generation's size: nodes, ranks and, for an elastic job, its accumulation steps. */
+function sizeText(size) {
+  if (!size) return "–";
+  const accumulation = size.accumulation ? `, accumulation ${size.accumulation}` : "";
+  return `${size.nodes} nodes, ${size.world_size} ranks${accumulation}`;
+}
+
+function currentSize(job) {
+  const e = job.elastic;
+  return { nodes: job.nodes.length || (e ? e.nodes : 0), world_size: job.world_size, accumulation: e ? e.accumulation : null };
+}
+
+/** The work a recovery lost; unknown (never 0) for a job that reports no steps. */
+function lostWork(inc) {
+  if (inc.lost_work_s === null || inc.lost_work_s === undefined) return "unknown";
+  return `${inc.lost_steps ?? "–"} steps, ${fmtDuration(inc.lost_work_s)}`;
+}
+
 function goodput(job) {
   const g = job.goodput || {};
+  const bound = g.ettr_upper_bound ? "≤ " : "";
+  const unknown = g.lost_work_unknown ? ` + unknown (${g.lost_work_unknown} recover${g.lost_work_unknown === 1 ? "y" : "ies"}: the job reports no steps)` : "";
   return h(
     "div",
     { class: "goodput", id: "goodput" },
-    h("div", { class: "big" }, g.ettr === null || g.ettr === undefined ? "–" : fmtPct(g.ettr)),
-    h("div", { class: "muted" }, "ETTR (time on steps that count / wall time)"),
+    h("div", { class: "big" }, g.ettr === null || g.ettr === undefined ? "–" : bound + fmtPct(g.ettr)),
+    h(
+      "div",
+      { class: "muted" },
+      g.ettr_upper_bound
+        ? "ETTR, an upper bound: some lost work or downtime is not known"
+        : "ETTR (time on steps that count / wall time)",
+    ),
     kv([
       ["wall", fmtDuration(g.wall_s)],
-      ["lost", fmtDuration(g.lost_s)],
+      ["lost", (bound ? "≥ " : "") + fmtDuration(g.lost_s)],
       ["downtime", fmtDuration(g.downtime_s)],
-      ["work redone", fmtDuration(g.lost_work_s)],
+      ["work redone", fmtDuration(g.lost_work_s) + unknown],
     ]),
   );
 }

@@ -1,5 +1,6 @@
 // The dashboard's page app: hash routes, the login form, the status line.
-//   #/fleet  #/jobs  #/jobs/ID  #/compare?jobs=A,B&metric=loss  #/events?node=N&job=J
+//   #/fleet  #/jobs  #/jobs/ID  #/sweeps  #/sweeps/ID  #/compare?jobs=A,B&metric=loss
+//   #/events?node=N&job=J
 
 import * as api from "./api.js";
 import { fill, fmtClock, h } from "./dom.js";
@@ -7,6 +8,7 @@ import * as fleet from "./fleet.js";
 import * as jobs from "./jobs.js";
 import * as job from "./job.js";
 import * as compare from "./compare.js";
+import * as sweeps from "./sweeps.js";
 import * as events from "./events.js";
 
 const view = document.getElementById("view");
@@ -26,7 +28,8 @@ function route() {
   const [path] = hash.split("?");
   const parts = path.split("/").filter(Boolean);
   if (parts[0] === "jobs" && parts[1]) return { page: "job", mod: job, arg: decodeURIComponent(parts[1]) };
-  const pages = { fleet, jobs, compare, events };
+  if (parts[0] === "sweeps" && parts[1]) return { page: "sweep", mod: sweeps, arg: decodeURIComponent(parts[1]) };
+  const pages = { fleet, jobs, sweeps, compare, events };
   const name = pages[parts[0]] ? parts[0] : "fleet";
   return { page: name, mod: pages[name], arg: null };
 }
@@ -39,7 +42,7 @@ function show() {
   const { page, mod, arg } = route();
   window.phalanx.page = page;
   for (const a of nav.querySelectorAll("a")) {
-    a.classList.toggle("active", a.dataset.page === (page === "job" ? "jobs" : page));
+    a.classList.toggle("active", a.dataset.page === ({ job: "jobs", sweep: "sweeps" }[page] || page));
   }
   document.body.dataset.page = page;
   fill(view);

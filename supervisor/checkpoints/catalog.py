@@ -1,0 +1,536 @@
+"""The checkpoint catalog: which steps of a job are committed at which tier.
+
+Agents report every shard that lands at (or is deleted from) a tier
+(``CkptLanding``). A step is *committed* at a tier once every rank of the job
+has a shard there, each checked against its seal by the agent that stored it;
+the catalog (in the supervisor's SQLite store) then records the commit and
+one ``CkptCatalog`` per node of the job is published, retained, on
+``phalanx/v1/job/JOB/ckpt/NODE``.
+Agents write the step's manifest at their tiers and apply retention when
+they see it, and answer their ranks' restores from it. A deletion (retention)
+removes the step at that tier from the catalog; so does a rank's report that its
+copy there is corrupt or gone. ``gang_restore`` picks the one step the whole gang
+restores from.
+
+``pick_buddies`` chooses each node's peer-tier buddy: a pure function.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import SecretStr
+
+from phalanx import wire
+from supervisor.store import CatalogQueries, Store
+
+log = logging.getLogger(__name__)
+
+
+def pick_buddies(nodes: Sequence[str], racks: Mapping[str, str]) -> dict[str, str]:
+    """Each node's buddy: another node of the gang, in another rack where one exists.
+
+    The nodes are ordered rack by rack and each node's buddy is the next one in
+    the ring, shifted by half a ring when that lands in another rack: with two
+    racks or more, every copy leaves its rack; no node holds more than one
+    other node's copies. A gang of one node has no buddy.
+    """
+    if len(nodes) < 2:
+        return {}
+    ring = sorted(nodes, key=lambda n: (racks.get(n, ""), n))
+    size = len(ring)
+    # The ring holds each rack as one block; the pairs (i, i + shift) that stay in a
+    # block of b nodes number max(0, b - shift), plus max(0, b - size + shift) across
+    # the ring's end. Counted per rack, not per node: a 2,048-node gang without rack
+    # labels took seconds per order when every shift was tried node by node (issue 22).
+    blocks = sorted(
+        (len(list(group)) for _, group in itertools.groupby(ring, lambda n: racks.get(n, ""))),
+        reverse=True,
+    )
+
+    def staying(shift: int) -> int:
+        stay, least = 0, min(shift, size - shift)
+        for b in blocks:  # largest first: a block no larger than ``least`` keeps none
+            if b <= least:
+                break
+            stay += max(0, b - shift) + max(0, b - size + shift)
+        return stay
+
+    best, fewest = 1, size + 1
+    for shift in range(1, size):  # the first shift that moves the most copies off their rack
+        stay = staying(shift)
+        if stay < fewest:
+            best, fewest = shift, stay
+            if stay == 0:
+                break
+    return {ring[i]: ring[(i + best) % size] for i in range(size)}
+
+
+@dataclass(frozen=True, slots=True)
+class GangRestore:
+    """The step the whole gang restores from (None: none readable), why none is, and the
+    ranks that read another rank's shard of it (rank -> saved rank: an elastic gang of
+    another size than the one that saved it)."""
+
+    step: int | None
+    note: str = ""
+    sources: Mapping[int, int] = field(default_factory=dict)
+
+
+def gang_restore(
+    committed: Mapping[int, Mapping[str, float]],
+    where: Mapping[tuple[int, int, str], tuple[str, str | None]],
+    world_size: int,
+    placement: Mapping[int, str],
+    alive: Set[str] | None,
+    reachable: Set[str] | None = None,
+    *,
+    elastic: bool = False,
+) -> GangRestore:
+    """The newest committed step every rank can read from where it runs, and why none
+    is when none is.
+
+    Rank ``r`` can read step ``s`` when ``s`` is committed at the object store; or at
+    the peer tier and the buddy holding r's copy is alive; or at RAM or NVMe and r
+    runs on the node that landed that copy, alive. A rank with no place in
+    ``placement`` (the job is not running) is taken to run where it landed. With
+    ``reachable`` (the nodes whose address is known), a buddy must be in it too.
+
+    ``elastic``: the job's state is replicated and its size may change, so a step saved
+    by another number of ranks than ``world_size`` is read through
+    :func:`reshape_sources` (each rank reads some saved rank's shard).
+    """
+    saved_by: dict[int, set[int]] = {}
+    if elastic:
+        for s, r, _t in where:
+            saved_by.setdefault(s, set()).add(r)
+
+    def readable(step: int, rank: int, saved: int, tiers: Mapping[str, float]) -> bool:
+        node = placement.get(rank)
+        for tier in ("ram", "nvme", "peer"):
+            if tier not in tiers or (step, saved, tier) not in where:
+                continue
+            landed, holder = where[(step, saved, tier)]
+            at = holder if tier == "peer" else landed
+            if at is None or (alive is not None and at not in alive):
+                continue
+            if tier == "peer" and reachable is not None and at not in reachable:
+                continue  # the agent could not find the buddy holding it
+            if tier == "peer" or node is None or node == landed:
+                return True
+        return False
+
+    note = ""
+    for step in sorted(committed, reverse=True):
+        tiers = committed[step]
+        sources: dict[int, int] = {}
+        saved = saved_by.get(step)
+        if saved and saved != set(range(world_size)):
+            sources = reshape_sources(step, committed, where, placement, alive, saved)
+        if "object" in tiers:
+            return GangRestore(step, "", _moved(sources))  # every shard in the shared store
+        blocked = next(
+            (r for r in range(world_size) if not readable(step, r, sources.get(r, r), tiers)),
+            None,
+        )
+        if blocked is None:
+            return GangRestore(step, "", _moved(sources))
+        note = note or (
+            f"rank {blocked} (on {placement.get(blocked) or 'no node'}) can read "
+            f"no copy of step {step} (committed at {', '.join(sorted(tiers))})"
+        )
+    return GangRestore(None, note)
+
+
+def _moved(sources: Mapping[int, int]) -> dict[int, int]:
+    return {r: s for r, s in sources.items() if r != s}
+
+
+def reshape_sources(
+    step: int,
+    committed: Mapping[int, Mapping[str, float]],
+    where: Mapping[tuple[int, int, str], tuple[str, str | None]],
+    placement: Mapping[int, str],
+    alive: Set[str] | None,
+    saved_ranks: Set[int] | None = None,
+) -> dict[int, int]:
+    """For a gang of another size than the one that saved ``step`` (replicated state, so
+    any rank's shard restores any rank): rank -> the saved rank whose shard it reads.
+
+    A rank reads a shard its own node saved (RAM, NVMe) where one is left, its own
+    rank's first; the others take the shards left, in rank order, those a live buddy
+    holds first; every saved shard at most once while there are enough (a gang that
+    grew reads some twice). ``alive``: the nodes not offline (None: all);
+    ``saved_ranks``: the ranks that saved ``step``, when the caller has them (else found
+    in ``where``, a scan of every shard)."""
+    saved = sorted(
+        saved_ranks if saved_ranks is not None else {r for (s, r, _t) in where if s == step}
+    )
+    if not saved:
+        return {}
+    tiers = committed.get(step, {})
+    local: dict[str, list[int]] = {}
+    for r in saved:
+        for tier in ("ram", "nvme"):
+            if tier in tiers and (step, r, tier) in where:
+                node = where[(step, r, tier)][0]
+                if (alive is None or node in alive) and r not in local.get(node, []):
+                    local.setdefault(node, []).append(r)
+    used: set[int] = set()
+    out: dict[int, int] = {}
+    for rank in sorted(placement):
+        mine = [r for r in local.get(placement[rank], []) if r not in used]
+        if mine:
+            out[rank] = rank if rank in mine else mine[0]
+            used.add(out[rank])
+
+    def held(r: int) -> int:
+        peer = where.get((step, r, "peer"))
+        up = peer is not None and (alive is None or peer[1] in alive)
+        return 0 if "peer" in tiers and up else 1
+
+    left = sorted((r for r in saved if r not in used), key=lambda r: (held(r), r))
+    ranks = sorted(placement) or list(range(len(saved)))
+    for rank in ranks:
+        if rank not in out:
+            out[rank] = left.pop(0) if left else saved[rank % len(saved)]
+    return out
+
+
+def guard_hold(committed: Iterable[int], reach: int) -> list[int]:
+    """The committed steps the tiers below RAM keep beyond ``keep`` for the loss guard,
+    whose ``reach`` is its window and margin: a spike found now must find a committed
+    step at least that much older than the newest, and not a much older one.
+
+    Holding that step alone would not do: the steps that were to take its place as the
+    run goes on are deleted by ``keep`` first, and the held step only gets older. So the
+    newest step of each of the three spans of ``reach / 2`` steps before the newest's
+    span is held too (each was the newest when its span ended, so it is still there):
+    one of them is always at least ``reach`` and at most about ``2 x reach`` older than
+    the newest. Until a step is that old, the oldest committed is held. At most four
+    steps, whatever the checkpoint interval (``tests/unit/supervisor/test_rollback.py``
+    checks the guarantee over intervals, reaches and ``keep``)."""
+    steps = sorted(set(committed))
+    if not steps:
+        return []
+    newest = steps[-1]
+    width = max(1, -(-reach // 2))
+    span = newest // width
+    held = {max((s for s in steps if s <= newest - reach), default=steps[0])}
+    for back in (1, 2, 3):
+        within = [s for s in steps if s // width == span - back]
+        if within:
+            held.add(within[-1])
+    held.discard(newest)
+    return sorted(held)
+
+
+class CheckpointCatalog:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        # The ranks landed so far of each step not yet committed at a tier, loaded from the
+        # store once: counting them in SQL on every landing grew with the square of the ranks.
+        # The generation that counts for each step and tier: the newest that landed there.
+        self._landed: dict[tuple[str, int, str], tuple[int, set[int]]] = {}
+
+    def on_landing(self, msg: wire.CkptLanding, world_size: int) -> bool:
+        """Record a landing or deletion; True when a commit appeared or went."""
+        if msg.event == "failed":
+            self.store.add_event(
+                "ckpt_failed",
+                msg.node,
+                {
+                    "job": msg.job,
+                    "step": msg.step,
+                    "rank": msg.rank,
+                    "tier": msg.tier,
+                    "error": msg.error,
+                },
+            )
+            return False
+        if msg.event == "corrupt":
+            # A rank could not use this copy: the step is no longer whole at that tier.
+            self.store.add_event(
+                "ckpt_corrupt",
+                msg.node,
+                {
+                    "job": msg.job,
+                    "step": msg.step,
+                    "rank": msg.rank,
+                    "tier": msg.tier,
+                    "error": msg.error,
+                },
+            )
+            log.warning(
+                "job %s: rank %d found its copy of step %d at tier %s unusable: %s",
+                msg.job,
+                msg.rank,
+                msg.step,
+                msg.tier,
+                msg.error,
+            )
+            self._landed.pop((msg.job, msg.step, msg.tier), None)
+            return self.store.drop_shard(msg.job, msg.step, msg.tier, msg.rank)
+        if msg.event == "deleted":
+            # Retention is the same on every node, and one agent's deletion at a shared
+            # tier (the object store) removes every rank's shard: the step is gone there.
+            self._landed.pop((msg.job, msg.step, msg.tier), None)
+            return self.store.drop_step(msg.job, msg.step, msg.tier)
+        key = (msg.job, msg.step, msg.tier)
+        saved: set[int] = set()
+        if msg.event == "staged":
+            # A copy of a save (a restore staged it in RAM): it counts with the shards of
+            # the generation that saved those bytes, never as a save of its own.
+            saved = self.store.saved_in(msg.job, msg.step, msg.rank, msg.checksum)
+            if not saved:
+                log.info(
+                    "job %s: ignored rank %d's staged copy of step %d at tier %s: no "
+                    "save of it is known",
+                    msg.job,
+                    msg.rank,
+                    msg.step,
+                    msg.tier,
+                )
+                return False
+        if key not in self._landed:
+            rows = self.store.shard_ranks(*key)
+            newest = max(rows.values(), default=max(saved, default=msg.generation))
+            self._landed[key] = (newest, {r for r, g in rows.items() if g == newest})
+        generation, ranks = self._landed[key]
+        went = False
+        if saved:
+            msg = msg.model_copy(
+                update={
+                    "event": "landed",
+                    "generation": generation if generation in saved else max(saved),
+                }
+            )
+        if msg.generation < generation:
+            # An older generation's write-down, late, of a step a newer one saves again:
+            # it must not make a commit of two generations' shards.
+            log.info(
+                "job %s: ignored rank %d's shard of step %d at tier %s from generation "
+                "%d: generation %d saves that step now",
+                msg.job,
+                msg.rank,
+                msg.step,
+                msg.tier,
+                msg.generation,
+                generation,
+            )
+            return False
+        if msg.generation > generation:
+            # A newer generation saves this step again (it restored an older one): what the
+            # older generation left at this tier is stale or overwritten, its commit too.
+            went = any(s == msg.step and t == msg.tier for s, t, _ in self.store.commits(msg.job))
+            self.store.drop_step(msg.job, msg.step, msg.tier)
+            generation, ranks = msg.generation, set()
+            self._landed[key] = (generation, ranks)
+        self.store.add_shard(
+            msg.job,
+            msg.step,
+            msg.tier,
+            msg.rank,
+            msg.node,
+            msg.holder,
+            msg.nbytes,
+            msg.checksum,
+            msg.at,
+            msg.generation,
+        )
+        ranks.add(msg.rank)
+        if len(ranks) < world_size:
+            return went
+        del self._landed[key]  # complete: a redelivery or a corrupt report reloads it
+        for older in [
+            k for k in self._landed if k[0] == msg.job and k[2] == msg.tier and k[1] < msg.step
+        ]:
+            del self._landed[older]  # most likely never complete; reloaded if it does
+        if not self.store.add_commit(msg.job, msg.step, msg.tier, time.time()):
+            return went
+        self.store.add_event(
+            "ckpt_committed", None, {"job": msg.job, "step": msg.step, "tier": msg.tier}
+        )
+        log.info(
+            "job %s: step %d committed at tier %s",
+            msg.job,
+            msg.step,
+            msg.tier,
+            extra={"job": msg.job, "event": "ckpt_committed", "step": msg.step, "tier": msg.tier},
+        )
+        return True
+
+    def forget(self) -> None:
+        """Drop what is cached of the store (after a write was rolled back)."""
+        self._landed.clear()
+
+    def forget_job(self, job: str) -> None:
+        """Drop what is cached of one job (it ended); a later landing reloads it."""
+        for key in [k for k in self._landed if k[0] == job]:
+            del self._landed[key]
+
+    def messages(
+        self,
+        job: str,
+        world_size: int,
+        *,
+        generation: int = 0,
+        placement: Mapping[int, str] | None = None,
+        peers: Mapping[str, wire.PeerAddr] | None = None,
+        alive: Set[str] | None = None,
+        ended: bool = False,
+        nodes: Sequence[str] = (),
+        store: CatalogQueries | None = None,
+        credential: Callable[[str, str], str | None] | None = None,
+        hold_steps: int | None = None,
+        elastic: bool = False,
+    ) -> list[wire.CkptCatalog]:
+        """The job's catalog as each node needs it: one message per node that runs a rank
+        of the job (``placement``: rank -> node, the current generation), landed a shard,
+        or is named in ``nodes`` (the last generation's, when the job has ended).
+
+        Every message lists the committed steps (the newest ``MAX_CATALOG_STEPS``, fewer
+        when the node holds many ranks) and the shards of that node's ranks only, so
+        its size does not grow with the job. ``peers`` gives the address of each node
+        that can hold a peer copy; ``alive`` the nodes not offline (default: all).
+        ``store``: where to read (default: the catalog's store), such as a snapshot
+        when the messages are built off the event loop. ``credential(holder, node)``:
+        what ``node`` presents at ``holder``'s peer routes; each message's peer
+        addresses carry its own node's credential only (none without ``credential``).
+        ``hold_steps``: the loss guard's reach (its window and margin): every message's
+        ``hold`` (:func:`guard_hold`), the steps retention keeps beyond ``keep``.
+        ``elastic``: the job's state is replicated and its size may change; when the
+        restore step was saved by another number of ranks, each node's message says
+        which saved rank's shard each of its ranks restores (``sources``), and lists
+        those shards.
+        """
+
+        db = store if store is not None else self.store
+        placement = dict(placement or {})
+        peers = peers or {}
+        committed: dict[int, dict[str, float]] = {}
+        for step, tier, at in db.commits(job):
+            committed.setdefault(step, {})[tier] = at
+        shards: dict[tuple[int, int], tuple[str, int]] = {}  # (step, rank) -> checksum, nbytes
+        where: dict[tuple[int, int, str], tuple[str, str | None]] = {}  # -> node, holder
+        landed_on: dict[str, set[int]] = {}
+        saved_ranks: dict[int, int] = {}  # step -> the ranks that saved it
+        for step, tier, rank, node, holder, nbytes, checksum in db.committed_shards(job):
+            if (step, rank) not in shards:
+                saved_ranks[step] = saved_ranks.get(step, 0) + 1
+            shards.setdefault((step, rank), (checksum, nbytes))
+            where[(step, rank, tier)] = (node, holder)
+            landed_on.setdefault(node, set()).add(rank)
+        found = gang_restore(
+            committed,
+            where,
+            world_size,
+            placement,
+            alive,
+            set(peers) if peers else None,
+            elastic=elastic,
+        )
+        restore_step, note, sources = found.step, found.note, found.sources
+        if not committed and db.ever_committed(job):
+            # A rank must not start afresh while its peers would have restored.
+            note = (
+                "every step the job committed is gone from the catalog (deleted, or "
+                "reported corrupt or unreadable): nothing the whole gang can restore"
+            )
+        held = guard_hold(committed, hold_steps) if hold_steps is not None else []
+        addresses: dict[tuple[str, str], wire.PeerAddr | None] = {}
+
+        def addressed(holder: str, node: str) -> wire.PeerAddr | None:
+            """Where ``holder`` listens, with ``node``'s credential there."""
+            key = (holder, node)
+            if key not in addresses:
+                addr = peers.get(holder)
+                token = credential(holder, node) if credential and addr else None
+                if addr is not None and token is not None:
+                    addr = addr.model_copy(update={"token": SecretStr(token)})
+                addresses[key] = addr
+            return addresses[key]
+
+        runs: dict[str, set[int]] = {}
+        for rank, node in placement.items():
+            runs.setdefault(node, set()).add(rank)
+        out = []
+        for node in sorted(set(runs) | set(landed_on) | db.shard_nodes(job) | set(nodes)):
+            mine = runs.get(node, set())
+            read = {sources.get(r, r) for r in mine} if sources else set()
+            ranks = sorted(mine | landed_on.get(node, set()) | read)
+            # ~200 bytes per shard listed: stay well under the wire's payload limit.
+            fit = max(1, (wire.MAX_PAYLOAD_BYTES // 2) // (200 * max(1, len(ranks)) + 100))
+            keep = sorted(committed)[-min(wire.MAX_CATALOG_STEPS, fit) :]
+            if restore_step is not None and restore_step not in keep:
+                keep = sorted([restore_step, *keep[1:]])  # the gang's step is always listed
+            steps = []
+            for step in keep:
+                listed = []
+                for rank in ranks:
+                    if (step, rank) not in shards:
+                        continue
+                    checksum, nbytes = shards[(step, rank)]
+                    holder = where.get((step, rank, "peer"), (None, None))[1]
+                    listed.append(
+                        wire.CkptShard(
+                            rank=rank,
+                            checksum=checksum,
+                            nbytes=nbytes,
+                            peer=addressed(holder, node)
+                            if holder and "peer" in committed[step]
+                            else None,
+                        )
+                    )
+                saved = saved_ranks.get(step, world_size)
+                steps.append(
+                    wire.CkptStep(
+                        step=step,
+                        committed=committed[step],
+                        shards=listed,
+                        # an elastic job's only: a step of another job with a copy
+                        # gone (reported corrupt) was still saved by the whole gang
+                        world_size=saved if elastic and saved != world_size else None,
+                    )
+                )
+            out.append(
+                wire.CkptCatalog(
+                    job=job,
+                    node=node,
+                    world_size=world_size,
+                    generation=generation,
+                    steps=steps,
+                    restore_step=restore_step,
+                    restore_note=note,
+                    hold=held,
+                    ended=ended,
+                    sources={r: sources[r] for r in sorted(mine) if r in sources},
+                )
+            )
+        return out
+
+    def view(self, job: str, world_size: int, tiers: Sequence[str]) -> dict[str, Any]:
+        """Every step with a shard anywhere: committed tiers, and partial ones (ranks there)."""
+        steps: dict[int, dict[str, Any]] = {}
+        for step, tier, rank, node, holder, nbytes, _checksum in self.store.shards(job):
+            entry = steps.setdefault(
+                step, {"step": step, "committed": {}, "partial": {}, "bytes": {}, "where": {}}
+            )
+            entry["partial"][tier] = entry["partial"].get(tier, 0) + 1
+            entry["bytes"][tier] = entry["bytes"].get(tier, 0) + nbytes
+            entry["where"].setdefault(tier, {})[str(rank)] = holder or node
+        for step, tier, at in self.store.commits(job):
+            if step in steps:
+                steps[step]["committed"][tier] = at
+                steps[step]["partial"].pop(tier, None)
+        return {
+            "job": job,
+            "world_size": world_size,
+            "tiers": list(tiers),
+            "steps": [steps[s] for s in sorted(steps)],
+        }

@@ -1,0 +1,465 @@
+"""Checkpoint catalogs out: every node of a job is told the job's committed checkpoints.
+
+The supervisor hands the publisher each checkpoint landing and release a node
+reports (:meth:`CatalogPublisher.on_landing`, :meth:`~CatalogPublisher.on_release`).
+Landings are recorded in batches (one store transaction per ``BATCH_S``: a step
+brings one per rank and tier), and each job whose catalog changed gets it
+published: one retained message per node, built off the event loop, sent only
+when it changed. A release (a node let go of an ended job) clears that node's
+retained catalog, in batches too. A publish the link refuses, or a batch the
+store refuses, is tried again after ``RETRY_S``. A failed job's catalog says
+``ended`` (its nodes free its RAM tier) once ``ckpt_failed_ram_linger_s`` is over.
+
+Each of these delays is a :class:`OneShot`; the work they start runs as tasks of
+the publisher's own :class:`~phalanx.tasks.Tasks`. Shutdown, in the supervisor's
+order: :meth:`~CatalogPublisher.stop` (no new timer), :meth:`~CatalogPublisher.drain`
+(what was received is recorded and sent while the link is up),
+:meth:`~CatalogPublisher.shutdown` (the tasks: waited for, then cancelled), and
+:meth:`~CatalogPublisher.close` once the link is closed (what came since is recorded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from phalanx import wire
+from phalanx.agent_tokens import AgentKeys
+from phalanx.link import LinkDown, Publish
+from phalanx.tasks import Tasks
+from supervisor.checkpoints.catalog import CheckpointCatalog
+from supervisor.errors import StoreError
+from supervisor.fleet.registry import NodeState, Registry
+from supervisor.jobs import Job, JobState, hold_steps, void_landing
+
+log = logging.getLogger(__name__)
+
+PUBLISH_AT_ONCE = 256  # a job's catalogs in flight to the broker at once
+BATCH_S = 0.05  # landings and releases received within this are handled together
+RETRY_S = 2.0  # a catalog the link refused, or landings the store refused, go again after
+MAX_QUEUED_LANDINGS = 1_000_000  # ~a checkpoint step of 250k ranks at every tier
+
+
+JobLookup = Callable[[str], Job | None]
+
+
+class OneShot:
+    """One piece of work run once, ``delay`` seconds after :meth:`start`, as a task of
+    ``tasks`` named ``name``. Started again while it waits, the first time holds; after
+    :meth:`close` it never starts again."""
+
+    def __init__(
+        self, name: str, work: Callable[[], Coroutine[Any, Any, None]], tasks: Tasks
+    ) -> None:
+        self.name = name
+        self._work = work
+        self._tasks = tasks
+        self._handle: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    @property
+    def pending(self) -> bool:
+        return self._handle is not None
+
+    def start(self, delay: float) -> None:
+        if self._closed or self._handle is not None:
+            return
+        self._handle = asyncio.get_running_loop().call_later(delay, self._fire)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def close(self) -> None:
+        self.cancel()
+        self._closed = True
+
+    def _fire(self) -> None:
+        self._handle = None
+        self._tasks.spawn(self._work(), name=self.name)
+
+
+class CatalogPublisher:
+    """``catalog`` records the landings (in its store); ``publish`` is the link's;
+    ``job`` finds a job by id; ``registry`` says which nodes are alive and where their
+    agents listen; ``ram_linger_s`` is ``ckpt_failed_ram_linger_s``."""
+
+    def __init__(
+        self,
+        catalog: CheckpointCatalog,
+        publish: Publish,
+        *,
+        job: JobLookup,
+        registry: Registry,
+        ram_linger_s: float,
+        agent_keys: AgentKeys | None = None,
+    ) -> None:
+        self.catalog = catalog
+        self.store = catalog.store
+        self._publish = publish
+        self._job = job
+        self._registry = registry
+        self._ram_linger_s = ram_linger_s
+        self._agent_keys = agent_keys if agent_keys is not None else AgentKeys("")
+        self.tasks = Tasks("checkpoint catalogs")
+        self._sent: dict[str, bytes] = {}  # topic -> the payload last published
+        self._locks: dict[str, asyncio.Lock] = {}  # job -> held while its catalogs go out
+        self._landings: list[wire.CkptLanding] = []
+        self._releases: list[wire.CkptReleased] = []
+        self._retry_jobs: set[str] = set()
+        self._landing_flush = OneShot("ckpt-landings", self.flush_landings, self.tasks)
+        self._release_flush = OneShot("ckpt-releases", self.flush_releases, self.tasks)
+        self._retry = OneShot("ckpt-catalog-retry", self._retry_catalogs, self.tasks)
+        self._lingers: dict[str, OneShot] = {}  # failed job -> its RAM freed then
+        self._stopped = False
+        # Catalog messages are built here, off the event loop: for a 16,384-rank job one
+        # build took 1.5-1.9 s (SQLite rows and pydantic models), which held heartbeats.
+        self._builder = ThreadPoolExecutor(1, thread_name_prefix="catalog")
+
+    # --- inbound ------------------------------------------------------------------
+
+    def on_landing(self, msg: wire.CkptLanding) -> None:
+        """A step brings a landing per rank and tier: they are recorded in batches."""
+        self._landings.append(msg)
+        self._landing_flush.start(BATCH_S)
+
+    def on_release(self, msg: wire.CkptReleased) -> None:
+        """Every node of an ended job answers at once: they are cleared in batches, off the
+        message loop, which heartbeats and acks must never queue behind."""
+        self._releases.append(msg)
+        self._release_flush.start(BATCH_S)
+
+    @property
+    def lingering(self) -> set[str]:
+        """The failed jobs whose catalog goes out again when their RAM linger is over."""
+        return set(self._lingers)
+
+    # --- publishing -----------------------------------------------------------------
+
+    async def republish(self, jobs: Iterable[Job]) -> None:
+        """Back on the broker, which may have lost retained messages: send every catalog a
+        node may still need again."""
+        self._sent.clear()
+        for job in list(jobs):
+            if job.state.final and self.store.ended_catalogs_released(job.id):
+                continue  # every node let go of it: nothing left to tell
+            if not job.state.final or self.store.commits(job.id):
+                await self.publish(job.id)
+
+    def publish_soon(self, job_id: str) -> None:
+        """Publish the job's catalogs in a task of their own (the caller goes on)."""
+        self.tasks.spawn(self.publish(job_id), name=f"ckpt-catalog-{job_id}")
+
+    async def publish(self, job_id: str) -> None:
+        """The job's committed checkpoints, one retained message per node that needs them
+        (an unchanged one is not sent again).
+
+        One publish per job at a time: messages built before another change must all be
+        out before the next are built, or a stale one could stay retained on a node while
+        the cache says it is current. A publish the link refuses is tried again."""
+        async with self._locks.setdefault(job_id, asyncio.Lock()):
+            job = self._job(job_id)
+            if job is None:
+                return
+            ended = self._ram_freed(job)
+            placement = {} if job.state.final else {p.rank: p.node for p in job.ranks}
+            peers, alive = {}, set()
+            for node in self._registry.nodes.values():
+                if node.state != NodeState.OFFLINE:
+                    alive.add(node.id)
+                if node.birth is not None and node.birth.http_port:
+                    peers[node.id] = wire.PeerAddr(
+                        node=node.id, address=node.birth.address, http_port=node.birth.http_port
+                    )
+            world_size, generation, nodes = job.world_size, job.generation, job.nodes
+            hold = hold_steps(job)
+            elastic = job.spec.reshapes
+
+            def build() -> list[tuple[str, str, bytes]]:
+                with self.store.snapshot() as snapshot:  # committed rows only, one state
+                    messages = self.catalog.messages(
+                        job_id,
+                        world_size,
+                        generation=generation,
+                        placement=placement,
+                        peers=peers,
+                        alive=alive,
+                        ended=ended,
+                        nodes=nodes,
+                        store=snapshot,
+                        credential=self._agent_keys.peer_credential,
+                        hold_steps=hold,
+                        elastic=elastic,
+                    )
+                if messages:
+                    job.published_restore = messages[0].restore_step
+                return [
+                    (m.node, wire.catalog_topic(job_id, m.node), wire.encode(m)) for m in messages
+                ]
+
+            try:
+                built = await asyncio.get_running_loop().run_in_executor(self._builder, build)
+                if ended:
+                    # A node that let go of the job needs nothing more; the others' rows go
+                    # in before the first message is out, as its release may come at once.
+                    done = self.store.ended_catalogs_let_go(job_id)
+                    built = [m for m in built if m[0] not in done]
+                    self.store.ended_catalogs_sent(job_id, [target for target, _, _ in built])
+            except StoreError as exc:
+                log.error(
+                    "job %s: cannot build the checkpoint catalog: %s: trying again", job_id, exc
+                )
+                self._retry_later({job_id})
+                return
+            # All at once, not one acknowledgement after another: a 1,024-node launch
+            # waited ~2 s here for its catalogs, one broker round trip each.
+            # At most PUBLISH_AT_ONCE in flight: each publish's timeout runs from its start,
+            # and one queued behind thousands in the client would time out unsent.
+            changed = [(t, topic, p) for t, topic, p in built if self._sent.get(topic) != p]
+            room = asyncio.Semaphore(PUBLISH_AT_ONCE)
+
+            async def send(topic: str, payload: bytes) -> None:
+                async with room:
+                    await self._publish(topic, payload, retain=True)
+
+            results = await asyncio.gather(
+                *(send(topic, payload) for _, topic, payload in changed), return_exceptions=True
+            )
+            refused: list[tuple[str, BaseException]] = []
+            failed: BaseException | None = None
+            for (target, topic, payload), result in zip(changed, results, strict=True):
+                if isinstance(result, asyncio.CancelledError):
+                    raise result
+                if isinstance(result, LinkDown):
+                    refused.append((target, result))
+                elif isinstance(result, BaseException):
+                    failed = failed or result
+                    refused.append((target, result))
+                else:
+                    self._sent[topic] = payload
+            if failed is not None:
+                self._retry_later({job_id})
+                raise failed
+            if refused:
+                log.warning(
+                    "job %s: the checkpoint catalog for %s%s was not published (%s): trying again",
+                    job_id,
+                    refused[0][0],
+                    f" and {len(refused) - 1} other node(s)" if len(refused) > 1 else "",
+                    refused[0][1],
+                )
+                self._retry_later({job_id})
+                return
+            if ended:  # out, retained: the cache of a job that will not change need not stay
+                prefix = wire.catalog_prefix(job_id)
+                for topic in [t for t in self._sent if t.startswith(prefix)]:
+                    del self._sent[topic]
+                self.catalog.forget_job(job_id)
+
+    def _ram_freed(self, job: Job) -> bool:
+        """Whether the job's nodes free its RAM tier now (the catalog says ``ended``): it
+        succeeded or was cancelled, or it failed ``ram_linger_s`` ago. A job that failed
+        later than that gets its catalog sent again when the time is up."""
+        if job.state in (JobState.SUCCEEDED, JobState.CANCELLED):
+            return True
+        if job.state is not JobState.FAILED:
+            return False
+        left = (job.ended_at or 0.0) + self._ram_linger_s - time.time()
+        if left <= 0:
+            return True
+        if job.id not in self._lingers and not self._stopped:
+            job_id = job.id
+            timer = OneShot(
+                f"ckpt-free-ram-{job_id}", lambda: self._linger_over(job_id), self.tasks
+            )
+            self._lingers[job_id] = timer
+            timer.start(left)
+        return False
+
+    async def _linger_over(self, job_id: str) -> None:
+        self._lingers.pop(job_id, None)
+        await self.publish(job_id)
+
+    def _retry_later(self, jobs: set[str]) -> None:
+        self._retry_jobs |= jobs
+        self._retry.start(RETRY_S)
+
+    async def _retry_catalogs(self) -> None:
+        jobs, self._retry_jobs = self._retry_jobs, set()
+        for job_id in sorted(jobs):
+            await self.publish(job_id)
+
+    # --- releases -------------------------------------------------------------------
+
+    async def flush_releases(self) -> None:
+        """Clear the catalogs of ended jobs that nodes let go of since the last flush."""
+        self._release_flush.cancel()
+        batch, self._releases = self._releases, []
+        nodes: dict[str, set[str]] = {}
+        for msg in batch:
+            nodes.setdefault(msg.job, set()).add(msg.node)
+        for job, let_go in sorted(nodes.items()):
+            await self.clear_ended_catalogs(job, let_go)
+
+    async def clear_ended_catalogs(self, job: str, let_go: set[str]) -> None:
+        """Nodes let go of an ended job: clear the job's catalog retained for each, so the
+        broker stops delivering it at every reconnect.
+
+        Every release clears, even one for a node cleared before: the clear goes out
+        after the catalog that node answered, and under the job's publish lock, so no
+        catalog is left retained behind it. A clear the link refuses waits for the next
+        release (the agent gets the catalog again when it reconnects)."""
+        cleared: list[str] = []
+        try:
+            async with self._locks.setdefault(job, asyncio.Lock()):
+                try:
+                    for node in sorted(let_go & self.store.ended_catalogs_sent_to(job)):
+                        await self._publish(wire.catalog_topic(job, node), b"", retain=True)
+                        cleared.append(node)
+                finally:
+                    if cleared:
+                        self.store.ended_catalogs_cleared(job, cleared, time.time())
+                released = self.store.ended_catalogs_released(job)
+        except (LinkDown, StoreError) as exc:
+            log.warning(
+                "job %s: ended catalogs not cleared for %s: %s",
+                job,
+                ", ".join(sorted(let_go - set(cleared))),
+                exc,
+            )
+            return
+        if released and cleared:
+            log.info("job %s: every node let go of its checkpoints; its catalogs are cleared", job)
+
+    # --- landings -------------------------------------------------------------------
+
+    async def flush_landings(self) -> None:
+        """Record the landings received since the last flush, then publish the catalogs
+        that changed."""
+        self._landing_flush.cancel()
+        try:
+            changed = self.record_landings()
+        except StoreError:
+            self._landing_flush.start(RETRY_S)
+            return
+        for job_id in sorted(changed):
+            await self.publish(job_id)
+
+    def record_landings(self) -> set[str]:
+        """Record the queued landings in one transaction; the jobs whose catalog changed.
+
+        On a store error the landings go back to the queue (acknowledged to the broker,
+        they exist nowhere else) and the error is raised. Any other error is one landing
+        the store cannot take (a value past what it holds): that one is logged and
+        dropped, and it never holds up the others."""
+        batch, self._landings = self._landings, []
+
+        def record(msgs: list[wire.CkptLanding]) -> set[str]:
+            changed: set[str] = set()
+            try:
+                with self.store.batch():
+                    for msg in msgs:
+                        job = self._job(msg.job)
+                        if job is None:
+                            log.warning("dropped: a checkpoint landing of unknown job %s", msg.job)
+                        elif void_landing(job, msg):
+                            log.info(
+                                "job %s: ignored a landing of step %d from generation %d: "
+                                "a rollback voided it",
+                                msg.job,
+                                msg.step,
+                                msg.generation,
+                            )
+                        elif self.catalog.on_landing(msg, job.world_size_of(msg.generation)):
+                            changed.add(msg.job)
+            except BaseException:
+                self.catalog.forget()  # the transaction was rolled back: so is what it counted
+                raise
+            return changed
+
+        def requeue(msgs: list[wire.CkptLanding], exc: StoreError) -> None:
+            self._landings[:0] = msgs[-MAX_QUEUED_LANDINGS:]
+            lost = len(self._landings) - MAX_QUEUED_LANDINGS
+            if lost > 0:
+                del self._landings[:lost]
+                log.error(
+                    "dropped the %d oldest checkpoint landings: the store has failed for too long",
+                    lost,
+                )
+            log.error("recording %d checkpoint landing(s) failed, trying again: %s", len(msgs), exc)
+
+        # One transaction for the batch; a batch that fails for any reason but the store is
+        # split in halves until the landing that fails stands alone (a few transactions,
+        # never one per landing).
+        pending, changed = [batch], set()
+        while pending:
+            chunk = pending.pop(0)
+            try:
+                changed |= record(chunk)
+            except StoreError as exc:
+                requeue([msg for part in (chunk, *pending) for msg in part], exc)
+                if changed:  # recorded: their catalogs go out with the retry of catalogs
+                    self._retry_later(changed)
+                raise
+            except Exception as exc:
+                if len(chunk) > 1:
+                    pending[:0] = [chunk[: len(chunk) // 2], chunk[len(chunk) // 2 :]]
+                    continue
+                log.error(
+                    "dropped a checkpoint landing the store cannot take: %r: %s",
+                    exc,
+                    chunk[0].model_dump_json()[:500],
+                )
+        return changed
+
+    # --- shutdown -------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop accepting: no batch, retry or linger is timed any more (those pending are
+        cancelled) and no task starts; what comes from now on is only queued, for
+        :meth:`drain` and :meth:`close`."""
+        self._stopped = True
+        self.tasks.close()
+        for timer in (self._landing_flush, self._release_flush, self._retry):
+            timer.close()
+        for timer in self._lingers.values():
+            timer.close()
+        self._lingers.clear()
+
+    async def drain(self, timeout: float) -> None:
+        """With the link still up: record the landings received and publish the catalogs
+        they changed, then clear the catalogs of the releases received; at most
+        ``timeout`` seconds (what is left then is recorded by :meth:`close`, and its
+        catalogs go out at the next start)."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self.flush_landings()
+                await self.flush_releases()
+        except TimeoutError:
+            log.warning(
+                "checkpoint catalogs: the shutdown's drain did not end within %.1f s", timeout
+            )
+
+    async def shutdown(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the publisher's tasks, then cancel the rest."""
+        await self.tasks.shutdown(timeout)
+
+    def close(self) -> None:
+        """Once the link is closed (nothing comes any more): record the landings that came
+        since the drain, and end the builder thread. Landings the store refuses now are
+        lost, and the log says how many."""
+        if self._landings:
+            try:
+                self.record_landings()
+            except StoreError as exc:
+                log.error(
+                    "%d checkpoint landing(s) received before the shutdown are lost: %s",
+                    len(self._landings),
+                    exc,
+                )
+        self._builder.shutdown(wait=True)

@@ -1,0 +1,626 @@
+"""The job controller: queue, scheduling passes, gang launch, rank exits, stops.
+
+It owns the jobs' records (persisted on every change) and drives them
+through :mod:`supervisor.jobs`' state machine. Placement decisions come from
+the pure scheduler (:func:`supervisor.scheduler.schedule`); the controller
+turns them into commands to agents and waits for their acks. Every command
+names the job's generation, so a late ack or rank event of an older launch
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from phalanx import wire
+from phalanx.agent_tokens import AgentKeys
+from phalanx.jobspec import JobSpec
+from phalanx.tasks import Tasks
+from supervisor.checkpoints.publisher import CatalogPublisher
+from supervisor.config import SupervisorSettings
+from supervisor.control.cluster import cluster_state
+from supervisor.control.orders import GangOrders
+from supervisor.control.reconcile import Reconciler
+from supervisor.errors import LaunchError, Refused, UnknownJob
+from supervisor.fleet.burnin import BurnIns
+from supervisor.fleet.commands import CommandSender
+from supervisor.fleet.registry import NodeState, Registry
+from supervisor.jobs import Job, JobState, RankPlace
+from supervisor.recovery import rollbacks
+from supervisor.recovery.executor import BURN_IN_TIMEOUT_S, Recoveries
+from supervisor.recovery.incidents import Incidents
+from supervisor.recovery.planner import Failure, FailureKind
+from supervisor.recovery.sdc_watch import SdcWatch
+from supervisor.scheduler import Decisions, schedule
+from supervisor.store import Store
+
+log = logging.getLogger(__name__)
+
+# The least time between two scheduling passes: a pass looks at every node and job
+# (O(nodes)), and the fleet can wake the loop thousands of times a second.
+MIN_PASS_GAP_S = 0.5
+
+
+MAX_WORLDS_KEPT = 16  # generations whose world size a job keeps (Job.worlds)
+
+
+class JobController:
+    """The jobs of ``store``, run on the nodes of ``registry``: ``send`` sends a command
+    and waits for its ack, ``publisher`` sends the checkpoint catalogs,
+    ``offline_confirmed(since)`` says whether a node offline since then is offline for sure
+    (not a broker restart). Implements :class:`supervisor.actuator.JobControl` for the
+    recoveries and the gang's orders."""
+
+    def __init__(
+        self,
+        store: Store,
+        registry: Registry,
+        settings: SupervisorSettings,
+        *,
+        send: CommandSender,
+        publisher: CatalogPublisher,
+        offline_confirmed: Callable[[float], bool],
+        agent_keys: AgentKeys | None = None,
+    ) -> None:
+        self.store = store
+        self.agent_keys = agent_keys if agent_keys is not None else AgentKeys("")
+        self.registry = registry
+        self.settings = settings
+        self._send = send
+        self._publisher = publisher
+        self.jobs: dict[str, Job] = {
+            job_id: Job.from_record(job_id, rec) for job_id, rec in store.load_jobs().items()
+        }
+        self.spares: tuple[str, ...] = ()
+        self._wake = asyncio.Event()
+        self.tasks = Tasks("job controller")
+        self._busy: set[str] = set()  # jobs with a launch or stop in flight
+        # Shrunk elastic jobs that could grow: the newest step committed when they could
+        # (they grow at the next commit).
+        self._grow_from: dict[str, int] = {}
+        self._inflight: dict[str, int] = {}
+        self.last_pass_s = 0.0
+        self._started = time.monotonic()
+        self.burnins = BurnIns(registry, self.command, timeout_s=BURN_IN_TIMEOUT_S)
+        self.incidents = Incidents(self, self._newest_committed)
+        self.recoveries = Recoveries(self, self.incidents)
+        self.orders = GangOrders(self)
+        self.sdc = SdcWatch(self, self.recoveries.on_failure)
+        self.reconciler = Reconciler(
+            self.jobs,
+            registry,
+            send,
+            self.tasks,
+            busy=self._busy,
+            settling=self._settling,
+            offline_confirmed=offline_confirmed,
+            on_failure=self.recoveries.on_failure,
+            lost=self._ranks_lost,
+        )
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def resume(self) -> None:
+        """After a restart: finish what a previous supervisor left half done."""
+        for job in self.jobs.values():
+            if job.state is JobState.STARTING and job.recovery is not None:
+                # A recovery's launch, its outcome unknown: the recovery runs again (its
+                # stop first), once the nodes had a chance to re-announce themselves.
+                # The generation it launched is the one to stop now.
+                job.recovery["phase"] = "plan"
+                job.recovery["generation"] = job.generation
+                self.move(job, JobState.RECOVERING, "supervisor restarted during recovery")
+                self.spawn(job, self._after_settling(job))
+            elif job.state is JobState.RECOVERING:
+                self.spawn(job, self._after_settling(job))
+            elif job.state is JobState.STARTING:
+                # The launch's outcome is unknown: stop what may have started, then requeue.
+                job.stop_target = JobState.PENDING
+                job.reason = "supervisor restarted during launch"
+                self.move(job, JobState.STOPPING, job.reason)
+                self.spawn(job, self._stop_after_settling(job))
+            elif job.state is JobState.STOPPING:
+                self.spawn(job, self._stop_after_settling(job))
+        self.wake()
+
+    async def loop(self) -> None:
+        interval = self.settings.schedule_interval_s
+        gap = min(MIN_PASS_GAP_S, interval)
+        last = -math.inf
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), interval)
+            # A burst of wakes (a fleet's births, a broker restart's rebirths, a gang's
+            # nodes changing state) is one pass, not one per wake.
+            if (wait := last + gap - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
+            last = time.monotonic()
+            self._wake.clear()
+            self.check_runtimes()
+            self.check_growth()
+            self.reconciler.check_nodes()
+            for node in self.burnins.observe():
+                self.burnins.start(node)  # undrained: burned in before it takes work
+            self.schedule_pass()
+
+    async def command(
+        self, node: str, args: wire.CommandArgsType, timeout: float | None = None
+    ) -> wire.CommandAck:
+        return await self._send(node, args, timeout=timeout)
+
+    async def _after_settling(self, job: Job) -> None:
+        """Run a recovery a previous supervisor left, once the nodes had one offline
+        timeout to announce themselves."""
+        settle = self._started + self.settings.offline_after_s - time.monotonic()
+        if settle > 0:
+            await asyncio.sleep(settle)
+        await self.recoveries.run(job)
+
+    def _settling(self) -> bool:
+        """A restarted supervisor has heard from no node yet: for one offline timeout."""
+        return time.monotonic() - self._started < self.settings.offline_after_s
+
+    def wake(self) -> None:
+        self._wake.set()
+        self.recoveries.wake()
+
+    def close(self) -> None:
+        """Stop accepting: no job task, orphan stop or burn-in starts from now on (a job
+        keeps its persisted state, which the next supervisor takes up: :meth:`resume`)."""
+        self.tasks.close()
+        self.burnins.close()
+
+    async def shutdown(self, timeout: float) -> None:
+        """Start nothing new; wait up to ``timeout`` s for the job tasks, orphan stops and
+        burn-ins running, then cancel the rest. A job's state is persisted on every
+        change: what was cut short is taken up by the next supervisor (:meth:`resume`)."""
+        await asyncio.gather(self.tasks.shutdown(timeout), self.burnins.shutdown(timeout))
+
+    # --- operators -----------------------------------------------------------
+
+    def submit(self, spec: JobSpec) -> Job:
+        job = Job(Job.new_id(spec.name), spec)
+        self.jobs[job.id] = job
+        self.save(job)
+        self.event("job_submitted", job, team=spec.team, world_size=spec.world_size)
+        self.wake()
+        return job
+
+    def get(self, job_id: str) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise UnknownJob(job_id)
+        return job
+
+    def cancel(self, job_id: str) -> Job:
+        job = self.get(job_id)
+        if job.state.final:
+            raise Refused(f"job {job_id} already ended ({job.state.value})")
+        if job.state is JobState.PENDING:
+            job.reason = "cancelled by operator"
+            self.move(job, JobState.CANCELLED, job.reason)
+            return job
+        self.incidents.abandon(job, "cancelled")  # its task steps aside (checks the state)
+        job.stop_target = JobState.CANCELLED
+        job.reason = "cancelled by operator"
+        if job.state is not JobState.STOPPING:
+            self.move(job, JobState.STOPPING, job.reason)
+            self.spawn(job, self.stop(job), exclusive=False)
+        else:
+            self.save(job)
+        return job
+
+    # --- inbound -----------------------------------------------------------------
+
+    def on_rank_event(self, ev: wire.RankEvent) -> None:
+        job = self.jobs.get(ev.job)
+        if job is None or ev.generation > job.generation:
+            return
+        if ev.step is not None and ev.event in ("exited", "hung", "stepped", "guard"):
+            # (a hung rank took its last step idle_s before the report)
+            job.note_step(ev.generation, ev.step, ev.at - (ev.idle_s or 0.0))
+        if ev.generation != job.generation:
+            return
+        if ev.event in ("restored", "stepped"):
+            self.incidents.on_progress(job, ev)
+            return
+        if ev.event == "guard":
+            rollbacks.on_guard(self, self.recoveries.on_failure, job, ev)
+            return
+        if ev.event == "digest":
+            self.sdc.on_digest(job, ev)
+            return
+        if ev.event == "hung":
+            if job.state is JobState.RUNNING:
+                self.event(
+                    "ranks_hung",
+                    job,
+                    node=ev.node,
+                    rank=ev.rank,
+                    step=ev.step,
+                    stopped=ev.stopped,
+                    idle_s=ev.idle_s,
+                    detail=ev.detail,
+                )
+                self.recoveries.on_hang(job, ev)
+            return
+        if ev.event != "exited":
+            return
+        place = job.place(ev.rank)
+        if place is None or place.node != ev.node or place.exited:
+            return
+        place.code, place.signal = ev.code, ev.signal
+        # A gang's stop brings one per rank (16,384 at once): written soon, together.
+        self.store.add_event_soon(
+            "rank_exited",
+            ev.node,
+            {
+                "job": job.id,
+                "rank": ev.rank,
+                "code": ev.code,
+                "signal": ev.signal,
+                "generation": ev.generation,
+                "step": ev.step,
+            },
+        )
+        self._after_exit(job, place, step=ev.step, at=ev.at)
+
+    def on_heartbeat(self, beat: wire.Heartbeat) -> None:
+        self.reconciler.on_heartbeat(beat)
+
+    def _ranks_lost(self, job: Job, node: str, ranks: list[RankPlace]) -> None:
+        for r in ranks:
+            r.lost = True
+        self.event("ranks_lost", job, node=node, ranks=[r.rank for r in ranks])
+        self._after_exit(job, ranks[0])
+
+    def _after_exit(
+        self, job: Job, place: RankPlace, *, step: int | None = None, at: float | None = None
+    ) -> None:
+        if job.state is JobState.RUNNING:
+            if not place.clean:
+                self.recoveries.on_failure(
+                    job,
+                    Failure(
+                        FailureKind.RANK_EXIT,
+                        place.node,
+                        rank=place.rank,
+                        code=place.code,
+                        signal=place.signal,
+                        step=step,
+                        generation=job.generation,
+                        detail="lost: its node no longer runs it" if place.lost else "",
+                    ),
+                    fault_at=at,
+                )
+                return
+            if job.all_exited_clean():
+                job.reason = "every rank exited 0"
+                self.move(job, JobState.SUCCEEDED, job.reason)
+                self.event("job_succeeded", job, generation=job.generation)
+                self.wake()
+                return
+        self.save_soon(job)  # one exit of thousands: the record is built once for them
+
+    # --- periodic checks -------------------------------------------------------
+
+    def check_runtimes(self) -> None:
+        now = time.time()
+        for job in self.jobs.values():
+            if (
+                job.state is JobState.RUNNING
+                and job.started_at is not None
+                and now - job.started_at + job.ran_before_s > job.spec.max_runtime
+            ):
+                self.fail(job, f"max_runtime of {job.spec.max_runtime:.0f}s exceeded")
+
+    def check_growth(self) -> None:
+        """Grow a shrunk elastic job back (planner rule 7) once it ran ``grow_after`` at
+        its size, nodes are free for a larger allowed size, and it committed a step
+        since they were: the restart then loses only the steps after that commit."""
+        now = time.time()
+        free: int | None = None  # nodes up and held by no job nor the spare pool
+        for job in self.jobs.values():
+            e = job.spec.elastic
+            if (
+                e is None
+                or job.state is not JobState.RUNNING
+                or job.recovery is not None
+                or job.id in self._busy
+                or len(job.nodes) >= job.spec.nodes
+                or job.started_at is None
+                or now - job.started_at < e.grow_after
+            ):
+                self._grow_from.pop(job.id, None)
+                continue
+            if free is None:  # cheap, before the plan reads the job's checkpoint catalog
+                held = {n for j in self.jobs.values() if j.state.holds_nodes for n in j.nodes}
+                free = sum(
+                    1
+                    for n in self.registry.nodes.values()
+                    if n.state is NodeState.UP and n.id not in held and n.id not in self.spares
+                )
+            plan = self.recoveries.grow_plan(job) if free else None
+            if plan is None:
+                self._grow_from.pop(job.id, None)
+                continue
+            # At its next commit the larger gang can read: the restart then loses only
+            # the steps since (the new nodes read the peer or object copy, not RAM).
+            newest = plan.restore_step if plan.restore_step is not None else -1
+            since = self._grow_from.setdefault(job.id, newest)
+            if newest <= since:
+                continue
+            del self._grow_from[job.id]
+            added = [n for n in plan.nodes if n not in job.nodes]
+            self.recoveries.on_failure(
+                job,
+                Failure(
+                    FailureKind.GROW,
+                    added[0],
+                    step=newest,
+                    detail=f"{', '.join(added)} free since step {since}; {plan.reason}",
+                    generation=job.generation,
+                    quarantine=False,
+                ),
+            )
+
+    def fail(self, job: Job, why: str) -> None:
+        if job.state not in (JobState.RUNNING, JobState.RECOVERING):
+            return
+        job.stop_target = JobState.FAILED
+        job.reason = why
+        self.move(job, JobState.STOPPING, why)
+        self.spawn(job, self.stop(job))
+
+    # --- scheduling ------------------------------------------------------------
+
+    def schedule_pass(self) -> Decisions | None:
+        # With a spare pool, every pass tops it up (a recovery just took a spare).
+        if not self.settings.spares and not any(
+            j.state is JobState.PENDING for j in self.jobs.values()
+        ):
+            return None
+        t0 = time.perf_counter()
+        decisions = schedule(
+            cluster_state(
+                self.registry.nodes.values(),
+                list(self.jobs.values()),
+                self.settings,
+                needs_burn_in=self.burnins.needs,
+                previous_spares=self.spares,
+                now=time.time(),
+            )
+        )
+        self.last_pass_s = time.perf_counter() - t0
+        if decisions.spares != self.spares:
+            self.recoveries.wake()
+        self.spares = decisions.spares
+        for spare in self.spares:
+            self.burnins.start(spare)  # a spare is burned in as it enters the pool
+        for wait in decisions.waits:
+            job = self.jobs[wait.job_id]
+            waiting = {"reason": wait.reason.value, "detail": wait.detail}
+            if job.waiting != waiting:
+                job.waiting = waiting
+                self.save(job)
+        for pre in decisions.preemptions:
+            victim = self.jobs[pre.victim_id]
+            if victim.state is JobState.RUNNING and victim.id not in self._busy:
+                victim.stop_target = JobState.PENDING
+                victim.reason = f"preempted for {pre.for_job_id}"
+                victim.preemptions += 1
+                self.event(
+                    "job_preempted",
+                    victim,
+                    by=pre.for_job_id,
+                    lost_gpu_seconds=round(pre.lost_work, 1),
+                )
+                self.move(victim, JobState.STOPPING, victim.reason)
+                self.spawn(victim, self.orders.preempt(victim))
+        for start in decisions.starts:
+            job = self.jobs[start.job_id]
+            if start.preempts:
+                # Its nodes free up once the victims stop; a later pass places it.
+                job.waiting = {
+                    "reason": "preemption",
+                    "detail": f"waiting for {', '.join(start.preempts)} to stop",
+                }
+                self.save(job)
+                continue
+            if job.state is JobState.PENDING and job.id not in self._busy:
+                job.waiting = None
+                self.spawn(job, self.launch(job, list(start.nodes)))
+        return decisions
+
+    # --- launch and stop -----------------------------------------------------------
+
+    async def launch(self, job: Job, nodes: list[str]) -> None:
+        spec = job.spec
+        job.generation += 1
+        job.nodes = nodes
+        job.worlds[str(job.generation)] = job.world_size
+        while len(job.worlds) > MAX_WORLDS_KEPT:
+            del job.worlds[min(job.worlds, key=int)]
+        job.ranks = [
+            RankPlace(rank=i * spec.ranks_per_node + lr, node=n, local_rank=lr)
+            for i, n in enumerate(nodes)
+            for lr in range(spec.ranks_per_node)
+        ]
+        job.stop_target = None
+        job.reason = ""
+        self.move(job, JobState.STARTING, f"placed on {', '.join(nodes)}")
+        self.event("job_starting", job, nodes=nodes, generation=job.generation)
+        timeout = self.settings.command_timeout_s
+        try:
+            rank0 = self.registry.get(nodes[0])
+            assert rank0.birth is not None
+            job.master_addr = rank0.birth.address
+            ack = await self._send(nodes[0], wire.AllocPortArgs(), timeout=timeout)
+            if ack.status != wire.AckStatus.DONE:
+                raise LaunchError(
+                    f"node {nodes[0]} could not allocate a port: {ack.detail}", nodes[0]
+                )
+            job.master_port = int(ack.result["port"])
+            # The ranks restore first thing: their nodes must know this generation's
+            # restore step (or that there is none) before; their agents wait for it.
+            await self._publisher.publish(job.id)
+            orders = self.orders.start_orders(job, nodes)
+            acks = await asyncio.gather(
+                *(
+                    self._send(node, order, timeout=timeout)
+                    for node, order in zip(nodes, orders, strict=True)
+                ),
+                return_exceptions=True,
+            )
+            problems, failed = [], []
+            for node, result in zip(nodes, acks, strict=True):
+                if isinstance(result, asyncio.CancelledError):
+                    raise result
+                if isinstance(result, BaseException):
+                    problems.append(f"{node}: {result}")
+                    failed.append(node)
+                elif result.status != wire.AckStatus.DONE:
+                    problems.append(f"{node}: {result.detail}")
+                    failed.append(node)
+            if problems:
+                raise LaunchError("; ".join(problems), failed[0])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # LinkDown, a timeout, a bad ack: never stay in starting
+            if job.state is not JobState.STARTING:
+                return  # cancelled meanwhile: that stop owns the job now
+            if job.recovery is not None:
+                # A recovery's launch: recovered again (its stop covers this generation),
+                # charged to the budget, rather than the job failed with restarts left.
+                node = getattr(exc, "node", None) or job.nodes[0]
+                self.recoveries.relaunch_failed(job, node, str(exc))
+                return
+            job.stop_target = JobState.FAILED
+            job.reason = f"launch failed: {exc}"
+            self.move(job, JobState.STOPPING, job.reason)
+            await self.stop(job, grace_s=5.0)
+            return
+        if job.state is not JobState.STARTING:
+            return  # cancelled while the ranks were starting: the cancel's stop ends it
+        job.started_at = time.time()
+        if job.first_started_at is None:
+            job.first_started_at = job.started_at
+        self.move(job, JobState.RUNNING, f"world size {job.world_size}")
+        self.event(
+            "job_running",
+            job,
+            generation=job.generation,
+            master=f"{job.master_addr}:{job.master_port}",
+        )
+        self.incidents.on_started(job)
+        for place in job.ranks:  # exits that raced the start acks
+            if place.exited:
+                self._after_exit(job, place)
+                break
+        if (tripped := job.guard_pending) is not None:  # a trip that raced them too
+            job.guard_pending = None
+            if tripped.generation == job.generation:
+                rollbacks.on_guard(self, self.recoveries.on_failure, job, tripped)
+
+    async def _stop_after_settling(self, job: Job) -> None:
+        """A restarted supervisor knows no node yet: give the job's nodes one offline timeout
+        to re-announce themselves before sending the stops (an offline node gets none)."""
+        settle = self._started + self.settings.offline_after_s - time.monotonic()
+        if settle > 0:
+            await asyncio.sleep(settle)
+        await self.stop(job)
+
+    async def stop(self, job: Job, grace_s: float | None = None) -> None:
+        grace = grace_s if grace_s is not None else job.spec.grace_period
+        args = wire.StopRanksArgs(
+            job=job.id, generation=max(job.generation, 1), grace_s=grace, reason=job.reason
+        )
+        timeout = grace + self.settings.command_timeout_s
+        results = await asyncio.gather(
+            *(
+                self._send(node, args, timeout=timeout)
+                for node in job.nodes
+                if self.registry.nodes.get(node) is not None
+                and self.registry.nodes[node].state is not NodeState.OFFLINE
+            ),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                log.warning("job %s: a stop was not acknowledged: %s", job.id, result)
+        target = job.stop_target or JobState.FAILED
+        if target is JobState.PENDING:
+            job.started_at = None
+            job.ran_before_s = 0.0
+            job.nodes, job.ranks = [], []
+        self.move(job, target, job.reason)
+        self.event(f"job_{target.value}", job, reason=job.reason, generation=job.generation)
+        self.wake()
+
+    # --- plumbing ------------------------------------------------------------------
+
+    def spawn(self, job: Job, work: Coroutine[Any, Any, None], *, exclusive: bool = True) -> None:
+        """Run a launch or stop of ``job``; ``exclusive=False`` for a cancel that may overlap
+        a launch still in flight (the launch notices the state change and steps aside).
+        Once shutdown has begun nothing starts: the job's state, persisted, says what the
+        next supervisor takes up."""
+
+        async def run() -> None:
+            try:
+                await work
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("job %s: controller task failed", job.id)
+                if job.state in (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING):
+                    self.fail(job, f"controller error: {exc}")
+            finally:
+                self._inflight[job.id] -= 1
+                if not self._inflight[job.id]:
+                    del self._inflight[job.id]
+                    self._busy.discard(job.id)
+
+        if self.tasks.spawn(run(), name=f"job-{job.id}") is None:
+            work.close()
+            return
+        self._busy.add(job.id)
+        self._inflight[job.id] = self._inflight.get(job.id, 0) + 1
+
+    def move(self, job: Job, to: JobState, why: str) -> None:
+        before = job.state
+        if to.final:
+            self.incidents.abandon(job, to.value)
+        job.move(to, why)
+        self.save(job)
+        log.info(
+            "job %s: %s -> %s (%s)",
+            job.id,
+            before.value,
+            to.value,
+            why,
+            extra={"job": job.id, "event": "job_state", "state": to.value},
+        )
+        if to.final:
+            # Its agents free the RAM tier once the catalog says the job ended (a failed
+            # job's, after ckpt_failed_ram_linger_s).
+            self._publisher.publish_soon(job.id)
+
+    def _newest_committed(self, job: str, upto: int) -> int | None:
+        return max((step for step, _, _ in self.store.commits(job) if step <= upto), default=None)
+
+    def save(self, job: Job) -> None:
+        self.store.save_job(job.id, job.state.value, job.record())
+
+    def save_soon(self, job: Job) -> None:
+        """Persist the job's record soon (``Store.save_job_soon``): its JSON, 1.5 MB for a
+        16,384-rank gang, is built once for a burst of changes, not once per rank."""
+        self.store.save_job_soon(job.id, lambda: job.state.value, job.record)
+
+    def event(self, kind: str, job: Job, node: str | None = None, **detail: Any) -> None:
+        self.store.add_event(kind, node, {"job": job.id, **detail})

@@ -1,0 +1,175 @@
+"""What the controller tells a gang's nodes: each node's start order (its ranks, the
+rendezvous, its checkpoint tiers and buddy), and the save asked of a job before it
+is preempted."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+
+from pydantic import SecretStr
+
+from phalanx import wire
+from phalanx.elastic import Elastic
+from phalanx.jobspec import FromFile
+from supervisor.actuator import JobControl
+from supervisor.checkpoints.catalog import pick_buddies
+from supervisor.fleet.mtbf import NodeMtbf, node_mtbf
+from supervisor.jobs import Job
+from supervisor.recovery import rollbacks
+
+log = logging.getLogger(__name__)
+
+
+class GangOrders:
+    def __init__(self, ctl: JobControl) -> None:
+        self.ctl = ctl
+        self._mtbf: tuple[float, NodeMtbf] | None = None  # (monotonic time, the fleet's)
+
+    def start_orders(self, job: Job, nodes: Sequence[str]) -> list[wire.StartRanksArgs]:
+        """Each node's start order (``nodes`` in group-rank order). What all of them share
+        (the environment, the racks and buddies, the fleet's MTBF) is worked out once: per
+        node it made a 2,048-node launch quadratic in the gang's size (issue 22)."""
+        spec = job.spec
+        env: dict[str, str | wire.EnvFromFile] = {
+            k: wire.EnvFromFile(from_file=str(v.from_file)) if isinstance(v, FromFile) else v
+            for k, v in spec.env.items()
+        }
+        env.update(rollbacks.start_env(job))  # the loss guard's rule, the steps to skip
+        if spec.sdc is not None:
+            env["PHALANX_DIGEST_EVERY"] = str(spec.sdc.every)
+        if spec.elastic is not None:  # this generation's size: the global batch stays
+            layout = Elastic.for_size(
+                spec.elastic.global_batch,
+                spec.elastic.micro_batch,
+                job.world_size,
+                spec.elastic.global_batch * (job.published_restore or 0),
+            )
+            env.update(layout.env())
+        buddies = self._buddies(job)
+        warm = wire.WarmPlan(imports=list(spec.restart.warm_imports)) if spec.restart.warm else None
+        return [
+            wire.StartRanksArgs(
+                job=job.id,
+                generation=job.generation,
+                command=spec.command,
+                workdir=spec.workdir,
+                env=env,
+                world_size=job.world_size,
+                group_rank=group_rank,
+                master_addr=job.master_addr or "",
+                master_port=job.master_port or 1,
+                ranks=[
+                    wire.RankSlot(rank=r.rank, local_rank=r.local_rank) for r in job.places_on(node)
+                ],
+                grace_s=spec.grace_period,
+                ckpt=self._ckpt_plan(job, node, buddies),
+                hang_timeout_s=spec.restart.hang_timeout,
+                warm=warm,
+            )
+            for group_rank, node in enumerate(nodes)
+        ]
+
+    def start_args(self, job: Job, group_rank: int, node: str) -> wire.StartRanksArgs:
+        """One node's start order (see :meth:`start_orders`)."""
+        order = self.start_orders(job, [node])[0]
+        return order.model_copy(update={"group_rank": group_rank})
+
+    def ckpt_plan(self, job: Job, node: str) -> wire.CkptPlan:
+        """The job's checkpoint tiers for one node, with the buddy its peer copies go to
+        and that node's credential there (this plan goes to ``node`` alone)."""
+        return self._ckpt_plan(job, node, self._buddies(job))
+
+    def _buddies(self, job: Job) -> dict[str, str]:
+        if "peer" not in job.spec.checkpoint.tiers:
+            return {}
+        racks = {}
+        for n in job.nodes:
+            known = self.ctl.registry.nodes.get(n)
+            racks[n] = known.birth.topology.rack if known and known.birth else ""
+        return pick_buddies(job.nodes, racks)
+
+    def _ckpt_plan(self, job: Job, node: str, buddies: Mapping[str, str]) -> wire.CkptPlan:
+        spec = job.spec.checkpoint
+        buddy = None
+        name = buddies.get(node)
+        found = self.ctl.registry.nodes.get(name) if name else None
+        if found is not None and found.birth is not None and found.birth.http_port:
+            credential = self.ctl.agent_keys.peer_credential(found.id, node)
+            buddy = wire.PeerAddr(
+                node=found.id,
+                address=found.birth.address,
+                http_port=found.birth.http_port,
+                token=None if credential is None else SecretStr(credential),
+            )
+        interval: str | float | int = "auto"
+        if isinstance(spec.interval, dict):
+            kind, value = next(iter(spec.interval.items()))
+            interval = int(value) if kind == "steps" else float(value)
+        now = time.monotonic()
+        if self._mtbf is None or now - self._mtbf[0] > 60.0:  # one event-log scan a minute
+            settings = self.ctl.settings
+            self._mtbf = (
+                now,
+                node_mtbf(
+                    self.ctl.store,
+                    configured_s=settings.ckpt_node_mtbf_h * 3600.0,
+                    min_failures=settings.ckpt_mtbf_min_failures,
+                ),
+            )
+        mtbf = self._mtbf[1]
+        return wire.CkptPlan(
+            tiers=list(spec.tiers),
+            keep=dict(spec.keep),
+            interval=interval,
+            buddy=buddy,
+            mtbf_s=mtbf.for_job(len(job.nodes)),
+        )
+
+    async def preempt(self, job: Job) -> None:
+        """Checkpoint a preempted job first: its ranks are asked to save at their next step
+        (``save_now``), also before its first checkpoint (up to a whole ``interval`` of
+        work is at stake), and the stop waits, within the grace period, for that save to
+        be committed at the nearest tier any node can restore from; then it stops. Each
+        node's ack lists the ranks that listen (report steps); a job none of whose ranks
+        listen is stopped at once."""
+        tiers = job.spec.checkpoint.tiers
+        tier = next((t for t in ("peer", "object", "nvme", "ram") if t in tiers), None)
+        commits = self.ctl.store.commits(job.id)
+        before = max((s for s, t, _ in commits if t == tier), default=-1)
+        args = wire.SaveNowArgs(job=job.id, generation=max(job.generation, 1))
+        timeout = self.ctl.settings.command_timeout_s
+        acks = await asyncio.gather(
+            *(self.ctl.command(n, args, timeout=timeout) for n in job.nodes), return_exceptions=True
+        )
+        asked = any(
+            not isinstance(a, BaseException)
+            and a.status == wire.AckStatus.DONE
+            and a.result.get("ranks")
+            for a in acks
+        )
+        saved = None
+        deadline = time.monotonic() + job.spec.grace_period
+        while asked and time.monotonic() < deadline:
+            newest = max((s for s, t, _ in self.ctl.store.commits(job.id) if t == tier), default=-1)
+            if newest > before:
+                saved = newest
+                break
+            await asyncio.sleep(0.2)
+        if not asked:
+            log.info("job %s: no rank listens for a save request; stopping it at once", job.id)
+        if asked:
+            self.ctl.event(
+                "job_preempt_checkpoint", job, step=saved, tier=tier, committed=saved is not None
+            )
+            if saved is None:
+                log.warning(
+                    "job %s: no checkpoint committed at %s within the grace period "
+                    "of %.0fs before its preemption",
+                    job.id,
+                    tier,
+                    job.spec.grace_period,
+                )
+        await self.ctl.stop(job)

@@ -1,0 +1,618 @@
+"""Recovery: a failed rank, GPU or node costs seconds, not the run.
+
+The controller hands every failure signal of a running job here
+(:meth:`Recoveries.on_failure`): a rank that exited badly or was lost, a
+node of the gang that turned ``drain`` or went offline, a gang whose steps
+stopped. The job turns ``recovering`` and one task per job then:
+
+1. **plans** with the pure planner (:func:`supervisor.recovery.planner.plan_recovery`)
+   from the fleet, the spare pool, the checkpoint catalog and the job's history;
+2. **stops** the gang's ranks everywhere (each node keeps the job's RAM tier);
+3. **quarantines** a failed node: drained, with the failure as the reason;
+4. **waits** for a spare or a healthy node when there is none (bounded by
+   ``restart.spare_wait``), and backs off before a repeated restart;
+5. **burns in** each replacement node (a failed burn-in drains it; the next is tried);
+6. **launches** generation g+1 on the planned nodes with a fresh rendezvous
+   (its port on the new rank-0 node, alive by construction), which restores the
+   newest step the whole gang can read.
+
+The incident is recorded (:mod:`supervisor.recovery.incidents`) with its phases
+(detect, plan, stop, launch, restore, first step) and the work it lost once every rank of the new
+generation has reported its first step. The recovery in progress is persisted
+with the job: a restarted supervisor runs it again from the start (every step
+above is idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import asdict, replace
+from typing import Any
+
+from phalanx import wire
+from supervisor.actuator import JobControl
+from supervisor.errors import RegistryError
+from supervisor.fleet.registry import NodeState
+from supervisor.jobs import Job, JobState
+from supervisor.recovery import rollbacks
+from supervisor.recovery.incidents import Incidents, node_incidents, plan_record, time_ran
+from supervisor.recovery.planner import (
+    GUARD_KINDS,
+    HEALTHY,
+    Action,
+    CatalogView,
+    Cause,
+    Failure,
+    FailureKind,
+    JobView,
+    NodeView,
+    PastFailure,
+    Plan,
+    plan_recovery,
+    plan_regrow,
+)
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 5.0  # the most a recovery waits for a rank to take SIGTERM before SIGKILL
+BACKOFF_MAX_S = 60.0
+QUICK_FAILURE_S = 60.0  # a generation a recovery started that fails sooner is a crash loop
+BURN_IN_TIMEOUT_S = 150.0  # the agent's GPU matmul check may take 120 s (agentd.burnin)
+HANG_COLLECT_S = 1.5  # after a node reports a hang, how long the others get to report theirs
+WAIT_POLL_S = 1.0
+QUARANTINE_BY = "quarantined by job"  # a quarantine's drain reason: "... JOB: why"
+
+
+class Recoveries:
+    """One recovery task per failed job, run through ``ctl``; ``incidents`` records each."""
+
+    def __init__(self, ctl: JobControl, incidents: Incidents) -> None:
+        self.ctl = ctl
+        self.incidents = incidents
+        self._wake = asyncio.Event()
+        self._hangs: dict[tuple[str, int], list[wire.RankEvent]] = {}
+
+    def wake(self) -> None:
+        """Something changed in the fleet: recoveries waiting for a node look again."""
+        self._wake.set()
+
+    # --- signals ----------------------------------------------------------------
+
+    def on_failure(self, job: Job, failure: Failure, *, fault_at: float | None = None) -> None:
+        """A failure of ``job``'s current generation: start its recovery (once)."""
+        if job.state not in (JobState.RUNNING, JobState.STARTING) or job.recovery is not None:
+            return
+        failure = _at_restore(job, failure)
+        now = time.time()
+        if job.state is JobState.RUNNING and job.started_at is not None:
+            # max_runtime counts every generation's run (a failed launch ran none)
+            job.ran_before_s += max(0.0, (fault_at or now) - job.started_at)
+        job.recovery = {
+            "generation": job.generation,
+            "failures": [_failure_record(failure)],
+            "fault_at": fault_at if fault_at is not None else now,
+            "detected_at": now,
+            "phase": "plan",
+            "phases": {"detect": round(max(0.0, now - (fault_at or now)), 3)},
+            "size": job.size(),  # of the generation it ends (an elastic job's changes)
+        }
+        job.reason = failure.describe()
+        self.ctl.move(job, JobState.RECOVERING, job.reason)
+        self.ctl.event(
+            "job_growing" if failure.kind is FailureKind.GROW else "job_failure",
+            job,
+            node=failure.node,
+            failure=failure.kind.value,
+            rank=failure.rank,
+            code=failure.code,
+            signal=failure.signal,
+            step=failure.step,
+            detail=failure.detail,
+            generation=job.generation,
+        )
+        self.ctl.spawn(job, self.run(job))
+
+    def on_hang(self, job: Job, ev: wire.RankEvent) -> None:
+        """A node reports its ranks of the job hung: wait a moment for the other nodes'
+        reports, then name the culprit from all of them."""
+        key = (job.id, ev.generation)
+        first = key not in self._hangs
+        self._hangs.setdefault(key, []).append(ev)
+        if first:
+            asyncio.get_running_loop().call_later(HANG_COLLECT_S, self._hang_decided, key)
+
+    def _hang_decided(self, key: tuple[str, int]) -> None:
+        reports = self._hangs.pop(key, [])
+        job = self.ctl.jobs.get(key[0])
+        if not reports or job is None or job.generation != key[1]:
+            return
+        if any(r.clean for r in job.ranks):
+            return  # a rank finished: the others wait for it at the end, they are not hung
+        # A stopped process first, then the rank furthest behind, then the longest silent.
+        culprit = min(
+            reports,
+            key=lambda e: (not e.stopped, e.step if e.step is not None else -1, -(e.idle_s or 0.0)),
+        )
+        idle = max(e.idle_s or 0.0 for e in reports)
+        failure = Failure(
+            FailureKind.HANG,
+            culprit.node,
+            rank=culprit.rank,
+            step=culprit.step,
+            detail=f"no step for {idle:.1f}s; {culprit.detail}".strip("; "),
+            generation=key[1],
+        )
+        if culprit.dumps:
+            self.ctl.event("hang_dumps", job, node=culprit.node, dumps=culprit.dumps)
+        self.on_failure(job, failure, fault_at=time.time() - idle)
+
+    # --- the recovery -----------------------------------------------------------
+
+    async def run(self, job: Job) -> None:
+        rec = job.recovery
+        if rec is None or not _recovering(job):
+            return  # cancelled before it began
+        failures = [_failure(f) for f in rec["failures"]]
+        phases: dict[str, float] = rec.setdefault("phases", {})
+        old_generation = int(rec["generation"])
+        stopped = rec.get("phase") not in (None, "plan")
+        while True:
+            if not _recovering(job) or job.recovery is not rec:
+                return  # cancelled meanwhile: that stop owns the job
+            if (
+                time.time() - rec["detected_at"]
+                > job.spec.restart.spare_wait + BACKOFF_MAX_S + BURN_IN_TIMEOUT_S
+            ):
+                self._fail(
+                    job,
+                    Plan(
+                        Action.FAIL,
+                        "no recovery within restart.spare_wait "
+                        f"({job.spec.restart.spare_wait:.0f}s): "
+                        f"{rec.get('plan', {}).get('reason', '')}",
+                        Cause.SOFTWARE,
+                    ),
+                )
+                return
+            t0 = time.perf_counter()
+            plan = self.plan(job, failures)
+            phases["plan"] = round(time.perf_counter() - t0, 4)
+            record = plan_record(plan)
+            if record != rec.get("plan"):  # a waiting recovery plans again and again
+                rec["plan"] = record
+                self.ctl.save(job)
+                self.ctl.event(
+                    "recovery_planned",
+                    job,
+                    action=plan.action.value,
+                    cause=plan.cause.value,
+                    reason=plan.reason,
+                    nodes=list(plan.nodes),
+                    swaps=[list(s) for s in plan.swaps],
+                    restore_step=plan.restore_step,
+                    burn_in=list(plan.burn_in),
+                    reinstate=list(plan.reinstate),
+                )
+            self._quarantine(job, plan, failures)
+            if not stopped:
+                t0 = time.perf_counter()
+                await self._stop_gang(job, old_generation)
+                phases["stop"] = round(time.perf_counter() - t0, 3)
+                rec["phase"] = "stopped"
+                stopped = True
+                self.ctl.save(job)
+            if not _recovering(job):
+                return
+            if plan.action is Action.FAIL:
+                self._fail(job, plan)
+                return
+            if (
+                plan.action is Action.WAIT
+                and plan.burn_in
+                and await self._burn_in_suspects(job, plan)
+            ):
+                continue  # one passed: plan again, to restart on it
+            if plan.action is Action.WAIT:
+                if not await self._wait_for_nodes(job, plan):
+                    return
+                continue
+            job.waiting = None
+            if plan.action not in FREE and not await self._backoff(job):
+                return  # (a rollback spends its own budget, guard.max_rollbacks)
+            if not await self._burn_in_swaps(job, plan):
+                continue  # a replacement failed its burn-in: plan again without it
+            if not self._reinstate(job, plan):
+                continue  # a suspect could not be undrained: plan again without it
+            if not _recovering(job) or job.recovery is not rec:
+                return
+            plan = self.plan(job, failures)  # the fleet may have moved while we waited
+            if plan.action in RELAUNCHES and all(self.ctl.burnins.passed(b) for _, b in plan.swaps):
+                break
+        rec["plan"] = plan_record(plan)
+        await self._relaunch(job, plan)
+
+    def _fail(self, job: Job, plan: Plan) -> None:
+        self.incidents.finish(job, plan, outcome="failed")
+        job.recovery = None
+        job.reason = plan.reason
+        job.waiting = None
+        self.ctl.move(job, JobState.FAILED, plan.reason)
+        self.ctl.event("job_failed", job, reason=plan.reason, generation=job.generation)
+        self.ctl.wake()
+
+    def relaunch_failed(self, job: Job, node: str, why: str) -> None:
+        """The recovery's launch failed (a start not acknowledged, a port not found): the
+        incident ends so, and a new recovery starts from it, charged to the budget."""
+        self.incidents.abandon(job, "launch_failed")
+        self.on_failure(
+            job,
+            Failure(
+                FailureKind.RANK_EXIT,
+                node,
+                detail=f"launch failed: {why}"[:900],
+                generation=job.generation,
+            ),
+        )
+
+    def plan(self, job: Job, failures: list[Failure]) -> Plan:
+        ctl = self.ctl
+        if failures and failures[0].kind in GUARD_KINDS:
+            return rollbacks.plan(ctl, job, failures[0])
+        busy: set[str] = set()
+        for other in ctl.jobs.values():
+            if other.id != job.id and other.state.holds_nodes:
+                busy.update(other.nodes)
+                if other.recovery is not None:  # held for its relaunch
+                    busy.update((other.recovery.get("plan") or {}).get("nodes", []))
+        rejected = set((job.recovery or {}).get("rejected", []))
+        spares = set(ctl.spares)
+        nodes: dict[str, NodeView] = {}
+        for node in ctl.registry.nodes.values():
+            if node.birth is None or not node.birth.gpus:
+                continue
+            nodes[node.id] = NodeView(
+                id=node.id,
+                rack=node.birth.topology.rack,
+                nvlink_domain=node.birth.topology.nvlink_domain or "",
+                gpu_type=node.birth.gpus[0].model,
+                gpus=len(node.birth.gpus),
+                state=node.state.value,
+                busy=node.id in busy,
+                spare=node.id in spares,
+                burned_in=not ctl.burnins.needs(node.id) and node.id not in rejected,
+            )
+        committed: dict[int, dict[str, float]] = {}
+        for step, tier, at in ctl.store.commits(job.id):
+            committed.setdefault(step, {})[tier] = at
+        where: dict[tuple[int, int, str], tuple[str, str | None]] = {}
+        for step, tier, rank, node_id, holder, _n, _c in ctl.store.committed_shards(job.id):
+            where[(step, rank, tier)] = (node_id, holder)
+        history = tuple(
+            PastFailure(
+                kind=FailureKind(f["kind"]),
+                node=f["node"],
+                rank=f.get("rank"),
+                code=f.get("code"),
+                signal=f.get("signal"),
+                step=f.get("step"),
+                restored_step=i.get("restored_step"),
+                from_restore=f.get("from_restore"),
+            )
+            for i in job.incidents
+            for f in i["failures"][:1]
+            if f["kind"] != FailureKind.GROW.value  # no failure
+        )
+        detected = job.recovery["detected_at"] if job.recovery else time.time()
+        for f in failures:  # back after a clean shutdown (an upgrade): burn it in to reuse it
+            known = ctl.registry.nodes.get(f.node)
+            if f.kind is FailureKind.GROW:
+                continue  # no node failed (and its GPUs may be training)
+            if not f.quarantine and known is not None and known.state is NodeState.UP:
+                ctl.burnins.start(f.node)
+        cleared = frozenset(n for n in job.nodes if ctl.burnins.passed_since(n, detected))
+        rec = job.recovery or {}
+        view = JobView(
+            id=job.id,
+            nodes=tuple(job.nodes),
+            ranks_per_node=job.spec.ranks_per_node,
+            gpu_type=job.spec.gpu_type,
+            max_restarts=job.spec.restart.max_restarts,
+            restarts_used=job.restarts,
+            use_spares=job.spec.restart.use_spares,
+            history=history,
+            cleared=cleared,
+            quarantined=frozenset(n for n in rec.get("quarantined", []) if self._ours(job, n)),
+            vetted=frozenset(rec.get("vetted", [])),
+            sizes=tuple(job.spec.elastic_sizes()) if job.spec.elastic is not None else (),
+            shrink_first=job.spec.elastic is not None and job.spec.elastic.prefer == "shrink",
+            shrink_blocked=shrink_blocked(job),
+            replicated=job.spec.reshapes,
+        )
+        if failures and failures[0].kind is FailureKind.GROW:
+            sick = [n for n in job.nodes if n not in nodes or nodes[n].state not in HEALTHY]
+            if not sick:
+                return plan_regrow(view, nodes, CatalogView(committed, where))
+            # A node of its own failed while it was to grow (that failure, reported
+            # during the grow, was not taken): recover from it instead.
+            failures = [
+                Failure(
+                    FailureKind.NODE_OFFLINE
+                    if n not in nodes or nodes[n].state == "offline"
+                    else FailureKind.NODE_DRAIN,
+                    n,
+                    generation=job.generation,
+                )
+                for n in sick
+            ]
+        return plan_recovery(
+            view,
+            failures,
+            nodes,
+            CatalogView(committed, where),
+            now=time.time(),
+            node_incidents=node_incidents(ctl.jobs.values()),
+        )
+
+    def grow_plan(self, job: Job) -> Plan | None:
+        """Whether the job, a shrunk elastic one, can grow back now (rule 7)."""
+        if len(job.nodes) >= job.spec.nodes or not job.spec.reshapes:
+            return None
+        plan = self.plan(job, [Failure(FailureKind.GROW, job.nodes[0], quarantine=False)])
+        return plan if plan.action is Action.GROW else None
+
+    async def _stop_gang(self, job: Job, generation: int) -> None:
+        """Stop the generation's ranks on every node still reachable; RAM tiers stay."""
+        grace = min(job.spec.grace_period, STOP_GRACE_S)
+        args = wire.StopRanksArgs(
+            job=job.id,
+            generation=max(generation, 1),
+            grace_s=grace,
+            reason=f"recovering: {job.reason}",
+            keep_warm=True,  # the next generation's ranks start from them
+        )
+        targets = [
+            n
+            for n in job.nodes
+            if (known := self.ctl.registry.nodes.get(n)) is not None
+            and known.state is not NodeState.OFFLINE
+        ]
+        timeout = grace + self.ctl.settings.command_timeout_s
+        results = await asyncio.gather(
+            *(self.ctl.command(n, args, timeout=timeout) for n in targets), return_exceptions=True
+        )
+        for node, result in zip(targets, results, strict=True):
+            if isinstance(result, BaseException):
+                # Its ranks are fenced anyway: the next generation has its own rendezvous
+                # port, and the catalog takes no landing of an older generation's save.
+                log.warning(
+                    "job %s: node %s did not acknowledge the recovery stop: %s",
+                    job.id,
+                    node,
+                    result,
+                )
+
+    def _quarantine(self, job: Job, plan: Plan, failures: list[Failure]) -> None:
+        """Drain the plan's failed nodes, once per recovery (an operator's undrain after
+        that is theirs to make)."""
+        why = "; ".join(f.describe() for f in failures)
+        assert job.recovery is not None
+        done = job.recovery.setdefault("quarantined", [])
+        for node_id in plan.quarantine:
+            node = self.ctl.registry.nodes.get(node_id)
+            if node is None or node_id in done:
+                continue
+            done.append(node_id)
+            try:
+                self.ctl.registry.drain(
+                    node_id, f"{QUARANTINE_BY} {job.id}: {why}", by="supervisor"
+                )
+            except RegistryError as exc:
+                log.warning("job %s: could not quarantine node %s: %s", job.id, node_id, exc)
+                continue
+            self.ctl.event("node_quarantined", job, node=node_id, reason=why)
+
+    def _ours(self, job: Job, node_id: str) -> bool:
+        """``node_id`` is drained by this job's quarantine and for nothing else."""
+        node = self.ctl.registry.nodes.get(node_id)
+        return (
+            node is not None
+            and node.drain is not None
+            and node.drain.by == "supervisor"
+            and node.drain.reason.startswith(f"{QUARANTINE_BY} {job.id}:")
+            and node.health.status is not wire.HealthStatus.DRAIN
+        )
+
+    async def _burn_in_suspects(self, job: Job, plan: Plan) -> bool:
+        """Burn in, once per recovery, each suspect node the plan names (quarantined on
+        evidence that looks like software, no replacement); True when one passed."""
+        rec = job.recovery
+        assert rec is not None
+        tried, vetted = rec.setdefault("suspects_tried", []), rec.setdefault("vetted", [])
+        passed_any = False
+        for node in plan.burn_in:
+            if node in tried:
+                continue
+            tried.append(node)
+            passed, why = await self.ctl.burnins.run(node)
+            self.ctl.event("suspect_burned_in", job, node=node, passed=passed, reason=why)
+            if passed:
+                vetted.append(node)
+                passed_any = True
+            self.ctl.save(job)
+        return passed_any and _recovering(job)
+
+    def _reinstate(self, job: Job, plan: Plan) -> bool:
+        """Undrain the suspects the gang restarts on (they passed their burn-in); False
+        when one cannot be (its health now says drain): it is no longer vetted."""
+        rec = job.recovery
+        assert rec is not None
+        for node_id in plan.reinstate:
+            node = self.ctl.registry.nodes.get(node_id)
+            if node is None or node.drain is None:
+                continue  # undrained already
+            try:
+                if not self._ours(job, node_id):
+                    raise RegistryError(f"drained since for another reason: {node.drain.reason}")
+                self.ctl.registry.undrain(node_id)
+                self.ctl.burnins.reinstated(node_id)  # its pass stands: no second burn-in
+            except RegistryError as exc:
+                log.warning("job %s: node %s not reinstated: %s", job.id, node_id, exc)
+                rec["vetted"] = [n for n in rec.get("vetted", []) if n != node_id]
+                self.ctl.save(job)
+                return False
+            self.ctl.event(
+                "node_reinstated",
+                job,
+                node=node_id,
+                reason="quarantined on evidence that looks like software, passed its "
+                "burn-in, and no other node can take its ranks",
+            )
+        return True
+
+    async def _wait_for_nodes(self, job: Job, plan: Plan) -> bool:
+        """Wait until the fleet changes; False when ``spare_wait`` ran out (job failed)."""
+        rec = job.recovery
+        assert rec is not None
+        since = rec.setdefault("wait_since", time.time())
+        waiting = {"reason": "no_spare", "detail": plan.reason}
+        if job.waiting != waiting:
+            job.waiting = waiting
+            self.ctl.save(job)
+            self.ctl.event("recovery_waiting", job, reason=plan.reason)
+        left = since + job.spec.restart.spare_wait - time.time()
+        if left <= 0:
+            why = (
+                f"no spare or healthy node within restart.spare_wait "
+                f"({job.spec.restart.spare_wait:.0f}s): {plan.reason}"
+            )
+            self._fail(job, Plan(Action.FAIL, why, plan.cause))
+            return False
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), min(left, WAIT_POLL_S))
+        return job.state is JobState.RECOVERING
+
+    async def _backoff(self, job: Job) -> bool:
+        """Wait before restarting a generation that a recovery started and that failed
+        again within ``QUICK_FAILURE_S``: ``restart.backoff``, doubling with each such
+        failure in a row (a crash loop), at most ``BACKOFF_MAX_S``."""
+        assert job.recovery is not None
+        ran = time_ran(job, job.recovery["fault_at"])
+        delay = backoff_delay(
+            [i.get("ran_s") for i in job.incidents], ran, job.spec.restart.backoff
+        )
+        if delay <= 0:
+            return True
+        job.recovery["backoff_s"] = delay
+        self.ctl.save(job)
+        await asyncio.sleep(delay)
+        return job.state is JobState.RECOVERING
+
+    async def _burn_in_swaps(self, job: Job, plan: Plan) -> bool:
+        for failed, spare in plan.swaps:
+            if self.ctl.burnins.passed(spare):
+                continue
+            passed, why = await self.ctl.burnins.run(spare)
+            if not passed:
+                self.ctl.event("spare_rejected", job, node=spare, replacing=failed, reason=why)
+                if job.recovery is not None:  # not again in this recovery (drained, or mute)
+                    job.recovery.setdefault("rejected", []).append(spare)
+                return False
+        return True
+
+    async def _relaunch(self, job: Job, plan: Plan) -> None:
+        rec = job.recovery
+        if rec is None or not _recovering(job):
+            return
+        if plan.action is Action.ROLLBACK:
+            rollbacks.apply(self.ctl, job, plan)
+        elif _failure(rec["failures"][0]).kind is FailureKind.GROW:
+            pass  # growing back is no failure: it spends no restart
+        elif not rec.get("restart_counted"):  # a relaunch run again after a restart: once
+            job.restarts += 1
+            rec["restart_counted"] = True
+        rec["awaiting"] = {"restored": {}, "stepped": {}}
+        rec["phase"] = "launch"
+        rec["launch_started_at"] = time.time()
+        rec["restored_step"] = plan.restore_step
+        self.ctl.save(job)
+        self.ctl.event(
+            "job_recovering",
+            job,
+            action=plan.action.value,
+            reason=plan.reason,
+            restart=job.restarts,
+            restore_step=plan.restore_step,
+            swaps=[list(s) for s in plan.swaps],
+            skip=list(plan.skip) if plan.skip is not None else None,
+        )
+        await self.ctl.launch(job, list(plan.nodes))
+
+
+RELAUNCHES = frozenset(
+    {Action.RESTART_IN_PLACE, Action.REPLACE, Action.ROLLBACK, Action.SHRINK, Action.GROW}
+)
+FREE = frozenset({Action.ROLLBACK, Action.GROW})  # no backoff before them
+
+
+def shrink_blocked(job: Job) -> str:
+    """Why an elastic job may not shrink ("": it may)."""
+    e = job.spec.elastic
+    if e is not None and e.state == "sharded":
+        return (
+            "elastic.state is sharded (each rank holds its own part of the state) and "
+            "Phalanx cannot reshard it: the job waits for a node instead"
+        )
+    return ""
+
+
+def backoff_delay(ran_before: list[float | None], ran_now: float | None, base: float) -> float:
+    """Seconds to wait before a restart. ``ran_before``: how long each generation that
+    failed before ran (oldest first), ``ran_now`` the one failing now. The first failure
+    and any after a generation that ran ``QUICK_FAILURE_S`` or longer restart at once;
+    each quick failure in a row after a recovery doubles the wait from ``base``."""
+    if base <= 0 or not ran_before or ran_now is None or ran_now >= QUICK_FAILURE_S:
+        return 0.0
+    streak = 1
+    for ran in reversed(ran_before[1:]):  # the first generation was no recovery's
+        if ran is None or ran >= QUICK_FAILURE_S:
+            break
+        streak += 1
+    return float(min(BACKOFF_MAX_S, base * 2 ** (streak - 1)))
+
+
+def _at_restore(job: Job, failure: Failure) -> Failure:
+    """A rank that exited before reporting any step of a generation that restored step S
+    failed at S (so the same-step rule sees a crash that comes before the first step),
+    when the job reports steps at all (an earlier generation did)."""
+    if failure.kind is not FailureKind.RANK_EXIT or failure.step is not None:
+        return failure
+    if failure.from_restore is not None or str(failure.generation) in job.progress:
+        return failure
+    last = job.incidents[-1] if job.incidents else None
+    if last is None or last.get("next_generation") != failure.generation:
+        return failure
+    restored = last.get("restored_step")
+    if restored is None or not any(int(g) < failure.generation for g in job.progress):
+        return failure
+    return replace(failure, from_restore=int(restored))
+
+
+def _recovering(job: Job) -> bool:
+    return job.state is JobState.RECOVERING
+
+
+def _failure_record(f: Failure) -> dict[str, Any]:
+    rec = asdict(f)
+    rec["kind"] = f.kind.value
+    return rec
+
+
+def _failure(rec: dict[str, Any]) -> Failure:
+    return Failure(**{**rec, "kind": FailureKind(rec["kind"])})
+
+
+__all__ = ["HANG_COLLECT_S", "Recoveries", "backoff_delay"]
