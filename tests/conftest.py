@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import Broker, Fleet
+from tests.pg import PgCluster
 
 
 @pytest.fixture
@@ -14,6 +15,17 @@ def broker(tmp_path: Path) -> Iterator[Broker]:
     b = Broker(tmp_path / "broker").start()
     yield b
     b.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PgCluster]:
+    """A PostgreSQL cluster of this test session's own (``tests.pg``), started on first use;
+    each test that needs one makes its own database (``PgCluster.new_database``)."""
+    cluster = PgCluster()
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture
@@ -27,6 +39,29 @@ def fleet(tmp_path: Path, broker: Broker, request: pytest.FixtureRequest) -> Ite
         for log in [*sorted((tmp_path / "logs").glob("*.log")), *ranks]:
             name = log.relative_to(tmp_path)
             sys.stderr.write(f"\n----- {name} -----\n{log.read_text(errors='replace')[-4000:]}")
+
+
+# In a parallel run (make test: pytest-xdist, --dist loadfile) a file's tests run in one
+# worker, one after another: the tests that train tinylm hard (test_recovery_training, and
+# the undisturbed run it compares with, computed once per worker) never run four at once on
+# 2 cores, where they starve each other past their timeouts. (--dist loadgroup would group
+# them across files, but pytest-xdist 3.8 cannot set a group on pytest 9.2's node ids.)
+# The longest files first, so that none of them starts last with the other workers idle
+# until it ends; the rest keep their order.
+LONGEST_FIRST = (
+    "tests/integration/test_recovery_training.py",
+    "tests/integration/test_ckpt_fleet.py",
+    "tests/integration/test_dashboard.py",
+    "tests/integration/test_jobs.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        found = (i for i, path in enumerate(LONGEST_FIRST) if item.nodeid.startswith(path))
+        return next(found, len(LONGEST_FIRST))
+
+    items.sort(key=rank)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

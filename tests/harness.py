@@ -1,7 +1,8 @@
 """Real parts for integration tests: a Mosquitto broker, daemons as processes, a cuttable link.
 
 Everything listens on loopback, on ports picked free at start, and is stopped
-by the fixtures that start it.
+by the fixtures that start it. Tests may run side by side (pytest-xdist): nothing here
+is shared between two tests (see also ``tests.processes``).
 """
 
 from __future__ import annotations
@@ -15,14 +16,20 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
+
+import psutil
 
 from phalanx.agent_tokens import node_token
 from phalanx.certs import Authority, make_authority
 from phalanx.client import ApiError, Client
 from phalanx.local import agent_toml, find_mosquitto, free_port, write_mosquitto_conf
+from tests.processes import FLEET_ENV, processes_marked
+from tests.processes import processes_matching as processes_matching
+from tests.processes import rank_pid as rank_pid
 
 T = TypeVar("T")
 TOKEN = "test-token-0123456789abcdef"
@@ -49,14 +56,20 @@ def wait_for(
 class Process:
     """One daemon as a child process in its own process group, its output in a log file."""
 
-    def __init__(self, name: str, cmd: list[str], log: Path) -> None:
+    def __init__(
+        self, name: str, cmd: list[str], log: Path, env: dict[str, str] | None = None
+    ) -> None:
+        """``env``: variables added to this process's environment."""
         self.name = name
         self.cmd = cmd
         self.log = log
+        self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
+        self._terminated = False
 
     def start(self) -> Process:
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._terminated = False
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 self.cmd,
@@ -64,6 +77,7 @@ class Process:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env={**os.environ, **self.env} if self.env else None,
             )
         return self
 
@@ -79,13 +93,20 @@ class Process:
         if self.alive():
             os.killpg(self.pid, sig)
 
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM, after a SIGCONT in case it was stopped) once: a second
+        SIGTERM would make a daemon exit at once. `stop` waits."""
+        if self.proc is not None and self.proc.poll() is None and not self._terminated:
+            self._terminated = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGCONT)
+                os.killpg(self.pid, signal.SIGTERM)
+
     def stop(self, timeout: float = 10.0) -> int | None:
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, signal.SIGCONT)
-                os.killpg(self.pid, signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -124,10 +145,12 @@ class Broker:
             self.process = Process(
                 "broker", [self.binary, "-c", str(conf)], self.directory / "broker.log"
             ).start()
+            # Its own process listening, not just anything on the port: a broker of a test
+            # beside this one that took the port in the meantime does not count.
             try:
                 wait_for(
-                    lambda p=port: _listening(p) or (not self._alive() and "exited"),
-                    10,
+                    lambda p=port: _owns_port(self.process, p) or (not self._alive() and "exited"),
+                    30,
                     f"mosquitto on port {port}",
                 )
             except AssertionError:
@@ -150,12 +173,27 @@ class Broker:
             self.process.stop()
 
 
-def _listening(port: int) -> bool:
+def _ports(process: Process | None) -> set[int]:
+    """The TCP ports ``process`` listens on (none once it ended)."""
+    if process is None or not process.alive():
+        return set()
     try:
-        with socket.create_connection(("127.0.0.1", port), 0.2):
-            return True
-    except OSError:
-        return False
+        connections = psutil.Process(process.pid).net_connections(kind="tcp")
+    except psutil.Error:
+        return set()
+    return {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
+
+
+def _owns_port(process: Process | None, port: int) -> bool:
+    return port in _ports(process)
+
+
+def _api_port(process: Process) -> int | None:
+    """The port ``process`` listens on once it does; it ending first fails the test."""
+    if not process.alive():
+        raise AssertionError(f"{process.name} exited: {process.output()[-2000:]}")
+    ports = _ports(process)
+    return ports.pop() if len(ports) == 1 else None
 
 
 class CuttableLink:
@@ -185,6 +223,15 @@ class CuttableLink:
 
     def heal(self) -> None:
         self._frozen.clear()
+
+    def drop(self) -> None:
+        """End every connection relayed so far (a broker restart, as its clients see it);
+        new ones are still accepted."""
+        sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
 
     def close(self) -> None:
         self._stop.set()
@@ -247,6 +294,7 @@ class Fleet:
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else root
         self.shm_dir = base / f"phalanx-test-{os.getpid()}-{id(self):x}"
         self.shm_dir.mkdir(parents=True, exist_ok=True)
+        self.mark = {FLEET_ENV: uuid.uuid4().hex}
 
     def start_supervisor(
         self,
@@ -257,8 +305,10 @@ class Fleet:
         extra: str = "",
         mqtt: str = "",
     ) -> Process:
-        """``extra`` goes at the top level of the config, ``mqtt`` in its ``[mqtt]``."""
-        self.api_port = self.api_port or free_port()
+        """``extra`` goes at the top level of the config, ``mqtt`` in its ``[mqtt]``.
+
+        The first start binds a port the kernel picks (no window in which a test beside
+        this one could take it) and reads it back; a restart keeps that port."""
         directory = self.root / "supervisor"
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "token").write_text(TOKEN)
@@ -276,13 +326,15 @@ class Fleet:
             f"reconnect_max_s = 1.0\n{mqtt}"
             f'[api]\nport = {self.api_port}\ntoken_file = "{directory / "token"}"\n{tls_api}'
         )
-        self.supervisor = Process(
+        supervisor = self.supervisor = Process(
             "supervisor",
             [sys.executable, "-m", "supervisor", "--config", str(conf)],
             self.root / "logs" / "supervisor.log",
+            self.mark,
         ).start()
-        wait_for(lambda: _listening(self.api_port) or None, 20, "the supervisor API")
-        return self.supervisor
+        # Generous: a daemon's start (its imports) takes long on a busy machine.
+        self.api_port = wait_for(lambda: _api_port(supervisor), 60, "the supervisor API")
+        return supervisor
 
     def start_agent(
         self,
@@ -296,6 +348,7 @@ class Fleet:
         rack: str = "rack1",
         top: str = "",
         mqtt: str = "",
+        xid_hold_s: float = 30.0,
     ) -> Process:
         """``extra`` goes at the end of the config (in its last section, ``[ckpt]``);
         ``top`` at its start, for top-level settings; ``mqtt`` in its ``[mqtt]``."""
@@ -314,6 +367,7 @@ class Fleet:
             object_store=self.root / "objects",
             tls=self.authority.issue(node) if self.authority else None,
             ca=self.authority.ca if self.authority else None,
+            xid_hold_s=xid_hold_s,
         )
         text += f'shm_dir = "{self.shm_dir}"\n'  # in the [ckpt] section agent_toml ends with
         text = text.replace(
@@ -324,9 +378,20 @@ class Fleet:
             f"agent-{node}",
             [sys.executable, "-m", "agentd", "--config", str(conf)],
             self.root / "logs" / f"agent-{node}.log",
+            self.mark,
         ).start()
         self.agents[node] = agent
         return agent
+
+    def start_nodes(self, count: int, *, racks: int = 1, **agent: Any) -> list[str]:
+        """Agents ``n01`` .. (node i in rack ``i % racks + 1``; ``agent``: `start_agent`'s
+        settings), each waited for until the supervisor has it up. Their names."""
+        nodes = [f"n{i + 1:02d}" for i in range(count)]
+        for i, node in enumerate(nodes):
+            self.start_agent(node, rack=f"rack{i % racks + 1}", **agent)
+        for node in nodes:
+            self.wait_state(node, "up", timeout=60)  # an agent's start: see start_supervisor
+        return nodes
 
     def agent_secret_file(self) -> Path:
         """The fleet agent secret: the supervisor's ``agent_token_file``."""
@@ -351,6 +416,12 @@ class Fleet:
         base: dict[str, Any] = {"team": "research", "workdir": str(self.root)}
         job: dict[str, Any] = self.client().post("/v1/jobs", {"spec": {**base, **spec}})
         return job
+
+    def run_job(
+        self, state: str = "succeeded", timeout: float = 120.0, **spec: Any
+    ) -> dict[str, Any]:
+        """Submit the job ``spec`` and wait until it is ``state``; its view then."""
+        return self.wait_job(self.submit(**spec)["id"], state, timeout)
 
     def job(self, job_id: str) -> dict[str, Any]:
         result: dict[str, Any] = self.client().get(f"/v1/jobs/{job_id}")
@@ -397,25 +468,42 @@ class Fleet:
         result: dict[str, Any] = self.client().get(f"/v1/nodes/{node}")
         return result
 
-    def wait_state(self, node: str, state: str, timeout: float = 15.0) -> dict[str, Any]:
+    def wait_state(self, node: str, state: str, timeout: float = 30.0) -> dict[str, Any]:
         def check() -> dict[str, Any] | None:
             view = self.node(node)
             return view if view["state"] == state else None
 
         return wait_for(check, timeout, f"node {node} to be {state}")
 
+    def wait_heartbeats(self, count: int, timeout: float = 30.0) -> None:
+        """Wait until the supervisor has heard ``count`` heartbeats more (of all its nodes
+        together) than it had when called."""
+
+        def heard() -> int:
+            return int(self.client().get("/v1/stats")["heartbeats"])
+
+        start = heard()
+        wait_for(lambda: heard() >= start + count, timeout, f"{count} more heartbeats")
+
     def stop(self) -> None:
-        for agent in self.agents.values():
-            agent.stop()
-        if self.supervisor is not None:
-            self.supervisor.stop()
+        daemons = [*self.agents.values(), *([self.supervisor] if self.supervisor else [])]
+        for daemon in daemons:  # all asked at once, then each waited for
+            daemon.terminate()
+        for daemon in daemons:
+            daemon.stop()
+        for pid in processes_marked(self.mark):  # orphaned ranks
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         for link in self.links:
             link.close()
         shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 
 class RawMqtt:
-    """A plain paho client for tests that speak MQTT directly (garbage, raw commands)."""
+    """A plain paho client for tests that speak MQTT directly (garbage, raw commands).
+
+    It is connected once made, and subscribed once `subscribe` returns (the broker's
+    CONNACK and SUBACK are waited for), so nothing published after that can be missed."""
 
     def __init__(self, port: int, *, auth: tuple[str, str] | None = None) -> None:
         """``auth``: the user and password to connect as, where the broker wants one."""
@@ -423,20 +511,55 @@ class RawMqtt:
 
         self.messages: list[tuple[str, bytes]] = []
         self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._refused: Any = None
+        self._subscribed: set[int] = set()
+        self._suback = threading.Condition(self._lock)
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
         self.client.on_message = self._on_message
+        self.client.on_connect = self._on_connect
+        self.client.on_subscribe = self._on_subscribe
         if auth is not None:
             self.client.username_pw_set(*auth)
         self.client.connect("127.0.0.1", port)
         self.client.loop_start()
+        if not self._connected.wait(10):
+            self.close()
+            raise AssertionError(f"no CONNACK from the broker on port {port} in 10 s")
+        if self._refused is not None:
+            self.close()
+            raise AssertionError(f"the broker on port {port} refused: {self._refused}")
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        if reason.is_failure:
+            self._refused = reason
+        self._connected.set()
+
+    def _on_subscribe(self, client: Any, userdata: Any, mid: int, codes: Any, props: Any) -> None:
+        with self._suback:
+            self._subscribed.add(mid)
+            self._suback.notify_all()
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
         with self._lock:
             self.messages.append((message.topic, bytes(message.payload)))
 
     def subscribe(self, topic: str) -> None:
-        result, _mid = self.client.subscribe(topic, qos=1)
+        """Subscribe and wait for the broker's SUBACK."""
+        result, mid = self.client.subscribe(topic, qos=1)
         assert result == 0
+        with self._suback:
+            if not self._suback.wait_for(lambda: mid in self._subscribed, 10):
+                raise AssertionError(f"no SUBACK for {topic} in 10 s")
+
+    def sync(self, timeout: float = 10.0) -> None:
+        """Wait until what the broker sent before now has arrived (the retained messages of
+        the topics subscribed, say): a message of its own, sent through the broker to
+        itself, comes after them."""
+        topic = f"test/sync/{uuid.uuid4().hex}"
+        self.subscribe(topic)
+        self.publish(topic, b"sync")
+        wait_for(lambda: self.received(topic), timeout, "a message to itself", interval=0.01)
 
     def publish(self, topic: str, payload: bytes | str, *, retain: bool = False) -> None:
         info = self.client.publish(topic, payload, qos=1, retain=retain)
@@ -454,42 +577,3 @@ class RawMqtt:
     def close(self) -> None:
         self.client.loop_stop()
         self.client.disconnect()
-
-
-def processes_matching(marker: str) -> list[int]:
-    """Pids of live (non-zombie) processes whose command line contains ``marker``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = (entry / "stat").read_text().split(") ", 1)[1][0]
-        except OSError:
-            continue
-        if marker in cmdline and state != "Z" and int(entry.name) != os.getpid():
-            found.append(int(entry.name))
-    return found
-
-
-def rank_pid(
-    job: str, rank: int, *, generation: int | None = None, marker: str = "examples/tinylm.py"
-) -> int | None:
-    """The pid of a live rank process of ``job`` (its command line holds ``marker``),
-    read from its environment; of ``generation`` only, when given."""
-    for pid in processes_matching(marker):
-        try:
-            env = dict(
-                item.split("=", 1)
-                for item in Path(f"/proc/{pid}/environ").read_text().split("\0")
-                if "=" in item
-            )
-        except OSError:
-            continue
-        if (
-            env.get("PHALANX_JOB_ID") == job
-            and env.get("RANK") == str(rank)
-            and (generation is None or env.get("PHALANX_GENERATION") == str(generation))
-        ):
-            return pid
-    return None

@@ -103,7 +103,6 @@ def test_a_command_delivered_twice_is_executed_once_and_acked_as_duplicate(fleet
     raw = RawMqtt(fleet.broker.port)
     try:
         raw.subscribe(wire.ack_topic("n01"))
-        time.sleep(0.2)
         payload = _command("cmd-twice", deadline_in=30)
         raw.publish(wire.command_topic("n01"), payload)
         raw.publish(wire.command_topic("n01"), payload)
@@ -127,7 +126,6 @@ def test_a_command_arriving_after_its_deadline_is_acked_expired_and_not_run(
     raw = RawMqtt(fleet.broker.port)
     try:
         raw.subscribe(wire.ack_topic("n01"))
-        time.sleep(0.2)
         raw.publish(wire.command_topic("n01"), _command("cmd-late", deadline_in=-1))
         acks = wait_for(lambda: raw.received(wire.ack_topic("n01")), 10, "an ack")
     finally:

@@ -274,7 +274,7 @@ def test_a_barrage_of_garbage_leaves_the_fleet_as_it_was_and_able_to_run_a_job(
     assert barrage_s < 120
     assert fleet.supervisor is not None and fleet.supervisor.alive()
     assert all(fleet.agents[node].alive() for node in NODES)
-    time.sleep(2)  # two heartbeats: a node knocked over by the barrage would show it
+    fleet.wait_heartbeats(2 * len(NODES))  # a node knocked over by the barrage would show it
     assert {node: fleet.node(node)["state"] for node in NODES} == before
     assert fleet.client().get("/v1/stats")["bad_messages"] > 0
 

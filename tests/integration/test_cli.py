@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agentd.gpu.sim import inject
+from phalanx.simgpu import inject
 from tests.harness import TOKEN, Fleet
 
 pytestmark = pytest.mark.integration
@@ -238,3 +238,30 @@ def test_jobs_filters_by_state_and_team_and_pages_newest_first(
     assert rest.returncode == 0 and "more jobs" not in rest.stderr
     assert {line.split()[0] for line in team.stdout.splitlines()[1:]} == set(ids[1::2])
     assert bad.returncode == 2 and "query 'state'" in bad.stderr
+
+
+def test_submit_wait_ends_with_5_naming_why_when_the_fleet_can_never_hold_the_job(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    fleet.start_supervisor()
+    for node in ("n01", "n02"):
+        fleet.start_agent(node, gpus=1)
+    for node in ("n01", "n02"):
+        fleet.wait_state(node, "up")
+    spec = tmp_path / "wide.yaml"
+    spec.write_text(
+        "name: wide\nteam: research\ncommand: [sleep, '4242']\n"
+        f"workdir: {tmp_path}\nnodes: 2\nranks_per_node: 2\n"
+    )
+
+    done = fleet.cli("submit", str(spec), "--wait", timeout=60)
+
+    assert done.returncode == 5, done.stderr
+    job = done.stdout.strip()
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"phalanx: job {job} can never start: needs 2 nodes with 2 ")
+    assert last.endswith(
+        "the cluster has 0 such nodes; it stays pending until the fleet grows or it is "
+        f"cancelled (phalanx cancel {job})"
+    )
+    assert fleet.job(job)["state"] == "pending"

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,13 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from agentd.gpu.sim import inject
 from phalanx.client import Client
-from supervisor.api import make_app
+from phalanx.jobspec import validate_spec
+from phalanx.simgpu import inject
+from supervisor.api.app import make_app
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import Supervisor
+from supervisor.jobs import JobState
 from tests.harness import TOKEN, Fleet, wait_for
 from tests.integration.test_recovery_training import TIERS, committed_step, tinylm
 from tests.unit.supervisor.test_dashboard_auth import TOKEN as FAKE_TOKEN
@@ -98,13 +101,22 @@ class Dashboard:
     def js(self, script: str, *args: Any) -> Any:
         return self.browser.execute_script(script, *args)
 
+    # Both read the page in one script: a page that re-renders between finding an element
+    # and reading it cannot hand back a stale element.
     def texts(self, css: str) -> list[str]:
-        return [e.text for e in self.browser.find_elements(By.CSS_SELECTOR, css)]
+        found = self.js(
+            "return Array.from(document.querySelectorAll(arguments[0]), e => e.innerText)", css
+        )
+        return [str(t).strip() for t in found]
 
     def attrs(self, css: str, name: str) -> list[str]:
-        return [
-            str(e.get_attribute(name)) for e in self.browser.find_elements(By.CSS_SELECTOR, css)
-        ]
+        found = self.js(
+            "return Array.from(document.querySelectorAll(arguments[0]),"
+            " e => String(e.getAttribute(arguments[1])))",
+            css,
+            name,
+        )
+        return [str(a) for a in found]
 
     def wait(self, check: Any, what: str, timeout: float = 20) -> Any:
         return wait_for(check, timeout, what, interval=0.2)
@@ -144,10 +156,7 @@ def start(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
         extra = "metrics_interval_s = 1.0\n"
         monkeypatch.setenv("PHALANX_AGENTD_METRICS_INTERVAL_S", "1.0")
     fleet.start_supervisor(spares=1, extra=extra)
-    for i in range(3):
-        fleet.start_agent(f"n{i + 1:02d}", rack=f"rack{i % 2 + 1}")
-    for i in range(3):
-        fleet.wait_state(f"n{i + 1:02d}", "up")
+    fleet.start_nodes(3, racks=2)
 
 
 def submit(fleet: Fleet, name: str, *extra: str, nodes: int = 2, seed: int = 0) -> str:
@@ -233,6 +242,8 @@ def test_the_dashboard_shows_the_fleet_the_jobs_and_a_recovered_jobs_story(
     assert incident["plan"]["action"] in failed_generation
     assert incident["failures"][0]["kind"] in failed_generation
     assert f"restored step {incident['restored_step']}" in failed_generation
+    size = incident["size"]
+    assert f"{size['nodes']} nodes, {size['world_size']} ranks" in failed_generation
     assert len(ui.browser.find_elements(By.CSS_SELECTOR, "#generations .phases .phase")) >= 4
     catalog = fleet.client().get(f"/v1/jobs/{job}/checkpoints")
     newest = max((s for s in catalog["steps"] if s["committed"]), key=lambda s: s["step"])
@@ -314,10 +325,7 @@ def test_the_dashboard_shows_the_fleet_the_jobs_and_a_recovered_jobs_story(
     ui.shot("events")
     ui.go("#/events?node=n01")
     ui.wait(lambda: ui.texts("tr.event") or None, "n01's events")
-    nodes_shown = {
-        e.find_elements(By.CSS_SELECTOR, "td")[3].text
-        for e in ui.browser.find_elements(By.CSS_SELECTOR, "tr.event")
-    }
+    nodes_shown = set(ui.texts("tr.event > td:nth-child(4)"))
     assert nodes_shown == {"n01"}
 
     errors = ui.errors()
@@ -531,3 +539,56 @@ def test_the_jobs_page_pages_the_finished_jobs_on_the_server_newest_first(
         browser.save_screenshot(str(tmp_path / "jobs-page-3.png"))
         turn("prev")
         wait_for(lambda: shown() == finished[25:50] or None, 10, "the second page again")
+
+
+def test_the_job_page_of_a_script_without_steps_shows_its_lost_work_unknown_and_ettr_a_bound(
+    tmp_path: Path, browser: WebDriver
+) -> None:
+    sup = Supervisor(SupervisorSettings(state_dir=tmp_path, offline_after_s=3600.0), FAKE_TOKEN)
+    sup.registry.on_birth(birth("n01"))
+    job = sup.jobs.submit(
+        validate_spec(
+            {
+                "name": "plain",
+                "team": "research",
+                "command": ["python", "train.py"],
+                "workdir": "/srv",
+                "nodes": 1,
+                "ranks_per_node": 1,
+            }
+        )
+    )
+    now = time.time()
+    job.state, job.generation, job.nodes = JobState.RUNNING, 2, ["n01"]
+    job.first_started_at, job.started_at = now - 400.0, now - 100.0
+    job.incidents = [
+        {
+            "generation": 1,
+            "next_generation": 2,
+            "failures": [{"kind": "rank_exit", "node": "n01", "rank": 0, "signal": 9}],
+            "plan": {"action": "restart_in_place", "reason": "rank 0 was killed"},
+            "phases": {"detect": 0.01, "plan": 0.001, "stop": 0.1},
+            "outcome": "recovered",
+            "failed_step": None,
+            "restored_step": None,
+            "lost_steps": None,
+            "lost_work_s": None,
+            "downtime_s": 2.0,
+            "acked_s": 2.0,
+            "mttr_s": None,
+            "resumed_at": now - 100.0,
+        }
+    ]
+    sup.jobs.save(job)
+    with serve_unstarted(sup) as url:
+        browser.get(f"{url}/ui/#/jobs/{job.id}")
+        wait_for(lambda: browser.find_elements(By.ID, "token") or None, 20, "the login form")
+        browser.find_element(By.ID, "token").send_keys(FAKE_TOKEN)
+        browser.find_element(By.ID, "login-submit").click()
+        goodput = wait_for(
+            lambda: (e := browser.find_elements(By.ID, "goodput")) and e[0].text, 20, "goodput"
+        )
+        row = browser.find_element(By.CSS_SELECTOR, 'tr.generation[data-generation="1"]').text
+
+    assert "≤" in goodput and "upper bound" in goodput and "unknown" in goodput
+    assert "unknown" in row  # its work lost, not 0 s

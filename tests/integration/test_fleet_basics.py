@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from agentd.gpu.sim import inject
+from phalanx.simgpu import inject
 from tests.harness import Fleet
 
 pytestmark = pytest.mark.integration

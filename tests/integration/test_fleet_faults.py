@@ -6,8 +6,8 @@ import signal
 
 import pytest
 
-from agentd.gpu.sim import inject
 from phalanx.client import ApiError
+from phalanx.simgpu import inject
 from tests.harness import CuttableLink, Fleet, wait_for
 
 pytestmark = pytest.mark.integration

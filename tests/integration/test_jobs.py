@@ -18,12 +18,9 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-def two_by_two(fleet: Fleet, **agent: object) -> None:
+def two_by_two(fleet: Fleet) -> None:
     fleet.start_supervisor()
-    fleet.start_agent("n01", **agent)  # type: ignore[arg-type]
-    fleet.start_agent("n02", **agent)  # type: ignore[arg-type]
-    fleet.wait_state("n01", "up")
-    fleet.wait_state("n02", "up")
+    fleet.start_nodes(2)
 
 
 def test_example_job_trains_to_a_lower_loss_and_succeeds_on_two_nodes_of_two_ranks(
@@ -253,7 +250,7 @@ def test_a_restarted_supervisor_finds_a_running_job_running_and_can_still_cancel
     fleet.supervisor.stop()
 
     fleet.start_supervisor()
-    time.sleep(3.0)  # several heartbeats: reconciliation must not lose the job
+    fleet.wait_heartbeats(6)  # three of each node: reconciliation must not lose the job
 
     assert fleet.job(job["id"])["state"] == "running"
     assert len(processes_matching("sleep 3636")) == 2

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,24 +14,17 @@ import pytest
 from phalanx import wire
 from phalanx.client import ApiError
 from tests.harness import TOKEN, Fleet, RawMqtt, wait_for
+from tests.tinylm import REPO, tinylm
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 120
-TINY = [
-    *("--vocab", "32", "--dim", "16", "--layers", "1", "--heads", "2", "--seq", "8"),
-    *("--batch", "2", "--log-every", "1", "--steps", str(STEPS), "--step-sleep", "0.02"),
-]
 FAST = "metrics_interval_s = 0.5\n"
 
 
 def two_nodes(fleet: Fleet) -> None:
     fleet.start_supervisor(extra=FAST)
-    for node in ("n01", "n02"):
-        fleet.start_agent(node, top=FAST)
-    for node in ("n01", "n02"):
-        fleet.wait_state(node, "up")
+    fleet.start_nodes(2, top=FAST)
 
 
 def rank0_losses(fleet: Fleet, job: dict[str, Any]) -> dict[int, float]:
@@ -48,15 +39,15 @@ def test_a_jobs_loss_series_is_what_rank_0_logged_and_phalanx_metrics_prints_it(
     fleet: Fleet,
 ) -> None:
     two_nodes(fleet)
-    job_id = fleet.submit(
+    job = fleet.run_job(
         name="seen",
         nodes=2,
         ranks_per_node=2,
         workdir=str(REPO),
-        command=[sys.executable, "examples/tinylm.py", *TINY],
+        command=tinylm("--log-every", "1", "--steps", str(STEPS), "--step-sleep", "0.02"),
         env={"OMP_NUM_THREADS": "1"},
-    )["id"]
-    job = fleet.wait_job(job_id, "succeeded", timeout=120)
+    )
+    job_id = job["id"]
 
     def series() -> dict[str, Any] | None:
         got: dict[str, Any] = fleet.client().get(

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from agentd.gpu.sim import inject
+from phalanx.simgpu import inject
 from tests.harness import Fleet, processes_matching, wait_for
 
 pytestmark = pytest.mark.integration
@@ -20,10 +20,7 @@ pytestmark = pytest.mark.integration
 
 def fleet_of(fleet: Fleet, nodes: int, *, spares: int = 0, racks: int = 2) -> None:
     fleet.start_supervisor(spares=spares)
-    for i in range(nodes):
-        fleet.start_agent(f"n{i + 1:02d}", rack=f"rack{i % racks + 1}")
-    for i in range(nodes):
-        fleet.wait_state(f"n{i + 1:02d}", "up")
+    fleet.start_nodes(nodes, racks=racks)
 
 
 # A rank that runs a while and succeeds; in generation 1, rank 2 exits 1 first.
@@ -190,9 +187,14 @@ def test_a_broker_restart_is_not_a_failure_and_the_job_keeps_running(fleet: Flee
     fleet.wait_job(job["id"], "running")
 
     fleet.broker.stop()
-    time.sleep(6.0)  # longer than the supervisor's offline_after_s (4 s)
+    time.sleep(6.0)  # the outage: longer than the supervisor's offline_after_s (4 s)
     fleet.broker.start()
-    time.sleep(8.0)  # the daemons reconnect; heartbeats resume
+    back = time.time()
+    wait_for(  # the daemons reconnect; each node's heartbeats resume (two since)
+        lambda: all((fleet.node(n)["last_seen"] or 0) > back + 1.0 for n in ("n01", "n02")),
+        30,
+        "heartbeats from both nodes after the broker's restart",
+    )
 
     view = fleet.job(job["id"])
     assert (view["state"], view["generation"], view["restarts"]) == ("running", 1, 0)
@@ -235,3 +237,46 @@ def test_a_job_that_waits_for_a_node_longer_than_spare_wait_fails_saying_so(
     assert "restart.spare_wait" in failed["reason"]
     assert failed["incidents"][-1]["outcome"] == "failed"
     assert wait_for(lambda: processes_matching("sleep 600") == [] or None, 10, "no rank left")
+
+
+FAIL_IN_GEN1_THEN = 'if [ "$PHALANX_GENERATION" = 1 ]; then sleep 1; exit 1; fi; '
+
+
+def test_a_one_node_gang_quarantined_on_software_strikes_is_burned_in_and_restarts_on_it(
+    fleet: Fleet,
+) -> None:
+    fleet_of(fleet, 1)
+    # First strike on n01: another job's rank exits; that job restarts in place.
+    other = fleet.submit(
+        name="other",
+        nodes=1,
+        ranks_per_node=1,
+        grace_period=1,
+        command=["bash", "-c", FAIL_IN_GEN1_THEN + "sleep 600"],
+    )
+    wait_for(
+        lambda: (j := fleet.job(other["id"]))["generation"] == 2 and j["state"] == "running",
+        30,
+        "the other job restarted",
+    )
+    # Second strike: this job's rank exits on the same node within the hour. n01 is
+    # quarantined as suspect, and no spare exists to take its ranks.
+    job = fleet.submit(
+        name="stranded",
+        nodes=1,
+        ranks_per_node=1,
+        grace_period=1,
+        command=["bash", "-c", FAIL_IN_GEN1_THEN + "sleep 2"],
+    )
+
+    done = fleet.wait_job(job["id"], "succeeded", timeout=60)  # not spare_wait (600 s)
+
+    assert (done["generation"], done["nodes"]) == (2, ["n01"])
+    (incident,) = done["incidents"]
+    assert incident["plan"]["reinstate"] == ["n01"]
+    assert "looks like software" in incident["plan"]["reason"]
+    assert "passed a burn-in" in incident["plan"]["reason"]
+    assert [e["detail"]["passed"] for e in events(fleet, job["id"], "suspect_burned_in")] == [True]
+    assert fleet.node("n01")["state"] == "up"
+    fleet.client().post(f"/v1/jobs/{other['id']}/cancel")
+    fleet.wait_job(other["id"], "cancelled", timeout=30)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,41 +22,21 @@ from typing import Any
 
 import pytest
 
-from agentd.gpu.sim import inject
 from phalanx.local import free_port
+from phalanx.simgpu import inject
+from tests import tinylm as tiny
 from tests.harness import Fleet, rank_pid, wait_for
+from tests.tinylm import REPO
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 200  # ~12 s: a fault injected after step 20 strikes well before the end
-TINY = [
-    "--vocab",
-    "32",
-    "--dim",
-    "16",
-    "--layers",
-    "1",
-    "--heads",
-    "2",
-    "--seq",
-    "8",
-    "--batch",
-    "2",
-    "--log-every",
-    "1000",
-    "--steps",
-    str(STEPS),
-    "--ckpt-every",
-    "10",
-    "--step-sleep",
-    "0.04",
-]
+RUN = ("--log-every", "1000", "--steps", str(STEPS), "--ckpt-every", "10", "--step-sleep", "0.04")
 TIERS = ["ram", "nvme", "peer", "object"]
 
 
 def tinylm(*extra: str) -> list[str]:
-    return [sys.executable, "examples/tinylm.py", *TINY, *extra]
+    return tiny.tinylm(*RUN, *extra)
 
 
 @cache
@@ -90,10 +71,7 @@ def undisturbed_digest(*extra: str) -> str:
 
 def start(fleet: Fleet, *, nodes: int = 3, spares: int = 1, extra: str = "") -> None:
     fleet.start_supervisor(spares=spares, extra=extra)
-    for i in range(nodes):
-        fleet.start_agent(f"n{i + 1:02d}", rack=f"rack{i % 2 + 1}")
-    for i in range(nodes):
-        fleet.wait_state(f"n{i + 1:02d}", "up")
+    fleet.start_nodes(nodes, racks=2)
 
 
 def submit(fleet: Fleet, name: str, *extra: str, **spec: Any) -> str:
@@ -128,6 +106,12 @@ def running_after_a_commit(fleet: Fleet, job: str) -> dict[str, Any]:
     running = fleet.wait_job(job, "running", timeout=60)
     wait_for(lambda: committed_step(fleet, job, 20), 90, "step 20 committed at every tier")
     return running
+
+
+def warm_ready(fleet: Fleet, job: str, nodes: list[str]) -> int:
+    """How many of the job's slots on ``nodes`` have a warm interpreter ready."""
+    pattern = rf"job {job} local rank (\d+): warm interpreter ready"
+    return sum(len(set(re.findall(pattern, fleet.agents[n].output()))) for n in nodes)
 
 
 def final_digest(fleet: Fleet, job: dict[str, Any]) -> str:
@@ -172,6 +156,7 @@ def test_a_rank_killed_with_sigkill_restarts_in_place_and_ends_bit_identical(
     start(fleet)
     job = submit(fleet, "kill")
     running = running_after_a_commit(fleet, job)
+    wait_for(lambda: warm_ready(fleet, job, running["nodes"]) >= 4 or None, 120, "warm ranks")
 
     os.kill(wait_for(lambda: rank_pid(job, 3), 10, "rank 3"), signal.SIGKILL)
 
@@ -183,6 +168,16 @@ def test_a_rank_killed_with_sigkill_restarts_in_place_and_ends_bit_identical(
     assert incident["restored_step"] >= 20
     assert set(restored_from(fleet, done).values()) == {"ram"}
     assert final_digest(fleet, done) == undisturbed_digest()
+    # Every rank of the restart was a warm interpreter (restart.warm is on by default).
+    started_warm = {
+        int(m)
+        for node in done["nodes"]
+        for m in re.findall(
+            rf"job {job} gen 2: started rank (\d+) \(pid \d+, a warm interpreter\)",
+            fleet.agents[node].output(),
+        )
+    }
+    assert started_warm == {0, 1, 2, 3}
     phases = incident["phases"]
     assert all(
         phases.get(p) is not None
@@ -292,6 +287,31 @@ def test_a_crash_at_the_same_step_every_time_fails_fast_as_following_the_code(
         assert fleet.node(node)["state"] == "up"  # no node blamed, no spare used
 
 
+def test_a_crash_before_the_first_step_after_a_restore_follows_the_code_at_once(
+    fleet: Fleet,
+) -> None:
+    # Rank 2 raises at the start of step 60, just after the save of step 60: every
+    # generation after the first restores step 60 and crashes before it reports a step.
+    start(fleet)
+    job = submit(
+        fleet,
+        "early",
+        "--fail-at-step",
+        "60",
+        "--fail-rank",
+        "2",
+        "--ckpt-every",
+        "20",
+        restart={"max_restarts": 5},
+    )
+
+    failed = fleet.wait_job(job, "failed", timeout=180)
+
+    assert "follows the code" in failed["reason"], failed["reason"]
+    assert failed["restarts"] == 1  # the second failure ended it: no restart spent on it
+    assert "before its first step after restoring step 60" in failed["reason"]
+
+
 def test_a_supervisor_restarted_during_a_recovery_finishes_it(fleet: Fleet) -> None:
     start(fleet)
     job = submit(fleet, "sup")
@@ -390,6 +410,63 @@ def test_a_preempted_job_checkpoints_first_and_resumes_from_that_step_on_its_ret
         ]
     assert held == [step] * 4
     assert final_digest(fleet, done) == undisturbed_digest()
+
+
+def test_a_job_preempted_before_its_first_checkpoint_saves_and_resumes_from_that_step(
+    fleet: Fleet,
+) -> None:
+    start(fleet, nodes=2, spares=0)
+    # Its own cadence would save first at step 500, long after the preemption.
+    job = submit(
+        fleet,
+        "early",
+        "--ckpt-every",
+        "500",
+        "--log-every",
+        "5",
+        "--steps",
+        "150",
+        priority=10,
+        preemptible=True,
+    )
+    running = fleet.wait_job(job, "running", timeout=60)
+    node0 = next(r["node"] for r in running["ranks"] if r["rank"] == 0)
+    log0 = fleet.root / "nodes" / node0 / "data" / "jobs" / job / "g1" / "rank-0.log"
+    wait_for(
+        lambda: (log0.exists() and '"step": 20' in log0.read_text()) or None, 120, "step 20 trained"
+    )
+    assert committed_step(fleet, job, 0, tier="ram") is None  # nothing checkpointed yet
+
+    urgent = fleet.submit(
+        name="urgent", nodes=2, ranks_per_node=1, priority=900, command=["bash", "-c", "sleep 2"]
+    )
+
+    fleet.wait_job(urgent["id"], "succeeded", timeout=120)
+    done = fleet.wait_job(job, "succeeded", timeout=240)
+    events = fleet.client().get(f"/v1/events?job={job}&limit=1000")
+    (saved,) = [e["detail"] for e in events if e["kind"] == "job_preempt_checkpoint"]
+    assert saved["committed"] is True and saved["step"] >= 20
+    assert set(restored_steps(fleet, done).values()) == {saved["step"]}  # not step 0
+
+
+def restored_steps(fleet: Fleet, job: dict[str, Any]) -> dict[int, int]:
+    """The step each rank of the job's last generation restored."""
+    out = {}
+    for r in job["ranks"]:
+        log = (
+            fleet.root
+            / "nodes"
+            / r["node"]
+            / "data"
+            / "jobs"
+            / job["id"]
+            / f"g{job['generation']}"
+            / f"rank-{r['rank']}.log"
+        )
+        for line in log.read_text().splitlines():
+            if line.startswith("{") and "ckpt_restored" in line:
+                out[r["rank"]] = int(json.loads(line)["ckpt_restored"])
+    return out
 
 
 TORCHRUN_STYLE = """

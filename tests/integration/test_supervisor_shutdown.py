@@ -17,7 +17,7 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-import supervisor.publisher
+import supervisor.checkpoints.publisher
 from phalanx import wire
 from phalanx.jobspec import validate_spec
 from phalanx.settings import MqttSettings
@@ -152,18 +152,21 @@ async def test_releases_received_just_before_shutdown_clear_their_catalogs(
                 lambda: all((c := nodes.last(job, n)) and c.ended for n in NODES),
                 "the ended catalogs",
             )
-            monkeypatch.setattr(supervisor.publisher, "BATCH_S", 60.0)
+            monkeypatch.setattr(supervisor.checkpoints.publisher, "BATCH_S", 60.0)
             for node in NODES:  # both nodes let go of the job; then the supervisor stops
                 await nodes.send(wire.CkptReleased(node=node, job=job, at=time.time()))
             await handled(sup, nodes)
-        await asyncio.sleep(0.2)  # what the broker delivers after the supervisor's clears
+        # The supervisor has stopped; the broker delivers its clears (empty retained messages).
+        await until(
+            lambda: all(nodes.catalogs[wire.catalog_topic(job, n)][-1] == b"" for n in NODES),
+            "the catalogs cleared",
+        )
 
     store = Store(settings.state_dir / "state.db")
     try:
         assert store.ended_catalogs_released(job)
     finally:
         store.close()
-    assert all(nodes.catalogs[wire.catalog_topic(job, n)][-1] == b"" for n in NODES)
 
 
 async def test_landings_received_just_before_shutdown_are_recorded_and_their_catalogs_sent(
@@ -174,15 +177,17 @@ async def test_landings_received_just_before_shutdown_are_recorded_and_their_cat
         async with Supervisor(settings, TOKEN) as sup:
             await until(lambda: sup.link.connected, "the supervisor's link")
             job = submit(sup)
-            monkeypatch.setattr(supervisor.publisher, "BATCH_S", 60.0)
+            monkeypatch.setattr(supervisor.checkpoints.publisher, "BATCH_S", 60.0)
             for rank in range(2):
                 await nodes.send(landing(job, rank, step=4))
             await handled(sup, nodes)
-        await asyncio.sleep(0.2)
+        await until(
+            lambda: all(committed(nodes.last(job, n)) == [4] for n in NODES),
+            "the catalogs of step 4",
+        )
 
     store = Store(settings.state_dir / "state.db")
     try:
         assert [step for step, _, _ in store.commits(job)] == [4]
     finally:
         store.close()
-    assert all(committed(nodes.last(job, n)) == [4] for n in NODES)

@@ -4,7 +4,6 @@ certificates from one throw-away CA (``phalanx.certs``, as ``phalanx local up --
 from __future__ import annotations
 
 import json
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -15,13 +14,11 @@ import pytest
 from phalanx.certs import make_authority
 from phalanx.tls import client_context
 from tests.harness import Broker, Fleet, wait_for
+from tests.tinylm import REPO, tinylm
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 TIERS = ["ram", "nvme", "peer"]
-TINY = ["--vocab", "32", "--dim", "16", "--layers", "1", "--heads", "2", "--seq", "8"]
-TINY += ["--batch", "2", "--log-every", "1000"]
 
 
 @pytest.fixture
@@ -36,21 +33,18 @@ def test_a_tls_fleet_runs_a_job_whose_peer_copies_land_and_the_cli_reads_it_over
 ) -> None:
     fleet = tls_fleet
     fleet.start_supervisor()
-    fleet.start_agent("n01", rack="rack1")
-    fleet.start_agent("n02", rack="rack2")
-    fleet.wait_state("n01", "up")
-    fleet.wait_state("n02", "up")
+    fleet.start_nodes(2, racks=2)
     assert fleet.api_url.startswith("https://")
 
-    job = fleet.submit(
+    job = fleet.run_job(
         name="tls",
         nodes=2,
         ranks_per_node=1,
         workdir=str(REPO),
-        command=[sys.executable, "examples/tinylm.py", *TINY, "--steps", "8", "--ckpt-every", "4"],
+        command=tinylm("--log-every", "1000", "--steps", "8", "--ckpt-every", "4"),
         checkpoint={"tiers": TIERS, "keep": {"ram": 1, "nvme": 1, "peer": 1}},
+        guard="off",  # `keep` alone: the loss guard holds older steps of its own
     )
-    fleet.wait_job(job["id"], "succeeded", timeout=120)
 
     # The peer copies went over HTTPS to the buddy and were committed at tier peer ...
     def committed() -> dict[int, list[str]]:

@@ -108,7 +108,7 @@ class Fleet(ABC):
 
     @abstractmethod
     def inject_gpu(self, host: Host, gpu: int, fault: str) -> None:
-        """Apply a sim-GPU fault (``agentd.gpu.sim.FAULTS``) to GPU ``gpu`` of ``host``."""
+        """Apply a sim-GPU fault (``phalanx.simgpu.FAULTS``) to GPU ``gpu`` of ``host``."""
 
     @abstractmethod
     def nvme(self, host: Host) -> PurePath:

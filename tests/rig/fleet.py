@@ -21,10 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path, PurePath
 from typing import Any
 
-from agentd.gpu.sim import inject as sim_inject
 from phalanx.agent_tokens import new_secret, node_token
 from phalanx.client import ApiError, Client
 from phalanx.local import find_mosquitto
+from phalanx.simgpu import inject as sim_inject
 from tests.harness import rank_pid
 from tests.rig import shards
 from tests.rig.base import Fleet

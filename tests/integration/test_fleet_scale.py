@@ -1,0 +1,108 @@
+"""The control plane with a simulated fleet: ``bench/fleet_scale.py`` at CI size.
+
+A real broker and supervisor, 16 job nodes and 4 spares simulated by two processes of
+the agent's own wire code; one fault of each kind. These tests assert what happened
+(every fault handled, nothing lost), never how fast: the figures are the benchmark's
+(docs/operations.md, "Scale").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+NODES = 16
+
+
+@pytest.fixture(scope="module")
+def run() -> dict[str, Any]:
+    bench = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "fleet_scale.py"),
+            f"--nodes={NODES}",
+            "--spares=4",
+            f"--per-process={NODES // 2 + 2}",  # two processes of simulated agents
+            "--heartbeat=2",
+            "--offline-after=12",  # a starved CI machine may delay a heartbeat by seconds
+            "--step=1",
+            "--ckpt-every=5",
+            "--steady=8",
+            "--settle=3",
+            "--rest-every=0.5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its broker, supervisor and simulators go with it
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        out, err = bench.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(bench.pid, signal.SIGTERM)
+        out, err = bench.communicate(timeout=60)
+        pytest.fail(f"bench/fleet_scale.py did not finish in 300 s: {err[-3000:]}")
+    assert bench.returncode == 0, err[-3000:]
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+def test_an_ecc_drain_on_a_job_node_moves_its_ranks_and_restarts_the_gang(
+    run: dict[str, Any],
+) -> None:
+    (ecc,) = run["faults"]["ecc"]
+    assert ecc["last"] > 0  # every node of the next generation got its start order
+
+
+def test_a_node_lost_by_its_will_is_replaced_and_the_gang_restarted(run: dict[str, Any]) -> None:
+    (lost,) = run["faults"]["node_lost"]
+    assert lost["last"] > 0
+
+
+def test_a_hang_report_restarts_the_gang(run: dict[str, Any]) -> None:
+    (hang,) = run["faults"]["hang"]
+    assert hang["last"] > 0
+
+
+def test_a_broker_restart_brings_the_fleet_back_without_a_recovery(run: dict[str, Any]) -> None:
+    (restart,) = run["faults"]["broker_restart"]
+    assert restart["job_state"] == "running"
+    assert restart["recoveries"] == 0
+
+
+def test_nothing_sent_is_lost_through_a_drain_a_node_loss_and_a_hang(
+    run: dict[str, Any],
+) -> None:
+    assert run["lost_before_broker_restart"] == {"rank": 0, "ckpt": 0, "metrics": 0}
+
+
+def test_no_rank_event_or_landing_is_lost(run: dict[str, Any]) -> None:
+    assert run["queued_at_end"] == 0
+    assert run["lost_by_kind"]["rank"] == 0
+    assert run["lost_by_kind"]["ckpt"] == 0
+
+
+def test_metrics_batches_are_lost_only_where_nobody_could_hear_them(run: dict[str, Any]) -> None:
+    assert run["lost_by_kind"]["metrics"] <= run["metrics_sent_before_supervisor_seen"]
+
+
+def test_every_node_of_the_job_gets_each_committed_step_in_its_catalog(
+    run: dict[str, Any],
+) -> None:
+    assert run["commits_measured"] >= 1
+
+
+def test_the_supervisor_takes_every_message_and_stays_up(run: dict[str, Any]) -> None:
+    assert run["supervisor_alive"]
+    assert run["bad_messages"] == 0
