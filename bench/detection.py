@@ -31,9 +31,9 @@ from typing import Any
 
 import psutil
 
-from agentd.gpu.sim import inject
 from phalanx import local
 from phalanx.client import ApiError
+from phalanx.simgpu import inject
 
 
 def wait_state(fleet: local.Fleet, node: str, state: str, timeout: float = 30.0) -> float:

@@ -14,7 +14,7 @@
   rank-steps/s and batches/s ingested on one core, and the share of one core the
   real rate (ranks x 10 steps/s) takes.
 * ``three_weeks``: one series after 3 weeks of one point per 5 s (362,880 points)
-  written through the store: its rows, the bound (``supervisor.series.row_bound``),
+  written through the store: its rows, the bound (``supervisor.telemetry.series.row_bound``),
   and the rows of a job with six such series.
 """
 
@@ -34,9 +34,10 @@ from phalanx import wire
 from phalanx.jobspec import validate_spec
 from phalanx.progress import StepReport
 from supervisor.jobs import Job, JobState
-from supervisor.metrics import TrainingMetrics
-from supervisor.series import Point, row_bound
 from supervisor.store import Store
+from supervisor.telemetry.rows import SeriesRows
+from supervisor.telemetry.series import Point, row_bound
+from supervisor.telemetry.training import TrainingMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = "bench-metrics-1"
@@ -180,9 +181,11 @@ def three_weeks(folder: Path) -> dict[str, Any]:
     with store.batch():
         for i in range(THREE_WEEKS):
             v = 2.5 - i * 1e-6
-            store.add_point(JOB, "loss", Point(i * 50, 1e9 + i * WINDOW_S, v, v, v), counts)
+            SeriesRows(store).add_point(
+                JOB, "loss", Point(i * 50, 1e9 + i * WINDOW_S, v, v, v), counts
+            )
     took = time.perf_counter() - start
-    rows = len(store.series(JOB, ["loss"])["loss"])
+    rows = len(SeriesRows(store).series(JOB, ["loss"])["loss"])
     store.close()  # the WAL checkpointed into the file
     db_bytes = (folder / "weeks.db").stat().st_size
     return {

@@ -33,8 +33,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from supervisor.catalog import pick_buddies
-from supervisor.planner import (
+from supervisor.checkpoints.catalog import pick_buddies
+from supervisor.recovery.planner import (
     TIER_ORDER,
     CatalogView,
     Failure,

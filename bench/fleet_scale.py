@@ -1,0 +1,614 @@
+"""The control plane at fleet size: a real broker and supervisor, N simulated agents.
+
+    python bench/fleet_scale.py --nodes 2048 [--workload big] [--steady 120] [--ckpt-every 30]
+
+Starts a real Mosquitto (its own config: no queue limits, file descriptors raised to
+the hard limit) and a real supervisor (its own config and store, a subprocess), then
+the fleet: ``--nodes`` nodes for the job plus ``--spares`` hot spares, simulated by
+``bench/fleet_sim.py`` processes of ``--per-process`` agents each (the agent's own wire
+code, one MQTT connection per node). The workload ``big`` is one job on every node but
+the spares (8 ranks a node: 2,048 nodes are 16,384 ranks), stepping every ``--step``
+seconds and checkpointing every ``--ckpt-every`` seconds at RAM, NVMe, peer and object.
+
+Once the job runs, ``--steady`` seconds of steady state are measured (the supervisor's
+CPU and RSS, the store's growth, heartbeat lag, REST latency), then faults are injected
+one after the other, each waited out: an ECC drain on a node of the job, a node lost
+(its connection cut: the broker sends its will), a hang report, a broker restart. At
+the end every message sent (rank events, landings, metrics batches) is compared with
+what the supervisor counted (``/v1/stats``). Prints one JSON object.
+
+Connections per process: each simulated node holds one MQTT connection, i.e. one
+socket plus the paho client's wake-up socket pair (three descriptors), so 512 agents a
+process need ~1,600 descriptors (the process raises its soft limit to the hard one).
+Mosquitto holds one descriptor per connection; its limit is raised the same way and
+``max_connections`` is left unlimited. The count per process is bounded by CPU, not
+descriptors: at 512 one process's event loop handles its nodes' catalogs (one per node
+and commit) in well under a heartbeat interval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import getpass
+import json
+import os
+import queue
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from phalanx.client import ApiError, Client
+from phalanx.local import find_mosquitto, free_port
+from supervisor.telemetry.wire_stats import quantile
+
+TOKEN = "bench-token-0123456789abcdef"
+JOB = "scale"
+ROUTES = ("/v1/nodes", "/v1/jobs", "/v1/jobs/{id}", "/metrics")
+
+
+def raise_fd_limit() -> None:
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
+
+
+def proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
+
+
+def store_bytes(state: Path) -> int:
+    return sum(p.stat().st_size for p in state.glob("state.db*") if p.is_file())
+
+
+def load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+class SimProcess:
+    """One ``fleet_sim.py`` process: orders in on stdin, events out on stdout."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).parent / "fleet_sim.py"), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log.open("ab"),
+            text=True,
+            preexec_fn=raise_fd_limit,
+        )
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.reports: queue.Queue[dict[str, Any]] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                (self.reports if record.get("ev") == "report" else self.events).put(record)
+
+    def order(self, **order: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(order) + "\n")
+        self.proc.stdin.flush()
+
+    def report(self, timeout: float = 60.0) -> dict[str, Any]:
+        self.order(op="report")
+        return self.reports.get(timeout=timeout)
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.order(op="quit")
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, root: Path) -> None:
+        self.args = args
+        self.root = root
+        self.fleet = args.nodes + args.spares
+        self.broker_port = free_port()
+        self.api_port = free_port()
+        self.broker: subprocess.Popen[bytes] | None = None
+        self.supervisor: subprocess.Popen[bytes] | None = None
+        self.spy: subprocess.Popen[bytes] | None = None  # py-spy on the supervisor
+        self.sims: list[SimProcess] = []
+        self.api = Client(f"http://127.0.0.1:{self.api_port}", TOKEN, timeout=30)
+        self.owner: dict[str, SimProcess] = {}
+        self.starts: list[dict[str, Any]] = []  # every start order the fleet received
+        self.out: dict[str, Any] = {}
+        self.killed = 0  # nodes lost for good (their will)
+        self.job_id = ""
+
+    # --- parts ------------------------------------------------------------------
+
+    def start_broker(self) -> None:
+        mosquitto = find_mosquitto()
+        if mosquitto is None:
+            sys.exit("bench/fleet_scale.py needs Mosquitto (apt-get install -y mosquitto)")
+        conf = self.root / "mosquitto.conf"
+        conf.write_text(
+            f"listener {self.broker_port} 127.0.0.1\nallow_anonymous true\n"
+            # As Debian's mosquitto.conf has it (the broker role keeps it): sessions, their
+            # queued messages and retained ones survive a broker restart.
+            f"persistence true\npersistence_location {self.root}/\n"
+            # Started as root, Mosquitto would drop to its own user, which may not write
+            # this run's folder: it runs as whoever runs the bench.
+            f"user {getpass.getuser()}\n"
+            "log_dest stderr\nlog_type error\nlog_type warning\nmax_keepalive 600\n"
+            # The supervisor's session must never drop a QoS 1 message (a landing, a rank
+            # event) while it is busy: Mosquitto's default queue is 1,000 messages, and a
+            # 16,384-rank step lands 65,536 shards within seconds.
+            "max_queued_messages 0\nmax_queued_bytes 0\nmax_connections -1\n"
+        )
+        self.broker = subprocess.Popen(
+            [mosquitto, "-c", str(conf)],
+            stdout=subprocess.DEVNULL,
+            stderr=(self.root / "broker.log").open("ab"),
+            preexec_fn=raise_fd_limit,
+        )
+        self.wait(lambda: self._listening(self.broker_port), 10, "mosquitto")
+
+    def start_supervisor(self) -> None:
+        d = self.root / "supervisor"
+        d.mkdir()
+        (d / "token").write_text(TOKEN)
+        conf = d / "supervisor.toml"
+        conf.write_text(
+            f'state_dir = "{d / "state"}"\nspares = {self.args.spares}\n'
+            f"offline_after_s = {self.args.offline_after or 3 * self.args.heartbeat}\n"
+            f"[mqtt]\nport = {self.broker_port}\nreconnect_max_s = 1.0\n"
+            f'[api]\nport = {self.api_port}\ntoken_file = "{d / "token"}"\n'
+        )
+        self.supervisor = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "--config", str(conf)],
+            stdout=subprocess.DEVNULL,
+            stderr=(self.root / "supervisor.log").open("ab"),
+            preexec_fn=raise_fd_limit,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        )
+        self.wait(lambda: self.stats()["mqtt_connects"] >= 1, 60, "the supervisor")
+        if self.args.profile and self.spy is None:
+            self.spy = subprocess.Popen(
+                [
+                    str(Path(sys.executable).parent / "py-spy"),
+                    "record",
+                    "--pid",
+                    str(self.supervisor.pid),
+                    "--nonblocking",
+                    "--format",
+                    "raw",
+                    "--rate",
+                    "50",
+                    "--output",
+                    self.args.profile,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=(self.root / "py-spy.log").open("ab"),
+            )
+
+    def start_fleet(self) -> None:
+        per = self.args.per_process
+        for first in range(0, self.fleet, per):
+            count = min(per, self.fleet - first)
+            sim = SimProcess(
+                [
+                    "--port",
+                    str(self.broker_port),
+                    "--first",
+                    str(first),
+                    "--count",
+                    str(count),
+                    "--heartbeat",
+                    str(self.args.heartbeat),
+                    "--step",
+                    str(self.args.step),
+                    *([] if self.args.batch_landings else ["--one-landing-a-message"]),
+                ],
+                self.root / "sim.log",
+            )
+            self.sims.append(sim)
+            for i in range(first, first + count):
+                self.owner[f"n{i:05d}"] = sim
+        self.wait(lambda: self.nodes_up() >= self.fleet, 120 + self.fleet / 4, "every node up", 2.0)
+
+    def stop(self) -> None:
+        for sim in self.sims:
+            sim.stop()
+        if self.spy is not None and self.spy.poll() is None:
+            self.spy.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.spy.wait(30)
+        for proc in (self.supervisor, self.broker):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+
+    # --- helpers ----------------------------------------------------------------
+
+    @staticmethod
+    def _listening(port: int) -> bool:
+        import socket
+
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return True
+        return False
+
+    @staticmethod
+    def wait(predicate: Any, timeout: float, what: str, interval: float = 0.5) -> Any:
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            try:
+                last = predicate()
+            except (ApiError, OSError) as exc:
+                last = exc
+            else:
+                if last:
+                    return last
+            time.sleep(interval)
+        raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+
+    def stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.api.get("/v1/stats")
+        return result
+
+    def nodes_up(self) -> int:
+        return sum(n["state"] == "up" for n in self.api.get("/v1/nodes"))
+
+    def job(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.api.get(f"/v1/jobs/{self.job_id}")
+        return result
+
+    def drain_events(self) -> None:
+        for sim in self.sims:
+            while True:
+                try:
+                    record = sim.events.get_nowait()
+                except queue.Empty:
+                    break
+                if record.get("ev") == "start":
+                    self.starts.append(record)
+
+    def starts_of(self, generation: int) -> list[dict[str, Any]]:
+        self.drain_events()
+        return [s for s in self.starts if s["job"] == self.job_id and s["gen"] == generation]
+
+    def reports(self) -> list[dict[str, Any]]:
+        return [sim.report() for sim in self.sims]
+
+    # --- the run ----------------------------------------------------------------
+
+    def submit(self) -> None:
+        spec = {
+            "name": JOB,
+            "team": "bench",
+            "command": ["sim"],
+            "workdir": "/tmp",
+            "nodes": self.args.nodes,
+            "ranks_per_node": 8,
+            "checkpoint": {
+                "interval": {"seconds": self.args.ckpt_every},
+                "tiers": ["ram", "nvme", "peer", "object"],
+            },
+            "restart": {"max_restarts": 20, "spare_wait": 120},
+        }
+        t0 = time.time()
+        self.job_id = self.api.post("/v1/jobs", {"spec": spec})["id"]
+        self.wait(lambda: len(self.starts_of(1)) >= self.args.nodes, 300, "every start order")
+        self.wait(lambda: self.job()["state"] == "running", 120, "the job running")
+        self.out["launch_s"] = round(max(s["at"] for s in self.starts_of(1)) - t0, 3)
+
+    def steady(self) -> None:
+        """``--steady`` seconds: CPU, RSS, store growth, heartbeat lag, REST latency."""
+        assert self.supervisor is not None
+        pid = self.supervisor.pid
+        state = self.root / "supervisor" / "state"
+        latencies: dict[str, list[float]] = {r: [] for r in ROUTES}
+        stop = threading.Event()
+
+        def poll() -> None:
+            client = Client(f"http://127.0.0.1:{self.api_port}", TOKEN, timeout=30)
+            while not stop.is_set():
+                for route in ROUTES:
+                    path = route.replace("{id}", self.job_id)
+                    t = time.perf_counter()
+                    try:
+                        if route == "/metrics":
+                            client.get_bytes(path)
+                        else:
+                            client.get(path)
+                    except ApiError:
+                        continue
+                    latencies[route].append(time.perf_counter() - t)
+                stop.wait(self.args.rest_every)
+
+        lag0 = self.stats()["heartbeat_lag_s"]["buckets"]
+        cpu0, size0, t0 = proc_cpu_s(pid), store_bytes(state), time.monotonic()
+        load0 = load()
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        rss = []
+        while time.monotonic() - t0 < self.args.steady:
+            time.sleep(min(5.0, self.args.steady))
+            rss.append(proc_rss_mib(pid))
+        stop.set()
+        poller.join(30)
+        elapsed = time.monotonic() - t0
+        cpu = proc_cpu_s(pid) - cpu0
+        size = store_bytes(state) - size0
+        lag1 = self.stats()["heartbeat_lag_s"]["buckets"]
+        buckets = {b: c for b, c in lag1}
+        for b, c in lag0:
+            buckets[b] -= c
+        self.out.update(
+            steady_s=round(elapsed, 1),
+            load_before=load0,
+            load_after=load(),
+            supervisor_cpu_pct=round(100 * cpu / elapsed, 1),
+            supervisor_rss_mib=max(rss),
+            store_bytes=store_bytes(state),
+            store_growth_mib_per_hour=round(size / elapsed * 3600 / 2**20, 1),
+            heartbeat_lag_p50_s=quantile(buckets, 0.5),
+            heartbeat_lag_p99_s=quantile(buckets, 0.99),
+            heartbeats_in_window=sum(buckets.values()),
+        )
+        for route in ROUTES:
+            key = route.replace("/v1/", "").replace("/", "_").replace("{id}", "id").strip("_")
+            self.out[f"rest_{key}_p50_s"] = pct(latencies[route], 0.5)
+            self.out[f"rest_{key}_p99_s"] = pct(latencies[route], 0.99)
+            self.out[f"rest_{key}_n"] = len(latencies[route])
+        self.out["rest_p99_s"] = max(
+            (
+                v
+                for k, v in self.out.items()
+                if k.startswith("rest_") and k.endswith("_p99_s") and v
+            ),
+            default=None,
+        )
+
+    def recovered(self, generation: int, t0: float, what: str) -> dict[str, Any]:
+        """Wait until the job runs ``generation`` on all its nodes; the orders' times."""
+        self.wait(
+            lambda: len(self.starts_of(generation)) >= self.args.nodes,
+            240,
+            f"every start order of generation {generation} after the {what}",
+        )
+        self.wait(lambda: self.job()["state"] == "running", 120, f"the job running after {what}")
+        times = sorted(s["at"] - t0 for s in self.starts_of(generation))
+        return {"first": round(times[0], 3), "last": round(times[-1], 3)}
+
+    def faults(self) -> None:
+        job = self.job()
+        nodes = job["nodes"]
+        faults: dict[str, Any] = {}
+        for kind in self.args.faults.split(","):
+            for _ in range(self.args.repeats):
+                generation = self.job()["generation"]
+                time.sleep(self.args.settle)
+                victim = self.job()["nodes"][len(nodes) // 2]
+                sim = self.owner[victim]
+                t0 = time.time()
+                if kind == "ecc":
+                    sim.order(op="ecc", node=victim)
+                elif kind == "node_lost":
+                    sim.order(op="die", node=victim)
+                    self.killed += 1
+                elif kind == "hang":
+                    sim.order(op="hang", node=victim, job=self.job_id)
+                elif kind == "broker_restart":
+                    if "lost_before_broker_restart" not in self.out:
+                        self.out["lost_before_broker_restart"] = self.lost()[0]
+                    faults.setdefault(kind, []).append(self.broker_restart(generation))
+                    continue
+                got = self.recovered(generation + 1, t0, kind)
+                got["node"] = victim
+                faults.setdefault(kind, []).append(got)
+        self.out["faults"] = faults
+        for kind, key in (
+            ("node_lost", "node_lost_to_orders"),
+            ("ecc", "ecc_to_orders"),
+            ("hang", "hang_to_orders"),
+        ):
+            lasts = [f["last"] for f in faults.get(kind, [])]
+            if lasts:
+                self.out[f"{key}_p50_s"] = pct(lasts, 0.5)
+                self.out[f"{key}_p99_s"] = pct(lasts, 0.99)
+                self.out[f"{key}_n"] = len(lasts)
+
+    def broker_restart(self, generation: int) -> dict[str, Any]:
+        """Mosquitto stopped and started again on its port: every node and the supervisor
+        reconnect; the job must go on (no recovery) and nothing may be lost."""
+        assert self.broker is not None
+        before = self.stats()["mqtt_connects"]
+        t0 = time.time()
+        self.broker.send_signal(signal.SIGTERM)
+        self.broker.wait(20)
+        self.start_broker()
+        self.wait(lambda: self.stats()["mqtt_connects"] > before, 60, "the supervisor back")
+        self.wait(lambda: self.nodes_online() >= self.fleet - self.killed, 120, "the fleet back")
+        back = time.time() - t0
+        time.sleep(3 * self.args.heartbeat)  # a node judged offline would show by now
+        job = self.job()
+        return {
+            "fleet_back_s": round(back, 3),
+            "job_state": job["state"],
+            "recoveries": job["generation"] - generation,
+        }
+
+    def nodes_online(self) -> int:
+        return sum(n["state"] != "offline" for n in self.api.get("/v1/nodes"))
+
+    def lost(self) -> tuple[dict[str, int], list[dict[str, Any]], dict[str, int]]:
+        """Once every outbox is empty: what was sent and not counted by the supervisor,
+        by kind; the simulators' reports; what the supervisor counted."""
+        try:
+            self.wait(lambda: all(r["queued"] == 0 for r in self.reports()), 120, "outboxes empty")
+        except RuntimeError as exc:
+            self.out["outboxes_not_empty"] = str(exc)
+        time.sleep(2.0)  # QoS 0 metrics on their way
+        try:  # and the supervisor through what it received (it may lag its broker)
+            self.wait(lambda: self.stats().get("behind_s", 0.0) == 0.0, 120, "supervisor caught up")
+        except RuntimeError as exc:
+            self.out["supervisor_behind"] = str(exc)
+        reports = self.reports()
+        received = self.stats()["received"]
+        sent = {k: sum(r["sent"][k] for r in reports) for k in ("rank", "ckpt", "metrics")}
+        got = {
+            "rank": received.get("rank", 0),
+            "ckpt": received.get("ckpt", 0) + received.get("ckpt_released", 0),
+            "metrics": received.get("metrics", 0),
+        }
+        self.out.update(sent=sent, received=got)
+        return {k: max(0, sent[k] - got[k]) for k in sent}, reports, got
+
+    def totals(self) -> None:
+        """Every message sent against what the supervisor counted; the commit times."""
+        lost, reports, got = self.lost()
+        sent = self.out["sent"]
+        self.out.update(
+            lost_by_kind=lost,
+            lost_messages=sum(lost.values()),
+            duplicates={k: max(0, got[k] - sent[k]) for k in sent},
+            metrics_not_sent_link_down=sum(r["dropped"]["metrics"] for r in reports),
+            queued_at_end=sum(r["queued"] for r in reports),
+            stuck_outboxes=[x for r in reports for x in r["stuck"]][:20],
+            # QoS 0 batches a node sent on a new connection before it saw the supervisor
+            # online (after the broker restart): the broker may have had no one to give
+            # them to. Metrics lost are at most these.
+            metrics_sent_before_supervisor_seen=sum(r["unheard"] for r in reports),
+        )
+        last_landing: dict[int, float] = {}
+        for r in reports:
+            for job, step, at in r["last_landing"]:
+                if job == self.job_id:
+                    last_landing[step] = max(last_landing.get(step, 0.0), at)
+        seen: dict[int, list[float]] = {}
+        for r in reports:
+            for job, step, times in r["catalogs"]:
+                if job == self.job_id:
+                    seen.setdefault(step, []).extend(times)
+        commits = []
+        for step, times in sorted(seen.items()):
+            # The moment the job's last node had it (a spare that joins later sees old
+            # steps for the first time then: those are not counted).
+            if step in last_landing and len(times) >= self.args.nodes:
+                commits.append(sorted(times)[self.args.nodes - 1] - last_landing[step])
+        self.out["commit_after_last_landing_s"] = pct(commits, 0.5)
+        self.out["commit_after_last_landing_max_s"] = max(commits) if commits else None
+        self.out["commits_measured"] = len(commits)
+
+    def run(self) -> dict[str, Any]:
+        self.out.update(
+            bench="fleet_scale",
+            workload=self.args.workload,
+            nodes=self.args.nodes,
+            spares=self.args.spares,
+            fleet_nodes=self.fleet,
+            ranks=self.args.nodes * 8,
+            per_process=self.args.per_process,
+            sim_processes=-(-self.fleet // self.args.per_process),
+            cores=os.cpu_count(),
+            fd_limit=resource.getrlimit(resource.RLIMIT_NOFILE)[1],
+        )
+        t0 = time.time()
+        self.start_broker()
+        self.start_supervisor()
+        self.start_fleet()
+        self.out["fleet_up_s"] = round(time.time() - t0, 1)
+        self.submit()
+        time.sleep(self.args.settle)
+        self.steady()
+        if self.args.faults:
+            self.faults()
+        self.totals()
+        assert self.supervisor is not None
+        self.out["supervisor_alive"] = self.supervisor.poll() is None
+        self.out["bad_messages"] = self.stats()["bad_messages"]
+        return self.out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nodes", type=int, default=2048, help="nodes of the job")
+    ap.add_argument("--spares", type=int, default=None, help="hot spares (default: 4 + 1%%)")
+    ap.add_argument("--workload", choices=["big"], default="big")
+    ap.add_argument("--per-process", type=int, default=512, help="simulated agents a process")
+    ap.add_argument("--heartbeat", type=float, default=5.0)
+    ap.add_argument(
+        "--offline-after",
+        type=float,
+        default=None,
+        help="the supervisor's offline_after_s (default: 3 heartbeats, as deployed)",
+    )
+    ap.add_argument("--step", type=float, default=2.0, help="seconds per training step")
+    ap.add_argument(
+        "--no-batch-landings",
+        dest="batch_landings",
+        action="store_false",
+        help="one message per landing and rank event, as agents before CkptLandings and "
+        "RankEvents sent them",
+    )
+    ap.add_argument("--ckpt-every", type=float, default=60.0, help="seconds between checkpoints")
+    ap.add_argument("--steady", type=float, default=90.0, help="seconds of steady state measured")
+    ap.add_argument("--settle", type=float, default=10.0, help="seconds before each fault")
+    ap.add_argument("--rest-every", type=float, default=1.0)
+    ap.add_argument("--faults", default="ecc,node_lost,hang,broker_restart")
+    ap.add_argument("--repeats", type=int, default=1, help="times each fault is injected")
+    ap.add_argument("--profile", help="record the supervisor with py-spy (raw) to this file")
+    ap.add_argument("--keep", action="store_true", help="keep the run's folder (logs, store)")
+    args = ap.parse_args()
+    if args.spares is None:
+        args.spares = 4 + args.nodes // 100
+    raise_fd_limit()
+    root = Path(tempfile.mkdtemp(prefix="phalanx-scale-"))
+    bench = Bench(args, root)
+    try:
+        out = bench.run()
+    except (RuntimeError, ApiError) as exc:  # what was measured so far still counts
+        out = {**bench.out, "error": str(exc)}
+        print(json.dumps(out, indent=2))
+        raise
+    finally:
+        bench.stop()
+        if not args.keep:
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)
+    out["folder"] = str(root) if args.keep else None
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
