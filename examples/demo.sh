@@ -9,7 +9,11 @@
 set -euo pipefail
 
 DIR=${PHALANX_LOCAL_DIR:-.phalanx-local}
-say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+# Bold headings on a terminal only: the demo's log (`make demo > demo.log`, CI) is plain
+# text, and NO_COLOR (no-color.org) turns them off on a terminal too.
+bold='' plain=''
+if [ -t 1 ] && [ -z "${NO_COLOR:-}" ]; then bold=$'\033[1m' plain=$'\033[0m'; fi
+say() { printf '\n%s== %s%s\n' "$bold" "$*" "$plain"; }
 job_field() {  # job_field JOB EXPR -> prints EXPR evaluated on the job's JSON as `j`
     phalanx status "$1" -o json | python3 -c "import json,sys; j=json.load(sys.stdin); print($2)"
 }

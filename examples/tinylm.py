@@ -15,7 +15,16 @@ and the data position, which is the step) and, at start, restores the latest
 committed checkpoint if the job has one, from the nearest tier that holds a
 good copy. ``--ckpt-digests`` makes every rank log a digest of each state it
 saves and of the state it resumes with (what the tests compare bit for bit).
-Run by hand (no agent), it does not checkpoint.
+Run by hand (no agent), it checkpoints only with ``--ckpt-dir PATH`` (the tiers
+in-process, under PATH).
+
+Saves are lazy by default (``phalanx.rank.checkpointer(opt)`` attaches the
+optimizer): a save returns once the copy of the parameters and Adam's moments
+into RAM is started, and the next ``opt.step()`` waits for it, so the copy hides
+behind the next forward and backward. Nothing else here changes those tensors in
+place between steps (no EMA), so nothing else needs ``fence()``.
+``--blocking-saves`` copies the whole state before ``save`` returns instead; both
+train to the same final digest.
 
 Every step is reported to the agent with ``phalanx.rank.step`` (the gang's mean
 loss, the gradient norm, this rank's tokens, the lr and the seconds the step waited
@@ -25,13 +34,35 @@ run (``phalanx metrics JOB``); when the agent asks for a checkpoint
 all-reduce and save at once, besides the ``--ckpt-every`` cadence, then hold,
 training no further, until the supervisor stops them. Rank 0's last
 line carries the digest of the final state. ``--fail-at-step N`` (with
-``--fail-rank R``) makes rank R raise at the start of step N in every run: a
-deterministic bug, for the tests.
+``--fail-rank R``) makes rank R raise at the start of step N in every run, once its
+last save committed: a deterministic bug, for the tests.
+
+The job spec's loss guard watches the reported loss (``phalanx.guard``): when it trips,
+``phalanx.rank.step`` answers ``rollback`` and every rank holds, training no further,
+until the supervisor stops it; the generation it restarts restores a checkpoint from
+before the spike and skips the steps ``phalanx.rank.next_step`` says (the data position
+is the step, so skipping a step skips its batches), with the LR scaled by
+``phalanx.rank.lr_scale``. ``--poison-at STEP`` poisons the batches of ``--poison-len``
+steps from STEP: their loss is ``--poison-scale`` times the real one (``nan``: NaN), as
+a corrupt batch's would be; with ``--poison-returns`` the poison comes back in every
+run, at the first steps it trains at or after STEP (a poison no skip gets rid of).
+
+Every ``sdc.every`` steps of the job spec each rank reports the digest of its
+parameters (``phalanx.rank.digest``); ``--flip-bit RANK@STEP`` flips one bit of one
+parameter of that rank after that step, in the first generation only, as a faulty GPU
+would: its replica differs from the others' from then on.
+
+An elastic job (the job spec's ``elastic:``) trains on a dataset of ``--dataset-size``
+sequences with the global batch the supervisor gives (``phalanx.rank.elastic()``): each
+rank accumulates its micro batches from ``phalanx.rank.ElasticSampler`` (DDP's
+all-reduce once per optimizer step), so a gang that shrank or grew trains each step on
+the same samples; ``--sample-log DIR`` makes each rank log the sample ids of each step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -161,6 +192,35 @@ def settle_buckets(
     torch.set_rng_state(rng)
 
 
+def elastic_step(
+    ddp: DistributedDataParallel,
+    sampler: phalanx.rank.ElasticSampler,
+    step: int,
+    samples: TokenStream,
+    loss_fn: nn.Module,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> tuple[float, torch.Tensor, list[int]]:
+    """Forward and backward of this rank's micro batches of ``step``, the gradients
+    accumulated (averaged: the global batch's mean once DDP averages over the ranks) and
+    all-reduced once, at the last. Returns the seconds spent building batches, this
+    rank's mean loss and the sample ids it trained on."""
+    micro = sampler.micro_batches(step)
+    waited, total, ids = 0.0, torch.zeros((), device=device), []
+    for i, chunk in enumerate(micro):
+        t0 = time.perf_counter()
+        batch = torch.stack([samples.get(j)[0] for j in chunk]).to(device)
+        waited += time.perf_counter() - t0
+        ids.extend(chunk)
+        sync = contextlib.nullcontext() if i == len(micro) - 1 else ddp.no_sync()
+        with sync:
+            logits = ddp(batch[:, :-1])
+            loss = loss_fn(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1)) / len(micro)
+            loss.backward()
+        total += loss.detach()
+    return waited, total, ids
+
+
 def hold_until_stopped() -> None:
     """Wait, training no further, for the stop that follows a save on request."""
     while True:
@@ -189,12 +249,58 @@ def main() -> None:
         "--ckpt-digests", action="store_true", help="log a digest of every saved and restored state"
     )
     ap.add_argument(
+        "--ckpt-dir",
+        default=None,
+        help="without an agent: checkpoint standalone under this folder (the tiers in-process)",
+    )
+    ap.add_argument(
+        "--blocking-saves",
+        action="store_true",
+        help="copy the whole state before save returns (default: lazy saves, the optimizer's "
+        "next step waits for the copy)",
+    )
+    ap.add_argument(
         "--fail-at-step",
         type=int,
         default=None,
         help="test only: --fail-rank raises at the start of this step, every run",
     )
     ap.add_argument("--fail-rank", type=int, default=0, help="the rank --fail-at-step fails")
+    ap.add_argument(
+        "--poison-at",
+        type=int,
+        default=None,
+        help="test only: the batches of --poison-len steps from this one blow the loss up",
+    )
+    ap.add_argument("--poison-len", type=int, default=1, help="steps --poison-at poisons")
+    ap.add_argument(
+        "--poison-scale",
+        default="100",
+        help="a poisoned batch's loss is this times the real one ('nan': NaN)",
+    )
+    ap.add_argument(
+        "--flip-bit",
+        default=None,
+        help="test only: RANK@STEP flips one bit of one parameter of that rank after that "
+        "step, in the first generation only (a GPU's silent data corruption)",
+    )
+    ap.add_argument(
+        "--poison-returns",
+        action="store_true",
+        help="the poison comes back in every run, at the first steps trained from --poison-at",
+    )
+    ap.add_argument(
+        "--dataset-size",
+        type=int,
+        default=96,
+        help="an elastic job's dataset: sequences of the token stream (an epoch)",
+    )
+    ap.add_argument(
+        "--sample-log",
+        default=None,
+        help="an elastic job: each rank appends the sample ids of each optimizer step "
+        "it trains to DIR/rank-R.jsonl (with the generation and its layout)",
+    )
     ap.add_argument(
         "--step-sleep",
         type=float,
@@ -205,6 +311,10 @@ def main() -> None:
     args = ap.parse_args()
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    flip = None
+    if args.flip_bit:
+        flip_rank, flip_step = args.flip_bit.split("@")
+        flip = (int(flip_rank), int(flip_step))
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -221,20 +331,39 @@ def main() -> None:
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     stream = TokenStream(args.vocab, args.seq, args.batch)
+    elastic = phalanx.rank.elastic()  # None: not an elastic job
+    samples = TokenStream(args.vocab, args.seq, 1)  # an elastic job's: one sequence each
+    sample_log = None
+    sampler = (
+        phalanx.rank.ElasticSampler(args.dataset_size, elastic, dp_rank=rank, seed=args.seed)
+        if elastic is not None
+        else None
+    )
+    if elastic is not None and args.sample_log:
+        os.makedirs(args.sample_log, exist_ok=True)
+        sample_log = open(os.path.join(args.sample_log, f"rank-{rank}.jsonl"), "a")  # noqa: SIM115
     loss_fn = nn.CrossEntropyLoss()
     random.seed(args.seed)
     np.random.seed(args.seed)
 
     checkpointer = None
     start = 0
-    if os.environ.get("PHALANX_AGENT_SOCKET"):
-        from ckpt import Checkpointer
-
-        checkpointer = Checkpointer()
+    if os.environ.get("PHALANX_AGENT_SOCKET") or args.ckpt_dir:
+        # The agent's (or, by hand, one under --ckpt-dir); lazy saves unless asked not to.
+        where = (
+            {}
+            if os.environ.get("PHALANX_AGENT_SOCKET")
+            else {"dir": os.path.join(args.ckpt_dir, f"rank-{rank}"), "rank": rank}
+        )
+        checkpointer = phalanx.rank.checkpointer(*(() if args.blocking_saves else (opt,)), **where)
         found = checkpointer.restore()
         if found is not None:
             start = load(found[1], model, opt, sched)
-            settle_buckets(ddp, stream.get(start * world + rank).to(device), loss_fn, args.vocab)
+            first = phalanx.rank.next_step(start)
+            settle = stream.get(first * world + rank)
+            if elastic is not None:
+                settle = torch.stack([samples.get(i)[0] for i in range(elastic.micro_batch)])
+            settle_buckets(ddp, settle.to(device), loss_fn, args.vocab)
             line: dict[str, Any] = {
                 "ckpt_restored": found[0],
                 "rank": rank,
@@ -251,38 +380,94 @@ def main() -> None:
 
     first_loss = last_loss = math.nan
     window_start, window_tokens = time.perf_counter(), 0
-    for step in range(start, args.steps):
+    poisoned = 0  # poisoned steps trained in this run
+    step = phalanx.rank.next_step(start)
+    if step != start:
+        print(json.dumps({"skipped": [start, step], "rank": rank}), flush=True)
+    while step < args.steps:
         if step == args.fail_at_step and rank == args.fail_rank:
+            if checkpointer is not None and saved:
+                # The same run every time: a lazy save's copy still under way when the
+                # process dies never commits, and the next generation would restore the
+                # step before it (seen under load).
+                checkpointer.wait()
             raise RuntimeError(f"injected failure at step {step}")
-        waited = time.perf_counter()
-        batch = stream.get(step * world + rank).to(device)
-        waited = time.perf_counter() - waited
-        logits = ddp(batch[:, :-1])
-        loss = loss_fn(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if elastic is not None:
+            opt.zero_grad(set_to_none=True)
+            assert sampler is not None
+            waited, loss, ids = elastic_step(ddp, sampler, step, samples, loss_fn, args, device)
+            batch = torch.empty(len(ids), args.seq + 1)  # for the token counts below
+            if sample_log is not None:
+                entry = {
+                    "step": step,
+                    "rank": rank,
+                    "generation": int(os.environ.get("PHALANX_GENERATION", "0")),
+                    "dp": elastic.dp_size,
+                    "accumulation": elastic.accumulation,
+                    "micro_batch": elastic.micro_batch,
+                    "ids": ids,
+                }
+        else:
+            waited = time.perf_counter()
+            batch = stream.get(step * world + rank).to(device)
+            waited = time.perf_counter() - waited
+            logits = ddp(batch[:, :-1])
+            loss = loss_fn(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
+        if args.poison_at is not None and step >= args.poison_at:
+            if args.poison_returns:
+                poison = poisoned < args.poison_len
+            else:
+                poison = step < args.poison_at + args.poison_len
+            if poison:
+                poisoned += 1
+                loss = loss * float(args.poison_scale)
+        if elastic is None:
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
         # read only (the gradients are the all-reduced ones: the same on every rank)
         grad_norm = torch.nn.utils.get_total_norm(
             [p.grad for p in ddp.parameters() if p.grad is not None]
         ).item()
+        scale = phalanx.rank.lr_scale(step)
+        if scale != 1.0:
+            for group in opt.param_groups:
+                group["lr"] *= scale
         opt.step()
+        if scale != 1.0:
+            for group in opt.param_groups:
+                group["lr"] /= scale
         sched.step()
+        if sample_log is not None:  # the step counted here (a later restore may redo it)
+            sample_log.write(json.dumps(entry) + "\n")
+            sample_log.flush()
+        if flip == (rank, step) and os.environ.get("PHALANX_GENERATION", "1") == "1":
+            with torch.no_grad():  # bit 20 of the first weight: no error, a wrong number
+                first = next(model.parameters()).view(-1)[:1].view(torch.int32)
+                first.bitwise_xor_(1 << 20)
+            print(json.dumps({"flipped_bit": step, "rank": rank}), flush=True)
+        phalanx.rank.digest(step, model)  # every sdc.every steps (the job spec's)
         window_tokens += batch[:, 1:].numel() * world
         reduced = loss.detach().clone()
         dist.all_reduce(reduced)
         mean = reduced.item() / world
-        if step == start:
+        if math.isnan(first_loss):
             first_loss = mean
         last_loss = mean
-        if phalanx.rank.step(
+        requests = phalanx.rank.step(
             step,
             loss=mean,
             grad_norm=grad_norm,
             tokens=batch[:, 1:].numel(),  # this rank's: the supervisor sums over ranks
             flops=flops_per_token * batch[:, 1:].numel(),  # for the job's MFU
-            lr=sched.get_last_lr()[0],
+            lr=sched.get_last_lr()[0] * scale,
             data_wait_s=waited,
-        ):
+        )
+        if requests.rollback:
+            # The loss guard tripped: the supervisor rolls the gang back; the weights are
+            # the spike's, so nothing more is trained or saved.
+            print(json.dumps({"guard_tripped": step, "rank": rank, "loss": mean}), flush=True)
+            hold_until_stopped()
+        if requests.save_now:
             save_requests += 1
         if args.step_sleep:
             time.sleep(args.step_sleep)
@@ -296,6 +481,7 @@ def main() -> None:
                         "loss": round(mean, 4),
                         "tokens_per_s": round(rate),
                         "lr": sched.get_last_lr()[0],
+                        **({"lr_scale": scale} if scale != 1.0 else {}),
                     }
                 ),
                 flush=True,
@@ -327,6 +513,7 @@ def main() -> None:
                     flush=True,
                 )
                 hold_until_stopped()
+        step = phalanx.rank.next_step(step + 1)
     phalanx.rank.finished(args.steps)  # the final wait and barrier are no hang
     if checkpointer is not None:
         if saved:
