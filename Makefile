@@ -6,7 +6,12 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test rig lint format install clean
+# Parallel test processes (pytest-xdist). The unit tests are CPU-bound: one per core. The
+# integration tests mostly wait on the daemons, ranks and browsers they start: more.
+UNIT_WORKERS        ?= 2
+INTEGRATION_WORKERS ?= 4
+
+.PHONY: demo test test-fast rig lint format install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,12 +33,28 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# The quick loop while developing: lint and the unit tests (a few minutes), no daemons.
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pytest tests/unit -n $(UNIT_WORKERS)
+
+# make test and make rig run a test that failed once more, and the summary names it
+# ("RERUN"): a test that fails then passes is a race to fix, never a pass to forget. The
+# plain pytest commands (and make test-fast) do not rerun.
+RERUN   := --reruns 1 --reruns-delay 2 -rR
+
+# Everything but the rig: lint, the unit tests, the integration tests and the rig's helpers
+# (a file's tests in one worker: loadfile), then the rollout tests, in one process (they
+# share one converged tree, a session fixture).
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest tests/unit -n $(UNIT_WORKERS) $(RERUN)
+	$(BIN)/pytest tests/integration tests/rig -n $(INTEGRATION_WORKERS) --dist loadfile $(RERUN)
+	$(BIN)/pytest tests/rollout $(RERUN)
 
 # The fault-injection rig: every fault once on a fleet of network namespaces (root only).
 rig: $(STAMP)
-	$(BIN)/pytest -m rig -p no:cacheprovider
+	$(BIN)/pytest -m rig -p no:cacheprovider $(RERUN)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .phalanx-local
