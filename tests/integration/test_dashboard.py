@@ -40,6 +40,7 @@ STEPS = ["--steps", "150", "--ckpt-every", "10", "--step-sleep", "0.04"]
 
 try:
     from selenium import webdriver
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.chrome.webdriver import WebDriver
     from selenium.webdriver.common.by import By
@@ -49,6 +50,33 @@ except ImportError:  # the dev extra installs it
         "the dashboard's browser test needs selenium (pip install selenium)",
         allow_module_level=True,
     )
+
+
+def read_all(browser: WebDriver, css: str, what: str = "textContent") -> list[str]:
+    """``what`` (a property, or ``data-*`` through ``dataset``) of every element matching
+    ``css``, read in one script: the page re-renders as it polls, so elements found by
+    one WebDriver call may be gone (stale) by the next."""
+    return list(
+        browser.execute_script(
+            "return Array.from(document.querySelectorAll(arguments[0]), (e) => "
+            "arguments[1].startsWith('data-') ? e.getAttribute(arguments[1]) : e[arguments[1]])",
+            css,
+            what,
+        )
+    )
+
+
+def click(browser: WebDriver, css: str, what: str) -> None:
+    """Click the element matching ``css``, found again if a re-render replaced it."""
+
+    def once() -> bool:
+        try:
+            browser.find_element(By.CSS_SELECTOR, css).click()
+        except StaleElementReferenceException:
+            return False
+        return True
+
+    wait_for(once, 10, what)
 
 
 @pytest.fixture
@@ -229,8 +257,8 @@ def test_the_dashboard_shows_the_fleet_the_jobs_and_a_recovered_jobs_story(
     ui.shot("jobs-queue")
     # ... until its page cancels it (a POST by the session cookie, with the CSRF header).
     ui.go(f"#/jobs/{big}")
-    cancel = ui.wait(lambda: ui.browser.find_elements(By.ID, "cancel") or None, "cancel button")
-    cancel[0].click()
+    ui.wait(lambda: ui.browser.find_elements(By.ID, "cancel") or None, "cancel button")
+    click(ui.browser, "#cancel", "the cancel button")
     ui.browser.switch_to.alert.accept()
     fleet.wait_job(big, "cancelled", timeout=10)
 
@@ -384,8 +412,8 @@ def test_a_viewers_session_is_refused_a_cancel_and_ends_when_its_token_is_revoke
     ui.login(viewer["secret"])
     ui.wait(lambda: "wall (viewer)" in ui.texts("#who")[0] or None, "who is logged in")
 
-    cancel = ui.wait(lambda: ui.browser.find_elements(By.ID, "cancel") or None, "cancel button")
-    cancel[0].click()
+    ui.wait(lambda: ui.browser.find_elements(By.ID, "cancel") or None, "cancel button")
+    click(ui.browser, "#cancel", "the cancel button")
     ui.browser.switch_to.alert.accept()
 
     refused = ui.wait(
@@ -464,26 +492,27 @@ def test_the_fleet_page_of_2048_nodes_shows_every_node_as_a_tile_and_no_table_of
     assert "2,048 nodes" in browser.find_element(By.ID, "fleet-summary").text
     browser.save_screenshot(str(screens / "fleet-2048.png"))
 
+    # The page re-renders as it polls: what is read is read in one script, and a click
+    # finds its element again if a re-render replaced it.
     browser.find_element(By.ID, "fleet-filter").send_keys("n0194")
-    row = wait_for(
-        lambda: browser.find_elements(By.CSS_SELECTOR, "tr.node") or None, 10, "the node found"
-    )
-    assert [r.get_attribute("data-node") for r in row] == ["n0194"]
-    assert "cable swap" in row[0].text
+    wait_for(lambda: read_all(browser, "tr.node") or None, 10, "the node found")
+    assert read_all(browser, "tr.node", "data-node") == ["n0194"]
+    assert "cable swap" in read_all(browser, "tr.node")[0]
 
     browser.find_element(By.ID, "fleet-filter").send_keys(Keys.CONTROL, "a", Keys.BACKSPACE)
-    browser.find_element(By.CSS_SELECTOR, '[data-rack="r03"] .rack-toggle').click()
-    rows = browser.find_elements(By.CSS_SELECTOR, "tr.node")
-    assert len(rows) == 32
-    assert {r.get_attribute("data-node") for r in rows} == {f"n{i:04d}" for i in range(96, 128)}
-    browser.find_element(By.CSS_SELECTOR, 'tr.node[data-node="n0097"] button').click()
-    gpus = wait_for(
-        lambda: browser.find_elements(By.CSS_SELECTOR, "tr.detail table.inner tbody tr") or None,
+    click(browser, '[data-rack="r03"] .rack-toggle', "rack r03 opened")
+    rows = wait_for(
+        lambda: (r := read_all(browser, "tr.node", "data-node")) and len(r) == 32 and r,
         10,
-        "n0097's GPUs",
+        "rack r03's 32 rows",
+    )
+    assert set(rows) == {f"n{i:04d}" for i in range(96, 128)}
+    click(browser, 'tr.node[data-node="n0097"] button', "n0097's details opened")
+    gpus = wait_for(
+        lambda: read_all(browser, "tr.detail table.inner tbody tr") or None, 10, "n0097's GPUs"
     )
     assert len(gpus) == 8
-    assert "57.5" in gpus[1].text
+    assert "57.5" in gpus[1]
     browser.save_screenshot(str(screens / "fleet-2048-rack.png"))
 
 
@@ -586,9 +615,9 @@ def test_the_job_page_of_a_script_without_steps_shows_its_lost_work_unknown_and_
         browser.find_element(By.ID, "token").send_keys(FAKE_TOKEN)
         browser.find_element(By.ID, "login-submit").click()
         goodput = wait_for(
-            lambda: (e := browser.find_elements(By.ID, "goodput")) and e[0].text, 20, "goodput"
+            lambda: (e := read_all(browser, "#goodput", "innerText")) and e[0], 20, "goodput"
         )
-        row = browser.find_element(By.CSS_SELECTOR, 'tr.generation[data-generation="1"]').text
+        row = read_all(browser, 'tr.generation[data-generation="1"]', "innerText")[0]
 
     assert "≤" in goodput and "upper bound" in goodput and "unknown" in goodput
     assert "unknown" in row  # its work lost, not 0 s
