@@ -21,11 +21,12 @@ once.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -114,6 +115,10 @@ class Event:
         }
 
 
+# A shard as the catalog lists it: (node that landed it, holder, nbytes, checksum).
+ShardRow = tuple[str, str | None, int, str]
+
+
 class CatalogQueries:
     """The checkpoint catalog's reads, on ``self._db``: the store's own connection, or a
     snapshot's (``Store.snapshot``)."""
@@ -153,6 +158,21 @@ class CatalogQueries:
             (int(r[0]), str(r[1]), int(r[2]), str(r[3]), r[4], int(r[5]), str(r[6])) for r in rows
         ]
 
+    def shard_rows(
+        self, job: str, keys: Iterable[tuple[int, str]]
+    ) -> dict[tuple[int, str], dict[int, ShardRow]]:
+        """Each (step, tier) of ``keys``: rank -> (node, holder, nbytes, checksum) of every
+        shard landed there (one indexed read per key)."""
+        found: dict[tuple[int, str], dict[int, ShardRow]] = {}
+        for step, tier in keys:
+            rows = self._db.execute(
+                "SELECT rank, node, holder, nbytes, checksum FROM ckpt_shards "
+                "WHERE job = ? AND step = ? AND tier = ?",
+                (job, step, tier),
+            ).fetchall()
+            found[(step, tier)] = {int(r[0]): (str(r[1]), r[2], int(r[3]), str(r[4])) for r in rows}
+        return found
+
     def ever_committed(self, job: str) -> bool:
         """Whether a step of ``job`` was ever committed at a tier (its event log says)."""
         row = self._db.execute(
@@ -186,6 +206,12 @@ class Store(CatalogQueries):
         self._soon: list[tuple[str | None, str, Callable[[], tuple[Any, ...]]]] = []
         self._soon_keys: dict[str, int] = {}
         self._schedule: Callable[[], None] | None = None
+        # (job, step, tier) -> a number that changes at every write of its shards or
+        # commit (a dropped key has none): what the catalog cached of it is current while
+        # the number it was read at still stands. Every write of ckpt_shards and
+        # ckpt_commits goes through the methods below, whoever calls them.
+        self.shard_versions: dict[tuple[str, int, str], int] = {}
+        self._shard_clock = itertools.count(1)
         self.backups = backups
         self.corrupt: StoreCorrupt | None = None
         self.url = url  # PostgreSQL's (None: SQLite at ``path``)
@@ -486,6 +512,7 @@ class Store(CatalogQueries):
         at: float,
         generation: int = 0,
     ) -> None:
+        self._shards_changed(job, step, tier)
         self._write(
             "INSERT INTO ckpt_shards (job, step, tier, rank, node, holder, nbytes, "
             "checksum, at, generation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
@@ -497,6 +524,7 @@ class Store(CatalogQueries):
 
     def drop_step(self, job: str, step: int, tier: str) -> bool:
         """Forget a step at a tier (retention removed it); True if anything was known."""
+        self.shard_versions.pop((job, step, tier), None)
         cur = self._write(
             "DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ?", (job, step, tier)
         )
@@ -508,6 +536,7 @@ class Store(CatalogQueries):
     def drop_shard(self, job: str, step: int, tier: str, rank: int) -> bool:
         """Forget one rank's copy of a step at a tier, and with it the step's commit there
         (a step is committed at a tier only while every rank's shard is); True if known."""
+        self._shards_changed(job, step, tier)
         cur = self._write(
             "DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ? AND rank = ?",
             (job, step, tier, rank),
@@ -536,6 +565,7 @@ class Store(CatalogQueries):
         return {int(r[0]) for r in rows}
 
     def add_commit(self, job: str, step: int, tier: str, at: float) -> bool:
+        self._shards_changed(job, step, tier)
         cur = self._write(
             "INSERT INTO ckpt_commits (job, step, tier, committed_at) "
             "VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
@@ -594,6 +624,20 @@ class Store(CatalogQueries):
         return [
             (int(r[0]), str(r[1]), int(r[2]), str(r[3]), r[4], int(r[5]), str(r[6])) for r in rows
         ]
+
+    def shard_version(self, job: str, step: int, tier: str) -> int:
+        """The version of (job, step, tier)'s shards and commit now (see ``shard_versions``);
+        one that has none (nothing was written of it since the store opened) gets one."""
+        key = (job, step, tier)
+        version = self.shard_versions.get(key)
+        if version is None:
+            version = self.shard_versions[key] = next(self._shard_clock)
+        return version
+
+    def _shards_changed(self, job: str, step: int, tier: str) -> None:
+        """Before a write of (job, step, tier)'s shards or commit: what was read of it is
+        stale (a write rolled back only makes a cache read it again)."""
+        self.shard_versions[(job, step, tier)] = next(self._shard_clock)
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> Cursor:
         self.flush()  # the writes queued soon go first: the event log keeps its order

@@ -20,14 +20,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import SecretStr
 
 from phalanx import wire
-from supervisor.store import CatalogQueries, Store
+from supervisor.store import CatalogQueries, ShardRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -230,9 +230,70 @@ def guard_hold(committed: Iterable[int], reach: int) -> list[int]:
     return sorted(held)
 
 
+class StepRows:
+    """The shards of one committed (step, tier): rank -> (node, holder, nbytes, checksum),
+    and which ranks each node landed. Read once from the store and kept while the store
+    says (``Store.shard_versions``) nothing of that step and tier was written since: a
+    catalog build reads only the steps committed since the last build."""
+
+    __slots__ = ("_by_node", "by_rank")
+
+    def __init__(self, by_rank: Mapping[int, ShardRow]) -> None:
+        self.by_rank = by_rank
+        self._by_node: dict[str, frozenset[int]] | None = None
+
+    @property
+    def by_node(self) -> Mapping[str, frozenset[int]]:
+        if self._by_node is None:
+            nodes: dict[str, set[int]] = {}
+            for rank, row in self.by_rank.items():
+                nodes.setdefault(row[0], set()).add(rank)
+            self._by_node = {node: frozenset(ranks) for node, ranks in nodes.items()}
+        return self._by_node
+
+
+Rows = dict[tuple[int, str], StepRows]  # (step, tier) -> its shards
+
+
+class Where(Mapping[tuple[int, int, str], tuple[str, str | None]]):
+    """(step, rank, tier) -> (node that landed it, holder), over the committed rows: what
+    :func:`gang_restore` reads, without a dict of every shard of the job."""
+
+    def __init__(self, rows: Mapping[tuple[int, str], StepRows]) -> None:
+        self._rows = rows
+
+    def __getitem__(self, key: tuple[int, int, str]) -> tuple[str, str | None]:
+        step, rank, tier = key
+        found = self._rows.get((step, tier))
+        if found is None or rank not in found.by_rank:
+            raise KeyError(key)
+        row = found.by_rank[rank]
+        return row[0], row[1]
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, tuple) or len(key) != 3:
+            return False
+        found = self._rows.get((key[0], key[2]))
+        return found is not None and key[1] in found.by_rank
+
+    def __iter__(self) -> Iterator[tuple[int, int, str]]:
+        for (step, tier), found in self._rows.items():
+            for rank in found.by_rank:
+                yield step, rank, tier
+
+    def __len__(self) -> int:
+        return sum(len(found.by_rank) for found in self._rows.values())
+
+
 class CheckpointCatalog:
     def __init__(self, store: Store) -> None:
         self.store = store
+        # The committed rows read by earlier builds, and the version each was read at:
+        # (job, step, tier) -> (version, rows). Written on the event loop only.
+        self._rows: dict[tuple[str, int, str], tuple[int, StepRows]] = {}
+        # The wire shards the last build of each job made, reused by the next (most of a
+        # job's steps are the same from one build to the next); the builder thread's own.
+        self._shards: dict[str, dict[tuple[Any, ...], wire.CkptShard]] = {}
         # The ranks landed so far of each step not yet committed at a tier, loaded from the
         # store once: counting them in SQL on every landing grew with the square of the ranks.
         # The generation that counts for each step and tier: the newest that landed there.
@@ -368,11 +429,45 @@ class CheckpointCatalog:
     def forget(self) -> None:
         """Drop what is cached of the store (after a write was rolled back)."""
         self._landed.clear()
+        self._rows.clear()
 
     def forget_job(self, job: str) -> None:
         """Drop what is cached of one job (it ended); a later landing reloads it."""
         for key in [k for k in self._landed if k[0] == job]:
             del self._landed[key]
+        for cached in [k for k in self._rows if k[0] == job]:
+            del self._rows[cached]
+        self._shards.pop(job, None)
+
+    def pin_rows(self, job: str) -> tuple[dict[tuple[int, str], int], Rows]:
+        """On the event loop, before a build: the version of each committed (step, tier)
+        of ``job`` now, and the rows cached of those still current (the build reads the
+        others). A committed key the store has no version of (a store opened again)
+        gets one now: its rows as read from here on are that version's."""
+        pinned: dict[tuple[int, str], int] = {}
+        for step, tier, _at in self.store.commits(job):
+            key = (job, step, tier)
+            pinned[(step, tier)] = self.store.shard_version(*key)
+        rows: Rows = {}
+        for (step, tier), version in pinned.items():
+            cached = self._rows.get((job, step, tier))
+            if cached is not None and cached[0] == version:
+                rows[(step, tier)] = cached[1]
+        return pinned, rows
+
+    def keep_rows(self, job: str, pinned: Mapping[tuple[int, str], int], rows: Rows) -> None:
+        """On the event loop, after a build: keep the rows it read of each (step, tier)
+        still at the version pinned before it (one written since is read again next
+        time); forget the job's others (no longer committed)."""
+        versions = self.store.shard_versions
+        for cached in [k for k in self._rows if k[0] == job and (k[1], k[2]) not in rows]:
+            del self._rows[cached]
+        for (step, tier), found in rows.items():
+            version = pinned.get((step, tier))
+            if version is not None and versions.get((job, step, tier)) == version:
+                self._rows[(job, step, tier)] = (version, found)
+            else:
+                self._rows.pop((job, step, tier), None)
 
     def messages(
         self,
@@ -389,6 +484,7 @@ class CheckpointCatalog:
         credential: Callable[[str, str], str | None] | None = None,
         hold_steps: int | None = None,
         elastic: bool = False,
+        rows: Rows | None = None,
     ) -> list[wire.CkptCatalog]:
         """The job's catalog as each node needs it: one message per node that runs a rank
         of the job (``placement``: rank -> node, the current generation), landed a shard,
@@ -408,6 +504,9 @@ class CheckpointCatalog:
         restore step was saved by another number of ranks, each node's message says
         which saved rank's shard each of its ranks restores (``sources``), and lists
         those shards.
+        ``rows``: the committed rows known (:meth:`pin_rows`); the others are read from
+        ``store`` and added, and what is no longer committed is taken out, so that the
+        caller can keep them (:meth:`keep_rows`).
         """
 
         db = store if store is not None else self.store
@@ -416,16 +515,39 @@ class CheckpointCatalog:
         committed: dict[int, dict[str, float]] = {}
         for step, tier, at in db.commits(job):
             committed.setdefault(step, {})[tier] = at
-        shards: dict[tuple[int, int], tuple[str, int]] = {}  # (step, rank) -> checksum, nbytes
-        where: dict[tuple[int, int, str], tuple[str, str | None]] = {}  # -> node, holder
+        known: Rows = rows if rows is not None else {}
+        wanted = [(step, tier) for step in committed for tier in committed[step]]
+        missing = [key for key in wanted if key not in known]
+        for key, by_rank in db.shard_rows(job, missing).items():
+            known[key] = StepRows(by_rank)
+        committed_rows = {key: known[key] for key in wanted}
+        for key in [k for k in known if k not in committed_rows]:
+            del known[key]  # no longer committed: the caller keeps what is
+        where = Where(committed_rows)
         landed_on: dict[str, set[int]] = {}
-        saved_ranks: dict[int, int] = {}  # step -> the ranks that saved it
-        for step, tier, rank, node, holder, nbytes, checksum in db.committed_shards(job):
-            if (step, rank) not in shards:
-                saved_ranks[step] = saved_ranks.get(step, 0) + 1
-            shards.setdefault((step, rank), (checksum, nbytes))
-            where[(step, rank, tier)] = (node, holder)
-            landed_on.setdefault(node, set()).add(rank)
+        for step_rows in committed_rows.values():
+            for node, landed in step_rows.by_node.items():
+                landed_on.setdefault(node, set()).update(landed)
+
+        # Each step's tiers by name: a rank's shard is listed from the first that has it.
+        by_tier = {
+            step: [committed_rows[(step, tier)].by_rank for tier in sorted(tiers)]
+            for step, tiers in committed.items()
+        }
+
+        def shard(step: int, rank: int) -> ShardRow | None:
+            for by_rank in by_tier[step]:
+                row = by_rank.get(rank)
+                if row is not None:
+                    return row
+            return None
+
+        def saved_ranks(step: int) -> int:
+            ranks: set[int] = set()
+            for tier in committed[step]:
+                ranks.update(committed_rows[(step, tier)].by_rank)
+            return len(ranks)
+
         found = gang_restore(
             committed,
             where,
@@ -443,18 +565,36 @@ class CheckpointCatalog:
                 "reported corrupt or unreadable): nothing the whole gang can restore"
             )
         held = guard_hold(committed, hold_steps) if hold_steps is not None else []
-        addresses: dict[tuple[str, str], wire.PeerAddr | None] = {}
+        # (holder, node) -> where holder listens with node's credential there, and what
+        # tells that address apart in ``made``
+        addresses: dict[tuple[str, str], tuple[wire.PeerAddr | None, tuple[Any, ...] | None]] = {}
 
-        def addressed(holder: str, node: str) -> wire.PeerAddr | None:
-            """Where ``holder`` listens, with ``node``'s credential there."""
+        def addressed(holder: str, node: str) -> tuple[wire.PeerAddr | None, Any]:
             key = (holder, node)
-            if key not in addresses:
+            found = addresses.get(key)
+            if found is None:
                 addr = peers.get(holder)
                 token = credential(holder, node) if credential and addr else None
                 if addr is not None and token is not None:
                     addr = addr.model_copy(update={"token": SecretStr(token)})
-                addresses[key] = addr
-            return addresses[key]
+                said = None if addr is None else (addr.node, addr.address, addr.http_port, token)
+                found = addresses[key] = (addr, said)
+            return found
+
+        # The wire shards of the last build, by what they say: most are the same again.
+        before = self._shards.get(job, {})
+        made: dict[tuple[Any, ...], wire.CkptShard] = {}
+        no_peer: tuple[None, None] = (None, None)
+
+        def wire_shard(
+            rank: int, row: ShardRow, peer: tuple[wire.PeerAddr | None, Any]
+        ) -> wire.CkptShard:
+            key = (rank, row[3], row[2], peer[1])
+            got = made.get(key) or before.get(key)
+            if got is None:
+                got = wire.CkptShard(rank=rank, checksum=row[3], nbytes=row[2], peer=peer[0])
+            made[key] = got
+            return got
 
         runs: dict[str, set[int]] = {}
         for rank, node in placement.items():
@@ -472,22 +612,17 @@ class CheckpointCatalog:
             steps = []
             for step in keep:
                 listed = []
+                peer_rows = committed_rows.get((step, "peer"))
                 for rank in ranks:
-                    if (step, rank) not in shards:
+                    row = shard(step, rank)
+                    if row is None:
                         continue
-                    checksum, nbytes = shards[(step, rank)]
-                    holder = where.get((step, rank, "peer"), (None, None))[1]
+                    held_by = peer_rows.by_rank.get(rank) if peer_rows is not None else None
+                    holder = held_by[1] if held_by is not None else None
                     listed.append(
-                        wire.CkptShard(
-                            rank=rank,
-                            checksum=checksum,
-                            nbytes=nbytes,
-                            peer=addressed(holder, node)
-                            if holder and "peer" in committed[step]
-                            else None,
-                        )
+                        wire_shard(rank, row, addressed(holder, node) if holder else no_peer)
                     )
-                saved = saved_ranks.get(step, world_size)
+                saved = saved_ranks(step) if elastic else world_size
                 steps.append(
                     wire.CkptStep(
                         step=step,
@@ -512,6 +647,7 @@ class CheckpointCatalog:
                     sources={r: sources[r] for r in sorted(mine) if r in sources},
                 )
             )
+        self._shards[job] = made
         return out
 
     def view(self, job: str, world_size: int, tiers: Sequence[str]) -> dict[str, Any]:

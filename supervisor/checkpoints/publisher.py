@@ -109,6 +109,12 @@ class CatalogPublisher:
         self.tasks = Tasks("checkpoint catalogs")
         self._sent: dict[str, bytes] = {}  # topic -> the payload last published
         self._locks: dict[str, asyncio.Lock] = {}  # job -> held while its catalogs go out
+        # Publishes asked for, per job, and how many of them the last one sent covers: one
+        # that waited for the lock while another began after it was asked needs no build
+        # of its own (the four tiers of a step commit within seconds of one another, and
+        # each would otherwise wait for a build of the 16,384-rank job of its own).
+        self._asked: dict[str, int] = {}
+        self._covered: dict[str, int] = {}
         self._landings: list[wire.CkptLanding] = []
         self._releases: list[wire.CkptReleased] = []
         self._retry_jobs: set[str] = set()
@@ -161,8 +167,14 @@ class CatalogPublisher:
 
         One publish per job at a time: messages built before another change must all be
         out before the next are built, or a stale one could stay retained on a node while
-        the cache says it is current. A publish the link refuses is tried again."""
+        the cache says it is current. A publish the link refuses is tried again. Asked
+        for while another waits for its turn, it returns with that one (which is built
+        from what is known when it begins, after both were asked for)."""
+        asked = self._asked[job_id] = self._asked.get(job_id, 0) + 1
         async with self._locks.setdefault(job_id, asyncio.Lock()):
+            if self._covered.get(job_id, 0) >= asked:
+                return  # a publish that began after this one was asked for sent it all
+            began = self._asked[job_id]
             job = self._job(job_id)
             if job is None:
                 return
@@ -179,6 +191,14 @@ class CatalogPublisher:
             world_size, generation, nodes = job.world_size, job.generation, job.nodes
             hold = hold_steps(job)
             elastic = job.spec.reshapes
+            try:
+                pinned, rows = self.catalog.pin_rows(job_id)
+            except StoreError as exc:
+                log.error(
+                    "job %s: cannot build the checkpoint catalog: %s: trying again", job_id, exc
+                )
+                self._retry_later({job_id})
+                return
 
             def build() -> list[tuple[str, str, bytes]]:
                 with self.store.snapshot() as snapshot:  # committed rows only, one state
@@ -195,6 +215,7 @@ class CatalogPublisher:
                         credential=self._agent_keys.peer_credential,
                         hold_steps=hold,
                         elastic=elastic,
+                        rows=rows,
                     )
                 if messages:
                     job.published_restore = messages[0].restore_step
@@ -204,6 +225,7 @@ class CatalogPublisher:
 
             try:
                 built = await asyncio.get_running_loop().run_in_executor(self._builder, build)
+                self.catalog.keep_rows(job_id, pinned, rows)
                 if ended:
                     # A node that let go of the job needs nothing more; the others' rows go
                     # in before the first message is out, as its release may come at once.
@@ -255,6 +277,7 @@ class CatalogPublisher:
                 )
                 self._retry_later({job_id})
                 return
+            self._covered[job_id] = max(self._covered.get(job_id, 0), began)
             if ended:  # out, retained: the cache of a job that will not change need not stay
                 prefix = wire.catalog_prefix(job_id)
                 for topic in [t for t in self._sent if t.startswith(prefix)]:

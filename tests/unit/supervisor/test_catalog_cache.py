@@ -1,0 +1,213 @@
+"""A catalog build reads only what changed since the last, and says what a fresh one says.
+
+The publisher keeps the committed rows each build read (``CheckpointCatalog.pin_rows``,
+``keep_rows``) while the store says nothing of them was written since, and makes one build
+for the publishes asked while another waited. What a build says must never depend on
+what was cached: every test here compares it with a build from the store alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from phalanx import wire
+from supervisor.checkpoints.catalog import CheckpointCatalog
+from supervisor.jobs import hold_steps
+from supervisor.store import CatalogQueries, Store
+from tests.unit.supervisor.test_catalog_publish import (
+    NODES,
+    WORLD,
+    Make,
+    SlowLink,
+    commit,
+    landing,
+    make,  # noqa: F401  (a fixture)
+    running_job,
+)
+
+JOB = "j-1"
+PLACEMENT = {rank: NODES[rank] for rank in range(WORLD)}
+
+
+def said(messages: Iterable[wire.CkptCatalog]) -> list[str]:
+    return [wire.encode(m).decode() for m in messages]
+
+
+def fresh(store: Store, world: int = WORLD, **kw: Any) -> list[str]:
+    """What a catalog that never cached anything builds from the store."""
+    return said(CheckpointCatalog(store).messages(JOB, world, placement=PLACEMENT, **kw))
+
+
+def cached(catalog: CheckpointCatalog, world: int = WORLD, **kw: Any) -> list[str]:
+    """A build as the publisher makes it: the rows still current, the rest read."""
+    pinned, rows = catalog.pin_rows(JOB)
+    built = catalog.messages(JOB, world, placement=PLACEMENT, rows=rows, **kw)
+    catalog.keep_rows(JOB, pinned, rows)
+    return said(built)
+
+
+class ReadCounter:
+    """Counts the (step, tier) pairs the builds read from the store."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.keys: list[tuple[int, str]] = []
+        real = CatalogQueries.shard_rows
+
+        def shard_rows(
+            queries: CatalogQueries, job: str, keys: Iterable[tuple[int, str]]
+        ) -> dict[tuple[int, str], Any]:
+            keys = list(keys)
+            self.keys += keys
+            return real(queries, job, keys)
+
+        monkeypatch.setattr(CatalogQueries, "shard_rows", shard_rows)
+
+
+async def test_a_build_reads_only_the_steps_committed_since_the_last_and_says_the_same(
+    make: Make,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    link = SlowLink()
+    publisher = make(link)
+    reads = ReadCounter(monkeypatch)
+    commit(publisher, 4)
+    await publisher.publish(JOB)
+    commit(publisher, 5)
+    reads.keys.clear()
+
+    await publisher.publish(JOB)
+
+    assert reads.keys == [(5, "object")]
+    sent = [link.retained[wire.catalog_topic(JOB, node)].decode() for node in NODES]
+    job = running_job()
+    assert sent == fresh(publisher.store, generation=1, alive=set(), hold_steps=hold_steps(job))
+
+
+async def test_a_step_dropped_behind_the_catalogs_back_is_gone_from_the_next_build(
+    make: Make,  # noqa: F811
+) -> None:
+    link = SlowLink()
+    publisher = make(link)
+    commit(publisher, 4)
+    commit(publisher, 5)
+    await publisher.publish(JOB)
+    assert link.catalog("n00") is not None and link.catalog("n00").restore_step == 5  # type: ignore[union-attr]
+
+    publisher.store.drop_step(JOB, 5, "object")  # as a rollback does, on the store itself
+    await publisher.publish(JOB)
+
+    msg = link.catalog("n00")
+    assert msg is not None and [s.step for s in msg.steps] == [4] and msg.restore_step == 4
+
+
+async def test_publishes_asked_while_one_is_out_make_one_more_build_and_all_return(
+    make: Make,  # noqa: F811
+) -> None:
+    link = SlowLink()  # n02's catalog of step 5 is slow: the first publish is out a while
+    publisher = make(link)
+    commit(publisher, 5)
+    builds = 0
+    real = publisher.catalog.messages
+
+    def counted(*args: Any, **kw: Any) -> list[wire.CkptCatalog]:
+        nonlocal builds
+        builds += 1
+        return real(*args, **kw)
+
+    publisher.catalog.messages = counted  # type: ignore[method-assign]
+    first = asyncio.create_task(publisher.publish(JOB))
+    await asyncio.sleep(0.05)  # built, n02's publish in flight
+    commit(publisher, 6)  # changes after the first build: a later publish must show them
+    rest = [asyncio.create_task(publisher.publish(JOB)) for _ in range(5)]
+    await asyncio.wait_for(asyncio.gather(first, *rest), 10)
+
+    assert builds == 2
+    for node in NODES:
+        msg = link.catalog(node)
+        assert msg is not None and msg.restore_step == 6
+
+
+# One job of 4 ranks on 2 nodes at two tiers; what happens to its shards, in any order.
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["commit", "partial", "corrupt", "deleted", "drop", "moved"]),
+        st.integers(1, 4),  # step
+        st.sampled_from(["nvme", "peer"]),
+        st.integers(0, 3),  # rank
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(OPS)
+def test_whatever_happens_to_the_shards_a_cached_build_says_what_a_fresh_one_says(
+    ops: list[tuple[str, int, str, int]],
+) -> None:
+    world = 4
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(Path(tmp) / "state.db")
+        try:
+            catalog = CheckpointCatalog(store)
+
+            def land(
+                step: int, tier: str, rank: int, event: str = "landed", node: str = ""
+            ) -> None:
+                msg = wire.CkptLanding(
+                    node=node or f"n{rank // 2:02d}",
+                    job=JOB,
+                    step=step,
+                    rank=rank,
+                    tier=tier,  # type: ignore[arg-type]
+                    event=event,  # type: ignore[arg-type]
+                    nbytes=100 + rank,
+                    checksum=f"xxh3_128:{step:016x}{rank:016x}",
+                    at=1.0,
+                    holder="n09" if tier == "peer" else None,
+                )
+                with store.batch():
+                    catalog.on_landing(msg, world)
+
+            for op, step, tier, rank in ops:
+                if op == "commit":
+                    for r in range(world):
+                        land(step, tier, r)
+                elif op == "partial":
+                    land(step, tier, rank)
+                elif op in ("corrupt", "deleted"):
+                    land(step, tier, rank, op)
+                elif op == "drop":  # a rollback or the SDC watch, on the store itself
+                    store.drop_step(JOB, step, tier)
+                else:  # the row rewritten: a redelivery from another node, a staged copy
+                    land(step, tier, rank, node="n05")
+                assert cached(catalog, world) == fresh(store, world)
+        finally:
+            store.close()
+
+
+def test_a_store_opened_again_is_cached_from_its_first_build(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.db")
+    catalog = CheckpointCatalog(store)
+    for rank in range(WORLD):
+        with store.batch():
+            catalog.on_landing(landing(4, rank), WORLD)
+    store.close()
+
+    store = Store(tmp_path / "state.db")  # a restarted supervisor: no versions known
+    try:
+        catalog = CheckpointCatalog(store)
+        first = cached(catalog)
+        pinned, rows = catalog.pin_rows(JOB)
+
+        assert first == fresh(store)
+        assert set(rows) == {(4, "object")} and set(pinned) == {(4, "object")}
+    finally:
+        store.close()
