@@ -52,8 +52,26 @@ def test_a_flip_inverts_the_same_byte_here_and_on_a_host(tmp_path: Path) -> None
 def test_a_host_reports_the_step_that_starts_landing_while_it_waits(tmp_path: Path) -> None:
     job = tmp_path / "j1"
     (job / "000000000010").mkdir(parents=True)
-    threading.Timer(0.5, (job / "000000000020").mkdir).start()
-    assert remote("newstep", str(job), "20").stdout.strip() == "000000000020"
+    # A new step every 0.3 s until the wait returns: whenever the script (a Python that
+    # may take seconds to start on a loaded machine) took its first look, one comes after.
+    done = threading.Event()
+    made: list[str] = []
+
+    def steps() -> None:
+        step = 20
+        while not done.wait(0.3):
+            (job / f"{step:012d}").mkdir()
+            made.append(f"{step:012d}")
+            step += 10
+
+    maker = threading.Thread(target=steps)
+    maker.start()
+    try:
+        said = remote("newstep", str(job), "20").stdout.strip()
+    finally:
+        done.set()
+        maker.join()
+    assert said in made  # a step that came while it waited, never the one already there
     assert remote("newstep", str(job), "0.2").stdout == ""  # nothing new: nothing said
 
 
