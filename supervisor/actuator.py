@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from phalanx import wire
 from phalanx.agent_tokens import AgentKeys
+from supervisor.checkpoints.catalog import CheckpointCatalog
 from supervisor.config import SupervisorSettings
 from supervisor.fleet.burnin import BurnIns
 from supervisor.fleet.registry import Registry
@@ -29,6 +30,7 @@ class JobControl(Protocol):
     settings: SupervisorSettings
     burnins: BurnIns
     agent_keys: AgentKeys  # the nodes' peer credentials, for their checkpoint plans
+    catalog: CheckpointCatalog  # the committed checkpoints, for the recovery planner
 
     async def command(
         self, node: str, args: wire.CommandArgsType, timeout: float | None = None

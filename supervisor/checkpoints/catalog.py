@@ -455,6 +455,21 @@ class CheckpointCatalog:
                 rows[(step, tier)] = cached[1]
         return pinned, rows
 
+    def committed_view(self, job: str) -> tuple[dict[int, dict[str, float]], Where]:
+        """On the event loop: the job's committed steps (step -> tier -> commit time) and
+        where each rank's shard of them lies, for the recovery planner. The rows cached
+        serve; only those written since are read (a recovery of a 16,384-rank job read
+        every shard of it on the event loop, twice, before its start orders)."""
+        committed: dict[int, dict[str, float]] = {}
+        for step, tier, at in self.store.commits(job):
+            committed.setdefault(step, {})[tier] = at
+        pinned, rows = self.pin_rows(job)
+        missing = [key for key in pinned if key not in rows]
+        for key, by_rank in self.store.shard_rows(job, missing).items():
+            rows[key] = StepRows(by_rank)
+        self.keep_rows(job, pinned, rows)
+        return committed, Where({key: rows[key] for key in pinned})
+
     def keep_rows(self, job: str, pinned: Mapping[tuple[int, str], int], rows: Rows) -> None:
         """On the event loop, after a build: keep the rows it read of each (step, tier)
         still at the version pinned before it (one written since is read again next

@@ -74,6 +74,7 @@ class JobController:
         self.settings = settings
         self._send = send
         self._publisher = publisher
+        self.catalog = publisher.catalog  # the recovery planner's view of the checkpoints
         self.jobs: dict[str, Job] = {
             job_id: Job.from_record(job_id, rec) for job_id, rec in store.load_jobs().items()
         }

@@ -284,12 +284,7 @@ class Recoveries:
                 spare=node.id in spares,
                 burned_in=not ctl.burnins.needs(node.id) and node.id not in rejected,
             )
-        committed: dict[int, dict[str, float]] = {}
-        for step, tier, at in ctl.store.commits(job.id):
-            committed.setdefault(step, {})[tier] = at
-        where: dict[tuple[int, int, str], tuple[str, str | None]] = {}
-        for step, tier, rank, node_id, holder, _n, _c in ctl.store.committed_shards(job.id):
-            where[(step, rank, tier)] = (node_id, holder)
+        committed, where = ctl.catalog.committed_view(job.id)
         history = tuple(
             PastFailure(
                 kind=FailureKind(f["kind"]),

@@ -94,12 +94,7 @@ def _recovery(job: Job) -> dict[str, Any] | None:
 def plan(ctl: JobControl, job: Job, failure: Failure) -> Plan:
     """The rollback plan of ``job`` now (:func:`supervisor.recovery.rollback.plan_rollback`)."""
     spec = job.spec.guard or GuardSpec(max_rollbacks=0)  # turned off: no budget
-    committed: dict[int, dict[str, float]] = {}
-    for step, tier, at in ctl.store.commits(job.id):
-        committed.setdefault(step, {})[tier] = at
-    where: dict[tuple[int, int, str], tuple[str, str | None]] = {}
-    for step, tier, rank, node_id, holder, _n, _c in ctl.store.committed_shards(job.id):
-        where[(step, rank, tier)] = (node_id, holder)
+    committed, where = ctl.catalog.committed_view(job.id)
     alive = {n for n, v in ctl.registry.nodes.items() if v.state is not NodeState.OFFLINE}
     view = RollbackView(
         id=job.id,
