@@ -1,0 +1,190 @@
+"""The controller's grow check (planner rule 7, issue 24): a shrunk elastic job grows back
+once it ran ``grow_after`` at its size, nodes are free for a larger allowed size, and it
+committed a step since they were; never while it recovers, and never onto a busy node.
+
+The controller, its store, registry, catalog and planner are real; what it would send
+(commands, catalogs) goes nowhere, and the recovery it starts is recorded, not run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phalanx import wire
+from phalanx.jobspec import validate_spec
+from supervisor.checkpoints.catalog import CheckpointCatalog
+from supervisor.checkpoints.publisher import CatalogPublisher
+from supervisor.config import SupervisorSettings
+from supervisor.control.controller import JobController
+from supervisor.fleet.registry import Registry
+from supervisor.jobs import Job, JobState, RankPlace
+from supervisor.recovery.planner import Failure, FailureKind
+from supervisor.store import Store
+from tests.unit.supervisor.test_dashboard_auth import birth
+
+NODES = ["n0", "n1", "n2", "n3"]
+RPN = 2
+
+
+async def nowhere(topic: str, payload: bytes, **kw: Any) -> None:
+    """The link's publish: the catalogs go nowhere (no node listens in this test)."""
+
+
+async def no_ack(node: str, args: wire.CommandArgsType, timeout: float | None = None) -> Any:
+    raise AssertionError(f"the grow check sent {args.op} to {node}: it only plans")
+
+
+class Grown:
+    """The controller with a shrunk elastic job on n0 and n1, and the failures it was told."""
+
+    def __init__(self, tmp_path: Path, grow_after: float = 60.0) -> None:
+        self.store = Store(tmp_path / "state.db")
+        self.registry = Registry(self.store, offline_after_s=15.0)
+        for node in NODES:
+            self.registry.on_birth(birth(node, gpus=RPN))
+        self.jobs: dict[str, Job] = {}
+        publisher = CatalogPublisher(
+            CheckpointCatalog(self.store),
+            nowhere,
+            job=self.jobs.get,
+            registry=self.registry,
+            ram_linger_s=900.0,
+        )
+        self.publisher = publisher
+        self.ctl = JobController(
+            self.store,
+            self.registry,
+            SupervisorSettings(state_dir=tmp_path),
+            send=no_ack,
+            publisher=publisher,
+            offline_confirmed=lambda since: True,
+        )
+        self.jobs.update(self.ctl.jobs)
+        spec = validate_spec(
+            {
+                "name": "grows",
+                "team": "t",
+                "command": ["true"],
+                "workdir": "/tmp",
+                "nodes": 4,
+                "ranks_per_node": RPN,
+                "elastic": {
+                    "min_nodes": 1,
+                    "global_batch": 32,
+                    "micro_batch": 1,
+                    "grow_after": grow_after,
+                },
+            }
+        )
+        small = ["n0", "n1"]
+        self.job = Job(
+            "j-1",
+            spec,
+            state=JobState.RUNNING,
+            generation=2,
+            nodes=small,
+            ranks=[
+                RankPlace(rank=n * RPN + lr, node=node, local_rank=lr)
+                for n, node in enumerate(small)
+                for lr in range(RPN)
+            ],
+            started_at=time.time() - 2 * grow_after,
+        )
+        self.ctl.jobs["j-1"] = self.jobs["j-1"] = self.job
+        self.told: list[Failure] = []
+        self.ctl.recoveries.on_failure = lambda job, failure: self.told.append(failure)  # type: ignore[method-assign]
+
+    def commit(self, step: int) -> None:
+        """Step ``step`` committed at the object store by the shrunk gang (4 ranks)."""
+        world = len(self.job.ranks)
+        with self.store.batch():
+            for rank in range(world):
+                self.publisher.catalog.on_landing(
+                    wire.CkptLanding(
+                        node=self.job.ranks[rank].node,
+                        job="j-1",
+                        step=step,
+                        rank=rank,
+                        tier="object",
+                        event="landed",
+                        nbytes=100,
+                        checksum=f"xxh3_128:{rank:032x}",
+                        at=time.time(),
+                        generation=2,
+                    ),
+                    world,
+                )
+
+    def close(self) -> None:
+        self.publisher.stop()
+        self.publisher.close()
+        self.store.close()
+
+
+@pytest.fixture
+def grown(tmp_path: Path) -> Iterator[Grown]:
+    g = Grown(tmp_path)
+    yield g
+    g.close()
+
+
+def test_a_shrunk_job_grows_at_the_first_commit_after_nodes_were_free(grown: Grown) -> None:
+    grown.commit(10)
+    grown.ctl.check_growth()
+    assert grown.told == []  # free now: it waits for a step the larger gang can restore
+
+    grown.ctl.check_growth()
+    assert grown.told == []  # no new commit yet
+    grown.commit(20)
+    grown.ctl.check_growth()
+
+    assert len(grown.told) == 1
+    failure = grown.told[0]
+    assert failure.kind is FailureKind.GROW and failure.step == 20
+    assert failure.node in ("n2", "n3") and not failure.quarantine
+    assert "n2, n3 free since step 10" in failure.detail
+
+
+def test_no_growth_before_grow_after_has_passed_at_its_size(tmp_path: Path) -> None:
+    g = Grown(tmp_path, grow_after=3600.0)
+    try:
+        g.job.started_at = time.time() - 60  # an hour to run at this size; a minute ran
+        g.commit(10)
+        g.ctl.check_growth()
+        g.commit(20)
+        g.ctl.check_growth()
+        assert g.told == []
+    finally:
+        g.close()
+
+
+def test_no_growth_onto_drained_nodes(grown: Grown) -> None:
+    grown.registry.drain("n2", "cable swap", by="operator")
+    grown.registry.drain("n3", "cable swap", by="operator")
+    grown.commit(10)
+    grown.ctl.check_growth()
+    grown.commit(20)
+    grown.ctl.check_growth()
+
+    assert grown.told == []  # nothing free
+
+
+def test_no_growth_while_the_job_recovers_and_the_count_starts_again_after(grown: Grown) -> None:
+    grown.job.recovery = {"failures": [], "generation": 2}  # recovering: it plans itself
+    grown.commit(10)
+    grown.ctl.check_growth()
+    grown.commit(20)
+    grown.ctl.check_growth()
+    assert grown.told == []
+
+    grown.job.recovery = None  # free since step 20: it grows at the next commit, not now
+    grown.ctl.check_growth()
+    assert grown.told == []
+    grown.commit(30)
+    grown.ctl.check_growth()
+    assert [f.step for f in grown.told] == [30]
