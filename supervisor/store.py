@@ -634,6 +634,12 @@ class Store(CatalogQueries):
             version = self.shard_versions[key] = next(self._shard_clock)
         return version
 
+    def forget_versions(self, job: str) -> None:
+        """Drop the versions of ``job``'s keys (its catalog is no longer cached): a later
+        read gets new ones."""
+        for key in [k for k in self.shard_versions if k[0] == job]:
+            del self.shard_versions[key]
+
     def _shards_changed(self, job: str, step: int, tier: str) -> None:
         """Before a write of (job, step, tier)'s shards or commit: what was read of it is
         stale (a write rolled back only makes a cache read it again)."""

@@ -438,6 +438,7 @@ class CheckpointCatalog:
         for cached in [k for k in self._rows if k[0] == job]:
             del self._rows[cached]
         self._shards.pop(job, None)
+        self.store.forget_versions(job)
 
     def pin_rows(self, job: str) -> tuple[dict[tuple[int, str], int], Rows]:
         """On the event loop, before a build: the version of each committed (step, tier)
@@ -470,6 +471,16 @@ class CheckpointCatalog:
         self.keep_rows(job, pinned, rows)
         return committed, Where({key: rows[key] for key in pinned})
 
+    def drop_stale(self, job: str, pinned: Mapping[tuple[int, str], int], rows: Rows) -> None:
+        """In the builder thread, once the build's snapshot has begun: drop from ``rows``
+        what was written since :meth:`pin_rows` (the build reads it from the snapshot),
+        so that the build says what the snapshot holds. A write bumps its key's version
+        before it runs: one the snapshot sees was bumped before this looks."""
+        versions = self.store.shard_versions
+        for key in list(rows):
+            if versions.get((job, *key)) != pinned.get(key):
+                del rows[key]
+
     def keep_rows(self, job: str, pinned: Mapping[tuple[int, str], int], rows: Rows) -> None:
         """On the event loop, after a build: keep the rows it read of each (step, tier)
         still at the version pinned before it (one written since is read again next
@@ -479,10 +490,11 @@ class CheckpointCatalog:
             del self._rows[cached]
         for (step, tier), found in rows.items():
             version = pinned.get((step, tier))
-            if version is not None and versions.get((job, step, tier)) == version:
+            current = versions.get((job, step, tier))
+            if version is not None and current == version:
                 self._rows[(job, step, tier)] = (version, found)
-            else:
-                self._rows.pop((job, step, tier), None)
+            elif (held := self._rows.get((job, step, tier))) and held[0] != current:
+                del self._rows[(job, step, tier)]  # stale (a newer one cached meanwhile stays)
 
     def messages(
         self,

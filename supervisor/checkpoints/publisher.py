@@ -35,10 +35,14 @@ from supervisor.checkpoints.catalog import CheckpointCatalog
 from supervisor.errors import StoreError
 from supervisor.fleet.registry import NodeState, Registry
 from supervisor.jobs import Job, JobState, hold_steps, void_landing
+from supervisor.store_db import DB_ERRORS
 
 log = logging.getLogger(__name__)
 
 PUBLISH_AT_ONCE = 256  # a job's catalogs in flight to the broker at once
+# What reading the job's commits on the store's connection may raise: a StoreError, or
+# SQLite's own error where it is not corruption (PostgreSQL's come as StoreError).
+PIN_ERRORS: tuple[type[Exception], ...] = (StoreError, *DB_ERRORS)
 BATCH_S = 0.05  # landings and releases received within this are handled together
 RETRY_S = 2.0  # a catalog the link refused, or landings the store refused, go again after
 MAX_QUEUED_LANDINGS = 1_000_000  # ~a checkpoint step of 250k ranks at every tier
@@ -193,7 +197,7 @@ class CatalogPublisher:
             elastic = job.spec.reshapes
             try:
                 pinned, rows = self.catalog.pin_rows(job_id)
-            except StoreError as exc:
+            except PIN_ERRORS as exc:
                 log.error(
                     "job %s: cannot build the checkpoint catalog: %s: trying again", job_id, exc
                 )
@@ -202,6 +206,7 @@ class CatalogPublisher:
 
             def build() -> list[tuple[str, str, bytes]]:
                 with self.store.snapshot() as snapshot:  # committed rows only, one state
+                    self.catalog.drop_stale(job_id, pinned, rows)  # written since the pin
                     messages = self.catalog.messages(
                         job_id,
                         world_size,
