@@ -145,19 +145,6 @@ class CatalogQueries:
             found.setdefault(int(step), []).append(str(tier))
         return found
 
-    def committed_shards(self, job: str) -> list[tuple[int, str, int, str, str | None, int, str]]:
-        """Like ``shards``, for the (step, tier) pairs committed only."""
-        rows = self._db.execute(
-            "SELECT s.step, s.tier, s.rank, s.node, s.holder, s.nbytes, s.checksum "
-            "FROM ckpt_shards s JOIN ckpt_commits c "
-            "ON s.job = c.job AND s.step = c.step AND s.tier = c.tier "
-            "WHERE s.job = ? ORDER BY s.step, s.tier, s.rank",
-            (job,),
-        ).fetchall()
-        return [
-            (int(r[0]), str(r[1]), int(r[2]), str(r[3]), r[4], int(r[5]), str(r[6])) for r in rows
-        ]
-
     def shard_rows(
         self, job: str, keys: Iterable[tuple[int, str]]
     ) -> dict[tuple[int, str], dict[int, ShardRow]]:

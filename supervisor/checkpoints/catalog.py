@@ -440,13 +440,16 @@ class CheckpointCatalog:
         self._shards.pop(job, None)
         self.store.forget_versions(job)
 
-    def pin_rows(self, job: str) -> tuple[dict[tuple[int, str], int], Rows]:
+    def pin_rows(
+        self, job: str, commits: Iterable[tuple[int, str, float]] | None = None
+    ) -> tuple[dict[tuple[int, str], int], Rows]:
         """On the event loop, before a build: the version of each committed (step, tier)
         of ``job`` now, and the rows cached of those still current (the build reads the
         others). A committed key the store has no version of (a store opened again)
-        gets one now: its rows as read from here on are that version's."""
+        gets one now: its rows as read from here on are that version's. ``commits``: the
+        job's commits as the caller just read them (else read here)."""
         pinned: dict[tuple[int, str], int] = {}
-        for step, tier, _at in self.store.commits(job):
+        for step, tier, _at in self.store.commits(job) if commits is None else commits:
             key = (job, step, tier)
             pinned[(step, tier)] = self.store.shard_version(*key)
         rows: Rows = {}
@@ -461,10 +464,11 @@ class CheckpointCatalog:
         where each rank's shard of them lies, for the recovery planner. The rows cached
         serve; only those written since are read (a recovery of a 16,384-rank job read
         every shard of it on the event loop, twice, before its start orders)."""
+        commits = self.store.commits(job)
         committed: dict[int, dict[str, float]] = {}
-        for step, tier, at in self.store.commits(job):
+        for step, tier, at in commits:
             committed.setdefault(step, {})[tier] = at
-        pinned, rows = self.pin_rows(job)
+        pinned, rows = self.pin_rows(job, commits)
         missing = [key for key in pinned if key not in rows]
         for key, by_rank in self.store.shard_rows(job, missing).items():
             rows[key] = StepRows(by_rank)
