@@ -29,6 +29,9 @@ from phalanx.settings import MqttSettings
 log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 5.0
+# Messages handled from the queue before the link lets the event loop run its other
+# work: a backlog of thousands is not handled in one turn of the loop.
+YIELD_EVERY = 32
 
 Handler = Callable[[str, bytes], Awaitable[None]]
 
@@ -84,6 +87,13 @@ class _Client(aiomqtt.Client):
     its loop the same way. Here a registration runs only if paho still holds that
     socket."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sends: set[asyncio.Future[None]] = set()  # publishes waiting for the broker
+        # paho matches every message's topic against the per-topic callbacks, of which
+        # the link has none: 4 % of the supervisor at 2,048 nodes (issue 22).
+        self._client._on_message_filtered = _NoTopicCallbacks()  # type: ignore[assignment]
+
     def _on_socket_open(self, client: Any, userdata: Any, sock: Any) -> None:
         fd = sock.fileno()
 
@@ -122,6 +132,75 @@ class _Client(aiomqtt.Client):
 
         self._loop.call_soon_threadsafe(watch)
 
+    async def send(
+        self, topic: str, payload: bytes, qos: int, retain: bool, timeout: float
+    ) -> None:
+        """Publish and wait for the broker to take it (QoS 1: its PUBACK; QoS 0: written),
+        with one future and one timer a message. aiomqtt's ``publish`` makes a task for
+        the wait, an ``Event``, and counts every publish in flight at each publish: at a
+        thousand in flight (a recovery's orders, a step's catalogs to 2,048 nodes) that
+        was most of the cost of sending (issue 22). Raises ``aiomqtt.MqttCodeError`` if
+        paho refuses it, ``TimeoutError`` after ``timeout``; a lost connection fails the
+        wait through :meth:`fail_sends`."""
+        info = self._client.publish(topic, payload, qos, retain)
+        if info.rc != 0:  # MQTT_ERR_SUCCESS
+            raise aiomqtt.MqttCodeError(info.rc, "Could not publish message")
+        if info.is_published():
+            return
+        acked = _Acked(self._loop.create_future())
+        mid = info.mid
+        # aiomqtt's on_publish calls its set(), as it would an Event's
+        pending: dict[int, Any] = self._pending_publishes
+        pending[mid] = acked
+        self._sends.add(acked.future)
+        timer = self._loop.call_later(timeout, acked.expire)
+        try:
+            await acked.future
+        finally:
+            timer.cancel()
+            self._sends.discard(acked.future)
+            if pending.get(mid) is acked:
+                del pending[mid]
+
+    def fail_sends(self, error: Callable[[], Exception]) -> None:
+        """The connection ended: every publish still waiting for the broker fails now,
+        with what ``error`` makes."""
+        for future in list(self._sends):
+            if not future.done():
+                future.set_exception(error())
+
+
+class _NoTopicCallbacks:
+    """paho's per-topic callbacks (``message_callback_add``) when there are none: every
+    message goes to ``on_message``, aiomqtt's queue."""
+
+    def iter_match(self, topic: str) -> tuple[()]:
+        return ()
+
+    def __setitem__(self, topic: str, callback: object) -> None:
+        raise NotImplementedError("phalanx.link takes every message through its handler")
+
+    def __delitem__(self, topic: str) -> None:
+        raise KeyError(topic)
+
+
+class _Acked:
+    """What :meth:`_Client.send` leaves with aiomqtt for one publish: ``set`` (aiomqtt's
+    ``on_publish``) ends the wait."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: asyncio.Future[None]) -> None:
+        self.future = future
+
+    def set(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
+
+    def expire(self) -> None:
+        if not self.future.done():
+            self.future.set_exception(TimeoutError("no acknowledgement from the broker"))
+
 
 class MqttLink:
     """A supervised connection to the broker, usable as ``async with MqttLink(...)``."""
@@ -144,7 +223,7 @@ class MqttLink:
         self._will = will
         self._on_connect = on_connect
         self._persistent = persistent_session
-        self._client: aiomqtt.Client | None = None
+        self._client: _Client | None = None
         self._connected = asyncio.Event()
         self._gone = asyncio.Event()  # set when the current connection ends
         self._task: asyncio.Task[None] | None = None
@@ -220,7 +299,8 @@ class MqttLink:
         ``connection`` (a value of ``connects``): only on that connection; raise
         :class:`LinkDown` if the link has connected again since."""
         try:
-            await asyncio.wait_for(self._connected.wait(), timeout)
+            if not self._connected.is_set():
+                await asyncio.wait_for(self._connected.wait(), timeout)
             client = self._client
             if client is None:
                 raise LinkDown(f"MQTT link to {self._settings.host} dropped before publishing")
@@ -236,7 +316,7 @@ class MqttLink:
 
     async def _publish_on(
         self,
-        client: aiomqtt.Client,
+        client: _Client,
         gone: asyncio.Event,
         topic: str,
         payload: bytes,
@@ -247,24 +327,14 @@ class MqttLink:
         """Publish on one connection; raise :class:`LinkDown` as soon as it ends. aiomqtt
         would wait out the whole timeout for the acknowledgement of a publish whose
         connection was lost (seen after a broker crash: an outbox held for 30 s)."""
-        send = asyncio.ensure_future(
-            client.publish(topic, payload, qos=qos, retain=retain, timeout=timeout)
-        )
-        lost = asyncio.ensure_future(gone.wait())
+        if gone.is_set():
+            raise LinkDown(f"MQTT link to {self._settings.host} lost before publishing to {topic}")
         try:
-            done, _ = await asyncio.wait(
-                {send, lost}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            lost.cancel()
-            if not send.done():
-                send.cancel()
-        if send in done:
-            send.result()
-            return
-        if lost in done:
-            raise LinkDown(f"MQTT link to {self._settings.host} lost while publishing to {topic}")
-        raise TimeoutError(f"no acknowledgement of a publish to {topic} within {timeout:.1f}s")
+            await client.send(topic, payload, qos, retain, timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"no acknowledgement of a publish to {topic} within {timeout:.1f}s"
+            ) from None
 
     def _tls(self) -> ssl.SSLContext | None:
         s = self._settings
@@ -295,8 +365,12 @@ class MqttLink:
                 log.exception("MQTT link to %s:%d failed; retrying in %.2fs", s.host, s.port, delay)
             finally:
                 self._connected.clear()
-                self._client = None
-                self._gone.set()  # a publish waiting on that connection fails now
+                client, self._client = self._client, None
+                self._gone.set()
+                if client is not None:  # a publish waiting on that connection fails now
+                    client.fail_sends(
+                        lambda: LinkDown(f"MQTT link to {s.host} lost while publishing")
+                    )
             await asyncio.sleep(delay)
 
     async def _connect_once(self) -> None:
@@ -332,10 +406,28 @@ class MqttLink:
             log.info("connected to MQTT broker %s:%d as %s", s.host, s.port, self._client_id)
             if self._on_connect is not None:
                 await self._on_connect()
-            async for message in client.messages:
-                await self._dispatch(str(message.topic), message.payload)
-                if not len(client.messages):
-                    self.caught_up_at = time.monotonic()
+            await self._receive(client)
+
+    async def _receive(self, client: _Client) -> None:
+        """Hand every message to the handler, in order, until the connection ends.
+        What is queued already is taken without waiting: aiomqtt's iterator makes a task
+        and waits on it for every message, a tenth of the supervisor's time at 2,048 nodes
+        (issue 22). It raises ``aiomqtt.MqttError`` once the queue is empty and the
+        connection lost."""
+        queue: asyncio.Queue[aiomqtt.Message] = client._queue
+        messages = client.messages
+        taken = 0
+        while True:
+            try:
+                message = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                self.caught_up_at = time.monotonic()
+                message = await anext(messages)
+            else:
+                taken += 1
+                if taken % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # the loop's other work (HTTP, timers) goes on
+            await self._dispatch(str(message.topic), message.payload)
 
     async def _dispatch(self, topic: str, payload: object) -> None:
         data = payload if isinstance(payload, bytes | bytearray) else str(payload or "").encode()
