@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from phalanx.jsonenc import dumps_text
 from supervisor.errors import StoreCorrupt, StoreError
 from supervisor.store_db import DB_ERRORS, Cursor, Db, PgDb, open_pg, redacted
 from supervisor.store_guard import GuardedConnection, is_corrupt, quick_check
@@ -347,7 +348,7 @@ class Store(CatalogQueries):
 
     def add_event_soon(self, kind: str, node: str | None, detail: dict[str, Any]) -> None:
         """:meth:`add_event`, written soon (see :meth:`defer`)."""
-        row = (time.time(), kind, node, json.dumps(detail))
+        row = (time.time(), kind, node, dumps_text(detail))
         self._queue(
             None, "INSERT INTO events (ts, kind, node, detail) VALUES (?, ?, ?, ?)", lambda: row
         )
@@ -357,7 +358,7 @@ class Store(CatalogQueries):
         self._queue(
             f"node:{node_id}",
             _SAVE_NODE,
-            lambda: (node_id, json.dumps(record()), time.time()),
+            lambda: (node_id, dumps_text(record()), time.time()),
         )
 
     def save_job_soon(
@@ -367,7 +368,7 @@ class Store(CatalogQueries):
         self._queue(
             f"job:{job_id}",
             _SAVE_JOB,
-            lambda: (job_id, state(), json.dumps(record()), time.time()),
+            lambda: (job_id, state(), dumps_text(record()), time.time()),
         )
 
     @contextlib.contextmanager
@@ -433,20 +434,20 @@ class Store(CatalogQueries):
         return {node_id: json.loads(record) for node_id, record in rows}
 
     def save_node(self, node_id: str, record: dict[str, Any]) -> None:
-        self._write(_SAVE_NODE, (node_id, json.dumps(record), time.time()))
+        self._write(_SAVE_NODE, (node_id, dumps_text(record), time.time()))
 
     def load_jobs(self) -> dict[str, dict[str, Any]]:
         rows = self._db.execute("SELECT id, record FROM jobs").fetchall()
         return {job_id: json.loads(record) for job_id, record in rows}
 
     def save_job(self, job_id: str, state: str, record: dict[str, Any]) -> None:
-        self._write(_SAVE_JOB, (job_id, state, json.dumps(record), time.time()))
+        self._write(_SAVE_JOB, (job_id, state, dumps_text(record), time.time()))
 
     def add_event(self, kind: str, node: str | None, detail: dict[str, Any]) -> Event:
         ts = time.time()
         cur = self._write(
             "INSERT INTO events (ts, kind, node, detail) VALUES (?, ?, ?, ?) RETURNING id",
-            (ts, kind, node, json.dumps(detail)),
+            (ts, kind, node, dumps_text(detail)),
         )
         return Event(int(cur.fetchone()[0]), ts, kind, node, detail)
 

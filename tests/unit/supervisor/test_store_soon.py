@@ -72,3 +72,36 @@ def test_what_is_queued_is_written_at_close(tmp_path: Path) -> None:
         assert again.load_nodes() == {"n1": {"birth_seq": 7}}
     finally:
         again.close()
+
+
+def test_records_are_strict_json_with_non_finite_numbers_as_null(
+    store: Store, tmp_path: Path
+) -> None:
+    """Records are encoded by orjson (phalanx.jsonenc): a NaN or infinity reads back as
+    None, as the API always showed it; an int past 64 bits and int keys survive."""
+    record = {
+        "guard": {"value": float("nan"), "baseline": float("inf"), "ratio": 2.5},
+        "ranks": [{"rank": 0, "node": "n1", "code": None}],
+        "progress": {1: [10, 1.5, 20, 3.0]},
+        "big": 2**70,
+    }
+    store.save_job("job-1", "running", record)
+    store.save_node("n1", {"health": {"gpu": float("-inf")}})
+    store.add_event("job_failure", "n1", {"loss": float("nan")})
+    store.defer(lambda: None)
+    store.save_job_soon("job-2", lambda: "running", lambda: {"loss": float("nan")})
+    store.flush()
+    rows = store._db.execute("SELECT record FROM jobs ORDER BY id").fetchall()
+    assert all("NaN" not in r[0] and "Infinity" not in r[0] for r in rows)
+    again = reread(tmp_path / "state.db")
+    try:
+        jobs = again.load_jobs()
+        assert jobs["job-1"]["guard"] == {"value": None, "baseline": None, "ratio": 2.5}
+        assert jobs["job-1"]["ranks"] == record["ranks"]
+        assert jobs["job-1"]["progress"] == {"1": [10, 1.5, 20, 3.0]}
+        assert jobs["job-1"]["big"] == 2**70
+        assert jobs["job-2"] == {"loss": None}
+        assert again.load_nodes()["n1"] == {"health": {"gpu": None}}
+        assert again.events()[-1].detail == {"loss": None}
+    finally:
+        again.close()
