@@ -257,13 +257,19 @@ def make_app(sup: Backend) -> web.Application:
                     held.setdefault(node, []).append(j.id)
         return held
 
+    # Each node's gauge summary, made once per heartbeat (its health), not per request.
+    gauges_of: dict[str, tuple[wire.Health, dict[str, Any]]] = {}
+
     def node_view(
         n: Node, *, gauges: bool = False, held: dict[str, list[str]] | None = None
     ) -> dict[str, Any]:
         view = n.view()
         view["jobs"] = sorted((held if held is not None else jobs_by_node()).get(n.id, []))
         view["spare"] = n.id in sup.jobs.spares
-        view["gauges"] = gauge_summary(n.health)
+        seen = gauges_of.get(n.id)
+        if seen is None or seen[0] is not n.health:  # a new heartbeat since
+            seen = gauges_of[n.id] = (n.health, gauge_summary(n.health))
+        view["gauges"] = dict(seen[1])
         if gauges:  # one node: every GPU's numbers, and the host's
             view["gpu_gauges"] = [g.model_dump() for g in n.health.gpus]
             view["host"] = n.health.host.model_dump() if n.health.host else None

@@ -74,7 +74,7 @@ class Reconciler:
         listed = {(j.job, j.generation) for j in beat.jobs}
         self._stop_orphans(beat.node, listed)
         for job in self._jobs.values():
-            if job.state is not JobState.RUNNING or beat.node not in job.nodes:
+            if job.state is not JobState.RUNNING or not job.holds(beat.node):
                 continue
             if job.started_at is None or beat.sent_at < job.started_at + START_SLACK_S:
                 continue
@@ -97,7 +97,7 @@ class Reconciler:
             owned = (
                 job is not None
                 and job.generation == generation
-                and node in job.nodes
+                and job.holds(node)
                 # (a recovering job's gang is being stopped by its recovery already)
                 and job.state
                 in (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING, JobState.STOPPING)
@@ -122,7 +122,7 @@ class Reconciler:
                 # An older generation of a job that goes on here (a recovery under way):
                 # its warm interpreters are for the next generation's ranks.
                 keep_warm=job is not None
-                and node in job.nodes
+                and job.holds(node)
                 and job.state in (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING),
             )
             self._tasks.spawn(self._send_quietly(node, args), name=f"orphan-stop-{job_id}-{node}")

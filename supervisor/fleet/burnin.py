@@ -48,6 +48,11 @@ class BurnIns:
     def passed_since(self, node_id: str, since: float) -> bool:
         return self.passed(node_id) and self._passed_at.get(node_id, 0.0) >= since
 
+    def key(self) -> tuple[frozenset[str], frozenset[tuple[str, int]]]:
+        """What :meth:`needs` answers from, besides the nodes' states and births: equal
+        keys (and an unchanged registry) give equal answers."""
+        return frozenset(self._was_drained), frozenset(self._passed.items())
+
     def needs(self, node_id: str) -> bool:
         """A node back from a drain that has not passed since: not schedulable yet."""
         return node_id in self._was_drained and not self.passed(node_id)

@@ -91,22 +91,39 @@ class Node:
             return list(self.health.reasons)
         return [*self.health.reasons, self.slow.reason()]
 
+    _of_birth: tuple[wire.NodeBirth | None, dict[str, Any]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def _birth_view(self) -> dict[str, Any]:
+        """What :meth:`view` shows of the birth, made once per birth (a fleet view of
+        2,048 nodes dumped 16,384 GPU descriptors at every request: issue 22)."""
+        b = self.birth
+        cached = self._of_birth
+        if cached is None or cached[0] is not b:
+            cached = self._of_birth = (
+                b,
+                {
+                    "rack": b.topology.rack if b else None,
+                    "nvlink_domain": b.topology.nvlink_domain if b else None,
+                    "hostname": b.hostname if b else None,
+                    "address": b.address if b else None,
+                    "http_port": b.http_port if b else None,
+                    "gpu_backend": b.gpu_backend if b else None,
+                    "version": b.version if b else None,
+                    "gpu_count": len(b.gpus) if b else 0,
+                    "gpus": [g.model_dump() for g in b.gpus] if b else [],
+                },
+            )
+        return cached[1]
+
     def view(self) -> dict[str, Any]:
         """The node as the API and ``phalanx nodes -o json`` show it (stable keys)."""
-        b = self.birth
         return {
             "id": self.id,
             "state": self.state.value,
             "health": self.health.status.value,
-            "rack": b.topology.rack if b else None,
-            "nvlink_domain": b.topology.nvlink_domain if b else None,
-            "hostname": b.hostname if b else None,
-            "address": b.address if b else None,
-            "http_port": b.http_port if b else None,
-            "gpu_backend": b.gpu_backend if b else None,
-            "version": b.version if b else None,
-            "gpu_count": len(b.gpus) if b else 0,
-            "gpus": [g.model_dump() for g in b.gpus] if b else [],
+            **self._birth_view(),
             "reasons": [r.model_dump() for r in self.reasons],
             "drain": self.drain.as_dict() if self.drain else None,
             "offline_cause": None if self.online else self.offline_cause,
@@ -154,6 +171,9 @@ class Registry:
             node_id: Node.from_record(node_id, rec) for node_id, rec in store.load_nodes().items()
         }
         self.heartbeats = 0
+        # Bumped whenever a node's state or its record (birth, drain, health, reasons)
+        # changes: what the scheduler sees of the fleet is the same while it stands.
+        self.version = 0
         self._persisted: dict[str, tuple[object, ...]] = {}
         self._slow: set[str] = set()  # nodes with a ``slow`` reason
 
@@ -362,6 +382,7 @@ class Registry:
                 extra={"node": node.id, "event": "node_state", "state": after.value},
             )
         if self._dirty(node, after, before):
+            self.version += 1
             self.store.save_node_soon(node.id, node.record)
 
     def _dirty(self, node: Node, after: NodeState, before: NodeState) -> bool:

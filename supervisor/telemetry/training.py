@@ -104,12 +104,13 @@ def merge_windows(older: wire.RankWindow, newer: wire.RankWindow) -> wire.RankWi
         if old is None:
             scalars[name] = (last, low, high, mean)
             continue
-        lows, highs = (old[1], low), (old[2], high)
-        nan = any(math.isnan(v) for v in (*lows, *highs))
+        old_low, old_high = old[1], old[2]
+        # (x != x: x is NaN; a NaN once seen stays the envelope's min and max)
+        nan = old_low != old_low or old_high != old_high or low != low or high != high
         scalars[name] = (
             last,
-            math.nan if nan else min(lows),
-            math.nan if nan else max(highs),
+            math.nan if nan else min(old_low, low),
+            math.nan if nan else max(old_high, high),
             (old[3] * older.reports + mean * newer.reports) / total,
         )
     return newer.model_copy(

@@ -376,3 +376,37 @@ def test_a_job_keeps_each_generations_world_size_across_a_restart() -> None:
     assert again.worlds == {"1": 6, "2": 4}
     assert (again.world_size_of(1), again.world_size_of(2)) == (6, 4)
     assert again.world_size_of(7) == again.world_size  # not recorded: the current one's
+
+
+def test_the_view_of_the_ranks_follows_exits_losses_and_a_new_gang() -> None:
+    """The ranks' view is made once and again only after a change (issue 22): an exit, a
+    loss, a new gang, or a gang of another size."""
+    job = make_job(JobState.RUNNING)
+    job.nodes = ["n1", "n2"]
+    job.ranks = [RankPlace(rank=r, node=f"n{1 + r // 2}", local_rank=r % 2) for r in range(4)]
+    first = job.view()["ranks"]
+    assert [r["exit_code"] for r in first] == [None] * 4
+    assert job.view()["ranks"] is first  # nothing changed: the same view
+
+    place = job.place(1)
+    assert place is not None
+    job.rank_exited(place, 0, None)
+    assert [r["exit_code"] for r in job.view()["ranks"]] == [None, 0, None, None]
+    job.ranks_lost(job.places_on("n2"))
+    assert [r["lost"] for r in job.view()["ranks"]] == [False, False, True, True]
+
+    job.ranks = [RankPlace(rank=r, node="n3", local_rank=r) for r in range(2)]
+    assert [(r["rank"], r["node"]) for r in job.view()["ranks"]] == [(0, "n3"), (1, "n3")]
+    job.ranks.append(RankPlace(rank=2, node="n3", local_rank=2))
+    assert len(job.view()["ranks"]) == 3
+
+
+def test_holds_follows_the_jobs_nodes() -> None:
+    job = make_job(JobState.RUNNING)
+    assert not job.holds("n1")
+    job.nodes = ["n1", "n2"]
+    assert job.holds("n1") and not job.holds("n3")
+    job.nodes.append("n3")
+    assert job.holds("n3")
+    job.nodes = ["n4"]
+    assert not job.holds("n1") and job.holds("n4")
