@@ -27,6 +27,7 @@ is on disk before it is answered.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import logging
 import time
@@ -174,6 +175,7 @@ class Registry:
         # Bumped whenever a node's state or its record (birth, drain, health, reasons)
         # changes: what the scheduler sees of the fleet is the same while it stands.
         self.version = 0
+        self._offline_times: tuple[int, list[float]] | None = None  # (version, sorted)
         self._persisted: dict[str, tuple[object, ...]] = {}
         self._slow: set[str] = set()  # nodes with a ``slow`` reason
 
@@ -227,6 +229,17 @@ class Registry:
         for node in self.nodes.values():
             if node.online:
                 node.last_seen = max(node.last_seen, now)
+
+    def offline_together(self, at: float, window_s: float) -> int:
+        """How many nodes are offline now, having gone offline within ``window_s`` of
+        ``at`` (registry clock). Asked for each node of each job at each turn of the jobs
+        loop: the offline times are sorted once per change of the registry."""
+        cached = self._offline_times
+        if cached is None or cached[0] != self.version:
+            times = sorted(n.offline_at for n in self.nodes.values() if not n.online)
+            cached = self._offline_times = (self.version, times)
+        times = cached[1]
+        return bisect.bisect_right(times, at + window_s) - bisect.bisect_left(times, at - window_s)
 
     def revive(self, since: float) -> list[str]:
         """Nodes that went offline by their last will at or after ``since`` (the broker

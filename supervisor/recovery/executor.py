@@ -63,6 +63,10 @@ QUICK_FAILURE_S = 60.0  # a generation a recovery started that fails sooner is a
 BURN_IN_TIMEOUT_S = 150.0  # the agent's GPU matmul check may take 120 s (agentd.burnin)
 HANG_COLLECT_S = 1.5  # after a node reports a hang, how long the others get to report theirs
 WAIT_POLL_S = 1.0
+# A plan that would quarantine at least this many (and this share) of a job's nodes
+# for their last wills quarantines none of those (see Recoveries._quarantine).
+MASS_QUARANTINE_MIN = 4
+MASS_QUARANTINE_SHARE = 0.05
 QUARANTINE_BY = "quarantined by job"  # a quarantine's drain reason: "... JOB: why"
 
 
@@ -395,8 +399,29 @@ class Recoveries:
         why = "; ".join(f.describe() for f in failures)
         assert job.recovery is not None
         done = job.recovery.setdefault("quarantined", [])
+        nodes = self.ctl.registry.nodes
+        # Nodes gone together by their wills are a broker or network event, not that many
+        # failed machines (2,048 nodes: a broker restart quarantined 1,908, issue 22):
+        # the plan moves off them, but they are not drained for it.
+        willed = [
+            n
+            for n in plan.quarantine
+            if (node := nodes.get(n)) is not None
+            and not node.online
+            and node.offline_cause == "last will"
+        ]
+        if len(willed) >= max(MASS_QUARANTINE_MIN, MASS_QUARANTINE_SHARE * len(job.nodes)):
+            log.warning(
+                "job %s: %d of its nodes went offline by their last wills together: a "
+                "broker or network event, not that many failed nodes; they are not "
+                "quarantined",
+                job.id,
+                len(willed),
+            )
+            self.ctl.event("quarantine_skipped", job, nodes=len(willed), cause="last will")
+            done.extend(n for n in willed if n not in done)
         for node_id in plan.quarantine:
-            node = self.ctl.registry.nodes.get(node_id)
+            node = nodes.get(node_id)
             if node is None or node_id in done:
                 continue
             done.append(node_id)

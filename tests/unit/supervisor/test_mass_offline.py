@@ -1,0 +1,140 @@
+"""Nodes that go offline together (a broker restart's wills, a network cut) are not that
+many failures (issue 22: at 2,048 nodes a broker restart quarantined 1,908 nodes of a
+job). Such a node is confirmed offline only after a whole heartbeat timeout, and a
+recovery plan moves off nodes gone by their wills together without quarantining them.
+A lone node's will is confirmed and quarantined as before.
+
+The supervisor, its registry, store, controller and recovery executor are real; the
+broker link is not started (its state is set), the registry's clock is the test's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from phalanx import wire
+from phalanx.jobspec import validate_spec
+from supervisor.config import SupervisorSettings
+from supervisor.daemon import OFFLINE_CONFIRM_S, Supervisor
+from supervisor.fleet.registry import NodeState
+from supervisor.jobs import Job, JobState, RankPlace
+from supervisor.recovery.planner import Action, Cause, Failure, FailureKind, Plan
+from tests.unit.supervisor.test_dashboard_auth import birth
+
+FLEET = 20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def sup(tmp_path: Path) -> Iterator[tuple[Supervisor, Clock]]:
+    sup = Supervisor(SupervisorSettings(state_dir=tmp_path, offline_after_s=15.0), "t" * 24)
+    clock = Clock()
+    sup.registry.clock = clock
+    for i in range(FLEET):
+        sup.registry.on_birth(birth(f"n{i:02d}", gpus=2))
+    sup.link._connected.set()  # the link is up (not started: nothing is sent)
+    sup.link_since = clock.now - 100.0
+    try:
+        yield sup, clock
+    finally:
+        sup.store.close()
+
+
+def die(sup: Supervisor, node: str) -> float:
+    sup.registry.on_death(wire.NodeDeath(node=node, seq=1, cause="lost"))
+    found = sup.registry.nodes[node]
+    assert found.state is NodeState.OFFLINE
+    return found.offline_at
+
+
+def test_a_lone_will_is_confirmed_after_the_short_wait(sup: tuple[Supervisor, Clock]) -> None:
+    s, clock = sup
+    at = die(s, "n00")
+    assert not s.offline_confirmed(at)
+    clock.now += OFFLINE_CONFIRM_S
+    assert s.offline_confirmed(at)
+
+
+def test_wills_together_are_confirmed_after_a_heartbeat_timeout(
+    sup: tuple[Supervisor, Clock],
+) -> None:
+    s, clock = sup
+    times = []
+    for i in range(5):  # 5 of 20 nodes within a second: a broker or network event
+        times.append(die(s, f"n{i:02d}"))
+        clock.now += 0.2
+    assert s.registry.offline_together(times[0], 10.0) == 5
+    clock.now = times[0] + OFFLINE_CONFIRM_S + 1
+    assert not any(s.offline_confirmed(t) for t in times)
+    clock.now = times[0] + 14.0
+    assert not s.offline_confirmed(times[0])
+    clock.now = times[-1] + 15.0
+    assert all(s.offline_confirmed(t) for t in times)
+
+    # Nodes that come back are no longer counted with the others.
+    for i in range(3):
+        s.registry.on_birth(birth(f"n{i:02d}", gpus=2))
+    assert s.registry.offline_together(times[0], 10.0) == 2
+
+
+def test_offline_together_counts_only_those_within_the_window(
+    sup: tuple[Supervisor, Clock],
+) -> None:
+    s, clock = sup
+    first = die(s, "n00")
+    clock.now += 30.0
+    later = [die(s, "n01"), die(s, "n02")]
+    assert s.registry.offline_together(first, 10.0) == 1
+    assert s.registry.offline_together(later[0], 10.0) == 2
+    assert s.registry.offline_together(first + 15.0, 10.0) == 0
+    assert s.registry.offline_together(first + 15.0, 15.0) == 3
+
+
+def test_a_plan_does_not_quarantine_nodes_gone_together_by_their_wills(
+    sup: tuple[Supervisor, Clock],
+) -> None:
+    s, _clock = sup
+    ctl = s.jobs
+    spec = validate_spec(
+        {
+            "name": "big",
+            "team": "t",
+            "command": ["true"],
+            "workdir": "/tmp",
+            "nodes": 16,
+            "ranks_per_node": 2,
+        }
+    )
+    job = Job(Job.new_id("big"), spec, state=JobState.RECOVERING)
+    job.nodes = [f"n{i:02d}" for i in range(16)]
+    job.ranks = [RankPlace(rank=r, node=job.nodes[r // 2], local_rank=r % 2) for r in range(32)]
+    job.recovery = {}
+    ctl.jobs[job.id] = job
+    gone = [f"n{i:02d}" for i in range(6)]
+    for node in gone:
+        die(s, node)
+    failures = [Failure(FailureKind.NODE_OFFLINE, "n00", detail="last will")]
+    plan = Plan(Action.REPLACE, "nodes lost", Cause.HARDWARE, quarantine=tuple(gone))
+    ctl.recoveries._quarantine(job, plan, failures)
+    assert all(s.registry.nodes[n].drain is None for n in gone)  # none drained
+    assert [e.kind for e in s.store.events()][-1] == "quarantine_skipped"
+
+    # One node's will among healthy others: quarantined as before.
+    for node in gone:
+        s.registry.on_birth(birth(node, gpus=2))
+    job.recovery = {}
+    die(s, "n07")
+    plan = Plan(Action.REPLACE, "node lost", Cause.HARDWARE, quarantine=("n07",))
+    ctl.recoveries._quarantine(job, plan, [Failure(FailureKind.NODE_OFFLINE, "n07")])
+    drained = s.registry.nodes["n07"].drain
+    assert drained is not None and drained.by == "supervisor"
