@@ -90,14 +90,18 @@ def load() -> str:
 class SimProcess:
     """One ``fleet_sim.py`` process: orders in on stdin, events out on stdout."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, nice: int = 0) -> None:
+        def setup() -> None:
+            raise_fd_limit()
+            os.nice(nice)
+
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).parent / "fleet_sim.py"), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log.open("ab"),
             text=True,
-            preexec_fn=raise_fd_limit,
+            preexec_fn=setup,
         )
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.reports: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -233,6 +237,7 @@ class Bench:
                     *([] if self.args.batch_landings else ["--one-landing-a-message"]),
                 ],
                 self.root / "sim.log",
+                nice=self.args.sim_nice,
             )
             self.sims.append(sim)
             for i in range(first, first + count):
@@ -355,6 +360,11 @@ class Bench:
                 stop.wait(self.args.rest_every)
 
         lag0 = self.stats()["heartbeat_lag_s"]["buckets"]
+        others = {
+            "broker": [self.broker.pid] if self.broker else [],
+            "simulators": [sim.proc.pid for sim in self.sims],
+        }
+        others0 = {k: sum(proc_cpu_s(p) for p in pids) for k, pids in others.items()}
         cpu0, size0, t0 = proc_cpu_s(pid), store_bytes(state), time.monotonic()
         load0 = load()
         poller = threading.Thread(target=poll, daemon=True)
@@ -367,6 +377,7 @@ class Bench:
         poller.join(30)
         elapsed = time.monotonic() - t0
         cpu = proc_cpu_s(pid) - cpu0
+        others1 = {k: sum(proc_cpu_s(p) for p in pids) for k, pids in others.items()}
         size = store_bytes(state) - size0
         lag1 = self.stats()["heartbeat_lag_s"]["buckets"]
         buckets = {b: c for b, c in lag1}
@@ -377,6 +388,11 @@ class Bench:
             load_before=load0,
             load_after=load(),
             supervisor_cpu_pct=round(100 * cpu / elapsed, 1),
+            # what else ran on the machine's cores meanwhile (% of one core)
+            broker_cpu_pct=round(100 * (others1["broker"] - others0["broker"]) / elapsed, 1),
+            simulators_cpu_pct=round(
+                100 * (others1["simulators"] - others0["simulators"]) / elapsed, 1
+            ),
             supervisor_rss_mib=max(rss),
             store_bytes=store_bytes(state),
             store_growth_mib_per_hour=round(size / elapsed * 3600 / 2**20, 1),
@@ -538,6 +554,7 @@ class Bench:
             fleet_nodes=self.fleet,
             ranks=self.args.nodes * 8,
             per_process=self.args.per_process,
+            sim_nice=self.args.sim_nice,
             sim_processes=-(-self.fleet // self.args.per_process),
             cores=os.cpu_count(),
             fd_limit=resource.getrlimit(resource.RLIMIT_NOFILE)[1],
@@ -581,6 +598,13 @@ def main() -> None:
         "RankEvents sent them",
     )
     ap.add_argument("--ckpt-every", type=float, default=60.0, help="seconds between checkpoints")
+    ap.add_argument(
+        "--sim-nice",
+        type=int,
+        default=10,
+        help="the simulators' nice value: on a fleet they are other machines; here they "
+        "must not take the supervisor's core by fair share (0: as equals)",
+    )
     ap.add_argument("--steady", type=float, default=90.0, help="seconds of steady state measured")
     ap.add_argument("--settle", type=float, default=10.0, help="seconds before each fault")
     ap.add_argument("--rest-every", type=float, default=1.0)
