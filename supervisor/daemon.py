@@ -38,15 +38,9 @@ WILL_SUSPECT_S = 5.0
 # A node offline is a failure of its jobs once it has been offline this long with the
 # supervisor's own link up all along (a broker restart sends every node's will first).
 OFFLINE_CONFIRM_S = 2.0
-# Nodes that go offline together are a broker or network event more likely than that
-# many failures: when at least MASS_OFFLINE_SHARE of the fleet (and MASS_OFFLINE_MIN
-# nodes) went offline within MASS_OFFLINE_WINDOW_S of each other, each is confirmed
-# only after a whole heartbeat timeout (``offline_after_s``) with the link up, time for
-# it to reconnect. Seen at 2,048 nodes (issue 22): a broker restart's wills reached the
-# supervisor after it had reconnected, and 1,908 nodes of a job were quarantined.
-MASS_OFFLINE_WINDOW_S = 10.0
-MASS_OFFLINE_SHARE = 0.05
-MASS_OFFLINE_MIN = 4
+# A node offline with many others (Registry.mass_offline: a broker or network event
+# more likely than that many failures) is confirmed only after a whole heartbeat
+# timeout (``offline_after_s``) with the link up, time for it to reconnect.
 # The whole shutdown's deadline (systemd's TimeoutStopSec is 30 s): what runs past it is
 # cancelled, and a job's persisted state tells the next supervisor what to take up.
 SHUTDOWN_S = 5.0
@@ -301,7 +295,7 @@ class Supervisor:
         """Whether a node offline since ``offline_at`` (registry clock) is offline for sure:
         the supervisor's link has been up, and its messages handled, for
         ``OFFLINE_CONFIRM_S`` since then, or ``offline_after_s`` if many nodes went
-        offline with it (``MASS_OFFLINE_SHARE``) (a will the
+        offline with it (``Registry.mass_offline_at``) (a will the
         broker sent as it went down is taken back when the link returns, see
         :meth:`Registry.revive`)."""
         if not self.link.connected or self.link_since is None:
@@ -313,13 +307,9 @@ class Supervisor:
         offline_for = heard_until - max(offline_at, self.link_since)
         if offline_for < OFFLINE_CONFIRM_S:
             return False
-        return offline_for >= self.settings.offline_after_s or not self._mass_offline(offline_at)
-
-    def _mass_offline(self, offline_at: float) -> bool:
-        """Whether a node offline since ``offline_at`` went with many others (see
-        ``MASS_OFFLINE_SHARE``)."""
-        together = self.registry.offline_together(offline_at, MASS_OFFLINE_WINDOW_S)
-        return together >= max(MASS_OFFLINE_MIN, MASS_OFFLINE_SHARE * len(self.registry.nodes))
+        return offline_for >= self.settings.offline_after_s or not self.registry.mass_offline_at(
+            offline_at
+        )
 
     async def _on_message(self, topic: str, payload: bytes) -> None:
         try:

@@ -43,6 +43,16 @@ from supervisor.telemetry.slow_nodes import SlowNode
 log = logging.getLogger(__name__)
 
 
+# Nodes that go offline together (see Registry.mass_offline): at least this share of the
+# fleet, and this many nodes, within this many seconds of each other. Seen at 2,048
+# nodes (issue 22): a broker restart's wills reached the supervisor after it had
+# reconnected, and 1,908 nodes of a job were quarantined.
+MASS_OFFLINE_WINDOW_S = 10.0
+MASS_OFFLINE_SHARE = 0.05
+MASS_OFFLINE_MIN = 4
+OFFLINE_HISTORY_S = 600.0  # how long a node going offline is remembered for that
+
+
 class NodeState(enum.StrEnum):
     UP = "up"
     WARN = "warn"
@@ -175,7 +185,7 @@ class Registry:
         # Bumped whenever a node's state or its record (birth, drain, health, reasons)
         # changes: what the scheduler sees of the fleet is the same while it stands.
         self.version = 0
-        self._offline_times: tuple[int, list[float]] | None = None  # (version, sorted)
+        self._went_offline: list[float] = []  # when nodes went offline, oldest first
         self._persisted: dict[str, tuple[object, ...]] = {}
         self._slow: set[str] = set()  # nodes with a ``slow`` reason
 
@@ -231,15 +241,22 @@ class Registry:
                 node.last_seen = max(node.last_seen, now)
 
     def offline_together(self, at: float, window_s: float) -> int:
-        """How many nodes are offline now, having gone offline within ``window_s`` of
-        ``at`` (registry clock). Asked for each node of each job at each turn of the jobs
-        loop: the offline times are sorted once per change of the registry."""
-        cached = self._offline_times
-        if cached is None or cached[0] != self.version:
-            times = sorted(n.offline_at for n in self.nodes.values() if not n.online)
-            cached = self._offline_times = (self.version, times)
-        times = cached[1]
+        """How many times a node went offline within ``window_s`` of ``at`` (registry
+        clock), whether or not it is back since: the nodes that come back first do not
+        make those still reconnecting a smaller event. Kept for ``OFFLINE_HISTORY_S``."""
+        times = self._went_offline
         return bisect.bisect_right(times, at + window_s) - bisect.bisect_left(times, at - window_s)
+
+    def mass_offline(self, node: Node) -> bool:
+        """Whether ``node``, offline, went with many others (``MASS_OFFLINE_SHARE`` of the
+        fleet, at least ``MASS_OFFLINE_MIN`` nodes, within ``MASS_OFFLINE_WINDOW_S``): a
+        broker or network event more likely than that many failures."""
+        return not node.online and self.mass_offline_at(node.offline_at)
+
+    def mass_offline_at(self, offline_at: float) -> bool:
+        """Whether many nodes went offline around ``offline_at`` (see :meth:`mass_offline`)."""
+        together = self.offline_together(offline_at, MASS_OFFLINE_WINDOW_S)
+        return together >= max(MASS_OFFLINE_MIN, MASS_OFFLINE_SHARE * len(self.nodes))
 
     def revive(self, since: float) -> list[str]:
         """Nodes that went offline by their last will at or after ``since`` (the broker
@@ -381,6 +398,15 @@ class Registry:
 
     def _changed(self, node: Node, before: NodeState, *, cause: str, quiet: bool = False) -> None:
         after = node.state
+        if after is NodeState.OFFLINE and before is not NodeState.OFFLINE:
+            went = self._went_offline
+            if went and node.offline_at < went[-1]:
+                bisect.insort(went, node.offline_at)
+            else:
+                went.append(node.offline_at)
+            del went[: bisect.bisect_left(went, node.offline_at - OFFLINE_HISTORY_S)]
+            if len(went) > 4 * len(self.nodes) + 64:  # a flapping fleet: the newest only
+                del went[: len(went) - 4 * len(self.nodes) - 64]
         if after is not before and not quiet:
             self._event(
                 "state_changed", node, state=after.value, previous=before.value, cause=cause

@@ -63,10 +63,6 @@ QUICK_FAILURE_S = 60.0  # a generation a recovery started that fails sooner is a
 BURN_IN_TIMEOUT_S = 150.0  # the agent's GPU matmul check may take 120 s (agentd.burnin)
 HANG_COLLECT_S = 1.5  # after a node reports a hang, how long the others get to report theirs
 WAIT_POLL_S = 1.0
-# A plan that would quarantine at least this many (and this share) of a job's nodes
-# for their last wills quarantines none of those (see Recoveries._quarantine).
-MASS_QUARANTINE_MIN = 4
-MASS_QUARANTINE_SHARE = 0.05
 QUARANTINE_BY = "quarantined by job"  # a quarantine's drain reason: "... JOB: why"
 
 
@@ -399,27 +395,29 @@ class Recoveries:
         why = "; ".join(f.describe() for f in failures)
         assert job.recovery is not None
         done = job.recovery.setdefault("quarantined", [])
-        nodes = self.ctl.registry.nodes
+        registry = self.ctl.registry
+        nodes = registry.nodes
         # Nodes gone together by their wills are a broker or network event, not that many
         # failed machines (2,048 nodes: a broker restart quarantined 1,908, issue 22):
-        # the plan moves off them, but they are not drained for it.
+        # the plan moves off them, but they are not drained for it. Each is judged by
+        # when it went (Registry.mass_offline), so failures minutes apart are not.
         willed = [
             n
             for n in plan.quarantine
-            if (node := nodes.get(n)) is not None
-            and not node.online
+            if n not in done
+            and (node := nodes.get(n)) is not None
             and node.offline_cause == "last will"
+            and registry.mass_offline(node)
         ]
-        if len(willed) >= max(MASS_QUARANTINE_MIN, MASS_QUARANTINE_SHARE * len(job.nodes)):
+        if willed:
             log.warning(
-                "job %s: %d of its nodes went offline by their last wills together: a "
-                "broker or network event, not that many failed nodes; they are not "
-                "quarantined",
+                "job %s: %d of its nodes went offline by their last wills with many others "
+                "(a broker or network event, not that many failed nodes): not quarantined",
                 job.id,
                 len(willed),
             )
             self.ctl.event("quarantine_skipped", job, nodes=len(willed), cause="last will")
-            done.extend(n for n in willed if n not in done)
+            done.extend(willed)
         for node_id in plan.quarantine:
             node = nodes.get(node_id)
             if node is None or node_id in done:

@@ -76,15 +76,18 @@ def test_wills_together_are_confirmed_after_a_heartbeat_timeout(
     assert s.registry.offline_together(times[0], 10.0) == 5
     clock.now = times[0] + OFFLINE_CONFIRM_S + 1
     assert not any(s.offline_confirmed(t) for t in times)
-    clock.now = times[0] + 14.0
-    assert not s.offline_confirmed(times[0])
-    clock.now = times[-1] + 15.0
-    assert all(s.offline_confirmed(t) for t in times)
 
-    # Nodes that come back are no longer counted with the others.
+    # The first to come back leave the others in the same event: the last to reconnect
+    # still get their whole heartbeat timeout.
     for i in range(3):
         s.registry.on_birth(birth(f"n{i:02d}", gpus=2))
-    assert s.registry.offline_together(times[0], 10.0) == 2
+    assert s.registry.offline_together(times[0], 10.0) == 5
+    assert s.registry.mass_offline(s.registry.nodes["n04"])
+    assert not s.registry.mass_offline(s.registry.nodes["n00"])  # back online
+    clock.now = times[0] + 14.0
+    assert not any(s.offline_confirmed(t) for t in times[3:])
+    clock.now = times[-1] + 15.0
+    assert all(s.offline_confirmed(t) for t in times[3:])
 
 
 def test_offline_together_counts_only_those_within_the_window(
@@ -103,7 +106,7 @@ def test_offline_together_counts_only_those_within_the_window(
 def test_a_plan_does_not_quarantine_nodes_gone_together_by_their_wills(
     sup: tuple[Supervisor, Clock],
 ) -> None:
-    s, _clock = sup
+    s, clock = sup
     ctl = s.jobs
     spec = validate_spec(
         {
@@ -129,12 +132,17 @@ def test_a_plan_does_not_quarantine_nodes_gone_together_by_their_wills(
     assert all(s.registry.nodes[n].drain is None for n in gone)  # none drained
     assert [e.kind for e in s.store.events()][-1] == "quarantine_skipped"
 
-    # One node's will among healthy others: quarantined as before.
+    # Later, nodes lost one at a time, a minute apart, within one recovery: each is its
+    # own failure, quarantined as before.
     for node in gone:
         s.registry.on_birth(birth(node, gpus=2))
     job.recovery = {}
-    die(s, "n07")
-    plan = Plan(Action.REPLACE, "node lost", Cause.HARDWARE, quarantine=("n07",))
-    ctl.recoveries._quarantine(job, plan, [Failure(FailureKind.NODE_OFFLINE, "n07")])
-    drained = s.registry.nodes["n07"].drain
-    assert drained is not None and drained.by == "supervisor"
+    lost = ["n07", "n08", "n09", "n10", "n11"]
+    for i, node in enumerate(lost):
+        clock.now += 60.0
+        die(s, node)
+        plan = Plan(Action.REPLACE, "node lost", Cause.HARDWARE, quarantine=tuple(lost[: i + 1]))
+        ctl.recoveries._quarantine(job, plan, [Failure(FailureKind.NODE_OFFLINE, node)])
+    for node in lost:
+        drained = s.registry.nodes[node].drain
+        assert drained is not None and drained.by == "supervisor", node
