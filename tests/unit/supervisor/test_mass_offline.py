@@ -23,16 +23,9 @@ from supervisor.fleet.registry import NodeState
 from supervisor.jobs import Job, JobState, RankPlace
 from supervisor.recovery.planner import Action, Cause, Failure, FailureKind, Plan
 from tests.unit.supervisor.test_dashboard_auth import birth
+from tests.unit.supervisor.test_metrics import Clock
 
 FLEET = 20
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
