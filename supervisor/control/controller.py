@@ -493,7 +493,11 @@ class JobController:
             rank0 = self.registry.get(nodes[0])
             assert rank0.birth is not None
             job.master_addr = rank0.birth.address
+            # A recovery's launch is timed step by step (its incident's phases).
+            timed = job.recovery.setdefault("phases", {}) if job.recovery is not None else {}
+            t0 = time.perf_counter()
             ack = await self._send(nodes[0], wire.AllocPortArgs(), timeout=timeout)
+            timed["port"] = round(time.perf_counter() - t0, 3)
             if ack.status != wire.AckStatus.DONE:
                 raise LaunchError(
                     f"node {nodes[0]} could not allocate a port: {ack.detail}", nodes[0]
@@ -501,7 +505,10 @@ class JobController:
             job.master_port = int(ack.result["port"])
             # The ranks restore first thing: their nodes must know this generation's
             # restore step (or that there is none) before; their agents wait for it.
+            t0 = time.perf_counter()
             await self._publisher.publish(job.id)
+            timed["catalogs"] = round(time.perf_counter() - t0, 3)
+            t0 = time.perf_counter()
             orders = self.orders.start_orders(job, nodes)
             acks = await asyncio.gather(
                 *(
@@ -520,6 +527,7 @@ class JobController:
                 elif result.status != wire.AckStatus.DONE:
                     problems.append(f"{node}: {result.detail}")
                     failed.append(node)
+            timed["starts"] = round(time.perf_counter() - t0, 3)
             if problems:
                 raise LaunchError("; ".join(problems), failed[0])
         except asyncio.CancelledError:

@@ -1,0 +1,166 @@
+"""A recovery's orders (issue 22): a relaunch sends the gang's stops and the next
+generation's starts without waiting for the stops' acknowledgements (each node runs its
+stop before its start), and a recovery that waits first has every stop acknowledged.
+
+The controller, its store, registry, catalog and planner are real; the commands go to a
+recording ``send`` whose stops are acknowledged only when the test lets them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from phalanx import wire
+from phalanx.jobspec import validate_spec
+from supervisor.checkpoints.catalog import CheckpointCatalog
+from supervisor.checkpoints.publisher import CatalogPublisher
+from supervisor.config import SupervisorSettings
+from supervisor.control.controller import JobController
+from supervisor.fleet.registry import Registry
+from supervisor.jobs import Job, JobState, RankPlace
+from supervisor.recovery.planner import Failure, FailureKind
+from supervisor.store import Store
+from tests.unit.supervisor.test_dashboard_auth import birth
+
+RPN = 2
+
+
+async def nowhere(topic: str, payload: bytes, **kw: Any) -> None:
+    """The link's publish: the catalogs go nowhere (no node listens in this test)."""
+
+
+class Fleet:
+    """A running job on ``gang`` of ``nodes``; every command sent is recorded in order."""
+
+    def __init__(self, tmp_path: Path, nodes: list[str], gang: list[str]) -> None:
+        self.store = Store(tmp_path / "state.db")
+        self.registry = Registry(self.store, offline_after_s=15.0)
+        for node in nodes:
+            self.registry.on_birth(birth(node, gpus=RPN))
+        self.sent: list[tuple[str, str, int]] = []  # (node, op, generation)
+        self.stops_acked = asyncio.Event()
+        self.jobs: dict[str, Job] = {}
+        self.publisher = CatalogPublisher(
+            CheckpointCatalog(self.store),
+            nowhere,
+            job=self.jobs.get,
+            registry=self.registry,
+            ram_linger_s=900.0,
+        )
+        self.ctl = JobController(
+            self.store,
+            self.registry,
+            SupervisorSettings(state_dir=tmp_path),
+            send=self.send,
+            publisher=self.publisher,
+            offline_confirmed=lambda since: True,
+        )
+        spec = validate_spec(
+            {
+                "name": "recovers",
+                "team": "t",
+                "command": ["true"],
+                "workdir": "/tmp",
+                "nodes": len(gang),
+                "ranks_per_node": RPN,
+                "restart": {"max_restarts": 3},
+            }
+        )
+        self.job = Job(
+            "j-1",
+            spec,
+            state=JobState.RUNNING,
+            generation=1,
+            nodes=list(gang),
+            ranks=[
+                RankPlace(rank=n * RPN + lr, node=node, local_rank=lr)
+                for n, node in enumerate(gang)
+                for lr in range(RPN)
+            ],
+            started_at=time.time() - 600,
+        )
+        self.ctl.jobs["j-1"] = self.jobs["j-1"] = self.job
+
+    async def send(
+        self, node: str, args: wire.CommandArgsType, timeout: float | None = None
+    ) -> wire.CommandAck:
+        generation = int(getattr(args, "generation", 0))
+        self.sent.append((node, args.op, generation))
+        result: dict[str, Any] = {}
+        if isinstance(args, wire.StopRanksArgs):
+            await self.stops_acked.wait()
+        elif isinstance(args, wire.AllocPortArgs):
+            result = {"port": 29500}
+        return wire.CommandAck(
+            id=f"c{len(self.sent)}",
+            node=node,
+            status=wire.AckStatus.DONE,
+            result=result,
+            acked_at=time.time(),
+        )
+
+    def ops(self, op: str) -> list[tuple[str, int]]:
+        return [(node, g) for node, o, g in self.sent if o == op]
+
+    async def until(self, what: Any, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not what():
+            assert time.monotonic() < deadline, f"not within {timeout}s; sent {self.sent}"
+            await asyncio.sleep(0.01)
+
+    async def close(self) -> None:
+        self.stops_acked.set()
+        await self.ctl.shutdown(0.5)
+        self.publisher.stop()
+        self.publisher.close()
+        self.store.close()
+
+
+async def test_a_relaunch_sends_its_starts_before_the_stops_are_acknowledged(
+    tmp_path: Path,
+) -> None:
+    fleet = Fleet(tmp_path, ["n0", "n1", "n2"], gang=["n0", "n1", "n2"])
+    try:
+        fleet.ctl.recoveries.on_failure(
+            fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=1)
+        )
+        await fleet.until(lambda: len(fleet.ops("start_ranks")) == 3)
+
+        assert not fleet.stops_acked.is_set()  # no stop acknowledged, yet every start is out
+        assert sorted(fleet.ops("stop_ranks")) == [("n0", 1), ("n1", 1), ("n2", 1)]
+        assert sorted(fleet.ops("start_ranks")) == [("n0", 2), ("n1", 2), ("n2", 2)]
+        for node in ("n0", "n1", "n2"):  # each node is sent its stop before its start
+            mine = [op for n, op, _ in fleet.sent if n == node and op != "alloc_port"]
+            assert mine == ["stop_ranks", "start_ranks"], (node, mine)
+        await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+        assert fleet.job.generation == 2 and fleet.job.restarts == 1
+
+        fleet.stops_acked.set()  # the recovery's task ends once they are in
+        await fleet.until(lambda: not fleet.ctl.tasks._tasks)
+    finally:
+        await fleet.close()
+
+
+async def test_a_recovery_that_waits_for_a_node_has_its_stops_acknowledged_first(
+    tmp_path: Path,
+) -> None:
+    # No spare: n1 drained by its failure, the job waits for a node.
+    fleet = Fleet(tmp_path, ["n0", "n1"], gang=["n0", "n1"])
+    try:
+        fleet.ctl.recoveries.on_failure(
+            fleet.job, Failure(FailureKind.NODE_DRAIN, "n1", detail="ecc", generation=1)
+        )
+        await fleet.until(lambda: len(fleet.ops("stop_ranks")) == 2)
+        await asyncio.sleep(0.2)
+        assert fleet.job.recovery is not None
+        assert fleet.job.recovery.get("phase") in (None, "plan")  # still stopping
+        assert fleet.ops("start_ranks") == []
+
+        fleet.stops_acked.set()
+        await fleet.until(lambda: fleet.job.recovery.get("phase") == "stopped")  # type: ignore[union-attr]
+        assert fleet.ops("start_ranks") == []  # nothing to start on: it waits
+    finally:
+        await fleet.close()
