@@ -303,6 +303,7 @@ class Agent:
             sent_at=time.time(),
             health=self.health,
             jobs=self.ranks.running(),
+            port=self.ranks.free_port(),
         )
         self._beats += 1
         await self.link.publish(wire.heartbeat_topic(self.node), wire.encode(beat), qos=0)

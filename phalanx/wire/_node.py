@@ -134,6 +134,14 @@ class Heartbeat(Msg):
     sent_at: float
     health: Health
     jobs: list[JobRanks] = Field(default_factory=list)
+    port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="a TCP port free on the node when sent: the rendezvous port of the next "
+        "launch whose rank 0 runs there, taken without asking (`alloc_port`); left out by "
+        "agents from before it (a supervisor takes both, so it is upgraded first)",
+    )
 
 
 class RankEvent(Msg):

@@ -496,13 +496,16 @@ class JobController:
             # A recovery's launch is timed step by step (its incident's phases).
             timed = job.recovery.setdefault("phases", {}) if job.recovery is not None else {}
             t0 = time.perf_counter()
-            ack = await self._send(nodes[0], wire.AllocPortArgs(), timeout=timeout)
+            port = self.registry.take_port(nodes[0])
+            if port is None:
+                ack = await self._send(nodes[0], wire.AllocPortArgs(), timeout=timeout)
+                if ack.status != wire.AckStatus.DONE:
+                    raise LaunchError(
+                        f"node {nodes[0]} could not allocate a port: {ack.detail}", nodes[0]
+                    )
+                port = int(ack.result["port"])
+            job.master_port = port
             timed["port"] = round(time.perf_counter() - t0, 3)
-            if ack.status != wire.AckStatus.DONE:
-                raise LaunchError(
-                    f"node {nodes[0]} could not allocate a port: {ack.detail}", nodes[0]
-                )
-            job.master_port = int(ack.result["port"])
             # The ranks restore first thing: their nodes must know this generation's
             # restore step (or that there is none) before; their agents wait for it.
             t0 = time.perf_counter()

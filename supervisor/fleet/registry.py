@@ -84,6 +84,10 @@ class Node:
     last_seen_wall: float = 0.0
     offline_at: float = 0.0  # the registry's clock when it last went offline
     slow: SlowNode | None = None  # the supervisor's: its ranks straggle in several jobs
+    # A port free on the node, from its last heartbeat, for the next launch's rendezvous
+    # (``Registry.take_port``); the last one taken, not offered again.
+    port: int | None = None
+    port_taken: int | None = None
 
     @property
     def state(self) -> NodeState:
@@ -201,6 +205,7 @@ class Registry:
             return
         before = node.state
         node.birth, node.birth_seq = birth, birth.seq
+        node.port = None  # a new agent process: its next heartbeat says what is free
         node.online = True
         self._seen(node)
         self._apply_health(node, birth.health, before)
@@ -217,10 +222,23 @@ class Registry:
         before = node.state
         if not node.online:
             node.online = True
+        node.port = beat.port if beat.port != node.port_taken else None
         self._seen(node)
         self._apply_health(node, beat.health, before)
         self._changed(node, before, cause="heartbeat")
         return True
+
+    def take_port(self, node_id: str) -> int | None:
+        """A port free on ``node_id`` at its last heartbeat, for a launch's rendezvous, or
+        None (none known, the node offline, or that port taken already): the launch asks
+        the node then (``alloc_port``), a round trip behind everything the supervisor
+        has yet to read (seconds, at 2,048 nodes, right after a recovery's stops)."""
+        node = self.nodes.get(node_id)
+        if node is None or not node.online or node.port is None:
+            return None
+        port, node.port = node.port, None
+        node.port_taken = port  # two launches within one heartbeat must not share it
+        return port
 
     def on_death(self, death: wire.NodeDeath) -> None:
         node = self.nodes.get(death.node)

@@ -144,6 +144,43 @@ async def test_a_relaunch_sends_its_starts_before_the_stops_are_acknowledged(
         await fleet.close()
 
 
+async def test_a_launch_takes_the_rendezvous_port_from_rank_0s_heartbeat(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path, ["n0", "n1"], gang=["n0", "n1"])
+    try:
+        for i, node in enumerate(("n0", "n1")):
+            fleet.registry.on_heartbeat(
+                wire.Heartbeat(
+                    node=node,
+                    seq=1,
+                    n=1,
+                    sent_at=time.time(),
+                    health=wire.Health(status=wire.HealthStatus.OK),
+                    port=41000 + i,
+                )
+            )
+        fleet.stops_acked.set()
+        fleet.ctl.recoveries.on_failure(
+            fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=1)
+        )
+        await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+
+        assert fleet.ops("alloc_port") == []  # no round trip for it
+        assert fleet.job.master_port == 41000
+        phases = fleet.job.incidents[-1]["phases"]
+        assert {"port", "catalogs", "starts"} <= set(phases)
+
+        # The next launch has no port from n0 until its next heartbeat: it asks.
+        fleet.ctl.recoveries.on_failure(
+            fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=2)
+        )
+        await fleet.until(lambda: fleet.job.generation == 3)
+        await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+        assert fleet.ops("alloc_port") == [("n0", 0)]
+        assert fleet.job.master_port == 29500
+    finally:
+        await fleet.close()
+
+
 async def test_a_recovery_that_waits_for_a_node_has_its_stops_acknowledged_first(
     tmp_path: Path,
 ) -> None:

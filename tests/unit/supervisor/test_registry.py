@@ -319,6 +319,32 @@ def test_a_heartbeat_of_an_unknown_node_returns_false(registry: Registry) -> Non
     assert registry.on_heartbeat(_beat(node="ghost")) is False
 
 
+def test_a_heartbeats_free_port_is_taken_once_and_not_offered_again(registry: Registry) -> None:
+    registry.on_birth(_birth())
+    assert registry.take_port("n1") is None  # no heartbeat yet: the launch asks the node
+
+    registry.on_heartbeat(_beat().model_copy(update={"port": 41000}))
+    assert registry.take_port("n1") == 41000
+    assert registry.take_port("n1") is None  # one launch per port
+
+    registry.on_heartbeat(_beat(n=2).model_copy(update={"port": 41000}))
+    assert registry.take_port("n1") is None  # the same port again: maybe not bound yet
+    registry.on_heartbeat(_beat(n=3).model_copy(update={"port": 41007}))
+    assert registry.take_port("n1") == 41007
+
+
+def test_no_port_is_offered_by_a_reborn_offline_or_unknown_node(registry: Registry) -> None:
+    registry.on_birth(_birth())
+    registry.on_heartbeat(_beat().model_copy(update={"port": 41000}))
+    registry.on_birth(_birth(seq=2))  # a new agent process: its old port says nothing
+    assert registry.take_port("n1") is None
+
+    registry.on_heartbeat(_beat(seq=2).model_copy(update={"port": 41001}))
+    registry.on_death(wire.NodeDeath(node="n1", seq=2, cause="lost"))
+    assert registry.take_port("n1") is None
+    assert registry.take_port("ghost") is None
+
+
 def test_check_timeouts_marks_a_silent_node_offline(registry: Registry, clock: Clock) -> None:
     registry.on_birth(_birth("silent"))
     clock.now += OFFLINE_AFTER_S + 1
