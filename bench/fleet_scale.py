@@ -133,6 +133,42 @@ class SimProcess:
             self.proc.wait(5)
 
 
+class OrderWatch:
+    """The start orders as the broker hands them out: a subscriber of every node's command
+    topic (QoS 0, its own thread) records when each generation's were delivered. A fault
+    → "orders out" is timed by it, apart from how fast the simulated nodes, starved of
+    CPU beside the supervisor, take them."""
+
+    def __init__(self, port: int) -> None:
+        import paho.mqtt.client as mqtt
+
+        self.seen: dict[tuple[str, int], list[float]] = {}
+        self._lock = threading.Lock()
+        self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="bench-orders")
+        self._client.on_connect = lambda c, *_: c.subscribe("phalanx/v1/node/+/cmd", qos=0)
+        self._client.on_message = self._on_message
+        self._client.reconnect_delay_set(0.2, 1.0)
+        self._client.connect("127.0.0.1", port)
+        self._client.loop_start()
+
+    def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        at = time.time()
+        if b'"start_ranks"' not in message.payload:
+            return
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            args = json.loads(message.payload)["args"]
+            with self._lock:
+                self.seen.setdefault((args["job"], int(args["generation"])), []).append(at)
+
+    def of(self, job: str, generation: int) -> list[float]:
+        with self._lock:
+            return list(self.seen.get((job, generation), []))
+
+    def close(self) -> None:
+        self._client.loop_stop()
+        self._client.disconnect()
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, root: Path) -> None:
         self.args = args
@@ -143,6 +179,7 @@ class Bench:
         self.broker: subprocess.Popen[bytes] | None = None
         self.supervisor: subprocess.Popen[bytes] | None = None
         self.spy: subprocess.Popen[bytes] | None = None  # py-spy on the supervisor
+        self.orders: OrderWatch | None = None
         self.sims: list[SimProcess] = []
         self.api = Client(f"http://127.0.0.1:{self.api_port}", TOKEN, timeout=30)
         self.owner: dict[str, SimProcess] = {}
@@ -245,6 +282,8 @@ class Bench:
         self.wait(lambda: self.nodes_up() >= self.fleet, 120 + self.fleet / 4, "every node up", 2.0)
 
     def stop(self) -> None:
+        if self.orders is not None:
+            self.orders.close()
         for sim in self.sims:
             sim.stop()
         if self.spy is not None and self.spy.poll() is None:
@@ -423,7 +462,22 @@ class Bench:
         )
         self.wait(lambda: self.job()["state"] == "running", 120, f"the job running after {what}")
         times = sorted(s["at"] - t0 for s in self.starts_of(generation))
-        return {"first": round(times[0], 3), "last": round(times[-1], 3)}
+        got: dict[str, Any] = {"first": round(times[0], 3), "last": round(times[-1], 3)}
+        out = self.orders.of(self.job_id, generation) if self.orders is not None else []
+        if len(out) >= self.args.nodes:  # every order seen leaving the broker (QoS 0 may drop)
+            got["out"] = round(max(out) - t0, 3)
+        # The supervisor's side of it, from the incident it recorded: when it knew of the
+        # fault, how long it planned and sent the stops, when it began the launch.
+        incidents = self.job()["incidents"]
+        incident = next((i for i in incidents if i.get("next_generation") == generation), None)
+        if incident is not None:
+            got["supervisor"] = {
+                "detected": round(incident["detected_at"] - t0, 3),
+                "launch_began": round((incident["launch_started_at"] or t0) - t0, 3),
+                "acked": round(incident["fault_at"] + (incident["acked_s"] or 0.0) - t0, 3),
+                "phases": incident["phases"],
+            }
+        return got
 
     def faults(self) -> None:
         job = self.job()
@@ -457,10 +511,14 @@ class Bench:
             ("ecc", "ecc_to_orders"),
             ("hang", "hang_to_orders"),
         ):
+            # Orders out: the last start order left the broker (else, when the watcher
+            # missed one, received by the fleet); received: the last taken by its node.
+            outs = [f.get("out", f["last"]) for f in faults.get(kind, [])]
             lasts = [f["last"] for f in faults.get(kind, [])]
             if lasts:
-                self.out[f"{key}_p50_s"] = pct(lasts, 0.5)
-                self.out[f"{key}_p99_s"] = pct(lasts, 0.99)
+                self.out[f"{key}_p50_s"] = pct(outs, 0.5)
+                self.out[f"{key}_p99_s"] = pct(outs, 0.99)
+                self.out[f"{key}_received_p99_s"] = pct(lasts, 0.99)
                 self.out[f"{key}_n"] = len(lasts)
 
     def broker_restart(self, generation: int) -> dict[str, Any]:
@@ -509,14 +567,21 @@ class Bench:
             except RuntimeError as exc:
                 self.out["supervisor_behind"] = str(exc)
             reports = self.reports()
-            received = self.stats()["received"]
             sent = {k: sum(r["sent"][k] for r in reports) for k in ("rank", "ckpt", "metrics")}
-            got = {
-                "rank": received.get("rank", 0),
-                "ckpt": received.get("ckpt", 0) + received.get("ckpt_released", 0),
-                "metrics": received.get("metrics", 0),
-            }
-            lost = {k: max(0, sent[k] - got[k]) for k in sent}
+            # The nodes go on sending metrics: what they sent before the reports may still
+            # be on its way (the broker, the sockets) when the supervisor is asked.
+            deadline = time.monotonic() + 15.0
+            while True:
+                received = self.stats()["received"]
+                got = {
+                    "rank": received.get("rank", 0),
+                    "ckpt": received.get("ckpt", 0) + received.get("ckpt_released", 0),
+                    "metrics": received.get("metrics", 0),
+                }
+                lost = {k: max(0, sent[k] - got[k]) for k in sent}
+                if not any(lost.values()) or time.monotonic() > deadline:
+                    break
+                time.sleep(1.0)
             if not any(r["queued"] for r in reports) and not lost["rank"] and not lost["ckpt"]:
                 break
         self.out.update(sent=sent, received=got)
@@ -524,6 +589,8 @@ class Bench:
 
     def totals(self) -> None:
         """Every message sent against what the supervisor counted; the commit times."""
+        for sim in self.sims:  # the metrics stop, so that what was sent is a fixed count
+            sim.order(op="quiet")
         lost, reports, got = self.lost()
         sent = self.out["sent"]
         self.out.update(
@@ -577,6 +644,7 @@ class Bench:
         self.start_supervisor()
         self.start_fleet()
         self.out["fleet_up_s"] = round(time.time() - t0, 1)
+        self.orders = OrderWatch(self.broker_port)
         self.submit()
         time.sleep(self.args.settle)
         self.steady()

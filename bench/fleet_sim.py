@@ -183,6 +183,7 @@ class SimAgent:
                 wire.JobRanks(job=g.job, generation=g.generation, ranks=g.ranks)
                 for g in self.gens.values()
             ],
+            port=random.randint(20000, 60999),  # as an agent's free port would be
         )
         self.beats += 1
         await self.link.publish(wire.heartbeat_topic(self.node), wire.encode(beat), qos=0)
@@ -199,6 +200,8 @@ class SimAgent:
         await asyncio.sleep(random.uniform(0, wire.METRICS_INTERVAL_S))
         while True:
             await asyncio.sleep(wire.METRICS_INTERVAL_S)
+            if self.sim.quiet:
+                continue
             for batch in self.metrics.flush(time.time()):
                 if not self.link.connected:
                     self.sim.dropped["metrics"] += 1
@@ -483,6 +486,7 @@ class Sim:
         self.sent: dict[str, int] = {"rank": 0, "ckpt": 0, "metrics": 0}
         self.dropped: dict[str, int] = {"metrics": 0}
         self.unheard = 0  # metrics batches sent before the supervisor was seen online
+        self.quiet = False  # metrics stopped (``quiet``), for the final count
         self.last_landing: dict[tuple[str, int], float] = {}
         # (job, step) -> when each node first saw it committed at every tier
         self.catalogs: dict[tuple[str, int], list[float]] = {}
@@ -564,6 +568,8 @@ class Sim:
                 agent.hang(order["job"])
             elif op == "report":
                 emit(ev="report", **self.report())
+            elif op == "quiet":  # no more metrics batches: the run is being counted
+                self.quiet = True
             elif op == "quit":
                 return
 
