@@ -159,7 +159,6 @@ class Recoveries:
         phases: dict[str, float] = rec.setdefault("phases", {})
         old_generation = int(rec["generation"])
         stopped = rec.get("phase") not in (None, "plan")
-        stops: asyncio.Future[None] | None = None  # the gang's stops, once sent
         while True:
             if not _recovering(job) or job.recovery is not rec:
                 return  # cancelled meanwhile: that stop owns the job
@@ -200,13 +199,7 @@ class Recoveries:
             self._quarantine(job, plan, failures)
             if not stopped:
                 t0 = time.perf_counter()
-                stops = self._stop_gang(job, old_generation)
-                if plan.action not in RELAUNCHES:
-                    await stops
-                # A relaunch does not wait for them: each node runs the stop before the next
-                # generation's start (a start stops the older generations first anyway), and
-                # the old ranks are fenced (their own rendezvous port; the catalog takes no
-                # older generation's landing of a step a newer one saves).
+                await self._stop_gang(job, old_generation)
                 phases["stop"] = round(time.perf_counter() - t0, 3)
                 rec["phase"] = "stopped"
                 stopped = True
@@ -216,9 +209,6 @@ class Recoveries:
             if plan.action is Action.FAIL:
                 self._fail(job, plan)
                 return
-            if plan.action is Action.WAIT and stops is not None:
-                await stops  # a burn-in, or the wait, needs the gang's GPUs free
-                stops = None
             if (
                 plan.action is Action.WAIT
                 and plan.burn_in
@@ -243,8 +233,6 @@ class Recoveries:
                 break
         rec["plan"] = plan_record(plan)
         await self._relaunch(job, plan)
-        if stops is not None:
-            await stops  # done by now: each node acknowledged its stop before its start
 
     def _fail(self, job: Job, plan: Plan) -> None:
         self.incidents.finish(job, plan, outcome="failed")
@@ -370,10 +358,8 @@ class Recoveries:
         plan = self.plan(job, [Failure(FailureKind.GROW, job.nodes[0], quarantine=False)])
         return plan if plan.action is Action.GROW else None
 
-    def _stop_gang(self, job: Job, generation: int) -> asyncio.Future[None]:
-        """Stop the generation's ranks on every node still reachable; RAM tiers stay. The
-        stops are sent at once; the future is done once every node acknowledged (or not:
-        that is logged)."""
+    async def _stop_gang(self, job: Job, generation: int) -> None:
+        """Stop the generation's ranks on every node still reachable; RAM tiers stay."""
         grace = min(job.spec.grace_period, STOP_GRACE_S)
         args = wire.StopRanksArgs(
             job=job.id,
@@ -389,27 +375,19 @@ class Recoveries:
             and known.state is not NodeState.OFFLINE
         ]
         timeout = grace + self.ctl.settings.command_timeout_s
-        sent = asyncio.gather(
+        results = await asyncio.gather(
             *(self.ctl.command(n, args, timeout=timeout) for n in targets), return_exceptions=True
         )
-
-        async def acknowledged() -> None:
-            results = await sent
-            for node, result in zip(targets, results, strict=True):
-                if isinstance(result, BaseException):
-                    # Its ranks are fenced anyway: the next generation has its own
-                    # rendezvous port, and the catalog takes no landing of an older
-                    # generation's save.
-                    log.warning(
-                        "job %s: node %s did not acknowledge the recovery stop: %s",
-                        job.id,
-                        node,
-                        result,
-                    )
-
-        return asyncio.get_running_loop().create_task(
-            acknowledged(), name=f"recovery-stop-{job.id}-g{generation}"
-        )
+        for node, result in zip(targets, results, strict=True):
+            if isinstance(result, BaseException):
+                # Its ranks are fenced anyway: the next generation has its own rendezvous
+                # port, and the catalog takes no landing of an older generation's save.
+                log.warning(
+                    "job %s: node %s did not acknowledge the recovery stop: %s",
+                    job.id,
+                    node,
+                    result,
+                )
 
     def _quarantine(self, job: Job, plan: Plan, failures: list[Failure]) -> None:
         """Drain the plan's failed nodes, once per recovery (an operator's undrain after
