@@ -504,6 +504,7 @@ class JobController:
                         f"node {nodes[0]} could not allocate a port: {ack.detail}", nodes[0]
                     )
                 port = int(ack.result["port"])
+                self.registry.port_given(nodes[0], port)
             job.master_port = port
             timed["port"] = round(time.perf_counter() - t0, 3)
             # The ranks restore first thing: their nodes must know this generation's

@@ -51,6 +51,9 @@ MASS_OFFLINE_WINDOW_S = 10.0
 MASS_OFFLINE_SHARE = 0.05
 MASS_OFFLINE_MIN = 4
 OFFLINE_HISTORY_S = 600.0  # how long a node going offline is remembered for that
+# How long a rendezvous port handed out on a node is not handed out again: its rank 0
+# binds it only once its ranks start (seconds; a cold start on a GPU node ~10 s).
+PORT_REUSE_S = 120.0
 
 
 class NodeState(enum.StrEnum):
@@ -85,9 +88,10 @@ class Node:
     offline_at: float = 0.0  # the registry's clock when it last went offline
     slow: SlowNode | None = None  # the supervisor's: its ranks straggle in several jobs
     # A port free on the node, from its last heartbeat, for the next launch's rendezvous
-    # (``Registry.take_port``); the last one taken, not offered again.
+    # (``Registry.take_port``); the ports handed out there lately (port -> when), which
+    # a heartbeat may name again before their rank 0 binds them: not handed out again.
     port: int | None = None
-    port_taken: int | None = None
+    ports_given: dict[int, float] = field(default_factory=dict)
 
     @property
     def state(self) -> NodeState:
@@ -222,7 +226,9 @@ class Registry:
         before = node.state
         if not node.online:
             node.online = True
-        node.port = beat.port if beat.port != node.port_taken else None
+        given = node.ports_given.get(beat.port) if beat.port is not None else None
+        fresh = given is None or self.clock() - given > PORT_REUSE_S
+        node.port = beat.port if fresh else None
         self._seen(node)
         self._apply_health(node, beat.health, before)
         self._changed(node, before, cause="heartbeat")
@@ -230,15 +236,30 @@ class Registry:
 
     def take_port(self, node_id: str) -> int | None:
         """A port free on ``node_id`` at its last heartbeat, for a launch's rendezvous, or
-        None (none known, the node offline, or that port taken already): the launch asks
-        the node then (``alloc_port``), a round trip behind everything the supervisor
-        has yet to read (seconds, at 2,048 nodes, right after a recovery's stops)."""
+        None (none known, the node offline, or that port handed out already): the launch
+        asks the node then (``alloc_port``), a round trip behind everything the
+        supervisor has yet to read (seconds, at 2,048 nodes, after a recovery's stops)."""
         node = self.nodes.get(node_id)
         if node is None or not node.online or node.port is None:
             return None
         port, node.port = node.port, None
-        node.port_taken = port  # two launches within one heartbeat must not share it
+        self.port_given(node_id, port)
         return port
+
+    def port_given(self, node_id: str, port: int) -> None:
+        """``port`` on ``node_id`` is a launch's rendezvous port now (taken from a
+        heartbeat, or from the node's answer to ``alloc_port``): not handed out again
+        for ``PORT_REUSE_S``, even if the node's heartbeats name it."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return
+        now = self.clock()
+        given = node.ports_given
+        for old in [p for p, at in given.items() if now - at > PORT_REUSE_S]:
+            del given[old]
+        given[port] = now
+        if node.port == port:
+            node.port = None
 
     def on_death(self, death: wire.NodeDeath) -> None:
         node = self.nodes.get(death.node)

@@ -10,7 +10,7 @@ import pytest
 from phalanx import wire
 from phalanx.wire import Health, HealthStatus, Reason
 from supervisor.errors import Refused, RegistryError, UnknownNode
-from supervisor.fleet.registry import NodeState, Registry
+from supervisor.fleet.registry import PORT_REUSE_S, NodeState, Registry
 from supervisor.store import Event, Store
 from tests.unit.supervisor.conftest import OpenStore
 
@@ -319,18 +319,37 @@ def test_a_heartbeat_of_an_unknown_node_returns_false(registry: Registry) -> Non
     assert registry.on_heartbeat(_beat(node="ghost")) is False
 
 
-def test_a_heartbeats_free_port_is_taken_once_and_not_offered_again(registry: Registry) -> None:
+def _port(n: int, port: int) -> wire.Heartbeat:
+    return _beat(n=n).model_copy(update={"port": port})
+
+
+def test_a_heartbeats_free_port_is_taken_once_and_not_offered_again(
+    registry: Registry, clock: Clock
+) -> None:
     registry.on_birth(_birth())
     assert registry.take_port("n1") is None  # no heartbeat yet: the launch asks the node
 
-    registry.on_heartbeat(_beat().model_copy(update={"port": 41000}))
+    registry.on_heartbeat(_port(1, 41000))
     assert registry.take_port("n1") == 41000
     assert registry.take_port("n1") is None  # one launch per port
 
-    registry.on_heartbeat(_beat(n=2).model_copy(update={"port": 41000}))
-    assert registry.take_port("n1") is None  # the same port again: maybe not bound yet
-    registry.on_heartbeat(_beat(n=3).model_copy(update={"port": 41007}))
+    registry.on_heartbeat(_port(2, 41007))
     assert registry.take_port("n1") == 41007
+    registry.on_heartbeat(_port(3, 41000))  # the first again: its rank 0 may not bind yet
+    assert registry.take_port("n1") is None
+
+    clock.now += PORT_REUSE_S + 1  # long bound (or given up) since
+    registry.on_heartbeat(_port(4, 41000))
+    assert registry.take_port("n1") == 41000
+
+
+def test_a_port_alloc_port_handed_out_is_not_offered_by_a_heartbeat(registry: Registry) -> None:
+    registry.on_birth(_birth())
+    registry.on_heartbeat(_port(1, 41000))
+    registry.port_given("n1", 41000)  # the node's answer to alloc_port named it too
+    assert registry.take_port("n1") is None
+    registry.on_heartbeat(_port(2, 41000))
+    assert registry.take_port("n1") is None
 
 
 def test_no_port_is_offered_by_a_reborn_offline_or_unknown_node(registry: Registry) -> None:
