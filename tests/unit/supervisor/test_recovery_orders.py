@@ -23,13 +23,10 @@ from supervisor.fleet.registry import Registry
 from supervisor.jobs import Job, JobState, RankPlace
 from supervisor.recovery.planner import Failure, FailureKind
 from supervisor.store import Store
+from tests.unit.supervisor.test_controller_growth import nowhere
 from tests.unit.supervisor.test_dashboard_auth import birth
 
 RPN = 2
-
-
-async def nowhere(topic: str, payload: bytes, **kw: Any) -> None:
-    """The link's publish: the catalogs go nowhere (no node listens in this test)."""
 
 
 class Fleet:
