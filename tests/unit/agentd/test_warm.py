@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -387,3 +388,47 @@ def test_only_python_script_and_module_commands_can_run_warm(
     command: list[str], form: tuple[str, str] | None
 ) -> None:
     assert launch_form(command) == form
+
+
+# Builds a DDP model in a process that imported only the job spec's default warm imports,
+# and lists the torch modules that building it and one step imported after them.
+DDP_IMPORTS = """
+import importlib, json, sys, tempfile
+for name in json.loads(sys.argv[1]):
+    importlib.import_module(name)
+before = set(sys.modules)
+import torch, torch.distributed as dist
+with tempfile.TemporaryDirectory() as tmp:
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    model(torch.ones(2, 4)).sum().backward()
+    dist.destroy_process_group()
+print(json.dumps(sorted(m for m in set(sys.modules) - before if m.startswith("torch"))))
+"""
+
+
+def test_the_default_warm_imports_hold_what_building_a_ddp_model_imports() -> None:
+    # DistributedDataParallel imports torch._dynamo when it is built: 1.5 s on a quiet
+    # core, most of a warm restart while the defaults left it out.
+    from phalanx.jobspec import RestartSpec
+
+    defaults = RestartSpec().warm_imports
+    got = subprocess.run(
+        [sys.executable, "-c", DDP_IMPORTS, json.dumps(defaults)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    late = json.loads(got.stdout.splitlines()[-1])
+    assert not [m for m in late if m.startswith(("torch._dynamo", "torch._inductor", "torch.fx"))]
+    # Without torch._dynamo among them, this test would see it imported late.
+    bare = subprocess.run(
+        [sys.executable, "-c", DDP_IMPORTS, json.dumps(["torch", "torch.distributed"])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "torch._dynamo" in json.loads(bare.stdout.splitlines()[-1])
