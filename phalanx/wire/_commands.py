@@ -104,6 +104,20 @@ class StopRanksArgs(Msg):
     )
 
 
+class PrewarmArgs(Msg):
+    """Keep warm interpreters for a job on this node (a hot spare) that has none of its
+    ranks: one per local rank slot, started as a rank of this start order would be, so
+    that ranks moved here from a failed node start in them instead of a cold launch.
+    They go ``lease_s`` after the last prewarm, unless a rank of the job runs here by
+    then; a prewarm repeated with the same order only renews the lease."""
+
+    op: Literal["prewarm"] = "prewarm"
+    start: StartRanksArgs = Field(
+        description="the start order the node would get (its ranks: the local rank slots)"
+    )
+    lease_s: float = Field(gt=0, le=3600)
+
+
 class AllocPortArgs(Msg):
     """Find a free TCP port on the node (the rendezvous port of a gang's rank 0)."""
 
@@ -133,6 +147,7 @@ CommandArgsType = (
     | RebirthArgs
     | StartRanksArgs
     | StopRanksArgs
+    | PrewarmArgs
     | AllocPortArgs
     | BurnInArgs
     | SaveNowArgs
