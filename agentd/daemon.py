@@ -360,6 +360,8 @@ class Agent:
                     grace_s=cmd.args.grace_s,
                     keep_warm=cmd.args.keep_warm,
                 )
+            case wire.PrewarmArgs():
+                return await self.ranks.prewarm(cmd.args)
             case wire.BurnInArgs():
                 await self.sample_health()
                 result = await burn_in(

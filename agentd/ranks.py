@@ -170,6 +170,7 @@ class RankRunner:
         # Start and stop of one job are serialised: a stop arriving while a start is still
         # spawning must find (and kill) every rank that start launches.
         async with self._lock(req.job):
+            self.warm.cancel_idle(req.job)  # a lease lapsing now would fence them out
             return await self._start(req)
 
     async def _start(self, req: wire.StartRanksArgs) -> dict[str, Any]:
@@ -210,6 +211,7 @@ class RankRunner:
         workdir: Path,
     ) -> dict[str, Any]:
         self._generation[req.job] = req.generation
+        self.warm.drop_prewarmed(keep=req.job)
         # Ranks of an older generation whose stop never arrived go first: left running, they
         # would hold the GPUs and, replaced in self._ranks, escape every later stop.
         await self._stop(req.job, req.generation - 1, grace_s=req.grace_s)
@@ -219,14 +221,7 @@ class RankRunner:
         templates: dict[int, Template] = {}
         visible = ",".join(str(s.gpu) for s in slots if s.gpu is not None)
         for slot in slots:
-            rank_env = {
-                **env,
-                "RANK": str(slot.rank),
-                "LOCAL_RANK": str(slot.local_rank),
-                "TORCH_FR_DUMP_TEMP_FILE": str(logs / f"nccl-trace-rank-{slot.rank}-"),
-            }
-            if visible:
-                rank_env["CUDA_VISIBLE_DEVICES"] = visible
+            rank_env = _rank_env(env, slot, logs, visible)
             log_path = logs / f"rank-{slot.rank}.log"
             template = template_for(req, workdir, rank_env)
             if template is not None:
@@ -266,6 +261,39 @@ class RankRunner:
         else:
             self.warm.discard(req.job)
         return {"pids": pids}
+
+    async def prewarm(self, args: wire.PrewarmArgs) -> dict[str, Any]:
+        """Warm interpreters for a job with no rank here (this node is a hot spare), one
+        per local rank slot of ``args.start``, started as its ranks would be; they go
+        ``args.lease_s`` after the last prewarm unless a rank of the job runs here."""
+        req = args.start
+        async with self._lock(req.job):
+            if self._has_ranks(req.job):
+                return {"warm": 0, "note": "the job runs here: its own ranks keep them warm"}
+            workdir = Path(req.workdir)
+            if not await asyncio.to_thread(workdir.is_dir):
+                raise CommandError(
+                    f"job {req.job}: workdir {req.workdir} does not exist on node {self.node}"
+                )
+            env = self._environment(req)
+            logs = self.data_dir / "jobs" / req.job / f"g{req.generation}"
+            templates = {
+                slot.local_rank: template
+                for slot in req.ranks
+                if (template := template_for(req, workdir, _rank_env(env, slot, logs, "")))
+                is not None
+            }
+            if not templates:
+                return {"warm": 0, "note": "no warm plan, or a command that cannot run warm"}
+            lock = self._lock(req.job)
+            if not self.warm.prewarm(
+                req.job, templates, args.lease_s, lambda: self._has_ranks(req.job) or lock.locked()
+            ):
+                return {"warm": 0, "note": "this agent keeps no warm interpreters for the job"}
+            return {"warm": len(templates)}
+
+    def _has_ranks(self, job: str) -> bool:
+        return any(r.job == job and not r.done.is_set() for r in self._ranks.values())
 
     def _started(self, rank: Rank) -> None:
         self._ranks[(rank.job, rank.slot.rank)] = rank
@@ -563,12 +591,20 @@ class RankRunner:
         if all(r.code == 0 for r in generation):
             self.warm.discard(rank.job)
         else:
-            self.warm.discard_when_idle(
-                rank.job,
-                lambda: any(
-                    r.job == rank.job and not r.done.is_set() for r in self._ranks.values()
-                ),
-            )
+            self.warm.discard_when_idle(rank.job, lambda: self._has_ranks(rank.job))
+
+
+def _rank_env(env: dict[str, str], slot: wire.RankSlot, logs: Path, visible: str) -> dict[str, str]:
+    """One rank's environment: the start's, with the slot's own variables."""
+    rank_env = {
+        **env,
+        "RANK": str(slot.rank),
+        "LOCAL_RANK": str(slot.local_rank),
+        "TORCH_FR_DUMP_TEMP_FILE": str(logs / f"nccl-trace-rank-{slot.rank}-"),
+    }
+    if visible:
+        rank_env["CUDA_VISIBLE_DEVICES"] = visible
+    return rank_env
 
 
 async def _wait_done(ranks: list[Rank], timeout: float) -> list[Rank]:

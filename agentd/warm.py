@@ -165,6 +165,7 @@ class WarmPool:
         self._spawning: set[asyncio.Task[None]] = set()  # refills starting processes
         self._locks: dict[str, asyncio.Lock] = {}  # one refill of a job at a time
         self._idle: dict[str, asyncio.Task[None]] = {}
+        self._prewarmed: set[str] = set()  # jobs with no rank here, kept for as a spare
         self._tasks = Tasks(f"warm interpreters of {node}")
         self.closing = False
 
@@ -276,6 +277,38 @@ class WarmPool:
         if task is not None:
             self._refills[job] = task
 
+    def prewarm(
+        self,
+        job: str,
+        templates: Mapping[int, Template],
+        lease_s: float,
+        busy: Callable[[], bool],
+    ) -> bool:
+        """Have a warm interpreter behind each local rank in ``templates`` now, for a job
+        with no rank here (a hot spare's, for the job it may take over); they go
+        ``lease_s`` from now unless ``busy()`` (a rank of the job starts or runs here) or
+        another prewarm or a refill came meanwhile. Those already there and matching
+        stay. False: none are kept for the job here (the agent is stopping, or gave up on
+        its warm interpreters after they kept dying)."""
+        if self.closing or job in self._given_up:
+            return False
+
+        async def now() -> None:
+            return None
+
+        self.refill(job, templates, now)
+        self._prewarmed.add(job)
+        self.discard_when_idle(job, busy, after_s=lease_s)
+        return True
+
+    def drop_prewarmed(self, keep: str) -> None:
+        """This node starts ranks of ``keep``: it is no spare now, and the interpreters
+        it kept for other jobs it might have taken over go."""
+        for job in sorted(self._prewarmed - {keep}):
+            log.info("job %s: this node runs job %s now; its prewarmed interpreters go", job, keep)
+            self.discard(job)
+        self._prewarmed.clear()
+
     def _cancel_refill(self, job: str) -> None:
         """Cancel the job's refill while it waits; one already starting processes goes
         on, and the fence (``_discards``) stops it."""
@@ -306,24 +339,27 @@ class WarmPool:
 
     def discard(self, job: str) -> None:
         """Let the job's warm interpreters go (SIGKILL: they hold nothing)."""
+        self._prewarmed.discard(job)
         self._cancel_refill(job)
         self.cancel_idle(job)
         self._discards[job] = self._discards.get(job, 0) + 1
         for w in [w for (j, _), w in self._warm.items() if j == job]:
             self._discard(w)
 
-    def discard_when_idle(self, job: str, busy: Callable[[], bool]) -> None:
-        """``idle_s`` from now, discard the job's warm interpreters unless ``busy()`` (a
-        rank of the job runs here) or a refill came meanwhile."""
+    def discard_when_idle(
+        self, job: str, busy: Callable[[], bool], *, after_s: float | None = None
+    ) -> None:
+        """``after_s`` (by default ``idle_s``) from now, discard the job's warm
+        interpreters unless ``busy()`` (a rank of the job runs here) or a refill came
+        meanwhile."""
         self.cancel_idle(job)
+        wait = self.idle_s if after_s is None else after_s
 
         async def later() -> None:
-            await asyncio.sleep(self.idle_s)
+            await asyncio.sleep(wait)
             self._idle.pop(job, None)
             if not busy():
-                log.info(
-                    "job %s: no rank here for %.0f s; its warm interpreters go", job, self.idle_s
-                )
+                log.info("job %s: no rank here for %.0f s; its warm interpreters go", job, wait)
                 self.discard(job)
 
         task = self._tasks.spawn(later(), name=f"warm-idle-{job}")

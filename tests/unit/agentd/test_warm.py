@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from agentd.commands import CommandError
 from agentd.ranks import RankRunner
 from agentd.warm import launch_form
 from phalanx import wire
@@ -432,3 +433,81 @@ def test_the_default_warm_imports_hold_what_building_a_ddp_model_imports() -> No
         check=True,
     )
     assert "torch._dynamo" in json.loads(bare.stdout.splitlines()[-1])
+
+
+# --- a hot spare's prewarm ---------------------------------------------------------
+
+
+async def test_a_spare_prewarmed_for_a_job_starts_its_moved_ranks_in_those_interpreters(
+    runner: RankRunner, reporter: Reporter, work: Path
+) -> None:
+    # The order the job's first node got (ranks 0 and 1 of group 0).
+    got = await runner.prewarm(wire.PrewarmArgs(start=start_args(work, 1, "0"), lease_s=60))
+    assert got == {"warm": 2}
+    warm = await warm_ready(runner, 0, 1)
+    # Prewarmed again (a renewal): the same interpreters stay.
+    await runner.prewarm(wire.PrewarmArgs(start=start_args(work, 1, "0"), lease_s=60))
+
+    # The failed second node's ranks move here in generation 3: ranks 2 and 3 of group 1,
+    # another rendezvous and another world.
+    moved = start_args(work, 3, "0").model_copy(
+        update={
+            "master_addr": "10.1.2.3",
+            "master_port": 29999,
+            "world_size": 4,
+            "group_rank": 1,
+            "ranks": [wire.RankSlot(rank=2, local_rank=0), wire.RankSlot(rank=3, local_rank=1)],
+        }
+    )
+    started = await runner.start(moved)
+
+    assert started["pids"] == {2: warm[0], 3: warm[1]}
+    events = await reporter.wait_for(2)
+    assert sorted((e.rank, e.code) for e in events) == [(2, 0), (3, 0)]
+    shown = json.loads(shown_text(runner, 2).splitlines()[0])
+    assert (shown["preloaded"], shown["generation"], shown["argv"]) == (True, "3", ["show.py", "0"])
+    assert shown["rank"] == "2"
+
+
+async def test_a_spares_prewarm_lapses_after_its_lease_when_no_rank_of_the_job_came(
+    runner: RankRunner, work: Path
+) -> None:
+    await runner.prewarm(wire.PrewarmArgs(start=start_args(work, 1, "0"), lease_s=3))
+    await eventually(lambda: len(runner.warm.pids(JOB)) == 2)
+    warm = runner.warm.pids(JOB)
+
+    await eventually(lambda: not runner.warm.pids(JOB))
+    for pid in warm.values():
+        await eventually(lambda pid=pid: not psutil.pid_exists(pid))
+
+
+async def test_a_prewarm_of_a_job_that_runs_here_or_cannot_run_warm_starts_nothing(
+    runner: RankRunner, work: Path, tmp_path: Path
+) -> None:
+    cold = start_args(work, 1, "0", command=["bash", "-c", "exit 0"])
+    assert (await runner.prewarm(wire.PrewarmArgs(start=cold, lease_s=60)))["warm"] == 0
+    await runner.start(start_args(work, 1, "sleep"))
+    got = await runner.prewarm(wire.PrewarmArgs(start=start_args(work, 1, "0"), lease_s=60))
+    assert got["warm"] == 0 and "runs here" in got["note"]
+
+    elsewhere = start_args(tmp_path / "missing", 1, "0").model_copy(update={"job": "other-abc123"})
+    with pytest.raises(CommandError, match=r"workdir .*missing does not exist on node n1"):
+        await runner.prewarm(wire.PrewarmArgs(start=elsewhere, lease_s=60))
+
+
+async def test_a_spare_that_starts_ranks_of_one_job_lets_the_others_prewarmed_go(
+    runner: RankRunner, reporter: Reporter, work: Path
+) -> None:
+    other = start_args(work, 1, "0").model_copy(update={"job": "other-abc123"})
+    await runner.prewarm(wire.PrewarmArgs(start=other, lease_s=60))
+    await runner.prewarm(wire.PrewarmArgs(start=start_args(work, 1, "0"), lease_s=60))
+    await eventually(lambda: runner.warm.ready("other-abc123", 1) and runner.warm.ready(JOB, 1))
+    kept, mine = runner.warm.pids("other-abc123"), runner.warm.pids(JOB)
+
+    started = await runner.start(start_args(work, 2, "0"))
+
+    assert started["pids"] == {0: mine[(JOB, 0)], 1: mine[(JOB, 1)]}
+    assert runner.warm.pids("other-abc123") == {}
+    for pid in kept.values():
+        await eventually(lambda pid=pid: not psutil.pid_exists(pid))
+    await reporter.wait_for(2)
