@@ -15,7 +15,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from phalanx import wire
@@ -26,6 +26,7 @@ from supervisor.checkpoints.publisher import CatalogPublisher
 from supervisor.config import SupervisorSettings
 from supervisor.control.cluster import cluster_state
 from supervisor.control.orders import GangOrders
+from supervisor.control.prewarm import SparePrewarm
 from supervisor.control.reconcile import Reconciler
 from supervisor.errors import LaunchError, Refused, UnknownJob
 from supervisor.fleet.burnin import BurnIns
@@ -99,6 +100,7 @@ class JobController:
         self.incidents = Incidents(self, self._newest_committed)
         self.recoveries = Recoveries(self, self.incidents)
         self.orders = GangOrders(self)
+        self.prewarm = SparePrewarm(self._send, self.tasks, self.orders.prewarm_args)
         self.sdc = SdcWatch(self, self.recoveries.on_failure)
         self.reconciler = Reconciler(
             self.jobs,
@@ -166,6 +168,20 @@ class JobController:
         else:
             self.schedule_pass()
             self._passed_on, self._passed_at = self._pass_key(), time.monotonic()
+        if self.spares:
+            try:  # an optional speed-up: never what stops the loop
+                self.prewarm.tick(self.spares, self.jobs, self._spare_gpus(self.spares))
+            except Exception:
+                log.exception("could not send the spares' prewarm orders")
+
+    def _spare_gpus(self, nodes: Iterable[str]) -> dict[str, tuple[int, str | None]]:
+        """Each node's GPU count and model (0 and None: not known)."""
+        out: dict[str, tuple[int, str | None]] = {}
+        for node in nodes:
+            known = self.registry.nodes.get(node)
+            gpus = known.birth.gpus if known is not None and known.birth else []
+            out[node] = (len(gpus), gpus[0].model if gpus else None)
+        return out
 
     async def command(
         self, node: str, args: wire.CommandArgsType, timeout: float | None = None

@@ -28,10 +28,14 @@ class GangOrders:
         self.ctl = ctl
         self._mtbf: tuple[float, NodeMtbf] | None = None  # (monotonic time, the fleet's)
 
-    def start_orders(self, job: Job, nodes: Sequence[str]) -> list[wire.StartRanksArgs]:
+    def start_orders(
+        self, job: Job, nodes: Sequence[str], *, ckpt: bool = True
+    ) -> list[wire.StartRanksArgs]:
         """Each node's start order (``nodes`` in group-rank order). What all of them share
         (the environment, the racks and buddies, the fleet's MTBF) is worked out once: per
-        node it made a 2,048-node launch quadratic in the gang's size (issue 22)."""
+        node it made a 2,048-node launch quadratic in the gang's size (issue 22).
+        ``ckpt=False``: no checkpoint plan (no buddy, no credential), for an order that
+        starts no rank (a spare's prewarm)."""
         spec = job.spec
         env: dict[str, str | wire.EnvFromFile] = {
             k: wire.EnvFromFile(from_file=str(v.from_file)) if isinstance(v, FromFile) else v
@@ -48,7 +52,7 @@ class GangOrders:
                 spec.elastic.global_batch * (job.published_restore or 0),
             )
             env.update(layout.env())
-        buddies = self._buddies(job)
+        buddies = self._buddies(job) if ckpt else {}
         warm = wire.WarmPlan(imports=list(spec.restart.warm_imports)) if spec.restart.warm else None
         return [
             wire.StartRanksArgs(
@@ -65,7 +69,7 @@ class GangOrders:
                     wire.RankSlot(rank=r.rank, local_rank=r.local_rank) for r in job.places_on(node)
                 ],
                 grace_s=spec.grace_period,
-                ckpt=self._ckpt_plan(job, node, buddies),
+                ckpt=self._ckpt_plan(job, node, buddies) if ckpt else None,
                 hang_timeout_s=spec.restart.hang_timeout,
                 warm=warm,
             )
@@ -76,6 +80,12 @@ class GangOrders:
         """One node's start order (see :meth:`start_orders`)."""
         order = self.start_orders(job, [node])[0]
         return order.model_copy(update={"group_rank": group_rank})
+
+    def prewarm_args(self, job: Job, node: str) -> wire.StartRanksArgs:
+        """The start order of the job's ``node``, without its checkpoint plan: what a spare
+        keeps warm interpreters to (it never starts a rank, and must not get ``node``'s
+        credential at its buddy)."""
+        return self.start_orders(job, [node], ckpt=False)[0]
 
     def ckpt_plan(self, job: Job, node: str) -> wire.CkptPlan:
         """The job's checkpoint tiers for one node, with the buddy its peer copies go to

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from phalanx.simgpu import inject
 from tests.harness import Fleet, rank_pid, wait_for
 
 pytestmark = pytest.mark.integration
@@ -56,18 +57,23 @@ def submit(fleet: Fleet, work: Path, name: str, **restart: Any) -> str:
     return job
 
 
-def seen(fleet: Fleet, job: str, rank: int, generation: int) -> dict[str, Any]:
+def seen(fleet: Fleet, job: str, rank: int, generation: int, node: str = "n01") -> dict[str, Any]:
     log = (
-        fleet.root / "nodes" / "n01" / "data" / "jobs" / job / f"g{generation}" / f"rank-{rank}.log"
+        fleet.root / "nodes" / node / "data" / "jobs" / job / f"g{generation}" / f"rank-{rank}.log"
     )
     line = next(x for x in log.read_text().splitlines() if x.startswith("{"))
     found: dict[str, Any] = json.loads(line)
     return found
 
 
-def warm_started(fleet: Fleet, job: str, generation: int) -> set[int]:
+def warm_started(fleet: Fleet, job: str, generation: int, node: str = "n01") -> set[int]:
     pattern = rf"job {job} gen {generation}: started rank (\d+) \(pid \d+, a warm interpreter\)"
-    return {int(m) for m in re.findall(pattern, fleet.agents["n01"].output())}
+    return {int(m) for m in re.findall(pattern, fleet.agents[node].output())}
+
+
+def warm_ready(fleet: Fleet, job: str, node: str = "n01") -> int:
+    pattern = rf"job {job} local rank \d: warm interpreter ready"
+    return len(re.findall(pattern, fleet.agents[node].output()))
 
 
 def kill_rank_1_once_warm(fleet: Fleet, job: str, *, warm: bool) -> None:
@@ -124,3 +130,30 @@ def test_a_job_that_opts_out_of_warm_interpreters_restarts_with_a_cold_launch(
     assert warm_started(fleet, job, 2) == set()
     assert "warm interpreter" not in fleet.agents["n01"].output()
     assert seen(fleet, job, 0, 2)["preloaded"] is False
+
+
+def test_ranks_moved_to_a_spare_start_in_the_warm_interpreters_it_kept_for_the_job(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    fleet.start_supervisor(spares=1)
+    fleet.start_nodes(2)
+    job = submit(fleet, tmp_path, "spare-warm")
+    running = fleet.wait_job(job, "running", timeout=60)
+    (victim,) = running["nodes"]
+    (spare,) = {"n01", "n02"} - {victim}
+    # The spare keeps a warm interpreter for each of the job's local ranks.
+    wait_for(lambda: warm_ready(fleet, job, spare) >= 2 or None, 60, "two warm on the spare")
+
+    inject(fleet.sim_file(victim), 1, "ecc-dbe")
+
+    done = fleet.wait_job(job, "succeeded", timeout=90)
+    assert done["nodes"] == [spare]
+    assert (done["generation"], done["restarts"]) == (2, 1)
+    assert warm_started(fleet, job, 2, spare) == {0, 1}
+    for rank in (0, 1):
+        assert seen(fleet, job, rank, 2, spare) == {
+            "name": "__main__",
+            "argv": ["probe.py", "--flag", "two words"],
+            "preloaded": True,
+            "generation": "2",
+        }

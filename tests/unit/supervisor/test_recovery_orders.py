@@ -18,6 +18,7 @@ from phalanx.jobspec import validate_spec
 from supervisor.checkpoints.catalog import CheckpointCatalog
 from supervisor.checkpoints.publisher import CatalogPublisher
 from supervisor.config import SupervisorSettings
+from supervisor.control import prewarm
 from supervisor.control.controller import JobController
 from supervisor.fleet.registry import Registry
 from supervisor.jobs import Job, JobState, RankPlace
@@ -38,6 +39,7 @@ class Fleet:
         for node in nodes:
             self.registry.on_birth(birth(node, gpus=RPN))
         self.sent: list[tuple[str, str, int]] = []  # (node, op, generation)
+        self.args: list[wire.CommandArgsType] = []  # what was sent, in order
         self.stops_acked = asyncio.Event()
         self.jobs: dict[str, Job] = {}
         self.publisher = CatalogPublisher(
@@ -86,6 +88,7 @@ class Fleet:
     ) -> wire.CommandAck:
         generation = int(getattr(args, "generation", 0))
         self.sent.append((node, args.op, generation))
+        self.args.append(args)
         result: dict[str, Any] = {}
         if isinstance(args, wire.StopRanksArgs):
             await self.stops_acked.wait()
@@ -194,5 +197,24 @@ async def test_a_recovery_that_waits_for_a_node_has_its_stops_acknowledged_first
         fleet.stops_acked.set()
         await fleet.until(lambda: fleet.job.recovery.get("phase") == "stopped")  # type: ignore[union-attr]
         assert fleet.ops("start_ranks") == []  # nothing to start on: it waits
+    finally:
+        await fleet.close()
+
+
+async def test_a_spare_is_sent_the_start_order_of_a_running_job_without_its_checkpoint_plan(
+    tmp_path: Path,
+) -> None:
+    # A spare starts no rank: no buddy, and no node's credential at one, goes to it.
+    fleet = Fleet(tmp_path, ["n0", "n1", "n2"], gang=["n0", "n1"])
+    try:
+        fleet.ctl.spares = ("n2",)
+        fleet.ctl.tick()
+        await fleet.until(lambda: fleet.ops("prewarm") == [("n2", 0)])
+
+        (sent,) = [a for a in fleet.args if isinstance(a, wire.PrewarmArgs)]
+        start = fleet.ctl.orders.start_args(fleet.job, 0, "n0")
+        assert start.ckpt is not None and sent.start.ckpt is None
+        assert sent.start == start.model_copy(update={"ckpt": None})
+        assert sent.lease_s == prewarm.LEASE_S
     finally:
         await fleet.close()
