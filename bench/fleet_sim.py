@@ -317,6 +317,8 @@ class SimAgent:
                 return {"seq": self.seq}
             case wire.SaveNowArgs():
                 return {"ranks": []}
+            case wire.PrewarmArgs():  # a simulated spare has no interpreters to keep
+                return {"warm": len(args.start.ranks)}
         raise AssertionError(f"unhandled command {args!r}")
 
     def _start(self, args: wire.StartRanksArgs) -> dict[str, Any]:
