@@ -57,8 +57,10 @@ hardware, so a fleet that saw a fault is not the same fleet any more.
   minutes: 1 - (mean MTTR + mean lost work) / 300 (the issue's target: 97%),
   from this run's incidents and from the crash and ECC trials. ``restart.backoff``
   is ``--backoff`` (the product default, 1 s); it applies only to a generation a
-  recovery started that fails again within a minute (a crash loop), so with
-  ``--mtbf`` of a minute or more no restart waits.
+  recovery started that fails again within a minute without training a step (a crash
+  loop), so here no restart waits. (Until 2026-11-28 it applied to any generation that
+  failed within a minute: with ``--mtbf 60`` and a 1 s recovery each generation ran 59 s,
+  and the waits doubled to 60 s.)
 
 * ``no_spare``: a 3-node x 2-rank job with no spare (global batch 24 in micro batches
   of 2), a double-bit ECC error on its second node, the node back ``--return-after``

@@ -38,7 +38,13 @@ from supervisor.errors import RegistryError
 from supervisor.fleet.registry import NodeState
 from supervisor.jobs import Job, JobState
 from supervisor.recovery import rollbacks
-from supervisor.recovery.incidents import Incidents, node_incidents, plan_record, time_ran
+from supervisor.recovery.incidents import (
+    Incidents,
+    node_incidents,
+    plan_record,
+    time_ran,
+    trained_steps,
+)
 from supervisor.recovery.planner import (
     GUARD_KINDS,
     HEALTHY,
@@ -515,12 +521,16 @@ class Recoveries:
 
     async def _backoff(self, job: Job) -> bool:
         """Wait before restarting a generation that a recovery started and that failed
-        again within ``QUICK_FAILURE_S``: ``restart.backoff``, doubling with each such
-        failure in a row (a crash loop), at most ``BACKOFF_MAX_S``."""
+        again within ``QUICK_FAILURE_S`` without training a step: ``restart.backoff``,
+        doubling with each such failure in a row (a crash loop), at most
+        ``BACKOFF_MAX_S``."""
         assert job.recovery is not None
         ran = time_ran(job, job.recovery["fault_at"])
+        trained = trained_steps(job.progress.get(str(job.recovery["generation"])))
         delay = backoff_delay(
-            [i.get("ran_s") for i in job.incidents], ran, job.spec.restart.backoff
+            [loop_ran(i.get("ran_s"), i.get("trained_steps")) for i in job.incidents],
+            loop_ran(ran, trained),
+            job.spec.restart.backoff,
         )
         if delay <= 0:
             return True
@@ -587,6 +597,15 @@ def shrink_blocked(job: Job) -> str:
     return ""
 
 
+def loop_ran(ran: float | None, trained: int | None) -> float | None:
+    """How long a failed generation ran, as the crash-loop rule counts it: one that trained
+    a step (past the first it reported) made progress and is no crash loop, however soon
+    it failed (None, as a time not known): with a failure a minute, each generation
+    trains nearly a minute, and waiting before its restart would only lose more. A job
+    that keeps failing that way is ended by its restart budget or the same-step rule."""
+    return None if trained else ran
+
+
 def backoff_delay(ran_before: list[float | None], ran_now: float | None, base: float) -> float:
     """Seconds to wait before a restart. ``ran_before``: how long each generation that
     failed before ran (oldest first), ``ran_now`` the one failing now. The first failure
@@ -633,4 +652,4 @@ def _failure(rec: dict[str, Any]) -> Failure:
     return Failure(**{**rec, "kind": FailureKind(rec["kind"])})
 
 
-__all__ = ["HANG_COLLECT_S", "Recoveries", "backoff_delay"]
+__all__ = ["HANG_COLLECT_S", "Recoveries", "backoff_delay", "loop_ran"]

@@ -155,6 +155,8 @@ class Incidents:
             "downtime_s": round(max(0.0, end - rec["fault_at"]), 3),
             "resumed_at": resumed_at,
             "ran_s": ran,
+            # steps the failed generation trained past its first (None: it reported none)
+            "trained_steps": trained_steps(entry),
             # fault to every start of the new generation acked; the MTTR (fault to its
             # first step) comes once every rank stepped (_maybe_timed)
             "acked_s": round(end - rec["fault_at"], 3) if resumed_at else None,
@@ -184,6 +186,12 @@ def node_incidents(jobs: Iterable[Job]) -> list[NodeIncident]:
                 if f.get("quarantine", True):  # not a node stopped on purpose
                     out.append(NodeIncident(job.id, f["node"], rec.get("fault_at", 0.0), f["kind"]))
     return out
+
+
+def trained_steps(entry: list[float] | None) -> int | None:
+    """Steps a generation trained past the first it reported (its ``Job.progress``
+    entry; None: it reported none)."""
+    return None if entry is None else int(entry[2] - entry[0])
 
 
 def time_ran(job: Job, fault_at: float) -> float | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from supervisor.recovery.executor import BACKOFF_MAX_S, backoff_delay
+from supervisor.recovery.executor import BACKOFF_MAX_S, backoff_delay, loop_ran
 
 
 def test_the_first_failure_restarts_at_once() -> None:
@@ -29,3 +29,14 @@ def test_a_long_run_between_quick_failures_resets_the_streak() -> None:
 
 def test_no_backoff_when_the_spec_asks_for_none() -> None:
     assert backoff_delay([400.0, 5.0], 5.0, 0.0) == 0.0
+
+
+def test_a_generation_that_trained_is_no_crash_loop_however_soon_it_failed() -> None:
+    # A failure a minute: each generation trains 59 s and fails; none of them waits.
+    ran = [loop_ran(59.0, 1400) for _ in range(8)]
+    assert backoff_delay([400.0, *ran], loop_ran(59.0, 1400), 1.0) == 0.0
+    # One that reported no step, or only the first, is: it waits, and the streak counts
+    # only the generations that did not train.
+    assert loop_ran(5.0, 0) == 5.0 and loop_ran(5.0, None) == 5.0
+    assert backoff_delay([400.0, loop_ran(59.0, 1400)], loop_ran(5.0, 0), 1.0) == 1.0
+    assert backoff_delay([400.0, loop_ran(5.0, None)], loop_ran(5.0, 0), 1.0) == 2.0
