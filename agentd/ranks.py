@@ -171,7 +171,13 @@ class RankRunner:
         # spawning must find (and kill) every rank that start launches.
         async with self._lock(req.job):
             self.warm.cancel_idle(req.job)  # a lease lapsing now would fence them out
-            return await self._start(req)
+            try:
+                return await self._start(req)
+            finally:
+                if self.warm.pids(req.job) and not self._has_ranks(req.job):
+                    # Nothing started (refused, or no process would start): they go
+                    # once idle, as after the job's last rank here.
+                    self.warm.discard_when_idle(req.job, lambda: self._has_ranks(req.job))
 
     async def _start(self, req: wire.StartRanksArgs) -> dict[str, Any]:
         if self.closing:

@@ -511,3 +511,16 @@ async def test_a_spare_that_starts_ranks_of_one_job_lets_the_others_prewarmed_go
     for pid in kept.values():
         await eventually(lambda pid=pid: not psutil.pid_exists(pid))
     await reporter.wait_for(2)
+
+
+async def test_a_start_that_fails_on_a_prewarmed_spare_leaves_its_interpreters_to_go_once_idle(
+    runner: RankRunner, work: Path, tmp_path: Path
+) -> None:
+    runner.warm.idle_s = 0.5  # the lease no longer holds them once a start came: idle does
+    await runner.prewarm(wire.PrewarmArgs(start=start_args(work, 1, "0"), lease_s=600))
+    await eventually(lambda: len(runner.warm.pids(JOB)) == 2)
+
+    with pytest.raises(CommandError, match="does not exist"):
+        await runner.start(start_args(tmp_path / "gone", 2, "0"))
+
+    await eventually(lambda: not runner.warm.pids(JOB))
