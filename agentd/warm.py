@@ -266,9 +266,10 @@ class WarmPool:
 
     # --- keeping them --------------------------------------------------------
 
-    def refill(self, job: str, templates: Mapping[int, Template], settled: Settled) -> None:
-        """Once ``settled`` returns (the new ranks' first step), have a warm interpreter
-        behind each local rank in ``templates``, started as that slot's rank was."""
+    def refill(self, job: str, templates: Mapping[int, Template], settled: Settled | None) -> None:
+        """Once ``settled`` returns (the new ranks' first step; None: now), have a warm
+        interpreter behind each local rank in ``templates``, started as that slot's rank
+        was."""
         if self.closing or job in self._given_up:
             return
         self.cancel_idle(job)
@@ -292,11 +293,7 @@ class WarmPool:
         its warm interpreters after they kept dying)."""
         if self.closing or job in self._given_up:
             return False
-
-        async def now() -> None:
-            return None
-
-        self.refill(job, templates, now)
+        self.refill(job, templates, None)
         self._prewarmed.add(job)
         self.discard_when_idle(job, busy, after_s=lease_s)
         return True
@@ -316,10 +313,13 @@ class WarmPool:
         if task is not None and task not in self._spawning:
             task.cancel()
 
-    async def _refill(self, job: str, templates: dict[int, Template], settled: Settled) -> None:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(SETTLE_S):
-                await settled()
+    async def _refill(
+        self, job: str, templates: dict[int, Template], settled: Settled | None
+    ) -> None:
+        if settled is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SETTLE_S):
+                    await settled()
         fence = self._discards.get(job, 0)
         lock = self._locks.setdefault(job, asyncio.Lock())
         async with lock:

@@ -365,18 +365,23 @@ class Job:
 
         return wait_for(check, COMMIT_S, f"job {self.id}: step {at_least} committed at {tier}")
 
-    def warm_ready(self) -> int:
-        """Wait until every slot of the job has a warm interpreter ready (the agents say
-        so in their logs); how many there are."""
+    def ready_slots(self, node: str) -> int:
+        """The job's local rank slots on ``node`` with a warm interpreter ready, as its
+        agent's log says."""
         pattern = re.compile(rf"job {re.escape(self.id)} local rank (\d+): warm interpreter ready")
+        log = self.fleet.path / "logs" / f"agent-{node}.log"
+        with contextlib.suppress(OSError):
+            return len(set(pattern.findall(log.read_text(errors="replace"))))
+        return 0
+
+    def warm_ready(self) -> int:
+        """Wait until every slot of the job has a warm interpreter ready; how many there
+        are."""
 
         def check() -> int | None:
-            self._alive(self.view(), "its warm interpreters")
-            ready = 0
-            for node in self.view()["nodes"]:
-                log = self.fleet.path / "logs" / f"agent-{node}.log"
-                with contextlib.suppress(OSError):
-                    ready += len(set(pattern.findall(log.read_text(errors="replace"))))
+            view = self.view()
+            self._alive(view, "its warm interpreters")
+            ready = sum(self.ready_slots(node) for node in view["nodes"])
             return ready if ready >= LAYOUT.world else None
 
         return wait_for(check, WARM_S, f"job {self.id}: a warm interpreter behind every rank")
@@ -384,18 +389,17 @@ class Job:
     def spare_warm_ready(self) -> int:
         """Wait until a spare (a node of the fleet outside the job) has a warm interpreter
         ready for each of the job's local ranks; how many spares have them."""
-        pattern = re.compile(rf"job {re.escape(self.id)} local rank (\d+): warm interpreter ready")
 
         def check() -> int | None:
             view = self.view()
             self._alive(view, "a spare's warm interpreters")
-            ready = 0
-            for log in (self.fleet.path / "logs").glob("agent-*.log"):
-                if log.stem.removeprefix("agent-") in view["nodes"]:
-                    continue
-                with contextlib.suppress(OSError):
-                    found = set(pattern.findall(log.read_text(errors="replace")))
-                    ready += len(found) >= LAYOUT.ranks_per_node
+            others = {
+                log.stem.removeprefix("agent-") for log in self.fleet.path.glob("logs/agent-*.log")
+            }
+            ready = sum(
+                self.ready_slots(node) >= LAYOUT.ranks_per_node
+                for node in others - set(view["nodes"])
+            )
             return ready or None
 
         return wait_for(check, WARM_S, f"job {self.id}: warm interpreters on a spare")
