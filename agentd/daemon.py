@@ -172,6 +172,11 @@ class Agent:
         # sent before the supervisor subscribes again would be delivered to nobody.
         self.supervisor_known = asyncio.Event()
         gate = self.supervisor_known
+        # The newest leadership term seen from a supervisor (wire.Command.term): a command
+        # or catalog of an older term comes from a supervisor that has been replaced
+        # (paused while a standby took over) and is refused.
+        self.term = 0
+        self.refused_stale = 0
         self._rank_events = Outbox(
             self.link,
             wire.rank_topic(self.node),
@@ -314,6 +319,24 @@ class Agent:
         except wire.WireError as exc:
             log.warning("dropped: %s", exc)
             return
+        message = inbound.message
+        if isinstance(message, wire.Command | wire.CkptCatalog | wire.SupervisorStatus):
+            if message.term < self.term:
+                self.refused_stale += 1
+                log.warning(
+                    "refused a %s of leadership term %d: term %d leads now (a supervisor "
+                    "that was replaced is still sending)",
+                    message.kind,
+                    message.term,
+                    self.term,
+                )
+                if isinstance(message, wire.Command):
+                    self._tasks.spawn(self._refuse_stale(message), name=f"refuse-{message.id}")
+                return
+            if message.term > self.term:
+                if self.term:
+                    log.info("supervisor leadership term %d follows %d", message.term, self.term)
+                self.term = message.term
         if isinstance(inbound.message, wire.CkptCatalog):
             self._tasks.spawn(
                 self.ckpt.on_catalog(inbound.message), name=f"ckpt-catalog-{inbound.message.job}"
@@ -330,6 +353,20 @@ class Agent:
         # Run commands beside the message loop, so a slow one does not hold up the next.
         cmd = inbound.message
         self._tasks.spawn(self._run_command(cmd), name=f"command-{cmd.args.op}-{cmd.id}")
+
+    async def _refuse_stale(self, cmd: wire.Command) -> None:
+        ack = wire.CommandAck(
+            id=cmd.id,
+            node=self.node,
+            status=wire.AckStatus.FAILED,
+            detail=f"refused: leadership term {cmd.term} is older than term {self.term}, "
+            "which leads now; not executed",
+            acked_at=time.time(),
+        )
+        try:
+            await self.link.publish(wire.ack_topic(self.node), wire.encode(ack))
+        except LinkDown as exc:
+            log.warning("could not ack command %s: %s", cmd.id, exc)
 
     async def _run_command(self, cmd: wire.Command) -> None:
         ack = await self.ledger.handle(cmd)

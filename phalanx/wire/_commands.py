@@ -164,11 +164,25 @@ class Command(Msg):
     issued_at: float
     deadline: float
     args: CommandArgs
+    term: int = Field(
+        default=0,
+        ge=0,
+        description="the leadership term of the supervisor that sent it (0: a supervisor "
+        "without a standby); an agent refuses a command older than the newest term it saw",
+        exclude_if=lambda term: term == 0,  # as before it: older agents take it
+    )
 
     @classmethod
-    def new(cls, node: str, args: CommandArgsType, ttl: float = 30.0) -> Command:
+    def new(cls, node: str, args: CommandArgsType, ttl: float = 30.0, term: int = 0) -> Command:
         now = time.time()
-        return cls(id=uuid.uuid4().hex, node=node, issued_at=now, deadline=now + ttl, args=args)
+        return cls(
+            id=uuid.uuid4().hex,
+            node=node,
+            issued_at=now,
+            deadline=now + ttl,
+            args=args,
+            term=term,
+        )
 
 
 class AckStatus(enum.StrEnum):

@@ -230,3 +230,9 @@ class SupervisorStatus(Msg):
     kind: Literal["supervisor"] = "supervisor"
     online: bool
     since: float
+    term: int = Field(
+        default=0,
+        ge=0,
+        description="the leader's term (as `Command.term`)",
+        exclude_if=lambda term: term == 0,
+    )
