@@ -215,8 +215,12 @@ class MqttLink:
         will: Callable[[], Will] | None = None,
         on_connect: Callable[[], Awaitable[None]] | None = None,
         persistent_session: bool = False,
+        before_connect: Callable[[], None] | None = None,
     ) -> None:
+        """``before_connect`` is called before each connection attempt: a ``LinkDown``
+        from it skips the attempt (the supervisor's, once it no longer leads)."""
         self._settings = settings
+        self._before_connect = before_connect
         self._client_id = client_id
         self._subscriptions = tuple(subscriptions)
         self._handler = handler
@@ -376,6 +380,8 @@ class MqttLink:
     async def _connect_once(self) -> None:
         """One connection, from connect until it is lost (it ends by raising)."""
         s = self._settings
+        if self._before_connect is not None:
+            self._before_connect()
         will = self._will() if self._will else None
         client = _Client(
             s.host,

@@ -1,12 +1,17 @@
 """``phalanx-supervisor``: the fleet supervisor's entry point.
 
-Exit codes: 0 clean stop, 2 bad configuration, 1 anything else (a port in
-use, an unwritable state directory).
+Exit codes: 0 clean stop, 2 bad configuration, 3 it led and lost the lead to a standby
+(``supervisor.leadership``; systemd starts it again, as a standby), 1 anything else (a
+port in use, an unwritable state directory).
+
+On a PostgreSQL store it first stands by until it leads (``supervisor.standby``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -17,6 +22,10 @@ from phalanx.systemd import Notifier
 from supervisor.config import load
 from supervisor.daemon import Supervisor
 from supervisor.errors import StoreError
+from supervisor.leadership import EXIT_LOST, Leadership, default_api_url
+from supervisor.standby import wait_for_lead
+
+log = logging.getLogger("supervisor")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,10 +41,41 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     notifier = Notifier.from_environment()
 
+    leadership: Leadership | None = None
+    if settings.store.url:
+        api = settings.api
+        try:
+            leadership = Leadership(
+                settings.store.url,
+                settings.state_dir / "state.db",
+                api_url=settings.ha.api_url
+                or default_api_url(api.host, api.port, api.tls_cert_file is not None),
+                lease_s=settings.ha.lease_s,
+                poll_s=settings.ha.poll_s,
+            )
+        except ValueError as exc:
+            print(f"phalanx-supervisor: {exc}", file=sys.stderr)
+            return 2
+
     async def serve(stop: asyncio.Event) -> None:
-        async with Supervisor(settings, token) as supervisor:
+        if leadership is not None:
+            notifier.ready("standing by")
+            if await wait_for_lead(settings, leadership, stop) is None:
+                return
+            loop = asyncio.get_running_loop()
+            # Lost: stop at once, sending and writing nothing more (what it holds in
+            # memory is the new leader's to decide); systemd starts it again, standing by.
+            lead = leadership
+
+            def lost() -> None:
+                loop.call_soon_threadsafe(_step_down, lead)
+
+            leadership.keep(lost)
+        async with Supervisor(settings, token, leadership=leadership) as supervisor:
             notifier.ready(f"serving: API on port {supervisor.api_port}")
             await stop.wait()
+        if leadership is not None:
+            leadership.close()  # the lock goes with its session: a standby leads at once
 
     try:
         asyncio.run(run_until_signal(serve, notifier))
@@ -46,6 +86,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"phalanx-supervisor: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _step_down(leadership: Leadership) -> None:
+    log.critical(
+        "exiting (status %d): another supervisor leads now (%s)",
+        EXIT_LOST,
+        leadership.lost_reason,
+    )
+    logging.shutdown()
+    os._exit(EXIT_LOST)
 
 
 if __name__ == "__main__":

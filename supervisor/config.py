@@ -84,6 +84,34 @@ class StoreSettings(BaseModel):
         return value
 
 
+class HaSettings(BaseModel):
+    """Leadership among supervisors that share a PostgreSQL store (supervisor.leadership).
+    A supervisor on PostgreSQL always takes part: one leads, the others stand by."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lease_s: float = Field(
+        default=4.0,
+        ge=1.0,
+        le=60.0,
+        description="How long a leader that stopped answering (paused, frozen, cut off from "
+        "PostgreSQL) keeps the lead: PostgreSQL ends its leadership session after this "
+        "long idle (idle_session_timeout), and a standby takes over.",
+    )
+    poll_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=10.0,
+        description="How often a standby tries to take the lead, and a leader renews it.",
+    )
+    api_url: str = Field(
+        default="",
+        description="The URL clients reach this supervisor's API at, which a standby names "
+        "in its answers (header X-Phalanx-Leader) while this one leads. Empty: "
+        "http(s)://HOSTNAME:PORT (the API's port, this host's name).",
+    )
+
+
 class SupervisorSettings(BaseSettings):
     model_config = SettingsConfigDict(extra="forbid")
 
@@ -186,6 +214,7 @@ class SupervisorSettings(BaseSettings):
     mqtt: MqttSettings = Field(default_factory=MqttSettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
     store: StoreSettings = Field(default_factory=StoreSettings)
+    ha: HaSettings = Field(default_factory=HaSettings)
 
     @field_validator("state_dir")
     @classmethod

@@ -23,6 +23,7 @@ from supervisor.control.controller import JobController
 from supervisor.errors import StoreError
 from supervisor.fleet.commands import Commands
 from supervisor.fleet.registry import Registry
+from supervisor.leadership import Leadership
 from supervisor.store import Store
 from supervisor.sweeps import Sweeps
 from supervisor.telemetry.slow_nodes import SlowNode
@@ -50,9 +51,16 @@ WRITE_SOON_S = 0.25
 
 
 class Supervisor:
-    def __init__(self, settings: SupervisorSettings, token: str) -> None:
+    """``leadership``: this supervisor's lead over standbys on the same PostgreSQL store
+    (``supervisor.leadership``), taken before it is built; None: it is alone (SQLite)."""
+
+    def __init__(
+        self, settings: SupervisorSettings, token: str, *, leadership: Leadership | None = None
+    ) -> None:
         self.settings = settings
         self.token = token
+        self.leadership = leadership
+        self.term = leadership.term if leadership is not None else 0
         # The fleet agent secret: every node's agent token and peer credential derive
         # from it (phalanx.agent_tokens); it stays on this host.
         self.agent_token = ""
@@ -76,6 +84,8 @@ class Supervisor:
             if backup_dir is not None
             else None
         )
+        if leadership is not None:
+            self.store.fence = leadership.fence
         self.store.defer(self._flush_soon)
         self.registry = Registry(self.store, offline_after_s=settings.offline_after_s)
         self.started_at = time.time()
@@ -92,18 +102,21 @@ class Supervisor:
             handler=self._on_message,
             will=lambda: Will(
                 wire.SUPERVISOR_STATUS_TOPIC,
-                wire.encode(wire.SupervisorStatus(online=False, since=time.time())),
+                wire.encode(wire.SupervisorStatus(online=False, since=time.time(), term=self.term)),
             ),
             on_connect=self._on_connect,
-            persistent_session=True,  # rank events sent while we restart are queued for us
+            # Rank events and landings sent while we restart, or while no supervisor
+            # leads, are queued for us: the session is the supervisor's, whichever leads.
+            persistent_session=True,
+            before_connect=self._check_lead,
         )
         self.commands = Commands(
-            self.link.publish, self.registry, timeout_s=settings.command_timeout_s
+            self._publish, self.registry, timeout_s=settings.command_timeout_s, term=self.term
         )
-        self.catalog = CheckpointCatalog(self.store)
+        self.catalog = CheckpointCatalog(self.store, term=self.term)
         self.publisher = CatalogPublisher(
             self.catalog,
-            self.link.publish,
+            self._publish,
             job=lambda job_id: self.jobs.jobs.get(job_id),
             registry=self.registry,
             ram_linger_s=settings.ckpt_failed_ram_linger_s,
@@ -141,6 +154,21 @@ class Supervisor:
         self._serving = contextlib.AsyncExitStack()
         self._loops: list[asyncio.Task[None]] = []
         self._linked = False
+
+    def _check_lead(self) -> None:
+        """Refuse to connect or send once another supervisor may lead (a ``LinkDown``)."""
+        if self.leadership is not None and not self.leadership.leads():
+            raise LinkDown(
+                f"not sent: this supervisor's leadership term {self.term} is over "
+                f"({self.leadership.lost_reason or 'its lease ran out'})"
+            )
+
+    async def _publish(
+        self, topic: str, payload: bytes, *, retain: bool = False, timeout: float = 5.0
+    ) -> None:
+        """The link's publish, for what only the leader may send (commands, catalogs)."""
+        self._check_lead()
+        await self.link.publish(topic, payload, retain=retain, timeout=timeout)
 
     def _flush_soon(self) -> None:
         try:
@@ -232,9 +260,9 @@ class Supervisor:
 
     async def _stop_accepting(self, deadline: Deadline) -> None:
         if self.link.connected:
-            status = wire.SupervisorStatus(online=False, since=time.time())
+            status = wire.SupervisorStatus(online=False, since=time.time(), term=self.term)
             with contextlib.suppress(LinkDown):
-                await self.link.publish(
+                await self._publish(
                     wire.SUPERVISOR_STATUS_TOPIC,
                     wire.encode(status),
                     retain=True,
@@ -287,8 +315,8 @@ class Supervisor:
         self.link_lost_at = None
         self.link_since = self.registry.clock()
         self.registry.heard_all_now()
-        status = wire.SupervisorStatus(online=True, since=self.started_at)
-        await self.link.publish(wire.SUPERVISOR_STATUS_TOPIC, wire.encode(status), retain=True)
+        status = wire.SupervisorStatus(online=True, since=self.started_at, term=self.term)
+        await self._publish(wire.SUPERVISOR_STATUS_TOPIC, wire.encode(status), retain=True)
         await self.publisher.republish(self.jobs.jobs.values())
 
     def offline_confirmed(self, offline_at: float) -> bool:

@@ -203,6 +203,9 @@ class Store(CatalogQueries):
         self.backups = backups
         self.corrupt: StoreCorrupt | None = None
         self.url = url  # PostgreSQL's (None: SQLite at ``path``)
+        # Called first in every write transaction (supervisor.leadership: a supervisor
+        # that no longer leads writes nothing); None: no fence (SQLite, one supervisor).
+        self.fence: Callable[[Db], None] | None = None
         self.where = redacted(url) if url is not None else str(path)  # in messages
         if url is not None:
             try:
@@ -334,6 +337,7 @@ class Store(CatalogQueries):
             else:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
+                    self._fenced()
                     for _key, sql, args in queued:
                         self._db.execute(sql, args())
                     self._db.execute("COMMIT")
@@ -415,6 +419,7 @@ class Store(CatalogQueries):
                 self.path, f"cannot write the supervisor store {self.where}: {exc}"
             ) from exc
         try:
+            self._fenced()
             yield
         except BaseException:
             with contextlib.suppress(*DB_ERRORS, StoreError):  # the error says what failed
@@ -633,8 +638,16 @@ class Store(CatalogQueries):
         stale (a write rolled back only makes a cache read it again)."""
         self.shard_versions[(job, step, tier)] = next(self._shard_clock)
 
+    def _fenced(self) -> None:
+        """In a write transaction: refuse it unless this supervisor still leads."""
+        if self.fence is not None:
+            self.fence(self._db)
+
     def _write(self, sql: str, args: tuple[Any, ...]) -> Cursor:
         self.flush()  # the writes queued soon go first: the event log keeps its order
+        if self.fence is not None and not self._db.in_transaction:
+            with self.batch():  # the fence and the write in one transaction
+                return self._write(sql, args)
         try:
             cur: Cursor = self._db.execute(sql, args)
             return cur

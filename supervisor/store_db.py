@@ -191,6 +191,13 @@ CREATE TABLE IF NOT EXISTS metric_points (
 );
 CREATE INDEX IF NOT EXISTS metric_points_series ON metric_points (job, name, level, ts);
 CREATE INDEX IF NOT EXISTS metric_points_inserted ON metric_points (job, id);
+CREATE TABLE IF NOT EXISTS leader (
+    id BIGINT PRIMARY KEY CHECK (id = 1),
+    term BIGINT NOT NULL,
+    holder TEXT NOT NULL,
+    api_url TEXT NOT NULL,
+    since DOUBLE PRECISION NOT NULL
+);
 CREATE TABLE IF NOT EXISTS api_tokens (
     id TEXT COLLATE "C" PRIMARY KEY,
     seq BIGINT NOT NULL UNIQUE,

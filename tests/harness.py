@@ -287,7 +287,9 @@ class Fleet:
         self.broker = broker
         self.authority: Authority | None = make_authority(root / "tls") if tls else None
         self.supervisor: Process | None = None
+        self.standbys: list[Process] = []  # more supervisors (start_supervisor's name)
         self.api_port = 0
+        self.api_urls: list[str] = []  # the API URLs the client tries (empty: api_url)
         self.agents: dict[str, Process] = {}
         self.links: list[CuttableLink] = []
         # The agents' RAM tier, in a tmpfs folder of this test's own, removed at stop.
@@ -304,12 +306,19 @@ class Fleet:
         spares: int = 0,
         extra: str = "",
         mqtt: str = "",
+        sections: str = "",
+        name: str = "supervisor",
+        api_port: int | None = None,
     ) -> Process:
-        """``extra`` goes at the top level of the config, ``mqtt`` in its ``[mqtt]``.
+        """``extra`` goes at the top level of the config, ``mqtt`` in its ``[mqtt]``,
+        ``sections`` (whole sections: ``[store]``, ``[ha]``) at its end.
 
         The first start binds a port the kernel picks (no window in which a test beside
-        this one could take it) and reads it back; a restart keeps that port."""
-        directory = self.root / "supervisor"
+        this one could take it) and reads it back; a restart keeps that port. A second
+        supervisor (a standby, ``name`` and ``api_port`` its own) is not the fleet's
+        ``supervisor``: the test keeps it."""
+        standby = name != "supervisor"
+        directory = self.root / name
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "token").write_text(TOKEN)
         conf = directory / "supervisor.toml"
@@ -324,16 +333,21 @@ class Fleet:
             f"spares = {spares}\n{tls_top}{extra}"
             f"[mqtt]\nport = {self.broker.port}\nkeepalive_s = {keepalive_s}\n"
             f"reconnect_max_s = 1.0\n{mqtt}"
-            f'[api]\nport = {self.api_port}\ntoken_file = "{directory / "token"}"\n{tls_api}'
+            f"[api]\nport = {self.api_port if api_port is None else api_port}\n"
+            f'token_file = "{directory / "token"}"\n{tls_api}{sections}'
         )
-        supervisor = self.supervisor = Process(
-            "supervisor",
+        supervisor = Process(
+            name,
             [sys.executable, "-m", "supervisor", "--config", str(conf)],
-            self.root / "logs" / "supervisor.log",
+            self.root / "logs" / f"{name}.log",
             self.mark,
         ).start()
         # Generous: a daemon's start (its imports) takes long on a busy machine.
-        self.api_port = wait_for(lambda: _api_port(supervisor), 60, "the supervisor API")
+        port = wait_for(lambda: _api_port(supervisor), 60, f"the {name} API")
+        if standby:
+            self.standbys.append(supervisor)
+        else:
+            self.supervisor, self.api_port = supervisor, port
         return supervisor
 
     def start_agent(
@@ -443,7 +457,7 @@ class Fleet:
 
     def cli_env(self) -> dict[str, str]:
         """What points the CLI at this fleet: PHALANX_API, PHALANX_TOKEN (and PHALANX_CA)."""
-        env = {"PHALANX_API": self.api_url, "PHALANX_TOKEN": TOKEN}
+        env = {"PHALANX_API": ",".join(self.api_urls) or self.api_url, "PHALANX_TOKEN": TOKEN}
         if self.authority is not None:
             env["PHALANX_CA"] = str(self.authority.ca)
         return env
@@ -462,7 +476,7 @@ class Fleet:
 
     def client(self) -> Client:
         ca = self.authority.ca if self.authority else None
-        return Client(self.api_url, TOKEN, timeout=5, ca_file=ca)
+        return Client(",".join(self.api_urls) or self.api_url, TOKEN, timeout=5, ca_file=ca)
 
     def node(self, node: str) -> dict[str, Any]:
         result: dict[str, Any] = self.client().get(f"/v1/nodes/{node}")
@@ -486,7 +500,11 @@ class Fleet:
         wait_for(lambda: heard() >= start + count, timeout, f"{count} more heartbeats")
 
     def stop(self) -> None:
-        daemons = [*self.agents.values(), *([self.supervisor] if self.supervisor else [])]
+        daemons = [
+            *self.agents.values(),
+            *([self.supervisor] if self.supervisor else []),
+            *self.standbys,
+        ]
         for daemon in daemons:  # all asked at once, then each waited for
             daemon.terminate()
         for daemon in daemons:

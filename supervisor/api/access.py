@@ -47,6 +47,7 @@ class Rule:
 # Every route of the API, by method and path (a GET route's HEAD too), and its action.
 RULES: dict[tuple[str, str], Rule] = {
     ("GET", "/healthz"): Rule(Action.PUBLIC),
+    ("GET", "/v1/leader"): Rule(Action.PUBLIC),
     ("GET", "/"): Rule(Action.PUBLIC),
     ("GET", "/ui"): Rule(Action.PUBLIC),
     ("GET", "/ui/"): Rule(Action.PUBLIC),

@@ -5,6 +5,9 @@ method   path                          what
 =======  ============================  ==========================================
 GET      /healthz                      liveness (no token); ``store_ok``: false once the
                                        state database was found damaged
+GET      /v1/leader                    (no token) whether this supervisor leads, and who
+                                       does (``supervisor.standby``: a standby answers
+                                       every other request 503, naming the leader)
 GET      /ui/                          the web dashboard (``supervisor.dashboard``; its page
                                        and assets need no token, its data calls do)
 POST     /ui/login, /ui/logout         body ``{"token": "..."}``: set (clear) the session
@@ -113,6 +116,8 @@ from supervisor.errors import (
 from supervisor.fleet.commands import Commands
 from supervisor.fleet.registry import Node, Registry
 from supervisor.jobs import Job
+from supervisor.leadership import Leader, Leadership
+from supervisor.standby import leader_view
 from supervisor.store import Store
 from supervisor.sweeps import Sweeps
 from supervisor.telemetry.series import Point
@@ -151,6 +156,7 @@ class Backend(Protocol):
     sweeps: Sweeps
     bad_messages: int
     wire_stats: WireStats
+    leadership: Leadership | None  # None: a supervisor alone (SQLite)
 
 
 # The operator's request errors and their HTTP status, the most specific first; any other
@@ -246,6 +252,13 @@ def make_app(sup: Backend) -> web.Application:
                 "store_ok": sup.store.corrupt is None,  # False: damage met (the log says)
             }
         )
+
+    async def leader(request: web.Request) -> web.Response:
+        lead = sup.leadership
+        if lead is None:
+            return json_response({"leading": True, "url": "", "leader": None, "term": 0})
+        found = Leader(lead.term, lead.holder, lead.api_url, 0.0)
+        return json_response(leader_view(found, leading=lead.leads(), url=lead.api_url))
 
     def jobs_by_node() -> dict[str, list[str]]:
         """Each node's jobs that hold it, looked up once for a whole listing (per node it
@@ -528,6 +541,7 @@ def make_app(sup: Backend) -> web.Application:
     app = web.Application(middlewares=[guard, compress], client_max_size=64 * 1024)
     app.router.add_get("/metrics", prometheus_metrics)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/v1/leader", leader)
     dashboard.add_routes(app, tokens)
     add_token_routes(app, tokens, sup.store)
     add_sweep_routes(app, access, sup.sweeps)

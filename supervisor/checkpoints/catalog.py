@@ -286,8 +286,9 @@ class Where(Mapping[tuple[int, int, str], tuple[str, str | None]]):
 
 
 class CheckpointCatalog:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, *, term: int = 0) -> None:
         self.store = store
+        self.term = term  # the supervisor's leadership term, in every catalog (wire)
         # The committed rows read by earlier builds, and the version each was read at:
         # (job, step, tier) -> (version, rows). Written on the event loop only.
         self._rows: dict[tuple[str, int, str], tuple[int, StepRows]] = {}
@@ -670,6 +671,7 @@ class CheckpointCatalog:
                     node=node,
                     world_size=world_size,
                     generation=generation,
+                    term=self.term,
                     steps=steps,
                     restore_step=restore_step,
                     restore_note=note,

@@ -34,12 +34,16 @@ class CommandSender(Protocol):
 
 
 class Commands:
-    """``timeout_s``: a command's timeout when its sender names none."""
+    """``timeout_s``: a command's timeout when its sender names none; ``term``: the
+    supervisor's leadership term, carried by every command (``wire.Command.term``)."""
 
-    def __init__(self, publish: Publish, registry: Registry, *, timeout_s: float) -> None:
+    def __init__(
+        self, publish: Publish, registry: Registry, *, timeout_s: float, term: int = 0
+    ) -> None:
         self._publish = publish
         self._registry = registry
         self.timeout_s = timeout_s
+        self.term = term
         self._acks: dict[str, asyncio.Future[wire.CommandAck]] = {}
         self._rebirth_asked: dict[str, float] = {}
 
@@ -49,7 +53,7 @@ class Commands:
         """Send one command and wait for its ack (the deadline is the timeout)."""
         self._registry.get(node)
         timeout = timeout or self.timeout_s
-        cmd = wire.Command.new(node, args, ttl=timeout)
+        cmd = wire.Command.new(node, args, ttl=timeout, term=self.term)
         future: asyncio.Future[wire.CommandAck] = asyncio.get_running_loop().create_future()
         self._acks[cmd.id] = future
         try:
@@ -79,6 +83,6 @@ class Commands:
             return
         self._rebirth_asked[node] = now
         log.info("heartbeat from %s without a known birth; asking for a rebirth", node)
-        cmd = wire.Command.new(node, wire.RebirthArgs(), ttl=self.timeout_s)
+        cmd = wire.Command.new(node, wire.RebirthArgs(), ttl=self.timeout_s, term=self.term)
         with contextlib.suppress(LinkDown):
             await self._publish(wire.command_topic(node), wire.encode(cmd), timeout=2.0)

@@ -1,0 +1,137 @@
+"""Leadership among supervisors on one PostgreSQL store (``supervisor.leadership``),
+against the test session's own PostgreSQL cluster: the advisory lock, the term, the lease
+on the leader's own clock, the fenced store writes and a server restart ridden out."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisor.leadership import Leadership, LeadershipLost, default_api_url
+from supervisor.store import Store
+from tests.pg import PgCluster
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def lead(url: str, name: str, *, clock: Clock | None = None, lease_s: float = 3.0) -> Leadership:
+    return Leadership(
+        url,
+        Path("state.db"),
+        api_url=f"http://{name}:8740",
+        lease_s=lease_s,
+        poll_s=0.2,
+        holder=name,
+        clock=clock or time.monotonic,
+    )
+
+
+def test_one_leads_the_other_stands_by_and_leads_with_a_new_term_once_it_lets_go(
+    pg_cluster: PgCluster,
+) -> None:
+    url = pg_cluster.new_database()
+    a, b = lead(url, "a"), lead(url, "b")
+    try:
+        assert a.try_lead() == 1 and a.leads()
+        assert b.try_lead() is None and not b.leads()
+        who = b.leader()
+        assert who is not None and (who.term, who.holder, who.api_url) == (1, "a", "http://a:8740")
+        a.close()  # a clean stop lets go at once
+        assert b.try_lead() == 2 and b.leads()
+        who = b.leader()
+        assert who is not None and (who.term, who.holder) == (2, "b")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_store_of_another_schema_has_a_leader_of_its_own(pg_cluster: PgCluster) -> None:
+    a, b = lead(pg_cluster.new_database(), "a"), lead(pg_cluster.new_database(), "b")
+    try:
+        assert a.try_lead() == 1 and b.try_lead() == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_lease_runs_out_on_the_leaders_own_clock_without_a_renewal() -> None:
+    clock = Clock()
+    a = lead("postgresql://unused", "a", clock=clock, lease_s=4.0)
+    a.term, a._valid_until = 1, clock.now + 4.0 - 0.2  # as try_lead leaves them
+    assert a.leads()
+    clock.now += 3.7  # a pause (no renewal could run) short of lease_s - poll_s
+    assert a.leads()
+    clock.now += 0.2  # past it: the server may end the session any moment now
+    assert not a.leads()
+
+
+def test_a_poll_too_slow_for_the_lease_is_refused_naming_both() -> None:
+    with pytest.raises(ValueError, match=r"ha.poll_s \(2.0\).*ha.lease_s \(3.0\)"):
+        Leadership("postgresql://x", Path("s"), api_url="", lease_s=3.0, poll_s=2.0)
+
+
+def test_a_replaced_leaders_store_writes_are_refused_and_it_learns_it_lost(
+    tmp_path: Path, pg_cluster: PgCluster
+) -> None:
+    url = pg_cluster.new_database()
+    a, b = lead(url, "a"), lead(url, "b")
+    store = Store(tmp_path / "state.db", url=url)
+    lost = threading.Event()
+    try:
+        assert a.try_lead() == 1
+        store.fence = a.fence
+        a._on_lost = lost.set
+        store.add_event("while_leading", None, {})
+        # A's session ends behind its back (as PostgreSQL ends a paused leader's), and B
+        # takes over before A notices.
+        assert a._conn is not None
+        a._conn.close()
+        assert b.try_lead() == 2
+        with pytest.raises(LeadershipLost, match="term 2 leads now"):
+            store.add_event("after_losing", None, {})
+        assert lost.is_set() and not a.leads()
+        assert [e.kind for e in store.events()] == ["while_leading"]
+    finally:
+        store.fence = None
+        store.close()
+        a.close()
+        b.close()
+
+
+def test_a_leader_rides_out_a_restart_of_postgresql_and_keeps_its_term(
+    pg_cluster: PgCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="supervisor.leadership")
+    url = pg_cluster.new_database()
+    a = lead(url, "a", lease_s=8.0)
+    lost = threading.Event()
+    try:
+        assert a.try_lead() == 1
+        a.keep(lost.set)
+        pg_cluster.restart()
+        time.sleep(1.0)  # a few renewals on the new server
+        assert not lost.is_set() and a.leads() and a.term == 1
+        assert "leadership of term 1 taken again on a new session" in caplog.text
+        other = lead(url, "b")
+        try:
+            assert other.try_lead() is None  # the lock was taken again
+        finally:
+            other.close()
+    finally:
+        a.close()
+
+
+def test_the_default_api_url_names_this_host_for_a_wildcard_bind() -> None:
+    assert default_api_url("127.0.0.1", 8740, False) == "http://127.0.0.1:8740"
+    assert default_api_url("::1", 8740, True) == "https://[::1]:8740"
+    assert not default_api_url("0.0.0.0", 8740, False).startswith("http://0.0.0.0")
