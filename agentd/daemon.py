@@ -320,8 +320,13 @@ class Agent:
             log.warning("dropped: %s", exc)
             return
         message = inbound.message
+        if isinstance(message, wire.SupervisorStatus):
+            # Any status, of any term: the broker holds the supervisor's session.
+            self.supervisor_known.set()
         if isinstance(message, wire.Command | wire.CkptCatalog | wire.SupervisorStatus):
-            if message.term < self.term:
+            # Term 0 is a supervisor alone (no election): always taken, so that a fleet
+            # moved back to one supervisor on SQLite is not refused by its agents.
+            if 0 < message.term < self.term:
                 self.refused_stale += 1
                 log.warning(
                     "refused a %s of leadership term %d: term %d leads now (a supervisor "
@@ -334,8 +339,7 @@ class Agent:
                     self._tasks.spawn(self._refuse_stale(message), name=f"refuse-{message.id}")
                 return
             if message.term > self.term:
-                if self.term:
-                    log.info("supervisor leadership term %d follows %d", message.term, self.term)
+                log.info("supervisor leadership term %d (was %d)", message.term, self.term)
                 self.term = message.term
         if isinstance(inbound.message, wire.CkptCatalog):
             self._tasks.spawn(

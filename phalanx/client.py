@@ -13,6 +13,7 @@ standby answered it.
 
 from __future__ import annotations
 
+import errno
 import http.client
 import json
 import socket
@@ -98,16 +99,18 @@ class Client:
                     return resp.read(), resp.headers
             except urllib.error.HTTPError as exc:
                 leader = (exc.headers.get("X-Phalanx-Leader") or "").rstrip("/")
-                error = self._http_error(exc)
-                if exc.code != 503 or (not leader and len(self.urls) == 1):
-                    raise error from None
+                standby = exc.code == 503 and exc.headers.get("X-Phalanx-Standby") == "1"
+                if not standby:  # the leader's own answer, whatever it is, is the answer
+                    raise self._http_error(exc) from None
+                error = error or self._http_error(exc)
                 if leader and leader not in self.urls:
                     self.urls.append(leader)
                 following = leader if leader and leader not in tried else None
             except (urllib.error.URLError, OSError) as exc:
-                error = self._unreachable(exc, url)
+                failed = self._unreachable(exc, url)
                 if not _not_sent(exc):
-                    raise error from None
+                    raise failed from None
+                error = error or failed
                 following = None
             url = following or next((u for u in self.urls if u not in tried), "")
             if not url:
@@ -154,8 +157,12 @@ class Client:
 
 def _not_sent(exc: OSError) -> bool:
     """Whether a failed request cannot have reached the supervisor: no connection was
-    made (refused, no route, the name unknown), so another may be asked safely."""
-    reason = getattr(exc, "reason", exc)
-    return isinstance(reason, ConnectionRefusedError | socket.gaierror) or (
-        isinstance(reason, OSError) and reason.errno in (101, 111, 113)  # unreachable, refused
+    made (refused, no route, the name unknown, the connect timed out: urllib wraps
+    only a connect's failure in a ``URLError``), so another may be asked safely."""
+    if not isinstance(exc, urllib.error.URLError):
+        return isinstance(exc, ConnectionRefusedError)
+    reason = exc.reason
+    return isinstance(reason, ConnectionRefusedError | socket.gaierror | TimeoutError) or (
+        isinstance(reason, OSError)
+        and reason.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ECONNREFUSED)
     )

@@ -59,9 +59,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     async def serve(stop: asyncio.Event) -> None:
         if leadership is not None:
-            notifier.ready("standing by")
-            if await wait_for_lead(settings, leadership, stop) is None:
-                return
             loop = asyncio.get_running_loop()
             # Lost: stop at once, sending and writing nothing more (what it holds in
             # memory is the new leader's to decide); systemd starts it again, standing by.
@@ -70,7 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             def lost() -> None:
                 loop.call_soon_threadsafe(_step_down, lead)
 
-            leadership.keep(lost)
+            term = await wait_for_lead(
+                settings, leadership, stop, on_lost=lost, ready=notifier.ready
+            )
+            if term is None:
+                return
         async with Supervisor(settings, token, leadership=leadership) as supervisor:
             notifier.ready(f"serving: API on port {supervisor.api_port}")
             await stop.wait()

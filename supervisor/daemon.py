@@ -72,7 +72,11 @@ class Supervisor:
         self.agent_keys = AgentKeys(self.agent_token)
         backup_dir = settings.backup_dir()
         self.store = Store(
-            settings.state_dir / "state.db", backups=backup_dir, url=settings.store.url or None
+            settings.state_dir / "state.db",
+            backups=backup_dir,
+            url=settings.store.url or None,
+            pg_options=leadership.connection_options() if leadership else None,
+            pg_session=leadership.session_settings() if leadership else (),
         )
         self.backups = (
             StoreBackups(

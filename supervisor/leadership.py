@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 EXIT_LOST = 3  # the exit status of a supervisor that lost the lead (phalanx-supervisor)
 LEADER_HEADER = "X-Phalanx-Leader"  # a standby's answers name the leader's API URL in it
+STANDBY_HEADER = "X-Phalanx-Standby"  # on every answer of a standby (phalanx.client)
 
 _KEY = "hashtext('phalanx-leader:' || current_schema())"
 
@@ -78,7 +79,7 @@ class Leadership:
         lease_s: float,
         poll_s: float,
         holder: str | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if poll_s * 2 >= lease_s:
             raise ValueError(
@@ -93,7 +94,9 @@ class Leadership:
         self.holder = holder or f"{socket.gethostname()}:{id(self):x}"
         self.term = 0  # ours, once we lead
         self.lost_reason = ""
-        self._clock = clock
+        # The lease's clock: CLOCK_BOOTTIME counts a suspended host's sleep, as the
+        # server's clock does (monotonic does not).
+        self._clock = clock or _boottime
         self._conn: psycopg.Connection[Any] | None = None
         self._valid_until = 0.0  # our clock: the lease is ours until then
         self._stop = threading.Event()
@@ -101,6 +104,10 @@ class Leadership:
         self._on_lost: Callable[[], None] | None = None
         self._lock = threading.Lock()  # the leadership connection, between the threads
         self._schema_ready = False
+        # The leadership session failed and the lock is being taken again: we do not
+        # lead meanwhile (a standby may already), but have not lost for sure.
+        self._suspect = False
+        self._suspect_until = 0.0
 
     # --- standing by ----------------------------------------------------------------
 
@@ -111,13 +118,42 @@ class Leadership:
             if not self._schema_ready:  # the leader table is the store's (store_db)
                 open_pg(self.url, self.path).close()
                 self._schema_ready = True
-            conn = psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
-            ms = int(self.lease_s * 1000)
-            conn.execute(f"SET idle_session_timeout = {ms}")
-            # The server also notices a dead client on its own (a host gone): keepalives.
-            conn.execute("SET tcp_keepalives_idle = 1")
+            conn = psycopg.connect(
+                self.url,
+                autocommit=True,
+                connect_timeout=CONNECT_TIMEOUT_S,
+                **self.connection_options(),
+            )
+            for setting in self.session_settings():
+                conn.execute(setting)
+            conn.execute(f"SET idle_session_timeout = {int(self.lease_s * 1000)}")
             self._conn = conn
         return self._conn
+
+    def connection_options(self) -> dict[str, Any]:
+        """libpq's options for every connection of a supervisor in the election (its
+        leadership session and its store's): a server or link gone silent fails a call
+        within the lease, on TCP (a unix socket ignores them), instead of hanging it."""
+        ms = int(self.lease_s * 1000)
+        return {
+            "keepalives": 1,
+            "keepalives_idle": 1,
+            "keepalives_interval": 1,
+            "keepalives_count": max(2, int(self.lease_s) - 1),
+            "tcp_user_timeout": ms,
+        }
+
+    def session_settings(self) -> list[str]:
+        """What every such session sets first: a transaction left open by a leader that
+        stopped (paused, its host gone) is ended by the server within the lease, so that
+        the share lock it holds on the term (:meth:`fence`) does not hold up a new leader."""
+        ms = int(self.lease_s * 1000)
+        return [
+            f"SET idle_in_transaction_session_timeout = {ms}",
+            "SET tcp_keepalives_idle = 1",
+            "SET tcp_keepalives_interval = 1",
+            f"SET tcp_keepalives_count = {max(2, int(self.lease_s) - 1)}",
+        ]
 
     def try_lead(self) -> int | None:
         """One attempt to take the lead: our new term, or None while another leads.
@@ -130,11 +166,19 @@ class Leadership:
                 if not (got and got[0]):
                     return None
                 with conn.transaction():
+                    # Behind the share locks of the old leader's writes under way (ended by
+                    # the server within the lease if it stopped): waited for, boundedly.
+                    conn.execute(f"SET LOCAL lock_timeout = {int(self.lease_s * 2000)}")
+                    # The term: one more than the last, and never below the epoch second,
+                    # so that a store restored or made anew never goes back to a term the
+                    # agents saw already (they would refuse every order).
                     row = conn.execute(
-                        "INSERT INTO leader (id, term, holder, api_url, since) "
-                        "VALUES (1, 1, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET "
-                        "term = leader.term + 1, holder = excluded.holder, "
-                        "api_url = excluded.api_url, since = excluded.since RETURNING term",
+                        "INSERT INTO leader (id, term, holder, api_url, since) VALUES "
+                        "(1, floor(extract(epoch FROM clock_timestamp()))::bigint, %s, %s, %s) "
+                        "ON CONFLICT (id) DO UPDATE SET "
+                        "term = GREATEST(leader.term + 1, excluded.term), "
+                        "holder = excluded.holder, api_url = excluded.api_url, "
+                        "since = excluded.since RETURNING term",
                         (self.holder, self.api_url, time.time()),
                     ).fetchone()
                 assert row is not None
@@ -172,8 +216,19 @@ class Leadership:
 
     def leads(self) -> bool:
         """Whether we lead now: our lease has not run out on our own clock (a pause
-        of this process ends it as surely as a lost connection)."""
-        return self.term > 0 and not self.lost_reason and self._clock() < self._valid_until
+        of this process ends it as surely as a lost connection). Once it has, the
+        leadership is lost for good (``on_lost`` is called), whoever finds it out."""
+        if self.term <= 0 or self.lost_reason:
+            return False
+        if self._clock() < self._valid_until:
+            return True
+        if not self._suspect:
+            self._lose(
+                f"the lease of term {self.term} ran out (no renewal answered for "
+                f"{self.lease_s - self.poll_s:.1f}s)"
+            )
+            return False
+        return False
 
     def keep(self, on_lost: Callable[[], None]) -> None:
         """Renew the lease every ``poll_s`` from a thread until it is lost or
@@ -184,12 +239,11 @@ class Leadership:
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.poll_s):
-            if not self.leads():
-                self._lose(
-                    f"the lease of term {self.term} ran out "
-                    f"(no renewal answered for {self.lease_s - self.poll_s:.1f}s)"
-                )
+            if self._suspect and self._clock() >= self._suspect_until:
+                self._lose(f"the leadership session of term {self.term} could not be renewed")
                 return
+            if not self._suspect and not self.leads():
+                return  # lost (leads() said so)
             sent = self._clock()
             try:
                 with self._lock:
@@ -201,14 +255,23 @@ class Leadership:
                 # The session ended (PostgreSQL restarted, the link broke): the lock went
                 # with it. Take it again within the lease, if no one else did: our term
                 # still in the table, read under the lock, means no one led meanwhile.
-                log.warning("the leadership session of term %d ended: %s", self.term, exc)
+                if not self._suspect:
+                    log.warning("the leadership session of term %d ended: %s", self.term, exc)
+                    # From now on we do not lead: the lock went with the session and a
+                    # standby may take it at once. Only the lock again, with our term
+                    # still in the table, gives the lead back.
+                    self._suspect = True
+                    self._suspect_until = self._valid_until
+                    self._valid_until = 0.0
                 row = self._relock()
                 if row is None:
                     continue  # not yet: again at the next poll, while the lease lasts
+                sent = self._clock()
             if row is None or int(row[0]) != self.term:
                 found = row[0] if row else None
                 self._lose(f"term {found} leads now, not ours ({self.term})")
                 return
+            self._suspect = False
             self._valid_until = max(self._valid_until, sent + self.lease_s - self.poll_s)
 
     def _relock(self) -> tuple[Any, ...] | None:
@@ -220,6 +283,9 @@ class Leadership:
                 conn = self._connect()
                 got = conn.execute(f"SELECT pg_try_advisory_lock({_KEY})").fetchone()
                 if not (got and got[0]):
+                    # Held by another: this session, without the lock, must not serve
+                    # the renewals (they would read our term back and lead without it).
+                    self._drop()
                     return None
                 row: tuple[Any, ...] | None = conn.execute(
                     "SELECT term FROM leader WHERE id = 1"
@@ -244,9 +310,9 @@ class Leadership:
     def fence(self, db: Db) -> None:
         """In a store transaction of ours: raise :class:`LeadershipLost` unless our term
         still leads (the row stays share-locked until the transaction ends)."""
-        if not self.leads():
+        if not self.leads():  # found over here: lost (and said) for good
             raise LeadershipLost(
-                self.path, f"not written: this supervisor's term {self.term} is over"
+                self.path, f"not written: this supervisor does not lead (term {self.term})"
             )
         row = db.execute("SELECT term FROM leader WHERE id = 1 FOR SHARE").fetchone()
         if row is None or int(row[0]) != self.term:
@@ -263,6 +329,10 @@ class Leadership:
             self._renewer.join(timeout=self.poll_s + 5)
         with self._lock:
             self._drop()
+
+
+def _boottime() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 def default_api_url(host: str, port: int, tls: bool) -> str:

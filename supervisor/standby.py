@@ -2,7 +2,8 @@
 
 While it stands by it holds no state, connects to no broker and sends nothing: it tries
 to take the lead every ``ha.poll_s`` (``Leadership.try_lead``), and its API port answers
-every request with 503 and the leader's URL in the ``X-Phalanx-Leader`` header (the CLI
+every request with 503, ``X-Phalanx-Standby: 1`` and the leader's URL in the
+``X-Phalanx-Leader`` header (the CLI
 follows it; a browser asking for a dashboard page is redirected there), except
 ``GET /v1/leader``, which says who leads. Once it leads, the standby API stops and
 the whole supervisor starts on the same port.
@@ -13,14 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
 from phalanx.http import json_response, serve
 from supervisor.config import SupervisorSettings
 from supervisor.errors import StoreError
-from supervisor.leadership import LEADER_HEADER, Leader, Leadership
+from supervisor.leadership import LEADER_HEADER, STANDBY_HEADER, Leader, Leadership
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def standby_app(leadership: Leadership, known: list[Leader | None]) -> web.Appli
 
     async def elsewhere(request: web.Request) -> web.StreamResponse:
         leader = known[0]
-        headers = {"Retry-After": "1"}
+        headers = {"Retry-After": "1", STANDBY_HEADER: "1"}
         if leader is not None and leader.api_url != leadership.api_url:
             headers[LEADER_HEADER] = leader.api_url
             wants_page = request.method == "GET" and not request.path.startswith("/v1/")
@@ -83,11 +84,19 @@ async def wait_for_lead(
     settings: SupervisorSettings,
     leadership: Leadership,
     stop: asyncio.Event,
+    *,
+    on_lost: Callable[[], None],
+    ready: Callable[[str], object] = lambda _status: None,
 ) -> int | None:
     """Stand by until this supervisor leads: its term, or None if ``stop`` was set first.
     PostgreSQL out of reach is waited out (logged once per outage). The first attempt
     comes before the standby API opens, so that it never answers without naming a
-    leader that was there to name."""
+    leader that was there to name; ``ready`` is called once it serves.
+
+    The lease is renewed from the moment the lock is ours (``Leadership.keep``, with
+    ``on_lost``), and the new leader waits one ``ha.poll_s`` before it acts: a leader
+    whose session ended under it (a server restart, a killed backend) while it ran
+    learns so at its next renewal, within that time, and stops."""
     known: list[Leader | None] = [None]
     away = [False]
 
@@ -95,6 +104,7 @@ async def wait_for_lead(
         try:
             term = await asyncio.to_thread(leadership.try_lead)
             if term is not None:
+                leadership.keep(on_lost)
                 log.info("leading now, term %d (%s)", term, leadership.api_url)
                 return term
             known[0] = await asyncio.to_thread(leadership.leader)
@@ -107,17 +117,20 @@ async def wait_for_lead(
             away[0] = True
         return None
 
-    if (term := await attempt()) is not None:
-        return term
-    async with standby_api(settings, leadership, known) as port:
-        log.info(
-            "standing by: API on port %d, trying for the lead every %.1fs",
-            port,
-            settings.ha.poll_s,
-        )
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), settings.ha.poll_s)
-            if not stop.is_set() and (term := await attempt()) is not None:
-                return term
-    return None
+    term = await attempt()
+    if term is None:
+        async with standby_api(settings, leadership, known) as port:
+            log.info(
+                "standing by: API on port %d, trying for the lead every %.1fs",
+                port,
+                settings.ha.poll_s,
+            )
+            ready(f"standing by: API on port {port}")
+            while term is None and not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), settings.ha.poll_s)
+                if not stop.is_set():
+                    term = await attempt()
+    if term is not None and known[0] is not None:
+        await asyncio.sleep(settings.ha.poll_s)  # another led: let it find out it lost
+    return term

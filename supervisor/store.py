@@ -26,7 +26,7 @@ import json
 import logging
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -186,7 +186,15 @@ class Store(CatalogQueries):
     later raises it from the read or write that met it, and ``corrupt`` keeps it
     (``supervisor.store_guard``)."""
 
-    def __init__(self, path: Path, *, backups: Path | None = None, url: str | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        backups: Path | None = None,
+        url: str | None = None,
+        pg_options: Mapping[str, Any] | None = None,
+        pg_session: Sequence[str] = (),
+    ) -> None:
         self.path = path
         self._wing_tables: set[str] = set()
         # The writes queued by the *_soon methods, in order: (key, sql, args), where a key
@@ -209,7 +217,7 @@ class Store(CatalogQueries):
         self.where = redacted(url) if url is not None else str(path)  # in messages
         if url is not None:
             try:
-                self._db = open_pg(url, path)
+                self._db = open_pg(url, path, options=pg_options, session=pg_session)
             except DB_ERRORS as exc:  # a StoreError (the server away) passes as it is
                 raise StoreError(
                     path, f"cannot open the supervisor store {self.where}: {exc}"

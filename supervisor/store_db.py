@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import re
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -80,12 +80,32 @@ class PgDb:
     autocommit, as the SQLite connection does (``isolation_level=None``): a statement
     outside a ``BEGIN`` block commits on its own."""
 
-    def __init__(self, url: str, path: Path, *, read_only_snapshot: bool = False) -> None:
+    def __init__(
+        self,
+        url: str,
+        path: Path,
+        *,
+        read_only_snapshot: bool = False,
+        options: Mapping[str, Any] | None = None,
+        session: Sequence[str] = (),
+    ) -> None:
+        """``options``: libpq's connection options (keepalives); ``session``: statements
+        every new session runs first (``SET ...``), also after a reconnect."""
         self.url = url
         self.path = path  # the store's, for its errors
-        self._conn = psycopg.connect(url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
+        self._options = dict(options or {})
+        self._session = tuple(session)
+        self._conn = self._open()
         if read_only_snapshot:
             self._conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+
+    def _open(self) -> psycopg.Connection[Any]:
+        conn = psycopg.connect(
+            self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S, **self._options
+        )
+        for statement in self._session:
+            conn.execute(statement)  # trusted SET statements, not user input
+        return conn
 
     def execute(self, sql: str, parameters: Any = (), /) -> psycopg.Cursor[Any]:
         """Run ``sql``; a ``StoreError`` when the server cannot be reached (a read as well
@@ -119,7 +139,7 @@ class PgDb:
 
     def _reconnect(self) -> None:
         self._conn.close()
-        self._conn = psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
+        self._conn = self._open()
 
     @property
     def in_transaction(self) -> bool:
@@ -214,10 +234,16 @@ CREATE TABLE IF NOT EXISTS api_tokens (
 """
 
 
-def open_pg(url: str, path: Path) -> PgDb:
+def open_pg(
+    url: str,
+    path: Path,
+    *,
+    options: Mapping[str, Any] | None = None,
+    session: Sequence[str] = (),
+) -> PgDb:
     """Connect to ``url`` and create the schema if it is not there (one transaction;
-    concurrent starts wait on one another's lock)."""
-    db = PgDb(url, path)
+    concurrent starts wait on one another's lock). ``options``, ``session``: PgDb's."""
+    db = PgDb(url, path, options=options, session=session)
     try:
         db.execute("BEGIN")
         db.execute("SELECT pg_advisory_xact_lock(7130101)")  # one schema creation at a time

@@ -342,12 +342,14 @@ class Fleet:
             self.root / "logs" / f"{name}.log",
             self.mark,
         ).start()
-        # Generous: a daemon's start (its imports) takes long on a busy machine.
-        port = wait_for(lambda: _api_port(supervisor), 60, f"the {name} API")
         if standby:
             self.standbys.append(supervisor)
         else:
-            self.supervisor, self.api_port = supervisor, port
+            self.supervisor = supervisor  # stopped by stop() even if it never serves
+        # Generous: a daemon's start (its imports) takes long on a busy machine.
+        port = wait_for(lambda: _api_port(supervisor), 60, f"the {name} API")
+        if not standby:
+            self.api_port = port
         return supervisor
 
     def start_agent(

@@ -28,6 +28,7 @@ class Supervisor:
                 if standby:
                     body = json.dumps({"error": "this supervisor stands by"}).encode()
                     self.send_response(503)
+                    self.send_header("X-Phalanx-Standby", "1")
                     if leader:
                         self.send_header("X-Phalanx-Leader", leader)
                 else:
@@ -87,7 +88,7 @@ def test_with_no_leader_to_be_found_the_error_names_every_supervisor_tried() -> 
     try:
         with pytest.raises(ApiError) as err:
             Client(f"{standby.url},{dead}", "t", timeout=2).get("/v1/jobs")
-        assert err.value.status == 0
+        assert err.value.status == 503  # the first error met: the standby's
         assert standby.url in str(err.value) and dead in str(err.value)
         with pytest.raises(ApiError) as alone:
             Client(standby.url, "t", timeout=2).get("/v1/jobs")
@@ -99,3 +100,32 @@ def test_with_no_leader_to_be_found_the_error_names_every_supervisor_tried() -> 
 def test_an_empty_list_of_urls_is_refused() -> None:
     with pytest.raises(ApiError, match="no supervisor URL"):
         Client(" , ", "t")
+
+
+def test_a_leaders_own_503_is_the_answer_and_no_other_supervisor_is_asked() -> None:
+    """A 503 without ``X-Phalanx-Standby`` (the leader's store away, say) is not a
+    standby's: the request is not sent to another supervisor."""
+
+    class Busy(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.dumps({"error": "the store cannot be written"}).encode()
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    other = Supervisor()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(ApiError, match="the store cannot be written") as err:
+            Client(f"{url},{other.url}", "t", timeout=2).post("/v1/jobs", {})
+        assert err.value.status == 503 and other.seen == []
+    finally:
+        server.shutdown()
+        server.server_close()
+        other.close()

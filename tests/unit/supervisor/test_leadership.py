@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from supervisor.leadership import Leadership, LeadershipLost, default_api_url
@@ -42,14 +43,17 @@ def test_one_leads_the_other_stands_by_and_leads_with_a_new_term_once_it_lets_go
     url = pg_cluster.new_database()
     a, b = lead(url, "a"), lead(url, "b")
     try:
-        assert a.try_lead() == 1 and a.leads()
+        first = a.try_lead()
+        # A term is never below the epoch second: a store made anew does not go back.
+        assert first is not None and first >= int(time.time()) - 5 and a.leads()
         assert b.try_lead() is None and not b.leads()
         who = b.leader()
-        assert who is not None and (who.term, who.holder, who.api_url) == (1, "a", "http://a:8740")
+        assert who is not None
+        assert (who.term, who.holder, who.api_url) == (first, "a", "http://a:8740")
         a.close()  # a clean stop lets go at once
-        assert b.try_lead() == 2 and b.leads()
+        assert b.try_lead() == first + 1 and b.leads()
         who = b.leader()
-        assert who is not None and (who.term, who.holder) == (2, "b")
+        assert who is not None and (who.term, who.holder) == (first + 1, "b")
     finally:
         a.close()
         b.close()
@@ -58,7 +62,7 @@ def test_one_leads_the_other_stands_by_and_leads_with_a_new_term_once_it_lets_go
 def test_a_store_of_another_schema_has_a_leader_of_its_own(pg_cluster: PgCluster) -> None:
     a, b = lead(pg_cluster.new_database(), "a"), lead(pg_cluster.new_database(), "b")
     try:
-        assert a.try_lead() == 1 and b.try_lead() == 1
+        assert a.try_lead() is not None and b.try_lead() is not None
     finally:
         a.close()
         b.close()
@@ -88,7 +92,8 @@ def test_a_replaced_leaders_store_writes_are_refused_and_it_learns_it_lost(
     store = Store(tmp_path / "state.db", url=url)
     lost = threading.Event()
     try:
-        assert a.try_lead() == 1
+        term = a.try_lead()
+        assert term is not None
         store.fence = a.fence
         a._on_lost = lost.set
         store.add_event("while_leading", None, {})
@@ -96,8 +101,8 @@ def test_a_replaced_leaders_store_writes_are_refused_and_it_learns_it_lost(
         # takes over before A notices.
         assert a._conn is not None
         a._conn.close()
-        assert b.try_lead() == 2
-        with pytest.raises(LeadershipLost, match="term 2 leads now"):
+        assert b.try_lead() == term + 1
+        with pytest.raises(LeadershipLost, match=f"term {term + 1} leads now"):
             store.add_event("after_losing", None, {})
         assert lost.is_set() and not a.leads()
         assert [e.kind for e in store.events()] == ["while_leading"]
@@ -116,12 +121,12 @@ def test_a_leader_rides_out_a_restart_of_postgresql_and_keeps_its_term(
     a = lead(url, "a", lease_s=8.0)
     lost = threading.Event()
     try:
-        assert a.try_lead() == 1
+        term = a.try_lead()
         a.keep(lost.set)
         pg_cluster.restart()
         time.sleep(1.0)  # a few renewals on the new server
-        assert not lost.is_set() and a.leads() and a.term == 1
-        assert "leadership of term 1 taken again on a new session" in caplog.text
+        assert not lost.is_set() and a.leads() and a.term == term
+        assert f"leadership of term {term} taken again on a new session" in caplog.text
         other = lead(url, "b")
         try:
             assert other.try_lead() is None  # the lock was taken again
@@ -129,6 +134,36 @@ def test_a_leader_rides_out_a_restart_of_postgresql_and_keeps_its_term(
             other.close()
     finally:
         a.close()
+
+
+def test_a_leader_whose_session_was_ended_stops_leading_at_its_next_renewal(
+    pg_cluster: PgCluster,
+) -> None:
+    """Its session ended by the server (a backend killed): the lock is free at once, and
+    a standby may lead within its poll; the old leader stops leading at its next
+    renewal, well before its lease would have run out, and loses once it sees the lock
+    taken for the rest of it."""
+    url = pg_cluster.new_database()
+    a, b = lead(url, "a", lease_s=3.0), lead(url, "b")
+    lost = threading.Event()
+    try:
+        assert a.try_lead() is not None
+        a.keep(lost.set)
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_locks "
+                "WHERE locktype = 'advisory' AND granted"
+            )
+        assert b.try_lead() is not None  # the lock is free at once
+        deadline = time.monotonic() + 1.0  # a few polls (0.2 s), less than the lease
+        while a.leads() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not a.leads()
+        assert lost.wait(8.0), "A should have lost once its lease ran out"
+        assert "could not be renewed" in a.lost_reason
+    finally:
+        a.close()
+        b.close()
 
 
 def test_the_default_api_url_names_this_host_for_a_wildcard_bind() -> None:
