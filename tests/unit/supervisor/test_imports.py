@@ -110,8 +110,8 @@ def test_the_job_and_catalog_parts_import_neither_the_daemon_nor_the_api(module:
 LAYERS: list[set[str]] = [
     {"supervisor.errors"},
     {"supervisor.config", "supervisor.jobs", "supervisor.store_db", "supervisor.store_guard"},
-    {"supervisor.store"},
-    {"supervisor.backup"},
+    {"supervisor.store", "supervisor.leadership"},
+    {"supervisor.backup", "supervisor.standby"},
     {"supervisor.telemetry", "supervisor.auth", "supervisor.scheduler"},
     {"supervisor.fleet"},
     {"supervisor.checkpoints"},
