@@ -108,6 +108,7 @@ class Leadership:
         # lead meanwhile (a standby may already), but have not lost for sure.
         self._suspect = False
         self._suspect_until = 0.0
+        self._defer_until = 0.0  # a standby tries for the lead again from then (try_lead)
 
     # --- standing by ----------------------------------------------------------------
 
@@ -157,7 +158,15 @@ class Leadership:
 
     def try_lead(self) -> int | None:
         """One attempt to take the lead: our new term, or None while another leads.
-        A ``StoreError`` when PostgreSQL cannot be reached."""
+        A ``StoreError`` when PostgreSQL cannot be reached.
+
+        After this standby lost its own connection (PostgreSQL restarted, the network
+        blinked) it does not try for ``lease_s``: the leader lost its session too and is
+        taking its lock again (``_relock``); a race for the lock would replace a leader
+        that is alive and well. A leader that died leaves the standby's connection
+        alone, and is replaced at the next poll."""
+        if self._clock() < self._defer_until:
+            return None
         try:
             with self._lock:
                 conn = self._connect()
@@ -187,6 +196,7 @@ class Leadership:
                 return self.term
         except psycopg.Error as exc:
             self._drop()
+            self._defer_until = self._clock() + self.lease_s
             raise StoreError(
                 self.path, f"cannot reach the supervisor store {redacted(self.url)}: {exc}"
             ) from exc
@@ -203,6 +213,7 @@ class Leadership:
                 )
         except psycopg.Error as exc:
             self._drop()
+            self._defer_until = self._clock() + self.lease_s  # see try_lead
             log.warning("cannot read who leads: %s", exc)
             return None
         return Leader(int(row[0]), str(row[1]), str(row[2]), float(row[3])) if row else None

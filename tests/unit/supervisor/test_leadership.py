@@ -4,6 +4,7 @@ on the leader's own clock, the fenced store writes and a server restart ridden o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from supervisor.errors import StoreError
 from supervisor.leadership import Leadership, LeadershipLost, default_api_url
 from supervisor.store import Store
 from tests.pg import PgCluster
@@ -25,13 +27,20 @@ class Clock:
         return self.now
 
 
-def lead(url: str, name: str, *, clock: Clock | None = None, lease_s: float = 3.0) -> Leadership:
+def lead(
+    url: str,
+    name: str,
+    *,
+    clock: Clock | None = None,
+    lease_s: float = 3.0,
+    poll_s: float = 0.2,
+) -> Leadership:
     return Leadership(
         url,
         Path("state.db"),
         api_url=f"http://{name}:8740",
         lease_s=lease_s,
-        poll_s=0.2,
+        poll_s=poll_s,
         holder=name,
         clock=clock or time.monotonic,
     )
@@ -118,13 +127,21 @@ def test_a_leader_rides_out_a_restart_of_postgresql_and_keeps_its_term(
 ) -> None:
     caplog.set_level(logging.INFO, logger="supervisor.leadership")
     url = pg_cluster.new_database()
-    a = lead(url, "a", lease_s=8.0)
+    a = lead(url, "a", lease_s=8.0, poll_s=1.0)  # it renews (and relocks) slowly ...
     lost = threading.Event()
+    b = lead(url, "b")  # ... and the standby tries often
     try:
         term = a.try_lead()
         a.keep(lost.set)
+        assert b.try_lead() is None and b.leader() is not None  # b stands by, connected
         pg_cluster.restart()
-        time.sleep(1.0)  # a few renewals on the new server
+        # The standby, its own session lost too, does not race the leader for the lock.
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline:
+            with contextlib.suppress(StoreError):
+                assert b.try_lead() is None
+            b.leader()
+            time.sleep(0.05)
         assert not lost.is_set() and a.leads() and a.term == term
         assert f"leadership of term {term} taken again on a new session" in caplog.text
         other = lead(url, "b")
@@ -134,6 +151,7 @@ def test_a_leader_rides_out_a_restart_of_postgresql_and_keeps_its_term(
             other.close()
     finally:
         a.close()
+        b.close()
 
 
 def test_a_leader_whose_session_was_ended_stops_leading_at_its_next_renewal(
