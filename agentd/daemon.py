@@ -347,8 +347,7 @@ class Agent:
             )
             return
         if isinstance(inbound.message, wire.SupervisorStatus):
-            self.supervisor_known.set()
-            return
+            return  # taken above
         if inbound.message is None:
             return  # a cleared retained catalog
         if not isinstance(inbound.message, wire.Command):

@@ -39,26 +39,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from phalanx.client import ApiError, Client
 from phalanx.local import free_port
-from tests.harness import TOKEN, Broker, Fleet, Process, wait_for
+from tests.harness import TOKEN, Broker, Fleet, Process, leader_of, wait_for
 from tests.pg import PgCluster
 from tests.tinylm import REPO, tinylm
 
 
-def leader_view(url: str) -> dict[str, Any] | None:
-    """``GET /v1/leader`` of the supervisor at ``url`` alone (None: it does not answer)."""
-    try:
-        view: dict[str, Any] = Client(url, TOKEN, timeout=1).get("/v1/leader")
-    except ApiError:
-        return None
-    return view
-
-
 def leads(url: str) -> bool:
-    return bool((leader_view(url) or {}).get("leading"))
+    return bool((leader_of(url) or {}).get("leading"))
 
 
 def stands_by(url: str) -> bool:
-    return (leader_view(url) or {}).get("leading") is False
+    return (leader_of(url) or {}).get("leading") is False
 
 
 def first_command_after(client: Client, since: float, timeout: float = 60.0) -> float:

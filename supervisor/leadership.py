@@ -171,8 +171,7 @@ class Leadership:
             with self._lock:
                 conn = self._connect()
                 sent = self._clock()
-                got = conn.execute(f"SELECT pg_try_advisory_lock({_KEY})").fetchone()
-                if not (got and got[0]):
+                if not _take_lock(conn):
                     return None
                 with conn.transaction():
                     # Behind the share locks of the old leader's writes under way (ended by
@@ -233,12 +232,11 @@ class Leadership:
             return False
         if self._clock() < self._valid_until:
             return True
-        if not self._suspect:
+        if not self._suspect:  # a suspect session is the renewal loop's to judge
             self._lose(
                 f"the lease of term {self.term} ran out (no renewal answered for "
                 f"{self.lease_s - self.poll_s:.1f}s)"
             )
-            return False
         return False
 
     def keep(self, on_lost: Callable[[], None]) -> None:
@@ -292,8 +290,7 @@ class Leadership:
             with self._lock:
                 self._drop()
                 conn = self._connect()
-                got = conn.execute(f"SELECT pg_try_advisory_lock({_KEY})").fetchone()
-                if not (got and got[0]):
+                if not _take_lock(conn):
                     # Held by another: this session, without the lock, must not serve
                     # the renewals (they would read our term back and lead without it).
                     self._drop()
@@ -340,6 +337,12 @@ class Leadership:
             self._renewer.join(timeout=self.poll_s + 5)
         with self._lock:
             self._drop()
+
+
+def _take_lock(conn: psycopg.Connection[Any]) -> bool:
+    """Whether ``conn``'s session now holds the leadership lock (it may already have)."""
+    got = conn.execute(f"SELECT pg_try_advisory_lock({_KEY})").fetchone()
+    return bool(got and got[0])
 
 
 def _boottime() -> float:

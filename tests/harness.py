@@ -53,6 +53,16 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}; last: {last!r}")
 
 
+def leader_of(url: str) -> dict[str, Any] | None:
+    """``GET /v1/leader`` of the one supervisor at ``url`` (a standby answers it too):
+    whether it leads, and who does; None when it does not answer."""
+    try:
+        view: dict[str, Any] = Client(url, TOKEN, timeout=2).get("/v1/leader")
+    except ApiError:
+        return None
+    return view
+
+
 class Process:
     """One daemon as a child process in its own process group, its output in a log file."""
 

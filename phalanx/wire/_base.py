@@ -30,6 +30,18 @@ class Msg(BaseModel):
 
 NodeId = Annotated[str, Field(pattern=NODE_ID_PATTERN)]
 JobId = Annotated[str, Field(pattern=JOB_ID_PATTERN)]
+# The leadership term of the supervisor that sent a message (docs/wire.md, "Leadership
+# term"): 0 from a supervisor alone, and then left out, so that such a supervisor sends
+# what it sent before the field (an agent of before it refuses an unknown field).
+Term = Annotated[
+    int,
+    Field(
+        ge=0,
+        description="the sending supervisor's leadership term (0: a supervisor alone); "
+        "an agent refuses a command, catalog or status older than the newest term it saw",
+        exclude_if=lambda term: term == 0,
+    ),
+]
 
 
 MAX_BATCHED: Final = 64  # messages in one batch (CkptLandings, RankEvents)

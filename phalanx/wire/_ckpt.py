@@ -24,6 +24,7 @@ from phalanx.wire._base import (
     JobId,
     Msg,
     NodeId,
+    Term,
     kind_or,
     of_one_node,
     pack_leading,
@@ -183,13 +184,7 @@ class CkptCatalog(Msg):
     node: NodeId
     world_size: int = Field(ge=1)
     generation: int = Field(default=0, ge=0, description="the job's generation when sent")
-    term: int = Field(
-        default=0,
-        ge=0,
-        description="the sending supervisor's leadership term (as `Command.term`): an "
-        "agent ignores a catalog older than the newest term it saw",
-        exclude_if=lambda term: term == 0,  # as before it: older agents take it
-    )
+    term: Term = 0
     steps: list[CkptStep] = Field(default_factory=list)
     restore_step: int | None = None
     restore_note: str = ""

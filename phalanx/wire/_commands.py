@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from phalanx.wire._base import JobId, Msg, NodeId
+from phalanx.wire._base import JobId, Msg, NodeId, Term
 from phalanx.wire._ckpt import CkptPlan
 
 
@@ -164,13 +164,7 @@ class Command(Msg):
     issued_at: float
     deadline: float
     args: CommandArgs
-    term: int = Field(
-        default=0,
-        ge=0,
-        description="the leadership term of the supervisor that sent it (0: a supervisor "
-        "without a standby); an agent refuses a command older than the newest term it saw",
-        exclude_if=lambda term: term == 0,  # as before it: older agents take it
-    )
+    term: Term = 0
 
     @classmethod
     def new(cls, node: str, args: CommandArgsType, ttl: float = 30.0, term: int = 0) -> Command:

@@ -15,6 +15,7 @@ from phalanx.wire._base import (
     JobId,
     Msg,
     NodeId,
+    Term,
     kind_or,
     of_one_node,
     pack_leading,
@@ -230,9 +231,4 @@ class SupervisorStatus(Msg):
     kind: Literal["supervisor"] = "supervisor"
     online: bool
     since: float
-    term: int = Field(
-        default=0,
-        ge=0,
-        description="the leader's term (as `Command.term`)",
-        exclude_if=lambda term: term == 0,
-    )
+    term: Term = 0

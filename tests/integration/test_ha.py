@@ -16,14 +16,13 @@ import signal
 import time
 import urllib.error
 import urllib.request
-from typing import Any
 
 import pytest
 
 from phalanx import wire
-from phalanx.client import ApiError, Client
+from phalanx.client import Client
 from phalanx.local import free_port
-from tests.harness import TOKEN, Fleet, Process, RawMqtt, rank_pid, wait_for
+from tests.harness import TOKEN, Fleet, Process, RawMqtt, leader_of, rank_pid, wait_for
 from tests.integration.test_recovery_training import (
     committed_step,
     final_digest,
@@ -35,14 +34,6 @@ from tests.pg import PgCluster
 pytestmark = pytest.mark.integration
 
 LEASE = "[ha]\nlease_s = 3.0\npoll_s = 0.5\n"
-
-
-def leader_of(url: str) -> dict[str, Any] | None:
-    try:
-        view: dict[str, Any] = Client(url, TOKEN, timeout=2).get("/v1/leader")
-    except ApiError:
-        return None
-    return view
 
 
 def start_pair(fleet: Fleet, pg: PgCluster) -> tuple[Process, Process, str, str]:
