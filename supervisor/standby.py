@@ -50,7 +50,7 @@ def standby_app(leadership: Leadership, known: list[Leader | None]) -> web.Appli
         headers = {"Retry-After": "1", STANDBY_HEADER: "1"}
         if leader is not None and leader.api_url != leadership.api_url:
             headers[LEADER_HEADER] = leader.api_url
-            wants_page = request.method == "GET" and not request.path.startswith("/v1/")
+            wants_page = request.method in ("GET", "HEAD") and not request.path.startswith("/v1/")
             if wants_page and request.path != "/metrics":
                 raise web.HTTPTemporaryRedirect(leader.api_url + request.path_qs)
             detail = f"this supervisor stands by; the leader's API is at {leader.api_url}"

@@ -96,11 +96,12 @@ def test_the_standby_takes_over_from_a_killed_leader_and_the_job_never_stops(
     assert refused.value.code == 503 and refused.value.headers["X-Phalanx-Leader"] == url_a
     assert url_a in json.loads(refused.value.read())["error"]
     # A browser asking the standby for the dashboard is redirected to the leader's.
-    page = http.client.HTTPConnection("127.0.0.1", int(url_b.rsplit(":", 1)[1]), timeout=2)
-    page.request("GET", "/ui/")
-    answer = page.getresponse()
-    assert answer.status == 307 and answer.headers["Location"] == f"{url_a}/ui/"
-    page.close()
+    for method in ("GET", "HEAD"):
+        page = http.client.HTTPConnection("127.0.0.1", int(url_b.rsplit(":", 1)[1]), timeout=2)
+        page.request(method, "/ui/")
+        answer = page.getresponse()
+        assert answer.status == 307 and answer.headers["Location"] == f"{url_a}/ui/", method
+        page.close()
     # A client that knows only the standby is sent on to the leader.
     assert Client(url_b, TOKEN, timeout=2).get("/v1/nodes") == []
     fleet.start_nodes(2)  # through the client: B first, then A, which answers
