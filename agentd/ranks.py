@@ -33,7 +33,7 @@ from typing import Any
 from agentd.commands import CommandError
 from agentd.config import ENV_PREFIX
 from agentd.progress import socket_beside
-from agentd.warm import Template, WarmPool, template_for
+from agentd.warm import Cold, Template, WarmPool, refill_at_once, template_for
 from phalanx import wire
 from phalanx.tasks import Tasks
 
@@ -224,6 +224,7 @@ class RankRunner:
         logs = self.data_dir / "jobs" / req.job / f"g{req.generation}"
         logs.mkdir(parents=True, exist_ok=True)
         pids = {}
+        cold: dict[int, str] = {}  # rank -> why no warm interpreter became it
         templates: dict[int, Template] = {}
         visible = ",".join(str(s.gpu) for s in slots if s.gpu is not None)
         for slot in slots:
@@ -232,12 +233,15 @@ class RankRunner:
             template = template_for(req, workdir, rank_env)
             if template is not None:
                 templates[slot.local_rank] = template
-            proc = await self.warm.start_rank(req, slot, template, rank_env, workdir, log_path)
-            if proc is not None:
-                rank = Rank(req.job, req.generation, slot, proc, log_path, time.time(), warm=True)
+            started = await self.warm.start_rank(req, slot, template, rank_env, workdir, log_path)
+            if not isinstance(started, Cold):
+                rank = Rank(
+                    req.job, req.generation, slot, started, log_path, time.time(), warm=True
+                )
                 self._started(rank)
-                pids[slot.rank] = proc.pid
+                pids[slot.rank] = started.pid
                 continue
+            cold[slot.rank] = started.reason
             with log_path.open("ab") as out:
                 try:
                     proc = await asyncio.create_subprocess_exec(
@@ -261,12 +265,15 @@ class RankRunner:
             pids[slot.rank] = proc.pid
         if templates:
             ranks = [s.rank for s in slots]
+            at_once = refill_at_once(len(self.cpus or os.sched_getaffinity(0)), len(ranks))
             self.warm.refill(
-                req.job, templates, lambda: self._settled(req.job, req.generation, ranks)
+                req.job,
+                templates,
+                None if at_once else lambda: self._settled(req.job, req.generation, ranks),
             )
         else:
             self.warm.discard(req.job)
-        return {"pids": pids}
+        return {"pids": pids, "cold": {str(r): why for r, why in sorted(cold.items())}}
 
     async def prewarm(self, args: wire.PrewarmArgs) -> dict[str, Any]:
         """Warm interpreters for a job with no rank here (this node is a hot spare), one

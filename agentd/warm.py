@@ -69,6 +69,12 @@ IDLE_S: Final = 300.0  # a job with no rank here for this long loses its warm in
 # The new ranks' first step, before warm interpreters are started behind them (their
 # imports compete with the ranks' start for the CPUs); without steps reported, this long.
 SETTLE_S: Final = 30.0
+# A node with this many CPUs per rank it starts (and at least MIN_CPUS_AT_ONCE) starts
+# the warm interpreters behind them at once: a fault in the first seconds of a job then
+# finds them ready, and their imports take no CPU the ranks need (a GPU node has 12-28
+# cores per GPU). A smaller node (a laptop, a CI runner) waits for the first step.
+CPUS_PER_RANK_AT_ONCE: Final = 4
+MIN_CPUS_AT_ONCE: Final = 8
 
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 
@@ -85,6 +91,12 @@ def launch_form(command: Sequence[str]) -> tuple[str, str] | None:
     if not command[1] or command[1].startswith("-"):
         return None
     return ("script", command[1])
+
+
+def refill_at_once(cpus: int, ranks: int) -> bool:
+    """Whether a node with ``cpus`` CPUs starts the warm interpreters behind ``ranks``
+    ranks it starts at once, rather than after their first step."""
+    return cpus >= max(MIN_CPUS_AT_ONCE, CPUS_PER_RANK_AT_ONCE * ranks)
 
 
 def template_for(
@@ -124,6 +136,14 @@ class Template:
             and self.imports == other.imports
             and same_but_per_rank(self.env, other.env)
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Cold:
+    """A rank launched cold, not from a warm interpreter: why (the start's ack, and then
+    the recovery's incident, say it)."""
+
+    reason: str
 
 
 @dataclass(eq=False)
@@ -185,12 +205,17 @@ class WarmPool:
 
     # --- taking one ----------------------------------------------------------
 
-    def take(self, job: str, local_rank: int, template: Template) -> Warm | None:
+    def take(self, job: str, local_rank: int, template: Template) -> Warm | Cold:
         """The slot's ready warm interpreter if it matches ``template``, out of the pool
-        (the caller hands it a rank with :meth:`become`); None: launch cold."""
+        (the caller hands it a rank with :meth:`become`); :class:`Cold`: launch cold,
+        and why."""
         w = self._warm.get((job, local_rank))
-        if w is None or not w.ready.is_set() or w.proc.returncode is not None:
-            return None
+        if w is None or w.proc.returncode is not None:
+            if job in self._given_up:
+                return Cold("its warm interpreters kept dying before they were ready")
+            return Cold("no warm interpreter was started for it yet")
+        if not w.ready.is_set():
+            return Cold("its warm interpreter was still importing")
         if not w.template.matches(template):
             log.info(
                 "job %s local rank %d: the warm interpreter was started for another "
@@ -198,7 +223,10 @@ class WarmPool:
                 job,
                 local_rank,
             )
-            return None
+            return Cold(
+                "its warm interpreter was started for another command, working "
+                "directory, imports or environment"
+            )
         del self._warm[(job, local_rank)]
         w.taken = True
         if w.watcher is not None:
@@ -213,13 +241,16 @@ class WarmPool:
         env: dict[str, str],
         workdir: Path,
         log_path: Path,
-    ) -> asyncio.subprocess.Process | None:
-        """The slot's warm interpreter, told to become its rank; None: launch it cold."""
+    ) -> asyncio.subprocess.Process | Cold:
+        """The slot's warm interpreter, told to become its rank; :class:`Cold`: launch it
+        cold, and why."""
         if template is None:
-            return None
+            if req.warm is None:
+                return Cold("the job keeps no warm interpreters (restart.warm is off)")
+            return Cold("its command is not `python script.py` or `python -m module`")
         warm = self.take(req.job, slot.local_rank, template)
-        if warm is None:
-            return None
+        if isinstance(warm, Cold):
+            return warm
         try:
             with log_path.open("ab"):  # as a cold launch's log is opened, before the rank runs
                 pass
@@ -233,7 +264,7 @@ class WarmPool:
                 exc,
             )
             _killpg(warm.proc.pid, signal.SIGKILL)
-            return None
+            return Cold("its warm interpreter died before it could become the rank")
         return warm.proc
 
     async def become(

@@ -45,6 +45,7 @@ def incident_lines(incident: dict[str, Any]) -> list[str]:
         out.append(f"    skipped steps {start}-{stop - 1} (the loss guard's rollback)")
     if timing:
         out.append(f"    phases: {timing}")
+    out.extend(cold_lines(incident.get("cold_ranks")))
     acked = incident.get("acked_s")
     started = f"; ranks started {acked:.2f}s after the fault" if acked is not None else ""
     if incident.get("mttr_s") is not None:
@@ -62,3 +63,17 @@ def incident_lines(incident: dict[str, Any]) -> list[str]:
             )
         )
     return out
+
+
+def cold_lines(cold: dict[str, str] | None) -> list[str]:
+    """The ranks a relaunch started cold (no warm interpreter became them), by reason:
+    the launch phase paid a cold start for them."""
+    if not cold:
+        return []
+    by_reason: dict[str, list[str]] = {}
+    for rank, why in cold.items():
+        by_reason.setdefault(why, []).append(rank)
+    return [
+        f"    cold launch of rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {why}"
+        for why, ranks in by_reason.items()
+    ]

@@ -35,7 +35,7 @@ from supervisor.fleet.registry import NodeState, Registry
 from supervisor.jobs import Job, JobState, RankPlace
 from supervisor.recovery import rollbacks
 from supervisor.recovery.executor import BURN_IN_TIMEOUT_S, Recoveries
-from supervisor.recovery.incidents import Incidents
+from supervisor.recovery.incidents import Incidents, cold_ranks
 from supervisor.recovery.planner import Failure, FailureKind
 from supervisor.recovery.sdc_watch import SdcWatch
 from supervisor.scheduler import Decisions, schedule
@@ -550,6 +550,10 @@ class JobController:
             timed["starts"] = round(time.perf_counter() - t0, 3)
             if problems:
                 raise LaunchError("; ".join(problems), failed[0])
+            if job.recovery is not None:
+                job.recovery["cold_ranks"] = cold_ranks(
+                    [a for a in acks if isinstance(a, wire.CommandAck)]
+                )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # LinkDown, a timeout, a bad ack: never stay in starting

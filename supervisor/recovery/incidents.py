@@ -146,6 +146,8 @@ class Incidents:
             "detected_at": rec["detected_at"],
             "plan": plan_record(plan) if plan is not None else rec.get("plan"),
             "phases": rec.get("phases", {}),
+            # ranks the relaunch started cold (no warm interpreter became them), and why
+            "cold_ranks": rec.get("cold_ranks"),
             "launch_started_at": rec.get("launch_started_at"),
             "outcome": outcome,
             "failed_step": failed_step,
@@ -173,6 +175,23 @@ class Incidents:
             restored_step=restored,
             **extra,
         )
+
+
+MAX_REASON = 200  # characters of an agent's reason kept
+
+
+def cold_ranks(acks: Iterable[wire.CommandAck]) -> dict[str, str]:
+    """The ranks a launch's start acks say were launched cold, and why (an agent older
+    than warm interpreters names none)."""
+    out: dict[str, str] = {}
+    for ack in acks:
+        cold = ack.result.get("cold")
+        if not isinstance(cold, dict):
+            continue
+        for rank, why in cold.items():
+            if isinstance(rank, str) and rank.isdigit() and isinstance(why, str):
+                out[rank] = why[:MAX_REASON]
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
 def node_incidents(jobs: Iterable[Job]) -> list[NodeIncident]:

@@ -107,6 +107,7 @@ def test_a_restart_in_place_runs_the_script_in_warm_interpreters_with_its_argv_a
     done = fleet.wait_job(job, "succeeded", timeout=90)
     assert (done["generation"], done["restarts"]) == (2, 1)
     assert warm_started(fleet, job, 2) == {0, 1}
+    assert done["incidents"][-1]["cold_ranks"] == {}
     for rank in (0, 1):
         got = seen(fleet, job, rank, 2)
         assert got == {
@@ -128,6 +129,8 @@ def test_a_job_that_opts_out_of_warm_interpreters_restarts_with_a_cold_launch(
     done = fleet.wait_job(job, "succeeded", timeout=90)
     assert (done["generation"], done["restarts"]) == (2, 1)
     assert warm_started(fleet, job, 2) == set()
+    off = "the job keeps no warm interpreters (restart.warm is off)"
+    assert done["incidents"][-1]["cold_ranks"] == {"0": off, "1": off}
     assert "warm interpreter" not in fleet.agents["n01"].output()
     assert seen(fleet, job, 0, 2)["preloaded"] is False
 

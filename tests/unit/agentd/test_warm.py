@@ -18,7 +18,7 @@ import pytest
 
 from agentd.commands import CommandError
 from agentd.ranks import RankRunner
-from agentd.warm import launch_form
+from agentd.warm import launch_form, refill_at_once
 from phalanx import wire
 
 JOB = "warmy-abc123"
@@ -134,6 +134,7 @@ async def restarted(
     await reporter.wait_for(2)
     started = await runner.start(start_args(work, 2, *args, command=command))
     assert started["pids"] == {0: warm[0], 1: warm[1]}  # each slot's warm interpreter
+    assert started["cold"] == {}
     return warm, started["pids"]
 
 
@@ -181,6 +182,25 @@ async def test_a_restart_hands_each_rank_to_its_slots_warm_interpreter(
     events = await reporter.wait_for(4)
     assert {(e.generation, e.rank, e.code) for e in events[2:]} == {(2, 0, 0), (2, 1, 0)}
     assert shown(runner, 1)["preloaded"] is True
+
+
+async def test_a_first_start_says_its_ranks_launched_cold_and_why(
+    runner: RankRunner, work: Path
+) -> None:
+    first = await runner.start(start_args(work, 1, "0"))
+
+    none_yet = "no warm interpreter was started for it yet"
+    assert first["cold"] == {"0": none_yet, "1": none_yet}
+
+
+def test_a_node_with_cpus_to_spare_starts_warm_interpreters_with_the_ranks() -> None:
+    # A GPU node (12-28 cores a GPU) starts them at once; a laptop or a 2-core CI runner
+    # waits for the ranks' first step, so their imports do not slow the ranks' start.
+    assert refill_at_once(cpus=96, ranks=8)
+    assert refill_at_once(cpus=8, ranks=2)
+    assert not refill_at_once(cpus=4, ranks=1)  # fewer than MIN_CPUS_AT_ONCE
+    assert not refill_at_once(cpus=16, ranks=8)
+    assert not refill_at_once(cpus=2, ranks=2)
 
 
 async def test_a_warm_script_sees_its_argv_name_and_file_as_a_cold_launch_shows_them(
@@ -315,6 +335,8 @@ async def test_a_job_that_opts_out_gets_cold_launches_and_no_warm_interpreter(
     runner: RankRunner, reporter: Reporter, work: Path
 ) -> None:
     first = await runner.start(start_args(work, 1, "0", warm=False))
+    off = "the job keeps no warm interpreters (restart.warm is off)"
+    assert first["cold"] == {"0": off, "1": off}
     await asyncio.sleep(0.5)
     assert runner.warm.pids(JOB) == {}
     await runner.stop(JOB, 1, grace_s=1.0, keep_warm=True)
@@ -330,7 +352,9 @@ async def test_a_job_that_opts_out_gets_cold_launches_and_no_warm_interpreter(
 async def test_a_command_that_is_not_python_gets_no_warm_interpreter(
     runner: RankRunner, work: Path
 ) -> None:
-    await runner.start(start_args(work, 1, command=["bash", "-c", "sleep 600"]))
+    started = await runner.start(start_args(work, 1, command=["bash", "-c", "sleep 600"]))
+    why = "its command is not `python script.py` or `python -m module`"
+    assert started["cold"] == {"0": why, "1": why}
     await asyncio.sleep(0.5)
 
     assert runner.warm.pids(JOB) == {}

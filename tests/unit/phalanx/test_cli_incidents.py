@@ -44,3 +44,15 @@ def test_status_shows_the_ettr_of_a_job_without_steps_as_an_upper_bound() -> Non
 def test_status_shows_an_exact_ettr_plainly() -> None:
     goodput = {"ettr": 0.9, "ettr_upper_bound": False, "lost_s": 10.0, "wall_s": 100.0}
     assert ettr_text(goodput) == "ETTR: 90.0% (lost 10.0s of 100.0s)"
+
+
+def test_status_names_the_ranks_a_recovery_launched_cold_by_reason() -> None:
+    importing = "its warm interpreter was still importing"
+    incident = {
+        **UNKNOWN,
+        "cold_ranks": {"0": importing, "1": importing, "3": "restart.warm is off"},
+    }
+    lines = incident_lines(incident)
+    assert f"    cold launch of ranks 0, 1: {importing}" in lines
+    assert "    cold launch of rank 3: restart.warm is off" in lines
+    assert not any("cold launch" in line for line in incident_lines(UNKNOWN))

@@ -41,6 +41,7 @@ class Fleet:
         self.sent: list[tuple[str, str, int]] = []  # (node, op, generation)
         self.args: list[wire.CommandArgsType] = []  # what was sent, in order
         self.stops_acked = asyncio.Event()
+        self.cold: dict[str, Any] = {}  # node -> what its start ack says of cold ranks
         self.jobs: dict[str, Job] = {}
         self.publisher = CatalogPublisher(
             CheckpointCatalog(self.store),
@@ -94,6 +95,8 @@ class Fleet:
             await self.stops_acked.wait()
         elif isinstance(args, wire.AllocPortArgs):
             result = {"port": 29500}
+        elif isinstance(args, wire.StartRanksArgs) and node in self.cold:
+            result = {"pids": {}, "cold": self.cold[node]}
         return wire.CommandAck(
             id=f"c{len(self.sent)}",
             node=node,
@@ -141,6 +144,38 @@ async def test_a_relaunch_sends_its_starts_once_every_stop_is_acknowledged(
         assert fleet.job.generation == 2 and fleet.job.restarts == 1
         phases = fleet.job.incidents[-1]["phases"]
         assert {"plan", "stop", "port", "catalogs", "starts"} <= set(phases)
+    finally:
+        await fleet.close()
+
+
+async def test_a_relaunchs_incident_names_the_ranks_launched_cold_and_why(
+    tmp_path: Path,
+) -> None:
+    # The launch phase of such a recovery paid a cold start (issue 28): the incident says
+    # which ranks and why, from the agents' start acks. Garbage in an ack is left out.
+    fleet = Fleet(tmp_path, ["n0", "n1"], gang=["n0", "n1"])
+    fleet.cold = {
+        "n0": {},
+        "n1": {"2": "its warm interpreter was still importing", "x": "?", "3": 7},
+    }
+    try:
+        fleet.stops_acked.set()
+        fleet.ctl.recoveries.on_failure(
+            fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=1)
+        )
+        await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+
+        assert fleet.job.incidents[-1]["cold_ranks"] == {
+            "2": "its warm interpreter was still importing"
+        }
+        # An agent that says nothing of it (older than warm interpreters): none named.
+        fleet.cold = {"n1": "not a dict"}
+        fleet.ctl.recoveries.on_failure(
+            fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=2)
+        )
+        await fleet.until(lambda: fleet.job.generation == 3)
+        await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+        assert fleet.job.incidents[-1]["cold_ranks"] == {}
     finally:
         await fleet.close()
 

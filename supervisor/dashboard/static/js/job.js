@@ -60,6 +60,14 @@ function phaseBar(phases) {
   return h("div", {}, bar, legend);
 }
 
+/** The ranks a relaunch started cold (no warm interpreter became them), and why. */
+function coldNote(cold) {
+  const ranks = Object.keys(cold || {});
+  if (!ranks.length) return "";
+  const reasons = [...new Set(Object.values(cold))].join("; ");
+  return h("div", { class: "cold-launch", title: reasons }, `cold launch: rank${ranks.length > 1 ? "s" : ""} ${ranks.join(", ")} (${reasons})`);
+}
+
 function failures(list) {
   return (list || []).map((f) =>
     h(
@@ -107,7 +115,7 @@ function generations(job) {
         h("td", {}, inc ? `${inc.outcome}${inc.restored_step !== null && inc.restored_step !== undefined ? `, restored step ${inc.restored_step}` : ""}` : "–"),
         h("td", { class: "num" }, inc ? lostWork(inc) : "–"),
         h("td", { class: "num" }, inc ? fmtDuration(inc.downtime_s) : "–"),
-        h("td", { class: "phases-cell" }, inc ? phaseBar(inc.phases || {}) : "–"),
+        h("td", { class: "phases-cell" }, inc ? phaseBar(inc.phases || {}) : "–", inc ? coldNote(inc.cold_ranks) : ""),
       ),
     );
   }
