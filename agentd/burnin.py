@@ -3,9 +3,15 @@
 Every backend: a fresh health sample, judged by the agent's classifier, must not be
 ``drain``. On real GPUs (the NVML backend) where torch with CUDA is importable, each
 GPU also multiplies two seeded random matrices and the product is checked against
-the CPU's. The matmul runs in a child process (``python -m agentd.burnin --gpus
-0,1``), so that the agent never holds a CUDA context, and a wedged GPU costs a
-timeout, not the agent.
+the CPU's; the product is computed ``MATMUL_ROUNDS`` times and must be bit-identical
+every time (the deterministic recompute check: a GPU that computes wrong numbers
+without an error, silent data corruption, rarely does it the same way twice). The
+matmul runs in a child process (``python -m agentd.burnin --gpus 0,1``), so that the
+agent never holds a CUDA context, and a wedged GPU costs a timeout, not the agent.
+
+The simulated backend runs the recompute check as a stand-in: a seeded integer matmul
+per GPU, whose digest a GPU marked ``corrupt`` in the sim file (the ``sdc`` fault)
+gets wrong, as a faulty GPU would, while its health stays clean.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +34,7 @@ log = logging.getLogger(__name__)
 
 MATMUL_SIZE = 1024  # a 1024^3 matmul: under a millisecond on a GPU, ~0.1 s on the CPU
 MATMUL_ROUNDS = 3
+MATMUL_SEED = 1234
 # Largest error allowed, relative to the largest entry of the float64 CPU product: fp32
 # accumulation over 1024 terms errs ~1e-6; a flipped exponent or mantissa bit, far more.
 MATMUL_TOLERANCE = 1e-4
@@ -58,18 +65,66 @@ def health_failures(health: wire.Health) -> list[str]:
 
 
 async def burn_in(
-    backend: str, health: wire.Health, gpus: Sequence[int], *, timeout_s: float = MATMUL_TIMEOUT_S
+    backend: str,
+    health: wire.Health,
+    gpus: Sequence[int],
+    *,
+    timeout_s: float = MATMUL_TIMEOUT_S,
+    corrupt: Collection[int] = (),
 ) -> BurnIn:
     """Judge a node by ``health`` (a sample taken for the burn-in) and, on the ``nvml``
-    backend with torch and CUDA at hand, a matmul check of each of ``gpus``."""
+    backend with torch and CUDA at hand, a matmul and recompute check of each of
+    ``gpus``; on the ``sim`` backend, the simulated recompute check (``corrupt``: the
+    simulated GPUs that compute wrong)."""
     reasons = health_failures(health)
     checks = ["health"]
     if backend == "nvml" and gpus and importlib.util.find_spec("torch") is not None:
         failures = await matmul_check(gpus, timeout_s=timeout_s)
         if failures is not None:
-            checks.append("matmul")
+            checks.extend(["matmul", "recompute"])
             reasons.extend(failures)
+    elif backend == "sim" and gpus:
+        checks.append("recompute")
+        reasons.extend(await asyncio.to_thread(sim_recompute_check, gpus, frozenset(corrupt)))
     return BurnIn(passed=not reasons, reasons=reasons, checks=checks)
+
+
+RECOMPUTE_SIZE = 32  # the simulated check's integer matmul: 32^3 products, ~10 ms
+_MOD = (1 << 61) - 1
+
+
+def recompute_digest(seed: int, *, corrupt: bool = False) -> int:
+    """The simulated recompute: a seeded integer matmul modulo a prime, digested. A
+    ``corrupt`` GPU flips one bit of one product, as a silently faulty GPU would."""
+    n = RECOMPUTE_SIZE
+    x = seed
+    entries = []
+    for _ in range(2 * n * n):
+        x = (x * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+        entries.append(x >> 33)
+    a, b = entries[: n * n], entries[n * n :]
+    out = 0
+    for i in range(n):
+        row = a[i * n : (i + 1) * n]
+        for j in range(n):
+            cell = sum(row[k] * b[k * n + j] for k in range(n)) % _MOD
+            if corrupt and i == j == n // 2:
+                cell ^= 1 << 17
+            out = (out * 1000003 + cell) % _MOD
+    return out
+
+
+def sim_recompute_check(gpus: Sequence[int], corrupt: frozenset[int]) -> list[str]:
+    """Each simulated GPU's recompute against the reference (the CPU's): the failures."""
+    expected = recompute_digest(MATMUL_SEED)
+    return [
+        f"recompute on GPU {index}: its result differs from the CPU's (silent data corruption)"
+        for index in gpus
+        if any(
+            recompute_digest(MATMUL_SEED, corrupt=index in corrupt) != expected
+            for _ in range(MATMUL_ROUNDS)
+        )
+    ]
 
 
 async def matmul_check(
@@ -113,8 +168,10 @@ def _matmul(gpus: Sequence[int]) -> dict[str, Any]:
 
     if not torch.cuda.is_available():
         return {"cuda": False, "failures": []}
+    from phalanx.digest import digest
+
     torch.backends.cuda.matmul.allow_tf32 = False  # the check is about fp32 arithmetic
-    g = torch.Generator().manual_seed(1234)
+    g = torch.Generator().manual_seed(MATMUL_SEED)
     a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, generator=g)
     b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, generator=g)
     expected = a.double() @ b.double()
@@ -125,13 +182,21 @@ def _matmul(gpus: Sequence[int]) -> dict[str, Any]:
             device = torch.device("cuda", index)
             da, db = a.to(device), b.to(device)
             worst = 0.0
+            bits = set()  # the digest of each round's product, bit for bit
             for _ in range(MATMUL_ROUNDS):
-                got = (da @ db).double().cpu()
+                product = da @ db
+                bits.add(digest([product]))
+                got = product.double().cpu()
                 worst = max(worst, float((got - expected).abs().max()) / scale)
             if not worst <= MATMUL_TOLERANCE:  # NaN fails too
                 failures.append(
                     f"matmul on GPU {index}: error {worst:.2e} relative to the "
                     f"CPU's product > {MATMUL_TOLERANCE:.0e}"
+                )
+            if len(bits) > 1:
+                failures.append(
+                    f"recompute on GPU {index}: the same product differed between "
+                    f"{MATMUL_ROUNDS} rounds (silent data corruption)"
                 )
         except Exception as exc:
             failures.append(f"matmul on GPU {index}: {type(exc).__name__}: {exc}"[:500])

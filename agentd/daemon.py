@@ -39,6 +39,7 @@ from agentd.ckpt import CkptService, start_rank_socket
 from agentd.commands import CommandLedger
 from agentd.config import AgentSettings
 from agentd.gpu.base import GpuBackend, GpuInfo, NodeSample
+from agentd.gpu.sim import SimBackend
 from agentd.health import HealthClassifier
 from agentd.host import interface_of, sample_host
 from agentd.http import start_http
@@ -404,8 +405,16 @@ class Agent:
                 return await self.ranks.prewarm(cmd.args)
             case wire.BurnInArgs():
                 await self.sample_health()
+                corrupt = (
+                    await asyncio.to_thread(self.backend.corrupt)
+                    if isinstance(self.backend, SimBackend)
+                    else frozenset[int]()
+                )
                 result = await burn_in(
-                    self.backend.name, self.health, [g.index for g in self.inventory]
+                    self.backend.name,
+                    self.health,
+                    [g.index for g in self.inventory],
+                    corrupt=corrupt,
                 )
                 log.info(
                     "burn-in %s: %s",

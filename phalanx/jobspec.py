@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 # Where a spec that names no team takes one: the API token's team (None: it has none).
 TeamOf = Callable[[], str | None]
@@ -225,11 +232,72 @@ class GuardSpec(_Spec):
 
 
 class SdcSpec(_Spec):
-    """Silent data corruption: the data-parallel replicas' parameter digests compared."""
+    """Silent data corruption: the data-parallel replicas' parameter digests compared,
+    within each group of ranks that hold bit-identical parameters."""
 
     every: int = Field(
         ge=1, le=10**9, description="Ranks report a digest of their parameters every N steps."
     )
+    model_parallel: int = Field(
+        default=1,
+        ge=1,
+        le=4096,
+        description="Ranks that hold different parts of one replica of the model (tensor "
+        "or pipeline parallel), numbered consecutively, as torch's DeviceMesh `(dp, mp)` "
+        "numbers them: ranks r and r' are replicas of each other when r % model_parallel "
+        "== r' % model_parallel. 1 (the default): pure data parallel, every rank is a "
+        "replica of every other.",
+    )
+    groups: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2)]] | None = Field(
+        default=None,
+        max_length=4096,
+        description="The replica groups, listed, for a layout `model_parallel` does not "
+        "describe: each a list of at least 2 ranks whose parameters are bit-identical. "
+        "Ranks in no group are not compared.",
+    )
+
+    @field_validator("groups")
+    @classmethod
+    def _disjoint(cls, value: list[list[int]] | None) -> list[list[int]] | None:
+        if value is None:
+            return value
+        seen: set[int] = set()
+        for group in value:
+            if len(set(group)) != len(group):
+                raise ValueError(f"group {group} names a rank twice")
+            if twice := seen & set(group):
+                raise ValueError(f"rank {min(twice)} is in more than one group")
+            seen |= set(group)
+        return value
+
+    def replica_groups(self, world_size: int) -> list[tuple[int, ...]]:
+        """The groups of ranks whose digests must agree, in a gang of ``world_size``."""
+        if self.groups is not None:
+            return [tuple(sorted(g)) for g in self.groups]
+        mp = self.model_parallel
+        return [tuple(range(k, world_size, mp)) for k in range(min(mp, world_size))]
+
+    def check(self, world_size: int, *, own_size: bool = True) -> None:
+        """Raise ``ValueError`` naming what is wrong when the groups do not fit a gang of
+        ``world_size`` ranks, or leave (at the job's own size) a lone replica. A smaller
+        size of an elastic job may: its digests are then not compared."""
+        if self.groups is not None and self.model_parallel != 1:
+            raise ValueError("sdc: give either model_parallel or groups, not both")
+        if self.groups is not None:
+            far = max(r for g in self.groups for r in g)
+            if far >= world_size:
+                raise ValueError(f"sdc.groups names rank {far}, but the job has {world_size} ranks")
+            return
+        mp = self.model_parallel
+        if world_size % mp:
+            raise ValueError(
+                f"sdc.model_parallel {mp} does not divide the job's {world_size} ranks"
+            )
+        if own_size and world_size // mp < 2:
+            raise ValueError(
+                f"sdc.model_parallel {mp} of {world_size} ranks leaves one replica: "
+                "there is nothing to compare its digests with"
+            )
 
 
 class ElasticSpec(_Spec):
@@ -400,6 +468,19 @@ class JobSpec(_Spec):
                 + (", ".join(map(str, sizes)) if sizes else "none")
             )
         return value
+
+    @model_validator(mode="after")
+    def _sdc_groups(self) -> JobSpec:
+        if self.sdc is None:
+            return self
+        if self.elastic is not None and self.sdc.groups is not None:
+            raise ValueError(
+                "sdc.groups lists ranks of one size, and an elastic job changes size: "
+                "use sdc.model_parallel"
+            )
+        for nodes in self.elastic_sizes():
+            self.sdc.check(nodes * self.ranks_per_node, own_size=nodes == self.nodes)
+        return self
 
     @property
     def world_size(self) -> int:

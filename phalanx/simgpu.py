@@ -29,7 +29,16 @@ class SimFileError(ValueError):
 # The throttle reasons a thermal fault sets (``agentd.gpu.base.Throttle``'s values).
 _THERMAL_THROTTLE = ["hw_thermal", "sw_thermal"]
 
-FAULTS = ("ecc-dbe", "ecc-sbe", "xid-79", "thermal", "row-remap-pending", "gpu-lost", "clear")
+FAULTS = (
+    "ecc-dbe",
+    "ecc-sbe",
+    "xid-79",
+    "thermal",
+    "row-remap-pending",
+    "gpu-lost",
+    "sdc",
+    "clear",
+)
 
 _HEALTHY: dict[str, Any] = {
     "present": True,
@@ -51,6 +60,9 @@ _HEALTHY: dict[str, Any] = {
     "mem_used_bytes": 0,
     "recovery_action": "none",
     "nvlink_down": [],
+    # Silent data corruption: the GPU computes wrong numbers and its health says nothing;
+    # the burn-in's recompute check (agentd.burnin) finds it.
+    "corrupt": False,
 }
 
 
@@ -123,6 +135,8 @@ def inject(path: Path, gpu: int, fault: str) -> dict[str, Any]:
         g["remap_pending"] = True
     elif fault == "gpu-lost":
         g["present"] = False
+    elif fault == "sdc":
+        g["corrupt"] = True
     elif fault == "clear":
         g.update(_HEALTHY)
         state["nvml_error"] = None

@@ -92,6 +92,13 @@ class SimBackend:
         self._xids_seen = len(xids)
         return NodeSample(gpus=tuple(self._sample(g) for g in self._present(state)), xids=fresh)
 
+    def corrupt(self) -> frozenset[int]:
+        """The simulated GPUs that compute wrong numbers (the ``sdc`` fault): silent in
+        their samples, found by the burn-in's recompute check."""
+        return frozenset(
+            int(g["index"]) for g in self._present(read_state(self.path)) if g.get("corrupt")
+        )
+
     def close(self) -> None:
         pass
 

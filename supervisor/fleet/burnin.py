@@ -2,7 +2,8 @@
 
 A node enters the spare pool, and a quarantined node returns to service after
 an undrain, only once its agent's burn-in passes (``BurnInArgs``: on a GPU a
-matmul check on every GPU, on the simulated backend a fresh health sample).
+matmul and deterministic recompute check on every GPU, on the simulated backend a
+fresh health sample and the simulated recompute check).
 A node that fails it is drained with the reason, so it is neither a spare nor
 schedulable until an operator looks at it. A pass holds until the node is
 next drained, goes offline or is born again.
@@ -135,6 +136,22 @@ class BurnIns:
         except RegistryError as exc:
             log.warning("could not drain node %s after its failed burn-in: %s", node_id, exc)
         return False, why
+
+    async def recheck(self, node_id: str) -> tuple[bool | None, str]:
+        """Burn ``node_id`` in again now, though it passed and runs ranks (a replica of it
+        diverged and no majority names the odd one): its burn-in's deterministic
+        recompute check says whether its GPUs compute right. (passed, why not), passed
+        None when it could not run; the node is not drained here: the caller's recovery
+        quarantines the one that failed."""
+        try:
+            ack = await self._send(node_id, wire.BurnInArgs(), self.timeout_s)
+        except (TimeoutError, ConnectionError, RegistryError) as exc:
+            return None, f"its recheck did not run: {exc}"
+        result = ack.result or {}
+        if ack.status == wire.AckStatus.DONE and result.get("passed") is True:
+            return True, ""
+        reasons = result.get("reasons") or [ack.detail or ack.status.value]
+        return False, f"failed its recheck: {'; '.join(str(r) for r in reasons)}"
 
     def close(self) -> None:
         """Start no burn-in from now on (those running go on)."""

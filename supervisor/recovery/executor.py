@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -87,8 +88,17 @@ class Recoveries:
 
     # --- signals ----------------------------------------------------------------
 
-    def on_failure(self, job: Job, failure: Failure, *, fault_at: float | None = None) -> None:
-        """A failure of ``job``'s current generation: start its recovery (once)."""
+    def on_failure(
+        self,
+        job: Job,
+        failure: Failure,
+        *,
+        fault_at: float | None = None,
+        also: Sequence[Failure] = (),
+    ) -> None:
+        """A failure of ``job``'s current generation: start its recovery (once).
+        ``also``: failures that came with it (every node of a replica group that failed
+        its recheck), planned for together."""
         if job.state not in (JobState.RUNNING, JobState.STARTING) or job.recovery is not None:
             return
         failure = _at_restore(job, failure)
@@ -98,7 +108,7 @@ class Recoveries:
             job.ran_before_s += max(0.0, (fault_at or now) - job.started_at)
         job.recovery = {
             "generation": job.generation,
-            "failures": [_failure_record(failure)],
+            "failures": [_failure_record(f) for f in (failure, *also)],
             "fault_at": fault_at if fault_at is not None else now,
             "detected_at": now,
             "phase": "plan",

@@ -132,6 +132,11 @@ class Failure:
                 what = f"the loss spiked from step {self.onset} ({where}'s guard)"
             case FailureKind.NAN:
                 what = f"the loss went NaN or infinite from step {self.onset} ({where}'s guard)"
+            case FailureKind.SDC if not self.quarantine:
+                what = (
+                    "the replicas' parameters diverged and no node failed its recheck "
+                    f"(a transient fault; {where} named for the record)"
+                )
             case FailureKind.SDC:
                 what = f"sdc_suspect: {where}'s parameters diverged from the other replicas'"
             case FailureKind.GROW:
@@ -416,8 +421,10 @@ def _hardware_nodes(
 ) -> set[str]:
     bad: set[str] = set()
     for f in failures:
-        if f.kind in (FailureKind.NODE_DRAIN, FailureKind.NODE_OFFLINE, FailureKind.SDC):
-            bad.add(f.node)
+        if f.kind in (FailureKind.NODE_DRAIN, FailureKind.NODE_OFFLINE) or (
+            f.kind is FailureKind.SDC and f.quarantine
+        ):
+            bad.add(f.node)  # (an SDC no node could be blamed for restarts in place)
     # Any node of the gang that is unhealthy now is replaced along with the culprit.
     for n in job.nodes:
         view = nodes.get(n)

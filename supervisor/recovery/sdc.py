@@ -3,11 +3,12 @@
 Data-parallel replicas hold bit-identical parameters after every optimizer step. Every
 ``sdc.every`` steps each rank reports the digest of its parameters
 (``phalanx.rank.digest``). A :class:`DigestBoard` follows one generation of a job: once
-every rank of a data-parallel group (pure DDP: the whole gang) reported a step, the
-digests are compared. All equal: the step is the newest *agreed* one. Otherwise the
-digest a strict majority holds is the truth and the ranks that differ are suspects
-(:class:`Verdict`); without a strict majority (two replicas, or a three-way split) no
-rank can be named (``odd`` is empty, ``majority`` None).
+every rank of a replica group (``sdc.model_parallel`` or ``sdc.groups``; pure DDP: the
+whole gang) reported a step, the group's digests are compared. All equal: the step is
+the group's newest *agreed* one. Otherwise the digest a strict majority holds is the
+truth and the ranks that differ are suspects (:class:`Verdict`); without a strict
+majority (two replicas, or a three-way split) no rank can be named (``odd`` is empty,
+``majority`` None), and the supervisor rechecks the group's nodes.
 
 A digest of step ``s`` is taken after its optimizer step: the state a checkpoint
 labelled ``s + 1`` holds. So a checkpoint at or before ``agreed + 1`` is clean
@@ -17,6 +18,7 @@ labelled ``s + 1`` holds. So a checkpoint at or before ``agreed + 1`` is clean
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 MAX_PENDING_STEPS = 64  # steps awaiting the rest of their digests, per generation
@@ -25,6 +27,7 @@ MAX_PENDING_STEPS = 64  # steps awaiting the rest of their digests, per generati
 @dataclass(frozen=True, slots=True)
 class Verdict:
     step: int
+    group: tuple[int, ...]  # the replica group whose digests differ
     digests: dict[int, int]  # rank -> digest
     majority: int | None
     odd: tuple[int, ...]  # the ranks whose digest differs from the majority's
@@ -49,31 +52,40 @@ def judge(digests: dict[int, int]) -> tuple[int | None, tuple[int, ...]]:
 
 @dataclass
 class DigestBoard:
-    """One generation of a job: its world size and the digests heard so far."""
+    """One generation of a job: its replica groups and the digests heard so far."""
 
-    world_size: int
+    groups: Sequence[tuple[int, ...]]
     generation: int
-    agreed: int | None = None
-    pending: dict[int, dict[int, int]] = field(default_factory=dict)  # step -> rank -> digest
+    # the newest step whose digests agreed in every group heard of (None: none yet)
+    agreed: dict[int, int] = field(default_factory=dict)  # group index -> step
+    pending: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
     diverged: bool = False  # a verdict of divergence was given: nothing more is judged
+    _group_of: dict[int, int] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self._group_of = {r: i for i, g in enumerate(self.groups) for r in g if len(g) >= 2}
 
     def see(self, rank: int, step: int, digest: int) -> Verdict | None:
-        """A rank's digest of ``step``; the verdict once every rank's is in and they differ
-        (None while waiting, when they agree, or after a divergence)."""
-        if self.diverged or not 0 <= rank < self.world_size:
+        """A rank's digest of ``step``; the verdict once every rank of its group reported
+        and they differ (None while waiting, when they agree, for a rank in no group of
+        two or more, or after a divergence)."""
+        index = self._group_of.get(rank)
+        if self.diverged or index is None:
             return None
-        if self.agreed is not None and step <= self.agreed:
+        agreed = self.agreed.get(index)
+        if agreed is not None and step <= agreed:
             return None
-        got = self.pending.setdefault(step, {})
+        got = self.pending.setdefault((index, step), {})
         got[rank] = digest
-        if len(self.pending) > MAX_PENDING_STEPS:
-            del self.pending[min(self.pending)]
-        if len(got) < self.world_size:
+        if len(self.pending) > MAX_PENDING_STEPS * max(1, len(self.groups)):
+            del self.pending[min(self.pending, key=lambda k: k[1])]
+        group = self.groups[index]
+        if len(got) < len(group):
             return None
-        del self.pending[step]
+        del self.pending[(index, step)]
         if len(set(got.values())) == 1:
-            self.agreed = max(step, self.agreed if self.agreed is not None else step)
+            self.agreed[index] = max(step, agreed if agreed is not None else step)
             return None
         self.diverged = True
         majority, odd = judge(got)
-        return Verdict(step, dict(got), majority, odd, self.agreed)
+        return Verdict(step, tuple(group), dict(got), majority, odd, agreed)

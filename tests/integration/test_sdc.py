@@ -1,9 +1,11 @@
-"""Silent data corruption over a real training job: three data-parallel replicas of
-tinylm, one bit of one parameter flipped on one rank (``--flip-bit``, as a faulty GPU
-would, in the first generation only). The replicas' digests diverge at the next report,
-the odd one's node is quarantined (``sdc_suspect``), its rank moves to the spare, the
-gang resumes from the newest checkpoint before the divergence and ends bit for bit
-where an undisturbed run ends."""
+"""Silent data corruption over a real training job: data-parallel replicas of tinylm,
+one bit of one parameter flipped on one rank (``--flip-bit``, as a faulty GPU would, in
+the first generation only). The replicas' digests diverge at the next report. With
+three replicas the odd one's node is quarantined (``sdc_suspect``); with two there is
+no majority, so both nodes are rechecked (their burn-in's deterministic recompute check,
+which the simulated GPU with the ``sdc`` fault fails) and the one that fails is. Its rank
+moves to the spare, the gang resumes from the newest checkpoint before the divergence
+and ends bit for bit where an undisturbed run ends."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 
 from phalanx.local import free_port
+from phalanx.simgpu import inject
 from tests.harness import Fleet
 
 pytestmark = pytest.mark.integration
@@ -29,15 +32,15 @@ TINY = [
 ]
 
 
-def undisturbed_digest() -> str:
-    """Rank 0's final digest of the same training, run as 3 plain processes."""
+def undisturbed_digest(world: int = 3, args: list[str] = TINY) -> str:
+    """Rank 0's final digest of the same training, run as ``world`` plain processes."""
     port = free_port()
     procs = []
-    for rank in range(3):
+    for rank in range(world):
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")},
             "RANK": str(rank),
-            "WORLD_SIZE": "3",
+            "WORLD_SIZE": str(world),
             "LOCAL_RANK": "0",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
@@ -45,7 +48,7 @@ def undisturbed_digest() -> str:
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, "examples/tinylm.py", *TINY, "--step-sleep", "0"],
+                [sys.executable, "examples/tinylm.py", *args, "--step-sleep", "0"],
                 cwd=REPO,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -65,25 +68,31 @@ def final_digest(fleet: Fleet, job: dict[str, Any]) -> str:
     return str(last["digest"])
 
 
-def test_a_flipped_bit_quarantines_its_node_and_the_gang_resumes_before_it_bit_identical(
-    fleet: Fleet,
-) -> None:
+def submit_replicas(fleet: Fleet, replicas: int, args: list[str], *, flip: str) -> dict[str, Any]:
+    """A fleet of ``replicas`` nodes and a spare, and tinylm on ``replicas`` nodes of one
+    rank each, its digests compared every 5 steps, ``flip`` (RANK@STEP) its bit flip."""
     fleet.start_supervisor(spares=1)
-    for i in range(4):
+    for i in range(replicas + 1):
         fleet.start_agent(f"n{i + 1:02d}", rack=f"rack{i % 2 + 1}")
-    for i in range(4):
+    for i in range(replicas + 1):
         fleet.wait_state(f"n{i + 1:02d}", "up")
-    job = fleet.submit(
-        name="sdc",
-        nodes=3,
+    return fleet.submit(
+        name=f"sdc-{replicas}",
+        nodes=replicas,
         ranks_per_node=1,
         workdir=str(REPO),
-        command=[sys.executable, "examples/tinylm.py", *TINY, "--flip-bit", "1@12"],
+        command=[sys.executable, "examples/tinylm.py", *args, "--flip-bit", flip],
         grace_period=5,
         env={"OMP_NUM_THREADS": "1"},
         checkpoint={"tiers": ["ram", "nvme", "object"], "interval": {"steps": 5}},
         sdc={"every": 5},
     )
+
+
+def test_a_flipped_bit_quarantines_its_node_and_the_gang_resumes_before_it_bit_identical(
+    fleet: Fleet,
+) -> None:
+    job = submit_replicas(fleet, 3, TINY, flip="1@12")
 
     done = fleet.wait_job(job["id"], "succeeded", timeout=180)
 
@@ -99,3 +108,29 @@ def test_a_flipped_bit_quarantines_its_node_and_the_gang_resumes_before_it_bit_i
     assert node["state"] == "drain"
     assert "sdc_suspect" in json.dumps(node)
     assert final_digest(fleet, done) == undisturbed_digest()
+
+
+def test_two_replicas_that_diverge_are_rechecked_and_the_faulty_gpus_node_quarantined(
+    fleet: Fleet,
+) -> None:
+    tiny = [*TINY, "--steps", "60"]  # the flip at step 40 comes after the fault is injected
+    job = submit_replicas(fleet, 2, tiny, flip="1@40")
+    running = fleet.wait_job(job["id"], "running", timeout=60)
+    faulty = next(r["node"] for r in running["ranks"] if r["rank"] == 1)
+    healthy = next(r["node"] for r in running["ranks"] if r["rank"] == 0)
+    # The GPU under rank 1 computes wrong: its flipped bit, and the recompute check.
+    inject(fleet.sim_file(faulty), 0, "sdc")
+
+    done = fleet.wait_job(job["id"], "succeeded", timeout=180)
+
+    (incident,) = done["incidents"]
+    (failure,) = incident["failures"]
+    assert (failure["kind"], failure["node"], failure["step"]) == ("sdc", faulty, 40)
+    assert "no majority" in failure["detail"] and "failed its recheck" in failure["detail"]
+    assert incident["plan"]["quarantine"] == [faulty]
+    assert faulty not in done["nodes"] and healthy in done["nodes"]
+    # The digests of step 35 agreed: its state is checkpoint 36's; the one before is 35.
+    assert incident["restored_step"] in (30, 35)  # (35 unless the object store lagged)
+    assert fleet.node(faulty)["state"] == "drain"
+    assert fleet.node(healthy)["state"] == "up"
+    assert final_digest(fleet, done) == undisturbed_digest(2, tiny)

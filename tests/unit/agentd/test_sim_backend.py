@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from agentd.burnin import sim_recompute_check
 from agentd.gpu.base import GpuBackendError, GpuSample, RecoveryAction, Throttle
 from agentd.gpu.sim import FAULTS, SimBackend, inject, read_state, write_state
 from phalanx.simgpu import SimFileError
@@ -222,8 +223,24 @@ def test_every_documented_fault_is_accepted(sim: SimBackend, path: Path) -> None
         "thermal",
         "row-remap-pending",
         "gpu-lost",
+        "sdc",
         "clear",
     }
+
+
+def test_an_sdc_fault_leaves_the_health_clean_and_fails_the_recompute_check(
+    sim: SimBackend, path: Path
+) -> None:
+    before = sim.sample()
+    inject(path, 1, "sdc")
+
+    assert sim.sample() == before  # silent: nothing in what NVML would say
+    assert sim.corrupt() == {1}
+    assert sim_recompute_check([0, 1], sim.corrupt()) == [
+        "recompute on GPU 1: its result differs from the CPU's (silent data corruption)"
+    ]
+    inject(path, 1, "clear")
+    assert sim.corrupt() == frozenset() and sim_recompute_check([0, 1], frozenset()) == []
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,19 @@ async def test_burn_in_ignores_warnings(agent: Agent) -> None:
     assert ack.result["passed"] is True
 
 
+async def test_burn_in_fails_a_gpu_that_computes_wrong_with_a_clean_health(agent: Agent) -> None:
+    await asyncio.to_thread(inject, agent.settings.sim_path(), 0, "sdc")
+
+    ack = await run(agent, wire.BurnInArgs())
+
+    assert agent.health.status is wire.HealthStatus.OK  # silent
+    assert ack.result["passed"] is False
+    assert ack.result["checks"] == ["health", "recompute"]
+    assert ack.result["reasons"] == [
+        "recompute on GPU 0: its result differs from the CPU's (silent data corruption)"
+    ]
+
+
 async def test_burn_in_on_nvml_without_cuda_judges_by_the_health_sample_alone() -> None:
     # torch here is a CPU build: the matmul child finds no CUDA and says so.
     result = await burn_in("nvml", wire.Health(status=wire.HealthStatus.OK), [0])

@@ -42,6 +42,7 @@ class Fleet:
         self.args: list[wire.CommandArgsType] = []  # what was sent, in order
         self.stops_acked = asyncio.Event()
         self.cold: dict[str, Any] = {}  # node -> what its start ack says of cold ranks
+        self.burn_in: dict[str, Any] = {}  # node -> its burn-in's result (default: passed)
         self.jobs: dict[str, Job] = {}
         self.publisher = CatalogPublisher(
             CheckpointCatalog(self.store),
@@ -97,6 +98,8 @@ class Fleet:
             result = {"port": 29500}
         elif isinstance(args, wire.StartRanksArgs) and node in self.cold:
             result = {"pids": {}, "cold": self.cold[node]}
+        elif isinstance(args, wire.BurnInArgs):
+            result = self.burn_in.get(node, {"passed": True, "reasons": [], "checks": []})
         return wire.CommandAck(
             id=f"c{len(self.sent)}",
             node=node,

@@ -3,20 +3,31 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from phalanx.digest import digest
+from phalanx.jobspec import JobSpecError, validate_spec
 from supervisor.recovery.sdc import DigestBoard, judge
+
+SPEC = {
+    "name": "a",
+    "team": "t",
+    "command": ["x"],
+    "workdir": "/tmp",
+    "nodes": 3,
+    "ranks_per_node": 2,
+}
 
 
 def board(world: int = 3) -> DigestBoard:
-    return DigestBoard(world_size=world, generation=1)
+    return DigestBoard([tuple(range(world))], generation=1)
 
 
 def test_a_step_whose_digests_all_agree_is_the_newest_agreed_one() -> None:
     b = board()
     assert [b.see(r, 10, 0xAB) for r in range(3)] == [None, None, None]
-    assert b.agreed == 10
+    assert b.agreed == {0: 10}
 
 
 def test_the_odd_replica_out_is_named_with_the_newest_agreed_step_before_it() -> None:
@@ -36,7 +47,7 @@ def test_the_odd_replica_out_is_named_with_the_newest_agreed_step_before_it() ->
 def test_nothing_is_judged_until_every_rank_reported_the_step() -> None:
     b = board()
     assert b.see(0, 5, 1) is None and b.see(1, 5, 2) is None
-    assert b.agreed is None
+    assert b.agreed == {}
 
 
 def test_two_replicas_that_differ_name_no_one() -> None:
@@ -46,6 +57,61 @@ def test_two_replicas_that_differ_name_no_one() -> None:
     verdict = b.see(1, 5, 2)
 
     assert verdict is not None and (verdict.majority, verdict.odd) == (None, ())
+    assert verdict.group == (0, 1)
+
+
+def test_replicas_are_compared_within_their_group_only() -> None:
+    # Two-way model parallel over 6 ranks: ranks 0, 2, 4 hold one half of the model,
+    # 1, 3, 5 the other; the halves' digests differ and that is no divergence.
+    b = DigestBoard(
+        validate_spec({**SPEC, "sdc": {"every": 5, "model_parallel": 2}}).sdc.replica_groups(6),
+        generation=1,
+    )  # type: ignore[union-attr]
+    assert all(b.see(r, 5, 100 + r % 2) is None for r in range(6))
+    assert b.agreed == {0: 5, 1: 5}
+    for r in (0, 1, 2, 3, 5):
+        assert b.see(r, 10, 200 + r % 2) is None
+    verdict = b.see(4, 10, 999)  # rank 4 differs from 0 and 2, its replicas
+    assert verdict is not None
+    assert (verdict.group, verdict.majority, verdict.odd, verdict.agreed) == (
+        (0, 2, 4),
+        200,
+        (4,),
+        5,
+    )
+
+
+def test_a_rank_in_no_group_is_not_compared() -> None:
+    b = DigestBoard([(0, 2)], generation=1)
+    assert b.see(1, 5, 1) is None and b.see(3, 5, 2) is None
+    assert b.see(0, 5, 7) is None and b.see(2, 5, 7) is None
+    assert b.agreed == {0: 5}
+
+
+def test_the_spec_rejects_groups_that_do_not_fit_the_gang() -> None:
+    def error(sdc: dict[str, object], **spec: object) -> str:
+        with pytest.raises(JobSpecError) as info:
+            validate_spec({**SPEC, **spec, "sdc": sdc})
+        return str(info.value)
+
+    assert "does not divide the job's 6 ranks" in error({"every": 5, "model_parallel": 4})
+    assert "leaves one replica" in error({"every": 5, "model_parallel": 6})
+    assert "rank 1 is in more than one group" in error({"every": 5, "groups": [[0, 1], [1, 2]]})
+    assert "names rank 9, but the job has 6 ranks" in error({"every": 5, "groups": [[0, 9]]})
+    assert "not both" in error({"every": 5, "model_parallel": 2, "groups": [[0, 2]]})
+    elastic = {"min_nodes": 1, "global_batch": 12, "micro_batch": 1}
+    assert "use sdc.model_parallel" in error({"every": 5, "groups": [[0, 1]]}, elastic=elastic)
+    # An elastic job may shrink to a lone replica: its digests are then not compared.
+    ok = validate_spec(
+        {
+            **SPEC,
+            "nodes": 2,
+            "ranks_per_node": 1,
+            "sdc": {"every": 5},
+            "elastic": {"min_nodes": 1, "global_batch": 2, "micro_batch": 1},
+        }
+    )
+    assert ok.sdc is not None and ok.sdc.replica_groups(1) == [(0,)]
 
 
 def test_a_divergence_is_judged_once() -> None:

@@ -1,0 +1,139 @@
+"""Silent data corruption with no majority (issue 23): two replicas whose parameter
+digests differ name no one, so the supervisor rechecks both nodes with their burn-in's
+deterministic recompute check and quarantines the one that fails it; none failing, the
+gang restarts in place from the newest clean step, nothing quarantined.
+
+The controller, store, registry, catalog, planner and burn-ins are real; the commands go
+to the recording ``send`` of ``test_recovery_orders``, whose burn-in results the tests
+set per node.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from phalanx import wire
+from phalanx.jobspec import validate_spec
+from supervisor.jobs import JobState
+from tests.unit.supervisor.test_recovery_orders import Fleet
+
+FAILED = {
+    "passed": False,
+    "reasons": ["recompute on GPU 0: its result differs from the CPU's"],
+    "checks": ["health", "recompute"],
+}
+
+
+def sdc_fleet(tmp_path: Path, nodes: list[str]) -> Fleet:
+    """A running job on n0 and n1, 2 ranks each, two-way model parallel: the replica
+    groups are ranks (0, 2) and (1, 3), each one rank on n0 and one on n1."""
+    fleet = Fleet(tmp_path, nodes, gang=["n0", "n1"])
+    fleet.job.spec = validate_spec(
+        {
+            **fleet.job.spec.model_dump(exclude={"sdc"}),
+            "sdc": {"every": 5, "model_parallel": 2},
+        }
+    )
+    fleet.stops_acked.set()
+    return fleet
+
+
+def digests(fleet: Fleet, step: int, values: dict[int, int]) -> None:
+    """Every rank's digest of ``step`` (``values``: rank -> digest)."""
+    node_of = {p.rank: p.node for p in fleet.job.ranks}
+    for rank, value in values.items():
+        fleet.ctl.on_rank_event(
+            wire.RankEvent(
+                node=node_of[rank],
+                job=fleet.job.id,
+                generation=fleet.job.generation,
+                rank=rank,
+                event="digest",
+                step=step,
+                digest=value,
+                at=time.time(),
+            )
+        )
+
+
+def diverge(fleet: Fleet) -> None:
+    # Step 5 agrees in both groups; after step 10, ranks 0 and 2 (group (0, 2)) differ.
+    digests(fleet, 5, {0: 10, 1: 11, 2: 10, 3: 11})
+    digests(fleet, 10, {0: 20, 1: 21, 2: 99, 3: 21})
+
+
+async def test_two_replicas_that_differ_are_rechecked_and_the_one_that_fails_is_replaced(
+    tmp_path: Path,
+) -> None:
+    fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2"])
+    fleet.burn_in["n1"] = FAILED
+    try:
+        diverge(fleet)
+        await fleet.until(lambda: fleet.job.generation == 2)
+        await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+
+        assert sorted(fleet.ops("burn_in"))[:2] == [("n0", 0), ("n1", 0)]  # the recheck
+        (incident,) = fleet.job.incidents
+        (failure,) = incident["failures"]
+        assert (failure["kind"], failure["node"], failure["rank"]) == ("sdc", "n1", 2)
+        assert "failed its recheck: recompute on GPU 0" in failure["detail"]
+        assert incident["plan"]["quarantine"] == ["n1"]
+        assert fleet.job.nodes == ["n0", "n2"]
+        assert fleet.registry.nodes["n1"].drain is not None
+        assert "sdc_suspect" in fleet.registry.nodes["n1"].drain.reason
+        kinds = [e.kind for e in fleet.store.events(job=fleet.job.id)]
+        assert "sdc_rechecked" in kinds and "ckpt_voided" in kinds
+    finally:
+        await fleet.close()
+
+
+async def test_both_replicas_failing_the_recheck_are_both_replaced(tmp_path: Path) -> None:
+    fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2", "n3"])
+    fleet.burn_in["n0"] = fleet.burn_in["n1"] = FAILED
+    try:
+        diverge(fleet)
+        await fleet.until(lambda: fleet.job.generation == 2)
+        await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+
+        (incident,) = fleet.job.incidents
+        assert sorted(f["node"] for f in incident["failures"]) == ["n0", "n1"]
+        assert incident["plan"]["quarantine"] == ["n0", "n1"]
+        assert sorted(fleet.job.nodes) == ["n2", "n3"]
+    finally:
+        await fleet.close()
+
+
+async def test_no_node_failing_the_recheck_restarts_the_gang_in_place_with_none_quarantined(
+    tmp_path: Path,
+) -> None:
+    fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2"])
+    try:
+        diverge(fleet)
+        await fleet.until(lambda: fleet.job.generation == 2)
+        await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+
+        (incident,) = fleet.job.incidents
+        (failure,) = incident["failures"]
+        assert (failure["kind"], failure["quarantine"]) == ("sdc", False)
+        assert incident["plan"]["action"] == "restart_in_place"
+        assert incident["plan"]["quarantine"] == []
+        assert fleet.job.nodes == ["n0", "n1"]
+        assert all(fleet.registry.nodes[n].drain is None for n in ("n0", "n1"))
+    finally:
+        await fleet.close()
+
+
+async def test_a_divergence_within_one_group_only_is_judged_against_that_group(
+    tmp_path: Path,
+) -> None:
+    # The two halves of the model differ from each other all the time: no divergence.
+    fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2"])
+    try:
+        digests(fleet, 5, {0: 10, 1: 11, 2: 10, 3: 11})
+        digests(fleet, 10, {0: 20, 1: 21, 2: 20, 3: 21})
+
+        assert fleet.job.state is JobState.RUNNING and fleet.job.recovery is None
+        assert fleet.ops("burn_in") == []
+    finally:
+        await fleet.close()
