@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 MATMUL_SIZE = 1024  # a 1024^3 matmul: under a millisecond on a GPU, ~0.1 s on the CPU
 MATMUL_ROUNDS = 3
 MATMUL_SEED = 1234
+# The synthetic step each GPU is timed on (pre-flight screening): 10 bf16 matmuls of
+# 8192², 11 TFLOP (~15 ms on an H100), the best of 3; and an all-reduce of 256 MiB.
+PERF_SIZE = 8192
+PERF_ROUNDS = 10
+PERF_TRIES = 3
+ALLREDUCE_MIB = 256
 # Largest error allowed, relative to the largest entry of the float64 CPU product: fp32
 # accumulation over 1024 terms errs ~1e-6; a flipped exponent or mantissa bit, far more.
 MATMUL_TOLERANCE = 1e-4
@@ -48,9 +54,16 @@ class BurnIn:
     passed: bool
     reasons: list[str] = field(default_factory=list)
     checks: list[str] = field(default_factory=list)
+    # The node's speed, which the supervisor compares with the fleet's (pre-flight
+    # screening): ``step_s``, its slowest GPU's synthetic step; ``gpu_step_s`` by GPU;
+    # ``allreduce_gbps``, an all-reduce between its GPUs (None: one GPU, or not measured).
+    perf: dict[str, Any] | None = None
 
     def as_result(self) -> dict[str, Any]:
-        return {"passed": self.passed, "reasons": list(self.reasons), "checks": list(self.checks)}
+        out = {"passed": self.passed, "reasons": list(self.reasons), "checks": list(self.checks)}
+        if self.perf is not None:
+            out["perf"] = self.perf
+        return out
 
 
 def health_failures(health: wire.Health) -> list[str]:
@@ -71,22 +84,27 @@ async def burn_in(
     *,
     timeout_s: float = MATMUL_TIMEOUT_S,
     corrupt: Collection[int] = (),
+    sim_perf: dict[str, Any] | None = None,
 ) -> BurnIn:
     """Judge a node by ``health`` (a sample taken for the burn-in) and, on the ``nvml``
     backend with torch and CUDA at hand, a matmul and recompute check of each of
-    ``gpus``; on the ``sim`` backend, the simulated recompute check (``corrupt``: the
-    simulated GPUs that compute wrong)."""
+    ``gpus``, with its speed measured; on the ``sim`` backend, the simulated recompute
+    check (``corrupt``: the simulated GPUs that compute wrong) and the simulated GPUs'
+    speed (``sim_perf``)."""
     reasons = health_failures(health)
     checks = ["health"]
+    perf = None
     if backend == "nvml" and gpus and importlib.util.find_spec("torch") is not None:
-        failures = await matmul_check(gpus, timeout_s=timeout_s)
-        if failures is not None:
+        checked = await matmul_check(gpus, timeout_s=timeout_s)
+        if checked is not None:
+            failures, perf = checked
             checks.extend(["matmul", "recompute"])
             reasons.extend(failures)
     elif backend == "sim" and gpus:
         checks.append("recompute")
         reasons.extend(await asyncio.to_thread(sim_recompute_check, gpus, frozenset(corrupt)))
-    return BurnIn(passed=not reasons, reasons=reasons, checks=checks)
+        perf = sim_perf
+    return BurnIn(passed=not reasons, reasons=reasons, checks=checks, perf=perf)
 
 
 RECOMPUTE_SIZE = 32  # the simulated check's integer matmul: 32^3 products, ~10 ms
@@ -129,9 +147,10 @@ def sim_recompute_check(gpus: Sequence[int], corrupt: frozenset[int]) -> list[st
 
 async def matmul_check(
     gpus: Sequence[int], *, timeout_s: float = MATMUL_TIMEOUT_S, python: str = sys.executable
-) -> list[str] | None:
-    """Run the matmul check of ``gpus`` (NVML indices) in a child process; the failures,
-    or None when the child finds no CUDA."""
+) -> tuple[list[str], dict[str, Any] | None] | None:
+    """Run the matmul check of ``gpus`` (NVML indices) in a child process; the failures
+    and the speed measured (None where it could not be), or None when the child finds
+    no CUDA."""
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's indices are then NVML's
     proc = await asyncio.create_subprocess_exec(
@@ -151,15 +170,16 @@ async def matmul_check(
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         await proc.wait()
-        return [f"matmul check did not finish in {timeout_s:.0f}s (a GPU hangs?)"]
+        return [f"matmul check did not finish in {timeout_s:.0f}s (a GPU hangs?)"], None
     try:
         result = json.loads(out.decode().strip().splitlines()[-1])
         if not result["cuda"]:
             return None
-        return [str(f) for f in result["failures"]]
+        perf = result.get("perf")
+        return [str(f) for f in result["failures"]], perf if isinstance(perf, dict) else None
     except (ValueError, IndexError, KeyError, TypeError):
         tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        return [f"matmul check failed (exit {proc.returncode}): {tail[0][:300]}"]
+        return [f"matmul check failed (exit {proc.returncode}): {tail[0][:300]}"], None
 
 
 def _matmul(gpus: Sequence[int]) -> dict[str, Any]:
@@ -200,7 +220,55 @@ def _matmul(gpus: Sequence[int]) -> dict[str, Any]:
                 )
         except Exception as exc:
             failures.append(f"matmul on GPU {index}: {type(exc).__name__}: {exc}"[:500])
-    return {"cuda": True, "failures": failures}
+    return {"cuda": True, "failures": failures, "perf": _speed(gpus) if not failures else None}
+
+
+def _speed(gpus: Sequence[int]) -> dict[str, Any] | None:
+    """The GPUs' speed, for the supervisor to compare with the fleet's: each GPU's
+    synthetic step (``PERF_ROUNDS`` bf16 matmuls of ``PERF_SIZE``², timed to their end
+    on the device, the best of ``PERF_TRIES``) and an all-reduce of ``ALLREDUCE_MIB``
+    between them (NCCL, in this one process; its bus bandwidth, as nccl-tests counts
+    it). None when it cannot be measured: that is no failure."""
+    import time
+
+    import torch
+
+    try:
+        step_s: dict[str, float] = {}
+        for index in gpus:
+            device = torch.device("cuda", index)
+            a = torch.randn(PERF_SIZE, PERF_SIZE, device=device, dtype=torch.bfloat16)
+            b = torch.randn(PERF_SIZE, PERF_SIZE, device=device, dtype=torch.bfloat16)
+            best = float("inf")
+            for _ in range(PERF_TRIES + 1):  # the first warms the kernels up
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                for _ in range(PERF_ROUNDS):
+                    a @ b
+                torch.cuda.synchronize(device)
+                best = min(best, time.perf_counter() - t0)
+            step_s[str(index)] = round(best, 6)
+        gbps = None
+        if len(gpus) > 1:
+            import torch.cuda.nccl as nccl
+
+            n = ALLREDUCE_MIB * 2**20 // 4
+            bufs = [torch.ones(n, device=torch.device("cuda", i)) for i in gpus]
+            best = float("inf")
+            for _ in range(PERF_TRIES + 1):
+                for i in gpus:
+                    torch.cuda.synchronize(i)
+                t0 = time.perf_counter()
+                nccl.all_reduce(bufs)  # type: ignore[no-untyped-call]
+                for i in gpus:
+                    torch.cuda.synchronize(i)
+                best = min(best, time.perf_counter() - t0)
+            k = len(gpus)
+            gbps = round(n * 4 / best / 1e9 * 2 * (k - 1) / k, 3)
+        return {"step_s": max(step_s.values()), "gpu_step_s": step_s, "allreduce_gbps": gbps}
+    except Exception as exc:  # a measurement that fails is logged, not judged
+        print(f"speed not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -405,16 +405,16 @@ class Agent:
                 return await self.ranks.prewarm(cmd.args)
             case wire.BurnInArgs():
                 await self.sample_health()
-                corrupt = (
-                    await asyncio.to_thread(self.backend.corrupt)
-                    if isinstance(self.backend, SimBackend)
-                    else frozenset[int]()
-                )
+                corrupt, perf = frozenset[int](), None
+                if isinstance(self.backend, SimBackend):
+                    corrupt = await asyncio.to_thread(self.backend.corrupt)
+                    perf = await asyncio.to_thread(self.backend.perf)
                 result = await burn_in(
                     self.backend.name,
                     self.health,
                     [g.index for g in self.inventory],
                     corrupt=corrupt,
+                    sim_perf=perf,
                 )
                 log.info(
                     "burn-in %s: %s",

@@ -37,8 +37,18 @@ FAULTS = (
     "row-remap-pending",
     "gpu-lost",
     "sdc",
+    "slow-gpu",
+    "slow-nvlink",
     "clear",
 )
+
+# A simulated GPU's speed, as the burn-in reports it (pre-flight screening): its
+# synthetic step and the all-reduce between a node's GPUs, at full speed; the faults
+# ``slow-gpu`` and ``slow-nvlink`` divide them by these factors.
+SIM_STEP_S = 0.010
+SIM_ALLREDUCE_GBPS = 400.0
+SLOW_GPU_FACTOR = 1.5
+SLOW_NVLINK_FACTOR = 4.0
 
 _HEALTHY: dict[str, Any] = {
     "present": True,
@@ -63,6 +73,8 @@ _HEALTHY: dict[str, Any] = {
     # Silent data corruption: the GPU computes wrong numbers and its health says nothing;
     # the burn-in's recompute check (agentd.burnin) finds it.
     "corrupt": False,
+    "slow": 1.0,  # its synthetic step takes this many times a healthy GPU's
+    "link_slow": 1.0,  # its all-reduce with the node's other GPUs: this many times slower
 }
 
 
@@ -137,6 +149,10 @@ def inject(path: Path, gpu: int, fault: str) -> dict[str, Any]:
         g["present"] = False
     elif fault == "sdc":
         g["corrupt"] = True
+    elif fault == "slow-gpu":
+        g["slow"] = SLOW_GPU_FACTOR
+    elif fault == "slow-nvlink":
+        g["link_slow"] = SLOW_NVLINK_FACTOR
     elif fault == "clear":
         g.update(_HEALTHY)
         state["nvml_error"] = None

@@ -166,6 +166,28 @@ class SupervisorSettings(BaseSettings):
         "not named here use supervisor.telemetry.mfu.PEAKS (dense BF16 figures of known GPUs).",
     )
     spares: int = Field(default=0, ge=0, description="Healthy idle nodes held back as hot spares.")
+    screen_max_slowdown: float = Field(
+        default=0.05,
+        gt=0,
+        le=10,
+        description="Pre-flight screening: a node whose slowest GPU's synthetic step, timed "
+        "by its burn-in, is slower than the median of the nodes of its GPU model by more "
+        "than this fraction (0.05: 5%) fails its burn-in and does not join "
+        "(supervisor.fleet.screening).",
+    )
+    screen_min_link: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="... and one whose all-reduce between its GPUs runs under this fraction "
+        "of their median bandwidth.",
+    )
+    screen_min_peers: int = Field(
+        default=3,
+        ge=1,
+        description="... judged only once this many nodes of the model passed a burn-in "
+        "that measured them (fewer: nothing to compare with, the node is not judged).",
+    )
     ckpt_node_mtbf_h: float = Field(
         default=5000.0,
         gt=0,

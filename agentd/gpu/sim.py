@@ -33,6 +33,8 @@ from agentd.gpu.base import (
 )
 from phalanx.simgpu import (  # the file's format, re-exported for the agent's side
     FAULTS,
+    SIM_ALLREDUCE_GBPS,
+    SIM_STEP_S,
     SimFileError,
     inject,
     load,
@@ -99,6 +101,19 @@ class SimBackend:
             int(g["index"]) for g in self._present(read_state(self.path)) if g.get("corrupt")
         )
 
+    def perf(self) -> dict[str, Any] | None:
+        """The speed the burn-in reports for the simulated GPUs (``agentd.burnin``): the
+        nominal synthetic step and all-reduce, slowed by the ``slow-gpu`` and
+        ``slow-nvlink`` faults."""
+        gpus = self._present(read_state(self.path))
+        if not gpus:
+            return None
+        steps = {str(g["index"]): round(SIM_STEP_S * _factor(g, "slow"), 6) for g in gpus}
+        gbps = None
+        if len(gpus) > 1:
+            gbps = round(SIM_ALLREDUCE_GBPS / max(_factor(g, "link_slow") for g in gpus), 3)
+        return {"step_s": max(steps.values()), "gpu_step_s": steps, "allreduce_gbps": gbps}
+
     def close(self) -> None:
         pass
 
@@ -121,3 +136,12 @@ class SimBackend:
             return GpuSample(index=int(g["index"]), uuid=str(g["uuid"]), **values)
         except (KeyError, TypeError, ValueError) as exc:
             raise GpuBackendError(f"sim GPU entry {g.get('index')}: {exc}") from exc
+
+
+def _factor(g: dict[str, Any], key: str) -> float:
+    """A simulated GPU's slow-down factor (1.0 where the file has none, or garbage)."""
+    try:
+        value = float(g.get(key, 1.0))
+    except (TypeError, ValueError):
+        return 1.0
+    return value if 1.0 <= value < 1e6 else 1.0

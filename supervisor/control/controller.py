@@ -29,7 +29,7 @@ from supervisor.control.orders import GangOrders
 from supervisor.control.prewarm import SparePrewarm
 from supervisor.control.reconcile import Reconciler
 from supervisor.errors import LaunchError, Refused, UnknownJob
-from supervisor.fleet.burnin import BurnIns
+from supervisor.fleet.burnin import BurnIns, Screening
 from supervisor.fleet.commands import CommandSender
 from supervisor.fleet.registry import NodeState, Registry
 from supervisor.jobs import Job, JobState, RankPlace
@@ -96,7 +96,14 @@ class JobController:
         self._passed_on: tuple[object, ...] | None = None
         self._passed_at = -math.inf
         self._started = time.monotonic()
-        self.burnins = BurnIns(registry, self.command, timeout_s=BURN_IN_TIMEOUT_S)
+        self.burnins = BurnIns(
+            registry,
+            self.command,
+            timeout_s=BURN_IN_TIMEOUT_S,
+            screening=Screening(
+                settings.screen_max_slowdown, settings.screen_min_link, settings.screen_min_peers
+            ),
+        )
         self.incidents = Incidents(self, self._newest_committed)
         self.recoveries = Recoveries(self, self.incidents)
         self.orders = GangOrders(self)

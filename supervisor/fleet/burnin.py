@@ -7,6 +7,12 @@ fresh health sample and the simulated recompute check).
 A node that fails it is drained with the reason, so it is neither a spare nor
 schedulable until an operator looks at it. A pass holds until the node is
 next drained, goes offline or is born again.
+
+A burn-in that passes is screened too (``supervisor.fleet.screening``): the speed it
+measured is compared with the nodes of the same GPU model that passed before, and a
+node much slower than their median (a slow GPU, a degraded link between its GPUs)
+fails like any other. The figures of the nodes that passed are kept in memory, for
+the nodes that come after them.
 """
 
 from __future__ import annotations
@@ -15,11 +21,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from phalanx import wire
 from phalanx.tasks import Tasks
 from supervisor.errors import RegistryError
 from supervisor.fleet.registry import NodeState, Registry
+from supervisor.fleet.screening import Perf, parse_perf, screen
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +36,29 @@ Sender = Callable[[str, wire.CommandArgsType, float], Awaitable[wire.CommandAck]
 RETRY_S = 30.0  # a burn-in that could not run (no ack) is tried again after this
 
 
+@dataclass(frozen=True, slots=True)
+class Screening:
+    """How much slower than the fleet a node may be (``SupervisorSettings.screen_*``)."""
+
+    max_slowdown: float = 0.05
+    min_link: float = 0.5
+    min_peers: int = 3
+
+
 class BurnIns:
-    def __init__(self, registry: Registry, send: Sender, *, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        send: Sender,
+        *,
+        timeout_s: float = 60.0,
+        screening: Screening | None = None,
+    ) -> None:
         self.registry = registry
         self._send = send
         self.timeout_s = timeout_s
+        self.screening = screening or Screening()
+        self._perf: dict[str, tuple[str, Perf]] = {}  # node -> (GPU model, speed) that passed
         self._passed: dict[str, int] = {}  # node -> the birth seq it passed under
         self._passed_at: dict[str, float] = {}
         self._tasks = Tasks("burn-ins")
@@ -111,7 +138,9 @@ class BurnIns:
             self._tried[node_id] = time.monotonic()
             return False, f"burn-in of node {node_id} did not run: {exc}"
         result = ack.result or {}
-        if ack.status == wire.AckStatus.DONE and result.get("passed") is True:
+        passed = ack.status == wire.AckStatus.DONE and result.get("passed") is True
+        slow = self._screen(node_id, result.get("perf")) if passed else []
+        if passed and not slow:
             if seq is not None:
                 self._passed[node_id] = seq
                 self._passed_at[node_id] = time.time()
@@ -123,7 +152,7 @@ class BurnIns:
                 extra={"node": node_id, "event": "burn_in_passed"},
             )
             return True, ""
-        reasons = result.get("reasons") or [ack.detail or ack.status.value]
+        reasons = slow or result.get("reasons") or [ack.detail or ack.status.value]
         why = f"failed burn-in: {'; '.join(str(r) for r in reasons)}"
         log.warning(
             "node %s %s; draining it",
@@ -136,6 +165,30 @@ class BurnIns:
         except RegistryError as exc:
             log.warning("could not drain node %s after its failed burn-in: %s", node_id, exc)
         return False, why
+
+    def _screen(self, node_id: str, raw: Any) -> list[str]:
+        """Why the speed a passing burn-in of ``node_id`` measured keeps it out (empty:
+        it joins, and its figures count for the nodes after it)."""
+        perf = parse_perf(raw)
+        node = self.registry.nodes.get(node_id)
+        if perf is None or node is None or node.birth is None or not node.birth.gpus:
+            return []
+        model = node.birth.gpus[0].model
+        peers = [p for n, (m, p) in self._perf.items() if n != node_id and m == model]
+        s = self.screening
+        reasons = screen(
+            perf,
+            peers,
+            model=model,
+            max_slowdown=s.max_slowdown,
+            min_link=s.min_link,
+            min_peers=s.min_peers,
+        )
+        if not reasons:
+            self._perf[node_id] = (model, perf)
+        else:
+            self._perf.pop(node_id, None)
+        return reasons
 
     async def recheck(self, node_id: str) -> tuple[bool | None, str]:
         """Burn ``node_id`` in again now, though it passed and runs ranks (a replica of it

@@ -11,7 +11,12 @@ import pytest
 from agentd.burnin import sim_recompute_check
 from agentd.gpu.base import GpuBackendError, GpuSample, RecoveryAction, Throttle
 from agentd.gpu.sim import FAULTS, SimBackend, inject, read_state, write_state
-from phalanx.simgpu import SimFileError
+from phalanx.simgpu import (
+    SIM_STEP_S,
+    SLOW_GPU_FACTOR,
+    SLOW_NVLINK_FACTOR,
+    SimFileError,
+)
 
 MODEL = "Simulated H100 80GB HBM3"
 
@@ -224,6 +229,8 @@ def test_every_documented_fault_is_accepted(sim: SimBackend, path: Path) -> None
         "row-remap-pending",
         "gpu-lost",
         "sdc",
+        "slow-gpu",
+        "slow-nvlink",
         "clear",
     }
 
@@ -304,3 +311,20 @@ def test_a_failed_write_leaves_the_file_intact_and_no_temporary_file(
 
     assert path.read_text() == before
     assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_the_slow_faults_slow_the_speed_a_burn_in_reports(sim: SimBackend, path: Path) -> None:
+    healthy, sample = sim.perf(), sim.sample()
+    assert healthy is not None and healthy["step_s"] == SIM_STEP_S
+    inject(path, 1, "slow-gpu")
+    inject(path, 0, "slow-nvlink")
+
+    slow = sim.perf()
+
+    assert slow is not None
+    assert slow["gpu_step_s"]["1"] == SIM_STEP_S * SLOW_GPU_FACTOR == slow["step_s"]
+    assert slow["allreduce_gbps"] == healthy["allreduce_gbps"] / SLOW_NVLINK_FACTOR
+    assert sim.sample() == sample  # and nothing in the health says so
+    inject(path, 1, "clear")
+    inject(path, 0, "clear")
+    assert sim.perf() == healthy

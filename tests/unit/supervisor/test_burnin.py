@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from phalanx import wire
-from supervisor.fleet.burnin import BurnIns
+from supervisor.fleet.burnin import BurnIns, Screening
 from supervisor.fleet.registry import NodeState, Registry
 from supervisor.store import Store
 
@@ -42,6 +42,7 @@ class Agents:
         self.failing: dict[str, str] = {}
         self.silent: set[str] = set()
         self.asked: list[str] = []
+        self.perf: dict[str, object] = {}  # node -> the speed its burn-in reports
 
     async def send(self, node: str, args: wire.CommandArgsType, timeout: float) -> wire.CommandAck:
         assert isinstance(args, wire.BurnInArgs)
@@ -56,6 +57,7 @@ class Agents:
             result={
                 "passed": passed,
                 "reasons": [self.failing.get(node, "")] if not passed else [],
+                **({"perf": self.perf[node]} if node in self.perf else {}),
             },
             acked_at=0.0,
         )
@@ -170,3 +172,48 @@ async def test_a_suspect_that_passed_while_drained_needs_no_second_burn_in_once_
 
     assert burnins.observe() == []  # no second burn-in to start
     assert burnins.passed("n1") and not burnins.needs("n1")
+
+
+def speed(step_s: float, gbps: float | None = 400.0) -> dict[str, object]:
+    return {"step_s": step_s, "gpu_step_s": {"0": step_s}, "allreduce_gbps": gbps}
+
+
+@pytest.fixture
+def fleet6(registry: Registry) -> Registry:
+    for node in ("n3", "n4", "n5", "n6"):
+        registry.on_birth(birth(node))
+    return registry
+
+
+async def test_a_node_much_slower_than_the_fleets_median_fails_and_is_drained(
+    fleet6: Registry, agents: Agents
+) -> None:
+    burnins = BurnIns(fleet6, agents.send, screening=Screening(0.05, 0.5, 3))
+    for node, step in (("n1", 0.0100), ("n2", 0.0102), ("n3", 0.0099)):
+        agents.perf[node] = speed(step)
+        assert await burnins.run(node) == (True, "")
+    agents.perf["n4"] = speed(0.0104)  # 4 % slower than the median: within the limit
+    agents.perf["n5"] = speed(0.0150)
+    agents.perf["n6"] = speed(0.0100, gbps=90.0)
+
+    assert await burnins.run("n4") == (True, "")
+    passed, why = await burnins.run("n5")
+    assert not passed
+    assert why.startswith("failed burn-in: slow_gpu: GPU 0's synthetic step took 15.0 ms")
+    assert "slower than the median of 4 H100 nodes (10.1 ms" in why
+    assert fleet6.nodes["n5"].state is NodeState.DRAIN
+    passed, why = await burnins.run("n6")
+    assert not passed and "slow_link: the all-reduce between its GPUs ran at 90.0 GB/s" in why
+
+
+async def test_the_first_nodes_are_not_judged_and_garbage_speed_is_ignored(
+    fleet6: Registry, agents: Agents
+) -> None:
+    burnins = BurnIns(fleet6, agents.send, screening=Screening(0.05, 0.5, 3))
+    agents.perf["n1"] = speed(0.0100)
+    agents.perf["n2"] = speed(0.0300)  # one peer: nothing to compare with yet
+    agents.perf["n3"] = {"step_s": "fast", "allreduce_gbps": float("nan")}
+    agents.perf["n4"] = "garbage"
+
+    for node in ("n1", "n2", "n3", "n4"):
+        assert await burnins.run(node) == (True, "")
