@@ -210,10 +210,12 @@ class WarmPool:
         (the caller hands it a rank with :meth:`become`); :class:`Cold`: launch cold,
         and why."""
         w = self._warm.get((job, local_rank))
-        if w is None or w.proc.returncode is not None:
-            if job in self._given_up:
-                return Cold("its warm interpreters kept dying before they were ready")
+        if job in self._given_up:
+            return Cold("its warm interpreters kept dying before they were ready")
+        if w is None:
             return Cold("no warm interpreter was started for it yet")
+        if w.proc.returncode is not None:
+            return Cold("its warm interpreter died before it was used")
         if not w.ready.is_set():
             return Cold("its warm interpreter was still importing")
         if not w.template.matches(template):

@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -231,6 +232,12 @@ class GuardSpec(_Spec):
         return self.window + self.margin
 
 
+# The validation context of a spec being submitted (:func:`validate_spec`), as opposed
+# to one read back from the store: rules added since a job was submitted apply to new
+# submissions only.
+SUBMITTED: Final = "submitted"
+
+
 class SdcSpec(_Spec):
     """Silent data corruption: the data-parallel replicas' parameter digests compared,
     within each group of ranks that hold bit-identical parameters."""
@@ -250,6 +257,7 @@ class SdcSpec(_Spec):
     )
     groups: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2)]] | None = Field(
         default=None,
+        min_length=1,
         max_length=4096,
         description="The replica groups, listed, for a layout `model_parallel` does not "
         "describe: each a list of at least 2 ranks whose parameters are bit-identical. "
@@ -281,7 +289,7 @@ class SdcSpec(_Spec):
         """Raise ``ValueError`` naming what is wrong when the groups do not fit a gang of
         ``world_size`` ranks, or leave (at the job's own size) a lone replica. A smaller
         size of an elastic job may: its digests are then not compared."""
-        if self.groups is not None and self.model_parallel != 1:
+        if self.groups is not None and "model_parallel" in self.model_fields_set:
             raise ValueError("sdc: give either model_parallel or groups, not both")
         if self.groups is not None:
             far = max(r for g in self.groups for r in g)
@@ -470,7 +478,7 @@ class JobSpec(_Spec):
         return value
 
     @model_validator(mode="after")
-    def _sdc_groups(self) -> JobSpec:
+    def _sdc_groups(self, info: ValidationInfo) -> JobSpec:
         if self.sdc is None:
             return self
         if self.elastic is not None and self.sdc.groups is not None:
@@ -478,8 +486,11 @@ class JobSpec(_Spec):
                 "sdc.groups lists ranks of one size, and an elastic job changes size: "
                 "use sdc.model_parallel"
             )
+        # A lone replica is refused when the spec is submitted, not when a stored one is
+        # read back (a job submitted before the rule keeps loading).
+        submitted = bool(info.context and info.context.get(SUBMITTED))
         for nodes in self.elastic_sizes():
-            self.sdc.check(nodes * self.ranks_per_node, own_size=nodes == self.nodes)
+            self.sdc.check(nodes * self.ranks_per_node, own_size=submitted and nodes == self.nodes)
         return self
 
     @property
@@ -683,7 +694,7 @@ def validate_spec(
             )
         data = {**data, "team": team}
     try:
-        return JobSpec.model_validate(data)
+        return JobSpec.model_validate(data, context={SUBMITTED: True})
     except ValidationError as exc:
         raise JobSpecError(field_errors(exc, lines)) from exc
 

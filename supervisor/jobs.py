@@ -140,6 +140,10 @@ class Job:
     # The step the gang restores from, as the catalog last published it (None: nothing
     # committed). Not persisted: each launch publishes it first.
     published_restore: int | None = None
+    # The newest step whose parameter digests agreed in every replica group (``sdc``;
+    # supervisor.recovery.sdc_watch): a divergence's newest clean checkpoint is one past
+    # it, also after a supervisor restart.
+    sdc_agreed: int | None = None
     # Each recent generation's world size (an elastic job's change): a late landing of
     # an earlier generation commits when that generation's ranks all landed.
     worlds: dict[str, int] = field(default_factory=dict)
@@ -407,6 +411,7 @@ class Job:
             "progress": self.progress,
             "rollbacks": self.rollbacks,
             "worlds": self.worlds,
+            "sdc_agreed": self.sdc_agreed,
         }
 
     @classmethod
@@ -436,6 +441,7 @@ class Job:
             progress=dict(rec.get("progress", {})),
             rollbacks=list(rec.get("rollbacks", [])),
             worlds={str(k): int(v) for k, v in rec.get("worlds", {}).items()},
+            sdc_agreed=rec.get("sdc_agreed"),
         )
 
 

@@ -68,12 +68,4 @@ def incident_lines(incident: dict[str, Any]) -> list[str]:
 def cold_lines(cold: dict[str, str] | None) -> list[str]:
     """The ranks a relaunch started cold (no warm interpreter became them), by reason:
     the launch phase paid a cold start for them."""
-    if not cold:
-        return []
-    by_reason: dict[str, list[str]] = {}
-    for rank, why in cold.items():
-        by_reason.setdefault(why, []).append(rank)
-    return [
-        f"    cold launch of rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {why}"
-        for why, ranks in by_reason.items()
-    ]
+    return [f"    cold launch of ranks {ranks}: {why}" for why, ranks in (cold or {}).items()]

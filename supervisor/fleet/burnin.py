@@ -191,19 +191,28 @@ class BurnIns:
         return reasons
 
     async def recheck(self, node_id: str) -> tuple[bool | None, str]:
-        """Burn ``node_id`` in again now, though it passed and runs ranks (a replica of it
-        diverged and no majority names the odd one): its burn-in's deterministic
-        recompute check says whether its GPUs compute right. (passed, why not), passed
-        None when it could not run; the node is not drained here: the caller's recovery
-        quarantines the one that failed."""
+        """Burn ``node_id`` in again now, though it may have passed before (a replica on it
+        diverged and no majority names the odd one; its ranks are stopped): its burn-in's
+        deterministic recompute check says whether its GPUs compute right. (passed, why
+        not); passed is None when it could not run (no ack, an expired command, an agent
+        error). The node is not drained here: the recovery quarantines the one that
+        failed. A pass counts as the node's burn-in."""
+        node = self.registry.nodes.get(node_id)
+        seq = node.birth.seq if node is not None and node.birth is not None else None
         try:
             ack = await self._send(node_id, wire.BurnInArgs(), self.timeout_s)
         except (TimeoutError, ConnectionError, RegistryError) as exc:
             return None, f"its recheck did not run: {exc}"
+        if ack.status != wire.AckStatus.DONE:
+            return None, f"its recheck did not run: {ack.detail or ack.status.value}"
         result = ack.result or {}
-        if ack.status == wire.AckStatus.DONE and result.get("passed") is True:
+        if result.get("passed") is True:
+            if seq is not None:
+                self._passed[node_id] = seq
+                self._passed_at[node_id] = time.time()
+                self._last_pass[node_id] = seq
             return True, ""
-        reasons = result.get("reasons") or [ack.detail or ack.status.value]
+        reasons = result.get("reasons") or ["no reason given"]
         return False, f"failed its recheck: {'; '.join(str(r) for r in reasons)}"
 
     def close(self) -> None:

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -61,6 +61,7 @@ from supervisor.recovery.planner import (
     plan_recovery,
     plan_regrow,
 )
+from supervisor.recovery.sdc_watch import RECHECK, recheck
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +96,11 @@ class Recoveries:
         *,
         fault_at: float | None = None,
         also: Sequence[Failure] = (),
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         """A failure of ``job``'s current generation: start its recovery (once).
-        ``also``: failures that came with it (every node of a replica group that failed
-        its recheck), planned for together."""
+        ``also``: failures that came with it, planned for together; ``extra``: more for
+        the recovery's record (``RECHECK``: nodes to recheck before it plans)."""
         if job.state not in (JobState.RUNNING, JobState.STARTING) or job.recovery is not None:
             return
         failure = _at_restore(job, failure)
@@ -114,6 +116,7 @@ class Recoveries:
             "phase": "plan",
             "phases": {"detect": round(max(0.0, now - (fault_at or now)), 3)},
             "size": job.size(),  # of the generation it ends (an elastic job's changes)
+            **(extra or {}),
         }
         job.reason = failure.describe()
         self.ctl.move(job, JobState.RECOVERING, job.reason)
@@ -175,6 +178,19 @@ class Recoveries:
         phases: dict[str, float] = rec.setdefault("phases", {})
         old_generation = int(rec["generation"])
         stopped = rec.get("phase") not in (None, "plan")
+        if RECHECK in rec:  # replicas diverged with no majority: which node is at fault?
+            if not stopped:
+                await self._stop(job, old_generation)  # the GPUs free for the recheck
+                stopped = True
+            if not _recovering(job) or job.recovery is not rec:
+                return
+            failures = await recheck(self.ctl, job, failures[0], rec[RECHECK])
+            if not _recovering(job) or job.recovery is not rec:
+                self._quarantine_rechecked(job, failures)  # cancelled meanwhile
+                return
+            rec["failures"] = [_failure_record(f) for f in failures]
+            del rec[RECHECK]
+            self.ctl.save(job)
         while True:
             if not _recovering(job) or job.recovery is not rec:
                 return  # cancelled meanwhile: that stop owns the job
@@ -214,12 +230,8 @@ class Recoveries:
                 )
             self._quarantine(job, plan, failures)
             if not stopped:
-                t0 = time.perf_counter()
-                await self._stop_gang(job, old_generation)
-                phases["stop"] = round(time.perf_counter() - t0, 3)
-                rec["phase"] = "stopped"
+                await self._stop(job, old_generation)
                 stopped = True
-                self.ctl.save(job)
             if not _recovering(job):
                 return
             if plan.action is Action.FAIL:
@@ -249,6 +261,27 @@ class Recoveries:
                 break
         rec["plan"] = plan_record(plan)
         await self._relaunch(job, plan)
+
+    async def _stop(self, job: Job, old_generation: int) -> None:
+        """Stop the failed generation's gang, once per recovery (its ``stop`` phase)."""
+        rec = job.recovery
+        assert rec is not None
+        t0 = time.perf_counter()
+        await self._stop_gang(job, old_generation)
+        rec.setdefault("phases", {})["stop"] = round(time.perf_counter() - t0, 3)
+        rec["phase"] = "stopped"
+        self.ctl.save(job)
+
+    def _quarantine_rechecked(self, job: Job, failures: list[Failure]) -> None:
+        """The recovery ended while its nodes were rechecked: those that failed are
+        drained all the same (no later job lands on a GPU that computes wrong)."""
+        for f in failures:
+            if not f.quarantine:
+                continue
+            try:
+                self.ctl.registry.drain(f.node, f"sdc_suspect: {f.detail}"[:900], by="supervisor")
+            except RegistryError as exc:
+                log.warning("job %s: node %s not drained: %s", job.id, f.node, exc)
 
     def _fail(self, job: Job, plan: Plan) -> None:
         self.incidents.finish(job, plan, outcome="failed")
@@ -319,8 +352,8 @@ class Recoveries:
         detected = job.recovery["detected_at"] if job.recovery else time.time()
         for f in failures:  # back after a clean shutdown (an upgrade): burn it in to reuse it
             known = ctl.registry.nodes.get(f.node)
-            if f.kind is FailureKind.GROW:
-                continue  # no node failed (and its GPUs may be training)
+            if f.kind in (FailureKind.GROW, FailureKind.SDC):
+                continue  # no node failed (GROW), or the recheck burned it in (SDC)
             if not f.quarantine and known is not None and known.state is NodeState.UP:
                 ctl.burnins.start(f.node)
         cleared = frozenset(n for n in job.nodes if ctl.burnins.passed_since(n, detected))

@@ -146,7 +146,7 @@ class Incidents:
             "detected_at": rec["detected_at"],
             "plan": plan_record(plan) if plan is not None else rec.get("plan"),
             "phases": rec.get("phases", {}),
-            # ranks the relaunch started cold (no warm interpreter became them), and why
+            # ranks the relaunch started cold (no warm interpreter became them), by reason
             "cold_ranks": rec.get("cold_ranks"),
             "launch_started_at": rec.get("launch_started_at"),
             "outcome": outcome,
@@ -178,20 +178,47 @@ class Incidents:
 
 
 MAX_REASON = 200  # characters of an agent's reason kept
+MAX_REASONS = 8  # distinct reasons kept (the rest counted under "other")
+MAX_RANGES = 32  # rank ranges shown per reason (the rest counted)
 
 
-def cold_ranks(acks: Iterable[wire.CommandAck]) -> dict[str, str]:
-    """The ranks a launch's start acks say were launched cold, and why (an agent older
-    than warm interpreters names none)."""
-    out: dict[str, str] = {}
+def cold_ranks(acks: Iterable[wire.CommandAck]) -> dict[str, str] | None:
+    """The ranks a launch's start acks say were launched cold, by reason: reason -> the
+    ranks as ranges (``"0-3, 8"``), so a 16,384-rank gang's costs a line, not 16,384
+    entries. None when no ack says (agents older than warm interpreters)."""
+    by_reason: dict[str, list[int]] = {}
+    said = False
     for ack in acks:
         cold = ack.result.get("cold")
         if not isinstance(cold, dict):
             continue
+        said = True
         for rank, why in cold.items():
             if isinstance(rank, str) and rank.isdigit() and isinstance(why, str):
-                out[rank] = why[:MAX_REASON]
-    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+                by_reason.setdefault(why[:MAX_REASON], []).append(int(rank))
+    if not said:
+        return None
+    ordered = sorted(by_reason.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    out = {why: rank_ranges(ranks) for why, ranks in ordered[:MAX_REASONS]}
+    rest = [r for _, ranks in ordered[MAX_REASONS:] for r in ranks]
+    if rest:
+        out["other reasons"] = rank_ranges(rest)
+    return out
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 3, 8]`` as ``"0-3, 8"`` (at most ``MAX_RANGES`` ranges, then a count)."""
+    spans: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = [f"{a}-{b}" if b > a else str(a) for a, b in spans[:MAX_RANGES]]
+    if len(spans) > MAX_RANGES:
+        more = sum(b - a + 1 for a, b in spans[MAX_RANGES:])
+        text.append(f"and {more} more")
+    return ", ".join(text)
 
 
 def node_incidents(jobs: Iterable[Job]) -> list[NodeIncident]:

@@ -31,7 +31,7 @@ class Verdict:
     digests: dict[int, int]  # rank -> digest
     majority: int | None
     odd: tuple[int, ...]  # the ranks whose digest differs from the majority's
-    agreed: int | None  # the newest step before this one whose digests all agreed
+    agreed: int | None  # the newest step before this one whose digests agreed in every group
 
     @property
     def clean_upto(self) -> int:
@@ -52,18 +52,34 @@ def judge(digests: dict[int, int]) -> tuple[int | None, tuple[int, ...]]:
 
 @dataclass
 class DigestBoard:
-    """One generation of a job: its replica groups and the digests heard so far."""
+    """One generation of a job: its replica groups and the digests heard so far.
+
+    ``floor``: the newest step known to have agreed before this generation (the job's
+    record of it, no newer than the step the generation restored less one); each group
+    starts there, so a board made afresh (a new generation, a restarted supervisor)
+    never calls the whole run unclean."""
 
     groups: Sequence[tuple[int, ...]]
     generation: int
-    # the newest step whose digests agreed in every group heard of (None: none yet)
-    agreed: dict[int, int] = field(default_factory=dict)  # group index -> step
+    floor: int | None = None
+    agreed_in: dict[int, int] = field(default_factory=dict)  # group index -> newest agreed
     pending: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
     diverged: bool = False  # a verdict of divergence was given: nothing more is judged
     _group_of: dict[int, int] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self._group_of = {r: i for i, g in enumerate(self.groups) for r in g if len(g) >= 2}
+
+    @property
+    def agreed(self) -> int | None:
+        """The newest step whose digests agreed in every group (a checkpoint holds every
+        group's state); None: none known."""
+        steps = [
+            self.agreed_in.get(i, self.floor) for i, g in enumerate(self.groups) if len(g) >= 2
+        ]
+        if not steps or any(s is None for s in steps):
+            return self.floor
+        return min(s for s in steps if s is not None)
 
     def see(self, rank: int, step: int, digest: int) -> Verdict | None:
         """A rank's digest of ``step``; the verdict once every rank of its group reported
@@ -72,8 +88,8 @@ class DigestBoard:
         index = self._group_of.get(rank)
         if self.diverged or index is None:
             return None
-        agreed = self.agreed.get(index)
-        if agreed is not None and step <= agreed:
+        mine = self.agreed_in.get(index, self.floor)
+        if mine is not None and step <= mine:
             return None
         got = self.pending.setdefault((index, step), {})
         got[rank] = digest
@@ -84,8 +100,8 @@ class DigestBoard:
             return None
         del self.pending[(index, step)]
         if len(set(got.values())) == 1:
-            self.agreed[index] = max(step, agreed if agreed is not None else step)
+            self.agreed_in[index] = step if mine is None else max(step, mine)
             return None
         self.diverged = True
         majority, odd = judge(got)
-        return Verdict(step, tuple(group), dict(got), majority, odd, agreed)
+        return Verdict(step, tuple(group), dict(got), majority, odd, self.agreed)

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
+from typing import Any, Final
 
 from phalanx import wire
 from supervisor.actuator import JobControl
@@ -48,8 +49,13 @@ class SdcWatch:
         board = self._boards.get(job.id)
         if board is None or board.generation != job.generation:
             groups = job.spec.sdc.replica_groups(job.world_size)
-            board = self._boards[job.id] = DigestBoard(groups, job.generation)
+            board = DigestBoard(groups, job.generation, floor=agreed_floor(job))
+            self._boards[job.id] = board
         verdict = board.see(ev.rank, ev.step, ev.digest)
+        agreed = board.agreed
+        if agreed is not None and (job.sdc_agreed is None or agreed > job.sdc_agreed):
+            job.sdc_agreed = agreed  # kept with the job: a later board starts from it
+            self.ctl.save(job)
         if verdict is None:
             return
         nodes = {p.rank: p.node for p in job.ranks}
@@ -69,12 +75,30 @@ class SdcWatch:
         if not verdict.odd:
             log.error(
                 "job %s: the replicas' parameter digests of step %d differ with no majority: "
-                "rechecking their nodes",
+                "its recovery rechecks their nodes",
                 job.id,
                 verdict.step,
             )
             self._void_after(job, verdict.clean_upto)
-            self.ctl.spawn(job, self._recheck(job, verdict, nodes, fault_at=ev.at))
+            group_nodes: dict[str, int] = {}  # node -> its first rank of the group
+            for r in verdict.group:
+                if r in nodes:
+                    group_nodes.setdefault(nodes[r], r)
+            if not group_nodes:
+                return
+            first = min(group_nodes)
+            # Until the recheck says which node failed, the failure names none: as it
+            # stands it restarts the gang in place (Recoveries.run rechecks first).
+            failure = replace(
+                no_majority(job, verdict, first, group_nodes[first], "its nodes are rechecked"),
+                quarantine=False,
+            )
+            plan: dict[str, Any] = {
+                "nodes": {n: group_nodes[n] for n in sorted(group_nodes)},
+                "replicas": len(verdict.group),
+                "clean": verdict.clean_upto,
+            }
+            self._on_failure(job, failure, fault_at=ev.at, extra={RECHECK: plan})
             return
         rank = verdict.odd[0]
         node = nodes.get(rank)
@@ -95,60 +119,6 @@ class SdcWatch:
             onset=verdict.agreed,
         )
         self._on_failure(job, failure, fault_at=ev.at)
-
-    async def _recheck(
-        self, job: Job, verdict: Verdict, nodes: dict[int, str], *, fault_at: float
-    ) -> None:
-        """Recheck the diverged group's nodes; recover the job without those that fail
-        (or, none failing, in place from the newest clean step)."""
-        generation = job.generation
-        suspects = sorted({nodes[r] for r in verdict.group if r in nodes})
-        results = await asyncio.gather(*(self.ctl.burnins.recheck(n) for n in suspects))
-        checked = dict(zip(suspects, results, strict=True))
-        self.ctl.event(
-            "sdc_rechecked",
-            job,
-            generation=generation,
-            step=verdict.step,
-            nodes={n: {"passed": ok, "reason": why} for n, (ok, why) in checked.items()},
-        )
-        if job.generation != generation or job.state is not JobState.RUNNING:
-            return  # recovered or ended meanwhile: that recovery restores a clean step too
-        if job.recovery is not None:
-            return
-        rank_on = {n: min(r for r in verdict.group if nodes.get(r) == n) for n in suspects}
-        failed = [
-            self._failure(job, verdict, node, rank_on[node], why)
-            for node, (ok, why) in checked.items()
-            if ok is False
-        ]
-        if failed:
-            self._on_failure(job, failed[0], fault_at=fault_at, also=failed[1:])
-            return
-        unknown = [f"{n}: {why}" for n, (ok, why) in checked.items() if ok is None]
-        node = suspects[0]
-        transient = replace(
-            self._failure(job, verdict, node, rank_on[node], "; ".join(unknown)),
-            quarantine=False,
-        )
-        self._on_failure(job, transient, fault_at=fault_at)
-
-    @staticmethod
-    def _failure(job: Job, verdict: Verdict, node: str, rank: int, why: str) -> Failure:
-        return Failure(
-            FailureKind.SDC,
-            node,
-            rank=rank,
-            step=verdict.step,
-            detail=(
-                f"the {len(verdict.group)} replicas' parameter digests after step "
-                f"{verdict.step} differ with no majority"
-                + (f"; {why}" if why else "")
-                + f"; the newest clean checkpoint is step {verdict.clean_upto}"
-            ),
-            generation=job.generation,
-            onset=verdict.agreed,
-        )
 
     def _void_after(self, job: Job, clean_upto: int) -> None:
         """Forget the checkpoints after the newest clean step, and ignore their late
@@ -177,3 +147,76 @@ class SdcWatch:
 
     def forget(self, job_id: str) -> None:
         self._boards.pop(job_id, None)
+
+
+RECHECK: Final = "sdc_recheck"  # what a recovery rechecks first (see recheck)
+
+
+def agreed_floor(job: Job) -> int | None:
+    """The newest step known to have agreed that the job's current generation may start
+    its board from: the job's record (``Job.sdc_agreed``), no newer than the step the
+    generation restored less one (its ranks replay the steps after it); None for a
+    generation a recovery started from nothing."""
+    floor = job.sdc_agreed
+    for incident in reversed(job.incidents):
+        if incident.get("next_generation") == job.generation:
+            restored = incident.get("restored_step")
+            if floor is None or restored is None:
+                return None
+            return min(floor, int(restored) - 1)
+    return floor
+
+
+def no_majority(job: Job, verdict: Verdict, node: str, rank: int, why: str) -> Failure:
+    """The failure of a group whose digests differ with no majority, named on ``node``."""
+    return Failure(
+        FailureKind.SDC,
+        node,
+        rank=rank,
+        step=verdict.step,
+        detail=_detail(len(verdict.group), verdict.step, verdict.clean_upto, why),
+        generation=job.generation,
+        onset=verdict.agreed,
+    )
+
+
+def _detail(replicas: int, step: int | None, clean: int, why: str) -> str:
+    return (
+        f"the {replicas} replicas' parameter digests after step {step} differ with no "
+        f"majority; {why}; the newest clean checkpoint is step {clean}"
+    )
+
+
+async def recheck(
+    ctl: JobControl, job: Job, failure: Failure, plan: dict[str, Any]
+) -> list[Failure]:
+    """Recheck the nodes of ``plan`` (``RECHECK``: ``nodes``, node -> its rank in the
+    diverged group; ``replicas``; ``clean``, the newest clean step), the gang stopped:
+    each runs its burn-in again. The failures the recovery then plans from: one of kind
+    ``sdc`` on each node that failed it (quarantined), or, none failing, ``failure``
+    (no node to blame: a restart in place), its detail saying why."""
+    nodes: dict[str, int] = plan["nodes"]
+    names = sorted(nodes)
+    results = await asyncio.gather(*(ctl.burnins.recheck(n) for n in names))
+    checked = dict(zip(names, results, strict=True))
+    ctl.event(
+        "sdc_rechecked",
+        job,
+        generation=failure.generation,
+        step=failure.step,
+        nodes={n: {"passed": ok, "reason": why} for n, (ok, why) in checked.items()},
+    )
+
+    def detail(why: str) -> str:
+        return _detail(plan["replicas"], failure.step, plan["clean"], why)
+
+    failed = [
+        replace(failure, node=n, rank=nodes[n], quarantine=True, detail=detail(f"it {why}"))
+        for n, (ok, why) in checked.items()
+        if ok is False
+    ]
+    if failed:
+        return failed
+    passed = "no node failed its recheck (a transient fault)"
+    unknown = [f"{n}: {why}" for n, (ok, why) in checked.items() if ok is None]
+    return [replace(failure, detail=detail("; ".join([passed, *unknown])))]

@@ -48,11 +48,8 @@ def test_status_shows_an_exact_ettr_plainly() -> None:
 
 def test_status_names_the_ranks_a_recovery_launched_cold_by_reason() -> None:
     importing = "its warm interpreter was still importing"
-    incident = {
-        **UNKNOWN,
-        "cold_ranks": {"0": importing, "1": importing, "3": "restart.warm is off"},
-    }
+    incident = {**UNKNOWN, "cold_ranks": {importing: "0-1", "restart.warm is off": "3"}}
     lines = incident_lines(incident)
-    assert f"    cold launch of ranks 0, 1: {importing}" in lines
-    assert "    cold launch of rank 3: restart.warm is off" in lines
+    assert f"    cold launch of ranks 0-1: {importing}" in lines
+    assert "    cold launch of ranks 3: restart.warm is off" in lines
     assert not any("cold launch" in line for line in incident_lines(UNKNOWN))

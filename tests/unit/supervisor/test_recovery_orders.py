@@ -22,6 +22,7 @@ from supervisor.control import prewarm
 from supervisor.control.controller import JobController
 from supervisor.fleet.registry import Registry
 from supervisor.jobs import Job, JobState, RankPlace
+from supervisor.recovery.incidents import cold_ranks, rank_ranges
 from supervisor.recovery.planner import Failure, FailureKind
 from supervisor.store import Store
 from tests.unit.supervisor.test_controller_growth import nowhere
@@ -43,6 +44,8 @@ class Fleet:
         self.stops_acked = asyncio.Event()
         self.cold: dict[str, Any] = {}  # node -> what its start ack says of cold ranks
         self.burn_in: dict[str, Any] = {}  # node -> its burn-in's result (default: passed)
+        self.burn_ins_answer = asyncio.Event()  # cleared: burn-ins wait for the test
+        self.burn_ins_answer.set()
         self.jobs: dict[str, Job] = {}
         self.publisher = CatalogPublisher(
             CheckpointCatalog(self.store),
@@ -99,7 +102,12 @@ class Fleet:
         elif isinstance(args, wire.StartRanksArgs) and node in self.cold:
             result = {"pids": {}, "cold": self.cold[node]}
         elif isinstance(args, wire.BurnInArgs):
+            await self.burn_ins_answer.wait()
             result = self.burn_in.get(node, {"passed": True, "reasons": [], "checks": []})
+            if result == "expired":
+                return wire.CommandAck(
+                    id="x", node=node, status=wire.AckStatus.EXPIRED, acked_at=time.time()
+                )
         return wire.CommandAck(
             id=f"c{len(self.sent)}",
             node=node,
@@ -169,18 +177,34 @@ async def test_a_relaunchs_incident_names_the_ranks_launched_cold_and_why(
         await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
 
         assert fleet.job.incidents[-1]["cold_ranks"] == {
-            "2": "its warm interpreter was still importing"
+            "its warm interpreter was still importing": "2"
         }
-        # An agent that says nothing of it (older than warm interpreters): none named.
+        # An agent that says nothing of it (older than warm interpreters): unknown.
         fleet.cold = {"n1": "not a dict"}
         fleet.ctl.recoveries.on_failure(
             fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=2)
         )
         await fleet.until(lambda: fleet.job.generation == 3)
         await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
-        assert fleet.job.incidents[-1]["cold_ranks"] == {}
+        assert fleet.job.incidents[-1]["cold_ranks"] is None
     finally:
         await fleet.close()
+
+
+def test_cold_ranks_are_kept_as_ranges_by_reason_and_bounded() -> None:
+    def ack(cold: dict[str, str]) -> wire.CommandAck:
+        return wire.CommandAck(
+            id="c", node="n0", status=wire.AckStatus.DONE, result={"cold": cold}, acked_at=0
+        )
+
+    off = "restart.warm is off"
+    acks = [ack({str(r): off for r in range(8 * n, 8 * n + 8)}) for n in range(2048)]
+    assert cold_ranks(acks) == {off: "0-16383"}  # 16,384 ranks in one line
+    assert cold_ranks([ack({"0": off, "1": off, "3": off, "5": "x"})]) == {off: "0-1, 3", "x": "5"}
+    many = cold_ranks([ack({str(r): f"reason {r:02d}" for r in range(20)})])
+    assert many is not None and len(many) == 9 and many["other reasons"] == "8-19"
+    assert rank_ranges(range(0, 200, 2)).endswith(", 62, and 68 more")
+    assert cold_ranks([ack({})]) == {} and cold_ranks([]) is None
 
 
 async def test_a_launch_takes_the_rendezvous_port_from_rank_0s_heartbeat(tmp_path: Path) -> None:

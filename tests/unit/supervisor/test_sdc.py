@@ -27,7 +27,7 @@ def board(world: int = 3) -> DigestBoard:
 def test_a_step_whose_digests_all_agree_is_the_newest_agreed_one() -> None:
     b = board()
     assert [b.see(r, 10, 0xAB) for r in range(3)] == [None, None, None]
-    assert b.agreed == {0: 10}
+    assert b.agreed == 10
 
 
 def test_the_odd_replica_out_is_named_with_the_newest_agreed_step_before_it() -> None:
@@ -47,7 +47,7 @@ def test_the_odd_replica_out_is_named_with_the_newest_agreed_step_before_it() ->
 def test_nothing_is_judged_until_every_rank_reported_the_step() -> None:
     b = board()
     assert b.see(0, 5, 1) is None and b.see(1, 5, 2) is None
-    assert b.agreed == {}
+    assert b.agreed is None
 
 
 def test_two_replicas_that_differ_name_no_one() -> None:
@@ -68,7 +68,7 @@ def test_replicas_are_compared_within_their_group_only() -> None:
         generation=1,
     )  # type: ignore[union-attr]
     assert all(b.see(r, 5, 100 + r % 2) is None for r in range(6))
-    assert b.agreed == {0: 5, 1: 5}
+    assert b.agreed == 5
     for r in (0, 1, 2, 3, 5):
         assert b.see(r, 10, 200 + r % 2) is None
     verdict = b.see(4, 10, 999)  # rank 4 differs from 0 and 2, its replicas
@@ -81,11 +81,36 @@ def test_replicas_are_compared_within_their_group_only() -> None:
     )
 
 
+def test_the_clean_step_is_the_newest_every_group_agreed_on() -> None:
+    # A checkpoint holds every group's state: group (1, 3) agreed only up to step 5.
+    b = DigestBoard([(0, 2), (1, 3)], generation=1)
+    for step in (5, 10):
+        b.see(0, step, step)
+        b.see(2, step, step)
+    b.see(1, 5, 1)
+    b.see(3, 5, 1)
+    assert b.agreed == 5
+    b.see(1, 15, 1)
+    verdict = b.see(3, 15, 2)
+    assert verdict is not None and (verdict.agreed, verdict.clean_upto) == (5, 6)
+
+
+def test_a_board_made_afresh_starts_from_the_jobs_agreed_floor() -> None:
+    # A new generation, or a restarted supervisor: without the floor its first
+    # divergence would call every checkpoint of the run unclean (clean_upto -1).
+    b = DigestBoard([(0, 1)], generation=2, floor=900)
+    assert b.agreed == 900
+    assert b.see(0, 900, 1) is None and b.see(1, 900, 2) is None  # not newer: not judged
+    b.see(0, 950, 1)
+    verdict = b.see(1, 950, 2)
+    assert verdict is not None and verdict.clean_upto == 901
+
+
 def test_a_rank_in_no_group_is_not_compared() -> None:
     b = DigestBoard([(0, 2)], generation=1)
     assert b.see(1, 5, 1) is None and b.see(3, 5, 2) is None
     assert b.see(0, 5, 7) is None and b.see(2, 5, 7) is None
-    assert b.agreed == {0: 5}
+    assert b.agreed == 5
 
 
 def test_the_spec_rejects_groups_that_do_not_fit_the_gang() -> None:

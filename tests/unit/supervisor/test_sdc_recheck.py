@@ -12,11 +12,24 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from phalanx import wire
-from phalanx.jobspec import validate_spec
-from supervisor.jobs import JobState
+from phalanx.jobspec import JobSpecError, validate_spec
+from supervisor.jobs import Job, JobState
+from supervisor.recovery.sdc_watch import agreed_floor
 from tests.unit.supervisor.test_recovery_orders import Fleet
+
+SPEC = {
+    "name": "a",
+    "team": "t",
+    "command": ["x"],
+    "workdir": "/tmp",
+    "nodes": 2,
+    "ranks_per_node": 2,
+}
 
 FAILED = {
     "passed": False,
@@ -63,6 +76,15 @@ def diverge(fleet: Fleet) -> None:
     digests(fleet, 10, {0: 20, 1: 21, 2: 99, 3: 21})
 
 
+async def recovered(fleet: Fleet) -> dict[str, Any]:
+    """Diverge; the job's one incident once its next generation runs."""
+    diverge(fleet)
+    await fleet.until(lambda: fleet.job.generation == 2)
+    await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+    (incident,) = fleet.job.incidents
+    return incident
+
+
 async def test_two_replicas_that_differ_are_rechecked_and_the_one_that_fails_is_replaced(
     tmp_path: Path,
 ) -> None:
@@ -92,11 +114,7 @@ async def test_both_replicas_failing_the_recheck_are_both_replaced(tmp_path: Pat
     fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2", "n3"])
     fleet.burn_in["n0"] = fleet.burn_in["n1"] = FAILED
     try:
-        diverge(fleet)
-        await fleet.until(lambda: fleet.job.generation == 2)
-        await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
-
-        (incident,) = fleet.job.incidents
+        incident = await recovered(fleet)
         assert sorted(f["node"] for f in incident["failures"]) == ["n0", "n1"]
         assert incident["plan"]["quarantine"] == ["n0", "n1"]
         assert sorted(fleet.job.nodes) == ["n2", "n3"]
@@ -109,11 +127,7 @@ async def test_no_node_failing_the_recheck_restarts_the_gang_in_place_with_none_
 ) -> None:
     fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2"])
     try:
-        diverge(fleet)
-        await fleet.until(lambda: fleet.job.generation == 2)
-        await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
-
-        (incident,) = fleet.job.incidents
+        incident = await recovered(fleet)
         (failure,) = incident["failures"]
         assert (failure["kind"], failure["quarantine"]) == ("sdc", False)
         assert incident["plan"]["action"] == "restart_in_place"
@@ -137,3 +151,93 @@ async def test_a_divergence_within_one_group_only_is_judged_against_that_group(
         assert fleet.ops("burn_in") == []
     finally:
         await fleet.close()
+
+
+async def test_a_recheck_that_could_not_run_blames_no_one(tmp_path: Path) -> None:
+    # An expired command (or no ack) is no failed recheck: n1 is not quarantined.
+    fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2"])
+    fleet.burn_in["n1"] = "expired"
+    try:
+        incident = await recovered(fleet)
+        (failure,) = incident["failures"]
+        assert failure["quarantine"] is False and "n1: its recheck did not run" in failure["detail"]
+        assert fleet.job.nodes == ["n0", "n1"]
+        assert fleet.registry.nodes["n1"].drain is None
+    finally:
+        await fleet.close()
+
+
+async def test_the_gang_is_stopped_before_its_nodes_are_rechecked(tmp_path: Path) -> None:
+    fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2"])
+    fleet.burn_ins_answer.clear()
+    try:
+        diverge(fleet)
+        await fleet.until(lambda: len(fleet.ops("burn_in")) == 2)
+
+        ops = [op for _, op, _ in fleet.sent]
+        assert ops.index("burn_in") > max(i for i, op in enumerate(ops) if op == "stop_ranks")
+        assert fleet.job.state is JobState.RECOVERING
+        assert fleet.job.recovery is not None and fleet.job.recovery["phase"] == "stopped"
+    finally:
+        await fleet.close()
+
+
+async def test_a_node_that_fails_its_recheck_is_drained_even_if_the_job_was_cancelled(
+    tmp_path: Path,
+) -> None:
+    fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2"])
+    fleet.burn_in["n1"] = FAILED
+    fleet.burn_ins_answer.clear()
+    try:
+        diverge(fleet)
+        await fleet.until(lambda: len(fleet.ops("burn_in")) == 2)
+        fleet.ctl.cancel(fleet.job.id)
+        fleet.burn_ins_answer.set()
+
+        await fleet.until(lambda: fleet.registry.nodes["n1"].drain is not None)
+        drain = fleet.registry.nodes["n1"].drain
+        assert drain is not None and drain.reason.startswith("sdc_suspect: ")
+        assert fleet.registry.nodes["n0"].drain is None
+        await fleet.until(lambda: fleet.job.state.final)
+    finally:
+        await fleet.close()
+
+
+async def test_the_agreed_step_is_kept_with_the_job_and_a_new_board_starts_there(
+    tmp_path: Path,
+) -> None:
+    # A restarted supervisor (a new watch, a new board) must not void the whole run at
+    # the first divergence: it starts from the step the job's record says agreed.
+    fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2"])
+    try:
+        digests(fleet, 5, {0: 10, 1: 11, 2: 10, 3: 11})
+        assert fleet.job.sdc_agreed == 5
+        assert Job.from_record(fleet.job.id, fleet.job.record()).sdc_agreed == 5
+        fleet.ctl.sdc.forget(fleet.job.id)  # as after a restart
+
+        digests(fleet, 10, {0: 20, 1: 21, 2: 99, 3: 21})
+        await fleet.until(lambda: fleet.job.generation == 2)
+        voided = [e.detail for e in fleet.store.events(job=fleet.job.id) if e.kind == "ckpt_voided"]
+        assert [v["after"] for v in voided] == [6]  # not -1
+    finally:
+        await fleet.close()
+
+
+def test_a_generations_floor_is_no_newer_than_the_step_it_restored() -> None:
+    spec = validate_spec({**SPEC, "sdc": {"every": 5}})
+    job = Job("j", spec, generation=3, sdc_agreed=900)
+    assert agreed_floor(job) == 900  # no incident started it: as recorded
+    job.incidents = [{"next_generation": 3, "restored_step": 500}]
+    assert agreed_floor(job) == 499  # its ranks replay the steps after 500
+    job.incidents = [{"next_generation": 3, "restored_step": None}]
+    assert agreed_floor(job) is None  # it started from nothing
+
+
+def test_a_stored_one_replica_sdc_job_still_loads() -> None:
+    # Submitted before the lone-replica rule: the supervisor must still start.
+    spec = {**SPEC, "nodes": 1, "ranks_per_node": 1, "sdc": {"every": 5}}
+    with pytest.raises(JobSpecError, match="leaves one replica"):
+        validate_spec(spec)
+    record = Job("j", validate_spec({**spec, "sdc": None})).record()
+    record["spec"]["sdc"] = {"every": 5}
+    assert Job.from_record("j", record).spec.sdc is not None

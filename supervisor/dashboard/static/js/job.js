@@ -60,12 +60,11 @@ function phaseBar(phases) {
   return h("div", {}, bar, legend);
 }
 
-/** The ranks a relaunch started cold (no warm interpreter became them), and why. */
+/** The ranks a relaunch started cold (no warm interpreter became them), by reason. */
 function coldNote(cold) {
-  const ranks = Object.keys(cold || {});
-  if (!ranks.length) return "";
-  const reasons = [...new Set(Object.values(cold))].join("; ");
-  return h("div", { class: "cold-launch", title: reasons }, `cold launch: rank${ranks.length > 1 ? "s" : ""} ${ranks.join(", ")} (${reasons})`);
+  const reasons = Object.entries(cold || {});
+  if (!reasons.length) return "";
+  return h("div", { class: "cold-launch" }, reasons.map(([why, ranks]) => h("div", {}, `cold launch of ranks ${ranks}: ${why}`)));
 }
 
 function failures(list) {
