@@ -36,18 +36,19 @@ import contextlib
 import logging
 import math
 import os
+import re
 import socket
 import statistics
 import tempfile
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
 
 from agentd.training_events import digest_event, guard_event
-from phalanx import wire
+from phalanx import flight, wire
 from phalanx.progress import (
     MAX_MESSAGE_BYTES,
     ProgressError,
@@ -69,6 +70,9 @@ CHECK_INTERVAL_S = 0.5  # how often hangs are looked for
 INTERVALS_KEPT = 64  # recent step intervals remembered per rank (for the median)
 FORGET_AFTER_S = 600.0  # an ended generation with no live rank is forgotten this late
 DUMP_PREFIX = "nccl-trace-rank-"  # TORCH_FR_DUMP_TEMP_FILE's file names (agentd.ranks)
+# How long a hang's report waits for the ranks' flight-recorder dumps, once asked for
+# (phalanx.flight): a rank's library answers within its poll (0.5 s), dumped or not.
+FLIGHT_WAIT_S = 3.0
 MAX_DUMPS = 64  # as many as a RankEvent carries
 READS_PER_WAKEUP = 256  # datagrams read in one go before the loop runs other work
 GARBAGE_LOG_EVERY_S = 60.0
@@ -163,8 +167,10 @@ class ProgressMonitor:
         check_interval_s: float = CHECK_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
         on_step: OnStep | None = None,
+        flight_wait_s: float = FLIGHT_WAIT_S,
     ) -> None:
         self.node = node
+        self.flight_wait_s = flight_wait_s
         self.path = path
         self.data_dir = data_dir
         self._report = report
@@ -540,16 +546,21 @@ class ProgressMonitor:
             for rank, pid in live.items()
         }
         folder = self.data_dir / "jobs" / gen.job / f"g{gen.generation}"
-        states, dumps = await asyncio.to_thread(
-            lambda: ({p: _proc_state(p) for ps in pids.values() for p in ps}, _dumps(folder))
+        states = await asyncio.to_thread(
+            lambda: {p: _proc_state(p) for ps in pids.values() for p in ps}
         )
-        now = self._clock()
         stopped = {
             rank: state
             for rank in live
             for p in sorted(pids[rank])
             if (state := states.get(p)) in ("T", "t")
         }
+        # The ranks that can answer dump their flight recorders (a stopped one cannot).
+        asked = sorted(set(live) - set(stopped))
+        if asked and self.flight_wait_s > 0:
+            await _ask_flight(folder, asked, self.flight_wait_s)
+        dumps, flight = await asyncio.to_thread(_flight, folder)
+        now = self._clock()
 
         def behind(rank: int) -> tuple[int, float]:  # lowest step first, then silent longest
             r = gen.ranks.get(rank)
@@ -588,6 +599,7 @@ class ProgressMonitor:
             idle_s=round(idle, 3),
             detail=detail,
             dumps=dumps,
+            flight=flight,
             at=time.time(),
         )
 
@@ -608,9 +620,65 @@ def _proc_state(pid: int) -> str:
 
 def _dumps(folder: Path) -> list[str]:
     try:
-        return sorted(str(p) for p in folder.glob(f"{DUMP_PREFIX}*") if p.is_file())[:MAX_DUMPS]
+        return sorted(
+            str(p)
+            for p in folder.glob(f"{DUMP_PREFIX}*")
+            if p.is_file() and _DUMP_RANK.search(p.name)
+        )[:MAX_DUMPS]
     except OSError:
         return []
+
+
+_DUMP_RANK = re.compile(r"(\d+)$")  # torch names a dump TORCH_FR_DUMP_TEMP_FILE + its rank
+
+
+def _flight(folder: Path) -> tuple[list[str], list[wire.FlightPoint]]:
+    """The generation's flight-recorder dumps here, and what they say (a dump that cannot
+    be read is logged and left out)."""
+    dumps = _dumps(folder)
+    points: list[wire.FlightPoint] = []
+    for path in dumps:
+        match = _DUMP_RANK.search(Path(path).name)
+        assert match is not None
+        try:
+            found = flight.summarize(flight.load(Path(path)), int(match.group(1)))
+        except flight.DumpError as exc:
+            log.warning("flight recorder: %s", exc)
+            continue
+        points.extend(wire.FlightPoint(**asdict(p)) for p in found)
+    return dumps, points[: wire.MAX_FLIGHT_POINTS]
+
+
+async def _ask_flight(folder: Path, ranks: list[int], wait_s: float) -> None:
+    """Ask the generation's ranks to dump their flight recorders (``phalanx.rank``
+    watches for the request) and wait, at most ``wait_s``, until each answered."""
+    request = folder / flight.REQUEST
+    try:
+        asked_ns = await asyncio.to_thread(_touch, request)
+    except OSError as exc:
+        log.warning("could not ask the ranks for their flight recorders: %s", exc)
+        return
+    answers = [folder / f"{flight.ANSWER_PREFIX}{r}" for r in ranks]
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if await asyncio.to_thread(lambda: all(_newer(a, asked_ns) for a in answers)):
+            return
+        await asyncio.sleep(0.1)
+
+
+def _touch(path: Path) -> int:
+    """Write ``path`` anew; its modification time (ns)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{time.time()}\n")
+    os.replace(tmp, path)
+    return path.stat().st_mtime_ns
+
+
+def _newer(path: Path, than_ns: int) -> bool:
+    try:
+        return path.stat().st_mtime_ns >= than_ns
+    except OSError:
+        return False
 
 
 async def _awaited(work: Awaitable[None]) -> None:

@@ -52,7 +52,8 @@ AGENT_ONLY_ENV = frozenset(
     {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "PHALANX_TOKEN"}
 )
 
-# Make a hung NCCL collective fail fast and leave a flight-recorder dump.
+# Make a hung NCCL collective fail fast and leave a flight-recorder dump; the buffer is
+# gloo's flight recorder's too (phalanx.flight: a hang's culprit from the dumps).
 NCCL_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",

@@ -52,13 +52,15 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from phalanx.elastic import Elastic, ElasticSampler
 from phalanx.elastic import from_environment as _elastic_from_environment
+from phalanx.flight import ANSWER_PREFIX, REQUEST
 from phalanx.guard import (
     ENV_GUARD,
     ENV_LR_SCALE,
@@ -168,6 +170,7 @@ class RankChannel:
                     guard = LossGuard(parse_rule(rule))
                 except GuardError as exc:
                     log.warning("the loss guard is off: %s", exc)
+            watch_flight(env, rank)
             return cls(path, job=job, generation=generation, rank=rank, guard=guard)
         except (KeyError, ValueError) as exc:  # ProgressError is a ValueError
             log.warning(
@@ -278,6 +281,105 @@ class RankChannel:
         if self._sock is not None:
             self._sock = None
             self._finalizer()
+
+
+# --- the flight recorder, on the agent's request ------------------------------------------
+
+ENV_FR_DUMP: Final = "TORCH_FR_DUMP_TEMP_FILE"  # set by the agent: FOLDER/nccl-trace-rank-
+FLIGHT_POLL_S: Final = 0.5
+_ENV_FR_WATCHER: Final = "PHALANX_FR_WATCHER"  # the pid whose thread answers for the rank
+_flight_watch_pid: int | None = None
+
+
+def flight_dump() -> bytes | str:
+    """This process's flight recorder (its collectives, NCCL or gloo) as torch pickles
+    it, or why there is none."""
+    torch = sys.modules.get("torch")  # only what the rank itself imported
+    if torch is None:
+        return "torch is not imported"
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return "no process group"
+    c10d = torch._C._distributed_c10d
+    dump = getattr(c10d, "_dump_fr_trace", None)  # torch >= 2.7, any backend
+    if dump is None and str(dist.get_backend()) == "nccl":
+        dump = getattr(c10d, "_dump_nccl_trace", None)
+    if dump is None:
+        return f"torch {torch.__version__} has no flight recorder for this backend"
+    try:
+        # No stack traces: symbolizing them imports some 800 modules (sympy among them),
+        # 1.4 s on a quiet core and more than the agent waits on a busy one.
+        got = dump(includeStackTraces=False)
+    except TypeError:  # an older signature
+        got = dump()
+    return got if isinstance(got, bytes) else f"the flight recorder gave {type(got).__name__}"
+
+
+# What answers the agent's request: a test or a tool may put its own here.
+FLIGHT_DUMPER: Callable[[], bytes | str] = flight_dump
+
+
+def watch_flight(env: Mapping[str, str], rank: int) -> None:
+    """Start, once per process, the thread that answers the agent's requests for this
+    rank's flight recorder (:mod:`phalanx.flight`): the training loop may be stuck in a
+    collective, so a thread of its own watches for the request file and writes the dump
+    where torch writes it on a timeout, then its answer (dumped, or why not)."""
+    global _flight_watch_pid
+    prefix = env.get(ENV_FR_DUMP)
+    if not prefix or _flight_watch_pid == os.getpid():
+        return
+    if os.environ.get(_ENV_FR_WATCHER, str(os.getpid())) != str(os.getpid()):
+        return  # a forked child (a data loader's worker): the rank's own process answers
+    os.environ[_ENV_FR_WATCHER] = str(os.getpid())
+    _flight_watch_pid = os.getpid()
+    folder = os.path.dirname(prefix)
+    threading.Thread(
+        target=_flight_loop,
+        args=(
+            os.path.join(folder, REQUEST),
+            os.path.join(folder, f"{ANSWER_PREFIX}{rank}"),
+            f"{prefix}{rank}",
+        ),
+        name="phalanx-flight-recorder",
+        daemon=True,
+    ).start()
+
+
+def _flight_loop(request: str, answer: str, dump_path: str) -> None:
+    seen = _mtime(request)  # a request from before this process is not for it
+    while True:
+        time.sleep(FLIGHT_POLL_S)
+        now = _mtime(request)
+        if now is None or now == seen:
+            continue
+        seen = now
+        try:
+            got = FLIGHT_DUMPER()
+        except Exception as exc:  # never into the training process
+            got = f"{type(exc).__name__}: {exc}"
+        try:
+            if isinstance(got, bytes):
+                _write_atomically(dump_path, got)
+                note = "dumped"
+            else:
+                note = f"none: {got}"
+            _write_atomically(answer, f"{note}\n".encode())
+        except OSError as exc:
+            log.warning("could not write the flight recorder's answer: %s", exc)
+
+
+def _mtime(path: str) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
 
 
 def _reply_socket() -> tuple[socket.socket, str | None]:

@@ -92,6 +92,8 @@ from phalanx.wire._metrics import (
     ScalarStats,
 )
 from phalanx.wire._node import (
+    MAX_FLIGHT_POINTS,
+    FlightPoint,
     GpuDescriptor,
     GpuGauges,
     Health,
@@ -131,6 +133,7 @@ from phalanx.wire._topics import (
 __all__ = [
     "JOB_ID_PATTERN",
     "MAX_CATALOG_STEPS",
+    "MAX_FLIGHT_POINTS",
     "MAX_I64",
     "MAX_LANDINGS_BATCHED",
     "MAX_METRIC_NAMES",
@@ -162,6 +165,7 @@ __all__ = [
     "CommandArgs",
     "CommandArgsType",
     "EnvFromFile",
+    "FlightPoint",
     "GpuDescriptor",
     "GpuGauges",
     "Health",

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
 
 from phalanx.wire._base import (
     MAX_BATCHED,
+    MAX_I64,
+    MAX_RANK,
     MAX_STEP,
     JobId,
     Msg,
@@ -145,6 +147,22 @@ class Heartbeat(Msg):
     )
 
 
+class FlightPoint(Msg):
+    """One rank's place in one process group, from its NCCL flight-recorder dump
+    (``phalanx.flight``): the newest collective it entered (``seq``, ``op``, ``state``)
+    and the newest it completed (-1: none)."""
+
+    rank: int = Field(ge=0, le=MAX_RANK)
+    pg: str = Field(max_length=64)
+    seq: int = Field(ge=0, le=MAX_I64)
+    completed: int = Field(ge=-1, le=MAX_I64)
+    op: str = Field(max_length=64)
+    state: str = Field(max_length=16)
+
+
+MAX_FLIGHT_POINTS: Final = 64  # in one hung event: a node's ranks, a few process groups each
+
+
 class RankEvent(Msg):
     """A rank process started or ended on a node (``code`` or ``signal`` set on exit), or
     the node's ranks of a job stopped making progress (``hung``).
@@ -185,6 +203,11 @@ class RankEvent(Msg):
     idle_s: float | None = Field(default=None, ge=0)
     detail: str = Field(default="", max_length=1000)
     dumps: list[str] = Field(default_factory=list, max_length=64)
+    # What the node's ranks' flight-recorder dumps say (a ``hung`` event; left out when
+    # empty, so an agent with none sends what it sent before the field).
+    flight: list[FlightPoint] = Field(
+        default_factory=list, max_length=MAX_FLIGHT_POINTS, exclude_if=lambda v: not v
+    )
     took_s: float | None = Field(default=None, ge=0)
     guard: Literal["nan", "loss_spike"] | None = None
     onset: int | None = Field(default=None, ge=0, le=MAX_STEP)

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
-from phalanx import wire
+from phalanx import flight, wire
 from supervisor.actuator import JobControl
 from supervisor.errors import RegistryError
 from supervisor.fleet.registry import NodeState
@@ -70,6 +70,9 @@ BACKOFF_MAX_S = 60.0
 QUICK_FAILURE_S = 60.0  # a generation a recovery started that fails sooner is a crash loop
 BURN_IN_TIMEOUT_S = 150.0  # the agent's GPU matmul check may take 120 s (agentd.burnin)
 HANG_COLLECT_S = 1.5  # after a node reports a hang, how long the others get to report theirs
+# ... and when it brings flight-recorder dumps: each agent waits up to 3 s for its ranks'
+# (agentd.progress.FLIGHT_WAIT_S), so the others' reports may come that much later.
+HANG_COLLECT_FLIGHT_S = HANG_COLLECT_S + 3.0
 WAIT_POLL_S = 1.0
 QUARANTINE_BY = "quarantined by job"  # a quarantine's drain reason: "... JOB: why"
 
@@ -139,9 +142,13 @@ class Recoveries:
         reports, then name the culprit from all of them."""
         key = (job.id, ev.generation)
         first = key not in self._hangs
-        self._hangs.setdefault(key, []).append(ev)
-        if first:
-            asyncio.get_running_loop().call_later(HANG_COLLECT_S, self._hang_decided, key)
+        reports = self._hangs.setdefault(key, [])
+        reports.append(ev)
+        if {r.node for r in reports} >= set(job.nodes):
+            self._hang_decided(key)  # every node of the gang reported: no need to wait
+        elif first:
+            wait = HANG_COLLECT_FLIGHT_S if ev.flight else HANG_COLLECT_S
+            asyncio.get_running_loop().call_later(wait, self._hang_decided, key)
 
     def _hang_decided(self, key: tuple[str, int]) -> None:
         reports = self._hangs.pop(key, [])
@@ -156,12 +163,31 @@ class Recoveries:
             key=lambda e: (not e.stopped, e.step if e.step is not None else -1, -(e.idle_s or 0.0)),
         )
         idle = max(e.idle_s or 0.0 for e in reports)
+        node, rank, step, why = culprit.node, culprit.rank, culprit.step, culprit.detail
+        # The ranks' NCCL flight recorders, where they name one, know better than progress
+        # (every rank of a gang stuck in a collective stops stepping at once); a stopped
+        # process is plainer still.
+        named = flight.culprit(
+            flight.Point(p.rank, p.pg, p.seq, p.completed, p.op, p.state)
+            for r in reports
+            for p in r.flight
+        )
+        place = job.place(named.rank) if named is not None else None
+        if named is not None and not culprit.stopped:
+            self.ctl.event(
+                "hang_flight_recorder", job, rank=named.rank, pg=named.pg, detail=named.detail
+            )
+            if place is not None:
+                node, rank, why = place.node, named.rank, f"flight recorder: {named.detail}"
+                step = next((r.step for r in reports if r.rank == rank), None)
         failure = Failure(
             FailureKind.HANG,
-            culprit.node,
-            rank=culprit.rank,
-            step=culprit.step,
-            detail=f"no step for {idle:.1f}s; {culprit.detail}".strip("; "),
+            node,
+            rank=rank,
+            step=step,
+            detail=why
+            if why.startswith("no step for")
+            else f"no step for {idle:.1f}s; {why}".strip("; "),
             generation=key[1],
         )
         if culprit.dumps:

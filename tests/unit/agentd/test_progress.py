@@ -544,7 +544,9 @@ async def test_a_stopped_rank_is_named_when_the_ranks_hang(
 async def test_the_rank_furthest_behind_is_named_when_none_is_stopped(
     monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter, tmp_path: Path
 ) -> None:
-    dump = tmp_path / "data" / "jobs" / JOB / "g1" / "nccl-trace-rank-0-"
+    # torch names a dump TORCH_FR_DUMP_TEMP_FILE + the rank; this one is no dump inside
+    # (its verdict is left out, and logged), but it is named all the same.
+    dump = tmp_path / "data" / "jobs" / JOB / "g1" / "nccl-trace-rank-0-0"
     freeze = tmp_path / "freeze"
     await runner.start(start(monitor, env={"LAST_STEP_1": "5", "FREEZE_FILE": str(freeze)}))
     dump.parent.mkdir(parents=True, exist_ok=True)
@@ -559,6 +561,45 @@ async def test_the_rank_furthest_behind_is_named_when_none_is_stopped(
     assert (event.rank, event.step, event.stopped) == (1, 5, False)
     assert "behind the others at step 5" in event.detail
     assert event.dumps == [str(dump)]
+    assert event.flight == []
+
+
+# RANK_SCRIPT whose flight recorder (phalanx.rank.FLIGHT_DUMPER) says: rank 0 waits in
+# all-reduce #8 of the default group, which rank 1 (its newest #7) never entered.
+FLIGHT_SCRIPT = (
+    r"""
+import os, pickle
+import phalanx.rank
+def entry(seq, state):
+    return {"process_group": ("0", "default_pg"), "collective_seq_id": seq,
+            "profiling_name": "nccl:all_reduce", "state": state, "is_p2p": False}
+waits = [entry(8, "started")] if os.environ["RANK"] == "0" else []
+phalanx.rank.FLIGHT_DUMPER = lambda: pickle.dumps(
+    {"version": "2.10", "entries": [entry(7, "completed"), *waits]})
+"""
+    + RANK_SCRIPT
+)
+
+
+async def test_a_hang_report_carries_what_the_ranks_flight_recorders_say(
+    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter, tmp_path: Path
+) -> None:
+    freeze = tmp_path / "freeze"
+    await runner.start(start(monitor, FLIGHT_SCRIPT, env={"FREEZE_FILE": str(freeze)}))
+    await reported(monitor, 0, 3)
+    await reported(monitor, 1, 3)
+    freeze.touch()
+
+    await eventually(lambda: bool(reporter.of("hung")), "a hung event")
+
+    (event,) = reporter.of("hung")
+    folder = tmp_path / "data" / "jobs" / JOB / "g1"
+    assert event.dumps == [str(folder / "nccl-trace-rank-0-0"), str(folder / "nccl-trace-rank-1-1")]
+    assert [(p.rank, p.pg, p.seq, p.completed, p.state) for p in event.flight] == [
+        (0, "0:default_pg", 8, 7, "started"),
+        (1, "0:default_pg", 7, 7, "completed"),
+    ]
+    assert sorted(a.read_text() for a in folder.glob("fr-answer-*")) == ["dumped\n", "dumped\n"]
 
 
 async def test_no_hang_is_reported_before_the_first_step(
