@@ -95,11 +95,12 @@ async def burn_in(
     checks = ["health"]
     perf = None
     if backend == "nvml" and gpus and importlib.util.find_spec("torch") is not None:
-        checked = await matmul_check(gpus, timeout_s=timeout_s)
-        if checked is not None:
-            failures, perf = checked
+        failures = await matmul_check(gpus, timeout_s=timeout_s)
+        if failures is not None:
             checks.extend(["matmul", "recompute"])
             reasons.extend(failures)
+            if not reasons:
+                perf = await speed_check(gpus)
     elif backend == "sim" and gpus:
         checks.append("recompute")
         reasons.extend(await asyncio.to_thread(sim_recompute_check, gpus, frozenset(corrupt)))
@@ -147,39 +148,21 @@ def sim_recompute_check(gpus: Sequence[int], corrupt: frozenset[int]) -> list[st
 
 async def matmul_check(
     gpus: Sequence[int], *, timeout_s: float = MATMUL_TIMEOUT_S, python: str = sys.executable
-) -> tuple[list[str], dict[str, Any] | None] | None:
-    """Run the matmul check of ``gpus`` (NVML indices) in a child process; the failures
-    and the speed measured (None where it could not be), or None when the child finds
-    no CUDA."""
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's indices are then NVML's
-    proc = await asyncio.create_subprocess_exec(
-        python,
-        "-m",
-        "agentd.burnin",
-        "--gpus",
-        ",".join(map(str, gpus)),
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        return [f"matmul check did not finish in {timeout_s:.0f}s (a GPU hangs?)"], None
+) -> list[str] | None:
+    """Run the matmul check of ``gpus`` (NVML indices) in a child process; the failures,
+    or None when the child finds no CUDA."""
+    ran = await _child(python, gpus, (), timeout_s)
+    if ran is None:
+        return [f"matmul check did not finish in {timeout_s:.0f}s (a GPU hangs?)"]
+    out, err, code = ran
     try:
         result = json.loads(out.decode().strip().splitlines()[-1])
         if not result["cuda"]:
             return None
-        perf = result.get("perf")
-        return [str(f) for f in result["failures"]], perf if isinstance(perf, dict) else None
+        return [str(f) for f in result["failures"]]
     except (ValueError, IndexError, KeyError, TypeError):
         tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        return [f"matmul check failed (exit {proc.returncode}): {tail[0][:300]}"], None
+        return [f"matmul check failed (exit {code}): {tail[0][:300]}"]
 
 
 def _matmul(gpus: Sequence[int]) -> dict[str, Any]:
@@ -220,7 +203,7 @@ def _matmul(gpus: Sequence[int]) -> dict[str, Any]:
                 )
         except Exception as exc:
             failures.append(f"matmul on GPU {index}: {type(exc).__name__}: {exc}"[:500])
-    return {"cuda": True, "failures": failures, "perf": _speed(gpus) if not failures else None}
+    return {"cuda": True, "failures": failures}
 
 
 def _speed(gpus: Sequence[int]) -> dict[str, Any] | None:
@@ -240,13 +223,14 @@ def _speed(gpus: Sequence[int]) -> dict[str, Any] | None:
             a = torch.randn(PERF_SIZE, PERF_SIZE, device=device, dtype=torch.bfloat16)
             b = torch.randn(PERF_SIZE, PERF_SIZE, device=device, dtype=torch.bfloat16)
             best = float("inf")
-            for _ in range(PERF_TRIES + 1):  # the first warms the kernels up
+            for trial in range(PERF_TRIES + 1):  # the first warms the kernels up
                 torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
                 for _ in range(PERF_ROUNDS):
                     a @ b
                 torch.cuda.synchronize(device)
-                best = min(best, time.perf_counter() - t0)
+                if trial:
+                    best = min(best, time.perf_counter() - t0)
             step_s[str(index)] = round(best, 6)
         gbps = None
         if len(gpus) > 1:
@@ -255,14 +239,15 @@ def _speed(gpus: Sequence[int]) -> dict[str, Any] | None:
             n = ALLREDUCE_MIB * 2**20 // 4
             bufs = [torch.ones(n, device=torch.device("cuda", i)) for i in gpus]
             best = float("inf")
-            for _ in range(PERF_TRIES + 1):
+            for trial in range(PERF_TRIES + 1):  # the first builds the communicator
                 for i in gpus:
                     torch.cuda.synchronize(i)
                 t0 = time.perf_counter()
                 nccl.all_reduce(bufs)  # type: ignore[no-untyped-call]
                 for i in gpus:
                     torch.cuda.synchronize(i)
-                best = min(best, time.perf_counter() - t0)
+                if trial:
+                    best = min(best, time.perf_counter() - t0)
             k = len(gpus)
             gbps = round(n * 4 / best / 1e9 * 2 * (k - 1) / k, 3)
         return {"step_s": max(step_s.values()), "gpu_step_s": step_s, "allreduce_gbps": gbps}
@@ -271,12 +256,65 @@ def _speed(gpus: Sequence[int]) -> dict[str, Any] | None:
         return None
 
 
+SPEED_TIMEOUT_S = 60.0  # the speed child, torch import, CUDA and NCCL start included
+
+
+async def speed_check(
+    gpus: Sequence[int], *, timeout_s: float = SPEED_TIMEOUT_S, python: str = sys.executable
+) -> dict[str, Any] | None:
+    """The GPUs' speed (:func:`_speed`), measured in a child of its own after the matmul
+    check passed: a measurement that hangs (an NCCL start that never ends), crashes or
+    says nothing costs its timeout and is None, never a failed burn-in."""
+    ran = await _child(python, gpus, ("--speed",), timeout_s)
+    if ran is None:
+        log.warning("burn-in: the GPUs' speed was not measured in %.0fs", timeout_s)
+        return None
+    out, err, _ = ran
+    try:
+        perf = json.loads(out.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        log.warning("burn-in: the GPUs' speed was not measured: %s", tail[0][:300])
+        return None
+    return perf if isinstance(perf, dict) else None
+
+
+async def _child(
+    python: str, gpus: Sequence[int], extra: Sequence[str], timeout_s: float
+) -> tuple[bytes, bytes, int | None] | None:
+    """Run ``python -m agentd.burnin --gpus ... EXTRA``: (stdout, stderr, exit status), or
+    None when it did not end within ``timeout_s`` (it is killed)."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's indices are then NVML's
+    proc = await asyncio.create_subprocess_exec(
+        python,
+        "-m",
+        "agentd.burnin",
+        "--gpus",
+        ",".join(map(str, gpus)),
+        *extra,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        return None
+    return out, err, proc.returncode
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m agentd.burnin")
     ap.add_argument("--gpus", required=True, help="comma-separated GPU indices")
+    ap.add_argument("--speed", action="store_true", help="measure the GPUs' speed instead")
     args = ap.parse_args(argv)
     gpus = [int(i) for i in args.gpus.split(",") if i]
-    print(json.dumps(_matmul(gpus)), flush=True)
+    print(json.dumps(_speed(gpus) if args.speed else _matmul(gpus)), flush=True)
     return 0
 
 

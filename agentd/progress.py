@@ -33,19 +33,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
 import re
+import resource
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+
+from pydantic import ValidationError
 
 from agentd.training_events import digest_event, guard_event
 from phalanx import flight, wire
@@ -520,7 +525,15 @@ class ProgressMonitor:
             if gen.hung_at is not None and now - gen.hung_at < timeout:
                 continue  # told; told again each timeout while it lasts (a report can be lost)
             gen.hung_at = now
+            progress_at = gen.last_progress
             event = await self._hung_event(gen, live, idle)
+            if (
+                gen.ended
+                or gen.last_progress != progress_at
+                or self._current.get(gen.job) != gen.generation
+            ):
+                gen.hung_at = None  # it moved on while the dumps were asked for
+                continue
             log.warning(
                 "job %s gen %d: ranks on this node made no progress for %.1fs; rank "
                 "%d is the likeliest culprit: %s",
@@ -555,11 +568,11 @@ class ProgressMonitor:
             for p in sorted(pids[rank])
             if (state := states.get(p)) in ("T", "t")
         }
-        # The ranks that can answer dump their flight recorders (a stopped one cannot).
-        asked = sorted(set(live) - set(stopped))
-        if asked and self.flight_wait_s > 0:
-            await _ask_flight(folder, asked, self.flight_wait_s)
-        dumps, flight = await asyncio.to_thread(_flight, folder)
+        # The ranks dump their flight recorders, when asked, unless one is stopped: that
+        # one is the culprit whatever the dumps say (and it could not answer).
+        if not stopped and self.flight_wait_s > 0:
+            await _ask_flight(folder, sorted(live), self.flight_wait_s)
+        dumps, flight = await _flight(folder)
         now = self._clock()
 
         def behind(rank: int) -> tuple[int, float]:  # lowest step first, then silent longest
@@ -620,33 +633,80 @@ def _proc_state(pid: int) -> str:
 
 def _dumps(folder: Path) -> list[str]:
     try:
-        return sorted(
-            str(p)
-            for p in folder.glob(f"{DUMP_PREFIX}*")
-            if p.is_file() and _DUMP_RANK.search(p.name)
-        )[:MAX_DUMPS]
+        found = [p for p in folder.glob(f"{DUMP_PREFIX}*") if p.is_file()]
     except OSError:
         return []
+    return [str(p) for p in sorted(found, key=lambda p: (_dump_rank(p.name) is None, p.name))][
+        :MAX_DUMPS
+    ]
 
 
-_DUMP_RANK = re.compile(r"(\d+)$")  # torch names a dump TORCH_FR_DUMP_TEMP_FILE + its rank
+# torch names a dump TORCH_FR_DUMP_TEMP_FILE + its rank: here nccl-trace-rank-R-R.
+_DUMP_NAME = re.compile(rf"^{re.escape(DUMP_PREFIX)}(\d{{1,6}})-(\d{{1,6}})$")
 
 
-def _flight(folder: Path) -> tuple[list[str], list[wire.FlightPoint]]:
-    """The generation's flight-recorder dumps here, and what they say (a dump that cannot
-    be read is logged and left out)."""
-    dumps = _dumps(folder)
+def _dump_rank(name: str) -> int | None:
+    match = _DUMP_NAME.match(name)
+    if match is None or match.group(1) != match.group(2):
+        return None
+    rank = int(match.group(1))
+    return rank if rank <= wire.MAX_RANK else None
+
+
+async def _flight(folder: Path) -> tuple[list[str], list[wire.FlightPoint]]:
+    """The generation's flight-recorder dumps here, and what they say. The dumps are
+    files the ranks wrote: they are read in a child process whose memory and time are
+    bounded, never in the agent (a crafted pickle can ask for gigabytes, or hold a
+    string that takes hours to build). A dump that cannot be read is logged and left
+    out; so are points that are not valid on the wire."""
+    dumps = await asyncio.to_thread(_dumps, folder)
+    ranked = [(r, d) for d in dumps if (r := _dump_rank(Path(d).name)) is not None]
+    if not ranked:
+        return dumps, []
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "phalanx.flight",
+            *(f"{r}={d}" for r, d in sorted(ranked)),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            preexec_fn=_bounded,
+        )
+    except OSError as exc:
+        log.warning("flight recorder: could not read the dumps: %s", exc)
+        return dumps, []
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), flight.CHILD_TIMEOUT_S)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        log.warning("flight recorder: reading the dumps took over %ss", flight.CHILD_TIMEOUT_S)
+        return dumps, []
+    for line in err.decode(errors="replace").splitlines()[:MAX_DUMPS]:
+        log.warning("%s", line[:500])
     points: list[wire.FlightPoint] = []
-    for path in dumps:
-        match = _DUMP_RANK.search(Path(path).name)
-        assert match is not None
+    try:
+        found = json.loads(out.decode() or "[]")
+    except ValueError:
+        found = None
+    if not isinstance(found, list):
+        log.warning("flight recorder: the reader failed (exit %s)", proc.returncode)
+        return dumps, []
+    for item in found:
         try:
-            found = flight.summarize(flight.load(Path(path)), int(match.group(1)))
-        except flight.DumpError as exc:
-            log.warning("flight recorder: %s", exc)
-            continue
-        points.extend(wire.FlightPoint(**asdict(p)) for p in found)
+            points.append(wire.FlightPoint.model_validate(item))
+        except ValidationError as exc:
+            log.warning("flight recorder: a point left out: %s", exc.errors()[0]["msg"])
     return dumps, points[: wire.MAX_FLIGHT_POINTS]
+
+
+def _bounded() -> None:
+    """In the dump reader's child: its address space bounded."""
+    limit = flight.CHILD_MEMORY_BYTES
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
 async def _ask_flight(folder: Path, ranks: list[int], wait_s: float) -> None:

@@ -94,39 +94,52 @@ class Point:
     state: str
 
 
+MAX_SEQ: Final = 2**62  # a sequence number past this is garbage, not a collective
+
+
+def _text(value: Any, default: str = "?") -> str:
+    """A string or an int as text; anything else (a container, whose repr may be huge)
+    is not read."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return default
+
+
+def _seq(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_SEQ:
+        return None
+    return value
+
+
 def summarize(dump: dict[str, Any], rank: int) -> list[Point]:
     """``rank``'s place in each process group of its dump (point-to-point operations
-    and malformed entries left out)."""
-    newest: dict[str, dict[str, Any]] = {}
+    and malformed entries left out; only strings and numbers are read)."""
+    newest: dict[str, tuple[int, str, str]] = {}  # pg -> (seq, op, state)
     completed: dict[str, int] = {}
     for entry in dump.get("entries") or []:
-        if not isinstance(entry, dict) or entry.get("is_p2p"):
+        if not isinstance(entry, dict) or entry.get("is_p2p") is True:
             continue
-        seq = entry.get("collective_seq_id")
+        seq = _seq(entry.get("collective_seq_id"))
+        if seq is None:
+            continue
         group = entry.get("process_group")
-        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-            continue
         if isinstance(group, list | tuple) and group:
-            name = str(group[0])
-            desc = str(group[1]) if len(group) > 1 else "undefined"
+            name = _text(group[0])
+            desc = _text(group[1], "undefined") if len(group) > 1 else "undefined"
             pg = name if desc in ("undefined", "") else f"{name}:{desc}"
         else:
-            pg = str(entry.get("pg_id", "?"))
+            pg = _text(entry.get("pg_id"))
         pg = pg[:64]
-        if seq >= int(newest.get(pg, {}).get("collective_seq_id", -1)):
-            newest[pg] = entry
-        if entry.get("state") == "completed" or entry.get("retired") is True:
+        state = _text(entry.get("state"))[:16]
+        if seq >= newest.get(pg, (-1, "", ""))[0]:
+            newest[pg] = (seq, _text(entry.get("profiling_name"))[:64], state)
+        if state == "completed" or entry.get("retired") is True:
             completed[pg] = max(completed.get(pg, -1), seq)
     return [
-        Point(
-            rank=rank,
-            pg=pg,
-            seq=int(e["collective_seq_id"]),
-            completed=completed.get(pg, -1),
-            op=str(e.get("profiling_name") or "?")[:64],
-            state=str(e.get("state") or "?")[:16],
-        )
-        for pg, e in sorted(newest.items())
+        Point(rank, pg, seq, completed.get(pg, -1), op, state)
+        for pg, (seq, op, state) in sorted(newest.items())
     ]
 
 
@@ -140,63 +153,87 @@ class Verdict:
 
 def culprit(points: Iterable[Point]) -> Verdict | None:
     """The rank the gang waits for, from every rank's :class:`Point`\\ s; None when the
-    dumps name no one (no process group is stuck, or every rank is alike)."""
+    dumps name no one (no process group is stuck, or every rank is alike).
+
+    In each process group the stuck collective is the oldest one not completed
+    everywhere (a rank may have enqueued later ones already: NCCL's are asynchronous);
+    the ranks that never entered it are behind. A rank behind in one group may itself
+    wait in another (a pipeline or tensor-parallel group): the culprit is a rank behind
+    somewhere that waits nowhere, the furthest behind first."""
     by_pg: dict[str, dict[int, Point]] = {}
     for p in points:
         by_pg.setdefault(p.pg, {})[p.rank] = p
-    found = [v for pg, ranks in sorted(by_pg.items()) if (v := _stuck(pg, ranks)) is not None]
+    found: list[Verdict] = []
+    waiting_anywhere: set[int] = set()
+    for pg, ranks in sorted(by_pg.items()):
+        verdict, waiting = _stuck(pg, ranks)
+        waiting_anywhere |= waiting
+        if verdict is not None:
+            found.append(verdict)
     if not found:
         return None
-    # Evidence of a rank behind the others first (the plainest), then a start, then a mismatch.
-    return min(found, key=lambda v: _KINDS.index(v.kind))
+    free = [v for v in found if v.rank not in waiting_anywhere]
+    return min(free or found, key=lambda v: _KINDS.index(v.kind))
 
 
 _KINDS: Final = ("behind", "not started", "mismatch")
 
 
-def _stuck(pg: str, ranks: dict[int, Point]) -> Verdict | None:
+def _stuck(pg: str, ranks: dict[int, Point]) -> tuple[Verdict | None, set[int]]:
+    """The group's verdict, and the ranks that wait in its stuck collective."""
     if len(ranks) < 2:
-        return None
-    top = max(p.seq for p in ranks.values())
-    waiting = sorted(r for r, p in ranks.items() if p.seq == top and p.completed < top)
+        return None, set()
+    stuck = min(p.completed for p in ranks.values()) + 1
+    waiting = sorted(r for r, p in ranks.items() if p.seq >= stuck)
     if not waiting:
-        return None  # its newest collective completed everywhere it was entered
-    at = ranks[waiting[0]]
-    behind = [p for p in ranks.values() if p.seq < top]
+        return None, set()  # every rank completed every collective it entered
+    behind = [p for p in ranks.values() if p.seq < stuck]
+    op = next((ranks[r].op for r in waiting if ranks[r].seq == stuck), "")
+    named = f" ({op})" if op and op != "?" else ""
     if behind:
         worst = min(behind, key=lambda p: (p.seq, p.rank))
-        return Verdict(
-            worst.rank,
-            pg,
-            "behind",
-            f"rank {worst.rank} never entered collective #{top} ({at.op}) of process "
-            f"group {pg}, in which rank{_s(waiting)} {_list(waiting)} "
-            f"wait{'' if len(waiting) > 1 else 's'}; its newest is #{worst.seq} ({worst.op})",
+        verb = "wait" if len(waiting) > 1 else "waits"
+        return (
+            Verdict(
+                worst.rank,
+                pg,
+                "behind",
+                f"rank {worst.rank} never entered collective #{stuck}{named} of process "
+                f"group {pg}, in which rank{_s(waiting)} {_list(waiting)} {verb}; its "
+                f"newest is #{worst.seq} ({worst.op})",
+            ),
+            set(waiting),
         )
-    states = {r: p.state for r, p in ranks.items()}
-    if "started" in states.values():
+    at = {r: p for r, p in ranks.items() if p.seq == stuck}  # newest is the stuck one
+    if len(at) == len(ranks):
+        states = {r: p.state for r, p in at.items()}
         late = sorted(r for r, s in states.items() if s == "scheduled")
-        if late:
-            return Verdict(
-                late[0],
-                pg,
-                "not started",
-                f"rank {late[0]}'s collective #{top} ({at.op}) of process group {pg} "
-                "never started on its GPU, while the others' did",
+        if late and "started" in states.values():
+            return (
+                Verdict(
+                    late[0],
+                    pg,
+                    "not started",
+                    f"rank {late[0]}'s collective #{stuck}{named} of process group {pg} "
+                    "never started on its GPU, while the others' did",
+                ),
+                set(waiting),
             )
-    ops = Counter(p.op for p in ranks.values())
-    if len(ops) > 1:
+        ops = Counter(p.op for p in at.values())
         common, count = ops.most_common(1)[0]
-        if count * 2 > len(ranks):
-            odd = min(r for r, p in ranks.items() if p.op != common)
-            return Verdict(
-                odd,
-                pg,
-                "mismatch",
-                f"rank {odd} entered {ranks[odd].op} as collective #{top} of process "
-                f"group {pg}, the others {common}",
+        if len(ops) > 1 and count * 2 > len(at):
+            odd = min(r for r, p in at.items() if p.op != common)
+            return (
+                Verdict(
+                    odd,
+                    pg,
+                    "mismatch",
+                    f"rank {odd} entered {at[odd].op} as collective #{stuck} of process "
+                    f"group {pg}, the others {common}",
+                ),
+                set(waiting),
             )
-    return None
+    return None, set(waiting)
 
 
 def _s(ranks: Sequence[int]) -> str:
@@ -206,3 +243,41 @@ def _s(ranks: Sequence[int]) -> str:
 def _list(ranks: Sequence[int], most: int = 8) -> str:
     shown = ", ".join(map(str, ranks[:most]))
     return shown + (f" and {len(ranks) - most} more" if len(ranks) > most else "")
+
+
+# --- read in a child process -------------------------------------------------------------
+
+CHILD_MEMORY_BYTES: Final = 2 * 1024**3  # a dump's parse may use this much, no more
+CHILD_TIMEOUT_S: Final = 20.0
+MAX_POINTS_PER_RANK: Final = 8
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m phalanx.flight RANK=PATH ...``: the points of each dump, as one JSON
+    list on stdout; a dump that cannot be read is named on stderr. The agent runs it in
+    a child with its memory and time bounded (a dump is a file a rank wrote: a crafted
+    one can ask for gigabytes, or for a string that takes hours to build)."""
+    import json
+    import sys
+
+    out: list[dict[str, Any]] = []
+    for arg in argv if argv is not None else sys.argv[1:]:
+        rank_text, _, path = arg.partition("=")
+        try:
+            points = summarize(load(Path(path)), int(rank_text))
+        except (DumpError, ValueError) as exc:
+            print(f"flight recorder: {exc}", file=sys.stderr)
+            continue
+        # The groups stuck on this rank first, then the rest, at most a few per rank.
+        points.sort(key=lambda p: (p.seq <= p.completed, p.pg))
+        out.extend(vars_of(p) for p in points[:MAX_POINTS_PER_RANK])
+    print(json.dumps(out))
+    return 0
+
+
+def vars_of(p: Point) -> dict[str, Any]:
+    return {f: getattr(p, f) for f in Point.__slots__}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -287,8 +287,16 @@ class RankChannel:
 
 ENV_FR_DUMP: Final = "TORCH_FR_DUMP_TEMP_FILE"  # set by the agent: FOLDER/nccl-trace-rank-
 FLIGHT_POLL_S: Final = 0.5
-_ENV_FR_WATCHER: Final = "PHALANX_FR_WATCHER"  # the pid whose thread answers for the rank
 _flight_watch_pid: int | None = None
+_forked = False  # this process is a fork of one that imported this module
+
+
+def _mark_forked() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_mark_forked)
 
 
 def flight_dump() -> bytes | str:
@@ -326,11 +334,8 @@ def watch_flight(env: Mapping[str, str], rank: int) -> None:
     where torch writes it on a timeout, then its answer (dumped, or why not)."""
     global _flight_watch_pid
     prefix = env.get(ENV_FR_DUMP)
-    if not prefix or _flight_watch_pid == os.getpid():
-        return
-    if os.environ.get(_ENV_FR_WATCHER, str(os.getpid())) != str(os.getpid()):
-        return  # a forked child (a data loader's worker): the rank's own process answers
-    os.environ[_ENV_FR_WATCHER] = str(os.getpid())
+    if not prefix or _flight_watch_pid is not None or _forked:
+        return  # one per rank: a forked child (a data loader's worker) leaves it to the rank
     _flight_watch_pid = os.getpid()
     folder = os.path.dirname(prefix)
     threading.Thread(

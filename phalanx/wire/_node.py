@@ -160,7 +160,7 @@ class FlightPoint(Msg):
     state: str = Field(max_length=16)
 
 
-MAX_FLIGHT_POINTS: Final = 64  # in one hung event: a node's ranks, a few process groups each
+MAX_FLIGHT_POINTS: Final = 256  # in one hung event: a node's ranks, 8 process groups each
 
 
 class RankEvent(Msg):

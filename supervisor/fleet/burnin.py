@@ -11,8 +11,8 @@ next drained, goes offline or is born again.
 A burn-in that passes is screened too (``supervisor.fleet.screening``): the speed it
 measured is compared with the nodes of the same GPU model that passed before, and a
 node much slower than their median (a slow GPU, a degraded link between its GPUs)
-fails like any other. The figures of the nodes that passed are kept in memory, for
-the nodes that come after them.
+fails like any other. Every node's figures are kept in memory for a day, for the
+nodes that come after it (lost when the supervisor restarts or a standby takes over).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 Sender = Callable[[str, wire.CommandArgsType, float], Awaitable[wire.CommandAck]]
 RETRY_S = 30.0  # a burn-in that could not run (no ack) is tried again after this
+PERF_KEPT_S = 24 * 3600.0  # a node's speed counts in the fleet's median this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,8 @@ class BurnIns:
         self._send = send
         self.timeout_s = timeout_s
         self.screening = screening or Screening()
-        self._perf: dict[str, tuple[str, Perf]] = {}  # node -> (GPU model, speed) that passed
+        # node -> ((GPU model, GPU count), when, speed): every burn-in that measured one
+        self._perf: dict[str, tuple[tuple[str, int], float, Perf]] = {}
         self._passed: dict[str, int] = {}  # node -> the birth seq it passed under
         self._passed_at: dict[str, float] = {}
         self._tasks = Tasks("burn-ins")
@@ -168,27 +170,33 @@ class BurnIns:
 
     def _screen(self, node_id: str, raw: Any) -> list[str]:
         """Why the speed a passing burn-in of ``node_id`` measured keeps it out (empty:
-        it joins, and its figures count for the nodes after it)."""
+        it joins). Its figures count for the nodes after it either way: a fleet-wide
+        change (a driver, a power cap) moves the median with it, and the median shrugs
+        off the odd slow node. Peers are the nodes of the same GPU model and count
+        measured within ``PERF_KEPT_S`` that are still in the fleet."""
         perf = parse_perf(raw)
         node = self.registry.nodes.get(node_id)
         if perf is None or node is None or node.birth is None or not node.birth.gpus:
             return []
-        model = node.birth.gpus[0].model
-        peers = [p for n, (m, p) in self._perf.items() if n != node_id and m == model]
+        kind = (node.birth.gpus[0].model, len(node.birth.gpus))
+        now = time.time()
+        for gone in [n for n in self._perf if n not in self.registry.nodes]:
+            del self._perf[gone]
+        peers = [
+            p
+            for n, (k, at, p) in self._perf.items()
+            if n != node_id and k == kind and now - at <= PERF_KEPT_S
+        ]
+        self._perf[node_id] = (kind, now, perf)
         s = self.screening
-        reasons = screen(
+        return screen(
             perf,
             peers,
-            model=model,
+            model=f"{kind[1]}-GPU {kind[0]}",
             max_slowdown=s.max_slowdown,
             min_link=s.min_link,
             min_peers=s.min_peers,
         )
-        if not reasons:
-            self._perf[node_id] = (model, perf)
-        else:
-            self._perf.pop(node_id, None)
-        return reasons
 
     async def recheck(self, node_id: str) -> tuple[bool | None, str]:
         """Burn ``node_id`` in again now, though it may have passed before (a replica on it

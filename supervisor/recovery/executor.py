@@ -147,8 +147,9 @@ class Recoveries:
         if {r.node for r in reports} >= set(job.nodes):
             self._hang_decided(key)  # every node of the gang reported: no need to wait
         elif first:
-            wait = HANG_COLLECT_FLIGHT_S if ev.flight else HANG_COLLECT_S
-            asyncio.get_running_loop().call_later(wait, self._hang_decided, key)
+            # The other nodes' reports may come as much later as their agents wait for
+            # their ranks' flight recorders.
+            asyncio.get_running_loop().call_later(HANG_COLLECT_FLIGHT_S, self._hang_decided, key)
 
     def _hang_decided(self, key: tuple[str, int]) -> None:
         reports = self._hangs.pop(key, [])
@@ -179,7 +180,7 @@ class Recoveries:
             )
             if place is not None:
                 node, rank, why = place.node, named.rank, f"flight recorder: {named.detail}"
-                step = next((r.step for r in reports if r.rank == rank), None)
+                step = next((r.step for r in reports if r.rank == rank), culprit.step)
         failure = Failure(
             FailureKind.HANG,
             node,
@@ -190,8 +191,9 @@ class Recoveries:
             else f"no step for {idle:.1f}s; {why}".strip("; "),
             generation=key[1],
         )
-        if culprit.dumps:
-            self.ctl.event("hang_dumps", job, node=culprit.node, dumps=culprit.dumps)
+        dumps = [d for r in reports for d in r.dumps]
+        if dumps:
+            self.ctl.event("hang_dumps", job, node=node, dumps=dumps[:64])
         self.on_failure(job, failure, fault_at=time.time() - idle)
 
     # --- the recovery -----------------------------------------------------------

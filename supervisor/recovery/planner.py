@@ -134,8 +134,8 @@ class Failure:
                 what = f"the loss went NaN or infinite from step {self.onset} ({where}'s guard)"
             case FailureKind.SDC if not self.quarantine:
                 what = (
-                    "the replicas' parameters diverged and no node failed its recheck "
-                    f"(a transient fault; {where} named for the record)"
+                    "the replicas' parameters diverged with no majority to name a node "
+                    f"({where} named for the record)"
                 )
             case FailureKind.SDC:
                 what = f"sdc_suspect: {where}'s parameters diverged from the other replicas'"

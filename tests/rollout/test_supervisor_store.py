@@ -69,7 +69,10 @@ def test_two_supervisors_share_the_postgresql_store_each_naming_its_own_api(
         if key.startswith("PHALANX_SUPERVISOR_"):
             monkeypatch.delenv(key)
     ran = converge(
-        tmp_path, phalanx_supervisor_store_url=URL, phalanx_supervisor_store_password=PASSWORD
+        tmp_path,
+        phalanx_supervisor_store_url=URL,
+        phalanx_supervisor_store_password=PASSWORD,
+        phalanx_supervisor_api_host="0.0.0.0",
     )
     assert ran.returncode == 0, tail(ran.stdout)
 
@@ -100,3 +103,10 @@ def test_a_password_in_the_stores_url_is_refused(tmp_path: Path) -> None:
     )
     assert ran.returncode != 0
     assert "keep its password out of it" in ran.stdout
+
+
+def test_standbys_whose_api_listens_on_loopback_only_are_refused(tmp_path: Path) -> None:
+    # A standby would send clients to this host's api_url, where nothing listens.
+    ran = converge(tmp_path, phalanx_supervisor_store_url=URL)
+    assert ran.returncode != 0
+    assert "bind the API where clients reach it" in ran.stdout

@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import agentd.progress as progress_module
 import phalanx.rank
 from agentd.metrics import MetricsWindow
 from agentd.progress import HANG_FLOOR_S, ProgressMonitor, hang_timeout, socket_beside
@@ -873,3 +875,27 @@ def test_digest_reports_only_every_n_steps_the_job_asks_for(
         False,
         True,
     ]
+
+
+async def test_dumps_are_read_in_a_bounded_child_and_a_crafted_one_is_left_out(
+    tmp_path: Path,
+) -> None:
+    # A 9-byte pickle whose memo index asks for gigabytes, a name whose two ranks
+    # differ, and a good dump: only the good one is read, and the agent lives on.
+    good = {
+        "entries": [
+            {"process_group": ("0", "default_pg"), "collective_seq_id": 3, "state": "completed"}
+        ]
+    }
+    (tmp_path / "nccl-trace-rank-1-1").write_bytes(pickle.dumps(good))
+    (tmp_path / "nccl-trace-rank-0-0").write_bytes(b"\x80\x02}r\x00\x00\x00\x10.")
+    (tmp_path / "nccl-trace-rank-2-3").write_bytes(pickle.dumps(good))
+
+    dumps, points = await progress_module._flight(tmp_path)
+
+    assert [Path(d).name for d in dumps] == [
+        "nccl-trace-rank-0-0",
+        "nccl-trace-rank-1-1",
+        "nccl-trace-rank-2-3",
+    ]
+    assert [(p.rank, p.pg, p.seq, p.completed) for p in points] == [(1, "0:default_pg", 3, 3)]

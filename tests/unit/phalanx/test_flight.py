@@ -65,19 +65,45 @@ def test_a_gloo_hang_recorded_here_names_the_rank_that_never_entered_the_collect
     )
 
 
-def test_the_rank_furthest_behind_is_named_when_several_are() -> None:
+def test_the_lowest_rank_behind_is_named_when_several_are() -> None:
     verdict = flight.culprit(
         points(
             {
-                0: [*done(9), entry(10, "started")],
-                1: [*done(9), entry(10, "started")],
-                2: done(7),
-                3: done(9),
+                0: [*done(6), entry(7, "started")],
+                1: [*done(6), entry(7, "started")],
+                2: done(6),
+                3: done(6),
             }
         )
     )
     assert verdict is not None and (verdict.rank, verdict.kind) == (2, "behind")
-    assert "in which ranks 0, 1 wait; its newest is #7" in verdict.detail
+    assert "collective #7 (nccl:all_reduce)" in verdict.detail
+    assert "in which ranks 0, 1 wait; its newest is #6" in verdict.detail
+
+
+def test_the_stuck_collective_is_the_oldest_not_completed_everywhere() -> None:
+    # NCCL enqueues asynchronously: rank 0 enqueued #6 while #5 hangs on both ranks.
+    # Neither is behind: the dumps name no one (not rank 1 as "never entered #6").
+    both = {
+        0: [*done(4), entry(5, "started"), entry(6, "scheduled")],
+        1: [*done(4), entry(5, "started")],
+    }
+    assert flight.culprit(points(both)) is None
+
+
+def test_a_rank_behind_in_one_group_that_waits_in_another_is_not_the_culprit() -> None:
+    # Rank 3 is the root: rank 2 waits for it in tensor-parallel group "6", and rank 0
+    # waits for rank 2 in data-parallel group "1" (whose name sorts first).
+    def group(name: str, seq: int, state: str) -> dict[str, Any]:
+        return entry(seq, state, process_group=(name, "undefined"))
+
+    dumps = {
+        0: [group("1", 4, "completed"), group("1", 5, "started")],
+        2: [group("1", 4, "completed"), group("6", 8, "completed"), group("6", 9, "started")],
+        3: [group("6", 8, "completed")],
+    }
+    verdict = flight.culprit(points(dumps))
+    assert verdict is not None and (verdict.rank, verdict.pg) == (3, "6")
 
 
 def test_a_collective_that_never_started_on_one_gpu_names_that_rank() -> None:
@@ -104,6 +130,14 @@ def test_a_rank_that_entered_another_operation_is_a_mismatch() -> None:
 
 def test_dumps_that_show_no_stuck_collective_or_no_difference_name_no_one() -> None:
     assert flight.culprit(points({0: done(5), 1: done(5)})) is None  # all completed
+    # A value of any other type than a string or a number is not read (its repr could be
+    # exponentially long), nor a sequence number past 2**62.
+    nested: list[Any] = []
+    for _ in range(30):
+        nested = [nested, nested]
+    weird = [entry(3, "started", profiling_name=nested, process_group=(nested, nested))]
+    assert [(p.pg, p.op) for p in flight.summarize({"entries": weird}, 0)] == [("?", "?")]
+    assert flight.summarize({"entries": [entry(2**63, "started")]}, 0) == []
     both = {r: [*done(4), entry(5, "started")] for r in range(2)}
     assert flight.culprit(points(both)) is None  # alike: the progress culprit stands
     assert flight.culprit(points({0: [*done(4), entry(5, "started")]})) is None  # one rank
