@@ -143,10 +143,7 @@ class BurnIns:
         passed = ack.status == wire.AckStatus.DONE and result.get("passed") is True
         slow = self._screen(node_id, result.get("perf")) if passed else []
         if passed and not slow:
-            if seq is not None:
-                self._passed[node_id] = seq
-                self._passed_at[node_id] = time.time()
-                self._last_pass[node_id] = seq
+            self._note_pass(node_id, seq)
             self._was_drained.discard(node_id)
             log.info(
                 "node %s passed its burn-in",
@@ -167,6 +164,13 @@ class BurnIns:
         except RegistryError as exc:
             log.warning("could not drain node %s after its failed burn-in: %s", node_id, exc)
         return False, why
+
+    def _note_pass(self, node_id: str, seq: int | None) -> None:
+        """``node_id`` passed a burn-in under birth ``seq`` (None: not known, no pass)."""
+        if seq is not None:
+            self._passed[node_id] = seq
+            self._passed_at[node_id] = time.time()
+            self._last_pass[node_id] = seq
 
     def _screen(self, node_id: str, raw: Any) -> list[str]:
         """Why the speed a passing burn-in of ``node_id`` measured keeps it out (empty:
@@ -215,10 +219,7 @@ class BurnIns:
             return None, f"its recheck did not run: {ack.detail or ack.status.value}"
         result = ack.result or {}
         if result.get("passed") is True:
-            if seq is not None:
-                self._passed[node_id] = seq
-                self._passed_at[node_id] = time.time()
-                self._last_pass[node_id] = seq
+            self._note_pass(node_id, seq)
             return True, ""
         reasons = result.get("reasons") or ["no reason given"]
         return False, f"failed its recheck: {'; '.join(str(r) for r in reasons)}"

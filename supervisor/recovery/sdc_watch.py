@@ -89,10 +89,7 @@ class SdcWatch:
             first = min(group_nodes)
             # Until the recheck says which node failed, the failure names none: as it
             # stands it restarts the gang in place (Recoveries.run rechecks first).
-            failure = replace(
-                no_majority(job, verdict, first, group_nodes[first], "its nodes are rechecked"),
-                quarantine=False,
-            )
+            failure = no_majority(job, verdict, first, group_nodes[first])
             plan: dict[str, Any] = {
                 "nodes": {n: group_nodes[n] for n in sorted(group_nodes)},
                 "replicas": len(verdict.group),
@@ -167,15 +164,19 @@ def agreed_floor(job: Job) -> int | None:
     return floor
 
 
-def no_majority(job: Job, verdict: Verdict, node: str, rank: int, why: str) -> Failure:
-    """The failure of a group whose digests differ with no majority, named on ``node``."""
+def no_majority(job: Job, verdict: Verdict, node: str, rank: int) -> Failure:
+    """The failure of a group whose digests differ with no majority, named on ``node``
+    for the record only (no quarantine) until its recheck says which node failed."""
     return Failure(
         FailureKind.SDC,
         node,
         rank=rank,
         step=verdict.step,
-        detail=_detail(len(verdict.group), verdict.step, verdict.clean_upto, why),
+        detail=_detail(
+            len(verdict.group), verdict.step, verdict.clean_upto, "its nodes are rechecked"
+        ),
         generation=job.generation,
+        quarantine=False,
         onset=verdict.agreed,
     )
 
