@@ -279,6 +279,14 @@ class AgentSettings(BaseSettings):
         description="When the agent itself stops, its ranks get SIGTERM and this long before "
         "SIGKILL (it never leaves orphaned ranks behind).",
     )
+    outbox_max: int = Field(
+        default=100_000,
+        ge=100,
+        le=10_000_000,
+        description="Rank events and checkpoint landings each queue up to this many while "
+        "the broker is out of reach or no supervisor leads (a few hundred bytes each); "
+        "past it the oldest is dropped and counted (phalanx_outbox_dropped_total).",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_json: bool = Field(default=False, description="Log JSON lines instead of text.")
     mqtt: MqttSettings = Field(default_factory=MqttSettings)

@@ -178,19 +178,21 @@ class Agent:
         # (paused while a standby took over) and is refused.
         self.term = 0
         self.refused_stale = 0
-        self._rank_events = Outbox(
+        self.rank_events = Outbox(
             self.link,
             wire.rank_topic(self.node),
             "rank event",
             gate=gate,
             pack=wire.pack_rank_events,  # what queued up goes in one message
+            max_queued=settings.outbox_max,
         )
-        self._landings = Outbox(
+        self.landings = Outbox(
             self.link,
             wire.ckpt_topic(self.node),
             "checkpoint landing",
             gate=gate,
             pack=wire.pack_landings,  # what queued up goes in one message
+            max_queued=settings.outbox_max,
         )
         self.http_port = 0
         self._group: asyncio.TaskGroup | None = None
@@ -216,8 +218,8 @@ class Agent:
                 ("sample", self._sample_loop),
                 ("heartbeat", self._heartbeat_loop),
                 ("metrics", self._metrics_loop),
-                ("rank-events", self._rank_events.run),
-                ("ckpt-landings", self._landings.run),
+                ("rank-events", self.rank_events.run),
+                ("ckpt-landings", self.landings.run),
             ):
                 self._loops.append(self._group.create_task(supervised(name, loop), name=name))
         except BaseException:
@@ -245,8 +247,8 @@ class Agent:
         await self.ranks.stop_all(self.settings.stop_grace_s)
         await self.ckpt.close(timeout=deadline.left(floor=1.0))
         await asyncio.sleep(0)  # the landings the close queued from its threads
-        await self._rank_events.flush(timeout=deadline.left(floor=1.0))
-        await self._landings.flush(timeout=deadline.left(floor=1.0))
+        await self.rank_events.flush(timeout=deadline.left(floor=1.0))
+        await self.landings.flush(timeout=deadline.left(floor=1.0))
         await self.publish_metrics()  # the ranks' last window
         if self.link.connected:
             death = wire.NodeDeath(node=self.node, seq=self._birth_seq, cause="shutdown")
@@ -443,7 +445,7 @@ class Agent:
         if event.event == "exited":
             self.ckpt.rank_exited(event.job, event.rank)
             self.progress.rank_exited(event.job, event.generation, event.rank)
-        self._rank_events.put(event)
+        self.rank_events.put(event)
 
     def _last_step(self, job: str, generation: int, rank: int) -> int | None:
         return self.progress.last_step(job, generation, rank)
@@ -451,7 +453,7 @@ class Agent:
     def _publish_landing(self, msg: wire.CkptLanding | wire.CkptReleased) -> None:
         """From the engines' threads (or the loop): queue a report for the MQTT loop."""
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._landings.put, msg)
+            self._loop.call_soon_threadsafe(self.landings.put, msg)
 
     # --- loops ---------------------------------------------------------------
 

@@ -58,6 +58,12 @@ class Agent(CkptHost, Protocol):
     metrics_dropped: int
 
     @property
+    def rank_events(self) -> _Outbox: ...
+
+    @property
+    def landings(self) -> _Outbox: ...
+
+    @property
     def link(self) -> _Link: ...
 
     @property
@@ -67,6 +73,12 @@ class Agent(CkptHost, Protocol):
 class _Link(Protocol):
     @property
     def connected(self) -> bool: ...
+
+
+class _Outbox(Protocol):
+    dropped: int
+
+    def __len__(self) -> int: ...
 
 
 class _AgentCollector(Collector):
@@ -138,6 +150,21 @@ class _AgentCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["node"])
             counter.add_metric([node], value)
             yield counter
+        queued = GaugeMetricFamily(
+            "phalanx_outbox_queued",
+            "Messages waiting to reach the broker (and a supervisor)",
+            labels=["node", "outbox"],
+        )
+        dropped = CounterMetricFamily(
+            "phalanx_outbox_dropped",
+            "Messages dropped from a full outbox (the oldest first; agentd outbox_max)",
+            labels=["node", "outbox"],
+        )
+        for name, box in (("rank_events", a.rank_events), ("landings", a.landings)):
+            queued.add_metric([node, name], len(box))
+            dropped.add_metric([node, name], box.dropped)
+        yield queued
+        yield dropped
         host = a.health.host
         if host is not None:
             for name, doc, value in (

@@ -472,7 +472,12 @@ class Outbox:
     delivered to nobody. The gate is looked at once the link is up (a new connection
     closes it before anything waiting for the link resumes), and the send is tied to
     that connection: one that waited for the link across a reconnect is not sent on the
-    new connection until the gate opens there. ``flush`` does not wait for it."""
+    new connection until the gate opens there. ``flush`` does not wait for it.
+
+    ``max_queued``, when given, bounds the queue: a message put in a full queue pushes
+    out the oldest one not being sent (``dropped`` counts them, and the first drop and
+    every 1,000th after it are logged), so that an agent cut off from every supervisor
+    for hours keeps its memory and its newest news."""
 
     def __init__(
         self,
@@ -482,30 +487,58 @@ class Outbox:
         *,
         gate: asyncio.Event | None = None,
         pack: Pack | None = None,
+        max_queued: int | None = None,
     ) -> None:
+        if max_queued is not None and max_queued < 1:
+            raise ValueError(f"max_queued {max_queued} must be at least 1")
         self._link = link
         self._topic = topic
         self._what = what
         self._gate = gate
         self._pack = pack
+        self._max = max_queued
         self._queue: collections.deque[BaseModel] = collections.deque()
         self._ready = asyncio.Event()
         self._sending = asyncio.Lock()
+        self._in_flight = 0  # queued messages at the head being sent now
+        self.dropped = 0
 
     def __len__(self) -> int:
         return len(self._queue)
 
     def put(self, message: BaseModel) -> None:
+        if self._max is not None and len(self._queue) >= self._max:
+            if self._in_flight < len(self._queue):
+                del self._queue[self._in_flight]  # the oldest not on its way
+            else:  # the whole (tiny) bound is in flight: this one does not fit
+                self._count_drop()
+                return
+            self._count_drop()
         self._queue.append(message)
         self._ready.set()
+
+    def _count_drop(self) -> None:
+        self.dropped += 1
+        if self.dropped % 1000 == 1:
+            log.warning(
+                "%s queue on %s is full (%d): dropped the oldest, %d so far",
+                self._what,
+                self._topic,
+                self._max,
+                self.dropped,
+            )
 
     async def _send_first(self, timeout: float, connection: int | None = None) -> int:
         """Send the head of the queue (what ``pack`` makes of it: one message, or several
         in one); return how many queued messages went."""
         message, count = self._pack(self._queue) if self._pack else (self._queue[0], 1)
-        await self._link.publish(
-            self._topic, _encode(message), timeout=timeout, connection=connection
-        )
+        self._in_flight = count
+        try:
+            await self._link.publish(
+                self._topic, _encode(message), timeout=timeout, connection=connection
+            )
+        finally:
+            self._in_flight = 0
         for _ in range(count):
             self._queue.popleft()
         if not self._queue:

@@ -126,6 +126,9 @@ def test_agent_serves_healthz_and_prometheus_metrics_with_reasons_as_labels(
     assert 'phalanx_node_health{node="n01"} 2.0' in metrics
     assert 'phalanx_metrics_batches_dropped_total{node="n01"} 0.0' in metrics
     assert 'phalanx_progress_garbage_total{node="n01"} 0.0' in metrics
+    for box in ("rank_events", "landings"):
+        assert f'phalanx_outbox_dropped_total{{node="n01",outbox="{box}"}} 0.0' in metrics
+        assert f'phalanx_outbox_queued{{node="n01",outbox="{box}"}} 0.0' in metrics
 
 
 def test_local_fleet_comes_up_reports_its_processes_and_goes_down_leaving_none(

@@ -160,3 +160,41 @@ async def test_a_send_that_waited_across_a_reconnect_waits_for_the_gate_again() 
     await asyncio.sleep(0.05)
     runner.cancel()
     assert link.sent == [1] and len(box) == 0
+
+
+async def test_a_full_outbox_drops_the_oldest_not_being_sent_and_counts_it() -> None:
+    link = GatedLink()
+    box = Outbox(cast(MqttLink, link), "phalanx/v1/node/n1/rank", "rank event", max_queued=3)
+    box.put(Event(n=1))
+    runner = asyncio.create_task(box.run())
+    await first_publish(link)  # message 1 is on its way: it is never the one dropped
+    for n in (2, 3, 4, 5):
+        box.put(Event(n=n))
+    assert len(box) == 3 and box.dropped == 2  # 2 and 3 made room for 4 and 5
+    link.gate.set()
+    await box.flush(timeout=5.0)
+    runner.cancel()
+    await asyncio.gather(runner, return_exceptions=True)
+    assert link.sent == [1, 4, 5] and box.dropped == 2
+
+
+async def test_an_outbox_bound_of_one_with_its_message_in_flight_drops_the_new_one() -> None:
+    link = GatedLink()
+    box = Outbox(cast(MqttLink, link), "phalanx/v1/node/n1/rank", "rank event", max_queued=1)
+    box.put(Event(n=1))
+    runner = asyncio.create_task(box.run())
+    await first_publish(link)
+    box.put(Event(n=2))
+    assert len(box) == 1 and box.dropped == 1
+    link.gate.set()
+    await box.flush(timeout=5.0)
+    runner.cancel()
+    await asyncio.gather(runner, return_exceptions=True)
+    assert link.sent == [1]
+
+
+def test_an_outbox_bound_under_one_is_refused() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="max_queued 0"):
+        Outbox(cast(MqttLink, GatedLink()), "t", "rank event", max_queued=0)
