@@ -16,10 +16,11 @@ loop never waits for it:
   that fails its check (a damaged store: SQLite copies damaged pages as they are) is
   dropped, so the older, sound backups stay.
 
-The copy goes to a folder (``store.backup_path``): the supervisor has no object-store
-client of its own, so an off-host copy is a folder on a network mount, or a sync of
-the folder by the operator's tools. docs/operations.md ("The store's safety") says how
-to restore one.
+The copy goes to a folder (``store.backup_path``) and, with ``store.backup_url``, each
+sound copy is then uploaded to an object store (``s3://BUCKET/PREFIX`` or a folder), as
+``phalanx-store/state-....db`` under the URL, keeping ``keep`` there too: an off-host copy
+that outlives the host. An upload that fails is logged and counted; the folder's copy
+stands. docs/operations.md ("The store's safety") says how to restore one.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckpt.stores import ObjectStore
 from supervisor.errors import StoreError
 from supervisor.store_guard import quick_check
 
@@ -40,6 +43,8 @@ log = logging.getLogger(__name__)
 
 PREFIX = "state-"
 SUFFIX = ".db"
+REMOTE_FOLDER = "phalanx-store"  # the backups' folder under store.backup_url
+UPLOAD_PART_BYTES = 8 << 20
 # Pages copied per step of the backup API (4 MiB of 4 KiB pages): a shutdown waits at
 # most one step for a copy in flight.
 PAGES_PER_STEP = 1024
@@ -137,6 +142,31 @@ def take_backup(
     return Backup(final, pages, time.monotonic() - started)
 
 
+def upload_backup(
+    path: Path, remote: ObjectStore, keep: int, stop: threading.Event | None = None
+) -> str:
+    """Upload the backup ``path`` to ``remote`` (streamed, visible only once whole) and
+    keep the newest ``keep`` there; blocking. Returns where it went."""
+    key = f"{REMOTE_FOLDER}/{path.name}"
+
+    def parts() -> Iterator[bytes]:
+        with path.open("rb") as f:
+            while chunk := f.read(UPLOAD_PART_BYTES):
+                if stop is not None and stop.is_set():
+                    raise BackupStopped(f"upload of {path} stopped: the supervisor is stopping")
+                yield chunk
+
+    remote.put_stream(key, parts())
+    ours = sorted(
+        k
+        for k in remote.keys(REMOTE_FOLDER)
+        if k.rsplit("/", 1)[-1].startswith(PREFIX) and k.endswith(SUFFIX)
+    )
+    if len(ours) > keep:
+        remote.delete(ours[:-keep])
+    return f"{remote.url.rstrip('/')}/{key}"
+
+
 def _fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -151,13 +181,24 @@ class StoreBackups:
     not add one), ``keep`` of them. A failed backup is logged and counted; the loop goes
     on at the next interval."""
 
-    def __init__(self, source: Path, folder: Path, *, interval_s: float, keep: int) -> None:
+    def __init__(
+        self,
+        source: Path,
+        folder: Path,
+        *,
+        interval_s: float,
+        keep: int,
+        remote: ObjectStore | None = None,
+    ) -> None:
         self.source = source
         self.folder = folder
         self.interval_s = interval_s
         self.keep = keep
+        self.remote = remote
         self.last_at: float | None = None  # wall time of the newest sound backup
         self.failures = 0
+        self.uploaded_at: float | None = None  # wall time of the newest upload
+        self.upload_failures = 0
         self._stop = threading.Event()
         try:
             newest = backups_in(folder)
@@ -194,7 +235,27 @@ class StoreBackups:
             return None
         self.last_at = time.time()
         log.info("store backed up to %s: %d pages in %.2f s", made.path, made.pages, made.seconds)
+        if self.remote is not None:
+            await self._upload(made.path, self.remote)
         return made
+
+    async def _upload(self, path: Path, remote: ObjectStore) -> None:
+        started = time.monotonic()
+        try:
+            where = await asyncio.to_thread(upload_backup, path, remote, self.keep, self._stop)
+        except BackupStopped:
+            return
+        except Exception as exc:  # any store's error (OSError, botocore's): the loop goes on
+            self.upload_failures += 1
+            log.error(
+                "cannot upload the store's backup %s to %s: %s (the folder's copy stands)",
+                path,
+                remote.url,
+                exc,
+            )
+            return
+        self.uploaded_at = time.time()
+        log.info("store backup uploaded to %s in %.2f s", where, time.monotonic() - started)
 
     def close(self) -> None:
         """Stop: a copy in flight ends at its next step, and no other starts."""

@@ -61,6 +61,14 @@ class StoreSettings(BaseModel):
         description="Seconds between two backups (the first once the newest one in the "
         "folder is this old, so restarts do not add any); 0: no backups.",
     )
+    backup_url: str = Field(
+        default="",
+        description="An object store each sound backup is also uploaded to, as "
+        "phalanx-store/state-<UTC time>.db under it, `backup_keep` kept there too: "
+        "`s3://BUCKET/PREFIX` (endpoint and credentials as for the checkpoints' object "
+        "store: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) or `file:///PATH`. Empty: the "
+        "folder only.",
+    )
     backup_keep: int = Field(
         default=12,
         ge=1,
@@ -72,6 +80,17 @@ class StoreSettings(BaseModel):
     @classmethod
     def _absolute(cls, value: Path | None) -> Path | None:
         return None if value is None else value.expanduser().absolute()
+
+    @field_validator("backup_url")
+    @classmethod
+    def _object_store(cls, value: str) -> str:
+        if value and not value.startswith(("s3://", "file:///")):
+            raise ValueError(
+                f"{value!r} is no object store URL: s3://BUCKET/PREFIX or file:///PATH"
+            )
+        if value.startswith("s3://") and not value[len("s3://") :].split("/", 1)[0]:
+            raise ValueError(f"{value!r} names no bucket: s3://BUCKET/PREFIX")
+        return value
 
     @field_validator("url")
     @classmethod

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator, Mapping
 from types import TracebackType
 
+from ckpt.stores import open_store
 from phalanx import wire
 from phalanx.agent_tokens import AgentKeys, read_secret
 from phalanx.link import LinkDown, MqttLink, Will
@@ -84,6 +85,7 @@ class Supervisor:
                 backup_dir,
                 interval_s=settings.store.backup_interval_s,
                 keep=settings.store.backup_keep,
+                remote=open_store(settings.store.backup_url) if settings.store.backup_url else None,
             )
             if backup_dir is not None
             else None

@@ -161,6 +161,21 @@ class SupervisorCollector(Collector):
         )
         failures.add_metric([], backups.failures)
         yield failures
+        if backups.remote is None:
+            return
+        if backups.uploaded_at is not None:
+            uploaded = GaugeMetricFamily(
+                "phalanx_store_backup_uploaded_timestamp_seconds",
+                "Unix time of the newest backup uploaded to store.backup_url",
+            )
+            uploaded.add_metric([], backups.uploaded_at)
+            yield uploaded
+        upload_failures = CounterMetricFamily(
+            "phalanx_store_backup_upload_failures",
+            "Backups that could not be uploaded to store.backup_url",
+        )
+        upload_failures.add_metric([], backups.upload_failures)
+        yield upload_failures
 
 
 def registry_of(sup: Source) -> CollectorRegistry:

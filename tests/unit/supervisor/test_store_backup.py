@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from ckpt.stores import LocalFolderStore, S3Store
 from supervisor.auth.rows import TokenRows
-from supervisor.backup import StoreBackups, backups_in, take_backup
+from supervisor.backup import REMOTE_FOLDER, StoreBackups, backups_in, take_backup
 from supervisor.config import StoreSettings, SupervisorSettings
 from supervisor.errors import StoreError
 from supervisor.store import Store
@@ -123,3 +124,95 @@ async def test_a_backup_folder_that_cannot_be_used_is_logged_and_counted(tmp_pat
     assert made is None
     assert backups.failures == 1
     assert backups.last_at is None
+
+
+async def test_each_backup_is_also_uploaded_whole_and_the_newest_are_kept_there(
+    tmp_path: Path,
+) -> None:
+    store = store_with_rows(tmp_path / "state.db")
+    remote = LocalFolderStore(tmp_path / "bucket")
+    try:
+        backups = StoreBackups(
+            store.path, tmp_path / "backup", interval_s=300.0, keep=2, remote=remote
+        )
+        made = [await backups.take() for _ in range(3)]
+    finally:
+        store.close()
+
+    assert all(m is not None for m in made)
+    names = [m.path.name for m in made if m is not None]
+    assert remote.keys(REMOTE_FOLDER) == [f"{REMOTE_FOLDER}/{n}" for n in names[1:]]
+    for name in names[1:]:  # each upload is the folder's backup, byte for byte
+        uploaded = remote.get(f"{REMOTE_FOLDER}/{name}", max_nbytes=1 << 30)
+        assert uploaded == (tmp_path / "backup" / name).read_bytes()
+    assert backups.upload_failures == 0 and backups.uploaded_at is not None
+
+
+async def test_an_upload_that_fails_is_logged_and_counted_and_the_folders_copy_stands(
+    tmp_path: Path,
+) -> None:
+    store = store_with_rows(tmp_path / "state.db")
+    blocked = tmp_path / "bucket"
+    remote = LocalFolderStore(blocked)
+    blocked.rmdir()
+    blocked.write_text("a file where the bucket's folder should be")
+    try:
+        backups = StoreBackups(
+            store.path,
+            tmp_path / "backup",
+            interval_s=300.0,
+            keep=2,
+            remote=remote,
+        )
+        made = await backups.take()
+    finally:
+        store.close()
+
+    assert made is not None and backups_in(tmp_path / "backup") == [made.path]
+    assert backups.upload_failures == 1 and backups.uploaded_at is None
+    assert backups.failures == 0
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://bucket/x", "no object store URL"),
+        ("s3:///prefix", "names no bucket"),
+        ("file://relative", "no object store URL"),
+    ],
+)
+def test_a_backup_url_that_is_no_object_store_is_refused(url: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StoreSettings(backup_url=url)
+    assert StoreSettings(backup_url="s3://b/p").backup_url == "s3://b/p"
+
+
+async def test_backups_go_to_a_real_s3_protocol_server(tmp_path: Path) -> None:
+    moto_server = pytest.importorskip("moto.moto_server.threaded_moto_server")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    remote = S3Store(
+        "backups",
+        "fleet-a/",
+        endpoint_url=f"http://{host}:{port}",
+        access_key="test",
+        secret_key="test",
+        timeout_s=30,
+    )
+    store = store_with_rows(tmp_path / "state.db")
+    try:
+        remote._run(remote.client.create_bucket(Bucket="backups"))
+        backups = StoreBackups(
+            store.path, tmp_path / "backup", interval_s=300.0, keep=1, remote=remote
+        )
+        first, second = await backups.take(), await backups.take()
+        assert first is not None and second is not None
+        assert remote.keys(REMOTE_FOLDER) == [f"{REMOTE_FOLDER}/{second.path.name}"]
+        got = remote.get(f"{REMOTE_FOLDER}/{second.path.name}", max_nbytes=1 << 30)
+        assert got == second.path.read_bytes()
+        assert backups.upload_failures == 0
+    finally:
+        store.close()
+        remote.close()
+        server.stop()
