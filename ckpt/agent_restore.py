@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,10 @@ from ckpt.protocol import Candidate, StageReply, TierName
 from ckpt.ram import read_slot_view
 from ckpt.remote import AgentClient, read_file
 from ckpt.tiers import ShardKey
+
+# Set to 1 by the supervisor for a job whose ranks reshard their state (the job spec's
+# elastic.reshard; phalanx.elastic.ENV_RESHARD).
+ENV_RESHARD = "PHALANX_RESHARD"
 
 __all__ = ["Restored", "decode_slot", "restore_via_agent"]
 
@@ -65,10 +70,16 @@ def restore_via_agent(
     into: object = None,
     *,
     timeout_s: float,
+    stage: bool = True,
+    exact: bool = False,
 ) -> Restored | None:
     """The step the agent's plan names (or ``step``), read from this rank's nearest good
     copy; None when the job has no committed step. ``timeout_s`` bounds each staging and
-    each stream of a copy."""
+    each stream of a copy. ``stage=False``: a copy at a remote tier is streamed, never
+    staged in a RAM slot (another rank's shard, read by a resharding rank).
+    ``exact``: ``rank``'s own shard and no other (a resharding rank reads saved rank
+    ``rank``); otherwise a job whose ranks reshard (``PHALANX_RESHARD``) refuses a step
+    saved by another number of ranks, whose parts are not this rank's."""
     found = agent.restore_plan(step)
     if found.unavailable:
         # Committed steps exist but none this whole gang can read: starting from
@@ -77,6 +88,23 @@ def restore_via_agent(
             f"no checkpoint to restore rank {rank} from: {found.unavailable}",
             ref=ShardRef(job=job, rank=rank),
         )
+    world = agent.env.world_size
+    for entry in found.steps:
+        if exact and entry.rank is not None and entry.rank != rank:
+            raise CheckpointError(
+                f"the agent's plan reads saved rank {entry.rank}'s shard of step "
+                f"{entry.step} for rank {rank}: an elastic job with replicated state; "
+                "restore() reads the right one",
+                ref=ShardRef(job=job, rank=rank),
+            )
+        saved = entry.world_size
+        if not exact and os.environ.get(ENV_RESHARD) == "1" and saved not in (None, world):
+            raise CheckpointError(
+                f"step {entry.step} was saved by {saved} ranks and this gang has {world}: "
+                "a job whose ranks reshard their state (elastic.reshard) restores with "
+                "Checkpointer.saved_layout() and restore_shards(ranks)",
+                ref=ShardRef(job=job, rank=rank),
+            )
     last_error: CheckpointError | None = None
     for entry in found.steps:
         # Another rank's shard when an elastic gang changed size: read as that rank.
@@ -87,7 +115,7 @@ def restore_via_agent(
             tier = where.tier
             fresh: list[str] = []
             try:
-                state = _read(agent, where, key, into, fresh, timeout_s)
+                state = _read(agent, where, key, into, fresh, timeout_s, stage=stage)
                 if state is None:
                     raise ShardGone(
                         f"the copy of step {key.step} at tier {tier} is gone",
@@ -144,6 +172,8 @@ def _read(
     into: object,
     fresh: list[str],
     timeout_s: float,
+    *,
+    stage: bool = True,
 ) -> tuple[Any] | None:
     tier, expected, path = where.tier, where.checksum, where.path
     if path is not None:
@@ -169,7 +199,7 @@ def _read(
             f"{nbytes!r}",
             ref=key.ref(),
         )
-    staged = _stage(agent, tier, key, timeout_s)
+    staged = _stage(agent, tier, key, timeout_s) if stage else StageReply()
     if staged.gone:
         return None
     if staged.path:

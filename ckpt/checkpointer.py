@@ -43,10 +43,12 @@ import xxhash
 from ckpt.agent_restore import restore_via_agent
 from ckpt.engine import Engine, EventKind, LocalCatalog, TierEvent
 from ckpt.errors import (
+    AgentError,
     CheckpointError,
     FormatError,
     ShardCorrupt,
     ShardMismatch,
+    ShardRef,
     TierError,
     UnsupportedVersion,
 )
@@ -513,6 +515,115 @@ class Checkpointer(LazySaving):
         if step is not None and last_error is not None:
             raise last_error
         return None
+
+    def saved_layout(self) -> tuple[int, int] | None:
+        """``(step, saved world size)``: the step the whole gang restores and how many
+        ranks saved it; None when the job has nothing to restore. A job whose ranks
+        reshard their state (``elastic.reshard``) compares that size with its own: where
+        they differ, each rank reads the saved shards its part of the state overlaps
+        (:meth:`restore_shards`, given this step). Under Phalanx only (the agent's
+        catalog knows it)."""
+        agent = self._agent_only("saved_layout")
+        found = agent.restore_plan(None)
+        if found.unavailable:
+            raise CheckpointError(
+                f"no checkpoint to restore from: {found.unavailable}",
+                ref=ShardRef(job=self.job, rank=self.rank),
+            )
+        if not found.steps:
+            return None
+        step = found.steps[0]
+        if step.world_size is None:
+            raise AgentError(
+                "the agent's restore plan does not say how many ranks saved step "
+                f"{step.step}: its agent is older than this rank's library (upgrade the "
+                "agents before running a job with elastic.reshard)",
+                ref=ShardRef(job=self.job, rank=self.rank),
+            )
+        return step.step, step.world_size
+
+    def restore_shards(
+        self, ranks: Sequence[int], step: int | None = None
+    ) -> tuple[int, dict[int, Any]] | None:
+        """``(step, {saved rank: its state})``: the shards the saved ranks ``ranks`` wrote
+        of the step the whole gang restores, each from the nearest tier with a verified
+        copy (another rank's copy at the peer or object tier is streamed through the
+        agent, not staged); None when the job has nothing to restore.
+
+        For a job whose ranks reshard their own sharded state (``elastic.reshard``):
+        after a shrink or a grow, rank ``r`` of the new gang reads the saved shards its
+        part overlaps and builds its part from them. Pass ``step`` from
+        :meth:`saved_layout` (the layout it computed ``ranks`` from): each node's catalog
+        lists every saved shard of the gang's restore step only, and a step that changed
+        meanwhile is an error, never another layout read. A shard that no tier has whole
+        raises ``CheckpointError`` naming it, as :meth:`restore` does. Under Phalanx
+        only."""
+        agent = self._agent_only("restore_shards")
+        wanted = sorted(set(ranks))
+        if not wanted:
+            raise ValueError("restore_shards needs at least one saved rank")
+        t0 = time.perf_counter()
+        found = agent.restore_plan(None)
+        if found.unavailable:
+            raise CheckpointError(
+                f"no checkpoint to restore rank {self.rank} from: {found.unavailable}",
+                ref=ShardRef(job=self.job, rank=self.rank),
+            )
+        if not found.steps:
+            return None
+        chosen = found.steps[0].step
+        saved = found.steps[0].world_size
+        if step is not None and chosen != step:
+            raise CheckpointError(
+                f"the gang restores step {chosen} now, not step {step}: ask saved_layout() again",
+                ref=ShardRef(job=self.job, rank=self.rank),
+            )
+        bad = [k for k in wanted if k < 0 or (saved is not None and k >= saved)]
+        if bad:
+            saved_by = f"ranks 0 to {saved - 1}" if saved is not None else "an unknown number"
+            raise ValueError(
+                f"saved rank(s) {', '.join(map(str, bad))} of step {chosen}: it was saved "
+                f"by {saved_by}"
+            )
+        self.lazy.copier.drain(self.wait_timeout_s)
+        states: dict[int, Any] = {}
+        tiers: set[str] = set()
+        for k in wanted:
+            got = restore_via_agent(
+                agent.as_rank(k),
+                self.job,
+                k,
+                chosen,
+                timeout_s=self.wait_timeout_s,
+                stage=k == self.rank,  # never stage another rank's copy in its slots
+                exact=True,
+            )
+            if got is None:  # committed meanwhile gone: the gang's step is the agent's
+                raise CheckpointError(
+                    f"saved rank {k}'s shard of step {chosen} is no longer committed",
+                    ref=ShardRef(job=self.job, rank=k),
+                )
+            states[k] = got.state
+            tiers.add(got.tier)
+        self.restored_from = ",".join(sorted(tiers))
+        self.restored_fresh = []
+        log.info(
+            "restored step %d of %s rank %d from the shards of saved rank(s) %s (%s)",
+            *(chosen, self.job, self.rank, ",".join(map(str, wanted)), self.restored_from),
+        )
+        import phalanx.rank  # the agent times the gang's restore with it
+
+        phalanx.rank.restored(chosen, time.perf_counter() - t0)
+        return chosen, states
+
+    def _agent_only(self, what: str) -> AgentClient:
+        if self.agent is None:
+            raise CheckpointError(
+                f"Checkpointer.{what} works under Phalanx only (the agent's catalog knows "
+                "which ranks saved a step); this one keeps its own tiers",
+                ref=ShardRef(job=self.job, rank=self.rank),
+            )
+        return self.agent
 
     def _note_fresh(self, into: object, step: int) -> None:
         if into is not None and self.restored_fresh:

@@ -183,6 +183,11 @@ class RestoreStep(_Reply):
         "elastic gang that changed size restores the shards saved at its earlier size",
     )
     candidates: list[Candidate] = Field(default_factory=list, description="nearest first")
+    world_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="how many ranks saved the step (None: an agent that does not say)",
+    )
 
 
 class RestorePlan(_Reply):

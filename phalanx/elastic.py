@@ -49,6 +49,8 @@ ENV_MICRO_BATCH = "PHALANX_MICRO_BATCH"
 ENV_DP_SIZE = "PHALANX_DP_SIZE"
 ENV_ACCUM_STEPS = "PHALANX_ACCUM_STEPS"
 ENV_CONSUMED = "PHALANX_CONSUMED_SAMPLES"
+# Set to 1 for a job whose ranks reshard their sharded state (elastic.reshard).
+ENV_RESHARD = "PHALANX_RESHARD"
 
 
 @dataclass(frozen=True, slots=True)

@@ -308,6 +308,12 @@ class SdcSpec(_Spec):
             )
 
 
+# elastic.reshard: a catalog message of a resized gang lists every saved shard of its
+# restore step (~250 bytes each: checksum, peer address and token) within half the
+# wire's 256 KiB payload.
+MAX_RESHARD_RANKS = 512
+
+
 class ElasticSpec(_Spec):
     """Keep training on fewer nodes when a node is lost and none can take its ranks,
     with the same global batch (more gradient accumulation per rank), and grow back.
@@ -333,7 +339,16 @@ class ElasticSpec(_Spec):
         default="replicated",
         description="`replicated`: every rank holds the whole training state (plain data "
         "parallel), so any rank's checkpoint restores any rank; `sharded` (FSDP, ZeRO, "
-        "pipeline stages): the job never shrinks and waits for a spare instead.",
+        "pipeline stages): each rank holds its own part, and the job changes size only "
+        "with `reshard: true` (else it waits for a spare instead).",
+    )
+    reshard: bool = Field(
+        default=False,
+        description="With `state: sharded`: the ranks reshard the state themselves. A "
+        "gang of another size than the one that saved the step it restores learns the "
+        "saved layout (`Checkpointer.saved_layout()`) and reads the saved ranks' shards "
+        "it needs (`Checkpointer.restore_shards(ranks, step)`); the restore step is one "
+        "every node can read every saved shard of. Needs the object tier.",
     )
     grow_after: Annotated[float, Field(ge=0, le=7 * 86400)] = Field(
         default=300.0,
@@ -345,6 +360,15 @@ class ElasticSpec(_Spec):
     @classmethod
     def _grow_after(cls, value: Any) -> Any:
         return parse_duration(value)
+
+    @model_validator(mode="after")
+    def _reshard_needs_sharded(self) -> ElasticSpec:
+        if self.reshard and self.state != "sharded":
+            raise ValueError(
+                "elastic.reshard is for state: sharded (each rank holds its own part); "
+                "replicated state needs no resharding: any rank's shard restores any rank"
+            )
+        return self
 
     def sizes(self, nodes: int, ranks_per_node: int) -> list[int]:
         """The allowed node counts, from ``min_nodes`` up to ``nodes``, smallest first."""
@@ -475,7 +499,24 @@ class JobSpec(_Spec):
                 f"{value.min_nodes} to {nodes}: "
                 + (", ".join(map(str, sizes)) if sizes else "none")
             )
+        if value.reshard and nodes * per_node > MAX_RESHARD_RANKS:
+            raise ValueError(
+                f"reshard supports jobs of up to {MAX_RESHARD_RANKS} ranks (after a resize "
+                "every node's checkpoint catalog lists every saved shard), not "
+                f"{nodes * per_node}; leave it out to have the job wait for a node instead"
+            )
         return value
+
+    @model_validator(mode="after")
+    def _reshard_needs_the_object_tier(self) -> JobSpec:
+        e = self.elastic
+        if e is not None and e.reshard and "object" not in self.checkpoint.tiers:
+            raise ValueError(
+                "elastic.reshard needs the object tier in checkpoint.tiers: a resharding "
+                "rank may read any saved shard, and after a lost node the shards it was "
+                "the buddy of are left only on their own node"
+            )
+        return self
 
     @model_validator(mode="after")
     def _sdc_groups(self, info: ValidationInfo) -> JobSpec:
@@ -502,6 +543,17 @@ class JobSpec(_Spec):
         """Elastic with replicated state: its size may change, and any rank's checkpoint
         shard restores any rank."""
         return self.elastic is not None and self.elastic.state == "replicated"
+
+    @property
+    def reshards(self) -> bool:
+        """Elastic with sharded state its ranks reshard: its size may change, and a rank
+        of another size's gang reads the saved shards it needs."""
+        return self.elastic is not None and self.elastic.reshard
+
+    @property
+    def resizes(self) -> bool:
+        """Its size may change: elastic, and replicated or resharded by its ranks."""
+        return self.reshapes or self.reshards
 
     def elastic_sizes(self) -> list[int]:
         """The node counts the job may run on, smallest first (only ``nodes`` when it is

@@ -122,6 +122,13 @@ class Restores:
         if entry.step == catalog.restore_step:  # an elastic gang of another size's
             rank = catalog.sources.get(asking, asking)
         shard = next((s for s in entry.shards if s.rank == rank), None)
+        saved = entry.world_size or catalog.world_size
+        if shard is None and saved != catalog.world_size and rank >= saved:
+            # A gang that grew, its ranks resharding (elastic.reshard): this rank saved
+            # nothing of that step; it reads the saved ranks' shards (each as that rank).
+            return protocol.RestorePlan(
+                steps=[protocol.RestoreStep(step=entry.step, world_size=saved)]
+            )
         if shard is None:
             return protocol.RestorePlan(
                 unavailable=f"job {job}: the catalog lists no shard of rank "
@@ -156,6 +163,7 @@ class Restores:
                     step=entry.step,
                     rank=rank if rank != asking else None,
                     candidates=candidates,
+                    world_size=saved,
                 )
             ]
         )

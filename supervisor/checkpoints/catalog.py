@@ -91,6 +91,7 @@ def gang_restore(
     reachable: Set[str] | None = None,
     *,
     elastic: bool = False,
+    sharded: bool = False,
 ) -> GangRestore:
     """The newest committed step every rank can read from where it runs, and why none
     is when none is.
@@ -104,14 +105,19 @@ def gang_restore(
     ``elastic``: the job's state is replicated and its size may change, so a step saved
     by another number of ranks than ``world_size`` is read through
     :func:`reshape_sources` (each rank reads some saved rank's shard).
+
+    ``sharded``: the job's ranks each hold their own part of the state and reshard it
+    themselves (``elastic.reshard``), so a rank of a gang of another size may read any
+    saved rank's shard: such a step is readable when every node of the gang can read
+    every saved shard (the object store's, a live buddy's copy, or one it landed).
     """
     saved_by: dict[int, set[int]] = {}
-    if elastic:
+    if elastic or sharded:
         for s, r, _t in where:
             saved_by.setdefault(s, set()).add(r)
+    gang_nodes: list[str | None] = [*sorted(set(placement.values()))] or [None]
 
-    def readable(step: int, rank: int, saved: int, tiers: Mapping[str, float]) -> bool:
-        node = placement.get(rank)
+    def readable(step: int, node: str | None, saved: int, tiers: Mapping[str, float]) -> bool:
         for tier in ("ram", "nvme", "peer"):
             if tier not in tiers or (step, saved, tier) not in where:
                 continue
@@ -130,12 +136,36 @@ def gang_restore(
         tiers = committed[step]
         sources: dict[int, int] = {}
         saved = saved_by.get(step)
-        if saved and saved != set(range(world_size)):
+        resized = bool(saved) and saved != set(range(world_size))
+        if resized and not sharded:
             sources = reshape_sources(step, committed, where, placement, alive, saved)
         if "object" in tiers:
             return GangRestore(step, "", _moved(sources))  # every shard in the shared store
+        if resized and sharded:
+            assert saved is not None
+            cut = next(
+                (
+                    (node, s)
+                    for s in sorted(saved)
+                    for node in gang_nodes
+                    if not readable(step, node, s, tiers)
+                ),
+                None,
+            )
+            if cut is None:
+                return GangRestore(step)
+            note = note or (
+                f"node {cut[0] or '(none)'} can read no copy of saved rank {cut[1]}'s shard "
+                f"of step {step} (saved by {len(saved)} ranks; a resharding gang may read "
+                f"any of them; committed at {', '.join(sorted(tiers))})"
+            )
+            continue
         blocked = next(
-            (r for r in range(world_size) if not readable(step, r, sources.get(r, r), tiers)),
+            (
+                r
+                for r in range(world_size)
+                if not readable(step, placement.get(r), sources.get(r, r), tiers)
+            ),
             None,
         )
         if blocked is None:
@@ -516,6 +546,7 @@ class CheckpointCatalog:
         credential: Callable[[str, str], str | None] | None = None,
         hold_steps: int | None = None,
         elastic: bool = False,
+        sharded: bool = False,
         rows: Rows | None = None,
     ) -> list[wire.CkptCatalog]:
         """The job's catalog as each node needs it: one message per node that runs a rank
@@ -535,7 +566,9 @@ class CheckpointCatalog:
         ``elastic``: the job's state is replicated and its size may change; when the
         restore step was saved by another number of ranks, each node's message says
         which saved rank's shard each of its ranks restores (``sources``), and lists
-        those shards.
+        those shards. ``sharded``: the job's ranks reshard their state
+        (``elastic.reshard``); when the restore step was saved by another number of ranks,
+        every node's message lists every saved shard of it (a rank may read any).
         ``rows``: the committed rows known (:meth:`pin_rows`); the others are read from
         ``store`` and added, and what is no longer committed is taken out, so that the
         caller can keep them (:meth:`keep_rows`).
@@ -588,8 +621,17 @@ class CheckpointCatalog:
             alive,
             set(peers) if peers else None,
             elastic=elastic,
+            sharded=sharded,
         )
         restore_step, note, sources = found.step, found.note, found.sources
+        # A resharding gang of another size than the restore step's: any node's ranks may
+        # read any saved shard of it.
+        every: set[int] = set()
+        if sharded and restore_step is not None:
+            for tier in committed[restore_step]:
+                every.update(committed_rows[(restore_step, tier)].by_rank)
+            if every == set(range(world_size)):
+                every = set()
         if not committed and db.ever_committed(job):
             # A rank must not start afresh while its peers would have restored.
             note = (
@@ -637,7 +679,8 @@ class CheckpointCatalog:
             read = {sources.get(r, r) for r in mine} if sources else set()
             ranks = sorted(mine | landed_on.get(node, set()) | read)
             # ~200 bytes per shard listed: stay well under the wire's payload limit.
-            fit = max(1, (wire.MAX_PAYLOAD_BYTES // 2) // (200 * max(1, len(ranks)) + 100))
+            budget = wire.MAX_PAYLOAD_BYTES // 2 - 256 * len(every)
+            fit = max(1, budget // (200 * max(1, len(ranks)) + 100))
             keep = sorted(committed)[-min(wire.MAX_CATALOG_STEPS, fit) :]
             if restore_step is not None and restore_step not in keep:
                 keep = sorted([restore_step, *keep[1:]])  # the gang's step is always listed
@@ -645,7 +688,7 @@ class CheckpointCatalog:
             for step in keep:
                 listed = []
                 peer_rows = committed_rows.get((step, "peer"))
-                for rank in ranks:
+                for rank in sorted(every | set(ranks)) if every and step == restore_step else ranks:
                     row = shard(step, rank)
                     if row is None:
                         continue
@@ -654,15 +697,15 @@ class CheckpointCatalog:
                     listed.append(
                         wire_shard(rank, row, addressed(holder, node) if holder else no_peer)
                     )
-                saved = saved_ranks(step) if elastic else world_size
+                saved = saved_ranks(step) if elastic or sharded else world_size
                 steps.append(
                     wire.CkptStep(
                         step=step,
                         committed=committed[step],
                         shards=listed,
-                        # an elastic job's only: a step of another job with a copy
-                        # gone (reported corrupt) was still saved by the whole gang
-                        world_size=saved if elastic and saved != world_size else None,
+                        # an elastic or resharding job's only: a step of another job
+                        # with a copy gone (reported corrupt) was saved by the whole gang
+                        world_size=saved if saved != world_size else None,
                     )
                 )
             out.append(

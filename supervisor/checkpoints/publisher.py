@@ -194,7 +194,7 @@ class CatalogPublisher:
                     )
             world_size, generation, nodes = job.world_size, job.generation, job.nodes
             hold = hold_steps(job)
-            elastic = job.spec.reshapes
+            elastic, sharded = job.spec.reshapes, job.spec.reshards
             try:
                 pinned, rows = self.catalog.pin_rows(job_id)
             except PIN_ERRORS as exc:
@@ -220,6 +220,7 @@ class CatalogPublisher:
                         credential=self._agent_keys.peer_credential,
                         hold_steps=hold,
                         elastic=elastic,
+                        sharded=sharded,
                         rows=rows,
                     )
                 if messages:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pydantic import SecretStr
 
 from phalanx import wire
-from phalanx.elastic import Elastic
+from phalanx.elastic import ENV_RESHARD, Elastic
 from phalanx.jobspec import FromFile
 from supervisor.actuator import JobControl
 from supervisor.checkpoints.catalog import pick_buddies
@@ -52,6 +52,8 @@ class GangOrders:
                 spec.elastic.global_batch * (job.published_restore or 0),
             )
             env.update(layout.env())
+            if spec.elastic.reshard:  # restore() refuses a step saved at another size
+                env[ENV_RESHARD] = "1"
         buddies = self._buddies(job) if ckpt else {}
         warm = wire.WarmPlan(imports=list(spec.restart.warm_imports)) if spec.restart.warm else None
         return [

@@ -402,6 +402,7 @@ class Recoveries:
             shrink_first=job.spec.elastic is not None and job.spec.elastic.prefer == "shrink",
             shrink_blocked=shrink_blocked(job),
             replicated=job.spec.reshapes,
+            reshards=job.spec.reshards,
         )
         if failures and failures[0].kind is FailureKind.GROW:
             sick = [n for n in job.nodes if n not in nodes or nodes[n].state not in HEALTHY]
@@ -430,7 +431,7 @@ class Recoveries:
 
     def grow_plan(self, job: Job) -> Plan | None:
         """Whether the job, a shrunk elastic one, can grow back now (rule 7)."""
-        if len(job.nodes) >= job.spec.nodes or not job.spec.reshapes:
+        if len(job.nodes) >= job.spec.nodes or not job.spec.resizes:
             return None
         plan = self.plan(job, [Failure(FailureKind.GROW, job.nodes[0], quarantine=False)])
         return plan if plan.action is Action.GROW else None
@@ -660,10 +661,10 @@ FREE = frozenset({Action.ROLLBACK, Action.GROW})  # no backoff before them
 def shrink_blocked(job: Job) -> str:
     """Why an elastic job may not shrink ("": it may)."""
     e = job.spec.elastic
-    if e is not None and e.state == "sharded":
+    if e is not None and e.state == "sharded" and not e.reshard:
         return (
             "elastic.state is sharded (each rank holds its own part of the state) and "
-            "Phalanx cannot reshard it: the job waits for a node instead"
+            "the job does not reshard it (elastic.reshard): it waits for a node instead"
         )
     return ""
 

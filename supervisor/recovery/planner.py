@@ -42,9 +42,11 @@ The rules, in the order they are applied:
    their order. Its global batch stays (the ranks accumulate more micro batches).
    The state is replicated, so each rank of the smaller gang restores a shard saved
    at the larger size: the one its own node saved where it can (RAM), else one read
-   from a buddy or the object store (``Plan.sources``). A job with no allowed size
-   that fits, or whose state is sharded (``shrink_blocked``), waits as above, and
-   the reason says why.
+   from a buddy or the object store (``Plan.sources``). A job whose ranks reshard
+   their sharded state (``JobView.reshards``) restores the newest step every node
+   of the smaller gang can read every saved shard of (its ranks read those they
+   need). A job with no allowed size that fits, or whose state is sharded and not
+   resharded (``shrink_blocked``), waits as above, and the reason says why.
 7. **Grow.** A shrunk elastic job grows back (:func:`plan_grow`, no failure): onto
    free healthy nodes (``up``, burned in, not spares), to the largest allowed size
    they make up, once the larger gang can read a committed step (the new nodes read
@@ -58,7 +60,7 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from supervisor.checkpoints.catalog import gang_restore
+from supervisor.checkpoints.catalog import GangRestore, gang_restore
 
 TIER_ORDER = ("ram", "nvme", "peer", "object")
 
@@ -209,6 +211,9 @@ class JobView:
     # Its state is replicated (an elastic job): a step saved by a gang of another size
     # restores through ``reshape_sources``.
     replicated: bool = False
+    # Its ranks reshard their sharded state (``elastic.reshard``): a step saved by a gang
+    # of another size restores when every node can read every saved shard of it.
+    reshards: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,9 +338,7 @@ def plan_recovery(
     placement = _placement(new_nodes, job.ranks_per_node)
     alive = _alive(nodes, failures)
     world = len(new_nodes) * job.ranks_per_node
-    found = gang_restore(
-        catalog.committed, catalog.where, world, placement, alive, elastic=job.replicated
-    )
+    found = _gang_restore(job, catalog, world, placement, alive)
     step, note, sources = found.step, found.note, found.sources
     if step is not None:
         same = [h.restored_step for h in job.history[-NO_PROGRESS_RESTORES:]]
@@ -349,7 +352,9 @@ def plan_recovery(
                 quarantine=quarantine,
             )
     restore_from = (
-        _tiers(step, catalog, placement, alive, _via(sources)) if step is not None else {}
+        _tiers(step, catalog, placement, alive, _via(sources), sharded=job.reshards)
+        if step is not None
+        else {}
     )
     action = Action.REPLACE if swaps else Action.RESTART_IN_PLACE
     how = (
@@ -558,8 +563,18 @@ def _tiers(
     placement: Mapping[int, str],
     alive: set[str],
     source: Callable[[int], int] = lambda rank: rank,
+    *,
+    sharded: bool = False,
 ) -> dict[int, str]:
+    """rank -> the tier it restores ``step`` from (the nearest that holds its copy).
+    ``sharded``: a resharding job's (``JobView.reshards``): where ``step`` was saved by
+    another set of ranks, each rank may read any saved shard, so its tier is the
+    farthest its node reads one of them from."""
     tiers = catalog.committed.get(step, {})
+    if sharded:
+        saved = {r for (s, r, _t) in catalog.where if s == step}
+        if saved and saved != set(placement):
+            return _sharded_tiers(step, catalog, placement, alive, saved)
     out: dict[int, str] = {}
     for rank, node in placement.items():
         for tier in TIER_ORDER:
@@ -577,6 +592,36 @@ def _tiers(
                 out[rank] = tier
                 break
     return out
+
+
+def _sharded_tiers(
+    step: int,
+    catalog: CatalogView,
+    placement: Mapping[int, str],
+    alive: set[str],
+    saved: set[int],
+) -> dict[int, str]:
+    tiers = catalog.committed.get(step, {})
+
+    def nearest(node: str, rank: int) -> int:
+        for i, tier in enumerate(TIER_ORDER):
+            if tier not in tiers:
+                continue
+            if tier == "object":
+                return i
+            landed, holder = catalog.where.get((step, rank, tier), ("", None))
+            if tier == "peer" and holder is not None and holder in alive:
+                return i
+            if tier in ("ram", "nvme") and landed == node and node in alive:
+                return i
+        return len(TIER_ORDER)
+
+    farthest = {node: max(nearest(node, r) for r in saved) for node in set(placement.values())}
+    return {
+        rank: TIER_ORDER[farthest[node]]
+        for rank, node in placement.items()
+        if farthest[node] < len(TIER_ORDER)
+    }
 
 
 def _shrink(
@@ -606,14 +651,16 @@ def _shrink(
     placement = _placement(kept, job.ranks_per_node)
     alive = _alive(nodes, failures)
     world = size * job.ranks_per_node
-    found = gang_restore(catalog.committed, catalog.where, world, placement, alive, elastic=True)
+    found = _gang_restore(job, catalog, world, placement, alive)
     step, note, sources = found.step, found.note, found.sources
     if step is None and catalog.committed:
         # Committed steps, none this gang can read whole: restarting from scratch would
         # throw away the run. Wait (a node may come back with its copies).
         return f"no committed step the {size}-node gang can read whole ({note})"
     restore_from = (
-        _tiers(step, catalog, placement, alive, _via(sources)) if step is not None else {}
+        _tiers(step, catalog, placement, alive, _via(sources), sharded=job.reshards)
+        if step is not None
+        else {}
     )
     first = failures[0]
     dropped = [n for n in job.nodes if n not in kept]
@@ -634,6 +681,26 @@ def _shrink(
         restore_from=restore_from,
         reinstate=tuple(n for n in reinstate if n in kept),
         sources=sources,
+    )
+
+
+def _gang_restore(
+    job: JobView,
+    catalog: CatalogView,
+    world: int,
+    placement: Mapping[int, str],
+    alive: set[str],
+) -> GangRestore:
+    """The step a gang of ``world`` ranks on ``placement`` restores (``gang_restore``, as
+    the job's state allows: replicated, resharded by its ranks, or neither)."""
+    return gang_restore(
+        catalog.committed,
+        catalog.where,
+        world,
+        placement,
+        alive,
+        elastic=job.replicated,
+        sharded=job.reshards,
     )
 
 
@@ -688,19 +755,12 @@ def plan_grow(job: JobView, nodes: Mapping[str, NodeView], catalog: CatalogView)
         added = tuple(v.id for v in free[: target - size])
         grown = (*job.nodes, *added)
         placement = _placement(grown, job.ranks_per_node)
-        found = gang_restore(
-            catalog.committed,
-            catalog.where,
-            target * job.ranks_per_node,
-            placement,
-            alive,
-            elastic=True,
-        )
+        found = _gang_restore(job, catalog, target * job.ranks_per_node, placement, alive)
         if found.step is None and catalog.committed:
             continue  # the new nodes can read no committed step yet
         sources = found.sources
         restore_from = (
-            _tiers(found.step, catalog, placement, alive, _via(sources))
+            _tiers(found.step, catalog, placement, alive, _via(sources), sharded=job.reshards)
             if found.step is not None
             else {}
         )
@@ -726,14 +786,7 @@ def plan_regrow(job: JobView, nodes: Mapping[str, NodeView], catalog: CatalogVie
         return grown
     placement = _placement(job.nodes, job.ranks_per_node)
     alive = _alive(nodes, ())
-    found = gang_restore(
-        catalog.committed,
-        catalog.where,
-        len(placement),
-        placement,
-        alive,
-        elastic=job.replicated,
-    )
+    found = _gang_restore(job, catalog, len(placement), placement, alive)
     return Plan(
         Action.RESTART_IN_PLACE,
         f"elastic: the nodes to grow onto are taken or cannot read a checkpoint: "
@@ -742,7 +795,9 @@ def plan_regrow(job: JobView, nodes: Mapping[str, NodeView], catalog: CatalogVie
         nodes=tuple(job.nodes),
         restore_step=found.step,
         restore_note=found.note,
-        restore_from=_tiers(found.step, catalog, placement, alive, _via(found.sources))
+        restore_from=_tiers(
+            found.step, catalog, placement, alive, _via(found.sources), sharded=job.reshards
+        )
         if found.step is not None
         else {},
         sources=found.sources,

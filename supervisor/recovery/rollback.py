@@ -43,6 +43,7 @@ class RollbackView:
     rollback_window_s: float
     past: tuple[float, ...] = ()  # the times of its earlier rollbacks
     replicated: bool = False  # an elastic job's: a step saved at another size restores
+    reshards: bool = False  # elastic.reshard: every node reads every shard saved at another size
 
 
 def plan_rollback(
@@ -74,7 +75,15 @@ def plan_rollback(
         for lr in range(job.ranks_per_node)
     }
     world = len(job.nodes) * job.ranks_per_node
-    found = gang_restore(older, catalog.where, world, placement, alive, elastic=job.replicated)
+    found = gang_restore(
+        older,
+        catalog.where,
+        world,
+        placement,
+        alive,
+        elastic=job.replicated,
+        sharded=job.reshards,
+    )
     step, note = found.step, found.note
     if step is None and catalog.committed:
         why = note or (

@@ -105,6 +105,7 @@ def plan(ctl: JobControl, job: Job, failure: Failure) -> Plan:
         rollback_window_s=spec.rollback_window,
         past=tuple(float(r["at"]) for r in guard_rollbacks(job)),
         replicated=job.spec.reshapes,
+        reshards=job.spec.reshards,
     )
     return plan_rollback(view, failure, CatalogView(committed, where), now=time.time(), alive=alive)
 

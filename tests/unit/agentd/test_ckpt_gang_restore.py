@@ -349,3 +349,62 @@ def test_the_gang_step_is_listed_even_when_newer_steps_fill_the_message(
 
     assert sent.restore_step == STEP
     assert STEP in [s.step for s in sent.steps] and len(sent.steps) == wire.MAX_CATALOG_STEPS
+
+
+RESHARD_STEP = 7
+
+
+@pytest.mark.parametrize(("rank", "world"), [(0, 1), (2, 3)])
+def test_a_resharding_rank_reads_the_saved_ranks_shards_it_asks_for(
+    fleet: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int, world: int
+) -> None:
+    """``elastic.reshard``: step 7 was saved by 2 ranks (in the object store); the gang
+    now has ``world`` ranks on n03. A rank learns the saved size and reads any saved
+    shard, also one that saved nothing of the step (a grown gang's rank 2)."""
+    states = {r: training_state(seed=10 + r) for r in range(2)}
+    objects = ObjectTier(LocalFolderStore(tmp_path / "n03" / "objects"), name="object")
+    sums = {}
+    for r, state in states.items():
+        shard = encode(state)
+        sums[r] = (verify(shard), len(shard))
+        objects.put(ShardKey(JOB, RESHARD_STEP, r), memoryview(shard), sums[r][0])
+        fleet["catalog"].on_landing(
+            wire.CkptLanding(
+                node="n01",
+                job=JOB,
+                step=RESHARD_STEP,
+                rank=r,
+                tier="object",
+                nbytes=sums[r][1],  # type: ignore[arg-type]
+                checksum=sums[r][0],
+                at=2.0,
+            ),
+            world_size=2,
+        )
+    objects.commit(TierManifest(JOB, RESHARD_STEP, sums, world_size=2))
+    messages = fleet["catalog"].messages(
+        JOB, world, generation=2, placement=dict.fromkeys(range(world), "n03"), sharded=True
+    )
+    mine = next(m for m in messages if m.node == "n03")
+    assert mine.restore_step == RESHARD_STEP
+    n03 = fleet["n03"]
+    n03.call(n03.service.on_catalog(mine))
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+
+    monkeypatch.setenv("PHALANX_RESHARD", "1")
+    with Checkpointer() as ckpt:
+        assert ckpt.saved_layout() == (RESHARD_STEP, 2)
+        found = ckpt.restore_shards([1, 0], RESHARD_STEP)
+        with pytest.raises(ValueError, match=r"saved rank\(s\) 2 of step 7"):
+            ckpt.restore_shards([2])
+        with pytest.raises(CheckpointError, match="restores step 7 now, not step 5"):
+            ckpt.restore_shards([0], STEP)
+        # The old call would read a part that is not this rank's: it says so.
+        with pytest.raises(CheckpointError, match="saved by 2 ranks and this gang has"):
+            ckpt.restore()
+
+    assert found is not None and found[0] == RESHARD_STEP
+    assert sorted(found[1]) == [0, 1] and ckpt.restored_from == "object"
+    for r in range(2):
+        assert_bit_identical(found[1][r], states[r], f"saved rank {r}")

@@ -75,3 +75,11 @@ def test_a_manifest_the_store_cannot_read_is_a_tier_error_not_a_missing_one(
 
     with pytest.raises(TierError, match="disk on fire"):
         tier.manifest("job-1", 3)
+
+
+def test_resharding_reads_outside_phalanx_say_they_need_its_agent(tmp_path: Path) -> None:
+    (tmp_path / "shm").mkdir()
+    with ckpt.Checkpointer(tmp_path / "c", ram_dir=tmp_path / "shm") as c:
+        for call in (c.saved_layout, lambda: c.restore_shards([0])):
+            with pytest.raises(ckpt.CheckpointError, match="works under Phalanx only"):
+                call()

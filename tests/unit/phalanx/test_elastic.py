@@ -58,6 +58,10 @@ def test_the_allowed_sizes_keep_the_global_batch_a_multiple_of_micro_batch_times
         ({"min_nodes": 1, "global_batch": 24}, "elastic.micro_batch"),
         ({"min_nodes": 1, "global_batch": 24, "micro_batch": 2, "state": "fsdp"}, "elastic.state"),
         ({"min_nodes": 1, "global_batch": 24, "micro_batch": 2, "nodes": 2}, "elastic.nodes"),
+        (
+            {"min_nodes": 1, "global_batch": 24, "micro_batch": 2, "reshard": True},
+            "elastic.reshard is for state: sharded",
+        ),
     ],
 )
 def test_a_spec_with_no_allowed_size_or_a_bad_field_is_rejected_naming_it(
@@ -159,3 +163,37 @@ def test_any_sequence_of_sizes_trains_every_sample_of_every_epoch_exactly_once(
 
 def layout_consumed(global_batch: int, step: int) -> int:
     return global_batch * step
+
+
+def test_a_resharding_job_is_limited_to_the_ranks_its_catalogs_can_list() -> None:
+    ok = spec(min_nodes=1, global_batch=24, micro_batch=2, state="sharded", reshard=True)
+    assert ok.reshards and ok.resizes and not ok.reshapes
+    assert not spec(min_nodes=1, global_batch=24, micro_batch=2, state="sharded").resizes
+    big = {**BASE, "nodes": 65, "ranks_per_node": 8}
+    elastic = {"min_nodes": 1, "global_batch": 520, "micro_batch": 1, "state": "sharded"}
+    assert validate_spec({**big, "elastic": elastic}).resizes is False
+    with pytest.raises(JobSpecError, match="reshard supports jobs of up to 512 ranks"):
+        validate_spec({**big, "elastic": {**elastic, "reshard": True}})
+
+
+@pytest.mark.parametrize("name", ["tinylm-elastic.yaml", "zero1-elastic.yaml"])
+def test_the_elastic_examples_are_valid_specs(name: str) -> None:
+    from pathlib import Path
+
+    from phalanx.jobspec import load_spec_file
+
+    spec = load_spec_file(Path(__file__).resolve().parents[3] / "examples" / name)
+    assert spec.resizes and spec.elastic_sizes() == [1, 2, 3]
+
+
+def test_a_resharding_job_needs_the_object_tier() -> None:
+    elastic = {
+        "min_nodes": 1,
+        "global_batch": 24,
+        "micro_batch": 2,
+        "state": "sharded",
+        "reshard": True,
+    }
+    no_object = {**BASE, "elastic": elastic, "checkpoint": {"tiers": ["ram", "nvme", "peer"]}}
+    with pytest.raises(JobSpecError, match=r"elastic\.reshard needs the object tier"):
+        validate_spec(no_object)

@@ -359,4 +359,4 @@ def test_without_a_default_team_a_spec_must_name_one() -> None:
 )
 def test_every_example_spec_loads(example: Path) -> None:
     spec = load_spec_file(example)
-    assert spec.command[1] == "tinylm.py"
+    assert spec.command[1] in ("tinylm.py", "zero1.py")  # beside the spec (workdir: .)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zstandard
@@ -405,3 +406,44 @@ def test_a_shrunk_gang_restores_the_shards_its_nodes_saved_at_the_larger_size(
     assert msgs["n02"].sources == {4: 0, 5: 1} and msgs["n01"].sources == {}
     step30 = next(s for s in msgs["n02"].steps if s.step == 30)
     assert {0, 1} <= {s.rank for s in step30.shards}  # what n02's ranks read, listed there
+
+
+def test_a_resharding_gang_reads_any_saved_shard_so_every_node_lists_them_all(
+    open_store: OpenStore,
+) -> None:
+    """``elastic.reshard``: a rank of the 4-rank gang may read any of the 6 shards step
+    20 was saved in, so the step restores only once every node can read every one (the
+    object store here), and every node's message lists all 6 of that step."""
+    catalog = CheckpointCatalog(open_store())
+    for rank in range(6):
+        catalog.on_landing(landing(20, rank, "ram", node=f"n0{rank // 2 + 1}"), world_size=6)
+    placement = {0: "n01", 1: "n01", 2: "n03", 3: "n03"}
+    alive = {"n01", "n03"}
+
+    def messages() -> dict[str, Any]:
+        return {
+            m.node: m
+            for m in catalog.messages("j-1", 4, placement=placement, alive=alive, sharded=True)
+        }
+
+    msgs = messages()
+    # Each node holds its old ranks' copies in RAM only: n03 cannot read n01's.
+    assert {m.restore_step for m in msgs.values()} == {None}
+    note = msgs["n01"].restore_note
+    assert "node n03 can read no copy of saved rank 0's shard of step 20" in note
+    for rank in range(6):
+        catalog.on_landing(landing(20, rank, "object", node=f"n0{rank // 2 + 1}"), world_size=6)
+    msgs = messages()
+    assert {m.restore_step for m in msgs.values()} == {20}
+    for node in ("n01", "n03"):
+        assert msgs[node].sources == {}
+        step20 = next(s for s in msgs[node].steps if s.step == 20)
+        assert step20.world_size == 6
+        assert {s.rank for s in step20.shards} == set(range(6))
+    # A step the 4-rank gang saved itself: each node lists its own ranks' shards only.
+    for rank in range(4):
+        catalog.on_landing(landing(30, rank, "ram", node=placement[rank]), world_size=4)
+    msgs = messages()
+    assert msgs["n03"].restore_step == 30
+    step30 = next(s for s in msgs["n03"].steps if s.step == 30)
+    assert step30.world_size is None and {s.rank for s in step30.shards} == {2, 3}

@@ -239,3 +239,52 @@ def test_no_growth_while_a_node_of_the_job_is_unhealthy() -> None:
     for state in ("drain", "offline"):
         nodes = fleet(node("a", busy=True), node("b", state=state, busy=True), node("c"))
         assert plan_grow(small, nodes, cat) is None
+
+
+# -- sharded state its ranks reshard (elastic.reshard) -----------------------------
+
+
+def resharding(*nodes: str, sizes: tuple[int, ...], rpn: int = 2) -> JobView:
+    return replace(job(*nodes, rpn=rpn), sizes=sizes, reshards=True)
+
+
+def test_a_resharding_job_shrinks_to_a_step_every_node_can_read_every_saved_shard_of() -> None:
+    j = resharding("a", "b", "c", sizes=(1, 2, 3))
+    # Step 20 in RAM and at the peer tier: a's copies are held by b (lost), so node c
+    # cannot read a's shards; step 10 is in the object store, which every node reads.
+    cat = catalog(j, {10: ["ram", "object"], 20: ["ram", "nvme", "peer"]})
+    p = plan(j, lost("b"), fleet(*gang("a", "b", "c")), cat)
+    assert p.action is Action.SHRINK and p.nodes == ("a", "c")
+    assert p.restore_step == 10 and p.sources == {}  # each rank reads what it needs
+    # Each rank may read any of the 6 saved shards: its tier is its node's farthest.
+    assert p.restore_from == {r: "object" for r in range(4)}
+
+
+def test_a_resharding_job_whose_shards_no_node_can_all_read_waits_and_says_why() -> None:
+    j = resharding("a", "b", "c", sizes=(1, 2, 3))
+    cat = catalog(j, {20: ["ram", "nvme", "peer"]})
+    p = plan(j, lost("b"), fleet(*gang("a", "b", "c")), cat)
+    assert p.action is Action.WAIT
+    assert "not shrinking: no committed step the 2-node gang can read whole" in p.reason
+    assert "can read no copy of saved rank" in p.reason
+
+
+def test_a_resharding_job_in_place_at_its_own_size_reads_its_own_shards() -> None:
+    j = resharding("a", "b", sizes=(1, 2))
+    cat = catalog(j, {20: ["ram", "nvme"]})
+    p = plan(j, exit_("b", rank=2), fleet(*gang("a", "b")), cat)
+    assert p.action is Action.RESTART_IN_PLACE and p.restore_step == 20 and p.sources == {}
+
+
+def test_a_resharding_job_grows_once_the_new_nodes_can_read_every_saved_shard() -> None:
+    small = replace(resharding("a", "b", "c", sizes=(1, 2, 3)), nodes=("a", "b"))
+    nodes = fleet(*gang("a", "b"), node("c"))
+    assert plan_grow(small, nodes, catalog(small, {40: ["ram", "nvme"]})) is None
+    # a's copies at the peer tier are held by b, b's by a: every node reads all 4.
+    p = plan_grow(small, nodes, catalog(small, {40: ["ram", "nvme", "peer"]}))
+    assert p is not None and p.action is Action.GROW and p.nodes == ("a", "b", "c")
+    assert p.restore_step == 40 and p.sources == {}
+    assert p.restore_from == {r: "peer" for r in range(6)}
+    # Not resharding (and not replicated), the 6-rank gang's ranks 4, 5 have no shard.
+    plain = replace(small, reshards=False)
+    assert plan_grow(plain, nodes, catalog(small, {40: ["ram", "nvme", "peer"]})) is None

@@ -258,3 +258,23 @@ def test_a_trip_while_a_recoverys_launch_is_acknowledged_waits_for_it() -> None:
     on_guard(Events(), lambda j, f, **_: failures.append(f), job, trip_event())  # type: ignore[arg-type]
 
     assert failures == [] and job.guard_pending is not None
+
+
+def test_a_resharding_job_rolls_back_only_to_a_step_every_node_reads_every_shard_of() -> None:
+    """A job that shrank to 2 nodes (4 ranks) after step 20, saved by 6 ranks: its ranks
+    reshard (elastic.reshard), so step 20 restores only where each node can read all 6
+    shards; at the nvme tier each node holds its own, and the 4-rank gang's step 25 is
+    read as usual."""
+    big = {(20, r, "nvme"): (("n1", "n1", "n2", "n2", "n3", "n3")[r], None) for r in range(6)}
+    own = {(25, r, "nvme"): (NODES[r // 2], None) for r in range(4)}
+    committed = {20: {"nvme": NOW}, 25: {"nvme": NOW}}
+    cat = CatalogView(committed, {**big, **own})
+
+    plan = plan_rollback(job(reshards=True), spike(32, 34), cat, now=NOW)
+    assert plan.restore_step == 25
+    plan = plan_rollback(job(reshards=True), spike(24, 24), cat, now=NOW)
+    assert plan.action is Action.FAIL and "can read no copy of saved rank" in plan.reason
+    # In the object store every node reads every shard of step 20.
+    cat = CatalogView({20: {"object": NOW}, 25: {"nvme": NOW}}, {**big, **own})
+    plan = plan_rollback(job(reshards=True), spike(24, 24), cat, now=NOW)
+    assert plan.restore_step == 20
