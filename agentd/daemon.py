@@ -131,6 +131,7 @@ class Agent:
             self.ranks.pids,
             on_step=self.metrics.add,
         )
+        self.ranks.parking = self.progress  # in-process restarts: ranks parked, resumed
         self._loop: asyncio.AbstractEventLoop | None = None
         # This node's own HTTP token (its rank logs and peer tier; phalanx.agent_tokens),
         # read once; unreadable or unset, the token routes answer 403.

@@ -185,6 +185,9 @@ class ProgressMonitor:
         self._on_step = on_step
         self._gens: dict[tuple[str, int], _Generation] = {}
         self._current: dict[str, int] = {}  # job -> the generation the agent runs
+        # (job, rank) -> (generation, pid, reply address): ranks that left a failed
+        # generation alive and wait to be resumed (phalanx.rank.run, an in-process restart)
+        self._parked: dict[tuple[str, int], tuple[int, int, str | bytes]] = {}
         self._sock: socket.socket | None = None
         self._group: asyncio.TaskGroup | None = None
         self._task: asyncio.Task[None] | None = None
@@ -303,6 +306,9 @@ class ProgressMonitor:
         if (gen := self._gens.get((job, generation))) is not None:
             gen.ended = True
             gen.save_now.discard(rank)
+        parked = self._parked.get((job, rank))
+        if parked is not None and parked[0] <= generation:
+            del self._parked[(job, rank)]
 
     def request_save(self, job: str, generation: int, ranks: list[int]) -> list[int]:
         """Ask ``ranks`` of ``job`` to checkpoint now, each once, in the reply to its next
@@ -368,7 +374,29 @@ class ProgressMonitor:
                 exc,
             )
 
+    def parked(self, job: str, rank: int) -> tuple[int, int] | None:
+        """``(generation, pid)`` of ``job``'s rank ``rank`` when it waits, parked, to be
+        resumed as the next generation's (None: it has not said so)."""
+        got = self._parked.get((job, rank))
+        return None if got is None else (got[0], got[1])
+
+    def resume(self, job: str, rank: int, order: str) -> bool:
+        """Tell the parked rank where its next generation's order is; False when it is
+        not parked, or the datagram could not be sent."""
+        got = self._parked.get((job, rank))
+        if got is None or self._sock is None or not self._reply(got[2], Requests(resume=order)):
+            return False
+        del self._parked[(job, rank)]
+        return True
+
+    def forget_parked(self, job: str, rank: int) -> None:
+        self._parked.pop((job, rank), None)
+
     def _on_report(self, report: StepReport, sender: str | bytes | None) -> None:
+        if report.kind == "parked":  # of the generation that failed, so never fenced
+            if sender:
+                self._parked[(report.job, report.rank)] = (report.generation, report.pid, sender)
+            return
         current = self._current.get(report.job)
         if current is None or report.generation > current:
             self.unknown += 1

@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from agentd.commands import CommandError
 from agentd.config import ENV_PREFIX
@@ -70,12 +70,27 @@ class Rank:
     log_path: Path
     started_at: float
     warm: bool = False  # a warm interpreter became it (no process was launched)
+    visible: str = ""  # its CUDA_VISIBLE_DEVICES (an in-process restart keeps it)
     code: int | None = None
     signal: int | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 Reporter = Callable[[wire.RankEvent], Awaitable[None]]
+# How long an in-process start waits for a live rank of the older generation to park
+# (phalanx.rank.run) before it stops it and starts the slot's rank as usual.
+PARK_WAIT_S = 3.0
+IN_PROCESS_STOP_GRACE_S = 5.0
+
+
+class Parking(Protocol):
+    """The ranks parked for an in-process restart (``agentd.progress.ProgressMonitor``)."""
+
+    def parked(self, job: str, rank: int) -> tuple[int, int] | None: ...
+
+    def resume(self, job: str, rank: int, order: str) -> bool: ...
+
+
 StepLookup = Callable[[str, int, int], int | None]  # (job, generation, rank) -> last step
 
 
@@ -125,6 +140,7 @@ class RankRunner:
         self.warm = WarmPool(
             node, data_dir, on_spawn=self._keep_off_write_cpus if self.cpus is not None else None
         )
+        self.parking: Parking | None = None  # set by the agent: in-process restarts
 
     # --- queries -----------------------------------------------------------
 
@@ -219,25 +235,40 @@ class RankRunner:
     ) -> dict[str, Any]:
         self._generation[req.job] = req.generation
         self.warm.drop_prewarmed(keep=req.job)
-        # Ranks of an older generation whose stop never arrived go first: left running, they
-        # would hold the GPUs and, replaced in self._ranks, escape every later stop.
-        await self._stop(req.job, req.generation - 1, grace_s=req.grace_s)
         logs = self.data_dir / "jobs" / req.job / f"g{req.generation}"
         logs.mkdir(parents=True, exist_ok=True)
-        pids = {}
+        visible = ",".join(str(s.gpu) for s in slots if s.gpu is not None)
+        adopted: dict[int, int] = {}
+        if req.in_process:
+            adopted = await self._adopt(req, slots, env, logs, visible)
+        # Ranks of an older generation whose stop never arrived go first: left running, they
+        # would hold the GPUs and, replaced in self._ranks, escape every later stop. (Those
+        # an in-process start did not resume get the supervisor's own short grace: this
+        # start's acknowledgement waits for them.)
+        grace = min(req.grace_s, IN_PROCESS_STOP_GRACE_S) if req.in_process else req.grace_s
+        await self._stop(req.job, req.generation - 1, grace_s=grace)
+        pids = dict(adopted)
         cold: dict[int, str] = {}  # rank -> why no warm interpreter became it
         templates: dict[int, Template] = {}
-        visible = ",".join(str(s.gpu) for s in slots if s.gpu is not None)
         for slot in slots:
             rank_env = _rank_env(env, slot, logs, visible)
             log_path = logs / f"rank-{slot.rank}.log"
             template = template_for(req, workdir, rank_env)
             if template is not None:
                 templates[slot.local_rank] = template
+            if slot.rank in adopted:
+                continue
             started = await self.warm.start_rank(req, slot, template, rank_env, workdir, log_path)
             if not isinstance(started, Cold):
                 rank = Rank(
-                    req.job, req.generation, slot, started, log_path, time.time(), warm=True
+                    req.job,
+                    req.generation,
+                    slot,
+                    started,
+                    log_path,
+                    time.time(),
+                    warm=True,
+                    visible=visible,
                 )
                 self._started(rank)
                 pids[slot.rank] = started.pid
@@ -262,7 +293,9 @@ class RankRunner:
                     ) from exc
             if self.cpus is not None:
                 self._keep_off_write_cpus(proc.pid)
-            self._started(Rank(req.job, req.generation, slot, proc, log_path, time.time()))
+            self._started(
+                Rank(req.job, req.generation, slot, proc, log_path, time.time(), visible=visible)
+            )
             pids[slot.rank] = proc.pid
         if templates:
             ranks = [s.rank for s in slots]
@@ -274,7 +307,81 @@ class RankRunner:
             )
         else:
             self.warm.discard(req.job)
-        return {"pids": pids, "cold": {str(r): why for r, why in sorted(cold.items())}}
+        answer: dict[str, Any] = {
+            "pids": pids,
+            "cold": {str(r): why for r, why in sorted(cold.items())},
+        }
+        if req.in_process:
+            answer["resumed"] = sorted(adopted)
+        return answer
+
+    async def _adopt(
+        self,
+        req: wire.StartRanksArgs,
+        slots: list[wire.RankSlot],
+        env: dict[str, str],
+        logs: Path,
+        visible: str,
+    ) -> dict[int, int]:
+        """An in-process start: each live rank of the job's older generation here that
+        parked (``phalanx.rank.run``) becomes its slot's rank of this generation, in its
+        own process: its order (environment, log) goes in a file only the agent's user
+        reads, and the rank is told where. Waits up to ``PARK_WAIT_S`` for ranks still on
+        their way to park; returns rank -> pid of those resumed."""
+        parking = self.parking
+        if parking is None:
+            return {}
+        waiting = {
+            slot.rank: (slot, r)
+            for slot in slots
+            if (r := self._ranks.get((req.job, slot.rank))) is not None
+            and not r.done.is_set()
+            and r.generation < req.generation
+        }
+        adopted: dict[int, int] = {}
+        deadline = time.monotonic() + PARK_WAIT_S
+        while waiting:
+            for number, (slot, r) in list(waiting.items()):
+                found = parking.parked(req.job, number)
+                if found is None or found[0] != r.generation or not _in_session(found[1], r):
+                    continue
+                if (r.slot.gpu, r.slot.local_rank, r.visible) != (
+                    slot.gpu,
+                    slot.local_rank,
+                    visible,
+                ):
+                    del waiting[number]  # another GPU or slot: it is stopped, and started
+                    continue
+                rank_env = _rank_env(env, slot, logs, visible)
+                log_path = logs / f"rank-{number}.log"
+                order = logs / f".resume-rank-{number}.json"
+                await asyncio.to_thread(
+                    _write_private, order, {"env": rank_env, "log": str(log_path)}
+                )
+                if not parking.resume(req.job, number, str(order)):
+                    with contextlib.suppress(OSError):
+                        order.unlink()  # it holds the rank's environment, secrets included
+                    continue
+                del waiting[number]
+                old = r.generation
+                r.generation, r.slot, r.log_path = req.generation, slot, log_path
+                r.started_at = time.time()
+                adopted[number] = r.proc.pid
+                log.info(
+                    "job %s gen %d: rank %d resumed in its process (pid %d) from gen %d",
+                    req.job,
+                    req.generation,
+                    number,
+                    r.proc.pid,
+                    old,
+                    extra={"job": req.job, "rank": number, "event": "rank_resumed"},
+                )
+            if not waiting or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.02)
+        if adopted:
+            self._record()
+        return adopted
 
     async def prewarm(self, args: wire.PrewarmArgs) -> dict[str, Any]:
         """Warm interpreters for a job with no rank here (this node is a hot spare), one
@@ -366,8 +473,23 @@ class RankRunner:
         busy: set[int] = set()
         for _, gpus in self._claims.values():
             busy |= gpus
-        free = [g for g in self.gpus if g not in busy]
-        wanted = [s for s in req.ranks if s.gpu is None]
+        # A rank of this job still alive in a slot keeps its GPU (an in-process restart
+        # resumes it there: its CUDA context cannot move).
+        keep: dict[int, int] = {}
+        if req.in_process:
+            for s in req.ranks:
+                r = self._ranks.get((req.job, s.rank))
+                if (
+                    s.gpu is None
+                    and r is not None
+                    and not r.done.is_set()
+                    and r.slot.gpu is not None
+                    and r.slot.gpu not in busy
+                    and r.slot.gpu not in keep.values()
+                ):
+                    keep[s.rank] = r.slot.gpu
+        free = [g for g in self.gpus if g not in busy and g not in keep.values()]
+        wanted = [s for s in req.ranks if s.gpu is None and s.rank not in keep]
         if len(wanted) > len(free):
             raise CommandError(
                 f"job {req.job}: node {self.node} has {len(free)} free GPUs, "
@@ -375,7 +497,10 @@ class RankRunner:
             )
         it = iter(free)
         slots = [
-            s if s.gpu is not None else s.model_copy(update={"gpu": next(it)}) for s in req.ranks
+            s
+            if s.gpu is not None
+            else s.model_copy(update={"gpu": keep[s.rank] if s.rank in keep else next(it)})
+            for s in req.ranks
         ]
         self._claims[req.job] = (req.generation, {s.gpu for s in slots if s.gpu is not None})
         return slots
@@ -606,6 +731,27 @@ class RankRunner:
             self.warm.discard(rank.job)
         else:
             self.warm.discard_when_idle(rank.job, lambda: self._has_ranks(rank.job))
+
+
+def _in_session(pid: int, rank: Rank) -> bool:
+    """Whether ``pid`` is the rank's process or one in its session (a command such as
+    ``bash -c "python train.py"`` parks from a child of the process the agent started)."""
+    if pid == rank.proc.pid:
+        return True
+    try:
+        return os.getsid(pid) == rank.proc.pid
+    except OSError:
+        return False
+
+
+def _write_private(path: Path, obj: object) -> None:
+    """Write ``obj`` as JSON to ``path``, readable by this user only (it holds the rank's
+    environment, secrets included), replacing it whole."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(obj, fh)
+    os.replace(tmp, path)
 
 
 def _rank_env(env: dict[str, str], slot: wire.RankSlot, logs: Path, visible: str) -> dict[str, str]:

@@ -33,6 +33,11 @@ hardware, so a fleet that saw a fault is not the same fleet any more.
 * ``crash_cold``: the same with ``restart.warm: false`` (a cold launch of every
   rank, as before warm interpreters); ``warm_vs_cold`` compares the two in this
   run, against the issue's target of 1.0 s from the kill to training again.
+* ``crash_in_process``: the same with ``restart.in_process`` (tinylm ``--in-process``,
+  under ``phalanx.rank.run``): the ranks left alive leave their collectives, park and
+  become the next generation's in their own processes; only rank 1 is replaced, from a
+  warm interpreter. ``in_process_restart`` judges ``mttr_from_injection_s`` p50
+  against the issue's 0.5 s; ``resumed_ranks`` lists the ranks that stayed.
 * ``ecc_to_spare``: the same, with a double-bit ECC error injected on GPU 0 of
   the job's second node (``phalanx.simgpu.inject``): the node drains, its
   ranks move to the spare, which restores from the peer copy or the object
@@ -294,6 +299,8 @@ class Job:
             "restart": {"spare_wait": 60, "warm_imports": WARM_IMPORTS, **(restart or {})},
             **(more or {}),
         }
+        if (restart or {}).get("in_process"):
+            spec["command"].append("--in-process")  # type: ignore[union-attr]
         self.submitted_at = time.time()
         self.id: str = self.client.post("/v1/jobs", {"spec": spec})["id"]
 
@@ -414,6 +421,18 @@ class Job:
             with contextlib.suppress(OSError):
                 found += len(pattern.findall(log.read_text(errors="replace")))
         return found
+
+    def resumed(self, generation: int) -> list[int]:
+        """The ranks of ``generation`` resumed in their own processes (an in-process
+        restart; the agents' logs)."""
+        pattern = re.compile(
+            rf"job {re.escape(self.id)} gen {generation}: rank (\d+) resumed in its process"
+        )
+        found: set[int] = set()
+        for log in (self.fleet.path / "logs").glob("agent-*.log"):
+            with contextlib.suppress(OSError):
+                found.update(int(r) for r in pattern.findall(log.read_text(errors="replace")))
+        return sorted(found)
 
     def rank_pid(self, rank: int) -> int:
         generation = str(self.view()["generation"])
@@ -697,6 +716,30 @@ class Bench:
         if warm:
             return self.trials("crash", kill)
         return self.trials("crash-cold", kill, {"warm": False})
+
+    def crash_in_process(self) -> list[Json]:
+        """``crash_in_place`` with ``restart.in_process`` (tinylm under
+        ``phalanx.rank.run``): the other ranks stay, parked, and become the next
+        generation's in their processes; only the killed rank is replaced (from a warm
+        interpreter). ``resumed_ranks``: the ranks resumed in their own processes."""
+
+        def kill(fleet: Fleet, job: Job) -> tuple[float, Json]:
+            said: Json = {"killed_rank": LAYOUT.kill_rank, "warm_ready": job.warm_ready()}
+            pid = job.rank_pid(LAYOUT.kill_rank)
+            at = time.time()
+            os.kill(pid, signal.SIGKILL)
+            return at, said
+
+        def after(job: Job, struck: float) -> Json:
+            got = self.timed(job, struck)
+            got["resumed_ranks"] = job.resumed(2)
+            return got
+
+        out = []
+        for i in range(self.args.trials):
+            self.log(f"crash-in-process {i + 1}/{self.args.trials}")
+            out.append(self.fault_trial("crash-inproc", kill, {"in_process": True}, after=after))
+        return out
 
     def ecc_to_spare(self) -> list[Json]:
         def ecc(fleet: Fleet, job: Job) -> tuple[float, Json]:
@@ -1060,8 +1103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--cases",
-        default="fresh,crash,crash_cold,ecc,hang,ettr,no_spare",
-        help="comma-separated subset of fresh,crash,crash_cold,ecc,hang,ettr,no_spare",
+        default="fresh,crash,crash_cold,crash_in_process,ecc,hang,ettr,no_spare",
+        help="comma-separated subset of fresh,crash,crash_cold,crash_in_process,ecc,hang,"
+        "ettr,no_spare",
     )
     parser.add_argument(
         "--return-after",
@@ -1102,7 +1146,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.trials, args.ettr_minutes, args.mtbf = 1, 1.0, 30.0
     cases = {c.strip() for c in args.cases.split(",") if c.strip()}
-    unknown = cases - {"fresh", "crash", "crash_cold", "ecc", "hang", "ettr", "no_spare"}
+    unknown = cases - {
+        "fresh",
+        "crash",
+        "crash_cold",
+        "crash_in_process",
+        "ecc",
+        "hang",
+        "ettr",
+        "no_spare",
+    }
     if unknown or args.trials < 1 or args.mtbf <= 0 or args.ettr_minutes <= 0:
         parser.error(
             f"bad arguments: unknown cases {sorted(unknown)}"
@@ -1158,6 +1211,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "crash_cold" in cases:
             trials = bench.crash_in_place(warm=False)
             result["crash_cold"] = {**case(trials), **target(trials, launch_p50, 2.0)}
+        if "crash_in_process" in cases:
+            trials = bench.crash_in_process()
+            result["crash_in_process"] = {**case(trials), **target(trials, launch_p50, 2.0)}
+            result["in_process_restart"] = warm_target(result["crash_in_process"], 0.5)
         if "crash_in_place" in result and "crash_cold" in result:
             result["warm_vs_cold"] = warm_vs_cold(result["crash_in_place"], result["crash_cold"])
         if "ecc" in cases:

@@ -302,6 +302,12 @@ def main() -> None:
         "it trains to DIR/rank-R.jsonl (with the generation and its layout)",
     )
     ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="train under phalanx.rank.run: when a peer fails, this process stays and "
+        "becomes the next generation's rank (the job spec's restart.in_process)",
+    )
+    ap.add_argument(
         "--step-sleep",
         type=float,
         default=0.0,
@@ -320,7 +326,8 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
         torch.set_num_threads(1)  # several ranks share a few cores
-    dist.init_process_group("nccl" if cuda else "gloo")
+    if not dist.is_initialized():  # phalanx.rank.run started it (--in-process)
+        dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda") if cuda else torch.device("cpu")
     torch.manual_seed(args.seed)  # identical initial weights on every rank
 
@@ -553,5 +560,8 @@ def exit_now() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if "--in-process" in sys.argv:
+        phalanx.rank.run(main)
+    else:
+        main()
     exit_now()

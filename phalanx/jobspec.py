@@ -166,6 +166,15 @@ class RestartSpec(_Spec):
         "(`torch._dynamo`: 1.5 s on a quiet core); a list of your own should keep it.",
     )
 
+    in_process: bool = Field(
+        default=False,
+        description="In-process restart: when a rank exits, the others leave their "
+        "collectives alive and become the next generation's ranks in the same process "
+        "(the script runs its training under `phalanx.rank.run(train)`); only the failed "
+        "rank's process is replaced. A rank that is not back within a few seconds is "
+        "stopped and started as usual.",
+    )
+
     @field_validator("hang_timeout", mode="before")
     @classmethod
     def _hang_timeout(cls, value: Any) -> Any:

@@ -40,7 +40,8 @@ MAX_GENERATION: Final = 2**63 - 1
 _JOB_RE = re.compile(JOB_ID_PATTERN)
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
 _REPORT_KEYS = frozenset({"v", "job", "generation", "rank", "pid", "kind", "step", "at", "scalars"})
-KINDS: Final = ("step", "restored", "finished", "guard", "digest")
+KINDS: Final = ("step", "restored", "finished", "guard", "digest", "parked")
+MAX_RESUME_PATH: Final = 1024
 
 
 class ProgressError(ValueError):
@@ -80,10 +81,13 @@ class Requests:
     and save nothing more; the supervisor stops the gang and rolls it back. Set by the
     rank's own channel, never sent by the agent; not part of the truth value, which
     stays ``save_now``.
+    ``resume``: the answer to a parked rank (``kind="parked"``, an in-process restart):
+    the file holding its next generation's order (``phalanx.rank.run``).
     """
 
     save_now: bool = False
     rollback: bool = False
+    resume: str | None = None
 
     def __bool__(self) -> bool:
         return self.save_now
@@ -198,7 +202,10 @@ def decode_report(data: bytes) -> StepReport:
 
 
 def encode_requests(requests: Requests) -> bytes:
-    return json.dumps({"v": VERSION, "save_now": requests.save_now}, separators=(",", ":")).encode()
+    obj: dict[str, Any] = {"v": VERSION, "save_now": requests.save_now}
+    if requests.resume is not None:
+        obj["resume"] = requests.resume
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def decode_requests(data: bytes) -> Requests:
@@ -207,7 +214,12 @@ def decode_requests(data: bytes) -> Requests:
     save_now = obj.get("save_now", False)
     if not isinstance(save_now, bool):
         raise ProgressError(f"save_now {save_now!r} is not a boolean")
-    return Requests(save_now=save_now)
+    resume = obj.get("resume")
+    if resume is not None and (
+        not isinstance(resume, str) or not resume or len(resume) > MAX_RESUME_PATH
+    ):
+        raise ProgressError(f"resume {str(resume)[:80]!r} is not a file path")
+    return Requests(save_now=save_now, resume=resume)
 
 
 def _object(data: bytes) -> dict[str, Any]:

@@ -45,9 +45,12 @@ a reply counts only when it comes from the agent's socket path.
 from __future__ import annotations
 
 import contextlib
+import gc
+import json
 import logging
 import math
 import os
+import select
 import shutil
 import socket
 import sys
@@ -56,7 +59,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeVar
 
 from phalanx.elastic import Elastic, ElasticSampler
 from phalanx.elastic import from_environment as _elastic_from_environment
@@ -103,6 +106,7 @@ __all__ = [
     "lr_scale",
     "next_step",
     "restored",
+    "run",
     "skip",
     "step",
     "tripped",
@@ -145,6 +149,7 @@ class RankChannel:
         self.pid = os.getpid()
         self.sent = 0
         self.drops = 0
+        self.last_step = 0  # the last step reported (where a parked rank left off)
         self._warned = False
         self._retry_at = 0.0
         self._sock: socket.socket | None = None
@@ -189,6 +194,7 @@ class RankChannel:
         sock = self._sock
         if sock is None:
             return NO_REQUESTS
+        self.last_step = step
         guard = self.guard
         if guard is not None:
             if guard.tripped is not None:
@@ -261,6 +267,34 @@ class RankChannel:
         except (ProgressError, OSError):
             self.drops += 1
 
+    def announce_park(self, step: int) -> None:
+        """Tell the agent this rank is parked (:meth:`park` waits for the answer)."""
+        self._send_kind("parked", step, {})
+
+    def park(self, step: int, timeout_s: float) -> str | None:
+        """Tell the agent this rank left its generation alive (an in-process restart,
+        :func:`run`) and wait up to ``timeout_s`` for the file of its next generation's
+        order; None when none came. The report is sent again every second (a datagram
+        the agent's full queue dropped is not the end)."""
+        sock = self._sock
+        if sock is None:
+            return None
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            self._send_kind("parked", step, {})
+            ready, _w, _x = select.select([sock], [], [], min(left, 1.0))
+            while ready:
+                try:
+                    data, sender = sock.recvfrom(MAX_MESSAGE_BYTES + 1, socket.MSG_DONTWAIT)
+                except OSError:
+                    break
+                if sender != self.path:
+                    continue
+                with contextlib.suppress(ProgressError):
+                    if (resume := decode_requests(data).resume) is not None:
+                        return resume
+        return None
+
     def _requests(self, sock: socket.socket) -> Requests:
         save_now = False
         while True:
@@ -288,6 +322,7 @@ class RankChannel:
 ENV_FR_DUMP: Final = "TORCH_FR_DUMP_TEMP_FILE"  # set by the agent: FOLDER/nccl-trace-rank-
 FLIGHT_POLL_S: Final = 0.5
 _flight_watch_pid: int | None = None
+_flight_epoch = 0  # a watcher of an earlier epoch ends (an in-process restart's new paths)
 _forked = False  # this process is a fork of one that imported this module
 
 
@@ -344,15 +379,16 @@ def watch_flight(env: Mapping[str, str], rank: int) -> None:
             os.path.join(folder, REQUEST),
             os.path.join(folder, f"{ANSWER_PREFIX}{rank}"),
             f"{prefix}{rank}",
+            _flight_epoch,
         ),
         name="phalanx-flight-recorder",
         daemon=True,
     ).start()
 
 
-def _flight_loop(request: str, answer: str, dump_path: str) -> None:
+def _flight_loop(request: str, answer: str, dump_path: str, epoch: int = 0) -> None:
     seen = _mtime(request)  # a request from before this process is not for it
-    while True:
+    while epoch == _flight_epoch:
         time.sleep(FLIGHT_POLL_S)
         now = _mtime(request)
         if now is None or now == seen:
@@ -569,3 +605,235 @@ def digest(step: int, model: object) -> int | None:
     value = compute(model)
     channel().digest(step, value)
     return value
+
+
+# --- in-process restart (the job spec's restart.in_process) ------------------------------
+
+ENV_IN_PROCESS: Final = "PHALANX_IN_PROCESS"  # "1": the agent resumes parked ranks
+ENV_PARK_TIMEOUT: Final = "PHALANX_PARK_TIMEOUT_S"
+PARK_TIMEOUT_S: Final = 60.0
+# A rank that parked and was never resumed exits with this (EX_TEMPFAIL): its agent
+# stopped it, or the recovery went another way (a cold start of the gang).
+EXIT_NOT_RESUMED: Final = 75
+# What gloo says when a peer's process is gone (its connection ended); a timeout, an
+# enforce failure or a CUDA error is no peer's failure and ends the rank as before.
+_PEER_WORDS: Final = ("connection closed by peer", "connection reset by peer", "broken pipe")
+T = TypeVar("T")
+
+
+def run(train: Callable[[], T], *, backend: str | None = None) -> T:
+    """Run ``train`` in the job's process group, and again in the next generation's when a
+    peer fails, without this process exiting (the job spec's ``restart.in_process``).
+
+    ``run`` starts the process group (``backend``: NCCL where CUDA is, else gloo) from
+    the environment the agent gave the rank, then calls ``train()``, which builds its
+    model, restores the gang's checkpoint and trains, as a script's ``main`` would,
+    but without ``init_process_group``. When a collective fails because a peer is gone
+    (gloo's and NCCL's errors; any other exception is this rank's own and ends it), the
+    rank leaves the group (destroyed; NCCL's aborted first), tells its agent it is alive
+    and waits: the supervisor restarts the gang as generation g+1 on the same nodes,
+    the agent hands this process the new generation's environment (and log file), and
+    ``train()`` runs again, restoring from RAM. Only the failed rank's process is
+    replaced (from a warm interpreter). Without the agent's word within
+    ``PHALANX_PARK_TIMEOUT_S`` (60 s) the rank exits with :data:`EXIT_NOT_RESUMED`.
+
+    Outside Phalanx, or for a job without ``restart.in_process``, ``run`` is
+    ``init_process_group`` then ``train()``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    group_sockets: set[int] = set()
+    given = dict(os.environ)  # what the agent gave this generation (the script may add)
+    # What exists now (the imports: torch's hundreds of thousands of objects) lives as
+    # long as the process: kept out of the collections, a full one after a failure
+    # walks what training made only (~0.5 s less on the reference machine).
+    gc.freeze()
+    while True:
+        if not dist.is_initialized():
+            cuda = torch.cuda.is_available()
+            if cuda:  # NCCL's communicator is made on the device current at init
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            before = set(_inet_sockets())
+            dist.init_process_group(backend or ("nccl" if cuda else "gloo"))
+            group_sockets = set(_inet_sockets()) - before  # its store's, its pairs'
+        try:
+            return train()
+        except Exception as exc:
+            if (
+                os.environ.get(ENV_IN_PROCESS) != "1"
+                or dist.get_backend() != "gloo"
+                or not _peer_failed(exc)
+            ):
+                raise
+            log.warning("phalanx.rank.run: a peer failed: leaving the group", exc_info=True)
+            failed_at = _last_step()
+        # Out of the except block (the traceback held the frames, and they the group):
+        # the group is aborted first, which closes its connections, so that the peers
+        # still blocked in a collective with this rank fail at once in turn; then the
+        # failed generation's checkpointer goes (its close may wait for a save).
+        _leave_group(dist, group_sockets)
+        if dist.is_initialized():  # never train again on the failed generation's group
+            log.error("phalanx.rank.run: the failed group could not be destroyed: exiting")
+            _exit(EXIT_NOT_RESUMED)
+        _drop_checkpointer()
+        _resume(failed_at, given)
+
+
+def _peer_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` says a peer's process is gone (gloo's words for a connection its
+    peer ended), not that this rank failed."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistNetworkError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(word in text for word in _PEER_WORDS)
+
+
+def _last_step() -> int:
+    current = _default
+    return getattr(current, "last_step", 0) if current is not None else 0
+
+
+def _leave_group(dist: Any, sockets: set[int]) -> None:
+    """Abort the process group and shut its connections down (``sockets``: the inodes of
+    the TCP sockets its start opened). An abort alone leaves gloo's connections open
+    while anything holds the group (measured with torch 2.13: a peer blocked in a
+    collective with this rank waited until this process exited); shut down, every
+    peer waiting on this rank fails at once, and in turn leaves, so the whole gang
+    learns of the failure within milliseconds instead of at its collective timeout."""
+    with contextlib.suppress(Exception):
+        dist.distributed_c10d._abort_process_group()
+    shut = _shut_down(sockets)
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    log.info("phalanx.rank.run: left the group (%d of its connections shut down)", shut)
+
+
+def _inet_sockets() -> dict[int, int]:
+    """inode -> descriptor of this process's sockets (Linux; elsewhere none)."""
+    out: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out[int(link[8:-1])] = int(name)
+    return out
+
+
+def _shut_down(inodes: set[int]) -> int:
+    """Shut down (both ways) the TCP sockets among ``inodes`` still open here."""
+    shut = 0
+    for inode, fd in _inet_sockets().items():
+        if inode not in inodes:
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if (
+                sock.family in (socket.AF_INET, socket.AF_INET6)
+                and sock.type == socket.SOCK_STREAM
+                # a listener shut down makes gloo's accepting thread abort the process
+                and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            ):
+                sock.shutdown(socket.SHUT_RDWR)
+                shut += 1
+        except OSError:
+            pass  # already down
+        finally:
+            sock.close()  # the duplicate; the group's own descriptor stays its to close
+    return shut
+
+
+def _cuda_in_use() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
+def _drop_checkpointer() -> None:
+    """Close the failed generation's checkpointer (its agent fences it from now on)."""
+    global _checkpointer
+    held, _checkpointer = _checkpointer, None
+    if held is not None:
+        with contextlib.suppress(Exception):
+            held[1].close(timeout=5.0)
+
+
+def _exit(code: int) -> NoReturn:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _resume(step: int, given: dict[str, str]) -> None:
+    """Park until the agent resumes this process as a rank of the next generation, then
+    take that generation's environment (``given``: the last one's, updated in place)
+    and log; exit when no word comes."""
+    global _default, _flight_watch_pid, _flight_epoch
+    current = channel()
+    try:
+        timeout = float(os.environ.get(ENV_PARK_TIMEOUT, PARK_TIMEOUT_S))
+    except ValueError:
+        timeout = PARK_TIMEOUT_S
+    # Parked at once (the agent may be waiting to resume this rank). On a GPU the failed
+    # generation's objects held in cycles (model, optimizer, DDP's reducer) are
+    # collected now, before the next one allocates device memory again (on the reference
+    # machine a collection costs 0.3 s even with the imports frozen); on a CPU they go
+    # with Python's own collections.
+    current.announce_park(step)
+    if _cuda_in_use():
+        gc.collect()
+    path = current.park(step, timeout)
+    if path is None:
+        log.error(
+            "phalanx.rank.run: no next generation within %.0f s (the recovery went another "
+            "way, or the agent is gone): exiting with %d",
+            timeout,
+            EXIT_NOT_RESUMED,
+        )
+        _exit(EXIT_NOT_RESUMED)
+    try:
+        with open(path, "rb") as fh:
+            order = json.loads(fh.read())
+        env, log_path = order["env"], order["log"]
+        if not isinstance(env, dict) or not isinstance(log_path, str):
+            raise TypeError("env must be an object and log a path")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.error("phalanx.rank.run: the agent's resume order %s is unusable: %s", path, exc)
+        _exit(EXIT_NOT_RESUMED)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # it holds the environment, secrets included
+    sys.stdout.flush()
+    sys.stderr.flush()
+    out = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    # The new generation's variables; those the last one had and this one has not go,
+    # unless the script changed them (what the script set itself stays).
+    for key, value in given.items():
+        if key not in env and os.environ.get(key) == value:
+            del os.environ[key]
+    os.environ.update(env)
+    given.clear()
+    given.update(env)
+    current.close()
+    _default = None  # the next report is the new generation's
+    _flight_watch_pid = None  # a watcher of the new generation's flight-recorder paths
+    _flight_epoch += 1  # ... and the last one's ends
+    log.info(
+        "phalanx.rank.run: resumed as rank %s of generation %s",
+        env.get("RANK"),
+        env.get("PHALANX_GENERATION"),
+    )

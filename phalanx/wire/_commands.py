@@ -87,6 +87,14 @@ class StartRanksArgs(Msg):
         default=None,
         description="keep warm interpreters behind the ranks (None: cold launches only)",
     )
+    in_process: bool = Field(
+        default=False,
+        description="an in-process restart: a live rank of the job's older generation in "
+        "a slot of this start, parked by phalanx.rank.run, becomes the slot's rank of this "
+        "generation in its own process; the others are stopped and started as usual "
+        "(left out when false, so that older agents take the order)",
+        exclude_if=lambda in_process: not in_process,
+    )
 
 
 class StopRanksArgs(Msg):

@@ -42,6 +42,8 @@ class GangOrders:
             for k, v in spec.env.items()
         }
         env.update(rollbacks.start_env(job))  # the loss guard's rule, the steps to skip
+        if spec.restart.in_process:
+            env["PHALANX_IN_PROCESS"] = "1"  # phalanx.rank.run parks on a peer's failure
         if spec.sdc is not None:
             env["PHALANX_DIGEST_EVERY"] = str(spec.sdc.every)
         if spec.elastic is not None:  # this generation's size: the global batch stays
@@ -56,6 +58,9 @@ class GangOrders:
                 env[ENV_RESHARD] = "1"
         buddies = self._buddies(job) if ckpt else {}
         warm = wire.WarmPlan(imports=list(spec.restart.warm_imports)) if spec.restart.warm else None
+        # A recovery that left the survivors alive (parked by phalanx.rank.run) on some
+        # of the gang's nodes: their agents resume them.
+        in_process = bool(spec.restart.in_process and (job.recovery or {}).get("kept"))
         return [
             wire.StartRanksArgs(
                 job=job.id,
@@ -74,6 +79,7 @@ class GangOrders:
                 ckpt=self._ckpt_plan(job, node, buddies) if ckpt else None,
                 hang_timeout_s=spec.restart.hang_timeout,
                 warm=warm,
+                in_process=in_process,
             )
             for group_rank, node in enumerate(nodes)
         ]

@@ -101,6 +101,14 @@ class Reconciler:
                 # (a recovering job's gang is being stopped by its recovery already)
                 and job.state
                 in (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING, JobState.STOPPING)
+            ) or (
+                # An in-process restart's survivors, parked until their agent hands them
+                # the new generation (it stops those that do not park in time).
+                job is not None
+                and job.spec.restart.in_process
+                and job.generation == generation + 1
+                and job.holds(node)
+                and job.state in (JobState.RECOVERING, JobState.STARTING)
             )
             key = (job_id, node, generation)
             if owned or now - self._orphan_stops.get(key, -1e9) < ORPHAN_STOP_EVERY_S:

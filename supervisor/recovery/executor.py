@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -258,11 +258,14 @@ class Recoveries:
                 )
             self._quarantine(job, plan, failures)
             if not stopped:
-                await self._stop(job, old_generation)
+                kept = in_process_nodes(job, plan, failures)
+                rec["kept"] = sorted(kept)  # their survivors wait, parked, for the relaunch
+                await self._stop(job, old_generation, keep=kept)
                 stopped = True
             if not _recovering(job):
                 return
             if plan.action is Action.FAIL:
+                await self._release_kept(job, plan, failures, old_generation)
                 self._fail(job, plan)
                 return
             if (
@@ -288,14 +291,32 @@ class Recoveries:
             if plan.action in RELAUNCHES and all(self.ctl.burnins.passed(b) for _, b in plan.swaps):
                 break
         rec["plan"] = plan_record(plan)
+        await self._release_kept(job, plan, failures, old_generation)
         await self._relaunch(job, plan)
 
-    async def _stop(self, job: Job, old_generation: int) -> None:
-        """Stop the failed generation's gang, once per recovery (its ``stop`` phase)."""
+    async def _release_kept(
+        self, job: Job, plan: Plan, failures: list[Failure], old_generation: int
+    ) -> None:
+        """The nodes whose survivors were left parked for an in-process restart, stopped
+        where the plan that goes ahead is not one (it changed while the recovery waited:
+        a shrink, a failure) or leaves them out of the gang."""
+        rec = job.recovery
+        kept = set(rec.get("kept", ())) if rec is not None else set()
+        if not kept or rec is None:
+            return
+        still = in_process_nodes(job, plan, failures) if plan.action is not Action.FAIL else set()
+        if kept - still:
+            await self._stop_gang(job, old_generation, skip=set(job.nodes) - (kept - still))
+        rec["kept"] = sorted(kept & still)
+
+    async def _stop(self, job: Job, old_generation: int, keep: Set[str] = frozenset()) -> None:
+        """Stop the failed generation's gang, once per recovery (its ``stop`` phase), but
+        on ``keep``: nodes whose live ranks wait, parked, to be the next generation's (an
+        in-process restart; their agent stops those that do not come back)."""
         rec = job.recovery
         assert rec is not None
         t0 = time.perf_counter()
-        await self._stop_gang(job, old_generation)
+        await self._stop_gang(job, old_generation, skip=keep)
         rec.setdefault("phases", {})["stop"] = round(time.perf_counter() - t0, 3)
         rec["phase"] = "stopped"
         self.ctl.save(job)
@@ -436,8 +457,9 @@ class Recoveries:
         plan = self.plan(job, [Failure(FailureKind.GROW, job.nodes[0], quarantine=False)])
         return plan if plan.action is Action.GROW else None
 
-    async def _stop_gang(self, job: Job, generation: int) -> None:
-        """Stop the generation's ranks on every node still reachable; RAM tiers stay."""
+    async def _stop_gang(self, job: Job, generation: int, skip: Set[str] = frozenset()) -> None:
+        """Stop the generation's ranks on every node still reachable but ``skip``; RAM
+        tiers stay."""
         grace = min(job.spec.grace_period, STOP_GRACE_S)
         args = wire.StopRanksArgs(
             job=job.id,
@@ -449,7 +471,8 @@ class Recoveries:
         targets = [
             n
             for n in job.nodes
-            if (known := self.ctl.registry.nodes.get(n)) is not None
+            if n not in skip
+            and (known := self.ctl.registry.nodes.get(n)) is not None
             and known.state is not NodeState.OFFLINE
         ]
         timeout = grace + self.ctl.settings.command_timeout_s
@@ -656,6 +679,23 @@ RELAUNCHES = frozenset(
     {Action.RESTART_IN_PLACE, Action.REPLACE, Action.ROLLBACK, Action.SHRINK, Action.GROW}
 )
 FREE = frozenset({Action.ROLLBACK, Action.GROW})  # no backoff before them
+
+
+IN_PROCESS_ACTIONS = frozenset({Action.RESTART_IN_PLACE, Action.REPLACE})
+
+
+def in_process_nodes(job: Job, plan: Plan, failures: Sequence[Failure]) -> frozenset[str]:
+    """The nodes whose live ranks a recovery leaves running for an in-process restart
+    (``restart.in_process``): a rank exited, and the next generation keeps the gang's
+    ranks on those nodes (in place, or with a failed node's ranks moved to a spare).
+    A hang, a drain, a rollback: every rank is stopped as usual."""
+    if (
+        not job.spec.restart.in_process
+        or plan.action not in IN_PROCESS_ACTIONS
+        or any(f.kind is not FailureKind.RANK_EXIT for f in failures)
+    ):
+        return frozenset()
+    return frozenset(plan.nodes) & frozenset(job.nodes)
 
 
 def shrink_blocked(job: Job) -> str:

@@ -518,3 +518,34 @@ def test_a_torchrun_style_script_that_knows_nothing_of_phalanx_is_restarted_in_p
     log = fleet.root / "nodes" / done["nodes"][0] / "data" / "jobs" / job / "g2" / "rank-0.log"
     # sum over steps of 2 * (step + 1): the same as a run that never crashed
     assert log.read_text().strip().splitlines()[-1] == f"total {2.0 * 60 * 61 / 2}"
+
+
+def test_in_process_the_survivors_stay_and_only_the_killed_rank_is_replaced(
+    fleet: Fleet,
+) -> None:
+    """``restart.in_process``: tinylm under ``phalanx.rank.run``. A rank killed with
+    SIGKILL: the other three leave their collectives alive, park, and become generation
+    2's ranks in the same processes (same pids); only rank 3 is started anew; the job
+    ends with the undisturbed run's digest."""
+    start(fleet, spares=0)
+    job = submit(fleet, "inproc", "--in-process", restart={"in_process": True})
+    running = running_after_a_commit(fleet, job)
+    pids = {r: wait_for(lambda r=r: rank_pid(job, r), 10, f"rank {r}") for r in range(4)}
+
+    os.kill(pids[3], signal.SIGKILL)
+
+    done = fleet.wait_job(job, "succeeded", timeout=180)
+    assert done["nodes"] == running["nodes"] and done["restarts"] == 1
+    (incident,) = done["incidents"]
+    assert incident["plan"]["action"] == "restart_in_place"
+    resumed = {
+        (int(r), int(p))
+        for node in done["nodes"]
+        for r, p in re.findall(
+            rf"job {job} gen 2: rank (\d+) resumed in its process \(pid (\d+)\)",
+            fleet.agents[node].output(),
+        )
+    }
+    assert resumed == {(r, pids[r]) for r in (0, 1, 2)}
+    assert set(restored_from(fleet, done).values()) == {"ram"}
+    assert final_digest(fleet, done) == undisturbed_digest()

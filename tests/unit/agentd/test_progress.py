@@ -899,3 +899,47 @@ async def test_dumps_are_read_in_a_bounded_child_and_a_crafted_one_is_left_out(
         "nccl-trace-rank-2-3",
     ]
     assert [(p.rank, p.pg, p.seq, p.completed) for p in points] == [(1, "0:default_pg", 3, 3)]
+
+
+# --- in-process restart: a rank parked, then resumed --------------------------------------
+
+
+async def test_a_parked_rank_of_the_failed_generation_is_resumed_with_its_order(
+    monitor: ProgressMonitor, path: Path, channels: list[RankChannel]
+) -> None:
+    monitor.begin(JOB, 1)
+    ch = channel(path, rank=3)
+    channels.append(ch)
+    monitor.begin(JOB, 2)  # the next generation's start: its step reports are fenced ...
+    waiting = asyncio.get_running_loop().run_in_executor(None, ch.park, 41, WAIT_S)
+    # ... its word that it parked is not
+    await eventually(lambda: monitor.parked(JOB, 3) is not None, "rank 3 parked")
+    assert monitor.parked(JOB, 3) == (1, os.getpid())
+    assert monitor.resume(JOB, 3, "/data/jobs/j/g2/.resume-rank-3.json")
+    assert await waiting == "/data/jobs/j/g2/.resume-rank-3.json"
+    assert monitor.parked(JOB, 3) is None and not monitor.resume(JOB, 3, "/again")
+
+
+async def test_a_parked_rank_nobody_resumes_hears_nothing_and_its_exit_forgets_it(
+    monitor: ProgressMonitor, path: Path, channels: list[RankChannel]
+) -> None:
+    monitor.begin(JOB, 1)
+    ch = channel(path, rank=1)
+    channels.append(ch)
+    assert await asyncio.get_running_loop().run_in_executor(None, ch.park, 7, 0.3) is None
+    assert monitor.parked(JOB, 1) == (1, os.getpid())
+    monitor.rank_exited(JOB, 1, 1)
+    assert monitor.parked(JOB, 1) is None
+
+
+def test_a_resume_answer_round_trips_and_garbage_is_refused() -> None:
+    data = progress.encode_requests(Requests(resume="/a/b.json"))
+    assert progress.decode_requests(data) == Requests(resume="/a/b.json")
+    assert progress.decode_requests(progress.encode_requests(Requests())).resume is None
+    for bad in (
+        '{"v":1,"resume":3}',
+        '{"v":1,"resume":""}',
+        '{"v":1,"resume":"' + "x" * 2000 + '"}',
+    ):
+        with pytest.raises(ProgressError, match="resume"):
+            progress.decode_requests(bad.encode())

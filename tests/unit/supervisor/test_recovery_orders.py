@@ -280,3 +280,77 @@ async def test_a_spare_is_sent_the_start_order_of_a_running_job_without_its_chec
         assert sent.lease_s == prewarm.LEASE_S
     finally:
         await fleet.close()
+
+
+def in_process(fleet: Fleet) -> None:
+    fleet.job.spec = validate_spec(
+        {
+            **fleet.job.spec.model_dump(mode="json", exclude_none=True),
+            "restart": {"max_restarts": 3, "in_process": True},
+        }
+    )
+
+
+async def test_an_in_process_restart_leaves_the_survivors_running_and_says_so_to_the_agents(
+    tmp_path: Path,
+) -> None:
+    # restart.in_process: a rank exited; the others wait, parked, for the next generation:
+    # no stop goes to the gang, and each start tells its agent to resume them.
+    fleet = Fleet(tmp_path, ["n0", "n1"], gang=["n0", "n1"])
+    in_process(fleet)
+    try:
+        fleet.ctl.recoveries.on_failure(
+            fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=None, generation=1)
+        )
+        await fleet.until(lambda: fleet.job.state is JobState.RUNNING and fleet.job.generation == 2)
+        assert fleet.ops("stop_ranks") == []
+        starts = [a for a in fleet.args if isinstance(a, wire.StartRanksArgs)]
+        assert sorted(a.group_rank for a in starts) == [0, 1]
+        assert all(a.in_process and a.env["PHALANX_IN_PROCESS"] == "1" for a in starts)
+    finally:
+        await fleet.close()
+
+
+async def test_an_in_process_job_that_hangs_is_stopped_as_usual(tmp_path: Path) -> None:
+    # A hang leaves no rank to resume (they are stuck in a collective): the gang stops.
+    fleet = Fleet(tmp_path, ["n0", "n1"], gang=["n0", "n1"])
+    in_process(fleet)
+    fleet.stops_acked.set()
+    try:
+        fleet.ctl.recoveries.on_failure(
+            fleet.job, Failure(FailureKind.HANG, "n1", rank=2, generation=1)
+        )
+        await fleet.until(lambda: fleet.job.state is JobState.RUNNING and fleet.job.generation == 2)
+        assert sorted(fleet.ops("stop_ranks")) == [("n0", 1), ("n1", 1)]
+    finally:
+        await fleet.close()
+
+
+async def test_parked_survivors_in_a_heartbeat_are_no_orphans_while_their_job_starts(
+    tmp_path: Path,
+) -> None:
+    # A heartbeat sent between a survivor's park and its agent's resume still lists the
+    # failed generation: an in-process job starting its next one leaves it to the agent.
+    fleet = Fleet(tmp_path, ["n0", "n1"], gang=["n0", "n1"])
+    fleet.stops_acked.set()
+    beat = wire.Heartbeat(
+        node="n0",
+        seq=1,
+        n=1,
+        sent_at=time.time(),
+        health=wire.Health(status=wire.HealthStatus.OK),
+        jobs=[wire.JobRanks(job="j-1", generation=1, ranks=[0, 1])],
+    )
+    try:
+        fleet.job.state, fleet.job.generation = JobState.STARTING, 2
+        in_process(fleet)
+        fleet.ctl.reconciler.on_heartbeat(beat)
+        await asyncio.sleep(0.2)
+        assert fleet.ops("stop_ranks") == []
+        fleet.job.spec = validate_spec(
+            {**fleet.job.spec.model_dump(mode="json", exclude_none=True), "restart": {}}
+        )
+        fleet.ctl.reconciler.on_heartbeat(beat)
+        await fleet.until(lambda: fleet.ops("stop_ranks") == [("n0", 1)])
+    finally:
+        await fleet.close()
