@@ -628,14 +628,17 @@ def run(train: Callable[[], T], *, backend: str | None = None) -> T:
     ``run`` starts the process group (``backend``: NCCL where CUDA is, else gloo) from
     the environment the agent gave the rank, then calls ``train()``, which builds its
     model, restores the gang's checkpoint and trains, as a script's ``main`` would,
-    but without ``init_process_group``. When a collective fails because a peer is gone
-    (gloo's and NCCL's errors; any other exception is this rank's own and ends it), the
-    rank leaves the group (destroyed; NCCL's aborted first), tells its agent it is alive
-    and waits: the supervisor restarts the gang as generation g+1 on the same nodes,
-    the agent hands this process the new generation's environment (and log file), and
+    but without ``init_process_group``. When a gloo collective fails because a peer is
+    gone (its connection ended: :func:`_peer_failed`; any other exception, a timeout
+    included, is this rank's own and ends it), the rank aborts the group and shuts its
+    connections down (so that every peer learns of it at once), tells its agent it is
+    alive and waits: the supervisor restarts the gang as generation g+1, the agent
+    hands this process the new generation's environment (and log file), and
     ``train()`` runs again, restoring from RAM. Only the failed rank's process is
     replaced (from a warm interpreter). Without the agent's word within
     ``PHALANX_PARK_TIMEOUT_S`` (60 s) the rank exits with :data:`EXIT_NOT_RESUMED`.
+    On NCCL a failed collective ends the process as before (docs/jobspec.md,
+    "In-process restart").
 
     Outside Phalanx, or for a job without ``restart.in_process``, ``run`` is
     ``init_process_group`` then ``train()``.
@@ -645,10 +648,11 @@ def run(train: Callable[[], T], *, backend: str | None = None) -> T:
 
     group_sockets: set[int] = set()
     given = dict(os.environ)  # what the agent gave this generation (the script may add)
-    # What exists now (the imports: torch's hundreds of thousands of objects) lives as
-    # long as the process: kept out of the collections, a full one after a failure
-    # walks what training made only (~0.5 s less on the reference machine).
-    gc.freeze()
+    if os.environ.get(ENV_IN_PROCESS) == "1":
+        # What exists now (the imports: torch's hundreds of thousands of objects) lives
+        # as long as the process: kept out of the collections, a full one after a
+        # failure walks what training made only.
+        gc.freeze()
     while True:
         if not dist.is_initialized():
             cuda = torch.cuda.is_available()
