@@ -253,12 +253,25 @@ def up(
     spares: int = 0,
     tls: bool = False,
     gpu_backend: str = "sim",
+    store_url: str = "",
+    standbys: int = 0,
 ) -> Fleet:
     """Start a fleet and return once every agent is up in the supervisor; ``spares`` of
     its idle nodes are held back as hot spares. With ``tls`` every HTTP hop is HTTPS,
     with a throw-away CA and certificates made under ``DIR/tls``. ``gpu_backend``
     "nvml": one agent (``nodes`` must be 1) on this machine's real GPUs, read through
-    NVML, its ranks on them (``gpus_per_node`` is then what NVML counts, not asked)."""
+    NVML, its ranks on them (``gpus_per_node`` is then what NVML counts, not asked).
+    ``store_url``: the supervisors' store, a PostgreSQL database (empty: SQLite in the
+    fleet's folder); ``standbys``: more supervisors on it, standing by to lead (high
+    availability, docs/operations.md); the fleet's API is then every supervisor's URL,
+    comma-separated, the first to start (the leader) first."""
+    if standbys < 0 or (standbys and not store_url):
+        raise LocalFleetError(
+            f"--standbys {standbys}: standby supervisors share the leader's store, "
+            "which must be PostgreSQL: give --store-url postgresql://..."
+        )
+    if store_url and not store_url.startswith(("postgresql://", "postgres://")):
+        raise LocalFleetError(f"--store-url {store_url!r}: a postgresql:// URL")
     if gpu_backend not in GPU_BACKENDS:
         raise LocalFleetError(
             f"gpu_backend: {gpu_backend!r} is not one of {', '.join(GPU_BACKENDS)}"
@@ -278,6 +291,8 @@ def up(
         )
     for sub in ("supervisor", "nodes", "broker", "tls"):
         shutil.rmtree(directory / sub, ignore_errors=True)
+    for old in directory.glob("supervisor-*"):
+        shutil.rmtree(old, ignore_errors=True)
     (directory / "logs").mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(24)
     token_file = directory / "token"
@@ -287,7 +302,8 @@ def up(
     # token, derived from it (phalanx.agent_tokens).
     agent_secret = new_secret()
     agent_secret_file = directory / "supervisor" / "agent-secret"
-    broker_port, api_port = free_port(), free_port()
+    broker_port = free_port()
+    api_ports = [free_port() for _ in range(1 + standbys)]
     authority: Authority | None = None
     if tls:  # cryptography is imported only where it is used
         from phalanx.certs import make_authority
@@ -296,7 +312,7 @@ def up(
     scheme = "https" if tls else "http"
     fleet = Fleet(
         str(directory),
-        f"{scheme}://127.0.0.1:{api_port}",
+        ",".join(f"{scheme}://127.0.0.1:{port}" for port in api_ports),
         token,
         broker_port,
         [],
@@ -309,32 +325,41 @@ def up(
         fleet.save()
         wait_port(broker_port, 20, broker_proc)
 
-        sup_dir = directory / "supervisor"
-        sup_dir.mkdir(parents=True)
+        (directory / "supervisor").mkdir(parents=True)
         _write_private(agent_secret_file, agent_secret)
         api_tls = authority.issue("supervisor") if authority else None
-        (sup_dir / "supervisor.toml").write_text(
-            f'state_dir = "{sup_dir / "state"}"\n'
-            f"offline_after_s = {offline_after_s}\n"
-            f"spares = {spares}\n"
-            f'agent_token_file = "{agent_secret_file}"\n'
-            + (f'agent_tls = true\nagent_ca_file = "{authority.ca}"\n' if authority else "")
-            + f"[mqtt]\nport = {broker_port}\nkeepalive_s = 5\n"
-            f'[api]\nport = {api_port}\ntoken_file = "{token_file}"\n'
-            + (
-                f'tls_cert_file = "{api_tls.cert}"\ntls_key_file = "{api_tls.key}"\n'
-                if api_tls
-                else ""
+        for i, port in enumerate(api_ports):  # the leader first, then the standbys
+            sup_dir = directory / ("supervisor" if i == 0 else f"supervisor-s{i}")
+            sup_dir.mkdir(parents=True, exist_ok=True)
+            ha = ""
+            if store_url:
+                ha = (
+                    f"[store]\nurl = {json.dumps(store_url)}\n"
+                    f'[ha]\napi_url = "{scheme}://127.0.0.1:{port}"\n'
+                )
+            (sup_dir / "supervisor.toml").write_text(
+                f'state_dir = "{sup_dir / "state"}"\n'
+                f"offline_after_s = {offline_after_s}\n"
+                f"spares = {spares}\n"
+                f'agent_token_file = "{agent_secret_file}"\n'
+                + (f'agent_tls = true\nagent_ca_file = "{authority.ca}"\n' if authority else "")
+                + f"[mqtt]\nport = {broker_port}\nkeepalive_s = 5\n"
+                f'[api]\nport = {port}\ntoken_file = "{token_file}"\n'
+                + (
+                    f'tls_cert_file = "{api_tls.cert}"\ntls_key_file = "{api_tls.key}"\n'
+                    if api_tls
+                    else ""
+                )
+                + ha
             )
-        )
-        sup = _spawn(
-            [sys.executable, "-m", "supervisor", "--config", str(sup_dir / "supervisor.toml")],
-            directory / "logs" / "supervisor.log",
-            "supervisor",
-        )
-        fleet.processes.append(sup)
-        fleet.save()
-        wait_port(api_port, 20, sup)
+            sup = _spawn(
+                [sys.executable, "-m", "supervisor", "--config", str(sup_dir / "supervisor.toml")],
+                directory / "logs" / ("supervisor.log" if i == 0 else f"supervisor-s{i}.log"),
+                "supervisor",
+            )
+            fleet.processes.append(sup)
+            fleet.save()
+            wait_port(port, 20, sup)
 
         for i in range(nodes):
             node = node_name(i)

@@ -33,11 +33,14 @@ def cmd_local_up(args: argparse.Namespace) -> int:
         spares=args.spares,
         tls=args.tls,
         gpu_backend=args.gpu_backend,
+        store_url=args.store_url,
+        standbys=args.standbys,
     )
+    first = fleet.api.split(",")[0]
     print(
         f"local fleet up: API {fleet.api}; point the CLI at it with:\n"
         f'  eval "$(phalanx local env --dir {args.dir})"\n'
-        f"the web dashboard: {fleet.api}/ui/ (log in with the token in {args.dir}/token)",
+        f"the web dashboard: {first}/ui/ (log in with the token in {args.dir}/token)",
         file=sys.stderr,
     )
     return EXIT_OK
@@ -129,6 +132,19 @@ def add_parser(
         action="store_true",
         help="HTTPS everywhere (API, agents' peer tier and logs) with a throw-away CA and "
         "certificates made under DIR/tls",
+    )
+    sp.add_argument(
+        "--store-url",
+        default="",
+        help="the supervisors' store: a PostgreSQL database (postgresql://...; its password "
+        "in PGPASSFILE or ~/.pgpass); default: SQLite in the fleet's folder",
+    )
+    sp.add_argument(
+        "--standbys",
+        type=int,
+        default=0,
+        help="more supervisors on --store-url, standing by to lead when the leader dies "
+        "(`phalanx local env` lists every API URL)",
     )
     sp.add_argument(
         "--broker",

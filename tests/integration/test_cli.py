@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 
 from phalanx.simgpu import inject
 from tests.harness import TOKEN, Fleet
+from tests.pg import PgCluster
 
 pytestmark = pytest.mark.integration
 
@@ -268,3 +271,54 @@ def test_submit_wait_ends_with_5_naming_why_when_the_fleet_can_never_hold_the_jo
         f"cancelled (phalanx cancel {job})"
     )
     assert fleet.job(job)["state"] == "pending"
+
+
+def leading(url: str) -> bool | None:
+    try:
+        with urllib.request.urlopen(f"{url}/v1/leader", timeout=5) as resp:
+            return bool(json.loads(resp.read())["leading"])
+    except OSError:
+        return None
+
+
+def test_a_local_fleet_with_a_standby_supervisor_keeps_its_api_when_the_leader_dies(
+    tmp_path: Path, pg_cluster: PgCluster
+) -> None:
+    directory = str(tmp_path / "fleet")
+    refused = phalanx("local", "up", "--standbys", "1", "--dir", directory)
+    assert refused.returncode != 0 and "give --store-url postgresql://" in refused.stderr
+    up = phalanx(
+        "local",
+        "up",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "--store-url",
+        pg_cluster.new_database(),
+        "--standbys",
+        "1",
+        "--dir",
+        directory,
+    )
+    try:
+        assert up.returncode == 0, up.stderr
+        env = exports(phalanx("local", "env", "--dir", directory).stdout)
+        first, second = env["PHALANX_API"].split(",")
+        status = json.loads(phalanx("local", "status", "-o", "json", "--dir", directory).stdout)
+        supervisors = [p for p in status if p["role"] == "supervisor"]
+        assert len(supervisors) == 2 and all(p["alive"] for p in supervisors)
+        assert (leading(first), leading(second)) == (True, False)
+
+        os.kill(supervisors[0]["pid"], signal.SIGKILL)  # the leader's host dies
+
+        deadline = time.monotonic() + 30
+        while leading(second) is not True:
+            assert time.monotonic() < deadline, "the standby did not take the lead"
+            time.sleep(0.2)
+        nodes = phalanx("nodes", "-o", "json", env=env)  # the CLI passes over the dead one
+        assert nodes.returncode == 0, nodes.stderr
+        assert [n["id"] for n in json.loads(nodes.stdout)] == ["n01"]
+    finally:
+        down = phalanx("local", "down", "--dir", directory)
+    assert down.returncode == 0, down.stderr
