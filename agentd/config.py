@@ -329,7 +329,7 @@ class AgentSettings(BaseSettings):
             named = "127.0.0.1"
         if not named.startswith("127."):
             return named
-        return _source_address(self.mqtt.host) or named
+        return _source_address(self.mqtt.endpoints()[0][0]) or named
 
 
 def _source_address(host: str) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import random
 import ssl
@@ -220,6 +221,10 @@ class MqttLink:
         """``before_connect`` is called before each connection attempt: a ``LinkDown``
         from it skips the attempt (the supervisor's, once it no longer leads)."""
         self._settings = settings
+        # The brokers, used one at a time: a connection lost or refused moves to the next.
+        self._endpoints = settings.endpoints()
+        self._at = 0
+        self._visited: int | None = None  # the broker of the last connection made
         self._before_connect = before_connect
         self._client_id = client_id
         self._subscriptions = tuple(subscriptions)
@@ -248,6 +253,12 @@ class MqttLink:
     def connected(self) -> bool:
         return self._connected.is_set()
 
+    @property
+    def broker(self) -> str:
+        """``host:port`` of the broker the link is on (or tries next)."""
+        host, port = self._endpoints[self._at]
+        return f"{host}:{port}"
+
     async def __aenter__(self) -> MqttLink:
         self._task = asyncio.create_task(self._run(), name=f"mqtt-link:{self._client_id}")
         return self
@@ -267,9 +278,8 @@ class MqttLink:
             done, _ = await asyncio.wait({self._task}, timeout=CLOSE_TIMEOUT_S)
             if not done:
                 log.warning(
-                    "the MQTT link to %s:%d did not close within %gs; leaving it",
-                    self._settings.host,
-                    self._settings.port,
+                    "the MQTT link to %s did not close within %gs; leaving it",
+                    self.broker,
                     CLOSE_TIMEOUT_S,
                 )
                 return
@@ -284,9 +294,9 @@ class MqttLink:
         try:
             await asyncio.wait_for(self._connected.wait(), timeout)
         except TimeoutError:
+            brokers = ", ".join(f"{host}:{port}" for host, port in self._endpoints)
             raise TimeoutError(
-                f"no connection to the MQTT broker {self._settings.host}:{self._settings.port} "
-                f"within {timeout:.1f}s"
+                f"no connection to the MQTT broker {brokers} within {timeout:.1f}s"
             ) from None
 
     async def publish(
@@ -307,11 +317,9 @@ class MqttLink:
                 await asyncio.wait_for(self._connected.wait(), timeout)
             client = self._client
             if client is None:
-                raise LinkDown(f"MQTT link to {self._settings.host} dropped before publishing")
+                raise LinkDown(f"MQTT link to {self.broker} dropped before publishing")
             if connection is not None and connection != self.connects:
-                raise LinkDown(
-                    f"MQTT link to {self._settings.host} connected again before publishing"
-                )
+                raise LinkDown(f"MQTT link to {self.broker} connected again before publishing")
             await self._publish_on(client, self._gone, topic, payload, qos, retain, timeout)
         except (TimeoutError, aiomqtt.MqttError) as exc:
             raise LinkDown(
@@ -332,7 +340,7 @@ class MqttLink:
         would wait out the whole timeout for the acknowledgement of a publish whose
         connection was lost (seen after a broker crash: an outbox held for 30 s)."""
         if gone.is_set():
-            raise LinkDown(f"MQTT link to {self._settings.host} lost before publishing to {topic}")
+            raise LinkDown(f"MQTT link to {self.broker} lost before publishing to {topic}")
         try:
             await client.send(topic, payload, qos, retain, timeout)
         except TimeoutError:
@@ -350,47 +358,53 @@ class MqttLink:
         return ctx
 
     async def _run(self) -> None:
-        s = self._settings
         while True:
+            broker = self.broker
             try:
                 await self._connect_once()
                 delay = self._backoff.next()  # pragma: no cover - a connection ends by raising
             except (aiomqtt.MqttError, LinkDown) as exc:
                 delay = self._backoff.next()
                 log.warning(
-                    "MQTT link to %s:%d lost or refused (%s); reconnecting in %.2fs",
-                    s.host,
-                    s.port,
+                    "MQTT link to %s lost or refused (%s); %s in %.2fs",
+                    broker,
                     exc,
+                    self._next_broker(),
                     delay,
                 )
             except Exception:  # a will that cannot be written, a TLS file gone: retry, never die
                 delay = self._backoff.next()
-                log.exception("MQTT link to %s:%d failed; retrying in %.2fs", s.host, s.port, delay)
+                log.exception(
+                    "MQTT link to %s failed; %s in %.2fs", broker, self._next_broker(), delay
+                )
             finally:
                 self._connected.clear()
                 client, self._client = self._client, None
                 self._gone.set()
                 if client is not None:  # a publish waiting on that connection fails now
                     client.fail_sends(
-                        lambda: LinkDown(f"MQTT link to {s.host} lost while publishing")
+                        functools.partial(LinkDown, f"MQTT link to {broker} lost while publishing")
                     )
             await asyncio.sleep(delay)
 
-    async def _connect_once(self) -> None:
-        """One connection, from connect until it is lost (it ends by raising)."""
+    def _next_broker(self) -> str:
+        """Move on to the next broker listed (the same one when there is one); say where."""
+        if len(self._endpoints) == 1:
+            return "reconnecting"
+        self._at = (self._at + 1) % len(self._endpoints)
+        return f"trying {self.broker}"
+
+    def _new_client(self, *, clean: bool, will: Will | None) -> _Client:
         s = self._settings
-        if self._before_connect is not None:
-            self._before_connect()
-        will = self._will() if self._will else None
-        client = _Client(
-            s.host,
-            s.port,
+        host, port = self._endpoints[self._at]
+        return _Client(
+            host,
+            port,
             identifier=self._client_id,
             username=s.username,
             password=s.password.get_secret_value() if s.password else None,
             keepalive=s.keepalive_s,
-            clean_session=not self._persistent,
+            clean_session=clean,
             timeout=s.connect_timeout_s,
             tls_context=self._tls(),
             will=aiomqtt.Will(will.topic, will.payload, qos=1, retain=will.retain)
@@ -398,6 +412,20 @@ class MqttLink:
             else None,
             max_inflight_messages=s.max_inflight,
         )
+
+    async def _connect_once(self) -> None:
+        """One connection, from connect until it is lost (it ends by raising)."""
+        s = self._settings
+        if self._before_connect is not None:
+            self._before_connect()
+        if self._persistent and self._visited is not None and self._visited != self._at:
+            # Moved to another broker: a session this client left there on an earlier
+            # visit holds what was queued for it then (commands long stale). End it
+            # first; the persistent session starts anew.
+            async with self._new_client(clean=True, will=None):
+                pass
+        will = self._will() if self._will else None
+        client = self._new_client(clean=not self._persistent, will=will)
         # aiomqtt logs a warning for every publish made while more than this wait for
         # their acknowledgement: a recovery's orders to a thousand nodes are no warning.
         client.pending_calls_threshold = max(s.max_inflight, 65536)
@@ -407,9 +435,10 @@ class MqttLink:
             for topic in self._subscriptions:
                 await client.subscribe(topic, qos=1)
             self.connects += 1
+            self._visited = self._at
             self._connected.set()
             self._backoff.reset()
-            log.info("connected to MQTT broker %s:%d as %s", s.host, s.port, self._client_id)
+            log.info("connected to MQTT broker %s as %s", self.broker, self._client_id)
             if self._on_connect is not None:
                 await self._on_connect()
             await self._receive(client)
@@ -443,6 +472,150 @@ class MqttLink:
             raise
         except Exception:
             log.exception("handler failed on a message from %s; message dropped", topic)
+
+
+# A handler of :class:`MqttLinks`: the index of the link a message came through, its
+# topic and payload.
+LinksHandler = Callable[[int, str, bytes], Awaitable[None]]
+
+
+class MqttLinks:
+    """One :class:`MqttLink` per broker of ``settings.endpoints()``, all up at once and
+    used as one: the supervisor's. Agents each use one broker of the list at a time and
+    move to the next when theirs is lost; a supervisor on every broker hears each node
+    wherever it is, so that no broker's nodes are ever out of its sight while it reaches
+    that broker.
+
+    Every message of every link goes to ``handler`` with the index of its link.
+    ``on_connect`` runs with the index of the link that (re)connected. A publish goes to
+    the link ``via`` names, else to the link ``route`` names for its topic if that link is
+    up (a command: the broker its node is heard on), else to every link that is up (a
+    retained catalog or status must be on whichever broker a node is or moves to; a link
+    down gets them again at its reconnect, from ``on_connect``). With one broker this is
+    that broker's link, nothing more."""
+
+    def __init__(
+        self,
+        settings: MqttSettings,
+        client_id: str,
+        *,
+        subscriptions: Sequence[str],
+        handler: LinksHandler,
+        will: Callable[[], Will] | None = None,
+        on_connect: Callable[[int], Awaitable[None]] | None = None,
+        persistent_session: bool = False,
+        before_connect: Callable[[], None] | None = None,
+        route: Callable[[str], int | None] | None = None,
+    ) -> None:
+        self._route = route
+        self.links: list[MqttLink] = []
+        for index, (host, port) in enumerate(settings.endpoints()):
+            self.links.append(
+                MqttLink(
+                    settings.model_copy(update={"host": host, "port": port, "brokers": []}),
+                    client_id,
+                    subscriptions=subscriptions,
+                    handler=functools.partial(handler, index),
+                    will=will,
+                    on_connect=functools.partial(on_connect, index) if on_connect else None,
+                    persistent_session=persistent_session,
+                    before_connect=before_connect,
+                )
+            )
+
+    @property
+    def connected(self) -> bool:
+        """Whether any broker is reachable."""
+        return any(link.connected for link in self.links)
+
+    @property
+    def connects(self) -> int:
+        return sum(link.connects for link in self.links)
+
+    @property
+    def behind_s(self) -> float:
+        return max(link.behind_s for link in self.links)
+
+    def up(self, index: int) -> bool:
+        return self.links[index].connected
+
+    def broker(self, index: int) -> str:
+        return self.links[index].broker
+
+    async def __aenter__(self) -> MqttLinks:
+        for link in self.links:
+            await link.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.gather(*(link.__aexit__(exc_type, exc, tb) for link in self.links))
+
+    async def until_connected(self) -> None:
+        """Return once any link is up."""
+        if self.connected:
+            return
+        waits = [asyncio.ensure_future(link.until_connected()) for link in self.links]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
+    async def wait_connected(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self.until_connected(), timeout)
+        except TimeoutError:
+            brokers = ", ".join(link.broker for link in self.links)
+            raise TimeoutError(
+                f"no connection to any MQTT broker ({brokers}) within {timeout:.1f}s"
+            ) from None
+
+    async def publish(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int = 1,
+        retain: bool = False,
+        timeout: float = 5.0,
+        via: int | None = None,
+    ) -> None:
+        """Publish as the class says; raise :class:`LinkDown` when no broker took it (a
+        broker that failed where another took it is logged)."""
+        links = self.links
+        if via is None and len(links) > 1 and self._route is not None:
+            routed = self._route(topic)
+            if routed is not None and 0 <= routed < len(links) and links[routed].connected:
+                via = routed
+        if via is not None or len(links) == 1:
+            link = links[via or 0]
+            await link.publish(topic, payload, qos=qos, retain=retain, timeout=timeout)
+            return
+        if not self.connected:
+            try:
+                await asyncio.wait_for(self.until_connected(), timeout)
+            except TimeoutError:
+                raise LinkDown(
+                    f"could not publish to {topic} within {timeout:.1f}s: no broker reachable"
+                ) from None
+        up = [link for link in links if link.connected]
+        results = await asyncio.gather(
+            *(link.publish(topic, payload, qos=qos, retain=retain, timeout=timeout) for link in up),
+            return_exceptions=True,
+        )
+        failed = [(link, r) for link, r in zip(up, results, strict=True) if r is not None]
+        for _, result in failed:
+            if not isinstance(result, LinkDown):
+                raise result
+        if len(failed) == len(up):
+            raise failed[0][1]
+        for link, result in failed:
+            log.warning("not sent to broker %s (the others took it): %s", link.broker, result)
 
 
 # What an outbox sends for its queue's head: one message standing for the first

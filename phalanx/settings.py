@@ -19,12 +19,13 @@ into exit code 2.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import ssl
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -39,6 +40,7 @@ from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
     InitSettingsSource,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsError,
 )
@@ -126,6 +128,48 @@ class MqttSettings(_Section):
         "(paho's default, 20, held a 1,024-node recovery's orders back in a queue).",
     )
 
+    brokers: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Several brokers, `HOST:PORT` each (`HOST` alone: `port`; `[ADDR]:PORT` "
+        "for IPv6), in place of `host` and `port`. An agent uses one at a time and moves to "
+        "the next when its broker is lost; the supervisor connects to all of them at once, "
+        "so that it hears every node wherever it is. Empty: `host`:`port` alone.",
+    )
+
+    @field_validator("brokers", mode="before")
+    @classmethod
+    def _split_brokers(cls, value: object) -> object:
+        # An environment variable or a flag gives them comma-separated (or as JSON).
+        if isinstance(value, str):
+            if value.lstrip().startswith('["'):
+                try:
+                    return json.loads(value)
+                except ValueError as exc:
+                    raise ValueError(f"not a JSON list of brokers: {exc}") from exc
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _one_way_to_name_brokers(self) -> MqttSettings:
+        given = {"host", "port"} & self.model_fields_set
+        if self.brokers and "host" in given:
+            raise ValueError(
+                "give the broker either as mqtt.host (and mqtt.port) or as mqtt.brokers, not both"
+            )
+        seen: set[tuple[str, int]] = set()
+        for entry in self.brokers:
+            endpoint = _endpoint(entry, self.port)
+            if endpoint in seen:
+                raise ValueError(f"mqtt.brokers lists {entry!r} twice")
+            seen.add(endpoint)
+        return self
+
+    def endpoints(self) -> list[tuple[str, int]]:
+        """The brokers to use, in order: ``brokers``, or ``host``:``port`` alone."""
+        if not self.brokers:
+            return [(self.host, self.port)]
+        return [_endpoint(entry, self.port) for entry in self.brokers]
+
     def resolved(self) -> MqttSettings:
         """Read ``password_file`` into ``password``."""
         if self.password_file is None:
@@ -137,6 +181,27 @@ class MqttSettings(_Section):
                 f"mqtt.password_file: cannot read {self.password_file}: {exc}"
             ) from exc
         return self.model_copy(update={"password": SecretStr(secret)})
+
+
+def _endpoint(entry: str, default_port: int) -> tuple[str, int]:
+    """``HOST``, ``HOST:PORT`` or ``[ADDR]:PORT`` as ``(host, port)``; a ValueError names
+    the entry."""
+    text = entry.strip()
+    host, port = text, str(default_port)
+    if text.startswith("["):
+        addr, bracket, rest = text[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            raise ValueError(f"mqtt.brokers entry {entry!r} is not [ADDRESS]:PORT")
+        host, port = addr, rest[1:] or port
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    elif ":" in text:
+        raise ValueError(f"mqtt.brokers entry {entry!r}: write an IPv6 address as [ADDRESS]:PORT")
+    if not host or any(c.isspace() or c in "/@" for c in host):
+        raise ValueError(f"mqtt.brokers entry {entry!r} has no valid host")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"mqtt.brokers entry {entry!r} has no valid port (1-65535)")
+    return host, int(port)
 
 
 S = TypeVar("S", bound=BaseSettings)

@@ -12,7 +12,7 @@ from types import TracebackType
 from ckpt.stores import open_store
 from phalanx import wire
 from phalanx.agent_tokens import AgentKeys, read_secret
-from phalanx.link import LinkDown, MqttLink, Will
+from phalanx.link import LinkDown, MqttLinks, Will
 from phalanx.settings import ConfigError
 from phalanx.tasks import Deadline, supervised
 from supervisor.api.app import start_api
@@ -101,11 +101,14 @@ class Supervisor:
         # registry's clock: a node offline is acted on only once the link stayed up.
         self.link_since: float | None = None
         self.link_lost_at: float | None = None
-        self.link = MqttLink(
+        # On every broker listed at once (agents use one at a time): each node is heard
+        # wherever it is, and its commands go to the broker its heartbeats come through.
+        self.link = MqttLinks(
             settings.mqtt.resolved(),
             "phalanx-supervisor",
             subscriptions=wire.SUPERVISOR_SUBSCRIPTIONS,
-            handler=self._on_message,
+            handler=self._on_link_message,
+            route=self._route,
             will=lambda: Will(
                 wire.SUPERVISOR_STATUS_TOPIC,
                 wire.encode(wire.SupervisorStatus(online=False, since=time.time(), term=self.term)),
@@ -116,6 +119,8 @@ class Supervisor:
             persistent_session=True,
             before_connect=self._check_lead,
         )
+        self._node_via: dict[str, int] = {}  # the link each node's heartbeats came through
+        self._link_up = [False] * len(self.link.links)  # as the daemon last saw each link
         self.commands = Commands(
             self._publish, self.registry, timeout_s=settings.command_timeout_s, term=self.term
         )
@@ -170,11 +175,24 @@ class Supervisor:
             )
 
     async def _publish(
-        self, topic: str, payload: bytes, *, retain: bool = False, timeout: float = 5.0
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        retain: bool = False,
+        timeout: float = 5.0,
+        via: int | None = None,
     ) -> None:
         """The link's publish, for what only the leader may send (commands, catalogs)."""
         self._check_lead()
-        await self.link.publish(topic, payload, retain=retain, timeout=timeout)
+        await self.link.publish(topic, payload, retain=retain, timeout=timeout, via=via)
+
+    def _route(self, topic: str) -> int | None:
+        """The link a command to a node goes out on: the one its heartbeats come through."""
+        found = wire.match_node_topic(topic)
+        if found is None or found[1] != "cmd":
+            return None
+        return self._node_via.get(found[0])
 
     def _flush_soon(self) -> None:
         try:
@@ -302,7 +320,48 @@ class Supervisor:
                 log.error("the last metrics were not written: %s", exc)
             self.store.close()
 
-    async def _on_connect(self) -> None:
+    async def _on_connect(self, index: int = 0) -> None:
+        others_up = any(self.link.up(i) for i in range(len(self._link_up)) if i != index)
+        if self._link_up[index] and others_up:
+            self._lost_link(index)  # lost and back between two looks of the timeout loop
+        self._link_up[index] = True
+        if not others_up:
+            self._back_on_the_broker()
+        status = wire.SupervisorStatus(online=True, since=self.started_at, term=self.term)
+        await self._publish(
+            wire.SUPERVISOR_STATUS_TOPIC, wire.encode(status), retain=True, via=index
+        )
+        await self.publisher.republish(self.jobs.jobs.values())
+
+    def _lost_link(self, index: int) -> None:
+        """One broker of several lost, others still up: the nodes heard through it get a
+        whole heartbeat timeout to be heard through another (their agents move on to the
+        next broker listed), and the last wills it sent as it went down are taken back."""
+        now = self.registry.clock()
+        moved = [node for node, via in self._node_via.items() if via == index]
+        self.registry.heard_now(moved)
+        revived = self.registry.revive(now - WILL_SUSPECT_S, only=moved)
+        self.link_since = now  # offline nodes are confirmed only once the links settle
+        log.warning(
+            "lost the MQTT broker %s (the others are up): waiting for its %d node(s) to "
+            "reach another%s",
+            self.link.broker(index),
+            len(moved),
+            f"; {', '.join(revived)} went offline by a last will as it went down"
+            if revived
+            else "",
+        )
+
+    def _check_links(self) -> None:
+        """Each broker lost since the last look while another is still up: see
+        :meth:`_lost_link` (all of them lost: the timeout loop waits for one)."""
+        for index, was_up in enumerate(self._link_up):
+            if was_up and not self.link.up(index):
+                self._link_up[index] = False
+                if self.link.connected:
+                    self._lost_link(index)
+
+    def _back_on_the_broker(self) -> None:
         # Back on the broker: every node gets a whole heartbeat timeout to be heard again
         # before it is judged offline (it may have been reconnecting too), and the last
         # wills the broker sent as it went down are taken back.
@@ -321,9 +380,6 @@ class Supervisor:
         self.link_lost_at = None
         self.link_since = self.registry.clock()
         self.registry.heard_all_now()
-        status = wire.SupervisorStatus(online=True, since=self.started_at, term=self.term)
-        await self._publish(wire.SUPERVISOR_STATUS_TOPIC, wire.encode(status), retain=True)
-        await self.publisher.republish(self.jobs.jobs.values())
 
     def offline_confirmed(self, offline_at: float) -> bool:
         """Whether a node offline since ``offline_at`` (registry clock) is offline for sure:
@@ -345,7 +401,10 @@ class Supervisor:
             offline_at
         )
 
-    async def _on_message(self, topic: str, payload: bytes) -> None:
+    async def _on_link_message(self, via: int, topic: str, payload: bytes) -> None:
+        await self._on_message(topic, payload, via=via)
+
+    async def _on_message(self, topic: str, payload: bytes, *, via: int = 0) -> None:
         try:
             inbound = wire.parse(topic, payload)
         except wire.WireError as exc:
@@ -356,6 +415,7 @@ class Supervisor:
         self.wire_stats.on_message(msg, time.time())
         match msg:
             case wire.Heartbeat():
+                self._node_via[msg.node] = via
                 before = self.registry.nodes.get(msg.node)
                 state = before.state if before else None
                 if not self.registry.on_heartbeat(msg):
@@ -397,6 +457,7 @@ class Supervisor:
         interval = max(0.1, min(1.0, self.settings.offline_after_s / 4))
         while True:
             await asyncio.sleep(interval)
+            self._check_links()
             if not self.link.connected:
                 # Cut off from the broker, the supervisor hears no heartbeat: that says
                 # nothing of the nodes (a broker restart is not a failure of every node).

@@ -126,6 +126,7 @@ from phalanx.wire._topics import (
     command_topic,
     death_topic,
     heartbeat_topic,
+    match_node_topic,
     metrics_topic,
     rank_topic,
 )
@@ -210,6 +211,7 @@ __all__ = [
     "death_topic",
     "encode",
     "heartbeat_topic",
+    "match_node_topic",
     "metrics_topic",
     "pack_landings",
     "pack_rank_events",

@@ -88,7 +88,7 @@ from phalanx import wire
 from phalanx.agent_tokens import node_token
 from phalanx.http import json_body, json_response, serve
 from phalanx.jobspec import JobSpecError, validate_spec
-from phalanx.link import MqttLink
+from phalanx.link import MqttLinks
 from supervisor import dashboard
 from supervisor.api import job_pages
 from supervisor.api.access import PRINCIPAL, Access
@@ -151,7 +151,7 @@ class Backend(Protocol):
     backups: StoreBackups | None  # the store's rolling backups (None: off)
     catalog: CheckpointCatalog
     commands: Commands
-    link: MqttLink
+    link: MqttLinks
     metrics: TrainingMetrics
     sweeps: Sweeps
     bad_messages: int
@@ -248,7 +248,8 @@ def make_app(sup: Backend) -> web.Application:
         return json_response(
             {
                 "ok": True,
-                "mqtt_connected": sup.link.connected,
+                "mqtt_connected": sup.link.connected,  # to any broker listed
+                "mqtt_brokers": {link.broker: link.connected for link in sup.link.links},
                 "store_ok": sup.store.corrupt is None,  # False: damage met (the log says)
             }
         )

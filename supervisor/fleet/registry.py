@@ -31,7 +31,7 @@ import bisect
 import enum
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -274,9 +274,15 @@ class Registry:
     def heard_all_now(self) -> None:
         """Count every online node as heard from now (the supervisor's own link to the
         broker was down: their silence meanwhile is not theirs)."""
+        self.heard_now(self.nodes)
+
+    def heard_now(self, ids: Iterable[str]) -> None:
+        """Count these nodes, those online, as heard from now (the broker they were on
+        was lost: they need a while to reach another)."""
         now = self.clock()
-        for node in self.nodes.values():
-            if node.online:
+        for node_id in ids:
+            node = self.nodes.get(node_id)
+            if node is not None and node.online:
                 node.last_seen = max(node.last_seen, now)
 
     def offline_together(self, at: float, window_s: float) -> int:
@@ -297,13 +303,16 @@ class Registry:
         together = self.offline_together(offline_at, MASS_OFFLINE_WINDOW_S)
         return together >= max(MASS_OFFLINE_MIN, MASS_OFFLINE_SHARE * len(self.nodes))
 
-    def revive(self, since: float) -> list[str]:
+    def revive(self, since: float, only: Collection[str] | None = None) -> list[str]:
         """Nodes that went offline by their last will at or after ``since`` (the broker
         published it as it went down, not the node): online again, as heard now, so that
-        they come back with a new birth or time out as usual. Returns their ids."""
+        they come back with a new birth or time out as usual. ``only``: of these nodes
+        (those of one broker). Returns their ids."""
         now = self.clock()
         back = []
         for node in self.nodes.values():
+            if only is not None and node.id not in only:
+                continue
             if (
                 not node.online
                 and node.offline_cause == "last will"

@@ -309,3 +309,40 @@ def test_the_agents_ranks_pass_env_is_read_from_the_file_and_a_bad_name_is_refus
     bad = _toml(tmp_path, '[ranks]\npass_env = ["A=B"]\n', name="bad.toml")
     with pytest.raises(ConfigError, match=r"ranks\.pass_env.*not environment variable names"):
         agentd.config.load(["--config", str(bad)])
+
+
+def test_brokers_are_listed_in_order_and_take_the_default_port() -> None:
+    settings = agentd.config.load(["--mqtt.brokers", '["mqtt-a:1884", "mqtt-b", "[fd00::7]:8883"]'])
+
+    assert settings.mqtt.endpoints() == [("mqtt-a", 1884), ("mqtt-b", 1883), ("fd00::7", 8883)]
+
+
+def test_brokers_come_from_the_file_and_host_alone_is_one_broker(tmp_path: Path) -> None:
+    path = _toml(tmp_path, '[mqtt]\nbrokers = ["a:1", "b:2"]\n')
+
+    assert agentd.config.load(["--config", str(path)]).mqtt.endpoints() == [("a", 1), ("b", 2)]
+    assert agentd.config.load(["--mqtt.host", "c"]).mqtt.endpoints() == [("c", 1883)]
+
+
+@pytest.mark.parametrize(
+    ("brokers", "says"),
+    [
+        ("a:1,a:1", "lists 'a:1' twice"),
+        ("a:0", "no valid port"),
+        ("a:http", "no valid port"),
+        ("fd00::7", "write an IPv6 address as"),
+        ("[fd00::7", "is not \\[ADDRESS\\]:PORT"),
+        ("user@a:1", "no valid host"),
+    ],
+)
+def test_a_bad_broker_entry_is_refused_naming_it(
+    brokers: str, says: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PHALANX_AGENTD_MQTT__BROKERS", brokers)  # comma-separated
+    with pytest.raises(ConfigError, match=says):
+        agentd.config.load([])
+
+
+def test_a_host_and_a_broker_list_together_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"either as mqtt.host .* or as mqtt.brokers"):
+        agentd.config.load(["--mqtt.host", "a", "--mqtt.brokers", "b:1"])

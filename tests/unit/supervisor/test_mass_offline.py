@@ -35,7 +35,7 @@ def sup(tmp_path: Path) -> Iterator[tuple[Supervisor, Clock]]:
     sup.registry.clock = clock
     for i in range(FLEET):
         sup.registry.on_birth(birth(f"n{i:02d}", gpus=2))
-    sup.link._connected.set()  # the link is up (not started: nothing is sent)
+    sup.link.links[0]._connected.set()  # the link is up (not started: nothing is sent)
     sup.link_since = clock.now - 100.0
     try:
         yield sup, clock

@@ -1,0 +1,191 @@
+"""A list of brokers: an agent's link moves to the next when its broker is lost; the
+supervisor's links are on every broker at once and send where the node is."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiomqtt
+import pytest
+
+from phalanx.link import LinkDown, MqttLink, MqttLinks
+from phalanx.local import free_port
+from phalanx.settings import MqttSettings
+from tests.harness import Broker
+
+
+@pytest.fixture
+def brokers(tmp_path: Path) -> Iterator[tuple[Broker, Broker]]:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = Broker(tmp_path / "a").start()
+    try:
+        b = Broker(tmp_path / "b").start()
+    except BaseException:
+        a.stop()
+        raise
+    try:
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+def _settings(*ports: int) -> MqttSettings:
+    return MqttSettings(
+        brokers=[f"127.0.0.1:{port}" for port in ports],
+        reconnect_initial_s=0.05,
+        reconnect_max_s=0.2,
+        connect_timeout_s=2.0,
+    )
+
+
+async def _noop(topic: str, payload: bytes) -> None:
+    return None
+
+
+async def _until(what: str, check: object, timeout: float = 15.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not check():  # type: ignore[operator]  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+
+
+async def test_a_link_skips_a_broker_that_refuses_and_moves_on_when_its_broker_dies(
+    brokers: tuple[Broker, Broker],
+) -> None:
+    a, b = brokers
+    dead = free_port()
+    connects: list[str] = []
+
+    async def on_connect() -> None:
+        connects.append(link.broker)
+
+    link = MqttLink(
+        _settings(dead, a.port, b.port),
+        "agentd-n1",
+        subscriptions=(),
+        handler=_noop,
+        on_connect=on_connect,
+    )
+    async with link:
+        await link.wait_connected(15)
+        assert link.broker == f"127.0.0.1:{a.port}"  # the first listed refused
+
+        a.stop()  # the broker the node is on dies
+        await _until("on b", lambda: link.connected and link.broker.endswith(f":{b.port}"))
+        await link.publish("phalanx/t", b"on b", timeout=5)
+
+    assert connects == [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
+
+
+async def test_moving_to_a_broker_ends_the_session_left_there_on_an_earlier_visit(
+    brokers: tuple[Broker, Broker],
+) -> None:
+    """A command queued for the agent on a broker it left long ago is stale: moving there
+    again must not deliver it."""
+    a, b = brokers
+    # An earlier visit to b left a persistent session subscribed to the node's commands,
+    # and a command was queued in it after the node left.
+    async with aiomqtt.Client(
+        "127.0.0.1", b.port, identifier="agentd-n1", clean_session=False
+    ) as earlier:
+        await earlier.subscribe("phalanx/node/n1/cmd", qos=1)
+    async with aiomqtt.Client("127.0.0.1", b.port) as old_supervisor:
+        await old_supervisor.publish("phalanx/node/n1/cmd", b"stale", qos=1)
+
+    got: list[bytes] = []
+
+    async def handler(topic: str, payload: bytes) -> None:
+        got.append(payload)
+
+    link = MqttLink(
+        _settings(a.port, b.port),
+        "agentd-n1",
+        subscriptions=("phalanx/node/n1/cmd",),
+        handler=handler,
+        persistent_session=True,
+    )
+    async with link:
+        await link.wait_connected(15)
+        a.stop()
+        await _until("on b", lambda: link.connected and link.broker.endswith(f":{b.port}"))
+        async with aiomqtt.Client("127.0.0.1", b.port) as supervisor:
+            await supervisor.publish("phalanx/node/n1/cmd", b"fresh", qos=1)
+        await _until("the fresh command", lambda: got)
+        await asyncio.sleep(0.2)
+
+    assert got == [b"fresh"]
+
+
+async def test_the_supervisors_links_hear_every_broker_and_send_where_the_node_is(
+    brokers: tuple[Broker, Broker],
+) -> None:
+    a, b = brokers
+    heard: list[tuple[int, str]] = []
+    up: list[int] = []
+
+    async def handler(index: int, topic: str, payload: bytes) -> None:
+        heard.append((index, payload.decode()))
+
+    async def on_connect(index: int) -> None:
+        up.append(index)
+
+    links = MqttLinks(
+        _settings(a.port, b.port),
+        "phalanx-supervisor",
+        subscriptions=("phalanx/node/+/hb",),
+        handler=handler,
+        on_connect=on_connect,
+        route=lambda topic: 1 if topic == "phalanx/node/n2/cmd" else None,
+    )
+    on_a: list[bytes] = []
+    on_b: list[bytes] = []
+
+    async def listen(port: int, into: list[bytes], ready: asyncio.Event) -> None:
+        with contextlib.suppress(aiomqtt.MqttError):  # its broker is stopped below
+            await _listen(port, into, ready)
+
+    async def _listen(port: int, into: list[bytes], ready: asyncio.Event) -> None:
+        async with aiomqtt.Client("127.0.0.1", port) as client:
+            await client.subscribe("phalanx/node/+/cmd", qos=1)
+            ready.set()
+            async for message in client.messages:
+                into.append(message.payload)  # type: ignore[arg-type]
+
+    ready_a, ready_b = asyncio.Event(), asyncio.Event()
+    async with links, asyncio.TaskGroup() as group:
+        listeners = [
+            group.create_task(listen(a.port, on_a, ready_a)),
+            group.create_task(listen(b.port, on_b, ready_b)),
+        ]
+        await _until("both links", lambda: links.up(0) and links.up(1))
+        await ready_a.wait()
+        await ready_b.wait()
+        assert sorted(up) == [0, 1]
+        for index, broker in enumerate((a, b)):
+            async with aiomqtt.Client("127.0.0.1", broker.port) as node:
+                await node.publish("phalanx/node/n1/hb", f"via {index}".encode(), qos=1)
+        await _until("both heartbeats", lambda: len(heard) == 2)
+        assert sorted(heard) == [(0, "via 0"), (1, "via 1")]
+
+        await links.publish("phalanx/node/n2/cmd", b"routed")  # to b alone
+        await links.publish("phalanx/node/n3/cmd", b"anywhere")  # node not heard yet: both
+        await _until("the commands", lambda: len(on_a) == 1 and len(on_b) == 2)
+        assert on_a == [b"anywhere"] and sorted(on_b) == [b"anywhere", b"routed"]
+
+        b.stop()  # the routed node's broker is lost: its commands go to the others
+        await _until("b lost", lambda: not links.up(1))
+        assert links.connected
+        await links.publish("phalanx/node/n2/cmd", b"rerouted")
+        await _until("rerouted", lambda: len(on_a) == 2)
+        assert on_a[-1] == b"rerouted"
+
+        a.stop()
+        await _until("all lost", lambda: not links.connected)
+        with pytest.raises(LinkDown, match="no broker reachable"):
+            await links.publish("phalanx/node/n2/cmd", b"nowhere", timeout=0.3)
+        for listener in listeners:
+            listener.cancel()
