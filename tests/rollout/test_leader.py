@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import ssl
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -43,7 +44,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @contextlib.contextmanager
-def serving(app: web.Application) -> Iterator[tuple[int, list[str]]]:
+def serving(
+    app: web.Application, tls: ssl.SSLContext | None = None
+) -> Iterator[tuple[int, list[str]]]:
     """``app`` on a free port of 127.0.0.1 in a thread of its own; the paths it was asked."""
     asked: list[str] = []
 
@@ -60,7 +63,7 @@ def serving(app: web.Application) -> Iterator[tuple[int, list[str]]]:
 
     async def start() -> int:
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls).start()
         return int(runner.addresses[0][1])
 
     try:

@@ -9,15 +9,26 @@ and the undrain, all through the supervisor's REST API.
 from __future__ import annotations
 
 import re
+import ssl
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from phalanx.client import Client
-from tests.rollout.rollout_env import ANSIBLE, FleetTree, LiveFleet, ansible_env, tail, tool
+from tests.rollout.rollout_env import (
+    ANSIBLE,
+    FleetTree,
+    LiveFleet,
+    ansible_env,
+    run_playbook,
+    tail,
+    tool,
+)
+from tests.rollout.test_leader import serving, standby
 
 pytestmark = [pytest.mark.rollout, pytest.mark.integration]
 
@@ -149,3 +160,43 @@ def test_restart_handler_refuses_to_restart_an_agent_under_a_running_job(
         assert _job_state(client, job) == "running"
     finally:
         client.post(f"/v1/jobs/{job}/cancel")
+
+
+def test_upgrade_calls_the_leader_when_the_first_supervisor_host_stands_by(
+    fleet_tree: FleetTree, live_fleet: LiveFleet, tmp_path: Path
+) -> None:
+    # sup0, listed first, is a real standby API (503 and X-Phalanx-Leader on every call but
+    # GET /v1/leader) naming sup1, the supervisor the roles installed, which leads. Only
+    # gpu-a01 is upgraded: the supervisors' plays have no host in the limit.
+    inventory = yaml.safe_load(fleet_tree.inventory.read_text())
+    supervisors = inventory["all"]["children"]["supervisors"]
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert = fleet_tree.pki.http["sup1"]
+    tls.load_cert_chain(cert.cert, cert.key)
+    leader_url = f"https://127.0.0.1:{fleet_tree.api_port}"
+    with serving(standby(leader_url), tls) as (port, asked):
+        supervisors["hosts"] = {
+            "sup0": {
+                "phalanx_root": str(tmp_path / "sup0"),
+                "phalanx_supervisor_api_url": f"https://127.0.0.1:{port}",
+            },
+            **supervisors["hosts"],
+        }
+        (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inventory, sort_keys=False))
+        ran = run_playbook(
+            "rolling-upgrade.yml",
+            tmp_path / "hosts.yml",
+            fleet_tree.ansible_home,
+            "--limit",
+            "localhost,gpu-a01",
+            "-e",
+            f"phalanx_build_dir={fleet_tree.build_dir}",
+            "-e",
+            "phalanx_upgrade_poll_s=1",
+        )
+
+    assert ran.returncode == 0, tail(ran.stdout, 40)
+    assert asked == ["/v1/leader"]
+    assert "changed: [gpu-a01 -> sup1]" in ran.stdout  # the drain, on the leader's host
+    node = live_fleet.client.get("/v1/nodes/gpu-a01")
+    assert (node["state"], node["drain"]) == ("up", None)
