@@ -34,6 +34,8 @@ pytestmark = [pytest.mark.rollout, pytest.mark.integration]
 
 # ansible's line for a poll that found the node still holding a job (delegated to sup1).
 WAITING_FOR_JOB = re.compile(r"FAILED - RETRYING: \[gpu-a01[^\]]*\]: Wait until .*job")
+# The agent role's first task that upgrades (its leader discovery runs before the drain).
+UPGRADE_STARTED = "TASK [agent : Copy the Phalanx wheel]"
 
 
 def _wait(predicate: object, timeout: float, what: str, log: Path) -> None:
@@ -114,7 +116,7 @@ def test_upgrade_drains_waits_for_the_running_job_then_upgrades_and_undrains(
             "rolling upgrade to phalanx 0.1.0",
         )
         assert _job_state(client, job) == "running"
-        assert "TASK [agent : " not in log.read_text().split("Upgrade the agents", 1)[1]
+        assert UPGRADE_STARTED not in log.read_text().split("Upgrade the agents", 1)[1]
 
         client.post(f"/v1/jobs/{job}/cancel")
         assert playbook.wait(240) == 0, tail(log.read_text(), 25)
@@ -125,7 +127,7 @@ def test_upgrade_drains_waits_for_the_running_job_then_upgrades_and_undrains(
 
     output = log.read_text().split("Upgrade the agents", 1)[1]
     waits = list(WAITING_FOR_JOB.finditer(output))
-    assert waits[-1].start() < output.index("TASK [agent : ")
+    assert waits[-1].start() < output.index(UPGRADE_STARTED)
     assert _job_state(client, job) == "cancelled"
     node = client.get("/v1/nodes/gpu-a01")
     assert (node["state"], node["drain"]) == ("up", None)
