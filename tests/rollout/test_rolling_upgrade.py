@@ -9,20 +9,33 @@ and the undrain, all through the supervisor's REST API.
 from __future__ import annotations
 
 import re
+import ssl
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from phalanx.client import Client
-from tests.rollout.rollout_env import ANSIBLE, FleetTree, LiveFleet, ansible_env, tail, tool
+from tests.rollout.rollout_env import (
+    ANSIBLE,
+    FleetTree,
+    LiveFleet,
+    ansible_env,
+    run_playbook,
+    tail,
+    tool,
+)
+from tests.rollout.test_leader import serving, standby
 
 pytestmark = [pytest.mark.rollout, pytest.mark.integration]
 
 # ansible's line for a poll that found the node still holding a job (delegated to sup1).
 WAITING_FOR_JOB = re.compile(r"FAILED - RETRYING: \[gpu-a01[^\]]*\]: Wait until .*job")
+# The agent role's first task that upgrades (its leader discovery runs before the drain).
+UPGRADE_STARTED = "TASK [agent : Copy the Phalanx wheel]"
 
 
 def _wait(predicate: object, timeout: float, what: str, log: Path) -> None:
@@ -103,7 +116,7 @@ def test_upgrade_drains_waits_for_the_running_job_then_upgrades_and_undrains(
             "rolling upgrade to phalanx 0.1.0",
         )
         assert _job_state(client, job) == "running"
-        assert "TASK [agent : " not in log.read_text().split("Upgrade the agents", 1)[1]
+        assert UPGRADE_STARTED not in log.read_text().split("Upgrade the agents", 1)[1]
 
         client.post(f"/v1/jobs/{job}/cancel")
         assert playbook.wait(240) == 0, tail(log.read_text(), 25)
@@ -114,7 +127,7 @@ def test_upgrade_drains_waits_for_the_running_job_then_upgrades_and_undrains(
 
     output = log.read_text().split("Upgrade the agents", 1)[1]
     waits = list(WAITING_FOR_JOB.finditer(output))
-    assert waits[-1].start() < output.index("TASK [agent : ")
+    assert waits[-1].start() < output.index(UPGRADE_STARTED)
     assert _job_state(client, job) == "cancelled"
     node = client.get("/v1/nodes/gpu-a01")
     assert (node["state"], node["drain"]) == ("up", None)
@@ -149,3 +162,43 @@ def test_restart_handler_refuses_to_restart_an_agent_under_a_running_job(
         assert _job_state(client, job) == "running"
     finally:
         client.post(f"/v1/jobs/{job}/cancel")
+
+
+def test_upgrade_calls_the_leader_when_the_first_supervisor_host_stands_by(
+    fleet_tree: FleetTree, live_fleet: LiveFleet, tmp_path: Path
+) -> None:
+    # sup0, listed first, is a real standby API (503 and X-Phalanx-Leader on every call but
+    # GET /v1/leader) naming sup1, the supervisor the roles installed, which leads. Only
+    # gpu-a01 is upgraded: the supervisors' plays have no host in the limit.
+    inventory = yaml.safe_load(fleet_tree.inventory.read_text())
+    supervisors = inventory["all"]["children"]["supervisors"]
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert = fleet_tree.pki.http["sup1"]
+    tls.load_cert_chain(cert.cert, cert.key)
+    leader_url = f"https://127.0.0.1:{fleet_tree.api_port}"
+    with serving(standby(leader_url), tls) as (port, asked):
+        supervisors["hosts"] = {
+            "sup0": {
+                "phalanx_root": str(tmp_path / "sup0"),
+                "phalanx_supervisor_api_url": f"https://127.0.0.1:{port}",
+            },
+            **supervisors["hosts"],
+        }
+        (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inventory, sort_keys=False))
+        ran = run_playbook(
+            "rolling-upgrade.yml",
+            tmp_path / "hosts.yml",
+            fleet_tree.ansible_home,
+            "--limit",
+            "localhost,gpu-a01",
+            "-e",
+            f"phalanx_build_dir={fleet_tree.build_dir}",
+            "-e",
+            "phalanx_upgrade_poll_s=1",
+        )
+
+    assert ran.returncode == 0, tail(ran.stdout, 40)
+    assert asked == ["/v1/leader"]
+    assert "changed: [gpu-a01 -> sup1]" in ran.stdout  # the drain, on the leader's host
+    node = live_fleet.client.get("/v1/nodes/gpu-a01")
+    assert (node["state"], node["drain"]) == ("up", None)
