@@ -110,3 +110,27 @@ def test_standbys_whose_api_listens_on_loopback_only_are_refused(tmp_path: Path)
     ran = converge(tmp_path, phalanx_supervisor_store_url=URL)
     assert ran.returncode != 0
     assert "bind the API where clients reach it" in ran.stdout
+
+
+def test_failover_brokers_make_the_supervisors_broker_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key in list(os.environ):
+        if key.startswith("PHALANX_SUPERVISOR_"):
+            monkeypatch.delenv(key)
+    ran = converge(
+        tmp_path,
+        phalanx_supervisor_store_url=URL,
+        phalanx_supervisor_store_password=PASSWORD,
+        phalanx_supervisor_api_host="0.0.0.0",
+        phalanx_broker_failover_hosts=["mqtt2.cluster.internal", "mqtt3.cluster.internal:1884"],
+    )
+    assert ran.returncode == 0, tail(ran.stdout)
+
+    conf = tmp_path / "sup-a/etc/phalanx/supervisor.toml"
+    settings = supervisor.config.load(["--config", str(conf)])
+    assert settings.mqtt.endpoints() == [
+        ("mqtt.cluster.internal", 8883),
+        ("mqtt2.cluster.internal", 8883),
+        ("mqtt3.cluster.internal", 1884),
+    ]
