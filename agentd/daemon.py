@@ -43,6 +43,7 @@ from agentd.gpu.sim import SimBackend
 from agentd.health import HealthClassifier
 from agentd.host import interface_of, sample_host
 from agentd.http import start_http
+from agentd.linkprobe import ProbeFailed, probe
 from agentd.metrics import MetricsWindow
 from agentd.progress import ProgressMonitor, socket_beside
 from agentd.ranks import RankRunner
@@ -426,6 +427,18 @@ class Agent:
                     extra={"node": self.node, "event": "burn_in"},
                 )
                 return result.as_result()
+            case wire.ProbeLinkArgs():
+                try:
+                    return await probe(
+                        self.node,
+                        cmd.args.peer,
+                        cmd.args.nbytes,
+                        min(cmd.args.max_s, max(0.1, cmd.deadline - time.time() - 1.0)),
+                        self.settings.http.peer_ssl(),
+                    )
+                except ProbeFailed as exc:
+                    log.warning("link probe: %s", exc)
+                    return {"error": str(exc), "reached": exc.reached}
             case wire.SaveNowArgs():
                 here = sorted(self.ranks.pids(cmd.args.job, cmd.args.generation))
                 return {

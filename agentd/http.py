@@ -30,6 +30,7 @@ from agentd.ckpt import add_peer_routes
 from agentd.ckpt.host import CkptHost
 from agentd.config import AgentSettings
 from agentd.gpu.base import GpuBackend, GpuInfo
+from agentd.linkprobe import add_probe_route
 from agentd.metrics import MetricsWindow
 from agentd.progress import ProgressMonitor
 from agentd.ranks import RankRunner
@@ -241,6 +242,7 @@ def make_app(agent: Agent) -> web.Application:
         middlewares=[per_peer_limit(agent.settings.http.max_requests_per_peer)],
     )
     add_peer_routes(app, agent, access, max_shard_bytes=agent.settings.ckpt.peer_max_shard_bytes)
+    add_probe_route(app, access)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/jobs/{job}/ranks/{rank}/log", rank_log)

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from phalanx.wire._base import JobId, Msg, NodeId, Term
-from phalanx.wire._ckpt import CkptPlan
+from phalanx.wire._ckpt import CkptPlan, PeerAddr
 
 
 class PingArgs(Msg):
@@ -140,6 +140,18 @@ class BurnInArgs(Msg):
     op: Literal["burn_in"] = "burn_in"
 
 
+class ProbeLinkArgs(Msg):
+    """Measure the network from ``peer`` to this node: read up to ``nbytes`` from the
+    peer agent's probe route (``GET /v1/probe``, opened by ``peer.token``) for at most
+    ``max_s`` seconds, timed from its first byte. The ack's result: ``mb_s`` (10^6 bytes
+    a second), ``nbytes`` read and ``seconds``."""
+
+    op: Literal["probe_link"] = "probe_link"
+    peer: PeerAddr
+    nbytes: int = Field(ge=1 << 16, le=1 << 30)
+    max_s: float = Field(default=2.0, gt=0, le=30)
+
+
 class SaveNowArgs(Msg):
     """Ask the job's ranks on this node to checkpoint at their next step (before a
     preemption); they see it through ``phalanx.rank.step``."""
@@ -158,6 +170,7 @@ CommandArgsType = (
     | PrewarmArgs
     | AllocPortArgs
     | BurnInArgs
+    | ProbeLinkArgs
     | SaveNowArgs
 )
 CommandArgs = Annotated[CommandArgsType, Field(discriminator="op")]
