@@ -207,6 +207,22 @@ class SupervisorSettings(BaseSettings):
         description="... judged only once this many nodes of the model passed a burn-in "
         "that measured them (fewer: nothing to compare with, the node is not judged).",
     )
+    screen_probe_bytes: int = Field(
+        default=32 << 20,
+        ge=0,
+        le=1 << 30,
+        description="The point-to-point probe: a node about to join a job as a replacement "
+        "reads this many bytes (for at most 2 s) from one node of the job, and every "
+        "burn-in from up to 3 idle nodes (agentd.linkprobe). 0: no probes.",
+    )
+    screen_min_p2p: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="... a replacement whose link carries under this fraction of the median "
+        "of the links probed within a day (once `screen_min_peers` were) does not join, and a "
+        "burn-in whose links from 3 nodes do, by their median, fails.",
+    )
     ckpt_node_mtbf_h: float = Field(
         default=5000.0,
         gt=0,

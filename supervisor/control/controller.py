@@ -101,8 +101,14 @@ class JobController:
             self.command,
             timeout_s=BURN_IN_TIMEOUT_S,
             screening=Screening(
-                settings.screen_max_slowdown, settings.screen_min_link, settings.screen_min_peers
+                settings.screen_max_slowdown,
+                settings.screen_min_link,
+                settings.screen_min_peers,
+                settings.screen_probe_bytes,
+                settings.screen_min_p2p,
             ),
+            agent_keys=self.agent_keys,
+            busy=self._busy_nodes,
         )
         self.incidents = Incidents(self, self._newest_committed)
         self.recoveries = Recoveries(self, self.incidents)
@@ -169,6 +175,7 @@ class JobController:
         self.reconciler.check_nodes()
         for node in self.burnins.observe():
             self.burnins.start(node)  # undrained: burned in before it takes work
+        self.burnins.survey()  # the fleet's link figures, for the replacements to come
         if self._unchanged():
             for spare in self.spares:
                 self.burnins.start(spare)  # one that could not run is tried again
@@ -206,6 +213,10 @@ class JobController:
     def _settling(self) -> bool:
         """A restarted supervisor has heard from no node yet: for one offline timeout."""
         return time.monotonic() - self._started < self.settings.offline_after_s
+
+    def _busy_nodes(self) -> set[str]:
+        """The nodes of every job that holds nodes (its ranks may be training there)."""
+        return {n for job in self.jobs.values() if job.state.holds_nodes for n in job.nodes}
 
     def wake(self) -> None:
         self._wake.set()

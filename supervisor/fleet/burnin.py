@@ -13,28 +13,45 @@ measured is compared with the nodes of the same GPU model that passed before, an
 node much slower than their median (a slow GPU, a degraded link between its GPUs)
 fails like any other. Every node's figures are kept in memory for a day, for the
 nodes that come after it (lost when the supervisor restarts or a standby takes over).
+
+Links between nodes are probed too (``agentd.linkprobe``), both ways: a burn-in probes
+the node's links with up to ``PROBE_TARGETS`` idle nodes, a node about to replace one
+of a job's its link with a node of that job (:meth:`BurnIns.screen_join`, on the
+recovery's path), and now and then two idle nodes probe each other
+(:meth:`BurnIns.survey`), so that the fleet's median is known before it is needed. A
+burn-in fails when the median of its links is far under the fleet's, judged only when it
+probed that many nodes (one slow node among them is then not the new node's fault); a
+replacement whose link to the job is slow, or does not carry at all, does not join.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
+from statistics import median
 from typing import Any
 
 from phalanx import wire
+from phalanx.agent_tokens import AgentKeys
 from phalanx.tasks import Tasks
 from supervisor.errors import RegistryError
 from supervisor.fleet.registry import NodeState, Registry
-from supervisor.fleet.screening import Perf, parse_perf, screen
+from supervisor.fleet.screening import Perf, parse_perf, screen, screen_p2p
 
 log = logging.getLogger(__name__)
 
 Sender = Callable[[str, wire.CommandArgsType, float], Awaitable[wire.CommandAck]]
 RETRY_S = 30.0  # a burn-in that could not run (no ack) is tried again after this
 PERF_KEPT_S = 24 * 3600.0  # a node's speed counts in the fleet's median this long
+PROBE_TARGETS = 3  # the idle nodes a burn-in reads from
+PROBE_MAX_S = 2.0  # how long one probe reads at most
+LINKS_KEPT = 4096  # the fleet's latest link figures
+SURVEY_EARLY_S = 2.0  # between surveys while the fleet has too few link figures
+SURVEY_S = 600.0  # between surveys after
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +61,8 @@ class Screening:
     max_slowdown: float = 0.05
     min_link: float = 0.5
     min_peers: int = 3
+    probe_bytes: int = 32 << 20  # 0: no link probes
+    min_p2p: float = 0.5
 
 
 class BurnIns:
@@ -54,11 +73,24 @@ class BurnIns:
         *,
         timeout_s: float = 60.0,
         screening: Screening | None = None,
+        agent_keys: AgentKeys | None = None,
+        busy: Callable[[], Collection[str]] = frozenset,
     ) -> None:
+        """``busy``: the nodes whose ranks may be training now (no probe reads from them:
+        the job's own traffic would be measured with it)."""
         self.registry = registry
         self._send = send
         self.timeout_s = timeout_s
         self.screening = screening or Screening()
+        self._agent_keys = agent_keys if agent_keys is not None else AgentKeys("")
+        self._busy = busy
+        self._links: collections.deque[tuple[float, float]] = collections.deque(
+            maxlen=LINKS_KEPT
+        )  # (when, MB/s): the links probed lately
+        self._probed_from: dict[str, float] = {}  # node -> when it was last probed with
+        self._surveying: asyncio.Task[Any] | None = None
+        self._probe_locks: dict[str, asyncio.Lock] = {}  # node -> held while it probes
+        self._surveyed_at = -float("inf")  # monotonic
         # node -> ((GPU model, GPU count), when, speed): every burn-in that measured one
         self._perf: dict[str, tuple[tuple[str, int], float, Perf]] = {}
         self._passed: dict[str, int] = {}  # node -> the birth seq it passed under
@@ -143,6 +175,8 @@ class BurnIns:
         passed = ack.status == wire.AckStatus.DONE and result.get("passed") is True
         slow = self._screen(node_id, result.get("perf")) if passed else []
         if passed and not slow:
+            slow = await self._probe_round(node_id)
+        if passed and not slow:
             self._note_pass(node_id, seq)
             self._was_drained.discard(node_id)
             log.info(
@@ -201,6 +235,181 @@ class BurnIns:
             min_link=s.min_link,
             min_peers=s.min_peers,
         )
+
+    def fleet_links(self) -> list[float]:
+        """The rates (MB/s) of the links probed within ``PERF_KEPT_S``."""
+        now = time.time()
+        return [mb_s for at, mb_s in self._links if now - at <= PERF_KEPT_S]
+
+    async def probe_link(self, node_id: str, peer_id: str) -> tuple[float | None, str, bool]:
+        """Have ``node_id`` read from ``peer_id`` (``wire.ProbeLinkArgs``): (MB/s, why not,
+        whether the link failed). The MB/s is None when nothing was measured: the link
+        failed (no connection, nothing carried: the third value True), or the probe did
+        not run (no answer, a peer that refused it or does not know it: False)."""
+        peer = self.registry.nodes.get(peer_id)
+        if peer is None or peer.birth is None or not peer.birth.http_port:
+            return None, f"node {peer_id} has not announced its address", False
+        # One probe at a time on a node (it serves one stream, and two would each measure
+        # half the link): a survey's wait, at most a probe's, before a recovery's.
+        first, second = sorted((node_id, peer_id))
+        address, port = peer.birth.address, peer.birth.http_port
+        async with self._probe_lock(first), self._probe_lock(second):
+            return await self._probe_link(node_id, peer_id, address, port)
+
+    def _probe_lock(self, node_id: str) -> asyncio.Lock:
+        lock = self._probe_locks.get(node_id)
+        if lock is None:
+            lock = self._probe_locks[node_id] = asyncio.Lock()
+        return lock
+
+    async def _probe_link(
+        self, node_id: str, peer_id: str, address: str, http_port: int
+    ) -> tuple[float | None, str, bool]:
+        credential = self._agent_keys.peer_credential(holder=peer_id, peer=node_id)
+        args = wire.ProbeLinkArgs(
+            peer=wire.PeerAddr(
+                node=peer_id, address=address, http_port=http_port, token=credential
+            ),
+            nbytes=self.screening.probe_bytes,
+            max_s=PROBE_MAX_S,
+        )
+        try:
+            ack = await self._send(node_id, args, PROBE_MAX_S + 15.0)
+        except (TimeoutError, ConnectionError, RegistryError) as exc:
+            why = f"the probe from node {peer_id} to node {node_id} did not run: {exc}"
+            return None, why, False
+        result = ack.result or {}
+        if ack.status != wire.AckStatus.DONE:
+            return None, f"node {node_id} did not probe: {ack.detail or ack.status.value}", False
+        if "error" in result:
+            return None, str(result["error"])[:500], result.get("reached") is False
+        mb_s = result.get("mb_s")
+        if isinstance(mb_s, bool) or not isinstance(mb_s, int | float) or not mb_s >= 0:
+            return None, f"node {node_id}'s probe gave no rate: {result!r:.200}", False
+        return float(mb_s), "", False
+
+    async def _both_ways(
+        self, node_id: str, peer_id: str
+    ) -> tuple[tuple[float, str] | None, str, bool]:
+        """Probe the link between two nodes both ways, one after the other (a degraded
+        link may be slow one way only), recording each figure: ((the slower way's MB/s,
+        that way in words), why not measured, whether the link failed)."""
+        slowest: tuple[float, str] | None = None
+        for reader, sender in ((node_id, peer_id), (peer_id, node_id)):
+            way = f"the link from node {sender} to node {reader}"
+            mb_s, why, failed = await self.probe_link(reader, sender)
+            if failed:
+                return None, f"{way} failed: {why}", True
+            if mb_s is None:
+                return None, why, False
+            self._links.append((time.time(), mb_s))
+            if slowest is None or mb_s < slowest[0]:
+                slowest = (mb_s, way)
+        return slowest, "", False
+
+    def _idle(self, *, but: Collection[str] = ()) -> list[str]:
+        """The nodes up, in no job (a probe would measure a job's traffic with its own)
+        and with an HTTP port, the least lately probed first."""
+        busy = set(self._busy()) | set(but)
+        idle = [
+            n.id
+            for n in self.registry.nodes.values()
+            if n.id not in busy
+            and n.state is NodeState.UP
+            and n.birth is not None
+            and n.birth.http_port
+        ]
+        for gone in [n for n in self._probed_from if n not in self.registry.nodes]:
+            del self._probed_from[gone]
+        for gone in [n for n, lock in self._probe_locks.items() if not lock.locked()]:
+            if gone not in self.registry.nodes:
+                del self._probe_locks[gone]
+        return sorted(idle, key=lambda n: (self._probed_from.get(n, 0.0), n))
+
+    async def screen_join(self, node_id: str, peer_id: str) -> tuple[bool, str]:
+        """Whether ``node_id`` may join a job of ``peer_id``'s as a replacement: the link
+        between them carries, both ways, at least ``min_p2p`` of the fleet's median (once
+        the fleet has ``min_peers`` figures), and carries at all. (joins, why not); a
+        probe that did not run, or probes turned off, do not keep it out."""
+        s = self.screening
+        if not s.probe_bytes:
+            return True, ""
+        fleet = self.fleet_links()
+        slowest, why, failed = await self._both_ways(node_id, peer_id)
+        if failed:
+            return False, f"unreachable_p2p: {why}"
+        if slowest is None:
+            log.warning("the link between nodes %s and %s is not judged: %s", peer_id, node_id, why)
+            return True, ""
+        mb_s, way = slowest
+        verdict = screen_p2p(mb_s, fleet, link=way, min_fraction=s.min_p2p, min_peers=s.min_peers)
+        log.info(
+            "%s carried %.3f MB/s (the slower way)%s",
+            way,
+            mb_s,
+            f": {verdict}" if verdict else "",
+            extra={"node": node_id, "event": "link_probed"},
+        )
+        return verdict is None, verdict or ""
+
+    async def _probe_round(self, node_id: str) -> list[str]:
+        """A burn-in's links: between ``node_id`` and up to ``PROBE_TARGETS`` idle nodes,
+        both ways, one after the other. The reasons it fails (empty: it passes, or too
+        few nodes were probed to tell a slow link of its own from one of theirs)."""
+        s = self.screening
+        if not s.probe_bytes:
+            return []
+        fleet = self.fleet_links()
+        figures: list[tuple[str, float]] = []
+        for peer_id in self._idle(but={node_id})[:PROBE_TARGETS]:
+            self._probed_from[peer_id] = time.time()
+            slowest, why, _ = await self._both_ways(node_id, peer_id)
+            if slowest is None:
+                log.info("burn-in of node %s: no probe with node %s: %s", node_id, peer_id, why)
+                continue
+            figures.append((peer_id, slowest[0]))
+        if len(figures) < PROBE_TARGETS:
+            return []  # too few to tell a slow link of this node's from one of a peer's
+        typical = median(mb for _, mb in figures)
+        names = ", ".join(peer for peer, _ in figures)
+        verdict = screen_p2p(
+            typical,
+            fleet,
+            link=f"by their median, its links with nodes {names} (the slower way of each)",
+            min_fraction=s.min_p2p,
+            min_peers=s.min_peers,
+        )
+        return [verdict] if verdict else []
+
+    def survey(self) -> None:
+        """Keep the fleet's link figures fresh, for the replacements judged by them: now
+        and then (every ``SURVEY_EARLY_S`` while there are fewer than ``min_peers``, then
+        every ``SURVEY_S``) the two idle nodes least lately probed probe each other, in
+        a task (one at a time). Called from the controller's loop."""
+        s = self.screening
+        if not s.probe_bytes or self._surveying is not None:
+            return
+        every = SURVEY_S if len(self.fleet_links()) >= s.min_peers else SURVEY_EARLY_S
+        if time.monotonic() - self._surveyed_at < every:
+            return
+        pair = self._idle()[:2]
+        if len(pair) < 2:
+            return
+        self._surveyed_at = time.monotonic()
+        for node in pair:
+            self._probed_from[node] = time.time()
+        task = self._tasks.spawn(self._both_ways(*pair), name="link-survey")
+        if task is not None:
+            self._surveying = task
+            task.add_done_callback(self._surveyed)
+
+    def _surveyed(self, task: asyncio.Task[Any]) -> None:
+        self._surveying = None
+        self._surveyed_at = time.monotonic()
+        if not task.cancelled() and task.exception() is None:
+            _, why, _ = task.result()
+            if why:
+                log.info("link survey: %s", why)
 
     async def recheck(self, node_id: str) -> tuple[bool | None, str]:
         """Burn ``node_id`` in again now, though it may have passed before (a replica on it

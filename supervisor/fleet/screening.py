@@ -8,6 +8,9 @@ figures with the median of the nodes of the same GPU model that passed before it
 (``peers``): a step slower than the median by more than ``max_slowdown``, or an
 all-reduce under ``min_link`` of the median, is a reason not to join. With fewer than
 ``min_peers`` peers there is nothing to compare with, and the node is not judged.
+
+:func:`screen_p2p` judges a point-to-point link the same way: the rate a node read from
+another node (``agentd.linkprobe``) against the median of the links probed lately.
 """
 
 from __future__ import annotations
@@ -82,3 +85,25 @@ def screen(
                 f"of {len(links)} {model} nodes ({typical:.1f} GB/s)"
             )
     return reasons
+
+
+def screen_p2p(
+    mb_s: float, fleet: Sequence[float], *, link: str, min_fraction: float, min_peers: int
+) -> str | None:
+    """Why a ``link`` whose probe carried ``mb_s`` MB/s keeps its node out, judged against
+    the fleet's recent probes (``fleet``, MB/s each); None: it joins, or there are fewer
+    than ``min_peers`` probes to judge by."""
+    if len(fleet) < max(1, min_peers):
+        return None
+    typical = median(fleet)
+    if mb_s >= typical * min_fraction:
+        return None
+    return (
+        f"slow_p2p: {link} carried {_mb(mb_s)} MB/s, {mb_s / typical * 100:.0f}% of the "
+        f"median of the {len(fleet)} links probed lately ({_mb(typical)} MB/s; the limit is "
+        f"{min_fraction * 100:.0f}%)"
+    )
+
+
+def _mb(mb_s: float) -> str:
+    return f"{mb_s:.1f}" if mb_s >= 1 else f"{mb_s:.3f}"

@@ -288,7 +288,9 @@ class Recoveries:
             if not _recovering(job) or job.recovery is not rec:
                 return
             plan = self.plan(job, failures)  # the fleet may have moved while we waited
-            if plan.action in RELAUNCHES and all(self.ctl.burnins.passed(b) for _, b in plan.swaps):
+            if plan.action in RELAUNCHES and all(
+                self.ctl.burnins.passed(b) and self._joins(job, plan, b) for _, b in plan.swaps
+            ):
                 break
         rec["plan"] = plan_record(plan)
         await self._release_kept(job, plan, failures, old_generation)
@@ -635,16 +637,37 @@ class Recoveries:
         return job.state is JobState.RECOVERING
 
     async def _burn_in_swaps(self, job: Job, plan: Plan) -> bool:
+        """Each replacement of the plan burned in and its link from a node of the job that
+        stays probed (``BurnIns.screen_join``); False when one failed either (it is left
+        out of this recovery: plan again)."""
+        joining = {spare for _, spare in plan.swaps}
+        staying = [n for n in plan.nodes if n not in joining]
         for failed, spare in plan.swaps:
-            if self.ctl.burnins.passed(spare):
-                continue
-            passed, why = await self.ctl.burnins.run(spare)
+            passed, why = True, ""
+            if not self.ctl.burnins.passed(spare):
+                passed, why = await self.ctl.burnins.run(spare)
+            if passed and staying and not self._linked(job, spare):
+                passed, why = await self.ctl.burnins.screen_join(spare, staying[0])
+                if passed and job.recovery is not None:
+                    job.recovery.setdefault("linked", []).append(spare)
             if not passed:
                 self.ctl.event("spare_rejected", job, node=spare, replacing=failed, reason=why)
                 if job.recovery is not None:  # not again in this recovery (drained, or mute)
                     job.recovery.setdefault("rejected", []).append(spare)
                 return False
         return True
+
+    def _joins(self, job: Job, plan: Plan, spare: str) -> bool:
+        """Whether nothing is left to probe before ``spare`` joins: its link passed, or
+        there is no link to probe (probes off, or no node of the job stays)."""
+        if not self.ctl.burnins.screening.probe_bytes or self._linked(job, spare):
+            return True
+        joining = {b for _, b in plan.swaps}
+        return all(n in joining for n in plan.nodes)
+
+    def _linked(self, job: Job, spare: str) -> bool:
+        """Whether ``spare``'s link to the job was probed and passed in this recovery."""
+        return job.recovery is not None and spare in job.recovery.get("linked", ())
 
     async def _relaunch(self, job: Job, plan: Plan) -> None:
         rec = job.recovery

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from phalanx import wire
+from phalanx.agent_tokens import AgentKeys
 from supervisor.fleet.burnin import BurnIns, Screening
 from supervisor.fleet.registry import NodeState, Registry
 from supervisor.store import Store
@@ -36,15 +37,28 @@ def birth(node: str, seq: int = 1) -> wire.NodeBirth:
 
 
 class Agents:
-    """Answers burn-in commands as the agents would: passed unless told otherwise."""
+    """Answers burn-in commands as the agents would: passed unless told otherwise; and
+    link probes, at 1,000 MB/s unless a link or a node is slow or cut."""
 
     def __init__(self) -> None:
         self.failing: dict[str, str] = {}
         self.silent: set[str] = set()
         self.asked: list[str] = []
         self.perf: dict[str, object] = {}  # node -> the speed its burn-in reports
+        self.slow: dict[str, float] = {}  # node -> MB/s of every link to it
+        self.cut: set[str] = set()  # nodes no probe reaches
+        self.probes: list[tuple[str, str, str | None]] = []  # (node, peer, its credential)
+        self.probing: set[str] = set()  # the nodes of the probes under way
+        self.probe_s = 0.0
 
     async def send(self, node: str, args: wire.CommandArgsType, timeout: float) -> wire.CommandAck:
+        if isinstance(args, wire.ProbeLinkArgs):
+            ends = (node, args.peer.node)
+            assert not self.probing & set(ends), f"{ends} probed while {self.probing} were"
+            self.probing |= set(ends)
+            await asyncio.sleep(self.probe_s)
+            self.probing -= set(ends)
+            return self.probe(node, args)
         assert isinstance(args, wire.BurnInArgs)
         self.asked.append(node)
         if node in self.silent:
@@ -60,6 +74,18 @@ class Agents:
                 **({"perf": self.perf[node]} if node in self.perf else {}),
             },
             acked_at=0.0,
+        )
+
+    def probe(self, node: str, args: wire.ProbeLinkArgs) -> wire.CommandAck:
+        peer = args.peer.node
+        token = args.peer.token.get_secret_value() if args.peer.token else None
+        self.probes.append((node, peer, token))
+        if node in self.cut:
+            result: dict[str, object] = {"error": "ConnectionRefusedError", "reached": False}
+        else:
+            result = {"mb_s": min(self.slow.get(node, 1000.0), self.slow.get(peer, 1000.0))}
+        return wire.CommandAck(
+            id="p", node=node, status=wire.AckStatus.DONE, result=result, acked_at=0.0
         )
 
 
@@ -236,3 +262,118 @@ async def test_the_fleets_median_follows_a_change_of_every_node(
         burnins.observe()
         outcomes.append((await burnins.run(node))[0])
     assert outcomes[:2] == [False, False] and outcomes[-1] is True
+
+
+async def test_a_burn_in_probes_three_idle_nodes_both_ways_and_a_slow_link_fails_it(
+    fleet6: Registry, agents: Agents
+) -> None:
+    burnins = BurnIns(fleet6, agents.send, busy=lambda: {"n6"}, agent_keys=AgentKeys("s" * 32))
+    for node in ("n1", "n2"):
+        assert await burnins.run(node) == (True, "")
+    # Each probes three idle nodes (n6 trains: never), the least lately probed first, both
+    # ways; the reader presents the credential that opens the sender's probe route for
+    # the reader alone.
+    assert [(n, p) for n, p, _ in agents.probes] == [
+        ("n1", "n2"), ("n2", "n1"), ("n1", "n3"), ("n3", "n1"), ("n1", "n4"), ("n4", "n1"),
+        ("n2", "n1"), ("n1", "n2"), ("n2", "n5"), ("n5", "n2"), ("n2", "n3"), ("n3", "n2"),
+    ]  # fmt: skip
+    assert agents.probes[0][2] == AgentKeys("s" * 32).peer_credential(holder="n2", peer="n1")
+    assert len(burnins.fleet_links()) == 12
+
+    agents.slow["n3"] = 100.0  # n3's link is slow: its burn-in fails with the figures
+    passed, why = await burnins.run("n3")
+    assert not passed
+    assert "slow_p2p: by their median, its links with nodes n2, n4, n1 (the slower" in why
+    assert "carried 100.0 MB/s, 10% of the median of the 12 links" in why
+    assert fleet6.nodes["n3"].state is NodeState.DRAIN
+
+
+async def test_one_slow_peer_does_not_fail_a_burn_in_nor_do_too_few_peers(
+    fleet6: Registry, agents: Agents
+) -> None:
+    busy = {"n3", "n4"}
+    burnins = BurnIns(fleet6, agents.send, busy=lambda: busy)
+    for node in ("n3", "n4", "n5"):  # the fleet's links so far: fast
+        assert await burnins.screen_join(node, "n2") == (True, "")
+    agents.slow["n6"] = 1.0  # n6's link is slow
+
+    assert await burnins.run("n1") == (True, "")  # from n2, n5, n6: their median is fast
+    assert {p for n, p, _ in agents.probes if n == "n1"} == {"n2", "n5", "n6"}
+    busy.update({"n2", "n5"})
+    assert await burnins.run("n6") == (True, "")  # from n1 alone: not judged
+
+
+async def test_a_replacement_joins_only_over_a_link_as_fast_as_the_fleets(
+    fleet6: Registry, agents: Agents
+) -> None:
+    burnins = BurnIns(fleet6, agents.send)
+    assert await burnins.screen_join("n1", "n2") == (True, "")  # nothing to judge by yet
+    for node in ("n3", "n4"):
+        assert await burnins.screen_join(node, "n2") == (True, "")
+
+    agents.slow["n5"] = 400.0
+    joins, why = await burnins.screen_join("n5", "n2")
+    assert not joins
+    assert why.startswith("slow_p2p: the link from node n2 to node n5 carried 400.0 MB/s, 40%")
+    assert agents.probes[-2:] == [
+        ("n5", "n2", None),  # n5 reads from n2, then n2 from n5
+        ("n2", "n5", None),
+    ]
+    assert fleet6.nodes["n5"].state is NodeState.UP  # not drained: the job goes elsewhere
+
+    agents.cut.add("n6")
+    joins, why = await burnins.screen_join("n6", "n2")
+    assert not joins and why.startswith("unreachable_p2p: the link from node n2 to node n6")
+
+    agents.cut.clear()
+    agents.cut.add("n2")  # n6 reaches n2, but n2 not n6: one way is enough to keep it out
+    joins, why = await burnins.screen_join("n6", "n2")
+    assert not joins and why.startswith("unreachable_p2p: the link from node n6 to node n2")
+
+    off = BurnIns(fleet6, agents.send, screening=Screening(probe_bytes=0))
+    asked = len(agents.probes)
+    assert await off.screen_join("n5", "n2") == (True, "")
+    assert await off.run("n1") == (True, "")
+    assert len(agents.probes) == asked
+
+
+async def test_a_survey_probes_two_idle_nodes_often_until_the_fleet_has_enough_figures(
+    fleet6: Registry, agents: Agents, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr("supervisor.fleet.burnin.time.monotonic", lambda: clock[0])
+    burnins = BurnIns(fleet6, agents.send, busy=lambda: {"n1", "n2"})
+
+    async def settle() -> None:
+        while burnins._surveying is not None:  # noqa: ASYNC110 - the task's own field
+            await asyncio.sleep(0)
+
+    burnins.survey()
+    await settle()
+    assert [(n, p) for n, p, _ in agents.probes] == [("n3", "n4"), ("n4", "n3")]
+    burnins.survey()  # too soon
+    clock[0] += 2.0
+    burnins.survey()
+    await settle()
+    assert [(n, p) for n, p, _ in agents.probes][2:] == [("n5", "n6"), ("n6", "n5")]
+    assert len(burnins.fleet_links()) == 4
+    clock[0] += 2.0
+    burnins.survey()  # enough figures: the next in ten minutes
+    await settle()
+    assert len(agents.probes) == 4
+    clock[0] += 600.0
+    burnins.survey()
+    await settle()
+    assert len(agents.probes) == 6
+
+
+async def test_a_node_is_in_one_probe_at_a_time(fleet6: Registry, agents: Agents) -> None:
+    # A recovery's probe of n3 while a survey probes n3 and n4: it waits its turn (the
+    # fake fails a probe that overlaps another on a node).
+    agents.probe_s = 0.05
+    burnins = BurnIns(fleet6, agents.send, busy=lambda: {"n1", "n2", "n5", "n6"})
+    burnins.survey()
+    joined = await asyncio.gather(burnins.screen_join("n3", "n1"), burnins.screen_join("n5", "n6"))
+    assert joined == [(True, ""), (True, "")]
+    assert burnins._surveying is None or await burnins._surveying
+    assert len(agents.probes) == 6

@@ -3,7 +3,7 @@ median of the nodes of its GPU model. Pure."""
 
 from __future__ import annotations
 
-from supervisor.fleet.screening import Perf, parse_perf, screen
+from supervisor.fleet.screening import Perf, parse_perf, screen, screen_p2p
 
 PEERS = [Perf(0.010, 400.0), Perf(0.011, 380.0), Perf(0.009, 420.0)]
 
@@ -47,3 +47,16 @@ def test_a_burn_ins_speed_is_parsed_and_garbage_left_out() -> None:
     assert parse_perf({"step_s": 1, "gpu_step_s": {"0": "x", "1": 2}}) == Perf(
         1.0, None, {"1": 2.0}
     )
+
+
+def test_a_link_is_judged_against_the_fleets_median_once_there_are_enough() -> None:
+    fleet = [900.0, 1000.0, 1100.0]
+    link = "the link from node a to node b"
+
+    assert screen_p2p(600.0, fleet, link=link, min_fraction=0.5, min_peers=3) is None
+    slow = screen_p2p(400.0, fleet, link=link, min_fraction=0.5, min_peers=3)
+    assert slow == (
+        "slow_p2p: the link from node a to node b carried 400.0 MB/s, 40% of the median of "
+        "the 3 links probed lately (1000.0 MB/s; the limit is 50%)"
+    )
+    assert screen_p2p(1.0, fleet[:2], link=link, min_fraction=0.5, min_peers=3) is None
