@@ -1,4 +1,4 @@
-"""The eighteen faults: how each is injected, and what the job must do after it.
+"""The nineteen faults: how each is injected, and what the job must do after it.
 
 Each scenario is ``inject(strike)``: it runs once the job has reached the seeded step, may
 wait (a link down for a while) and must undo what it did to the fleet (a link back up, a
@@ -121,17 +121,23 @@ def slow_link(s: Strike) -> None:
     no netem (this CI's), the link's rate capped at 512 kbit/s with a 500 ms queue."""
     host = s.victim()
     try:
-        try:
-            host.run(*host.slow_link(100, 5))
-            s.notes["link"] = "netem delay 100ms loss 5%"
-        except RigError as exc:
-            if "unknown" not in str(exc):
-                raise
-            host.run(*host.throttle_link(512, 500))
-            s.notes["link"] = "tbf 512kbit, 500 ms queue (no netem in this kernel)"
+        _slow_down(s, host)
         time.sleep(20)
     finally:
         host.run(*host.clear_link(), check=False)
+
+
+def _slow_down(s: Strike, host: Host) -> None:
+    """netem's 100 ms delay and 5 % loss on ``host``'s link, or where the kernel has no
+    netem a tbf cap of 512 kbit/s with a 500 ms queue (undone by ``clear_link``)."""
+    try:
+        host.run(*host.slow_link(100, 5))
+        s.notes["link"] = "netem delay 100ms loss 5%"
+    except RigError as exc:
+        if "unknown" not in str(exc):
+            raise
+        host.run(*host.throttle_link(512, 500))
+        s.notes["link"] = "tbf 512kbit, 500 ms queue (no netem in this kernel)"
 
 
 def broker_restart(s: Strike) -> None:
@@ -242,6 +248,43 @@ def bad_spare(s: Strike) -> None:
     s.fleet.inject_gpu(spare, 1, "ecc-dbe")
 
 
+def slow_spare(s: Strike) -> None:
+    """A GPU fails on a job host while the spare's link is slow (netem delay and loss, or
+    tbf where the kernel has no netem): the spare's link from the job's other node carries
+    a fraction of the fleet's, so it does not join, and another node replaces the host."""
+    host = s.victim()
+    job = s.job()
+    spares = [n["id"] for n in s.fleet.client().get("/v1/nodes") if n.get("spare")]
+    spares = [n for n in spares if n not in job["nodes"]]
+    if not spares:
+        raise RigError("no spare to slow down")
+    spare = s.fleet.host(spares[0])
+    s.notes["spare"] = spare.name
+    try:
+        _slow_down(s, spare)
+        s.fleet.inject_gpu(host, 0, "ecc-dbe")
+        s.wait_generation(job["generation"] + 1, 180)  # relaunched, on another node
+    finally:
+        spare.run(*spare.clear_link(), check=False)
+
+
+def check_slow_spare_refused(s: Strike, job: dict[str, Any]) -> str | None:
+    """The slow spare was refused for its link, and is not in the gang."""
+    spare = s.notes.get("spare")
+    if spare in job["nodes"]:
+        return f"the spare {spare}, whose link was slow, joined the gang"
+    events = s.fleet.client().get(f"/v1/events?job={s.job_id}&limit=2000")
+    refused = [
+        e["detail"].get("reason", "")
+        for e in events
+        if e["kind"] == "spare_rejected" and e.get("node") == spare
+    ]
+    if not any("_p2p:" in reason for reason in refused):
+        return f"the spare {spare} was not refused for its link (refusals: {refused})"
+    s.notes["refused"] = next(r for r in refused if "_p2p:" in r)
+    return None
+
+
 def code_error(s: Strike) -> None:
     """Nothing to inject: the training code raises at the seeded step, every time."""
 
@@ -273,6 +316,14 @@ FAULTS: dict[str, Fault] = {
         Fault("double-fault", double_fault, "succeeded", "any", "both recovered"),
         Fault("fault-during-save", fault_during_save, "succeeded", "in-place", "restores"),
         Fault("bad-spare", bad_spare, "succeeded", "replaced", "another node replaces"),
+        Fault(
+            "slow-spare",
+            slow_spare,
+            "succeeded",
+            "replaced",
+            "the spare's slow link keeps it out; another node replaces",
+            check_slow_spare_refused,
+        ),
         Fault("code-error", code_error, "failed", "no-spare", "fails fast, no spare used"),
     )
 }

@@ -130,6 +130,8 @@ class Lab:
         if argv[:2] == ["sh", "-c"] and argv[2] == KILL_RANK and self.api is not None:
             self.api.generation += 1  # the supervisor relaunches the gang
             return 0, "4242\n", ""
+        if argv[-1:] == ["ecc-dbe"] and self.api is not None:
+            self.api.generation += 1  # the supervisor moves the gang off the GPU
         return 0, "", ""
 
     def to(self, host: str) -> list[list[str]]:
@@ -561,6 +563,21 @@ def test_bad_spare_breaks_a_gpu_of_a_job_host_and_of_the_spare(fleet: SshFleet, 
     ]
 
 
+def test_slow_spare_slows_the_spares_link_until_a_gpu_fault_moved_the_gang(
+    fleet: SshFleet, lab: Lab
+) -> None:
+    s = strike(fleet, "slow-spare")
+    sim = "/var/lib/phalanx/sim-gpus.json"
+    inject = ["runuser", "-u", "phalanx", "--", PY, "-c", SIM_INJECT, sim]
+    netem = "tc qdisc replace dev ens5 root netem delay 100ms loss 5%"
+    assert s.notes["spare"] == "gpu3"
+    assert lab.sent == [
+        ("gpu3", netem.split()),
+        (s.notes["host"], [*inject, "0", "ecc-dbe"]),
+        ("gpu3", ["tc", "qdisc", "del", "dev", "ens5", "root"]),
+    ]
+
+
 def test_code_error_sends_nothing(fleet: SshFleet, lab: Lab) -> None:
     strike(fleet, "code-error")
     assert lab.sent == []
@@ -585,6 +602,7 @@ def test_every_fault_is_covered_here() -> None:
         "double-fault",
         "fault-during-save",
         "bad-spare",
+        "slow-spare",
         "code-error",
     }
     assert covered == set(FAULTS)
