@@ -27,6 +27,7 @@ keeps each to its own topics.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -361,6 +362,8 @@ def up(
             fleet.save()
             wait_port(port, 20, sup)
 
+        shm = fleet_shm_dir(directory)
+        shm.mkdir(mode=0o700, parents=True, exist_ok=True)
         for i in range(nodes):
             node = node_name(i)
             node_dir = directory / "nodes" / node
@@ -380,6 +383,7 @@ def up(
                     tls=authority.issue(node) if authority else None,
                     ca=authority.ca if authority else None,
                     gpu_backend=gpu_backend,
+                    shm_dir=shm,
                 )
             )
             # Ranks find this Python (and its torch) first on PATH, as in an activated venv.
@@ -415,6 +419,7 @@ def agent_toml(
     ca: Path | None = None,
     gpu_backend: str = "sim",
     xid_hold_s: float = 30.0,
+    shm_dir: Path | None = None,
 ) -> str:
     """An agent's config; ``object_store`` is the folder every node's object tier shares
     (so any node restores from it), as an S3 bucket would be. With ``tls`` the agent
@@ -439,8 +444,22 @@ def agent_toml(
         + (f'token_file = "{token_file}"\n' if token_file else "")
         + (f'tls_cert_file = "{tls.cert}"\ntls_key_file = "{tls.key}"\n' if tls else "")
         + (f'tls_ca_file = "{ca}"\n' if tls and ca else "")
-        + (f'[ckpt]\nobject_store = "{object_store.absolute().as_uri()}"\n' if object_store else "")
+        + (
+            "[ckpt]\n"
+            + (f'object_store = "{object_store.absolute().as_uri()}"\n' if object_store else "")
+            + (f'shm_dir = "{shm_dir}"\n' if shm_dir else "")
+            if object_store or shm_dir
+            else ""
+        )
     )
+
+
+def fleet_shm_dir(directory: Path) -> Path:
+    """The RAM tier's folder of the local fleet in ``directory``: its own, under /dev/shm
+    (where the machine has one), so that ``down`` removes what its jobs left there."""
+    tag = hashlib.sha256(str(directory.absolute()).encode()).hexdigest()[:12]
+    base = Path("/dev/shm")
+    return base / f"phalanx-local-{tag}" if base.is_dir() else directory / "shm"
 
 
 def wait_nodes(fleet: Fleet, nodes: list[str], state: str, timeout: float) -> list[dict[str, Any]]:
@@ -486,4 +505,7 @@ def down(directory: Path, *, quiet: bool = False, timeout: float = 10.0) -> list
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
     (fleet.path / "fleet.json").unlink(missing_ok=True)
+    # What the jobs left in the RAM tier (the agents free a slot a while after its job
+    # ends; they were stopped before).
+    shutil.rmtree(fleet_shm_dir(fleet.path), ignore_errors=True)
     return procs

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.local import fleet_shm_dir
 from phalanx.simgpu import inject
 from tests.harness import TOKEN, Fleet
 from tests.pg import PgCluster
@@ -164,9 +165,16 @@ def test_local_fleet_comes_up_reports_its_processes_and_goes_down_leaving_none(
         assert injected.returncode == 0, injected.stderr
         nodes = json.loads(phalanx("nodes", "-o", "json", env=env).stdout)
         assert {n["id"] for n in nodes} == {"n01", "n02"}
+        # The fleet's RAM tier is a folder of its own, which down removes with what the
+        # jobs left in it (the agents free a slot only a while after its job ended).
+        shm = fleet_shm_dir(Path(directory))
+        agentd_toml = (Path(directory) / "nodes/n01/agentd.toml").read_text()
+        assert f'shm_dir = "{shm}"' in agentd_toml
+        (shm / "phalanx-j1-r0.slot0").write_bytes(b"a slot a job left")
     finally:
         down = phalanx("local", "down", "--dir", directory)
     assert down.returncode == 0, down.stderr
+    assert not shm.exists()
     for p in status:
         assert (
             not Path(f"/proc/{p['pid']}").exists()
