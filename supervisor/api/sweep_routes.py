@@ -22,19 +22,16 @@ from aiohttp import web
 from phalanx.http import json_body, json_response
 from phalanx.sweepspec import SweepSpecError, validate_sweep
 from supervisor.api.access import PRINCIPAL, Access
+from supervisor.api.handlers import error
 from supervisor.auth.roles import Action
 from supervisor.sweeps.manager import Sweeps, UnknownSweep
-
-
-def _error(status: int, message: str) -> web.Response:
-    return json_response({"error": message}, status=status)
 
 
 def add_sweep_routes(app: web.Application, access: Access, sweeps: Sweeps) -> None:
     async def submit(request: web.Request) -> web.Response:
         data: Any = await json_body(request) if request.can_read_body else {}
         if not isinstance(data, dict) or not isinstance(data.get("spec"), dict):
-            return _error(400, "field 'spec': a sweep spec object is required")
+            return error(400, "field 'spec': a sweep spec object is required")
         who = request[PRINCIPAL]
         try:
             spec = validate_sweep(data["spec"], default_team=lambda: who.team)
@@ -58,7 +55,7 @@ def add_sweep_routes(app: web.Application, access: Access, sweeps: Sweeps) -> No
         try:
             found = sweeps.get(request.match_info["id"])
         except UnknownSweep as exc:
-            return _error(404, str(exc))
+            return error(404, str(exc))
         return json_response(sweeps.view(found))
 
     async def cancel(request: web.Request) -> web.Response:
@@ -66,7 +63,7 @@ def add_sweep_routes(app: web.Application, access: Access, sweeps: Sweeps) -> No
         try:
             found = sweeps.get(sweep_id)
         except UnknownSweep as exc:
-            return _error(404, str(exc))
+            return error(404, str(exc))
         team = found.spec.team
         access.require(request, Action.CANCEL, team, f"sweep {sweep_id} of team {team}")
         return json_response(sweeps.view(sweeps.cancel(sweep_id)))

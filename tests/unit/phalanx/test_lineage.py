@@ -10,7 +10,7 @@ import pytest
 from phalanx.cli.charts import lineage_lines
 from phalanx.jobspec import JobSpecError, load_spec
 from phalanx.lineage import code_ref_of
-from supervisor.api.app import add_losses
+from supervisor.api.job_routes import add_losses
 from supervisor.telemetry.series import Point
 
 BASE = """\

@@ -4,7 +4,7 @@ pages over its GPUs, the GPUs throttled; nothing known is None, not 0."""
 from __future__ import annotations
 
 from phalanx import wire
-from supervisor.api.app import gauge_summary
+from supervisor.api.node_routes import gauge_summary
 
 
 def test_a_nodes_gauges_sum_up_to_its_hottest_gpu_and_its_ecc_counts() -> None:

@@ -1,0 +1,114 @@
+"""The REST routes of the nodes (:mod:`supervisor.fleet.registry`).
+
+=======  ============================  ==========================================
+method   path                          what
+=======  ============================  ==========================================
+GET      /v1/nodes                     every node (see ``Node.view``)
+GET      /v1/nodes/{id}                one node, with each GPU's gauges and the host's;
+                                       404 when unknown
+POST     /v1/nodes/{id}/drain          body ``{"reason": "..."}``
+POST     /v1/nodes/{id}/undrain        body ``{"force": false}``; 409 while sick
+POST     /v1/nodes/{id}/ping           round trip of a command to the agent
+=======  ============================  ==========================================
+
+Each node's view carries the jobs that hold it, whether it is a spare, and its
+:func:`gauge_summary` (made once per heartbeat, not per request).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from phalanx import wire
+from phalanx.http import json_response
+from supervisor.api.backend import Backend
+from supervisor.api.handlers import body, error
+from supervisor.fleet.registry import Node
+
+
+def gauge_summary(health: wire.Health) -> dict[str, Any]:
+    """A node's GPU gauges in a few numbers (the hottest GPU, ECC and retired pages
+    summed over its GPUs, the GPUs throttled): what a fleet view of thousands shows."""
+    gpus = health.gpus
+
+    def total(field: str) -> int | None:
+        values = [getattr(g, field) for g in gpus if getattr(g, field) is not None]
+        return sum(values) if values else None
+
+    temps = [g.temperature_c for g in gpus if g.temperature_c is not None]
+    return {
+        "temperature_max_c": max(temps) if temps else None,
+        "ecc_sbe_volatile": total("ecc_sbe_volatile"),
+        "ecc_dbe_volatile": total("ecc_dbe_volatile"),
+        "retired_pages": total("retired_pages"),
+        "throttled_gpus": [g.index for g in gpus if g.throttle],
+    }
+
+
+def add_node_routes(app: web.Application, sup: Backend) -> None:
+    def jobs_by_node() -> dict[str, list[str]]:
+        """Each node's jobs that hold it, looked up once for a whole listing (per node it
+        was a scan of every job's nodes: quadratic in the fleet, issue 22)."""
+        held: dict[str, list[str]] = {}
+        for j in sup.jobs.jobs.values():
+            if j.state.holds_nodes:
+                for node in set(j.nodes):
+                    held.setdefault(node, []).append(j.id)
+        return held
+
+    # Each node's gauge summary, made once per heartbeat (its health), not per request.
+    gauges_of: dict[str, tuple[wire.Health, dict[str, Any]]] = {}
+
+    def node_view(
+        n: Node, *, gauges: bool = False, held: dict[str, list[str]] | None = None
+    ) -> dict[str, Any]:
+        view = n.view()
+        view["jobs"] = sorted((held if held is not None else jobs_by_node()).get(n.id, []))
+        view["spare"] = n.id in sup.jobs.spares
+        seen = gauges_of.get(n.id)
+        if seen is None or seen[0] is not n.health:  # a new heartbeat since
+            seen = gauges_of[n.id] = (n.health, gauge_summary(n.health))
+        view["gauges"] = dict(seen[1])
+        if gauges:  # one node: every GPU's numbers, and the host's
+            view["gpu_gauges"] = [g.model_dump() for g in n.health.gpus]
+            view["host"] = n.health.host.model_dump() if n.health.host else None
+        return view
+
+    async def nodes(request: web.Request) -> web.Response:
+        held = jobs_by_node()
+        return json_response(
+            [node_view(n, held=held) for _, n in sorted(sup.registry.nodes.items())]
+        )
+
+    async def node(request: web.Request) -> web.Response:
+        found = sup.registry.get(request.match_info["id"])
+        return json_response(node_view(found, gauges=True))
+
+    async def drain(request: web.Request) -> web.Response:
+        data = await body(request)
+        reason = data.get("reason")
+        if not isinstance(reason, str) or not reason.strip():
+            return error(400, "field 'reason': a drain needs a non-empty reason")
+        return json_response(sup.registry.drain(request.match_info["id"], reason).view())
+
+    async def undrain(request: web.Request) -> web.Response:
+        data = await body(request)
+        force = data.get("force", False)
+        if not isinstance(force, bool):
+            return error(400, "field 'force': must be true or false")
+        return json_response(sup.registry.undrain(request.match_info["id"], force=force).view())
+
+    async def ping(request: web.Request) -> web.Response:
+        try:
+            ack = await sup.commands.send(request.match_info["id"], wire.PingArgs())
+        except ConnectionError as exc:  # the broker is unreachable
+            return error(503, str(exc))
+        return json_response(ack.model_dump(mode="json"))
+
+    app.router.add_get("/v1/nodes", nodes)
+    app.router.add_get("/v1/nodes/{id}", node)
+    app.router.add_post("/v1/nodes/{id}/drain", drain)
+    app.router.add_post("/v1/nodes/{id}/undrain", undrain)
+    app.router.add_post("/v1/nodes/{id}/ping", ping)
