@@ -180,6 +180,7 @@ class Agent:
         # (paused while a standby took over) and is refused.
         self.term = 0
         self.refused_stale = 0
+        self._supervisor_here = False  # its status online seen on this connection
         self.rank_events = Outbox(
             self.link,
             wire.rank_topic(self.node),
@@ -301,6 +302,7 @@ class Agent:
         # A new connection: the supervisor's retained status, delivered once this returns,
         # says again whether the broker knows the supervisor (a restarted one may not).
         self.supervisor_known.clear()
+        self._supervisor_here = False
         await self.link.publish(wire.birth_topic(self.node), wire.encode(self.birth()), retain=True)
         log.info("published birth seq %d", self._birth_seq)
         await self.publish_heartbeat()
@@ -352,7 +354,8 @@ class Agent:
             )
             return
         if isinstance(inbound.message, wire.SupervisorStatus):
-            return  # taken above
+            self._follow_supervisor(inbound.message)
+            return
         if inbound.message is None:
             return  # a cleared retained catalog
         if not isinstance(inbound.message, wire.Command):
@@ -361,6 +364,18 @@ class Agent:
         # Run commands beside the message loop, so a slow one does not hold up the next.
         cmd = inbound.message
         self._tasks.spawn(self._run_command(cmd), name=f"command-{cmd.args.op}-{cmd.id}")
+
+    def _follow_supervisor(self, status: wire.SupervisorStatus) -> None:
+        """With several brokers listed: the supervisor seen online on this connection and
+        now offline here (its will, or its clean stop) has lost this broker, or stopped:
+        go on to the next broker, where it may still be (it is on all it reaches). A
+        status offline already at connect (retained) moves nothing: with no supervisor
+        anywhere, the agent stays where it is."""
+        if status.online:
+            self._supervisor_here = True
+        elif self._supervisor_here:
+            self._supervisor_here = False
+            self.link.move_on("the supervisor went offline on this broker")
 
     async def _refuse_stale(self, cmd: wire.Command) -> None:
         ack = wire.CommandAck(

@@ -387,6 +387,16 @@ class MqttLink:
                     )
             await asyncio.sleep(delay)
 
+    def move_on(self, why: str) -> bool:
+        """Leave the broker the link is on, cleanly (no will), for the next one listed;
+        False (and nothing done) with one broker, or while not connected."""
+        client = self._client
+        if len(self._endpoints) < 2 or client is None or not self._connected.is_set():
+            return False
+        log.warning("leaving MQTT broker %s for the next one listed: %s", self.broker, why)
+        client._client.disconnect()
+        return True
+
     def _next_broker(self) -> str:
         """Move on to the next broker listed (the same one when there is one); say where."""
         if len(self._endpoints) == 1:
@@ -490,9 +500,14 @@ class MqttLinks:
     ``on_connect`` runs with the index of the link that (re)connected. A publish goes to
     the link ``via`` names, else to the link ``route`` names for its topic if that link is
     up (a command: the broker its node is heard on), else to every link that is up (a
-    retained catalog or status must be on whichever broker a node is or moves to; a link
-    down gets them again at its reconnect, from ``on_connect``). With one broker this is
-    that broker's link, nothing more."""
+    retained catalog or status must be on whichever broker a node is or moves to).
+
+    Retained messages are kept (the newest payload of each topic; a cleared one until
+    every broker took the clearing): a link that (re)connects gets them all again before
+    ``on_connect`` runs, so that a broker that was away, or lost them, holds what the
+    others hold. A retained publish that a connected broker failed raises
+    :class:`LinkDown` (naming it) even where the others took it: its sender tries again.
+    With one broker this is that broker's link, nothing more."""
 
     def __init__(
         self,
@@ -508,8 +523,12 @@ class MqttLinks:
         route: Callable[[str], int | None] | None = None,
     ) -> None:
         self._route = route
+        self._on_connect = on_connect
+        # topic -> (its newest retained payload, the links that took it)
+        self._retained: dict[str, tuple[bytes, set[int]]] = {}
         self.links: list[MqttLink] = []
-        for index, (host, port) in enumerate(settings.endpoints()):
+        endpoints = settings.endpoints()
+        for index, (host, port) in enumerate(endpoints):
             self.links.append(
                 MqttLink(
                     settings.model_copy(update={"host": host, "port": port, "brokers": []}),
@@ -517,11 +536,34 @@ class MqttLinks:
                     subscriptions=subscriptions,
                     handler=functools.partial(handler, index),
                     will=will,
-                    on_connect=functools.partial(on_connect, index) if on_connect else None,
+                    on_connect=functools.partial(self._connected, index)
+                    if len(endpoints) > 1
+                    else (functools.partial(on_connect, index) if on_connect else None),
                     persistent_session=persistent_session,
                     before_connect=before_connect,
                 )
             )
+
+    async def _connected(self, index: int) -> None:
+        """Link ``index`` (re)connected: the retained messages again, each as it is now
+        (one published meanwhile went to this link too, in order), then ``on_connect``."""
+        link = self.links[index]
+        for topic in list(self._retained):
+            found = self._retained.get(topic)
+            if found is None:
+                continue
+            await link.publish(topic, found[0], retain=True, timeout=30.0)
+            self._took(topic, found[0], index)
+        if self._on_connect is not None:
+            await self._on_connect(index)
+
+    def _took(self, topic: str, payload: bytes, index: int) -> None:
+        found = self._retained.get(topic)
+        if found is None or found[0] != payload:
+            return  # a newer payload replaced it meanwhile
+        found[1].add(index)
+        if not payload and len(found[1]) == len(self.links):
+            del self._retained[topic]  # cleared everywhere: nothing left to keep
 
     @property
     def connected(self) -> bool:
@@ -595,7 +637,11 @@ class MqttLinks:
         if via is not None or len(links) == 1:
             link = links[via or 0]
             await link.publish(topic, payload, qos=qos, retain=retain, timeout=timeout)
+            if retain and len(links) > 1 and via is not None:
+                self._took(topic, payload, via)
             return
+        if retain:  # kept before the links are looked at: a link up from now gets it
+            self._retained[topic] = (payload, set())
         if not self.connected:
             try:
                 await asyncio.wait_for(self.until_connected(), timeout)
@@ -612,8 +658,17 @@ class MqttLinks:
         for _, result in failed:
             if not isinstance(result, LinkDown):
                 raise result
+        if retain:
+            for index, link in enumerate(links):
+                if link in up and all(link is not f for f, _ in failed):
+                    self._took(topic, payload, index)
         if len(failed) == len(up):
             raise failed[0][1]
+        if retain and failed:  # a broker still connected holds an older one: try again
+            raise LinkDown(
+                f"retained {topic} not taken by "
+                + "; ".join(f"broker {link.broker}: {result}" for link, result in failed)
+            )
         for link, result in failed:
             log.warning("not sent to broker %s (the others took it): %s", link.broker, result)
 

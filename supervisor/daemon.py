@@ -333,6 +333,23 @@ class Supervisor:
         )
         await self.publisher.republish(self.jobs.jobs.values())
 
+    def _heard_via(self, node: str, via: int) -> None:
+        """A current heartbeat of ``node`` came through link ``via`` (one of an older birth
+        does not move it: another link's backlog may be handled late). A node that moved
+        to another broker gets the commands still waiting for its ack again there: sent
+        on the old one as it left, they would wait in a session it ends before it uses
+        again (its ledger runs each id once)."""
+        was = self._node_via.get(node)
+        self._node_via[node] = via
+        if was is not None and was != via:
+            log.info(
+                "node %s moved to the MQTT broker %s",
+                node,
+                self.link.broker(via),
+                extra={"node": node, "event": "node_moved_broker"},
+            )
+            self.commands.resend(node)
+
     def _lost_link(self, index: int) -> None:
         """One broker of several lost, others still up: the nodes heard through it get a
         whole heartbeat timeout to be heard through another (their agents move on to the
@@ -341,7 +358,6 @@ class Supervisor:
         moved = [node for node, via in self._node_via.items() if via == index]
         self.registry.heard_now(moved)
         revived = self.registry.revive(now - WILL_SUSPECT_S, only=moved)
-        self.link_since = now  # offline nodes are confirmed only once the links settle
         log.warning(
             "lost the MQTT broker %s (the others are up): waiting for its %d node(s) to "
             "reach another%s",
@@ -415,12 +431,12 @@ class Supervisor:
         self.wire_stats.on_message(msg, time.time())
         match msg:
             case wire.Heartbeat():
-                self._node_via[msg.node] = via
                 before = self.registry.nodes.get(msg.node)
                 state = before.state if before else None
                 if not self.registry.on_heartbeat(msg):
                     await self.commands.ask_rebirth(msg.node)
                 else:
+                    self._heard_via(msg.node, via)
                     self.jobs.on_heartbeat(msg)
                     if self.registry.nodes[msg.node].state != state:
                         self.jobs.wake()

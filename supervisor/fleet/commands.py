@@ -45,7 +45,9 @@ class Commands:
         self.timeout_s = timeout_s
         self.term = term
         self._acks: dict[str, asyncio.Future[wire.CommandAck]] = {}
+        self._waiting: dict[str, tuple[str, bytes]] = {}  # id -> (node, the command sent)
         self._rebirth_asked: dict[str, float] = {}
+        self._resends: set[asyncio.Task[None]] = set()
 
     async def send(
         self, node: str, args: wire.CommandArgsType, timeout: float | None = None
@@ -56,13 +58,33 @@ class Commands:
         cmd = wire.Command.new(node, args, ttl=timeout, term=self.term)
         future: asyncio.Future[wire.CommandAck] = asyncio.get_running_loop().create_future()
         self._acks[cmd.id] = future
+        payload = wire.encode(cmd)
+        self._waiting[cmd.id] = (node, payload)
         try:
-            await self._publish(wire.command_topic(node), wire.encode(cmd), timeout=timeout)
+            await self._publish(wire.command_topic(node), payload, timeout=timeout)
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise CommandTimeout(node, args.op, cmd.id, timeout) from None
         finally:
             self._acks.pop(cmd.id, None)
+            self._waiting.pop(cmd.id, None)
+
+    def resend(self, node: str) -> int:
+        """Publish again every command to ``node`` still waiting for its ack (same id and
+        deadline: the agent runs an id once, and never past its deadline), in the
+        background; how many."""
+        again = [payload for n, payload in self._waiting.values() if n == node]
+        for payload in again:
+            task = asyncio.get_running_loop().create_task(self._resend(node, payload))
+            self._resends.add(task)
+            task.add_done_callback(self._resends.discard)
+        return len(again)
+
+    async def _resend(self, node: str, payload: bytes) -> None:
+        try:
+            await self._publish(wire.command_topic(node), payload, timeout=5.0)
+        except LinkDown as exc:
+            log.warning("a command to %s was not sent again: %s", node, exc)
 
     def on_ack(self, ack: wire.CommandAck) -> None:
         future = self._acks.pop(ack.id, None)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Broker, Fleet, wait_for
+from tests.harness import Broker, CuttableLink, Fleet, wait_for
 from tests.integration.test_recovery_training import (
     committed_step,
     final_digest,
@@ -85,3 +85,43 @@ def test_the_fleet_moves_to_the_second_broker_when_its_broker_dies_and_no_job_fa
     ]
     assert not offline, offline
     print(json.dumps({"moved_s": round(moved_s, 2)}))
+
+
+def test_the_agents_follow_the_supervisor_when_it_loses_their_broker(
+    fleet: Fleet, second_broker: Broker
+) -> None:
+    """Only the supervisor loses broker a (its path to it is cut); the agents still reach
+    it. The supervisor's will tells them it is gone from there: they move on to b, where
+    it is, and no node is taken for lost."""
+    a, b = fleet.broker, second_broker
+    relay = CuttableLink(a.port)  # the supervisor's path to a
+    try:
+        fleet.start_supervisor(mqtt=f'brokers = ["127.0.0.1:{relay.port}", "127.0.0.1:{b.port}"]\n')
+        fleet.start_nodes(2, mqtt=f'brokers = ["127.0.0.1:{a.port}", "127.0.0.1:{b.port}"]\n')
+        job = submit(fleet, "follow")
+        fleet.wait_job(job, "running", timeout=60)
+        before = wait_for(lambda: committed_step(fleet, job, 20, tier="ram"), 90, "step 20")
+
+        relay.close()  # the supervisor is cut off from a, for good
+        for node in ("n01", "n02"):
+            wait_for(
+                lambda n=node: (
+                    f"connected to MQTT broker 127.0.0.1:{b.port}" in fleet.agents[n].output()
+                ),
+                30,
+                f"{node} on the second broker",
+            )
+            assert "the supervisor went offline on this broker" in fleet.agents[node].output()
+        wait_for(lambda: committed_step(fleet, job, before + 40, tier="ram"), 90, "commits via b")
+        done = fleet.wait_job(job, "succeeded", timeout=180)
+        assert done["restarts"] == 0
+    finally:
+        relay.close()
+    events = fleet.client().get("/v1/events?limit=5000")
+    offline = [
+        e
+        for e in events
+        if e["kind"] == "ranks_lost"
+        or (e["kind"] == "state_changed" and e["detail"]["state"] == "offline")
+    ]
+    assert not offline, offline

@@ -14,7 +14,7 @@ import pytest
 from phalanx.link import LinkDown, MqttLink, MqttLinks
 from phalanx.local import free_port
 from phalanx.settings import MqttSettings
-from tests.harness import Broker
+from tests.harness import Broker, CuttableLink
 
 
 @pytest.fixture
@@ -189,3 +189,79 @@ async def test_the_supervisors_links_hear_every_broker_and_send_where_the_node_i
             await links.publish("phalanx/node/n2/cmd", b"nowhere", timeout=0.3)
         for listener in listeners:
             listener.cancel()
+
+
+async def _retained(port: int, topic: str) -> bytes | None:
+    """What broker ``port`` holds retained on ``topic`` (None: nothing)."""
+    async with aiomqtt.Client("127.0.0.1", port) as client:
+        await client.subscribe(topic, qos=1)
+        try:
+            async with asyncio.timeout(1.0):
+                async for message in client.messages:
+                    return bytes(message.payload)  # type: ignore[arg-type]
+        except TimeoutError:
+            return None
+    return None
+
+
+async def test_a_broker_back_gets_the_newest_retained_messages_before_on_connect(
+    brokers: tuple[Broker, Broker],
+) -> None:
+    a, b = brokers
+    topic = "phalanx/job/j1/ckpt/n1"
+    seen_at_connect: list[bytes | None] = []
+
+    async def on_connect(index: int) -> None:
+        if index == 1 and links.connects > 2:
+            seen_at_connect.append(await _retained(b.port, topic))
+
+    links = MqttLinks(
+        _settings(a.port, b.port), "sup", subscriptions=(), handler=_ignore, on_connect=on_connect
+    )
+    async with links:
+        await _until("both", lambda: links.up(0) and links.up(1))
+        await links.publish(topic, b"v1", retain=True)
+        b.stop()  # b goes away (and, restarted without persistence, forgets v1)
+        await _until("b lost", lambda: not links.up(1))
+        await links.publish(topic, b"v2", retain=True)  # a alone takes it
+        b.start()
+        await _until("b back", lambda: links.up(1) and bool(seen_at_connect))
+        assert seen_at_connect == [b"v2"]
+        await links.publish(topic, b"", retain=True)  # cleared everywhere: not kept
+        assert topic not in links._retained
+    assert await _retained(b.port, topic) is None
+
+
+async def test_a_retained_message_a_connected_broker_did_not_take_is_an_error(
+    brokers: tuple[Broker, Broker],
+) -> None:
+    a, b = brokers
+    relay = CuttableLink(b.port)
+    links = MqttLinks(_settings(a.port, relay.port), "sup", subscriptions=(), handler=_ignore)
+    try:
+        async with links:
+            await _until("both", lambda: links.up(0) and links.up(1))
+            relay.cut()  # b's acknowledgements never come; its connection stays up
+            with pytest.raises(LinkDown, match=f"not taken by broker 127.0.0.1:{relay.port}"):
+                await links.publish("phalanx/job/j1/ckpt/n1", b"v1", retain=True, timeout=0.5)
+            await links.publish("phalanx/node/n1/cmd", b"c1", timeout=0.5)  # a took it: enough
+    finally:
+        relay.close()
+
+
+async def test_an_agent_moves_on_when_asked_and_not_with_one_broker(
+    brokers: tuple[Broker, Broker],
+) -> None:
+    a, b = brokers
+    link = MqttLink(_settings(a.port, b.port), "agentd-n1", subscriptions=(), handler=_noop)
+    alone = MqttLink(_settings(a.port), "agentd-n2", subscriptions=(), handler=_noop)
+    async with link, alone:
+        await link.wait_connected(15)
+        await alone.wait_connected(15)
+        assert link.move_on("the supervisor left")
+        await _until("on b", lambda: link.connected and link.broker.endswith(f":{b.port}"))
+        assert not alone.move_on("nowhere to go") and alone.connected
+
+
+async def _ignore(index: int, topic: str, payload: bytes) -> None:
+    return None

@@ -7,6 +7,7 @@ set), the registry's clock is the test's."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,3 +107,44 @@ async def test_wills_a_lost_broker_sent_as_it_went_down_are_taken_back(
 
     assert s.registry.nodes["n1"].state is not NodeState.OFFLINE  # waits to be heard again
     assert s.registry.nodes["n2"].state is NodeState.OFFLINE
+
+
+async def test_a_stale_heartbeat_from_the_old_broker_does_not_move_the_node_back(
+    sup: tuple[Supervisor, Clock],
+) -> None:
+    s, _ = sup
+    s.registry.on_birth(birth("n1"))
+    await beat(s, "n1", 0)
+    newer = birth("n1").model_copy(update={"seq": 2})
+    await s._on_link_message(1, wire.birth_topic("n1"), wire.encode(newer))
+    fresh = wire.Heartbeat(node="n1", seq=2, n=1, sent_at=time.time(), health=newer.health)
+    await s._on_link_message(1, wire.heartbeat_topic("n1"), wire.encode(fresh))
+    assert s._route(wire.command_topic("n1")) == 1
+
+    await beat(s, "n1", 0)  # seq 1, from broker 0's backlog, handled late
+    assert s._route(wire.command_topic("n1")) == 1
+
+
+async def test_a_node_that_moved_gets_its_waiting_commands_again_on_its_new_broker(
+    sup: tuple[Supervisor, Clock],
+) -> None:
+    s, _ = sup
+    sent: list[tuple[str, bytes, int | None]] = []
+
+    async def publish(topic: str, payload: bytes, *, timeout: float = 5.0) -> None:
+        sent.append((topic, payload, s._route(topic)))
+
+    s.commands._publish = publish  # type: ignore[assignment]
+    for node in ("n1", "n2"):
+        s.registry.on_birth(birth(node))
+        await beat(s, node, 0)
+    # a stop order to n1 went out on broker 0 as n1 left it; one to n2 waits too
+    s.commands._waiting["c1"] = ("n1", b"stop n1")
+    s.commands._waiting["c2"] = ("n2", b"stop n2")
+
+    await beat(s, "n1", 1)  # n1 is heard through broker 1 now
+    await asyncio.sleep(0)
+    assert sent == [(wire.command_topic("n1"), b"stop n1", 1)]
+    await beat(s, "n1", 1)  # still there: nothing sent again
+    await asyncio.sleep(0)
+    assert len(sent) == 1
