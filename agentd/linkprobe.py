@@ -18,7 +18,7 @@ probe finds links degraded far below what a node normally gets, not a few per ce
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import ssl
 import time
 from typing import Any
@@ -30,11 +30,16 @@ from agentd.access import Access
 from phalanx import wire
 from phalanx.agent_tokens import NODE_HEADER
 
+log = logging.getLogger(__name__)
+
 __all__ = ["MAX_PROBE_BYTES", "PROBE_ROUTE", "ProbeFailed", "add_probe_route", "probe"]
 
 PROBE_ROUTE = "/v1/probe"
 MAX_PROBE_BYTES = 1 << 30
 MAX_STREAMS = 1
+# A stream ends by this time, whatever the prober does (one that stops reading would hold
+# the route): the longest probe the wire allows, and room for a slow start.
+MAX_STREAM_S = 45.0
 CHUNK = 1 << 20
 _ZEROS = bytes(CHUNK)
 
@@ -57,7 +62,9 @@ def add_probe_route(app: web.Application, access: Access) -> None:
         if (denied := access.check(request, peer_route=True)) is not None:
             return denied.response()
         raw = request.query.get("bytes", "")
-        if not raw.isdigit() or not 1 <= int(raw) <= MAX_PROBE_BYTES:
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 10) or not (
+            1 <= int(raw) <= MAX_PROBE_BYTES
+        ):
             return web.json_response(
                 {"error": f"bytes must be an integer from 1 to {MAX_PROBE_BYTES}, not {raw!r}"},
                 status=400,
@@ -76,12 +83,23 @@ def add_probe_route(app: web.Application, access: Access) -> None:
             await response.prepare(request)
             left = nbytes
             # The prober hangs up once it has measured long enough: that ends the stream.
-            with contextlib.suppress(ConnectionError):
-                while left > 0:
-                    chunk = _ZEROS if left >= CHUNK else _ZEROS[:left]
-                    await response.write(chunk)
-                    left -= len(chunk)
-                await response.write_eof()
+            try:
+                async with asyncio.timeout(MAX_STREAM_S):
+                    while left > 0:
+                        chunk = _ZEROS if left >= CHUNK else _ZEROS[:left]
+                        await response.write(chunk)
+                        left -= len(chunk)
+                    await response.write_eof()
+            except ConnectionError:
+                pass
+            except TimeoutError:
+                log.warning(
+                    "a probe stream to %s ran past %.0f s: cut off",
+                    request.headers.get(NODE_HEADER, request.remote),
+                    MAX_STREAM_S,
+                )
+                if request.transport is not None:
+                    request.transport.close()
             return response
 
     app.router.add_get(PROBE_ROUTE, serve_probe)
@@ -103,13 +121,14 @@ async def probe(
 ) -> dict[str, Any]:
     """Read ``nbytes`` (at most ``max_s`` seconds of them) from ``peer``'s probe route as
     ``node``; ``{"mb_s", "nbytes", "seconds", "peer"}``. The time runs from the first
-    of the answer's headers: the connection's setup and TLS handshake are not the link's
-    rate.
+    of its first chunk (not counted): the connection's setup, the TLS handshake and what
+    arrived before the first read are not the link's rate.
     Raises :class:`ProbeFailed` saying why when it cannot measure."""
     token = peer.token.get_secret_value() if peer.token is not None else ""
     headers = {"Authorization": f"Bearer {token}", NODE_HEADER: node}
     timeout = aiohttp.ClientTimeout(total=connect_s + max_s + 5.0, sock_connect=connect_s)
     got = 0
+    first = b""
     started: float | None = None
     try:
         async with (
@@ -126,9 +145,12 @@ async def probe(
                     f"the probe route of node {peer.node} answered {response.status}: {text}",
                     reached=True,
                 )
-            started = time.monotonic()  # the headers are in: the body's time starts
+            # Timed from the first chunk, which is not counted: what arrived with the
+            # headers, or before the first read, came in no measured time.
             reader = response.content
-            while got < nbytes:
+            first = await reader.readany()
+            started = time.monotonic()
+            while first and len(first) + got < nbytes:
                 chunk = await reader.readany()
                 if not chunk:
                     break
@@ -143,9 +165,22 @@ async def probe(
             reached=False,
         ) from exc
     seconds = ended - started if started is not None else 0.0
+    total = len(first) + got
     if got <= 0 or seconds <= 0:
+        whole = total >= nbytes  # all of it in the first chunk: too small to time
         raise ProbeFailed(
-            f"the probe of node {peer.node} sent nothing to time ({got} bytes)", reached=False
+            f"the probe of node {peer.node} "
+            + (
+                f"came in one chunk ({total} bytes): too small to time"
+                if whole
+                else f"stopped after {total} of {nbytes} bytes"
+            ),
+            reached=whole,
+        )
+    if total < nbytes and seconds < max_s:
+        raise ProbeFailed(
+            f"the probe of node {peer.node} stopped after {total} of {nbytes} bytes",
+            reached=False,
         )
     return {
         "mb_s": round(got / seconds / 1e6, 3),

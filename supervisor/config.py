@@ -212,9 +212,18 @@ class SupervisorSettings(BaseSettings):
         ge=0,
         le=1 << 30,
         description="The point-to-point probe: a node about to join a job as a replacement "
-        "reads this many bytes (for at most 2 s) from one node of the job, and every "
-        "burn-in from up to 3 idle nodes (agentd.linkprobe). 0: no probes.",
+        "and a node of the job read this many bytes (for at most 2 s) from each other, and a "
+        "burn-in does so with up to 3 idle nodes (agentd.linkprobe). 0: no probes; else at "
+        "least 65536.",
     )
+
+    @field_validator("screen_probe_bytes")
+    @classmethod
+    def _probe_bytes(cls, value: int) -> int:
+        if 0 < value < 1 << 16:
+            raise ValueError(f"{value} is too few to time: 0 (no probes) or at least 65536")
+        return value
+
     screen_min_p2p: float = Field(
         default=0.5,
         gt=0,

@@ -49,6 +49,11 @@ RETRY_S = 30.0  # a burn-in that could not run (no ack) is tried again after thi
 PERF_KEPT_S = 24 * 3600.0  # a node's speed counts in the fleet's median this long
 PROBE_TARGETS = 3  # the idle nodes a burn-in reads from
 PROBE_MAX_S = 2.0  # how long one probe reads at most
+PROBE_COMMAND_S = PROBE_MAX_S + 10.0  # its command's timeout: the agent's connect (5 s) too
+# The longest a replacement's probes can take (two peers, both ways), for the recovery's
+# deadline.
+JOIN_PROBES_S = 2 * 2 * PROBE_COMMAND_S
+ROUND_PROBES_S = PROBE_TARGETS * 2 * PROBE_COMMAND_S  # and a burn-in's
 LINKS_KEPT = 4096  # the fleet's latest link figures
 SURVEY_EARLY_S = 2.0  # between surveys while the fleet has too few link figures
 SURVEY_S = 600.0  # between surveys after
@@ -250,7 +255,7 @@ class BurnIns:
         if peer is None or peer.birth is None or not peer.birth.http_port:
             return None, f"node {peer_id} has not announced its address", False
         # One probe at a time on a node (it serves one stream, and two would each measure
-        # half the link): a survey's wait, at most a probe's, before a recovery's.
+        # half the link): a recovery's probe may wait for a survey's or a burn-in's.
         first, second = sorted((node_id, peer_id))
         address, port = peer.birth.address, peer.birth.http_port
         async with self._probe_lock(first), self._probe_lock(second):
@@ -274,7 +279,7 @@ class BurnIns:
             max_s=PROBE_MAX_S,
         )
         try:
-            ack = await self._send(node_id, args, PROBE_MAX_S + 15.0)
+            ack = await self._send(node_id, args, PROBE_COMMAND_S)
         except (TimeoutError, ConnectionError, RegistryError) as exc:
             why = f"the probe from node {peer_id} to node {node_id} did not run: {exc}"
             return None, why, False
@@ -363,7 +368,11 @@ class BurnIns:
         figures: list[tuple[str, float]] = []
         for peer_id in self._idle(but={node_id})[:PROBE_TARGETS]:
             self._probed_from[peer_id] = time.time()
-            slowest, why, _ = await self._both_ways(node_id, peer_id)
+            slowest, why, failed = await self._both_ways(node_id, peer_id)
+            if failed:  # carried nothing: as slow as a link gets
+                log.info("burn-in of node %s: %s", node_id, why)
+                figures.append((peer_id, 0.0))
+                continue
             if slowest is None:
                 log.info("burn-in of node %s: no probe with node %s: %s", node_id, peer_id, why)
                 continue

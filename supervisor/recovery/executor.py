@@ -36,6 +36,7 @@ from typing import Any
 from phalanx import flight, wire
 from supervisor.actuator import JobControl
 from supervisor.errors import RegistryError
+from supervisor.fleet.burnin import JOIN_PROBES_S, ROUND_PROBES_S
 from supervisor.fleet.registry import NodeState
 from supervisor.jobs import Job, JobState
 from supervisor.recovery import rollbacks
@@ -224,7 +225,11 @@ class Recoveries:
                 return  # cancelled meanwhile: that stop owns the job
             if (
                 time.time() - rec["detected_at"]
-                > job.spec.restart.spare_wait + BACKOFF_MAX_S + BURN_IN_TIMEOUT_S
+                > job.spec.restart.spare_wait
+                + BACKOFF_MAX_S
+                + BURN_IN_TIMEOUT_S
+                + ROUND_PROBES_S
+                + JOIN_PROBES_S
             ):
                 self._fail(
                     job,
@@ -647,7 +652,12 @@ class Recoveries:
             if not self.ctl.burnins.passed(spare):
                 passed, why = await self.ctl.burnins.run(spare)
             if passed and staying and not self._linked(job, spare):
-                passed, why = await self.ctl.burnins.screen_join(spare, staying[0])
+                # Its link with one node of the job; a bad one, with a second too: the
+                # first node's own link (or agent) may be the one at fault.
+                for peer in staying[:2]:
+                    passed, why = await self.ctl.burnins.screen_join(spare, peer)
+                    if passed:
+                        break
                 if passed and job.recovery is not None:
                     job.recovery.setdefault("linked", []).append(spare)
             if not passed:

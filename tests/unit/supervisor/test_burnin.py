@@ -8,9 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from phalanx import wire
 from phalanx.agent_tokens import AgentKeys
+from supervisor.config import SupervisorSettings
 from supervisor.fleet.burnin import BurnIns, Screening
 from supervisor.fleet.registry import NodeState, Registry
 from supervisor.store import Store
@@ -375,5 +377,23 @@ async def test_a_node_is_in_one_probe_at_a_time(fleet6: Registry, agents: Agents
     burnins.survey()
     joined = await asyncio.gather(burnins.screen_join("n3", "n1"), burnins.screen_join("n5", "n6"))
     assert joined == [(True, ""), (True, "")]
-    assert burnins._surveying is None or await burnins._surveying
-    assert len(agents.probes) == 6
+    if burnins._surveying is not None:
+        await burnins._surveying
+    assert len(agents.probes) == 6  # the survey's two and the two joins' two each
+
+
+async def test_links_that_carry_nothing_fail_a_burn_in_as_the_slowest(
+    fleet6: Registry, agents: Agents
+) -> None:
+    burnins = BurnIns(fleet6, agents.send)
+    for node in ("n1", "n2"):  # the fleet's figures
+        assert await burnins.run(node) == (True, "")
+    agents.cut.add("n3")  # n3's data network is dead: no probe reaches it, either way
+    passed, why = await burnins.run("n3")
+    assert not passed and "carried 0.000 MB/s, 0% of the median" in why
+
+
+def test_a_probe_too_small_to_time_is_refused_in_the_settings() -> None:
+    with pytest.raises(ValidationError, match="0 \\(no probes\\) or at least 65536"):
+        SupervisorSettings(screen_probe_bytes=1000)
+    assert SupervisorSettings(screen_probe_bytes=0).screen_probe_bytes == 0
