@@ -342,6 +342,10 @@ def up(
                 f'state_dir = "{sup_dir / "state"}"\n'
                 f"offline_after_s = {offline_after_s}\n"
                 f"spares = {spares}\n"
+                # Every node here shares this machine's CPUs: a link probe on loopback
+                # measures how busy they are, not a link. Small probes, and only a link
+                # that carries almost nothing keeps a node out.
+                f"screen_probe_bytes = {LOCAL_PROBE_BYTES}\nscreen_min_p2p = {LOCAL_MIN_P2P}\n"
                 f'agent_token_file = "{agent_secret_file}"\n'
                 + (f'agent_tls = true\nagent_ca_file = "{authority.ca}"\n' if authority else "")
                 + f"[mqtt]\nport = {broker_port}\nkeepalive_s = 5\n"
@@ -452,6 +456,11 @@ def agent_toml(
             else ""
         )
     )
+
+
+# The link probes of a fleet on one machine (see up()).
+LOCAL_PROBE_BYTES = 4 << 20
+LOCAL_MIN_P2P = 0.05
 
 
 def fleet_shm_dir(directory: Path) -> Path:

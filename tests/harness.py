@@ -26,7 +26,14 @@ import psutil
 from phalanx.agent_tokens import node_token
 from phalanx.certs import Authority, make_authority
 from phalanx.client import ApiError, Client
-from phalanx.local import agent_toml, find_mosquitto, free_port, write_mosquitto_conf
+from phalanx.local import (
+    LOCAL_MIN_P2P,
+    LOCAL_PROBE_BYTES,
+    agent_toml,
+    find_mosquitto,
+    free_port,
+    write_mosquitto_conf,
+)
 from tests.processes import FLEET_ENV, processes_marked
 from tests.processes import processes_matching as processes_matching
 from tests.processes import rank_pid as rank_pid
@@ -339,6 +346,8 @@ class Fleet:
             tls_api = f'tls_cert_file = "{files.cert}"\ntls_key_file = "{files.key}"\n'
         conf.write_text(
             f'state_dir = "{directory / "state"}"\noffline_after_s = {offline_after_s}\n'
+            # loopback links share the machine's CPUs (phalanx.local's reasoning)
+            f"screen_probe_bytes = {LOCAL_PROBE_BYTES}\nscreen_min_p2p = {LOCAL_MIN_P2P}\n"
             f'agent_token_file = "{self.agent_secret_file()}"\nschedule_interval_s = 0.5\n'
             f"spares = {spares}\n{tls_top}{extra}"
             f"[mqtt]\nport = {self.broker.port}\nkeepalive_s = {keepalive_s}\n"
