@@ -398,8 +398,9 @@ class BurnIns:
         s = self.screening
         if not s.probe_bytes or self._surveying is not None:
             return
-        every = SURVEY_S if len(self.fleet_links()) >= s.min_peers else SURVEY_EARLY_S
-        if time.monotonic() - self._surveyed_at < every:
+        # Timed first: this runs at every scheduling pass, the figures' count seldom.
+        since = time.monotonic() - self._surveyed_at
+        if since < SURVEY_EARLY_S or (since < SURVEY_S and len(self.fleet_links()) >= s.min_peers):
             return
         pair = self._idle()[:2]
         if len(pair) < 2:

@@ -234,16 +234,22 @@ def fault_during_save(s: Strike) -> None:
     s.kill_rank(s.rank_on(host))
 
 
-def bad_spare(s: Strike) -> None:
-    """A GPU fails on a job host, and the spare that would replace it fails too."""
-    host = s.victim()
+def _spare(s: Strike, what: str) -> Host:
+    """The first spare outside the job (noted as ``spare``); a RigError without one."""
     job = s.job()
     spares = [n["id"] for n in s.fleet.client().get("/v1/nodes") if n.get("spare")]
     spares = [n for n in spares if n not in job["nodes"]]
     if not spares:
-        raise RigError("no spare to break")
+        raise RigError(f"no spare to {what}")
     spare = s.fleet.host(spares[0])
     s.notes["spare"] = spare.name
+    return spare
+
+
+def bad_spare(s: Strike) -> None:
+    """A GPU fails on a job host, and the spare that would replace it fails too."""
+    host = s.victim()
+    spare = _spare(s, "break")
     s.fleet.inject_gpu(host, 0, "ecc-dbe")
     s.fleet.inject_gpu(spare, 1, "ecc-dbe")
 
@@ -254,12 +260,7 @@ def slow_spare(s: Strike) -> None:
     a fraction of the fleet's, so it does not join, and another node replaces the host."""
     host = s.victim()
     job = s.job()
-    spares = [n["id"] for n in s.fleet.client().get("/v1/nodes") if n.get("spare")]
-    spares = [n for n in spares if n not in job["nodes"]]
-    if not spares:
-        raise RigError("no spare to slow down")
-    spare = s.fleet.host(spares[0])
-    s.notes["spare"] = spare.name
+    spare = _spare(s, "slow down")
     try:
         _slow_down(s, spare)
         s.fleet.inject_gpu(host, 0, "ecc-dbe")
