@@ -41,8 +41,13 @@ def test_the_fleet_moves_to_the_second_broker_when_its_broker_dies_and_no_job_fa
     a, b = fleet.broker, second_broker
     brokers = f'brokers = ["127.0.0.1:{a.port}", "127.0.0.1:{b.port}"]\n'
     fleet.start_supervisor(mqtt=brokers)
-    health = fleet.client().get("/healthz")
-    assert health["mqtt_brokers"] == {f"127.0.0.1:{a.port}": True, f"127.0.0.1:{b.port}": True}
+    both = {f"127.0.0.1:{a.port}": True, f"127.0.0.1:{b.port}": True}
+    # The API serves before every link is up: wait for both.
+    wait_for(
+        lambda: fleet.client().get("/healthz")["mqtt_brokers"] == both or None,
+        30,
+        "the supervisor on both brokers",
+    )
     fleet.start_nodes(2, mqtt=brokers)
     for node in ("n01", "n02"):  # the first listed
         assert f"connected to MQTT broker 127.0.0.1:{a.port}" in fleet.agents[node].output()
