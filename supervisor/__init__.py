@@ -5,7 +5,7 @@
     sweeps/                               hyperparameter sweeps: the one Optuna client
     control/                              the job controller, orders, reconciliation
     recovery/                             failures in: the pure planner, the executor, incidents
-    actuator                              the surface recovery acts on jobs through
+    actuator                              what control and recovery both act through
     checkpoints/                          the catalog of committed steps, its publisher
     fleet/                                registry, burn-in, commands, MTBF
     telemetry/, auth/, scheduler/         training metrics; tokens and roles; the pure scheduler

@@ -22,20 +22,22 @@ from phalanx import wire
 from phalanx.agent_tokens import AgentKeys
 from phalanx.jobspec import JobSpec
 from phalanx.tasks import Tasks
+from supervisor.actuator import Actuator
 from supervisor.checkpoints.publisher import CatalogPublisher
 from supervisor.config import SupervisorSettings
 from supervisor.control.cluster import cluster_state
 from supervisor.control.orders import GangOrders
 from supervisor.control.prewarm import SparePrewarm
 from supervisor.control.reconcile import Reconciler
-from supervisor.errors import LaunchError, Refused, UnknownJob
+from supervisor.errors import Refused, UnknownJob
 from supervisor.fleet.burnin import BurnIns, Screening
 from supervisor.fleet.commands import CommandSender
 from supervisor.fleet.registry import NodeState, Registry
 from supervisor.jobs import Job, JobState, RankPlace
-from supervisor.recovery import rollbacks
-from supervisor.recovery.executor import BURN_IN_TIMEOUT_S, Recoveries
-from supervisor.recovery.incidents import Incidents, cold_ranks
+from supervisor.recovery import intake, rollbacks
+from supervisor.recovery.executor import BURN_IN_TIMEOUT_S, HANG_COLLECT_FLIGHT_S, Recoveries
+from supervisor.recovery.incidents import Incidents
+from supervisor.recovery.intake import Report
 from supervisor.recovery.planner import Failure, FailureKind
 from supervisor.recovery.sdc_watch import SdcWatch
 from supervisor.scheduler import Decisions, schedule
@@ -51,15 +53,14 @@ MIN_PASS_GAP_S = 0.5
 FULL_PASS_S = 30.0
 
 
-MAX_WORLDS_KEPT = 16  # generations whose world size a job keeps (Job.worlds)
-
-
 class JobController:
     """The jobs of ``store``, run on the nodes of ``registry``: ``send`` sends a command
     and waits for its ack, ``publisher`` sends the checkpoint catalogs,
     ``offline_confirmed(since)`` says whether a node offline since then is offline for sure
-    (not a broker restart). Implements :class:`supervisor.actuator.JobControl` for the
-    recoveries and the gang's orders."""
+    (not a broker restart). It acts on the jobs through an
+    :class:`~supervisor.actuator.Actuator` it shares with the recoveries, and routes
+    every failure the intake (:mod:`supervisor.recovery.intake`) reports to them
+    (:meth:`route`)."""
 
     def __init__(
         self,
@@ -76,13 +77,23 @@ class JobController:
         self.agent_keys = agent_keys if agent_keys is not None else AgentKeys("")
         self.registry = registry
         self.settings = settings
-        self._send = send
         self._publisher = publisher
         self.catalog = publisher.catalog  # the recovery planner's view of the checkpoints
         self.jobs: dict[str, Job] = {
             job_id: Job.from_record(job_id, rec) for job_id, rec in store.load_jobs().items()
         }
-        self.spares: tuple[str, ...] = ()
+        self.act = Actuator(
+            self.jobs,
+            store,
+            registry,
+            settings,
+            send=send,
+            publisher=publisher,
+            agent_keys=self.agent_keys,
+            start_orders=lambda job, nodes: self.orders.start_orders(job, nodes),
+        )
+        self.orders = GangOrders(self.act)
+        self._hangs = intake.HangReports()
         self._wake = asyncio.Event()
         self.tasks = Tasks("job controller")
         self._busy: set[str] = set()  # jobs with a launch or stop in flight
@@ -91,14 +102,13 @@ class JobController:
         self._grow_from: dict[str, int] = {}
         self._inflight: dict[str, int] = {}
         self.last_pass_s = 0.0
-        self._saves = 0  # job records saved: a job changed
         # What the last scheduling pass saw, and when (monotonic): see _unchanged.
         self._passed_on: tuple[object, ...] | None = None
         self._passed_at = -math.inf
         self._started = time.monotonic()
         self.burnins = BurnIns(
             registry,
-            self.command,
+            self.act.command,
             timeout_s=BURN_IN_TIMEOUT_S,
             screening=Screening(
                 settings.screen_max_slowdown,
@@ -110,11 +120,10 @@ class JobController:
             agent_keys=self.agent_keys,
             busy=self._busy_nodes,
         )
-        self.incidents = Incidents(self, self._newest_committed)
-        self.recoveries = Recoveries(self, self.incidents)
-        self.orders = GangOrders(self)
-        self.prewarm = SparePrewarm(self._send, self.tasks, self.orders.prewarm_args)
-        self.sdc = SdcWatch(self, self.recoveries.on_failure)
+        self.incidents = Incidents(self.act, self._newest_committed)
+        self.recoveries = Recoveries(self.act, self.incidents, self.burnins)
+        self.prewarm = SparePrewarm(send, self.tasks, self.orders.prewarm_args)
+        self.sdc = SdcWatch(self.act)
         self.reconciler = Reconciler(
             self.jobs,
             registry,
@@ -123,9 +132,18 @@ class JobController:
             busy=self._busy,
             settling=self._settling,
             offline_confirmed=offline_confirmed,
-            on_failure=self.recoveries.on_failure,
+            on_failure=self.route,
             lost=self._ranks_lost,
         )
+
+    @property
+    def spares(self) -> tuple[str, ...]:
+        """The spare pool of the last scheduling pass."""
+        return self.act.spares
+
+    @spares.setter
+    def spares(self, pool: tuple[str, ...]) -> None:
+        self.act.spares = pool
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -139,9 +157,9 @@ class JobController:
                 job.recovery["phase"] = "plan"
                 job.recovery["generation"] = job.generation
                 self.move(job, JobState.RECOVERING, "supervisor restarted during recovery")
-                self.spawn(job, self._after_settling(job))
+                self.spawn(job, self._recover(job, settle=True))
             elif job.state is JobState.RECOVERING:
-                self.spawn(job, self._after_settling(job))
+                self.spawn(job, self._recover(job, settle=True))
             elif job.state is JobState.STARTING:
                 # The launch's outcome is unknown: stop what may have started, then requeue.
                 job.stop_target = JobState.PENDING
@@ -200,15 +218,42 @@ class JobController:
     async def command(
         self, node: str, args: wire.CommandArgsType, timeout: float | None = None
     ) -> wire.CommandAck:
-        return await self._send(node, args, timeout=timeout)
+        return await self.act.command(node, args, timeout=timeout)
 
-    async def _after_settling(self, job: Job) -> None:
-        """Run a recovery a previous supervisor left, once the nodes had one offline
-        timeout to announce themselves."""
-        settle = self._started + self.settings.offline_after_s - time.monotonic()
-        if settle > 0:
-            await asyncio.sleep(settle)
-        await self.recoveries.run(job)
+    # --- failures ------------------------------------------------------------------
+
+    def route(self, job: Job, report: Report) -> None:
+        """Every failure of a job comes here, from the intake: its events recorded, then
+        its recovery begun and run as the job's task (one recovery at a time)."""
+        for noted in report.noted:
+            self.event(noted.kind, job, node=noted.node, **noted.detail)
+        if self.recoveries.begin(job, report):
+            self.spawn(job, self._recover(job))
+
+    def on_failure(self, job: Job, failure: Failure, *, fault_at: float | None = None) -> None:
+        """A failure of ``job``'s current generation, named by hand (an operator's tool, a
+        test): routed as any other."""
+        self.route(job, Report(failure, fault_at=fault_at))
+
+    async def _recover(self, job: Job, *, settle: bool = False) -> None:
+        """The job's recovery, as its task, and what its relaunch came to: running, or a
+        failed launch that begins a new recovery (charged to the budget) in this task.
+        ``settle``: a recovery a previous supervisor left, run once the nodes had one
+        offline timeout to announce themselves."""
+        wait = self._started + self.settings.offline_after_s - time.monotonic()
+        if settle and wait > 0:
+            await asyncio.sleep(wait)
+        while True:
+            launched = await self.recoveries.run(job)
+            if launched is None or launched.superseded:
+                break
+            if launched.ok:
+                self._running(job)
+                break
+            assert launched.node is not None
+            if not self.recoveries.relaunch_failed(job, launched.node, launched.why):
+                break
+        self.wake()
 
     def _settling(self) -> bool:
         """A restarted supervisor has heard from no node yet: for one offline timeout."""
@@ -283,10 +328,12 @@ class JobController:
             self.incidents.on_progress(job, ev)
             return
         if ev.event == "guard":
-            rollbacks.on_guard(self, self.recoveries.on_failure, job, ev)
+            if (report := rollbacks.on_guard(self.act, job, ev)) is not None:
+                self.route(job, report)
             return
         if ev.event == "digest":
-            self.sdc.on_digest(job, ev)
+            if (report := self.sdc.on_digest(job, ev)) is not None:
+                self.route(job, report)
             return
         if ev.event == "hung":
             if job.state is JobState.RUNNING:
@@ -300,7 +347,7 @@ class JobController:
                     idle_s=ev.idle_s,
                     detail=ev.detail,
                 )
-                self.recoveries.on_hang(job, ev)
+                self._on_hang(job, ev)
             return
         if ev.event != "exited":
             return
@@ -326,6 +373,26 @@ class JobController:
     def on_heartbeat(self, beat: wire.Heartbeat) -> None:
         self.reconciler.on_heartbeat(beat)
 
+    def _on_hang(self, job: Job, ev: wire.RankEvent) -> None:
+        """A node reports its ranks of the job hung: the other nodes' reports are waited
+        for (as long as their agents wait for their ranks' flight recorders), then the
+        intake names the culprit from all of them."""
+        first, everyone = self._hangs.add(job, ev)
+        key = (job.id, ev.generation)
+        if everyone:
+            self._hang_decided(key)  # every node of the gang reported: no need to wait
+        elif first:
+            asyncio.get_running_loop().call_later(HANG_COLLECT_FLIGHT_S, self._hang_decided, key)
+
+    def _hang_decided(self, key: tuple[str, int]) -> None:
+        reports = self._hangs.take(key)
+        job = self.jobs.get(key[0])
+        if job is None:
+            return
+        report = intake.hang(job, key[1], reports, now=time.time())
+        if report is not None:
+            self.route(job, report)
+
     def _ranks_lost(self, job: Job, node: str, ranks: list[RankPlace]) -> None:
         job.ranks_lost(ranks)
         self.event("ranks_lost", job, node=node, ranks=[r.rank for r in ranks])
@@ -334,29 +401,15 @@ class JobController:
     def _after_exit(
         self, job: Job, place: RankPlace, *, step: int | None = None, at: float | None = None
     ) -> None:
-        if job.state is JobState.RUNNING:
-            if not place.clean:
-                self.recoveries.on_failure(
-                    job,
-                    Failure(
-                        FailureKind.RANK_EXIT,
-                        place.node,
-                        rank=place.rank,
-                        code=place.code,
-                        signal=place.signal,
-                        step=step,
-                        generation=job.generation,
-                        detail="lost: its node no longer runs it" if place.lost else "",
-                    ),
-                    fault_at=at,
-                )
-                return
-            if job.all_exited_clean():
-                job.reason = "every rank exited 0"
-                self.move(job, JobState.SUCCEEDED, job.reason)
-                self.event("job_succeeded", job, generation=job.generation)
-                self.wake()
-                return
+        if (report := intake.rank_exit(job, place, step=step, at=at)) is not None:
+            self.route(job, report)
+            return
+        if job.state is JobState.RUNNING and job.all_exited_clean():
+            job.reason = "every rank exited 0"
+            self.move(job, JobState.SUCCEEDED, job.reason)
+            self.event("job_succeeded", job, generation=job.generation)
+            self.wake()
+            return
         self.save_soon(job)  # one exit of thousands: the record is built once for them
 
     # --- periodic checks -------------------------------------------------------
@@ -409,7 +462,7 @@ class JobController:
                 continue
             del self._grow_from[job.id]
             added = [n for n in plan.nodes if n not in job.nodes]
-            self.recoveries.on_failure(
+            self.on_failure(
                 job,
                 Failure(
                     FailureKind.GROW,
@@ -432,7 +485,7 @@ class JobController:
     # --- scheduling ------------------------------------------------------------
 
     def _pass_key(self) -> tuple[object, ...]:
-        return (self.registry.version, self._saves, len(self.jobs), self.burnins.key())
+        return (self.registry.version, self.act.saves, len(self.jobs), self.burnins.key())
 
     def _unchanged(self) -> bool:
         """Whether a scheduling pass now would decide what the last one did: no job is
@@ -488,7 +541,7 @@ class JobController:
                     lost_gpu_seconds=round(pre.lost_work, 1),
                 )
                 self.move(victim, JobState.STOPPING, victim.reason)
-                self.spawn(victim, self.orders.preempt(victim))
+                self.spawn(victim, self.preempt(victim))
         for start in decisions.starts:
             job = self.jobs[start.job_id]
             if start.preempts:
@@ -507,99 +560,20 @@ class JobController:
     # --- launch and stop -----------------------------------------------------------
 
     async def launch(self, job: Job, nodes: list[str]) -> None:
-        spec = job.spec
-        job.generation += 1
-        job.nodes = nodes
-        job.worlds[str(job.generation)] = job.world_size
-        while len(job.worlds) > MAX_WORLDS_KEPT:
-            del job.worlds[min(job.worlds, key=int)]
-        job.ranks = [
-            RankPlace(rank=i * spec.ranks_per_node + lr, node=n, local_rank=lr)
-            for i, n in enumerate(nodes)
-            for lr in range(spec.ranks_per_node)
-        ]
-        job.stop_target = None
-        job.reason = ""
-        self.move(job, JobState.STARTING, f"placed on {', '.join(nodes)}")
-        self.event("job_starting", job, nodes=nodes, generation=job.generation)
-        timeout = self.settings.command_timeout_s
-        try:
-            rank0 = self.registry.get(nodes[0])
-            assert rank0.birth is not None
-            job.master_addr = rank0.birth.address
-            # A recovery's launch is timed step by step (its incident's phases).
-            timed = job.recovery.setdefault("phases", {}) if job.recovery is not None else {}
-            t0 = time.perf_counter()
-            port = self.registry.take_port(nodes[0])
-            if port is None:
-                ack = await self._send(nodes[0], wire.AllocPortArgs(), timeout=timeout)
-                if ack.status != wire.AckStatus.DONE:
-                    raise LaunchError(
-                        f"node {nodes[0]} could not allocate a port: {ack.detail}", nodes[0]
-                    )
-                port = int(ack.result["port"])
-                self.registry.port_given(nodes[0], port)
-            job.master_port = port
-            timed["port"] = round(time.perf_counter() - t0, 3)
-            # The ranks restore first thing: their nodes must know this generation's
-            # restore step (or that there is none) before; their agents wait for it.
-            t0 = time.perf_counter()
-            await self._publisher.publish(job.id)
-            timed["catalogs"] = round(time.perf_counter() - t0, 3)
-            t0 = time.perf_counter()
-            orders = self.orders.start_orders(job, nodes)
-            acks = await asyncio.gather(
-                *(
-                    self._send(node, order, timeout=timeout)
-                    for node, order in zip(nodes, orders, strict=True)
-                ),
-                return_exceptions=True,
-            )
-            problems, failed = [], []
-            for node, result in zip(nodes, acks, strict=True):
-                if isinstance(result, asyncio.CancelledError):
-                    raise result
-                if isinstance(result, BaseException):
-                    problems.append(f"{node}: {result}")
-                    failed.append(node)
-                elif result.status != wire.AckStatus.DONE:
-                    problems.append(f"{node}: {result.detail}")
-                    failed.append(node)
-            timed["starts"] = round(time.perf_counter() - t0, 3)
-            if problems:
-                raise LaunchError("; ".join(problems), failed[0])
-            if job.recovery is not None:
-                job.recovery["cold_ranks"] = cold_ranks(
-                    [a for a in acks if isinstance(a, wire.CommandAck)]
-                )
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # LinkDown, a timeout, a bad ack: never stay in starting
-            if job.state is not JobState.STARTING:
-                return  # cancelled meanwhile: that stop owns the job now
-            if job.recovery is not None:
-                # A recovery's launch: recovered again (its stop covers this generation),
-                # charged to the budget, rather than the job failed with restarts left.
-                node = getattr(exc, "node", None) or job.nodes[0]
-                self.recoveries.relaunch_failed(job, node, str(exc))
-                return
+        """Launch a pending job on the nodes a scheduling pass placed it on; a launch that
+        fails stops what started and fails the job."""
+        launched = await self.act.launch(job, nodes)
+        if launched.ok:
+            self._running(job)
+        elif not launched.superseded:
             job.stop_target = JobState.FAILED
-            job.reason = f"launch failed: {exc}"
+            job.reason = f"launch failed: {launched.why}"
             self.move(job, JobState.STOPPING, job.reason)
             await self.stop(job, grace_s=5.0)
-            return
-        if job.state is not JobState.STARTING:
-            return  # cancelled while the ranks were starting: the cancel's stop ends it
-        job.started_at = time.time()
-        if job.first_started_at is None:
-            job.first_started_at = job.started_at
-        self.move(job, JobState.RUNNING, f"world size {job.world_size}")
-        self.event(
-            "job_running",
-            job,
-            generation=job.generation,
-            master=f"{job.master_addr}:{job.master_port}",
-        )
+
+    def _running(self, job: Job) -> None:
+        """A launch's every start was acknowledged: a recovery's incident is recorded, and
+        what raced the acks is acted on (a rank's exit, a loss guard's trip)."""
         self.incidents.on_started(job)
         for place in job.ranks:  # exits that raced the start acks
             if place.exited:
@@ -607,8 +581,16 @@ class JobController:
                 break
         if (tripped := job.guard_pending) is not None:  # a trip that raced them too
             job.guard_pending = None
+            report = None
             if tripped.generation == job.generation:
-                rollbacks.on_guard(self, self.recoveries.on_failure, job, tripped)
+                report = rollbacks.on_guard(self.act, job, tripped)
+            if report is not None:
+                self.route(job, report)
+
+    async def preempt(self, job: Job) -> None:
+        """A preempted job: checkpointed first (``GangOrders.save_first``), then stopped."""
+        await self.orders.save_first(job)
+        await self.stop(job)
 
     async def _stop_after_settling(self, job: Job) -> None:
         """A restarted supervisor knows no node yet: give the job's nodes one offline timeout
@@ -624,15 +606,7 @@ class JobController:
             job=job.id, generation=max(job.generation, 1), grace_s=grace, reason=job.reason
         )
         timeout = grace + self.settings.command_timeout_s
-        results = await asyncio.gather(
-            *(
-                self._send(node, args, timeout=timeout)
-                for node in job.nodes
-                if self.registry.nodes.get(node) is not None
-                and self.registry.nodes[node].state is not NodeState.OFFLINE
-            ),
-            return_exceptions=True,
-        )
+        results = await self.act.command_gang(self.act.reachable(job.nodes), args, timeout)
         for result in results:
             if isinstance(result, BaseException):
                 log.warning("job %s: a stop was not acknowledged: %s", job.id, result)
@@ -675,36 +649,20 @@ class JobController:
         self._inflight[job.id] = self._inflight.get(job.id, 0) + 1
 
     def move(self, job: Job, to: JobState, why: str) -> None:
-        before = job.state
+        """Move ``job`` to state ``to``; one that ends with a recovery under way ends its
+        incident so."""
         if to.final:
             self.incidents.abandon(job, to.value)
-        job.move(to, why)
-        self.save(job)
-        log.info(
-            "job %s: %s -> %s (%s)",
-            job.id,
-            before.value,
-            to.value,
-            why,
-            extra={"job": job.id, "event": "job_state", "state": to.value},
-        )
-        if to.final:
-            # Its agents free the RAM tier once the catalog says the job ended (a failed
-            # job's, after ckpt_failed_ram_linger_s).
-            self._publisher.publish_soon(job.id)
+        self.act.move(job, to, why)
 
     def _newest_committed(self, job: str, upto: int) -> int | None:
         return max((step for step, _, _ in self.store.commits(job) if step <= upto), default=None)
 
     def save(self, job: Job) -> None:
-        self._saves += 1
-        self.store.save_job(job.id, job.state.value, job.record())
+        self.act.save(job)
 
     def save_soon(self, job: Job) -> None:
-        """Persist the job's record soon (``Store.save_job_soon``): its JSON, 1.5 MB for a
-        16,384-rank gang, is built once for a burst of changes, not once per rank."""
-        self._saves += 1
-        self.store.save_job_soon(job.id, lambda: job.state.value, job.record)
+        self.act.save_soon(job)
 
     def event(self, kind: str, job: Job, node: str | None = None, **detail: Any) -> None:
-        self.store.add_event(kind, node, {"job": job.id, **detail})
+        self.act.event(kind, job, node, **detail)

@@ -14,7 +14,7 @@ from pydantic import SecretStr
 from phalanx import wire
 from phalanx.elastic import ENV_RESHARD, Elastic
 from phalanx.jobspec import FromFile
-from supervisor.actuator import JobControl
+from supervisor.actuator import Actuator
 from supervisor.checkpoints.catalog import pick_buddies
 from supervisor.fleet.mtbf import NodeMtbf, node_mtbf
 from supervisor.jobs import Job
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class GangOrders:
-    def __init__(self, ctl: JobControl) -> None:
+    def __init__(self, ctl: Actuator) -> None:
         self.ctl = ctl
         self._mtbf: tuple[float, NodeMtbf] | None = None  # (monotonic time, the fleet's)
 
@@ -146,11 +146,11 @@ class GangOrders:
             mtbf_s=mtbf.for_job(len(job.nodes)),
         )
 
-    async def preempt(self, job: Job) -> None:
-        """Checkpoint a preempted job first: its ranks are asked to save at their next step
-        (``save_now``), also before its first checkpoint (up to a whole ``interval`` of
-        work is at stake), and the stop waits, within the grace period, for that save to
-        be committed at the nearest tier any node can restore from; then it stops. Each
+    async def save_first(self, job: Job) -> None:
+        """Checkpoint a preempted job before its stop: its ranks are asked to save at their
+        next step (``save_now``), also before its first checkpoint (up to a whole
+        ``interval`` of work is at stake), and this waits, within the grace period, for
+        that save to be committed at the nearest tier any node can restore from. Each
         node's ack lists the ranks that listen (report steps); a job none of whose ranks
         listen is stopped at once."""
         tiers = job.spec.checkpoint.tiers
@@ -159,9 +159,7 @@ class GangOrders:
         before = max((s for s, t, _ in commits if t == tier), default=-1)
         args = wire.SaveNowArgs(job=job.id, generation=max(job.generation, 1))
         timeout = self.ctl.settings.command_timeout_s
-        acks = await asyncio.gather(
-            *(self.ctl.command(n, args, timeout=timeout) for n in job.nodes), return_exceptions=True
-        )
+        acks = await self.ctl.command_gang(job.nodes, args, timeout)
         asked = any(
             not isinstance(a, BaseException)
             and a.status == wire.AckStatus.DONE
@@ -190,4 +188,3 @@ class GangOrders:
                     tier,
                     job.spec.grace_period,
                 )
-        await self.ctl.stop(job)

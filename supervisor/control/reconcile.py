@@ -16,15 +16,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Container, Mapping
-from typing import Protocol
 
 from phalanx import wire
 from phalanx.tasks import Tasks
 from supervisor.errors import RegistryError
 from supervisor.fleet.commands import CommandSender
-from supervisor.fleet.registry import NodeState, Registry
+from supervisor.fleet.registry import Registry
 from supervisor.jobs import Job, JobState, RankPlace
-from supervisor.recovery.planner import Failure, FailureKind
+from supervisor.recovery import intake
+from supervisor.recovery.intake import Report
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +34,15 @@ MISSED_BEATS = 2  # heartbeats in a row without a running job's ranks: they are 
 START_SLACK_S = 2.0  # heartbeats sent this soon after a start may predate the ranks
 
 
-class OnFailure(Protocol):
-    def __call__(self, job: Job, failure: Failure, *, fault_at: float | None = None) -> None: ...
+OnFailure = Callable[[Job, Report], None]  # the controller's route
 
 
 class Reconciler:
     """``jobs`` and ``busy`` (the ids of jobs with a launch or stop in flight) are the
     controller's; ``settling()`` is true while a restarted supervisor gives the nodes time
     to announce themselves; ``offline_confirmed(since)`` as in the controller;
-    ``on_failure`` starts a job's recovery; ``lost(job, node, ranks)`` is told of ranks
-    a node lost unreported."""
+    ``on_failure`` routes a job's failure to its recovery; ``lost(job, node, ranks)`` is
+    told of ranks a node lost unreported."""
 
     def __init__(
         self,
@@ -142,51 +141,19 @@ class Reconciler:
             log.warning("orphan stop of %s on %s not acknowledged: %s", args.job, node, exc)
 
     def check_nodes(self) -> None:
-        """A running job's node offline or drained for its health: the job failed."""
+        """A running job's node offline or drained for its health: the job failed
+        (:func:`supervisor.recovery.intake.node_failure`)."""
         # A restarted supervisor has not heard from anyone yet: give the nodes one offline
         # timeout to re-announce themselves before judging the jobs on them.
         settling = self._settling()
         for job in self._jobs.values():
             if job.state is not JobState.RUNNING or job.id in self._busy:
                 continue
-            for node_id in job.nodes:
-                node = self._registry.nodes.get(node_id)
-                if node is not None and settling and node.last_seen == 0.0:
-                    continue
-                if (
-                    node is not None
-                    and node.state is NodeState.OFFLINE
-                    and not self._offline_confirmed(node.offline_at)
-                ):
-                    continue  # perhaps the broker restarting: confirmed in a moment
-                if node is None or node.state is NodeState.OFFLINE:
-                    cause = node.offline_cause if node else "unknown"
-                    self._on_failure(
-                        job,
-                        Failure(
-                            FailureKind.NODE_OFFLINE,
-                            node_id,
-                            detail=cause,
-                            generation=job.generation,
-                            quarantine=cause != "clean shutdown",
-                        ),
-                    )
-                    break
-                # A drain for the node's health is a hardware failure under the job; an
-                # operator's drain lets the job finish (a rolling upgrade waits for it).
-                if (
-                    node.state is NodeState.DRAIN
-                    and node.drain is not None
-                    and node.drain.by == "auto"
-                ):
-                    self._on_failure(
-                        job,
-                        Failure(
-                            FailureKind.NODE_DRAIN,
-                            node_id,
-                            detail=node.drain.reason,
-                            generation=job.generation,
-                        ),
-                        fault_at=node.drain.since,
-                    )
-                    break
+            report = intake.node_failure(
+                job,
+                self._registry.nodes,
+                settling=settling,
+                offline_confirmed=self._offline_confirmed,
+            )
+            if report is not None:
+                self._on_failure(job, report)

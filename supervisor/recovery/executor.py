@@ -1,9 +1,10 @@
 """Recovery: a failed rank, GPU or node costs seconds, not the run.
 
-The controller hands every failure signal of a running job here
-(:meth:`Recoveries.on_failure`): a rank that exited badly or was lost, a
-node of the gang that turned ``drain`` or went offline, a gang whose steps
-stopped. The job turns ``recovering`` and one task per job then:
+The controller routes every failure of a running job here, as the intake
+(:mod:`supervisor.recovery.intake`) reported it (:meth:`Recoveries.begin`): a rank
+that exited badly or was lost, a node of the gang that turned ``drain`` or went
+offline, a gang whose steps stopped. The job turns ``recovering`` and its task then
+(:meth:`Recoveries.run`, which the controller runs):
 
 1. **plans** with the pure planner (:func:`supervisor.recovery.planner.plan_recovery`)
    from the fleet, the spare pool, the checkpoint catalog and the job's history;
@@ -14,7 +15,9 @@ stopped. The job turns ``recovering`` and one task per job then:
 5. **burns in** each replacement node (a failed burn-in drains it; the next is tried);
 6. **launches** generation g+1 on the planned nodes with a fresh rendezvous
    (its port on the new rank-0 node, alive by construction), which restores the
-   newest step the whole gang can read.
+   newest step the whole gang can read, and returns what that launch came to: the
+   controller acts on it (running; or failed, and :meth:`Recoveries.relaunch_failed`
+   begins the next recovery). Nothing here calls the controller.
 
 The incident is recorded (:mod:`supervisor.recovery.incidents`) with its phases
 (detect, plan, stop, launch, restore, first step) and the work it lost once every rank of the new
@@ -29,14 +32,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Sequence, Set
 from dataclasses import asdict, replace
 from typing import Any
 
-from phalanx import flight, wire
-from supervisor.actuator import JobControl
+from phalanx import wire
+from supervisor.actuator import Actuator, Launched
 from supervisor.errors import RegistryError
-from supervisor.fleet.burnin import JOIN_PROBES_S, ROUND_PROBES_S
+from supervisor.fleet.burnin import JOIN_PROBES_S, ROUND_PROBES_S, BurnIns
 from supervisor.fleet.registry import NodeState
 from supervisor.jobs import Job, JobState
 from supervisor.recovery import rollbacks
@@ -47,6 +50,7 @@ from supervisor.recovery.incidents import (
     time_ran,
     trained_steps,
 )
+from supervisor.recovery.intake import Report
 from supervisor.recovery.planner import (
     GUARD_KINDS,
     HEALTHY,
@@ -79,13 +83,16 @@ QUARANTINE_BY = "quarantined by job"  # a quarantine's drain reason: "... JOB: w
 
 
 class Recoveries:
-    """One recovery task per failed job, run through ``ctl``; ``incidents`` records each."""
+    """The recoveries of failed jobs: :meth:`begin` takes a failure in, :meth:`run` (the
+    job's task, which the controller runs) carries it out through ``ctl``, the actuator,
+    up to the relaunch, whose :class:`~supervisor.actuator.Launched` it returns;
+    ``incidents`` records each, ``burnins`` vets the nodes it restarts on."""
 
-    def __init__(self, ctl: JobControl, incidents: Incidents) -> None:
+    def __init__(self, ctl: Actuator, incidents: Incidents, burnins: BurnIns) -> None:
         self.ctl = ctl
         self.incidents = incidents
+        self.burnins = burnins
         self._wake = asyncio.Event()
-        self._hangs: dict[tuple[str, int], list[wire.RankEvent]] = {}
 
     def wake(self) -> None:
         """Something changed in the fleet: recoveries waiting for a node look again."""
@@ -93,20 +100,13 @@ class Recoveries:
 
     # --- signals ----------------------------------------------------------------
 
-    def on_failure(
-        self,
-        job: Job,
-        failure: Failure,
-        *,
-        fault_at: float | None = None,
-        also: Sequence[Failure] = (),
-        extra: Mapping[str, Any] | None = None,
-    ) -> None:
-        """A failure of ``job``'s current generation: start its recovery (once).
-        ``also``: failures that came with it, planned for together; ``extra``: more for
-        the recovery's record (``RECHECK``: nodes to recheck before it plans)."""
+    def begin(self, job: Job, report: Report) -> bool:
+        """A failure of ``job``'s current generation (the intake's report): the job turns
+        ``recovering`` and True, its recovery to run (:meth:`run`); False when the job is
+        not running or starting, or recovers already (one recovery at a time)."""
         if job.state not in (JobState.RUNNING, JobState.STARTING) or job.recovery is not None:
-            return
+            return False
+        failure, fault_at, also = report.failure, report.fault_at, report.also
         failure = _at_restore(job, failure)
         now = time.time()
         if job.state is JobState.RUNNING and job.started_at is not None:
@@ -120,7 +120,7 @@ class Recoveries:
             "phase": "plan",
             "phases": {"detect": round(max(0.0, now - (fault_at or now)), 3)},
             "size": job.size(),  # of the generation it ends (an elastic job's changes)
-            **(extra or {}),
+            **report.extra,
         }
         job.reason = failure.describe()
         self.ctl.move(job, JobState.RECOVERING, job.reason)
@@ -136,73 +136,16 @@ class Recoveries:
             detail=failure.detail,
             generation=job.generation,
         )
-        self.ctl.spawn(job, self.run(job))
-
-    def on_hang(self, job: Job, ev: wire.RankEvent) -> None:
-        """A node reports its ranks of the job hung: wait a moment for the other nodes'
-        reports, then name the culprit from all of them."""
-        key = (job.id, ev.generation)
-        first = key not in self._hangs
-        reports = self._hangs.setdefault(key, [])
-        reports.append(ev)
-        if {r.node for r in reports} >= set(job.nodes):
-            self._hang_decided(key)  # every node of the gang reported: no need to wait
-        elif first:
-            # The other nodes' reports may come as much later as their agents wait for
-            # their ranks' flight recorders.
-            asyncio.get_running_loop().call_later(HANG_COLLECT_FLIGHT_S, self._hang_decided, key)
-
-    def _hang_decided(self, key: tuple[str, int]) -> None:
-        reports = self._hangs.pop(key, [])
-        job = self.ctl.jobs.get(key[0])
-        if not reports or job is None or job.generation != key[1]:
-            return
-        if any(r.clean for r in job.ranks):
-            return  # a rank finished: the others wait for it at the end, they are not hung
-        # A stopped process first, then the rank furthest behind, then the longest silent.
-        culprit = min(
-            reports,
-            key=lambda e: (not e.stopped, e.step if e.step is not None else -1, -(e.idle_s or 0.0)),
-        )
-        idle = max(e.idle_s or 0.0 for e in reports)
-        node, rank, step, why = culprit.node, culprit.rank, culprit.step, culprit.detail
-        # The ranks' NCCL flight recorders, where they name one, know better than progress
-        # (every rank of a gang stuck in a collective stops stepping at once); a stopped
-        # process is plainer still.
-        named = flight.culprit(
-            flight.Point(p.rank, p.pg, p.seq, p.completed, p.op, p.state)
-            for r in reports
-            for p in r.flight
-        )
-        place = job.place(named.rank) if named is not None else None
-        if named is not None and not culprit.stopped:
-            self.ctl.event(
-                "hang_flight_recorder", job, rank=named.rank, pg=named.pg, detail=named.detail
-            )
-            if place is not None:
-                node, rank, why = place.node, named.rank, f"flight recorder: {named.detail}"
-                step = next((r.step for r in reports if r.rank == rank), culprit.step)
-        failure = Failure(
-            FailureKind.HANG,
-            node,
-            rank=rank,
-            step=step,
-            detail=why
-            if why.startswith("no step for")
-            else f"no step for {idle:.1f}s; {why}".strip("; "),
-            generation=key[1],
-        )
-        dumps = [d for r in reports for d in r.dumps]
-        if dumps:
-            self.ctl.event("hang_dumps", job, node=node, dumps=dumps[:64])
-        self.on_failure(job, failure, fault_at=time.time() - idle)
+        return True
 
     # --- the recovery -----------------------------------------------------------
 
-    async def run(self, job: Job) -> None:
+    async def run(self, job: Job) -> Launched | None:
+        """The job's recovery, up to its relaunch (whose outcome it returns: the controller
+        acts on it) or its end without one (None: failed, or cancelled meanwhile)."""
         rec = job.recovery
         if rec is None or not _recovering(job):
-            return  # cancelled before it began
+            return None  # cancelled before it began
         failures = [_failure(f) for f in rec["failures"]]
         phases: dict[str, float] = rec.setdefault("phases", {})
         old_generation = int(rec["generation"])
@@ -212,17 +155,17 @@ class Recoveries:
                 await self._stop(job, old_generation)  # the GPUs free for the recheck
                 stopped = True
             if not _recovering(job) or job.recovery is not rec:
-                return
-            failures = await recheck(self.ctl, job, failures[0], rec[RECHECK])
+                return None
+            failures = await recheck(self.ctl, self.burnins, job, failures[0], rec[RECHECK])
             if not _recovering(job) or job.recovery is not rec:
                 self._quarantine_rechecked(job, failures)  # cancelled meanwhile
-                return
+                return None
             rec["failures"] = [_failure_record(f) for f in failures]
             del rec[RECHECK]
             self.ctl.save(job)
         while True:
             if not _recovering(job) or job.recovery is not rec:
-                return  # cancelled meanwhile: that stop owns the job
+                return None  # cancelled meanwhile: that stop owns the job
             if (
                 time.time() - rec["detected_at"]
                 > job.spec.restart.spare_wait
@@ -241,7 +184,7 @@ class Recoveries:
                         Cause.SOFTWARE,
                     ),
                 )
-                return
+                return None
             t0 = time.perf_counter()
             plan = self.plan(job, failures)
             phases["plan"] = round(time.perf_counter() - t0, 4)
@@ -268,11 +211,11 @@ class Recoveries:
                 await self._stop(job, old_generation, keep=kept)
                 stopped = True
             if not _recovering(job):
-                return
+                return None
             if plan.action is Action.FAIL:
                 await self._release_kept(job, plan, failures, old_generation)
                 self._fail(job, plan)
-                return
+                return None
             if (
                 plan.action is Action.WAIT
                 and plan.burn_in
@@ -281,25 +224,25 @@ class Recoveries:
                 continue  # one passed: plan again, to restart on it
             if plan.action is Action.WAIT:
                 if not await self._wait_for_nodes(job, plan):
-                    return
+                    return None
                 continue
             job.waiting = None
             if plan.action not in FREE and not await self._backoff(job):
-                return  # (a rollback spends its own budget, guard.max_rollbacks)
+                return None  # (a rollback spends its own budget, guard.max_rollbacks)
             if not await self._burn_in_swaps(job, plan):
                 continue  # a replacement failed its burn-in: plan again without it
             if not self._reinstate(job, plan):
                 continue  # a suspect could not be undrained: plan again without it
             if not _recovering(job) or job.recovery is not rec:
-                return
+                return None
             plan = self.plan(job, failures)  # the fleet may have moved while we waited
             if plan.action in RELAUNCHES and all(
-                self.ctl.burnins.passed(b) and self._joins(job, plan, b) for _, b in plan.swaps
+                self.burnins.passed(b) and self._joins(job, plan, b) for _, b in plan.swaps
             ):
                 break
         rec["plan"] = plan_record(plan)
         await self._release_kept(job, plan, failures, old_generation)
-        await self._relaunch(job, plan)
+        return await self._relaunch(job, plan)
 
     async def _release_kept(
         self, job: Job, plan: Plan, failures: list[Failure], old_generation: int
@@ -346,19 +289,21 @@ class Recoveries:
         job.waiting = None
         self.ctl.move(job, JobState.FAILED, plan.reason)
         self.ctl.event("job_failed", job, reason=plan.reason, generation=job.generation)
-        self.ctl.wake()
 
-    def relaunch_failed(self, job: Job, node: str, why: str) -> None:
+    def relaunch_failed(self, job: Job, node: str, why: str) -> bool:
         """The recovery's launch failed (a start not acknowledged, a port not found): the
-        incident ends so, and a new recovery starts from it, charged to the budget."""
+        incident ends so, and a new recovery begins from it (True: :meth:`run` it),
+        charged to the budget."""
         self.incidents.abandon(job, "launch_failed")
-        self.on_failure(
+        return self.begin(
             job,
-            Failure(
-                FailureKind.RANK_EXIT,
-                node,
-                detail=f"launch failed: {why}"[:900],
-                generation=job.generation,
+            Report(
+                Failure(
+                    FailureKind.RANK_EXIT,
+                    node,
+                    detail=f"launch failed: {why}"[:900],
+                    generation=job.generation,
+                )
             ),
         )
 
@@ -387,7 +332,7 @@ class Recoveries:
                 state=node.state.value,
                 busy=node.id in busy,
                 spare=node.id in spares,
-                burned_in=not ctl.burnins.needs(node.id) and node.id not in rejected,
+                burned_in=not self.burnins.needs(node.id) and node.id not in rejected,
             )
         committed, where = ctl.catalog.committed_view(job.id)
         history = tuple(
@@ -411,8 +356,8 @@ class Recoveries:
             if f.kind in (FailureKind.GROW, FailureKind.SDC):
                 continue  # no node failed (GROW), or the recheck burned it in (SDC)
             if not f.quarantine and known is not None and known.state is NodeState.UP:
-                ctl.burnins.start(f.node)
-        cleared = frozenset(n for n in job.nodes if ctl.burnins.passed_since(n, detected))
+                self.burnins.start(f.node)
+        cleared = frozenset(n for n in job.nodes if self.burnins.passed_since(n, detected))
         rec = job.recovery or {}
         view = JobView(
             id=job.id,
@@ -475,17 +420,9 @@ class Recoveries:
             reason=f"recovering: {job.reason}",
             keep_warm=True,  # the next generation's ranks start from them
         )
-        targets = [
-            n
-            for n in job.nodes
-            if n not in skip
-            and (known := self.ctl.registry.nodes.get(n)) is not None
-            and known.state is not NodeState.OFFLINE
-        ]
+        targets = self.ctl.reachable(n for n in job.nodes if n not in skip)
         timeout = grace + self.ctl.settings.command_timeout_s
-        results = await asyncio.gather(
-            *(self.ctl.command(n, args, timeout=timeout) for n in targets), return_exceptions=True
-        )
+        results = await self.ctl.command_gang(targets, args, timeout)
         for node, result in zip(targets, results, strict=True):
             if isinstance(result, BaseException):
                 # Its ranks are fenced anyway: the next generation has its own rendezvous
@@ -562,7 +499,7 @@ class Recoveries:
             if node in tried:
                 continue
             tried.append(node)
-            passed, why = await self.ctl.burnins.run(node)
+            passed, why = await self.burnins.run(node)
             self.ctl.event("suspect_burned_in", job, node=node, passed=passed, reason=why)
             if passed:
                 vetted.append(node)
@@ -583,7 +520,7 @@ class Recoveries:
                 if not self._ours(job, node_id):
                     raise RegistryError(f"drained since for another reason: {node.drain.reason}")
                 self.ctl.registry.undrain(node_id)
-                self.ctl.burnins.reinstated(node_id)  # its pass stands: no second burn-in
+                self.burnins.reinstated(node_id)  # its pass stands: no second burn-in
             except RegistryError as exc:
                 log.warning("job %s: node %s not reinstated: %s", job.id, node_id, exc)
                 rec["vetted"] = [n for n in rec.get("vetted", []) if n != node_id]
@@ -649,13 +586,13 @@ class Recoveries:
         staying = [n for n in plan.nodes if n not in joining]
         for failed, spare in plan.swaps:
             passed, why = True, ""
-            if not self.ctl.burnins.passed(spare):
-                passed, why = await self.ctl.burnins.run(spare)
+            if not self.burnins.passed(spare):
+                passed, why = await self.burnins.run(spare)
             if passed and staying and not self._linked(job, spare):
                 # Its link with one node of the job; a bad one, with a second too: the
                 # first node's own link (or agent) may be the one at fault.
                 for peer in staying[:2]:
-                    passed, why = await self.ctl.burnins.screen_join(spare, peer)
+                    passed, why = await self.burnins.screen_join(spare, peer)
                     if passed:
                         break
                 if passed and job.recovery is not None:
@@ -670,7 +607,7 @@ class Recoveries:
     def _joins(self, job: Job, plan: Plan, spare: str) -> bool:
         """Whether nothing is left to probe before ``spare`` joins: its link passed, or
         there is no link to probe (probes off, or no node of the job stays)."""
-        if not self.ctl.burnins.screening.probe_bytes or self._linked(job, spare):
+        if not self.burnins.screening.probe_bytes or self._linked(job, spare):
             return True
         joining = {b for _, b in plan.swaps}
         return all(n in joining for n in plan.nodes)
@@ -679,10 +616,10 @@ class Recoveries:
         """Whether ``spare``'s link to the job was probed and passed in this recovery."""
         return job.recovery is not None and spare in job.recovery.get("linked", ())
 
-    async def _relaunch(self, job: Job, plan: Plan) -> None:
+    async def _relaunch(self, job: Job, plan: Plan) -> Launched | None:
         rec = job.recovery
         if rec is None or not _recovering(job):
-            return
+            return None
         if plan.action is Action.ROLLBACK:
             rollbacks.apply(self.ctl, job, plan)
         elif _failure(rec["failures"][0]).kind is FailureKind.GROW:
@@ -705,7 +642,7 @@ class Recoveries:
             swaps=[list(s) for s in plan.swaps],
             skip=list(plan.skip) if plan.skip is not None else None,
         )
-        await self.ctl.launch(job, list(plan.nodes))
+        return await self.ctl.launch(job, list(plan.nodes))
 
 
 RELAUNCHES = frozenset(

@@ -17,14 +17,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from phalanx import wire
-from supervisor.actuator import JobControl
+from supervisor.actuator import Actuator, cold_ranks, rank_ranges
 from supervisor.jobs import Job, JobState
 from supervisor.recovery.planner import NodeIncident, Plan
 
 
 class Incidents:
     def __init__(
-        self, ctl: JobControl, newest_committed: Callable[[str, int], int | None] | None = None
+        self, ctl: Actuator, newest_committed: Callable[[str, int], int | None] | None = None
     ) -> None:
         """``newest_committed(job, step)``: the newest step of ``job`` committed at or
         before ``step`` (None: none), what a failed recovery's lost work counts from."""
@@ -177,50 +177,6 @@ class Incidents:
         )
 
 
-MAX_REASON = 200  # characters of an agent's reason kept
-MAX_REASONS = 8  # distinct reasons kept (the rest counted under "other")
-MAX_RANGES = 32  # rank ranges shown per reason (the rest counted)
-
-
-def cold_ranks(acks: Iterable[wire.CommandAck]) -> dict[str, str] | None:
-    """The ranks a launch's start acks say were launched cold, by reason: reason -> the
-    ranks as ranges (``"0-3, 8"``), so a 16,384-rank gang's costs a line, not 16,384
-    entries. None when no ack says (agents older than warm interpreters)."""
-    by_reason: dict[str, list[int]] = {}
-    said = False
-    for ack in acks:
-        cold = ack.result.get("cold")
-        if not isinstance(cold, dict):
-            continue
-        said = True
-        for rank, why in cold.items():
-            if isinstance(rank, str) and rank.isdigit() and isinstance(why, str):
-                by_reason.setdefault(why[:MAX_REASON], []).append(int(rank))
-    if not said:
-        return None
-    ordered = sorted(by_reason.items(), key=lambda kv: (-len(kv[1]), kv[0]))
-    out = {why: rank_ranges(ranks) for why, ranks in ordered[:MAX_REASONS]}
-    rest = [r for _, ranks in ordered[MAX_REASONS:] for r in ranks]
-    if rest:
-        out["other reasons"] = rank_ranges(rest)
-    return out
-
-
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """``[0, 1, 2, 3, 8]`` as ``"0-3, 8"`` (at most ``MAX_RANGES`` ranges, then a count)."""
-    spans: list[list[int]] = []
-    for r in sorted(set(ranks)):
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    text = [f"{a}-{b}" if b > a else str(a) for a, b in spans[:MAX_RANGES]]
-    if len(spans) > MAX_RANGES:
-        more = sum(b - a + 1 for a, b in spans[MAX_RANGES:])
-        text.append(f"and {more} more")
-    return ", ".join(text)
-
-
 def node_incidents(jobs: Iterable[Job]) -> list[NodeIncident]:
     """Every failure any job recorded, by the node it struck (quarantine follows the
     hardware across jobs)."""
@@ -264,3 +220,14 @@ def plan_record(plan: Plan) -> dict[str, Any]:
         "skip": list(plan.skip) if plan.skip is not None else None,
         "sources": {str(r): v for r, v in sorted(plan.sources.items())},
     }
+
+
+__all__ = [
+    "Incidents",
+    "cold_ranks",  # the launch's (supervisor.actuator), read with the incident
+    "node_incidents",
+    "plan_record",
+    "rank_ranges",
+    "time_ran",
+    "trained_steps",
+]

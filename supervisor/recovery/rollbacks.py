@@ -20,20 +20,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from phalanx import guard, wire
 from phalanx.jobspec import GuardSpec
-from supervisor.actuator import JobControl
+from supervisor.actuator import Actuator
 from supervisor.fleet.registry import NodeState
 from supervisor.jobs import Job, JobState, hold_steps, void_landing
+from supervisor.recovery.intake import Report
 from supervisor.recovery.planner import CatalogView, Failure, FailureKind, Plan
 from supervisor.recovery.rollback import RollbackView, plan_rollback, skip_ranges, void
 
 log = logging.getLogger(__name__)
-
-OnFailure = Callable[..., None]  # Recoveries.on_failure(job, failure, fault_at=...)
 
 
 def failure_of(ev: wire.RankEvent) -> Failure:
@@ -58,8 +56,10 @@ def failure_of(ev: wire.RankEvent) -> Failure:
     )
 
 
-def on_guard(ctl: JobControl, on_failure: OnFailure, job: Job, ev: wire.RankEvent) -> None:
-    """A rank of ``job``'s current generation reports its loss guard tripped."""
+def on_guard(ctl: Actuator, job: Job, ev: wire.RankEvent) -> Report | None:
+    """A rank of ``job``'s current generation reports its loss guard tripped: recorded,
+    and the failure it stands for (None: the job has no guard, is not running, or
+    recovers already; a trip during a recovery's launch waits in ``job.guard_pending``)."""
     ctl.event(
         "loss_guard",
         job,
@@ -73,25 +73,18 @@ def on_guard(ctl: JobControl, on_failure: OnFailure, job: Job, ev: wire.RankEven
         baseline=ev.baseline,
     )
     if job.spec.guard is None or job.state not in (JobState.RUNNING, JobState.STARTING):
-        return
+        return None
     if job.recovery is not None:
         if job.state is JobState.STARTING and job.recovery.get("launch_started_at"):
             # The new generation's ranks stepped (and tripped) before every start was
             # acknowledged: the rollback waits for the launch to end (the ranks hold).
             job.guard_pending = ev
-        return  # else already recovering: another failure came first
-    on_failure(job, failure_of(ev), fault_at=ev.at)
-    rec = _recovery(job)  # the one on_failure began
-    if rec is not None and rec.get("generation") == ev.generation:
-        rec["guard"] = {"baseline": ev.baseline, "value": ev.value, "kind": ev.guard}
-        ctl.save(job)
+        return None  # else already recovering: another failure came first
+    guard_trip = {"baseline": ev.baseline, "value": ev.value, "kind": ev.guard}
+    return Report(failure_of(ev), fault_at=ev.at, extra={"guard": guard_trip})
 
 
-def _recovery(job: Job) -> dict[str, Any] | None:
-    return job.recovery
-
-
-def plan(ctl: JobControl, job: Job, failure: Failure) -> Plan:
+def plan(ctl: Actuator, job: Job, failure: Failure) -> Plan:
     """The rollback plan of ``job`` now (:func:`supervisor.recovery.rollback.plan_rollback`)."""
     spec = job.spec.guard or GuardSpec(max_rollbacks=0)  # turned off: no budget
     committed, where = ctl.catalog.committed_view(job.id)
@@ -110,7 +103,7 @@ def plan(ctl: JobControl, job: Job, failure: Failure) -> Plan:
     return plan_rollback(view, failure, CatalogView(committed, where), now=time.time(), alive=alive)
 
 
-def apply(ctl: JobControl, job: Job, plan: Plan) -> None:
+def apply(ctl: Actuator, job: Job, plan: Plan) -> None:
     """Carry out a rollback plan before its launch (the old generation is stopped):
     record it on the job and forget the steps it voids."""
     rec = job.recovery or {}

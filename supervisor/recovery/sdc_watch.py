@@ -26,26 +26,27 @@ from dataclasses import replace
 from typing import Any, Final
 
 from phalanx import wire
-from supervisor.actuator import JobControl
+from supervisor.actuator import Actuator
+from supervisor.fleet.burnin import BurnIns
 from supervisor.jobs import Job, JobState
+from supervisor.recovery.intake import Report
 from supervisor.recovery.planner import Failure, FailureKind
 from supervisor.recovery.rollback import void
-from supervisor.recovery.rollbacks import OnFailure
 from supervisor.recovery.sdc import DigestBoard, Verdict
 
 log = logging.getLogger(__name__)
 
 
 class SdcWatch:
-    def __init__(self, ctl: JobControl, on_failure: OnFailure) -> None:
+    def __init__(self, ctl: Actuator) -> None:
         self.ctl = ctl
-        self._on_failure = on_failure
         self._boards: dict[str, DigestBoard] = {}
 
-    def on_digest(self, job: Job, ev: wire.RankEvent) -> None:
-        """A ``digest`` event of the job's current generation."""
+    def on_digest(self, job: Job, ev: wire.RankEvent) -> Report | None:
+        """A ``digest`` event of the job's current generation: the failure it shows, if
+        the replicas diverged (None: they agree, or do not know yet)."""
         if job.spec.sdc is None or ev.digest is None or ev.step is None:
-            return
+            return None
         board = self._boards.get(job.id)
         if board is None or board.generation != job.generation:
             groups = job.spec.sdc.replica_groups(job.world_size)
@@ -57,7 +58,7 @@ class SdcWatch:
             job.sdc_agreed = agreed  # kept with the job: a later board starts from it
             self.ctl.save(job)
         if verdict is None:
-            return
+            return None
         nodes = {p.rank: p.node for p in job.ranks}
         self.ctl.event(
             "sdc_diverged",
@@ -71,7 +72,7 @@ class SdcWatch:
             agreed=verdict.agreed,
         )
         if job.state is not JobState.RUNNING or job.recovery is not None:
-            return
+            return None
         if not verdict.odd:
             log.error(
                 "job %s: the replicas' parameter digests of step %d differ with no majority: "
@@ -85,7 +86,7 @@ class SdcWatch:
                 if r in nodes:
                     group_nodes.setdefault(nodes[r], r)
             if not group_nodes:
-                return
+                return None
             first = min(group_nodes)
             # Until the recheck says which node failed, the failure names none: as it
             # stands it restarts the gang in place (Recoveries.run rechecks first).
@@ -95,12 +96,11 @@ class SdcWatch:
                 "replicas": len(verdict.group),
                 "clean": verdict.clean_upto,
             }
-            self._on_failure(job, failure, fault_at=ev.at, extra={RECHECK: plan})
-            return
+            return Report(failure, fault_at=ev.at, extra={RECHECK: plan})
         rank = verdict.odd[0]
         node = nodes.get(rank)
         if node is None:
-            return
+            return None
         self._void_after(job, verdict.clean_upto)
         failure = Failure(
             FailureKind.SDC,
@@ -115,7 +115,7 @@ class SdcWatch:
             generation=job.generation,
             onset=verdict.agreed,
         )
-        self._on_failure(job, failure, fault_at=ev.at)
+        return Report(failure, fault_at=ev.at)
 
     def _void_after(self, job: Job, clean_upto: int) -> None:
         """Forget the checkpoints after the newest clean step, and ignore their late
@@ -189,7 +189,7 @@ def _detail(replicas: int, step: int | None, clean: int, why: str) -> str:
 
 
 async def recheck(
-    ctl: JobControl, job: Job, failure: Failure, plan: dict[str, Any]
+    ctl: Actuator, burnins: BurnIns, job: Job, failure: Failure, plan: dict[str, Any]
 ) -> list[Failure]:
     """Recheck the nodes of ``plan`` (``RECHECK``: ``nodes``, node -> its rank in the
     diverged group; ``replicas``; ``clean``, the newest clean step), the gang stopped:
@@ -198,7 +198,7 @@ async def recheck(
     (no node to blame: a restart in place), its detail saying why."""
     nodes: dict[str, int] = plan["nodes"]
     names = sorted(nodes)
-    results = await asyncio.gather(*(ctl.burnins.recheck(n) for n in names))
+    results = await asyncio.gather(*(burnins.recheck(n) for n in names))
     checked = dict(zip(names, results, strict=True))
     ctl.event(
         "sdc_rechecked",

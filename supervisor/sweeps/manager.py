@@ -371,7 +371,7 @@ class Sweeps:
         job.stop_target = JobState.CANCELLED
         job.reason = reason
         self._ctl.move(job, JobState.STOPPING, reason)
-        self._ctl.spawn(job, self._ctl.orders.preempt(job))
+        self._ctl.spawn(job, self._ctl.preempt(job))
 
     def _complete(self, sw: Sweep, ft: FrozenTrial, job: Job, follow: _Follow) -> None:
         progress = job.progress.get(str(job.generation))

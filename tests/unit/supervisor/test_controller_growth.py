@@ -97,7 +97,7 @@ class Grown:
         )
         self.ctl.jobs["j-1"] = self.jobs["j-1"] = self.job
         self.told: list[Failure] = []
-        self.ctl.recoveries.on_failure = lambda job, failure: self.told.append(failure)  # type: ignore[method-assign]
+        self.ctl.route = lambda job, report: self.told.append(report.failure)  # type: ignore[method-assign]
 
     def commit(self, step: int) -> None:
         """Step ``step`` committed at the object store by the shrunk gang (4 ranks)."""

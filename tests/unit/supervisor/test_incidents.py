@@ -6,7 +6,7 @@ import time
 from typing import Any, cast
 
 from phalanx import wire
-from supervisor.actuator import JobControl
+from supervisor.actuator import Actuator
 from supervisor.jobs import Job, JobState
 from supervisor.recovery.incidents import Incidents
 from tests.unit.supervisor.test_jobs_state import make_job
@@ -41,7 +41,7 @@ def failed_at(step: int) -> Job:
 
 def test_a_failed_recovery_loses_the_steps_since_the_newest_committed_checkpoint() -> None:
     job = failed_at(1969)
-    log = Incidents(cast(JobControl, Control()), lambda _job, upto: min(1960, upto))
+    log = Incidents(cast(Actuator, Control()), lambda _job, upto: min(1960, upto))
 
     log.finish(job, None, outcome="failed")
 
@@ -52,7 +52,7 @@ def test_a_failed_recovery_loses_the_steps_since_the_newest_committed_checkpoint
 
 def test_a_failed_recovery_with_nothing_committed_loses_every_step() -> None:
     job = failed_at(40)
-    log = Incidents(cast(JobControl, Control()), lambda _job, _upto: None)
+    log = Incidents(cast(Actuator, Control()), lambda _job, _upto: None)
 
     log.finish(job, None, outcome="failed")
 
@@ -63,7 +63,7 @@ def test_a_recovered_incident_counts_from_the_restored_step() -> None:
     job = failed_at(57)
     assert job.recovery is not None
     job.recovery["restored_step"] = 50
-    log = Incidents(cast(JobControl, Control()), lambda _job, _upto: 55)
+    log = Incidents(cast(Actuator, Control()), lambda _job, _upto: 55)
 
     log.finish(job, None, outcome="recovered", resumed_at=time.time())
 
@@ -97,7 +97,7 @@ def test_a_recovery_acked_reports_when_its_ranks_started_and_no_mttr_yet() -> No
     ctl = Control()
     job = relaunched(time.time() - 2.0)
 
-    Incidents(cast(JobControl, ctl)).on_started(job)
+    Incidents(cast(Actuator, ctl)).on_started(job)
 
     ((kind, detail),) = ctl.events
     assert kind == "job_recovered"
@@ -109,7 +109,7 @@ def test_the_mttr_is_the_fault_to_the_new_generations_first_step() -> None:
     ctl = Control()
     fault_at = time.time() - 30.0
     job = relaunched(fault_at)
-    log = Incidents(cast(JobControl, ctl))
+    log = Incidents(cast(Actuator, ctl))
     log.on_started(job)
 
     for rank in range(4):
@@ -132,7 +132,7 @@ def test_a_recovery_of_a_job_that_reports_no_steps_lost_unknown_work_not_none() 
         "restored_step": None,
     }
 
-    Incidents(cast(JobControl, Control())).finish(job, None, outcome="recovered", resumed_at=now)
+    Incidents(cast(Actuator, Control())).finish(job, None, outcome="recovered", resumed_at=now)
 
     (incident,) = job.incidents
     assert (incident["lost_steps"], incident["lost_work_s"]) == (None, None)

@@ -141,7 +141,7 @@ async def test_a_relaunch_sends_its_starts_once_every_stop_is_acknowledged(
     # built while they may still commit a step), and its ack would have to cover the stop.
     fleet = Fleet(tmp_path, ["n0", "n1", "n2"], gang=["n0", "n1", "n2"])
     try:
-        fleet.ctl.recoveries.on_failure(
+        fleet.ctl.on_failure(
             fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=1)
         )
         await fleet.until(lambda: len(fleet.ops("stop_ranks")) == 3)
@@ -171,7 +171,7 @@ async def test_a_relaunchs_incident_names_the_ranks_launched_cold_and_why(
     }
     try:
         fleet.stops_acked.set()
-        fleet.ctl.recoveries.on_failure(
+        fleet.ctl.on_failure(
             fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=1)
         )
         await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
@@ -181,7 +181,7 @@ async def test_a_relaunchs_incident_names_the_ranks_launched_cold_and_why(
         }
         # An agent that says nothing of it (older than warm interpreters): unknown.
         fleet.cold = {"n1": "not a dict"}
-        fleet.ctl.recoveries.on_failure(
+        fleet.ctl.on_failure(
             fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=2)
         )
         await fleet.until(lambda: fleet.job.generation == 3)
@@ -222,7 +222,7 @@ async def test_a_launch_takes_the_rendezvous_port_from_rank_0s_heartbeat(tmp_pat
                 )
             )
         fleet.stops_acked.set()
-        fleet.ctl.recoveries.on_failure(
+        fleet.ctl.on_failure(
             fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=1)
         )
         await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
@@ -230,7 +230,7 @@ async def test_a_launch_takes_the_rendezvous_port_from_rank_0s_heartbeat(tmp_pat
         assert fleet.ops("alloc_port") == []  # no round trip for it
         assert fleet.job.master_port == 41000
         # The next launch has no port from n0 until its next heartbeat: it asks.
-        fleet.ctl.recoveries.on_failure(
+        fleet.ctl.on_failure(
             fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=2)
         )
         await fleet.until(lambda: fleet.job.generation == 3)
@@ -247,7 +247,7 @@ async def test_a_recovery_that_waits_for_a_node_has_its_stops_acknowledged_first
     # No spare: n1 drained by its failure, the job waits for a node.
     fleet = Fleet(tmp_path, ["n0", "n1"], gang=["n0", "n1"])
     try:
-        fleet.ctl.recoveries.on_failure(
+        fleet.ctl.on_failure(
             fleet.job, Failure(FailureKind.NODE_DRAIN, "n1", detail="ecc", generation=1)
         )
         await fleet.until(lambda: len(fleet.ops("stop_ranks")) == 2)
@@ -299,7 +299,7 @@ async def test_an_in_process_restart_leaves_the_survivors_running_and_says_so_to
     fleet = Fleet(tmp_path, ["n0", "n1"], gang=["n0", "n1"])
     in_process(fleet)
     try:
-        fleet.ctl.recoveries.on_failure(
+        fleet.ctl.on_failure(
             fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=None, generation=1)
         )
         await fleet.until(lambda: fleet.job.state is JobState.RUNNING and fleet.job.generation == 2)
@@ -317,9 +317,7 @@ async def test_an_in_process_job_that_hangs_is_stopped_as_usual(tmp_path: Path) 
     in_process(fleet)
     fleet.stops_acked.set()
     try:
-        fleet.ctl.recoveries.on_failure(
-            fleet.job, Failure(FailureKind.HANG, "n1", rank=2, generation=1)
-        )
+        fleet.ctl.on_failure(fleet.job, Failure(FailureKind.HANG, "n1", rank=2, generation=1))
         await fleet.until(lambda: fleet.job.state is JobState.RUNNING and fleet.job.generation == 2)
         assert sorted(fleet.ops("stop_ranks")) == [("n0", 1), ("n1", 1)]
     finally:

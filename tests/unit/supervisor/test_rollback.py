@@ -205,7 +205,7 @@ def test_with_the_guard_off_the_ranks_get_nothing_of_it() -> None:
 
 
 class Events:
-    """The part of JobControl that on_guard uses: the event log and saves."""
+    """The part of the actuator that on_guard uses: the event log and saves."""
 
     def __init__(self) -> None:
         self.events: list[tuple[str, dict[str, object]]] = []
@@ -236,11 +236,11 @@ def trip_event(generation: int = 3) -> wire.RankEvent:
 def test_a_trip_starts_a_recovery_of_kind_loss_spike_from_its_onset() -> None:
     job = guarded_job({})
     job.state = JobState.RUNNING
-    failures: list[Failure] = []
 
-    on_guard(Events(), lambda j, f, **_: failures.append(f), job, trip_event())  # type: ignore[arg-type]
+    report = on_guard(Events(), job, trip_event())  # type: ignore[arg-type]
 
-    (failure,) = failures
+    assert report is not None and report.extra["guard"]["kind"] == "loss_spike"
+    failure = report.failure
     assert (failure.kind, failure.step, failure.onset, failure.quarantine) == (
         FailureKind.LOSS_SPIKE,
         21,
@@ -253,11 +253,10 @@ def test_a_trip_while_a_recoverys_launch_is_acknowledged_waits_for_it() -> None:
     job = guarded_job({})
     job.state = JobState.STARTING
     job.recovery = {"generation": 2, "launch_started_at": NOW}
-    failures: list[Failure] = []
 
-    on_guard(Events(), lambda j, f, **_: failures.append(f), job, trip_event())  # type: ignore[arg-type]
+    report = on_guard(Events(), job, trip_event())  # type: ignore[arg-type]
 
-    assert failures == [] and job.guard_pending is not None
+    assert report is None and job.guard_pending is not None
 
 
 def test_a_resharding_job_rolls_back_only_to_a_step_every_node_reads_every_shard_of() -> None:
