@@ -1,6 +1,6 @@
 """The control plane at fleet size: a real broker and supervisor, N simulated agents.
 
-    python bench/fleet_scale.py --nodes 2048 [--workload big] [--steady 120] [--ckpt-every 30]
+    python bench/fleet_scale.py --nodes 2048 [--workload big|mixed] [--steady 120] [--ckpt-every 30]
 
 Starts a real Mosquitto (its own config: no queue limits, file descriptors raised to
 the hard limit) and a real supervisor (its own config and store, a subprocess), then
@@ -9,6 +9,11 @@ the fleet: ``--nodes`` nodes for the job plus ``--spares`` hot spares, simulated
 code, one MQTT connection per node). The workload ``big`` is one job on every node but
 the spares (8 ranks a node: 2,048 nodes are 16,384 ranks), stepping every ``--step``
 seconds and checkpointing every ``--ckpt-every`` seconds at RAM, NVMe, peer and object.
+The workload ``mixed`` is a fleet of ``--nodes`` nodes: 5 % hot spares, one such job on
+half of them, and ``--small-jobs`` small jobs (1 to 16 nodes, 8 ranks a node, a
+checkpoint every 20 s at RAM and NVMe) submitted at once, which queue for the rest of
+the fleet and finish (their simulated ranks exit 0 after ``--small-steps`` steps and
+up to 9 more), for the scheduler to place the next.
 
 Once the job runs, ``--steady`` seconds of steady state are measured (the supervisor's
 CPU and RSS, the store's growth, heartbeat lag, REST latency), then faults are injected
@@ -173,7 +178,13 @@ class Bench:
     def __init__(self, args: argparse.Namespace, root: Path) -> None:
         self.args = args
         self.root = root
-        self.fleet = args.nodes + args.spares
+        if args.workload == "mixed":  # --nodes is the fleet: half of it the big job's
+            self.fleet = args.nodes
+            self.job_nodes = args.nodes // 2
+        else:
+            self.fleet = args.nodes + args.spares
+            self.job_nodes = args.nodes
+        self.small: list[str] = []  # the mixed workload's small jobs
         self.broker_port = free_port()
         self.api_port = free_port()
         self.broker: subprocess.Popen[bytes] | None = None
@@ -360,7 +371,7 @@ class Bench:
             "team": "bench",
             "command": ["sim"],
             "workdir": "/tmp",
-            "nodes": self.args.nodes,
+            "nodes": self.job_nodes,
             "ranks_per_node": 8,
             "checkpoint": {
                 "interval": {"seconds": self.args.ckpt_every},
@@ -370,9 +381,46 @@ class Bench:
         }
         t0 = time.time()
         self.job_id = self.api.post("/v1/jobs", {"spec": spec})["id"]
-        self.wait(lambda: len(self.starts_of(1)) >= self.args.nodes, 300, "every start order")
+        self.wait(lambda: len(self.starts_of(1)) >= self.job_nodes, 300, "every start order")
         self.wait(lambda: self.job()["state"] == "running", 120, "the job running")
         self.out["launch_s"] = round(max(s["at"] for s in self.starts_of(1)) - t0, 3)
+        if self.args.workload == "mixed":
+            self.submit_small()
+
+    def submit_small(self) -> None:
+        """The mixed workload's small jobs, all at once: they queue for the nodes neither
+        the big job nor the spare pool holds, and finish, for the next to be placed."""
+        free = max(1, self.fleet - self.job_nodes - self.args.spares)
+        for i in range(self.args.small_jobs):
+            spec = {
+                "name": f"small{i}",
+                "team": "bench",
+                "command": ["sim", "--steps", str(self.args.small_steps + i % 10)],
+                "workdir": "/tmp",
+                "nodes": min(1 << (i % 5), free),  # none that can never start
+                "ranks_per_node": 8,
+                "checkpoint": {"interval": {"seconds": 20}, "tiers": ["ram", "nvme"]},
+            }
+            self.small.append(self.api.post("/v1/jobs", {"spec": spec})["id"])
+
+    def small_totals(self) -> None:
+        """How the small jobs fared: each one's state, and how long each that started
+        waited in the queue (submitted to its first start)."""
+        jobs = {j["id"]: j for j in self.api.get("/v1/jobs")}
+        states: dict[str, int] = {}
+        waits = []
+        for job_id in self.small:
+            job = jobs.get(job_id, {})
+            states[job.get("state", "missing")] = states.get(job.get("state", "missing"), 0) + 1
+            if job.get("first_started_at") and job.get("submitted_at"):
+                waits.append(job["first_started_at"] - job["submitted_at"])
+        self.out.update(
+            small_jobs=len(self.small),
+            small_jobs_by_state=states,
+            small_jobs_started=len(waits),
+            small_job_queue_wait_p50_s=pct(waits, 0.5),
+            small_job_queue_wait_p99_s=pct(waits, 0.99),
+        )
 
     def steady(self) -> None:
         """``--steady`` seconds: CPU, RSS, store growth, heartbeat lag, REST latency."""
@@ -456,7 +504,7 @@ class Bench:
     def recovered(self, generation: int, t0: float, what: str) -> dict[str, Any]:
         """Wait until the job runs ``generation`` on all its nodes; the orders' times."""
         self.wait(
-            lambda: len(self.starts_of(generation)) >= self.args.nodes,
+            lambda: len(self.starts_of(generation)) >= self.job_nodes,
             240,
             f"every start order of generation {generation} after the {what}",
         )
@@ -464,7 +512,7 @@ class Bench:
         times = sorted(s["at"] - t0 for s in self.starts_of(generation))
         got: dict[str, Any] = {"first": round(times[0], 3), "last": round(times[-1], 3)}
         out = self.orders.of(self.job_id, generation) if self.orders is not None else []
-        if len(out) >= self.args.nodes:  # every order seen leaving the broker (QoS 0 may drop)
+        if len(out) >= self.job_nodes:  # every order seen leaving the broker (QoS 0 may drop)
             got["out"] = round(max(out) - t0, 3)
         # The supervisor's side of it, from the incident it recorded: when it knew of the
         # fault, how long it planned and sent the stops, when it began the launch.
@@ -619,8 +667,8 @@ class Bench:
         for step, times in sorted(seen.items()):
             # The moment the job's last node had it (a spare that joins later sees old
             # steps for the first time then: those are not counted).
-            if step in last_landing and len(times) >= self.args.nodes:
-                commits.append(sorted(times)[self.args.nodes - 1] - last_landing[step])
+            if step in last_landing and len(times) >= self.job_nodes:
+                commits.append(sorted(times)[self.job_nodes - 1] - last_landing[step])
         self.out["commit_after_last_landing_s"] = pct(commits, 0.5)
         self.out["commit_after_last_landing_max_s"] = max(commits) if commits else None
         self.out["commits_measured"] = len(commits)
@@ -630,9 +678,10 @@ class Bench:
             bench="fleet_scale",
             workload=self.args.workload,
             nodes=self.args.nodes,
+            job_nodes=self.job_nodes,
             spares=self.args.spares,
             fleet_nodes=self.fleet,
-            ranks=self.args.nodes * 8,
+            ranks=self.job_nodes * 8,  # the big job's (the small jobs' come and go)
             per_process=self.args.per_process,
             sim_nice=self.args.sim_nice,
             sim_processes=-(-self.fleet // self.args.per_process),
@@ -651,6 +700,8 @@ class Bench:
         if self.args.faults:
             self.faults()
         self.totals()
+        if self.small:
+            self.small_totals()
         assert self.supervisor is not None
         self.out["supervisor_alive"] = self.supervisor.poll() is None
         self.out["bad_messages"] = self.stats()["bad_messages"]
@@ -659,9 +710,19 @@ class Bench:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--nodes", type=int, default=2048, help="nodes of the job")
-    ap.add_argument("--spares", type=int, default=None, help="hot spares (default: 4 + 1%%)")
-    ap.add_argument("--workload", choices=["big"], default="big")
+    ap.add_argument(
+        "--nodes", type=int, default=2048, help="nodes of the job (mixed: of the fleet)"
+    )
+    ap.add_argument(
+        "--spares", type=int, default=None, help="hot spares (default: 4 + 1%%; mixed: 5%%)"
+    )
+    ap.add_argument("--workload", choices=["big", "mixed"], default="big")
+    ap.add_argument(
+        "--small-jobs", type=int, default=None, help="mixed: small jobs (default: nodes / 8)"
+    )
+    ap.add_argument(
+        "--small-steps", type=int, default=15, help="mixed: steps a small job takes (+0-9)"
+    )
     ap.add_argument("--per-process", type=int, default=512, help="simulated agents a process")
     ap.add_argument("--heartbeat", type=float, default=5.0)
     ap.add_argument(
@@ -695,7 +756,11 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the run's folder (logs, store)")
     args = ap.parse_args()
     if args.spares is None:
-        args.spares = 4 + args.nodes // 100
+        args.spares = (
+            max(1, args.nodes // 20) if args.workload == "mixed" else 4 + args.nodes // 100
+        )
+    if args.small_jobs is None:
+        args.small_jobs = max(8, args.nodes // 8)
     raise_fd_limit()
     root = Path(tempfile.mkdtemp(prefix="phalanx-scale-"))
     bench = Bench(args, root)

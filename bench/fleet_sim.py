@@ -99,6 +99,10 @@ class Gen:
     saved: set[int] = field(default_factory=set)
     committed: dict[str, set[int]] = field(default_factory=dict)  # tier -> steps seen
     deleted: set[tuple[str, int]] = field(default_factory=set)
+    # ``command: ["sim", "--steps", "N"]``: its ranks exit 0 after N steps (a job that
+    # finishes); None: they train until stopped.
+    steps: int | None = None
+    first_step: int | None = None
 
 
 class SimAgent:
@@ -338,6 +342,7 @@ class SimAgent:
             interval_s=float(interval) if isinstance(interval, float | int) else 60.0,
             restore_step=catalog.restore_step if catalog is not None else None,
             keep=dict(plan.keep) if plan is not None else {},
+            steps=sim_steps(args.command),
         )
         self.gens[args.job] = gen
         emit(ev="start", node=self.node, job=args.job, gen=args.generation, at=now)
@@ -382,7 +387,9 @@ class SimAgent:
     # --- the ranks --------------------------------------------------------------
 
     def step(self, step: int, now: float) -> None:
-        """Every rank of every generation here reports ``step``; a due one is saved."""
+        """Every rank of every generation here reports ``step``; a due one is saved; a
+        job's ranks that took their ``--steps`` exit 0."""
+        finished = []
         for gen in self.gens.values():
             for rank in gen.ranks:
                 self.metrics.add(
@@ -415,6 +422,26 @@ class SimAgent:
             if step % every == 0 and step not in gen.saved:
                 gen.saved.add(step)
                 self.spawn(self._save(gen, step))
+            if gen.first_step is None:
+                gen.first_step = step
+            if gen.steps is not None and step - gen.first_step + 1 >= gen.steps:
+                finished.append(gen)
+        for gen in finished:
+            del self.gens[gen.job]
+            for rank in gen.ranks:
+                self.rank_events.put(
+                    wire.RankEvent(
+                        node=self.node,
+                        job=gen.job,
+                        generation=gen.generation,
+                        rank=rank,
+                        event="exited",
+                        code=0,
+                        pid=100000 + rank,
+                        step=step,
+                        at=now,
+                    )
+                )
 
     async def _save(self, gen: Gen, step: int) -> None:
         """The ranks' shards of ``step`` land at every tier of the plan, in its order."""
@@ -472,6 +499,14 @@ class SimAgent:
                 at=time.time(),
             )
         )
+
+
+def sim_steps(command: list[str]) -> int | None:
+    """The steps a simulated job's ranks take before they exit 0 (``["sim", "--steps",
+    "N"]``); None: until stopped."""
+    if len(command) >= 3 and command[1] == "--steps" and command[2].isdigit():
+        return int(command[2])
+    return None
 
 
 class Sim:

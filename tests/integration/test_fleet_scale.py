@@ -1,9 +1,10 @@
 """The control plane with a simulated fleet: ``bench/fleet_scale.py`` at CI size.
 
-A real broker and supervisor, 16 job nodes and 4 spares simulated by two processes of
-the agent's own wire code; one fault of each kind. These tests assert what happened
-(every fault handled, nothing lost), never how fast: the figures are the benchmark's
-(docs/operations.md, "Scale").
+A real broker and supervisor, and the ``mixed`` workload on 40 nodes simulated by two
+processes of the agent's own wire code: a job on 20 of them, 2 hot spares, and small
+jobs that queue for the rest and finish; one fault of each kind on the big job. These
+tests assert what happened (every fault handled, nothing lost), never how fast: the
+figures are the benchmark's (docs/operations.md, "Scale").
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-NODES = 16
+NODES = 40  # the fleet: the big job on half of it
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +31,11 @@ def run() -> dict[str, Any]:
         [
             sys.executable,
             str(ROOT / "bench" / "fleet_scale.py"),
+            "--workload=mixed",
             f"--nodes={NODES}",
-            "--spares=4",
-            f"--per-process={NODES // 2 + 2}",  # two processes of simulated agents
+            f"--per-process={NODES // 2}",  # two processes of simulated agents
+            "--small-jobs=10",
+            "--small-steps=3",
             "--heartbeat=2",
             "--offline-after=12",  # a starved CI machine may delay a heartbeat by seconds
             "--step=1",
@@ -107,3 +110,11 @@ def test_every_node_of_the_job_gets_each_committed_step_in_its_catalog(
 def test_the_supervisor_takes_every_message_and_stays_up(run: dict[str, Any]) -> None:
     assert run["supervisor_alive"]
     assert run["bad_messages"] == 0
+
+
+def test_small_jobs_queue_for_the_rest_of_the_fleet_start_and_finish(run: dict[str, Any]) -> None:
+    assert run["job_nodes"] == NODES // 2
+    states = run["small_jobs_by_state"]
+    assert run["small_jobs"] == 10 and run["small_jobs_started"] >= 1
+    assert states.get("succeeded", 0) >= 1
+    assert set(states) <= {"succeeded", "running", "starting", "pending"}, states
