@@ -16,7 +16,9 @@ the fleet and finish (their simulated ranks exit 0 after ``--small-steps`` steps
 up to 9 more), for the scheduler to place the next.
 
 Once the job runs, ``--steady`` seconds of steady state are measured (the supervisor's
-CPU and RSS, the store's growth, heartbeat lag, REST latency), then faults are injected
+CPU and RSS, the store's growth, heartbeat lag, REST latency), the dashboard's fleet page
+is loaded in headless chromium ``--browser`` times (to a tile for every node), then
+faults are injected
 one after the other, each waited out: an ECC drain on a node of the job, a node lost
 (its connection cut: the broker sends its will), a hang report, a broker restart. At
 the end every message sent (rank events, landings, metrics batches) is compared with
@@ -501,6 +503,54 @@ class Bench:
             default=None,
         )
 
+    def dashboard(self) -> None:
+        """The dashboard's fleet page in headless chromium, under the fleet's load: from
+        the page asked for (logged in) to a tile drawn for every node, ``--browser`` times
+        (Debian's chromium and chromedriver, as tests/integration/test_dashboard.py)."""
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+        from selenium.webdriver.common.by import By
+
+        options = webdriver.ChromeOptions()
+        options.binary_location = "/usr/bin/chromium"
+        for arg in (
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-dev-shm-usage",
+            "--disable-gpu",
+            "--window-size=1400,1000",
+            f"--user-data-dir={self.root / 'chromium'}",
+        ):
+            options.add_argument(arg)
+        service = Service(
+            executable_path="/usr/bin/chromedriver", log_output=str(self.root / "driver.log")
+        )
+        driver = webdriver.Chrome(options=options, service=service)
+        url = f"http://127.0.0.1:{self.api_port}/ui/#/fleet"
+        times = []
+        try:
+            driver.get(url)
+            self.wait(lambda: driver.find_elements(By.ID, "token"), 30, "the login form")
+            driver.find_element(By.ID, "token").send_keys(TOKEN)
+            t0 = time.perf_counter()
+            driver.find_element(By.ID, "login-submit").click()
+            for i in range(self.args.browser):
+                if i:
+                    t0 = time.perf_counter()
+                    driver.get("about:blank")
+                    driver.get(url)
+                self.wait(
+                    lambda: len(driver.find_elements(By.CSS_SELECTOR, ".tile")) >= self.fleet,
+                    120,
+                    f"a tile for each of the {self.fleet} nodes",
+                    interval=0.05,
+                )
+                times.append(round(time.perf_counter() - t0, 3))
+        finally:
+            driver.quit()
+        self.out["dashboard_fleet_page_s"] = times
+        self.out["dashboard_fleet_page_p50_s"] = pct(times, 0.5)
+
     def recovered(self, generation: int, t0: float, what: str) -> dict[str, Any]:
         """Wait until the job runs ``generation`` on all its nodes; the orders' times."""
         self.wait(
@@ -697,6 +747,8 @@ class Bench:
         self.submit()
         time.sleep(self.args.settle)
         self.steady()
+        if self.args.browser:
+            self.dashboard()
         if self.args.faults:
             self.faults()
         self.totals()
@@ -750,6 +802,13 @@ def main() -> None:
     ap.add_argument("--steady", type=float, default=90.0, help="seconds of steady state measured")
     ap.add_argument("--settle", type=float, default=10.0, help="seconds before each fault")
     ap.add_argument("--rest-every", type=float, default=1.0)
+    ap.add_argument(
+        "--browser",
+        type=int,
+        default=0,
+        help="load the dashboard's fleet page in headless chromium this many times, after "
+        "the steady state (0: not)",
+    )
     ap.add_argument("--faults", default="ecc,node_lost,hang,broker_restart")
     ap.add_argument("--repeats", type=int, default=1, help="times each fault is injected")
     ap.add_argument("--profile", help="record the supervisor with py-spy (raw) to this file")
