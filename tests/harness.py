@@ -17,9 +17,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psutil
 
@@ -37,27 +36,9 @@ from phalanx.local import (
 from tests.processes import FLEET_ENV, processes_marked
 from tests.processes import processes_matching as processes_matching
 from tests.processes import rank_pid as rank_pid
+from tests.wait import wait_for as wait_for
 
-T = TypeVar("T")
 TOKEN = "test-token-0123456789abcdef"
-
-
-def wait_for(
-    predicate: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05
-) -> T:
-    """Poll ``predicate`` until it returns something truthy; fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except (ApiError, OSError) as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}; last: {last!r}")
 
 
 def leader_of(url: str) -> dict[str, Any] | None:
