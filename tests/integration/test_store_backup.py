@@ -23,7 +23,7 @@ from supervisor.daemon import Supervisor
 from supervisor.errors import StoreCorrupt
 from supervisor.jobs import JobState
 from tests.harness import TOKEN, Broker
-from tests.unit.supervisor.test_dashboard_auth import birth
+from tests.unit.supervisor.fake_fleet import birth
 from tests.unit.supervisor.test_store_corrupt import damage, fold, page_at
 
 pytestmark = pytest.mark.integration
