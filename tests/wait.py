@@ -6,8 +6,9 @@ fixed time: ``wait_for`` in threads and plain tests, ``until`` in a coroutine.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from phalanx.client import ApiError
@@ -46,12 +47,18 @@ def wait_for(
 
 
 async def until(
-    predicate: Callable[[], T | None], timeout: float, what: Why, interval: float = 0.01
+    predicate: Callable[[], T | Awaitable[T | None] | None],
+    timeout: float,
+    what: Why,
+    interval: float = 0.01,
 ) -> T:
-    """``wait_for`` in a coroutine: the event loop runs meanwhile."""
+    """``wait_for`` in a coroutine: the event loop runs meanwhile. ``predicate`` may be a
+    coroutine function (each try awaited)."""
     deadline = time.monotonic() + timeout
     while True:
         last = predicate()
+        if inspect.isawaitable(last):
+            last = await last
         if last:
             return last
         if time.monotonic() >= deadline:
@@ -60,3 +67,11 @@ async def until(
     raise AssertionError(
         f"timed out after {timeout:.1f}s waiting for {_named(what)}; last: {last!r}"
     )
+
+
+async def settle(turns: int = 20) -> None:
+    """Let every task that is ready run until it waits (``turns`` turns of the event loop,
+    no clock): before asserting that something did not happen, or after starting a task
+    that must reach its first wait (a lock, an event) before the test goes on."""
+    for _ in range(turns):
+        await asyncio.sleep(0)

@@ -31,7 +31,7 @@ from supervisor.errors import CommandTimeout
 from supervisor.fleet.registry import Registry
 from supervisor.jobs import Job, JobState, RankPlace
 from supervisor.store import Event, Store
-from tests.wait import until
+from tests.wait import settle, until
 
 RPN = 2  # ranks (GPUs) per node
 
@@ -438,10 +438,9 @@ class FakeFleet:
         await until(what, timeout, lambda: f"the condition; sent {self.sent}")
 
     async def settle(self, turns: int = 20) -> None:
-        """Let every task that can run do so (``turns`` turns of the event loop, no clock):
-        before asserting that something did not happen."""
-        for _ in range(turns):
-            await asyncio.sleep(0)
+        """Let every task that can run do so (``tests.wait.settle``): before asserting
+        that something did not happen."""
+        await settle(turns)
 
     # --- lifecycle ------------------------------------------------------------------
 
