@@ -187,7 +187,13 @@ def test_a_broker_restart_is_not_a_failure_and_the_job_keeps_running(fleet: Flee
     fleet.wait_job(job["id"], "running")
 
     fleet.broker.stop()
-    time.sleep(6.0)  # the outage: longer than the supervisor's offline_after_s (4 s)
+    # The outage: the supervisor hears neither node for longer than its offline_after_s (4 s).
+    wait_for(
+        lambda: all(time.time() - (fleet.node(n)["last_seen"] or 0) > 5.0 for n in ("n01", "n02")),
+        30,
+        "5 s of silence from both nodes",
+        interval=0.2,
+    )
     fleet.broker.start()
     back = time.time()
     wait_for(  # the daemons reconnect; each node's heartbeats resume (two since)
