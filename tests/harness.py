@@ -450,6 +450,21 @@ class Fleet:
 
         return wait_for(check, timeout, f"job {job_id} to be {state}", interval=0.1)
 
+    def wait_generation(
+        self, job_id: str, generation: int, timeout: float = 60.0
+    ) -> dict[str, Any]:
+        """Wait until the job runs generation ``generation`` (a recovery's relaunch); its
+        view then."""
+
+        def check() -> dict[str, Any] | None:
+            view = self.job(job_id)
+            running = view["state"] == "running" and view["generation"] == generation
+            return view if running else None
+
+        return wait_for(
+            check, timeout, f"job {job_id} to run generation {generation}", interval=0.1
+        )
+
     def sim_file(self, node: str) -> Path:
         return self.root / "nodes" / node / "data" / "sim-gpus.json"
 
