@@ -14,9 +14,8 @@ loop would, and waits for a condition (:meth:`FakeFleet.until`), never for a tim
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -222,16 +221,19 @@ class FakeFleet:
         self._scripts.append(_Script(op, node, how, result, detail, None, times))
 
     def hold(self, op: str, *, node: str | None = None, times: int | None = None) -> asyncio.Event:
-        """Hold every ``op`` command (on ``node``) until the event returned is set, then
-        answer it as before. :meth:`close` releases whatever is still held."""
+        """Hold every ``op`` command (on ``node``; ``times``: that many) until the event
+        returned is set, then answer it as the other scripts say. :meth:`close` releases
+        whatever is still held."""
         held = asyncio.Event()
         self._held.append(held)
         self._scripts.append(_Script(op, node, "done", None, "", held, times))
         return held
 
-    def _script(self, node: str, op: str) -> _Script | None:
+    def _script(self, node: str, op: str, *, holds: bool = True) -> _Script | None:
+        """The latest script for ``op`` on ``node`` (``holds``: a hold too), one of its
+        ``times`` spent."""
         for script in reversed(self._scripts):
-            if script.op == op and script.node in (None, node):
+            if script.op == op and script.node in (None, node) and (holds or not script.held):
                 if script.times is not None:
                     script.times -= 1
                     if script.times <= 0:
@@ -246,9 +248,9 @@ class FakeFleet:
         self.sent.append(Sent(node, args.op, int(getattr(args, "generation", 0)), args))
         self.log.append(("sent", node, args.op))
         script = self._script(node, args.op)
-        while script is not None and script.held is not None:
+        if script is not None and script.held is not None:
             await script.held.wait()
-            script = self._script_after_hold(node, args.op, script)
+            script = self._script(node, args.op, holds=False)  # answered as the rest say
         how = script.how if script is not None else "done"
         if how == "never":
             raise CommandTimeout(node, args.op, f"c{len(self.sent)}", timeout or 0.0)
@@ -273,14 +275,6 @@ class FakeFleet:
             result=result,
             acked_at=time.time(),
         )
-
-    def _script_after_hold(self, node: str, op: str, held: _Script) -> _Script | None:
-        """What answers a command once its hold is released: the script before the hold."""
-        before = self._scripts[: self._scripts.index(held)] if held in self._scripts else []
-        for script in reversed(before):
-            if script.op == op and script.node in (None, node) and script.held is None:
-                return script
-        return None
 
     # --- jobs -----------------------------------------------------------------------
 
@@ -332,12 +326,6 @@ class FakeFleet:
     def exit(self, rank: int, code: int | None = 1, *, job: Job | None = None, **kw: Any) -> None:
         """Rank ``rank`` exited with ``code`` (or ``signal=``)."""
         self.rank_event(rank, "exited", job=job, code=code, **kw)
-
-    def exit_all(self, code: int = 0, *, job: Job | None = None) -> None:
-        """Every rank of the current generation exited with ``code``."""
-        job = job or self.job
-        for place in list(job.ranks):
-            self.exit(place.rank, code, job=job)
 
     def hang(
         self,
@@ -420,7 +408,7 @@ class FakeFleet:
     def events(self, kind: str | None = None, job: Job | None = None) -> list[Event]:
         """The job's events in the store (``kind``: of that kind only), oldest first."""
         self.store.flush()
-        found = self.store.events(job=(job or self.job).id)
+        found = self.store.events(job=(job or self.job).id, limit=1000)
         return [e for e in found if kind is None or e.kind == kind]
 
     def kinds(self, job: Job | None = None) -> list[str]:
@@ -482,13 +470,3 @@ class FakeFleet:
         await self._stop_controller(release=True)
         for again in self._restarted:
             await again.close()
-
-
-@contextlib.asynccontextmanager
-async def fake_fleet(tmp_path: Path, nodes: Iterable[str], **kw: Any) -> AsyncIterator[FakeFleet]:
-    """A :class:`FakeFleet`, closed on the way out."""
-    fleet = FakeFleet(tmp_path, nodes, **kw)
-    try:
-        yield fleet
-    finally:
-        await fleet.close()
