@@ -17,9 +17,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psutil
 
@@ -37,27 +36,9 @@ from phalanx.local import (
 from tests.processes import FLEET_ENV, processes_marked
 from tests.processes import processes_matching as processes_matching
 from tests.processes import rank_pid as rank_pid
+from tests.wait import wait_for as wait_for
 
-T = TypeVar("T")
 TOKEN = "test-token-0123456789abcdef"
-
-
-def wait_for(
-    predicate: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05
-) -> T:
-    """Poll ``predicate`` until it returns something truthy; fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except (ApiError, OSError) as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}; last: {last!r}")
 
 
 def leader_of(url: str) -> dict[str, Any] | None:
@@ -468,6 +449,21 @@ class Fleet:
             return view if view["state"] == state else None
 
         return wait_for(check, timeout, f"job {job_id} to be {state}", interval=0.1)
+
+    def wait_generation(
+        self, job_id: str, generation: int, timeout: float = 60.0
+    ) -> dict[str, Any]:
+        """Wait until the job runs generation ``generation`` (a recovery's relaunch); its
+        view then."""
+
+        def check() -> dict[str, Any] | None:
+            view = self.job(job_id)
+            running = view["state"] == "running" and view["generation"] == generation
+            return view if running else None
+
+        return wait_for(
+            check, timeout, f"job {job_id} to run generation {generation}", interval=0.1
+        )
 
     def sim_file(self, node: str) -> Path:
         return self.root / "nodes" / node / "data" / "sim-gpus.json"

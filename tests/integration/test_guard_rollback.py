@@ -11,23 +11,19 @@ seconds of training per generation.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.harness import Fleet
+from tests.tinylm import REPO, tinylm
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 POISON_AT = 20
 RATIO = 3.0
-TINY = [
-    *("--vocab", "32", "--dim", "16", "--layers", "1", "--heads", "2"),
-    *("--seq", "8", "--batch", "2", "--log-every", "1", "--steps", "40"),
-    *("--ckpt-every", "5", "--step-sleep", "0.02"),
+RUN = [
+    *("--log-every", "1", "--steps", "40", "--ckpt-every", "5", "--step-sleep", "0.02"),
     *("--poison-at", str(POISON_AT), "--poison-len", "2"),
 ]
 GUARD = {
@@ -48,7 +44,7 @@ def run(fleet: Fleet, name: str, *extra: str, **guard: Any) -> str:
         nodes=1,
         ranks_per_node=2,
         workdir=str(REPO),
-        command=[sys.executable, "examples/tinylm.py", *TINY, *extra],
+        command=tinylm(*RUN, *extra),
         grace_period=5,
         env={"OMP_NUM_THREADS": "1"},
         checkpoint={"tiers": ["ram", "nvme"], "interval": {"steps": 5}},

@@ -134,11 +134,7 @@ def test_two_hardware_failures_with_max_restarts_1_fail_the_job_with_both(
     )
     running = fleet.wait_job(job["id"], "running")
     inject(fleet.sim_file(running["nodes"][0]), 0, "ecc-dbe")
-    second = wait_for(
-        lambda: (j := fleet.job(job["id"]))["state"] == "running" and j["generation"] == 2 and j,
-        60,
-        "the first recovery",
-    )
+    second = fleet.wait_generation(job["id"], 2)  # the first recovery
 
     inject(fleet.sim_file(second["nodes"][1]), 0, "xid-79")
 
@@ -187,7 +183,13 @@ def test_a_broker_restart_is_not_a_failure_and_the_job_keeps_running(fleet: Flee
     fleet.wait_job(job["id"], "running")
 
     fleet.broker.stop()
-    time.sleep(6.0)  # the outage: longer than the supervisor's offline_after_s (4 s)
+    # The outage: the supervisor hears neither node for longer than its offline_after_s (4 s).
+    wait_for(
+        lambda: all(time.time() - (fleet.node(n)["last_seen"] or 0) > 5.0 for n in ("n01", "n02")),
+        30,
+        "5 s of silence from both nodes",
+        interval=0.2,
+    )
     fleet.broker.start()
     back = time.time()
     wait_for(  # the daemons reconnect; each node's heartbeats resume (two since)
@@ -254,11 +256,7 @@ def test_a_one_node_gang_quarantined_on_software_strikes_is_burned_in_and_restar
         grace_period=1,
         command=["bash", "-c", FAIL_IN_GEN1_THEN + "sleep 600"],
     )
-    wait_for(
-        lambda: (j := fleet.job(other["id"]))["generation"] == 2 and j["state"] == "running",
-        30,
-        "the other job restarted",
-    )
+    fleet.wait_generation(other["id"], 2, timeout=30)  # the other job restarted
     # Second strike: this job's rank exits on the same node within the hour. n01 is
     # quarantined as suspect, and no spare exists to take its ranks.
     job = fleet.submit(

@@ -347,13 +347,7 @@ def test_a_rank_of_the_old_generation_resumed_after_the_restart_cannot_join_or_c
     frozen = wait_for(lambda: rank_pid(job, 2, generation=1), 10, "rank 2")
     fleet.agents[victim].signal(signal.SIGSTOP)
     os.kill(frozen, signal.SIGSTOP)
-    wait_for(
-        lambda: (
-            (fleet.job(job)["generation"] == 2 and fleet.job(job)["state"] == "running") or None
-        ),
-        90,
-        "generation 2 running on the spare",
-    )
+    fleet.wait_generation(job, 2, timeout=90)  # on the spare
 
     os.kill(frozen, signal.SIGCONT)  # it wakes up in a world that moved on
     fleet.agents[victim].signal(signal.SIGCONT)

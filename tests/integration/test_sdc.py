@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,14 +19,13 @@ import pytest
 from phalanx.local import free_port
 from phalanx.simgpu import inject
 from tests.harness import Fleet
+from tests.tinylm import REPO, tinylm
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
+# tinylm's arguments past the tiny model (tests.tinylm)
 TINY = [
-    *("--vocab", "32", "--dim", "16", "--layers", "1", "--heads", "2"),
-    *("--seq", "8", "--batch", "2", "--log-every", "1000", "--steps", "30"),
-    *("--ckpt-every", "5", "--step-sleep", "0.02"),
+    *("--log-every", "1000", "--steps", "30", "--ckpt-every", "5", "--step-sleep", "0.02"),
 ]
 
 
@@ -48,7 +45,7 @@ def undisturbed_digest(world: int = 3, args: list[str] = TINY) -> str:
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, "examples/tinylm.py", *args, "--step-sleep", "0"],
+                tinylm(*args, "--step-sleep", "0"),
                 cwd=REPO,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -81,7 +78,7 @@ def submit_replicas(fleet: Fleet, replicas: int, args: list[str], *, flip: str) 
         nodes=replicas,
         ranks_per_node=1,
         workdir=str(REPO),
-        command=[sys.executable, "examples/tinylm.py", *args, "--flip-bit", flip],
+        command=tinylm(*args, "--flip-bit", flip),
         grace_period=5,
         env={"OMP_NUM_THREADS": "1"},
         checkpoint={"tiers": ["ram", "nvme", "object"], "interval": {"steps": 5}},

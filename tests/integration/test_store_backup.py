@@ -7,10 +7,9 @@ The supervisors run in this process against a real Mosquitto, on real SQLite fil
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import sqlite3
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,9 @@ from supervisor.config import ApiSettings, StoreSettings, SupervisorSettings
 from supervisor.daemon import Supervisor
 from supervisor.errors import StoreCorrupt
 from supervisor.jobs import JobState
+from tests import wait
 from tests.harness import TOKEN, Broker
-from tests.unit.supervisor.test_dashboard_auth import birth
+from tests.unit.supervisor.fake_fleet import birth
 from tests.unit.supervisor.test_store_corrupt import damage, fold, page_at
 
 pytestmark = pytest.mark.integration
@@ -38,12 +38,8 @@ SPEC = {
 }
 
 
-async def until(check: object, what: str, timeout: float = 20.0) -> None:
-    assert callable(check)
-    end = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
+async def until(check: Callable[[], object], what: str, timeout: float = 20.0) -> None:
+    await wait.until(check, timeout, what, interval=0.05)
 
 
 def backed_up(folder: Path, job: str) -> bool:

@@ -19,7 +19,7 @@ from supervisor.jobs import JobState
 from tests.harness import TOKEN, Broker
 from tests.integration.test_store_backup import SPEC
 from tests.pg import PgCluster
-from tests.unit.supervisor.test_dashboard_auth import birth
+from tests.unit.supervisor.fake_fleet import birth
 
 pytestmark = pytest.mark.integration
 

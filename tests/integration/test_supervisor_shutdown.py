@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiomqtt
@@ -24,6 +24,7 @@ from phalanx.settings import MqttSettings
 from supervisor.config import ApiSettings, SupervisorSettings
 from supervisor.daemon import Supervisor
 from supervisor.store import Store
+from tests import wait
 from tests.harness import TOKEN, Broker
 
 pytestmark = pytest.mark.integration
@@ -95,12 +96,8 @@ def committed(catalog: wire.CkptCatalog | None) -> list[int] | None:
     return None if catalog is None else [s.step for s in catalog.steps]
 
 
-async def until(check: object, what: str, timeout: float = 10.0) -> None:
-    assert callable(check)
-    end = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
+async def until(check: Callable[[], object], what: str, timeout: float = 10.0) -> None:
+    await wait.until(check, timeout, what)
 
 
 async def handled(sup: Supervisor, nodes: Nodes) -> None:

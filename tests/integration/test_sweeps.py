@@ -8,28 +8,25 @@ about a minute on two cores.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.harness import Fleet, processes_matching, wait_for
+from tests.tinylm import REPO, tinylm
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 FAST = "metrics_interval_s = 0.5\n"
 STEPS = 60
 
 
-TINYLM = [
-    sys.executable,
-    "examples/tinylm.py",
-    *("--lr", "{lr}", "--dim", "{dim}", "--vocab", "32", "--layers", "1", "--heads", "2"),
-    *("--seq", "8", "--batch", "4", "--steps", str(STEPS), "--step-sleep", "0.02"),
-    *("--log-every", "10", "--ckpt-every", "10"),
-]
+# The tiny model (tests.tinylm) with each trial's lr and dim, in batches of 4.
+TINYLM = tinylm(
+    *("--lr", "{lr}", "--dim", "{dim}", "--batch", "4"),
+    *("--steps", str(STEPS), "--step-sleep", "0.02", "--log-every", "10", "--ckpt-every", "10"),
+)
 
 
 def sweep_yaml(path: Path, command: list[str], *, n_trials: int = 8) -> Path:

@@ -8,12 +8,13 @@ import sys
 from typing import Any
 
 from tests.rig.fleet import REPO
+from tests.tinylm import MODEL
 
 STEPS = 240
 CKPT_EVERY = 10
 TINY = [
-    *("--vocab", "32", "--dim", "16", "--layers", "1", "--heads", "2", "--seq", "8"),
-    *("--batch", "2", "--log-every", "1", "--steps", str(STEPS)),
+    *MODEL,  # the tiny model every test trains (tests.tinylm)
+    *("--log-every", "1", "--steps", str(STEPS)),
     *("--ckpt-every", str(CKPT_EVERY), "--step-sleep", "0.05"),
 ]
 TIERS = ["ram", "nvme", "peer", "object"]

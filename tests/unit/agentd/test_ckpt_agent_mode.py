@@ -15,7 +15,6 @@ import pickle
 import stat
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from tests.unit.ckpt.helpers import (
     small_tmpfs,
     training_state,
 )
+from tests.wait import wait_for
 
 JOB = "job-1"
 
@@ -177,11 +177,7 @@ def committed_tiers(agent: AgentHarness, step: int) -> list[str]:
 
 
 def wait_until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:g} s")
-        time.sleep(0.05)
+    wait_for(check, timeout, what)
 
 
 def nvme_shard(agent: AgentHarness, step: int) -> Path:
@@ -490,10 +486,7 @@ def test_wait_names_the_tier_that_failed_while_the_others_commit(agent: AgentHar
         c.wait(timeout=60)
 
     assert failed.value.tier == "object"
-    deadline = time.monotonic() + 10
-    while committed_tiers(agent, 6) != ["nvme", "ram"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert committed_tiers(agent, 6) == ["nvme", "ram"]
+    wait_until(lambda: committed_tiers(agent, 6) == ["nvme", "ram"], "step 6 at nvme and ram", 10)
 
 
 def test_a_manifest_the_object_store_refused_once_is_written_again_and_read_back(

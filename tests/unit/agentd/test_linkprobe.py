@@ -9,20 +9,39 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from agentd.access import Access
 from agentd.linkprobe import MAX_PROBE_BYTES, ProbeFailed, add_probe_route, probe
 from phalanx import wire
 from phalanx.agent_tokens import NODE_HEADER, AgentKeys
 from phalanx.local import free_port
+from tests.wait import until
 
 KEYS = AgentKeys("s" * 32)
 
 
+STREAMING = web.AppKey("streaming", asyncio.Event)
+
+
+@web.middleware
+async def note_streams(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Set the app's ``STREAMING`` event as a request is handed to the route: by the time
+    the test sees it, the route took its stream (before its first await)."""
+    request.app[STREAMING].set()
+    return await handler(request)
+
+
 @pytest.fixture
-async def peer() -> AsyncIterator[int]:
-    """Node n2's probe route; its port."""
-    app = web.Application()
+def streaming() -> asyncio.Event:
+    return asyncio.Event()
+
+
+@pytest.fixture
+async def peer(streaming: asyncio.Event) -> AsyncIterator[int]:
+    """Node n2's probe route; its port. ``streaming`` is set once a request reached it."""
+    app = web.Application(middlewares=[note_streams])
+    app[STREAMING] = streaming
     add_probe_route(app, Access("n2", KEYS.node_token("n2")))
     runner = web.AppRunner(app)
     await runner.setup()
@@ -83,10 +102,12 @@ async def test_a_bad_size_is_a_400_naming_it(peer: int, size: str) -> None:
         assert "bytes must be an integer" in (await got.json())["error"]
 
 
-async def test_a_second_probe_while_one_streams_is_told_to_wait(peer: int) -> None:
+async def test_a_second_probe_while_one_streams_is_told_to_wait(
+    peer: int, streaming: asyncio.Event
+) -> None:
     credential = KEYS.peer_credential(holder="n2", peer="n1")
     first = asyncio.create_task(probe("n1", addr(peer, credential), MAX_PROBE_BYTES, 1.0, None))
-    await asyncio.sleep(0.3)
+    await asyncio.wait_for(streaming.wait(), 10.0)  # the first probe's stream is out
     headers = {"Authorization": f"Bearer {credential}", NODE_HEADER: "n1"}
     async with (
         aiohttp.ClientSession() as session,
@@ -107,9 +128,17 @@ async def test_a_prober_that_stops_reading_is_cut_off_and_frees_the_route(
         f"Authorization: Bearer {credential}\r\n{NODE_HEADER}: n1\r\n\r\n".encode()
     )
     await writer.drain()  # and never reads: the stream fills the socket's buffers
+
+    async def taken() -> dict[str, object] | None:
+        try:
+            return await probe("n1", addr(peer, credential), 1 << 20, 1.0, None)
+        except ProbeFailed as exc:
+            if "answered 429" in str(exc):
+                return None  # the stalled stream still holds the route
+            raise
+
     try:
-        await asyncio.sleep(1.5)
-        found = await probe("n1", addr(peer, credential), 1 << 20, 1.0, None)
+        found = await until(taken, 10.0, "the stalled stream to be cut off")
         assert found["peer"] == "n2"  # not a 429: the stalled stream was cut off
     finally:
         writer.close()

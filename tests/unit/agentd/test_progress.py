@@ -26,6 +26,7 @@ from phalanx import progress, wire
 from phalanx.guard import LossGuard, parse_rule
 from phalanx.progress import ProgressError, Requests, StepReport
 from phalanx.rank import RankChannel
+from tests.wait import until
 
 NODE = "n1"
 JOB = "tinylm-abc123"
@@ -48,11 +49,7 @@ class Reporter:
 
 
 async def eventually(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {WAIT_S}s: {what}")
-        await asyncio.sleep(0.01)
+    await until(check, WAIT_S, what)
 
 
 @pytest.fixture
@@ -65,11 +62,38 @@ def path(tmp_path: Path) -> Path:
     return socket_beside(tmp_path / "agent.sock")
 
 
+class Clock:
+    """The monitor's clock: monotonic time, which a test moves ahead (``ahead``) rather
+    than sleep out a hang timeout, or stops (``freeze``) and then moves by hand."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+        self.at: float | None = None  # frozen here
+
+    def __call__(self) -> float:
+        return self.at if self.at is not None else time.monotonic() + self.ahead
+
+    def freeze(self) -> None:
+        self.at = self()
+
+    def advance(self, seconds: float) -> None:
+        if self.at is not None:
+            self.at += seconds
+        else:
+            self.ahead += seconds
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
 @pytest.fixture
 async def node(
     tmp_path: Path,
     path: Path,
     reporter: Reporter,
+    clock: Clock,
 ) -> AsyncIterator[tuple[RankRunner, ProgressMonitor]]:
     """A runner and a monitor wired as the agent wires them."""
     runners: list[RankRunner] = []
@@ -80,6 +104,7 @@ async def node(
         reporter,
         lambda job, gen: runners[0].pids(job, gen),
         check_interval_s=CHECK_S,
+        clock=clock,
     )
     runner = RankRunner(
         NODE,
@@ -132,6 +157,14 @@ def channels() -> Iterator[list[RankChannel]]:
     yield made
     for c in made:
         c.close()
+
+
+async def caught_up(monitor: ProgressMonitor, path: Path) -> None:
+    """Wait until the monitor has read every report sent to its socket so far: one of a
+    job it does not know, sent after them, is counted."""
+    before = monitor.unknown
+    await send_raw(path, progress.encode_report(StepReport("other-abc123", 1, 0, 1, 0, 0.0)))
+    await eventually(lambda: monitor.unknown > before, "the monitor reads its socket")
 
 
 async def reported(monitor: ProgressMonitor, rank: int, step: int, generation: int = 1) -> None:
@@ -605,27 +638,37 @@ async def test_a_hang_report_carries_what_the_ranks_flight_recorders_say(
 
 
 async def test_no_hang_is_reported_before_the_first_step(
-    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter
+    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter, clock: Clock
 ) -> None:
     await runner.start(start(monitor, "import time; time.sleep(300)", hang_s=0.1))
 
-    await asyncio.sleep(0.5)
+    clock.advance(0.5)  # five hang timeouts
 
     assert await monitor.check() == []
     assert reporter.events == []
 
 
 async def test_a_hang_is_told_again_each_timeout_and_a_new_generation_rearms_it(
-    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter
+    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter, clock: Clock
 ) -> None:
     env = {"LAST_STEP_0": "3", "LAST_STEP_1": "3"}
     await runner.start(start(monitor, env=env))
-    await eventually(lambda: bool(reporter.of("hung")), "a hung event")
-    await asyncio.sleep(HANG_S / 2)
+    await reported(monitor, 0, 3)
+    await reported(monitor, 1, 3)
+    clock.freeze()  # the ranks took their last step: the monitor's time moves by hand now
+
+    clock.advance(HANG_S + CHECK_S)
+    await eventually(lambda: len(reporter.of("hung")) == 1, "a hung event")
+    clock.advance(HANG_S / 2)
+    await monitor.check()
     assert [e.generation for e in reporter.of("hung")] == [1]  # not before a timeout more
+    clock.advance(HANG_S / 2 + CHECK_S)
     await eventually(lambda: len(reporter.of("hung")) == 2, "the hang told again")
 
     await runner.start(start(monitor, env=env, generation=2))
+    await reported(monitor, 0, 3, generation=2)
+    await reported(monitor, 1, 3, generation=2)
+    clock.advance(HANG_S + CHECK_S)
     await eventually(
         lambda: reporter.of("hung")[-1].generation == 2, "a hung event of generation 2"
     )
@@ -633,38 +676,42 @@ async def test_a_hang_is_told_again_each_timeout_and_a_new_generation_rearms_it(
 
 
 async def test_no_hang_is_reported_once_the_generation_is_stopped(
-    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter
+    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter, clock: Clock
 ) -> None:
     await runner.start(start(monitor, env={"LAST_STEP_0": "3", "LAST_STEP_1": "3"}))
     await reported(monitor, 0, 3)
     monitor.end(JOB, 1)  # as the agent does, before it stops the ranks
 
-    await asyncio.sleep(HANG_S + 10 * CHECK_S)
+    clock.advance(HANG_S + 10 * CHECK_S)
 
+    assert await monitor.check() == []
     assert reporter.of("hung") == []
 
 
 async def test_no_hang_is_reported_while_a_rank_waits_for_its_checkpoints_to_commit(
-    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter
+    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter, clock: Clock
 ) -> None:
     await runner.start(start(monitor, env={"LAST_STEP_0": "3", "LAST_STEP_1": "3"}))
     await reported(monitor, 0, 3)
 
     with monitor.waiting(JOB, 0):  # Checkpointer.wait after the last step, a long commit
-        await asyncio.sleep(HANG_S + 10 * CHECK_S)
+        clock.advance(HANG_S + 10 * CHECK_S)
+        assert await monitor.check() == []
         assert reporter.of("hung") == []
     # Once the wait is over, silence counts again, from then on.
     await eventually(lambda: bool(reporter.of("hung")), "the hang after the wait")
 
 
 async def test_no_hang_is_reported_after_a_rank_says_it_took_its_last_step(
-    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter
+    monitor: ProgressMonitor, runner: RankRunner, reporter: Reporter, clock: Clock, path: Path
 ) -> None:
     await runner.start(start(monitor, env={"LAST_STEP_0": "3", "LAST_STEP_1": "5", "FINISH": "1"}))
     await reported(monitor, 1, 5)
+    await caught_up(monitor, path)  # the rank's "finished", sent right after its step 5
 
-    await asyncio.sleep(HANG_S + 10 * CHECK_S)
+    clock.advance(HANG_S + 10 * CHECK_S)
 
+    assert await monitor.check() == []
     assert reporter.of("hung") == []
 
 

@@ -17,6 +17,7 @@ from agentd.commands import CommandError
 from agentd.host import interface_of
 from agentd.ranks import RankRunner
 from phalanx import wire
+from tests.wait import wait_for
 
 NODE = "n1"
 JOB = "tinylm-abc123"
@@ -112,12 +113,12 @@ async def rank_env(
 
 
 def wait_until(check: Callable[[], bool]) -> bool:
-    """Bounded wait for something a rank process does on its own (no event loop needed)."""
-    deadline = time.monotonic() + WAIT_S
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
+    """Bounded wait for something a rank process does on its own (no event loop needed);
+    whether it happened."""
+    try:
+        wait_for(check, WAIT_S, "a rank process", interval=0.02)
+    except AssertionError:
+        return False
     return True
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from agentd.config import AgentSettings, CkptSettings, GpuSettings, HttpSettings
 from agentd.daemon import Agent
 from agentd.gpu.sim import SimBackend, inject
 from phalanx import wire
+from tests.wait import until
 
 NODE = "n1"
 JOB = "tinylm-abc123"
@@ -47,11 +47,7 @@ async def agent(tmp_path: Path) -> AsyncIterator[Agent]:
 
 
 async def eventually(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {WAIT_S}s: {what}")
-        await asyncio.sleep(0.02)
+    await until(check, WAIT_S, what, interval=0.02)
 
 
 async def run(agent: Agent, args: wire.CommandArgsType) -> wire.CommandAck:
@@ -143,7 +139,11 @@ async def test_save_now_asks_each_of_the_nodes_ranks_to_save_once(
     assert ack.result == {"ranks": [0, 1]}
     logs = [tmp_path / "data" / "jobs" / JOB / "g1" / f"rank-{r}.log" for r in (0, 1)]
     await eventually(lambda: all("saved at" in log.read_text() for log in logs), "both ranks save")
-    await asyncio.sleep(0.3)  # ~15 more steps: none of them is asked again
+    saved = {r: s.step for r, s in agent.progress.progress(JOB, 1).items()}
+    await eventually(  # 15 more steps each: none of them is asked again
+        lambda: all(s.step >= saved[r] + 15 for r, s in agent.progress.progress(JOB, 1).items()),
+        "15 more steps of each rank",
+    )
     assert [log.read_text().count("saved at") for log in logs] == [1, 1]
 
 

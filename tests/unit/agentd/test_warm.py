@@ -20,6 +20,7 @@ from agentd.commands import CommandError
 from agentd.ranks import RankRunner
 from agentd.warm import launch_form, refill_at_once
 from phalanx import wire
+from tests.wait import until
 
 JOB = "warmy-abc123"
 WAIT_S = 20.0
@@ -110,11 +111,7 @@ def start_args(
 
 async def eventually(check: Callable[[], object]) -> None:
     """Bounded wait for something the processes do on their own."""
-    for _ in range(int(WAIT_S / 0.05)):
-        if check():
-            return
-        await asyncio.sleep(0.05)
-    raise TimeoutError(f"not within {WAIT_S} s: {check}")
+    await until(check, WAIT_S, lambda: repr(check), interval=0.05)
 
 
 async def warm_ready(runner: RankRunner, *local_ranks: int) -> dict[int, int]:

@@ -30,6 +30,7 @@ from phalanx.http import BODY_TIMEOUT, serve
 from supervisor.api.app import make_app as supervisor_app
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import Supervisor
+from tests.wait import until
 
 TOKEN = "t" * 32
 IDLE_S = 1.0
@@ -238,21 +239,20 @@ async def test_an_address_with_its_limit_of_requests_in_flight_is_answered_429_u
     stalled = [Trickler(agent_port) for _ in range(2)]  # max_requests_per_peer=2
     for client in stalled:  # each holds a push's handler, waiting for its body
         client.send(head("PUT", f"/v1/ckpt/peer/objects/{SHARD_KEY}", 4096))
-    await asyncio.sleep(0.3)
+
+    async def healthz(want: int) -> tuple[int, str] | None:
+        got = await get(agent_port, "/healthz")
+        return got if got[0] == want else None
 
     try:
-        status, answer = await get(agent_port, "/healthz")
-        assert status == 429
+        _, answer = await until(lambda: healthz(429), 5.0, "both pushes held in flight")
         assert "has 2 requests in flight already" in answer
     finally:
         for client in stalled:
             client.close()
 
-    deadline = time.monotonic() + 5  # the handlers end once their connections are gone
-    while (status := (await get(agent_port, "/healthz"))[0]) == 429:
-        assert time.monotonic() < deadline, "still 429 5 s after the stalled pushes closed"
-        await asyncio.sleep(0.05)
-    assert status == 200
+    # The handlers end once their connections are gone.
+    await until(lambda: healthz(200), 5.0, "a 200 once the stalled pushes closed")
 
 
 async def get(port: int, path: str) -> tuple[int, str]:

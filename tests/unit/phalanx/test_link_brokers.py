@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import aiomqtt
@@ -15,6 +15,7 @@ from phalanx.link import LinkDown, MqttLink, MqttLinks
 from phalanx.local import free_port
 from phalanx.settings import MqttSettings
 from tests.harness import Broker, CuttableLink
+from tests.wait import until
 
 
 @pytest.fixture
@@ -47,10 +48,8 @@ async def _noop(topic: str, payload: bytes) -> None:
     return None
 
 
-async def _until(what: str, check: object, timeout: float = 15.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not check():  # type: ignore[operator]  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
+def _until(what: str, check: Callable[[], object]) -> Awaitable[object]:
+    return until(check, 15.0, what, interval=0.02)
 
 
 async def test_a_link_skips_a_broker_that_refuses_and_moves_on_when_its_broker_dies(

@@ -8,6 +8,7 @@ from typing import Any, cast
 from pydantic import BaseModel
 
 from phalanx.link import LinkDown, MqttLink, Outbox
+from tests.wait import settle, until
 
 
 class Event(BaseModel):
@@ -56,7 +57,7 @@ async def test_a_flush_during_a_send_keeps_the_order_of_the_messages() -> None:
     runner = asyncio.create_task(box.run())
     await first_publish(link)  # run holds message 1, its publish in flight
     flush = asyncio.create_task(box.flush(timeout=5.0))
-    await asyncio.sleep(0.01)
+    await settle()  # the flush waits behind the publish in flight
     link.gate.set()
     await flush
     runner.cancel()
@@ -104,11 +105,11 @@ async def test_a_gated_outbox_sends_nothing_until_the_gate_opens() -> None:
     box = Outbox(cast(MqttLink, link), "phalanx/v1/node/n1/ckpt", "landing", gate=gate)
     box.put(Event(n=1))
     runner = asyncio.create_task(box.run())
-    await asyncio.sleep(0.05)
+    await settle()
     assert link.started == [] and len(box) == 1
     gate.set()
     await first_publish(link)
-    await asyncio.sleep(0.01)  # the publish, let through, completes
+    await until(lambda: link.sent == [1], 5.0, "the publish, let through, to complete")
     runner.cancel()
     assert link.sent == [1] and len(box) == 0
 
@@ -153,11 +154,11 @@ async def test_a_send_that_waited_across_a_reconnect_waits_for_the_gate_again() 
     link.connects += 1  # the broker is back (it lost its sessions): a new connection,
     gate.clear()  # whose first act closes the gate
     link.connected.set()
-    await asyncio.sleep(0.05)
+    await settle()
 
     assert link.sent == [] and len(box) == 1  # not sent before the supervisor is known
     gate.set()
-    await asyncio.sleep(0.05)
+    await until(lambda: link.sent == [1], 5.0, "the send once the gate opened")
     runner.cancel()
     assert link.sent == [1] and len(box) == 0
 

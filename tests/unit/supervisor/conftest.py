@@ -1,10 +1,11 @@
 """Fixtures the supervisor's unit tests share: ``open_store`` runs a test once on each of
 the store's databases, SQLite and PostgreSQL (the test session's own cluster,
-``pg_cluster`` of ``tests/conftest.py``)."""
+``pg_cluster`` of ``tests/conftest.py``); ``make_fleet`` builds the fake fleet
+(``fake_fleet.FakeFleet``) around a real job controller."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 
 from supervisor.store import Store
 from tests.pg import PgCluster
+from tests.unit.supervisor.fake_fleet import FakeFleet
 
 OpenStore = Callable[..., Store]
 
@@ -39,3 +41,25 @@ def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OpenS
     yield open_
     for store in opened:
         store.close()
+
+
+MakeFleet = Callable[..., FakeFleet]
+
+
+@pytest.fixture
+async def make_fleet(tmp_path: Path) -> AsyncIterator[MakeFleet]:
+    """``make_fleet(nodes, gang=None, **kw)``: a :class:`FakeFleet` of ``nodes`` (``kw``:
+    its settings), with a job running on ``gang`` when one is named (``FakeFleet.running``).
+    Each is closed after the test (what it holds released, its tasks cancelled)."""
+    made: list[FakeFleet] = []
+
+    def make(nodes: Iterable[str], *, gang: list[str] | None = None, **kw: Any) -> FakeFleet:
+        fleet = FakeFleet(tmp_path, nodes, **kw)
+        made.append(fleet)
+        if gang is not None:
+            fleet.running(gang)
+        return fleet
+
+    yield make
+    for fleet in made:
+        await fleet.close()

@@ -27,7 +27,7 @@ from supervisor.auth.tokens import Principal, TokenRequest, Tokens
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import Supervisor
 from supervisor.dashboard.session import COOKIE, session_of, session_value
-from tests.unit.supervisor.test_dashboard_auth import birth
+from tests.unit.supervisor.fake_fleet import birth
 
 TOKEN = "bootstrap-token-0123456789abcdef"
 CSRF = {"X-Phalanx-CSRF": "1"}

@@ -19,7 +19,7 @@ from phalanx.settings import MqttSettings
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import OFFLINE_CONFIRM_S, Supervisor
 from supervisor.fleet.registry import NodeState
-from tests.unit.supervisor.test_dashboard_auth import birth
+from tests.unit.supervisor.fake_fleet import birth
 from tests.unit.supervisor.test_metrics import Clock
 
 

@@ -16,6 +16,7 @@ from supervisor.config import SupervisorSettings
 from supervisor.fleet.burnin import BurnIns, Screening
 from supervisor.fleet.registry import NodeState, Registry
 from supervisor.store import Store
+from tests.wait import until
 
 OK = wire.Health(status=wire.HealthStatus.OK)
 
@@ -154,10 +155,7 @@ async def test_an_undrained_node_is_not_schedulable_until_its_burn_in_passes(
     assert burnins.observe() == ["n1"]
     assert burnins.needs("n1")
     burnins.start("n1")
-    for _ in range(100):
-        if burnins.passed("n1"):
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: burnins.passed("n1"), 5.0, "n1's burn-in to pass")
 
     assert not burnins.needs("n1")
     assert burnins.observe() == []

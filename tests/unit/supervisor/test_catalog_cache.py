@@ -32,6 +32,7 @@ from tests.unit.supervisor.test_catalog_publish import (
     make,  # noqa: F401  (a fixture)
     running_job,
 )
+from tests.wait import until
 
 JOB = "j-1"
 PLACEMENT = {rank: NODES[rank] for rank in range(WORLD)}
@@ -154,7 +155,7 @@ async def test_publishes_asked_while_one_is_out_make_one_more_build_and_all_retu
 
     publisher.catalog.messages = counted  # type: ignore[method-assign]
     first = asyncio.create_task(publisher.publish(JOB))
-    await asyncio.sleep(0.05)  # built, n02's publish in flight
+    await until(link.slow.is_set, 5.0, "the first build, n02's publish in flight")
     commit(publisher, 6)  # changes after the first build: a later publish must show them
     rest = [asyncio.create_task(publisher.publish(JOB)) for _ in range(5)]
     await asyncio.wait_for(asyncio.gather(first, *rest), 10)

@@ -25,6 +25,7 @@ from supervisor.errors import StoreError
 from supervisor.fleet.registry import Registry
 from supervisor.jobs import Job, JobState, RankPlace
 from tests.unit.supervisor.conftest import OpenStore
+from tests.wait import settle, until
 
 WORLD = 8
 NODES = [f"n{i:02d}" for i in range(WORLD)]
@@ -71,11 +72,14 @@ class SlowLink:
     def __init__(self) -> None:
         self.retained: dict[str, bytes] = {}
         self.published = 0
+        self.slow = asyncio.Event()  # set once the slow publish has begun
 
     async def publish(
         self, topic: str, payload: bytes, retain: bool = False, timeout: float = 5.0
     ) -> None:
         slow = topic.endswith("/n02") and b'"restore_step":5' in payload
+        if slow:
+            self.slow.set()
         await asyncio.sleep(0.2 if slow else 0.01)
         self.retained[topic] = payload
         self.published += 1
@@ -96,12 +100,17 @@ class HeldLink(SlowLink):
     def __init__(self) -> None:
         super().__init__()
         self.release = asyncio.Event()
+        self.held = 0  # publishes to n02 waiting for their release now
 
     async def publish(
         self, topic: str, payload: bytes, retain: bool = False, timeout: float = 5.0
     ) -> None:
         if topic.endswith("/n02") and payload:
-            await self.release.wait()
+            self.held += 1
+            try:
+                await self.release.wait()
+            finally:
+                self.held -= 1
         self.retained[topic] = payload
 
 
@@ -149,7 +158,12 @@ async def test_a_publish_started_before_a_change_never_leaves_its_stale_catalog_
     await publisher.publish("j-1")
     commit(publisher, 5)
     first = asyncio.create_task(publisher.publish("j-1"))
-    await asyncio.sleep(0.025)  # it has reached n00 and n01, n02 is slow
+
+    def reached() -> bool:  # n00 and n01 hold step 5's catalog; n02's is on its slow way
+        near = [link.catalog(n) for n in ("n00", "n01")]
+        return link.slow.is_set() and all(c is not None and c.restore_step == 5 for c in near)
+
+    await until(reached, 5.0, "step 5's catalog at n00 and n01, n02's slow")
     publisher.catalog.on_landing(landing(5, 3, "corrupt"), WORLD)  # step 5 is not whole any more
     second = asyncio.create_task(publisher.publish("j-1"))
     await asyncio.gather(first, second)
@@ -250,14 +264,17 @@ async def test_the_event_loop_keeps_running_while_a_catalog_is_built(make: Make)
     loop_ran = threading.Event()
     during: list[bool] = []
 
+    building = threading.Event()
+
     def messages(*args: object, **kwargs: object) -> list[wire.CkptCatalog]:
         # A long build (a job of many thousand ranks): only a loop that is free sets it.
+        building.set()
         during.append(loop_ran.wait(10))
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     catalog.messages = messages  # type: ignore[method-assign]
     publish = asyncio.create_task(publisher.publish("j-1"))
-    await asyncio.sleep(0.05)  # the publish has started its build
+    await until(building.is_set, 5.0, "the publish to start its build")
     loop_ran.set()  # what a heartbeat handler needs: the loop's turn, mid-build
     await publish
 
@@ -312,11 +329,14 @@ async def test_a_failed_jobs_catalog_is_sent_again_saying_ended_when_the_linger_
 
     await publisher.publish("j-1")
     first = link.catalog(NODES[0])
-    await asyncio.sleep(0.6)
-
     assert first is not None and not first.ended
-    later = link.catalog(NODES[0])
-    assert later is not None and later.ended
+
+    later = await until(
+        lambda: (c := link.catalog(NODES[0])) is not None and c.ended and c,
+        5.0,
+        "the catalog saying ended once the linger is over",
+    )
+    assert later.ended
     assert publisher.lingering == set()
 
 
@@ -343,9 +363,10 @@ async def test_a_node_that_let_go_is_cleared_even_when_a_catalog_for_it_was_in_f
     await publisher.publish("j-1")
     link.release.clear()
     second = asyncio.create_task(publisher.publish("j-1"))
-    await asyncio.sleep(0.05)  # it waits on n02's PUBACK
+    await until(lambda: link.held == 1, 5.0, "the second publish to wait on n02's PUBACK")
     clear = asyncio.create_task(publisher.clear_ended_catalogs("j-1", {"n02"}))
-    await asyncio.sleep(0.05)
+    await settle()  # the clear waits for the publish's lock
+    assert not clear.done()
     link.release.set()
     await asyncio.gather(second, clear)
     # n02's agent answers the second catalog too, as it does every one it is handed.
@@ -391,9 +412,12 @@ async def test_releases_are_cleared_in_batches_off_the_message_loop(make: Make) 
         publisher.on_release(wire.CkptReleased(node=node, job="j-1", at=time.time()))
     # Handed over, and nothing cleared yet: nothing was published on the way.
     assert all(link.retained[wire.catalog_topic("j-1", n)] != b"" for n in NODES)
-    await asyncio.sleep(0.5)  # the flush
+    await until(
+        lambda: all(link.retained[wire.catalog_topic("j-1", n)] == b"" for n in NODES),
+        5.0,
+        "the flush to clear every node's catalog",
+    )
 
-    assert all(link.retained[wire.catalog_topic("j-1", n)] == b"" for n in NODES)
     assert store.ended_catalogs_released("j-1")
     assert len(batches) == 1
 
@@ -446,7 +470,7 @@ async def test_a_catalog_publish_still_running_at_shutdown_is_cancelled_within_t
     publisher = make(link)
     commit(publisher, 4)
     publisher.publish_soon("j-1")
-    await asyncio.sleep(0.05)
+    await until(lambda: link.held == 1, 5.0, "the publish to wait on n02's PUBACK")
     publisher.stop()
     assert publisher.tasks.names() == ["ckpt-catalog-j-1"]
 

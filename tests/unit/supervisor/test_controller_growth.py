@@ -2,100 +2,43 @@
 once it ran ``grow_after`` at its size, nodes are free for a larger allowed size, and it
 committed a step since they were; never while it recovers, and never onto a busy node.
 
-The controller, its store, registry, catalog and planner are real; what it would send
-(commands, catalogs) goes nowhere, and the recovery it starts is recorded, not run.
+The controller, its store, registry, catalog and planner are real (the fake fleet of
+``fake_fleet``); it must send nothing, and the recovery it starts is recorded, not run.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from phalanx import wire
-from phalanx.jobspec import validate_spec
-from supervisor.checkpoints.catalog import CheckpointCatalog
-from supervisor.checkpoints.publisher import CatalogPublisher
-from supervisor.config import SupervisorSettings
-from supervisor.control.controller import JobController
-from supervisor.fleet.registry import Registry
-from supervisor.jobs import Job, JobState, RankPlace
 from supervisor.recovery.planner import Failure, FailureKind
-from supervisor.store import Store
-from tests.unit.supervisor.test_dashboard_auth import birth
+from tests.unit.supervisor.fake_fleet import FakeFleet
 
 NODES = ["n0", "n1", "n2", "n3"]
-RPN = 2
 
 
-async def nowhere(topic: str, payload: bytes, **kw: Any) -> None:
-    """The link's publish: the catalogs go nowhere (no node listens in this test)."""
-
-
-async def no_ack(node: str, args: wire.CommandArgsType, timeout: float | None = None) -> Any:
-    raise AssertionError(f"the grow check sent {args.op} to {node}: it only plans")
-
-
-class Grown:
+class Grown(FakeFleet):
     """The controller with a shrunk elastic job on n0 and n1, and the failures it was told."""
 
     def __init__(self, tmp_path: Path, grow_after: float = 60.0) -> None:
-        self.store = Store(tmp_path / "state.db")
-        self.registry = Registry(self.store, offline_after_s=15.0)
-        for node in NODES:
-            self.registry.on_birth(birth(node, gpus=RPN))
-        self.jobs: dict[str, Job] = {}
-        publisher = CatalogPublisher(
-            CheckpointCatalog(self.store),
-            nowhere,
-            job=self.jobs.get,
-            registry=self.registry,
-            ram_linger_s=900.0,
-        )
-        self.publisher = publisher
-        self.ctl = JobController(
-            self.store,
-            self.registry,
-            SupervisorSettings(state_dir=tmp_path),
-            send=no_ack,
-            publisher=publisher,
-            offline_confirmed=lambda since: True,
-        )
-        self.jobs.update(self.ctl.jobs)
-        spec = validate_spec(
-            {
-                "name": "grows",
-                "team": "t",
-                "command": ["true"],
-                "workdir": "/tmp",
-                "nodes": 4,
-                "ranks_per_node": RPN,
-                "elastic": {
-                    "min_nodes": 1,
-                    "global_batch": 32,
-                    "micro_batch": 1,
-                    "grow_after": grow_after,
-                },
-            }
-        )
-        small = ["n0", "n1"]
-        self.job = Job(
-            "j-1",
-            spec,
-            state=JobState.RUNNING,
+        super().__init__(tmp_path, NODES)
+        self.running(
+            ["n0", "n1"],
             generation=2,
-            nodes=small,
-            ranks=[
-                RankPlace(rank=n * RPN + lr, node=node, local_rank=lr)
-                for n, node in enumerate(small)
-                for lr in range(RPN)
-            ],
-            started_at=time.time() - 2 * grow_after,
+            name="grows",
+            nodes=4,
+            elastic={
+                "min_nodes": 1,
+                "global_batch": 32,
+                "micro_batch": 1,
+                "grow_after": grow_after,
+            },
         )
-        self.ctl.jobs["j-1"] = self.jobs["j-1"] = self.job
+        self.job.started_at = time.time() - 2 * grow_after
         self.told: list[Failure] = []
         self.ctl.route = lambda job, report: self.told.append(report.failure)  # type: ignore[method-assign]
 
@@ -120,20 +63,19 @@ class Grown:
                     world,
                 )
 
-    def close(self) -> None:
-        self.publisher.stop()
-        self.publisher.close()
-        self.store.close()
+    async def close(self) -> None:
+        assert self.sent == [], f"the grow check sent {self.ops_sent}: it only plans"
+        await super().close()
 
 
 @pytest.fixture
-def grown(tmp_path: Path) -> Iterator[Grown]:
+async def grown(tmp_path: Path) -> AsyncIterator[Grown]:
     g = Grown(tmp_path)
     yield g
-    g.close()
+    await g.close()
 
 
-def test_a_shrunk_job_grows_at_the_first_commit_after_nodes_were_free(grown: Grown) -> None:
+async def test_a_shrunk_job_grows_at_the_first_commit_after_nodes_were_free(grown: Grown) -> None:
     grown.commit(10)
     grown.ctl.check_growth()
     assert grown.told == []  # free now: it waits for a step the larger gang can restore
@@ -150,7 +92,7 @@ def test_a_shrunk_job_grows_at_the_first_commit_after_nodes_were_free(grown: Gro
     assert "n2, n3 free since step 10" in failure.detail
 
 
-def test_no_growth_before_grow_after_has_passed_at_its_size(tmp_path: Path) -> None:
+async def test_no_growth_before_grow_after_has_passed_at_its_size(tmp_path: Path) -> None:
     g = Grown(tmp_path, grow_after=3600.0)
     try:
         g.job.started_at = time.time() - 60  # an hour to run at this size; a minute ran
@@ -160,10 +102,10 @@ def test_no_growth_before_grow_after_has_passed_at_its_size(tmp_path: Path) -> N
         g.ctl.check_growth()
         assert g.told == []
     finally:
-        g.close()
+        await g.close()
 
 
-def test_no_growth_onto_drained_nodes(grown: Grown) -> None:
+async def test_no_growth_onto_drained_nodes(grown: Grown) -> None:
     grown.registry.drain("n2", "cable swap", by="operator")
     grown.registry.drain("n3", "cable swap", by="operator")
     grown.commit(10)
@@ -174,7 +116,9 @@ def test_no_growth_onto_drained_nodes(grown: Grown) -> None:
     assert grown.told == []  # nothing free
 
 
-def test_no_growth_while_the_job_recovers_and_the_count_starts_again_after(grown: Grown) -> None:
+async def test_no_growth_while_the_job_recovers_and_the_count_starts_again_after(
+    grown: Grown,
+) -> None:
     grown.job.recovery = {"failures": [], "generation": 2}  # recovering: it plans itself
     grown.commit(10)
     grown.ctl.check_growth()

@@ -16,53 +16,18 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from yarl import URL
 
-from phalanx import wire
 from supervisor.api.app import make_app
 from supervisor.auth.rows import TokenRows
 from supervisor.auth.tokens import Tokens
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import Supervisor
 from supervisor.dashboard.session import COOKIE, SESSION_S, session_value
+from tests.unit.supervisor.fake_fleet import birth
 
 TOKEN = "op-token-0123456789abcdef"
 CSRF = {"X-Phalanx-CSRF": "1"}
 _NO_ROWS = cast(TokenRows, None)  # the bootstrap token needs no store
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def birth(
-    node: str, *, rack: str = "r1", gpus: int = 2, health: wire.Health | None = None
-) -> wire.NodeBirth:
-    """A node's birth; its GPUs' gauges by default: 41.0 and 57.5 C, ECC 2/0 and 3/1."""
-    if health is None:
-        health = wire.Health(
-            status=wire.HealthStatus.OK,
-            gpus=[
-                wire.GpuGauges(
-                    index=i,
-                    temperature_c=41.0 + 16.5 * (i % 2),
-                    ecc_sbe_volatile=2 + i % 2,
-                    ecc_dbe_volatile=i % 2,
-                )
-                for i in range(gpus)
-            ],
-        )
-    return wire.NodeBirth(
-        node=node,
-        seq=1,
-        hostname=f"{node}.example",
-        address="10.0.0.1",
-        http_port=9400,
-        gpus=[
-            wire.GpuDescriptor(index=i, uuid=f"GPU-{node}-{i}", model="H100", memory_bytes=2**30)
-            for i in range(gpus)
-        ],
-        gpu_backend="sim",
-        topology=wire.Topology(rack=rack),
-        version="0.1.0",
-        started_at=1700000000.0,
-        health=health,
-    )
 
 
 @pytest.fixture

@@ -1,17 +1,17 @@
 """A hang's culprit (supervisor.recovery.executor): the ranks' flight recorders, where
 they name one, over the agents' progress-based pick; a stopped process over both.
 
-The controller, store, registry and planner are real (``test_recovery_orders``'s fleet);
+The controller, store, registry and planner are real (the fake fleet of ``fake_fleet``);
 the hung events come as the agents send them."""
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from phalanx import wire
 from supervisor.jobs import JobState
-from tests.unit.supervisor.test_recovery_orders import Fleet
+from tests.unit.supervisor.conftest import MakeFleet
+from tests.unit.supervisor.fake_fleet import FakeFleet
 
 # Ranks 0-1 on n0, 2-3 on n1. Every rank waits in all-reduce #12 but rank 3 (newest #11).
 FLIGHT = [
@@ -43,8 +43,7 @@ def hung(node: str, rank: int, *, stopped: bool = False, flight: bool = True) ->
     )
 
 
-async def failure_of(fleet: Fleet, *events: wire.RankEvent) -> dict[str, object]:
-    fleet.stops_acked.set()
+async def failure_of(fleet: FakeFleet, *events: wire.RankEvent) -> dict[str, object]:
     for ev in events:
         fleet.ctl.on_rank_event(ev)
     await fleet.until(lambda: fleet.job.generation == 2 and fleet.job.state is JobState.RUNNING)
@@ -53,34 +52,27 @@ async def failure_of(fleet: Fleet, *events: wire.RankEvent) -> dict[str, object]
     return failure
 
 
-async def test_the_flight_recorders_culprit_is_the_hangs(tmp_path: Path) -> None:
-    fleet = Fleet(tmp_path, ["n0", "n1"], gang=["n0", "n1"])
-    try:
-        failure = await failure_of(fleet, hung("n0", 0), hung("n1", 2))
+async def test_the_flight_recorders_culprit_is_the_hangs(make_fleet: MakeFleet) -> None:
+    fleet = make_fleet(["n0", "n1"], gang=["n0", "n1"])
+    failure = await failure_of(fleet, hung("n0", 0), hung("n1", 2))
 
-        assert (failure["kind"], failure["node"], failure["rank"]) == ("hang", "n1", 3)
-        assert "flight recorder: rank 3 never entered collective #12" in str(failure["detail"])
-        kinds = [e.kind for e in fleet.store.events(job="j-1")]
-        assert "hang_flight_recorder" in kinds
-    finally:
-        await fleet.close()
+    assert (failure["kind"], failure["node"], failure["rank"]) == ("hang", "n1", 3)
+    assert "flight recorder: rank 3 never entered collective #12" in str(failure["detail"])
+    kinds = [e.kind for e in fleet.store.events(job="j-1")]
+    assert "hang_flight_recorder" in kinds
 
 
-async def test_a_stopped_process_is_the_culprit_whatever_the_dumps_say(tmp_path: Path) -> None:
-    fleet = Fleet(tmp_path, ["n0", "n1"], gang=["n0", "n1"])
-    try:
-        failure = await failure_of(fleet, hung("n0", 1, stopped=True), hung("n1", 2))
+async def test_a_stopped_process_is_the_culprit_whatever_the_dumps_say(
+    make_fleet: MakeFleet,
+) -> None:
+    fleet = make_fleet(["n0", "n1"], gang=["n0", "n1"])
+    failure = await failure_of(fleet, hung("n0", 1, stopped=True), hung("n1", 2))
 
-        assert (failure["node"], failure["rank"]) == ("n0", 1)
-    finally:
-        await fleet.close()
+    assert (failure["node"], failure["rank"]) == ("n0", 1)
 
 
-async def test_without_dumps_the_agents_pick_stands(tmp_path: Path) -> None:
-    fleet = Fleet(tmp_path, ["n0", "n1"], gang=["n0", "n1"])
-    try:
-        failure = await failure_of(fleet, hung("n0", 0, flight=False), hung("n1", 2, flight=False))
+async def test_without_dumps_the_agents_pick_stands(make_fleet: MakeFleet) -> None:
+    fleet = make_fleet(["n0", "n1"], gang=["n0", "n1"])
+    failure = await failure_of(fleet, hung("n0", 0, flight=False), hung("n1", 2, flight=False))
 
-        assert failure["rank"] in (0, 2) and "flight recorder" not in str(failure["detail"])
-    finally:
-        await fleet.close()
+    assert failure["rank"] in (0, 2) and "flight recorder" not in str(failure["detail"])

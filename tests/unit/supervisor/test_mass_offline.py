@@ -22,7 +22,7 @@ from supervisor.daemon import OFFLINE_CONFIRM_S, Supervisor
 from supervisor.fleet.registry import NodeState
 from supervisor.jobs import Job, JobState, RankPlace
 from supervisor.recovery.planner import Action, Cause, Failure, FailureKind, Plan
-from tests.unit.supervisor.test_dashboard_auth import birth
+from tests.unit.supervisor.fake_fleet import birth
 from tests.unit.supervisor.test_metrics import Clock
 
 FLEET = 20

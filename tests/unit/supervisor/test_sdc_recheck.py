@@ -4,14 +4,13 @@ deterministic recompute check and quarantines the one that fails it; none failin
 gang restarts in place from the newest clean step, nothing quarantined.
 
 The controller, store, registry, catalog, planner and burn-ins are real; the commands go
-to the recording ``send`` of ``test_recovery_orders``, whose burn-in results the tests
+to the fake fleet's recording ``send`` (``fake_fleet``), whose burn-in results the tests
 set per node.
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +19,8 @@ from phalanx import wire
 from phalanx.jobspec import JobSpecError, validate_spec
 from supervisor.jobs import Job, JobState
 from supervisor.recovery.sdc_watch import agreed_floor
-from tests.unit.supervisor.test_recovery_orders import Fleet
+from tests.unit.supervisor.conftest import MakeFleet
+from tests.unit.supervisor.fake_fleet import FakeFleet
 
 SPEC = {
     "name": "a",
@@ -38,21 +38,20 @@ FAILED = {
 }
 
 
-def sdc_fleet(tmp_path: Path, nodes: list[str]) -> Fleet:
+def sdc_fleet(make_fleet: MakeFleet, nodes: list[str]) -> FakeFleet:
     """A running job on n0 and n1, 2 ranks each, two-way model parallel: the replica
     groups are ranks (0, 2) and (1, 3), each one rank on n0 and one on n1."""
-    fleet = Fleet(tmp_path, nodes, gang=["n0", "n1"])
+    fleet = make_fleet(nodes, gang=["n0", "n1"])
     fleet.job.spec = validate_spec(
         {
             **fleet.job.spec.model_dump(exclude={"sdc"}),
             "sdc": {"every": 5, "model_parallel": 2},
         }
     )
-    fleet.stops_acked.set()
     return fleet
 
 
-def digests(fleet: Fleet, step: int, values: dict[int, int]) -> None:
+def digests(fleet: FakeFleet, step: int, values: dict[int, int]) -> None:
     """Every rank's digest of ``step`` (``values``: rank -> digest)."""
     node_of = {p.rank: p.node for p in fleet.job.ranks}
     for rank, value in values.items():
@@ -70,13 +69,13 @@ def digests(fleet: Fleet, step: int, values: dict[int, int]) -> None:
         )
 
 
-def diverge(fleet: Fleet) -> None:
+def diverge(fleet: FakeFleet) -> None:
     # Step 5 agrees in both groups; after step 10, ranks 0 and 2 (group (0, 2)) differ.
     digests(fleet, 5, {0: 10, 1: 11, 2: 10, 3: 11})
     digests(fleet, 10, {0: 20, 1: 21, 2: 99, 3: 21})
 
 
-async def recovered(fleet: Fleet) -> dict[str, Any]:
+async def recovered(fleet: FakeFleet) -> dict[str, Any]:
     """Diverge; the job's one incident once its next generation runs."""
     diverge(fleet)
     await fleet.until(lambda: fleet.job.generation == 2)
@@ -86,141 +85,118 @@ async def recovered(fleet: Fleet) -> dict[str, Any]:
 
 
 async def test_two_replicas_that_differ_are_rechecked_and_the_one_that_fails_is_replaced(
-    tmp_path: Path,
+    make_fleet: MakeFleet,
 ) -> None:
-    fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2"])
-    fleet.burn_in["n1"] = FAILED
-    try:
-        diverge(fleet)
-        await fleet.until(lambda: fleet.job.generation == 2)
-        await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+    fleet = sdc_fleet(make_fleet, ["n0", "n1", "n2"])
+    fleet.answer("burn_in", node="n1", result=FAILED)
+    diverge(fleet)
+    await fleet.until(lambda: fleet.job.generation == 2)
+    await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
 
-        assert sorted(fleet.ops("burn_in"))[:2] == [("n0", 0), ("n1", 0)]  # the recheck
-        (incident,) = fleet.job.incidents
-        (failure,) = incident["failures"]
-        assert (failure["kind"], failure["node"], failure["rank"]) == ("sdc", "n1", 2)
-        assert "failed its recheck: recompute on GPU 0" in failure["detail"]
-        assert incident["plan"]["quarantine"] == ["n1"]
-        assert fleet.job.nodes == ["n0", "n2"]
-        assert fleet.registry.nodes["n1"].drain is not None
-        assert "sdc_suspect" in fleet.registry.nodes["n1"].drain.reason
-        kinds = [e.kind for e in fleet.store.events(job=fleet.job.id)]
-        assert "sdc_rechecked" in kinds and "ckpt_voided" in kinds
-    finally:
-        await fleet.close()
+    assert sorted(fleet.ops("burn_in"))[:2] == [("n0", 0), ("n1", 0)]  # the recheck
+    (incident,) = fleet.job.incidents
+    (failure,) = incident["failures"]
+    assert (failure["kind"], failure["node"], failure["rank"]) == ("sdc", "n1", 2)
+    assert "failed its recheck: recompute on GPU 0" in failure["detail"]
+    assert incident["plan"]["quarantine"] == ["n1"]
+    assert fleet.job.nodes == ["n0", "n2"]
+    assert fleet.registry.nodes["n1"].drain is not None
+    assert "sdc_suspect" in fleet.registry.nodes["n1"].drain.reason
+    kinds = [e.kind for e in fleet.store.events(job=fleet.job.id)]
+    assert "sdc_rechecked" in kinds and "ckpt_voided" in kinds
 
 
-async def test_both_replicas_failing_the_recheck_are_both_replaced(tmp_path: Path) -> None:
-    fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2", "n3"])
-    fleet.burn_in["n0"] = fleet.burn_in["n1"] = FAILED
-    try:
-        incident = await recovered(fleet)
-        assert sorted(f["node"] for f in incident["failures"]) == ["n0", "n1"]
-        assert incident["plan"]["quarantine"] == ["n0", "n1"]
-        assert sorted(fleet.job.nodes) == ["n2", "n3"]
-    finally:
-        await fleet.close()
+async def test_both_replicas_failing_the_recheck_are_both_replaced(make_fleet: MakeFleet) -> None:
+    fleet = sdc_fleet(make_fleet, ["n0", "n1", "n2", "n3"])
+    fleet.answer("burn_in", node="n0", result=FAILED)
+    fleet.answer("burn_in", node="n1", result=FAILED)
+    incident = await recovered(fleet)
+    assert sorted(f["node"] for f in incident["failures"]) == ["n0", "n1"]
+    assert incident["plan"]["quarantine"] == ["n0", "n1"]
+    assert sorted(fleet.job.nodes) == ["n2", "n3"]
 
 
 async def test_no_node_failing_the_recheck_restarts_the_gang_in_place_with_none_quarantined(
-    tmp_path: Path,
+    make_fleet: MakeFleet,
 ) -> None:
-    fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2"])
-    try:
-        incident = await recovered(fleet)
-        (failure,) = incident["failures"]
-        assert (failure["kind"], failure["quarantine"]) == ("sdc", False)
-        assert incident["plan"]["action"] == "restart_in_place"
-        assert incident["plan"]["quarantine"] == []
-        assert fleet.job.nodes == ["n0", "n1"]
-        assert all(fleet.registry.nodes[n].drain is None for n in ("n0", "n1"))
-    finally:
-        await fleet.close()
+    fleet = sdc_fleet(make_fleet, ["n0", "n1", "n2"])
+    incident = await recovered(fleet)
+    (failure,) = incident["failures"]
+    assert (failure["kind"], failure["quarantine"]) == ("sdc", False)
+    assert incident["plan"]["action"] == "restart_in_place"
+    assert incident["plan"]["quarantine"] == []
+    assert fleet.job.nodes == ["n0", "n1"]
+    assert all(fleet.registry.nodes[n].drain is None for n in ("n0", "n1"))
 
 
 async def test_a_divergence_within_one_group_only_is_judged_against_that_group(
-    tmp_path: Path,
+    make_fleet: MakeFleet,
 ) -> None:
     # The two halves of the model differ from each other all the time: no divergence.
-    fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2"])
-    try:
-        digests(fleet, 5, {0: 10, 1: 11, 2: 10, 3: 11})
-        digests(fleet, 10, {0: 20, 1: 21, 2: 20, 3: 21})
+    fleet = sdc_fleet(make_fleet, ["n0", "n1", "n2"])
+    digests(fleet, 5, {0: 10, 1: 11, 2: 10, 3: 11})
+    digests(fleet, 10, {0: 20, 1: 21, 2: 20, 3: 21})
 
-        assert fleet.job.state is JobState.RUNNING and fleet.job.recovery is None
-        assert fleet.ops("burn_in") == []
-    finally:
-        await fleet.close()
+    assert fleet.job.state is JobState.RUNNING and fleet.job.recovery is None
+    assert fleet.ops("burn_in") == []
 
 
-async def test_a_recheck_that_could_not_run_blames_no_one(tmp_path: Path) -> None:
+async def test_a_recheck_that_could_not_run_blames_no_one(make_fleet: MakeFleet) -> None:
     # An expired command (or no ack) is no failed recheck: n1 is not quarantined.
-    fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2"])
-    fleet.burn_in["n1"] = "expired"
-    try:
-        incident = await recovered(fleet)
-        (failure,) = incident["failures"]
-        assert failure["quarantine"] is False and "n1: its recheck did not run" in failure["detail"]
-        assert fleet.job.nodes == ["n0", "n1"]
-        assert fleet.registry.nodes["n1"].drain is None
-    finally:
-        await fleet.close()
+    fleet = sdc_fleet(make_fleet, ["n0", "n1", "n2"])
+    fleet.answer("burn_in", "expired", node="n1")
+    incident = await recovered(fleet)
+    (failure,) = incident["failures"]
+    assert failure["quarantine"] is False and "n1: its recheck did not run" in failure["detail"]
+    assert fleet.job.nodes == ["n0", "n1"]
+    assert fleet.registry.nodes["n1"].drain is None
 
 
-async def test_the_gang_is_stopped_before_its_nodes_are_rechecked(tmp_path: Path) -> None:
-    fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2"])
-    fleet.burn_ins_answer.clear()
-    try:
-        diverge(fleet)
-        await fleet.until(lambda: len(fleet.ops("burn_in")) == 2)
+async def test_the_gang_is_stopped_before_its_nodes_are_rechecked(make_fleet: MakeFleet) -> None:
+    fleet = sdc_fleet(make_fleet, ["n0", "n1", "n2"])
+    fleet.hold("burn_in")  # the rechecks wait: released when the fleet closes
+    diverge(fleet)
+    await fleet.until(lambda: len(fleet.ops("burn_in")) == 2)
 
-        ops = [op for _, op, _ in fleet.sent]
-        assert ops.index("burn_in") > max(i for i, op in enumerate(ops) if op == "stop_ranks")
-        assert fleet.job.state is JobState.RECOVERING
-        assert fleet.job.recovery is not None and fleet.job.recovery["phase"] == "stopped"
-    finally:
-        await fleet.close()
+    ops = fleet.ops_sent
+    assert ops.index("burn_in") > max(i for i, op in enumerate(ops) if op == "stop_ranks")
+    assert fleet.job.state is JobState.RECOVERING
+    assert fleet.job.recovery is not None and fleet.job.recovery["phase"] == "stopped"
 
 
 async def test_a_node_that_fails_its_recheck_is_drained_even_if_the_job_was_cancelled(
-    tmp_path: Path,
+    make_fleet: MakeFleet,
 ) -> None:
-    fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2"])
-    fleet.burn_in["n1"] = FAILED
-    fleet.burn_ins_answer.clear()
-    try:
-        diverge(fleet)
-        await fleet.until(lambda: len(fleet.ops("burn_in")) == 2)
-        fleet.ctl.cancel(fleet.job.id)
-        fleet.burn_ins_answer.set()
+    fleet = sdc_fleet(make_fleet, ["n0", "n1", "n2"])
+    fleet.answer("burn_in", node="n1", result=FAILED)
+    burn_ins = fleet.hold("burn_in")
+    diverge(fleet)
+    await fleet.until(lambda: len(fleet.ops("burn_in")) == 2)
+    fleet.ctl.cancel(fleet.job.id)
+    burn_ins.set()
 
-        await fleet.until(lambda: fleet.registry.nodes["n1"].drain is not None)
-        drain = fleet.registry.nodes["n1"].drain
-        assert drain is not None and drain.reason.startswith("sdc_suspect: ")
-        assert fleet.registry.nodes["n0"].drain is None
-        await fleet.until(lambda: fleet.job.state.final)
-    finally:
-        await fleet.close()
+    await fleet.until(lambda: fleet.registry.nodes["n1"].drain is not None)
+    drain = fleet.registry.nodes["n1"].drain
+    assert drain is not None and drain.reason.startswith("sdc_suspect: ")
+    assert fleet.registry.nodes["n0"].drain is None
+    await fleet.until(lambda: fleet.job.state.final)
 
 
 async def test_the_agreed_step_is_kept_with_the_job_and_a_new_board_starts_there(
-    tmp_path: Path,
+    make_fleet: MakeFleet,
 ) -> None:
     # A restarted supervisor (a new watch, a new board) must not void the whole run at
     # the first divergence: it starts from the step the job's record says agreed.
-    fleet = sdc_fleet(tmp_path, ["n0", "n1", "n2"])
-    try:
-        digests(fleet, 5, {0: 10, 1: 11, 2: 10, 3: 11})
-        assert fleet.job.sdc_agreed == 5
-        assert Job.from_record(fleet.job.id, fleet.job.record()).sdc_agreed == 5
-        fleet.ctl.sdc.forget(fleet.job.id)  # as after a restart
+    fleet = sdc_fleet(make_fleet, ["n0", "n1", "n2"])
+    digests(fleet, 5, {0: 10, 1: 11, 2: 10, 3: 11})
+    assert fleet.job.sdc_agreed == 5
+    assert Job.from_record(fleet.job.id, fleet.job.record()).sdc_agreed == 5
+    fleet.ctl.sdc.forget(fleet.job.id)  # as after a restart
 
-        digests(fleet, 10, {0: 20, 1: 21, 2: 99, 3: 21})
-        await fleet.until(lambda: fleet.job.generation == 2)
-        voided = [e.detail for e in fleet.store.events(job=fleet.job.id) if e.kind == "ckpt_voided"]
-        assert [v["after"] for v in voided] == [6]  # not -1
-    finally:
-        await fleet.close()
+    digests(fleet, 10, {0: 20, 1: 21, 2: 99, 3: 21})
+    await fleet.until(lambda: fleet.job.generation == 2)
+    voided = [e.detail for e in fleet.store.events(job=fleet.job.id) if e.kind == "ckpt_voided"]
+    assert [v["after"] for v in voided] == [6]  # not -1
 
 
 def test_a_generations_floor_is_no_newer_than_the_step_it_restored() -> None:

@@ -8,7 +8,6 @@ series as the metrics channel writes it (an I/O boundary).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from supervisor.jobs import Job, JobState
 from supervisor.sweeps import Sweep, SweepState
 from supervisor.telemetry.rows import SeriesRows
 from supervisor.telemetry.series import Point
+from tests.wait import until
 
 TOKEN = "bootstrap-token-0123456789abcdef"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -95,10 +95,7 @@ def trials(sup: Supervisor, sw: Sweep) -> list[dict[str, Any]]:
 
 async def settle(sup: Supervisor) -> None:
     """Let the controller's tasks (a pruned trial's stop) finish."""
-    for _ in range(100):
-        if not len(sup.jobs.tasks):
-            return
-        await asyncio.sleep(0.01)
+    await until(lambda: not len(sup.jobs.tasks), 5.0, "the controller's tasks to finish")
 
 
 def test_a_sweep_runs_parallelism_trials_at_once_each_a_job_with_its_params(
