@@ -33,6 +33,7 @@ from typing import Any
 from phalanx import wire
 from phalanx.jobspec import JobSpec
 from supervisor.errors import IllegalTransition
+from supervisor.records import Incident, Recovery
 
 
 class JobState(enum.StrEnum):
@@ -123,8 +124,8 @@ class Job:
     # last), the one in progress (persisted: a restarted supervisor finishes it), and
     # when the job first started (for its ETTR).
     restarts: int = 0
-    incidents: list[dict[str, Any]] = field(default_factory=list)
-    recovery: dict[str, Any] | None = None
+    incidents: list[Incident] = field(default_factory=list)
+    recovery: Recovery | None = None
     first_started_at: float | None = None
     # Seconds the generations before the current one ran since the job last started
     # (recoveries keep counting against max_runtime; a preemption starts it afresh).
@@ -286,8 +287,8 @@ class Job:
             "max_restarts": self.spec.restart.max_restarts,
             "rollbacks": sum(1 for r in self.rollbacks if r.get("kind") != "sdc"),
             "skipped_steps": [r["skip"] for r in self.rollbacks if r.get("skip")],
-            "recovery": self.recovery,
-            "incidents": self.incidents[-MAX_INCIDENTS_SHOWN:],
+            "recovery": self.recovery.to_record() if self.recovery is not None else None,
+            "incidents": [i.to_record() for i in self.incidents[-MAX_INCIDENTS_SHOWN:]],
             "goodput": self.goodput(),
             "summary": summary,
             "spec": self.spec.redacted(),
@@ -365,16 +366,16 @@ class Job:
             }
         end = self.ended_at or (now if now is not None else time.time())
         wall = max(end - self.first_started_at, 1e-9)
-        down = sum(i.get("downtime_s") or 0.0 for i in self.incidents)
-        work = sum(i.get("lost_work_s") or 0.0 for i in self.incidents)
-        unknown = sum(1 for i in self.incidents if "lost_work_s" in i and i["lost_work_s"] is None)
+        down = sum(i.downtime_s or 0.0 for i in self.incidents)
+        work = sum(i.lost_work_s or 0.0 for i in self.incidents)
+        unknown = sum(1 for i in self.incidents if i.has("lost_work_s") and i.lost_work_s is None)
         # downtime to the start acks only: the first step never came (or not yet)
         untimed = any(
-            i.get("outcome") == "recovered" and "mttr_s" in i and i["mttr_s"] is None
+            i.outcome == "recovered" and i.has("mttr_s") and i.mttr_s is None
             for i in self.incidents
         )
-        if self.recovery is not None and self.recovery.get("detected_at"):
-            down += max(0.0, end - self.recovery["detected_at"])  # the one going on now
+        if self.recovery is not None and self.recovery.detected_at:
+            down += max(0.0, end - self.recovery.detected_at)  # the one going on now
         lost = min(wall, down + work)
         return {
             "ettr": round((wall - lost) / wall, 4),
@@ -404,8 +405,8 @@ class Job:
             "preemptions": self.preemptions,
             "history": self.history[-100:],
             "restarts": self.restarts,
-            "incidents": self.incidents[-MAX_INCIDENTS_KEPT:],
-            "recovery": self.recovery,
+            "incidents": [i.to_record() for i in self.incidents[-MAX_INCIDENTS_KEPT:]],
+            "recovery": self.recovery.to_record() if self.recovery is not None else None,
             "first_started_at": self.first_started_at,
             "ran_before_s": self.ran_before_s,
             "progress": self.progress,
@@ -416,6 +417,7 @@ class Job:
 
     @classmethod
     def from_record(cls, job_id: str, rec: dict[str, Any]) -> Job:
+        recovery = rec.get("recovery")
         return cls(
             id=job_id,
             spec=JobSpec.model_validate(rec["spec"]),
@@ -434,8 +436,8 @@ class Job:
             preemptions=rec.get("preemptions", 0),
             history=rec.get("history", []),
             restarts=rec.get("restarts", 0),
-            incidents=list(rec.get("incidents", [])),
-            recovery=rec.get("recovery"),
+            incidents=[Incident.from_record(i) for i in rec.get("incidents", [])],
+            recovery=Recovery.from_record(recovery) if recovery is not None else None,
             first_started_at=rec.get("first_started_at"),
             ran_before_s=rec.get("ran_before_s", 0.0),
             progress=dict(rec.get("progress", {})),

@@ -136,8 +136,8 @@ class JobController:
                 # A recovery's launch, its outcome unknown: the recovery runs again (its
                 # stop first), once the nodes had a chance to re-announce themselves.
                 # The generation it launched is the one to stop now.
-                job.recovery["phase"] = "plan"
-                job.recovery["generation"] = job.generation
+                job.recovery.phase = "plan"
+                job.recovery.generation = job.generation
                 self.move(job, JobState.RECOVERING, "supervisor restarted during recovery")
                 self.spawn(job, self._after_settling(job))
             elif job.state is JobState.RECOVERING:
@@ -528,7 +528,7 @@ class JobController:
             assert rank0.birth is not None
             job.master_addr = rank0.birth.address
             # A recovery's launch is timed step by step (its incident's phases).
-            timed = job.recovery.setdefault("phases", {}) if job.recovery is not None else {}
+            timed = job.recovery.phases if job.recovery is not None else {}
             t0 = time.perf_counter()
             port = self.registry.take_port(nodes[0])
             if port is None:
@@ -569,7 +569,7 @@ class JobController:
             if problems:
                 raise LaunchError("; ".join(problems), failed[0])
             if job.recovery is not None:
-                job.recovery["cold_ranks"] = cold_ranks(
+                job.recovery.cold_ranks = cold_ranks(
                     [a for a in acks if isinstance(a, wire.CommandAck)]
                 )
         except asyncio.CancelledError:

@@ -23,6 +23,7 @@ from supervisor.config import SupervisorSettings
 from supervisor.control.controller import JobController
 from supervisor.fleet.registry import Registry
 from supervisor.jobs import Job, JobState, RankPlace
+from supervisor.records import Recovery
 from supervisor.recovery.planner import Failure, FailureKind
 from supervisor.store import Store
 from tests.unit.supervisor.test_dashboard_auth import birth
@@ -175,7 +176,7 @@ def test_no_growth_onto_drained_nodes(grown: Grown) -> None:
 
 
 def test_no_growth_while_the_job_recovers_and_the_count_starts_again_after(grown: Grown) -> None:
-    grown.job.recovery = {"failures": [], "generation": 2}  # recovering: it plans itself
+    grown.job.recovery = Recovery(2, [], 0.0, 0.0)  # recovering: it plans itself
     grown.commit(10)
     grown.ctl.check_growth()
     grown.commit(20)

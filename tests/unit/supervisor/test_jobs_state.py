@@ -11,6 +11,7 @@ import pytest
 from phalanx.jobspec import JobSpec, validate_spec
 from supervisor.errors import IllegalTransition
 from supervisor.jobs import TRANSITIONS, Job, JobState, RankPlace
+from supervisor.records import Incident
 
 LEGAL = sorted((frm, to) for frm, tos in TRANSITIONS.items() for to in tos)
 ILLEGAL = sorted(
@@ -336,7 +337,7 @@ def test_step_time_comes_from_the_first_and_last_step_heard_of() -> None:
 def test_goodput_counts_each_incidents_downtime_and_lost_work_against_wall_time() -> None:
     job = make_job(JobState.RUNNING)
     job.first_started_at = 1000.0
-    job.incidents = [{"downtime_s": 6.0, "lost_work_s": 4.0}]
+    job.incidents = [Incident.from_record({"downtime_s": 6.0, "lost_work_s": 4.0})]
 
     view = job.goodput(now=1100.0)
 
@@ -347,7 +348,9 @@ def test_an_incident_whose_lost_work_is_unknown_makes_the_ettr_an_upper_bound() 
     job = make_job(JobState.RUNNING)
     job.first_started_at = 1000.0
     job.incidents = [
-        {"outcome": "recovered", "downtime_s": 6.0, "lost_work_s": None, "mttr_s": None}
+        Incident.from_record(
+            {"outcome": "recovered", "downtime_s": 6.0, "lost_work_s": None, "mttr_s": None}
+        )
     ]
 
     view = job.goodput(now=1100.0)
@@ -358,7 +361,11 @@ def test_an_incident_whose_lost_work_is_unknown_makes_the_ettr_an_upper_bound() 
 def test_incidents_with_known_lost_work_and_mttr_give_an_exact_ettr() -> None:
     job = make_job(JobState.RUNNING)
     job.first_started_at = 1000.0
-    job.incidents = [{"outcome": "recovered", "downtime_s": 6.0, "lost_work_s": 0.0, "mttr_s": 6}]
+    job.incidents = [
+        Incident.from_record(
+            {"outcome": "recovered", "downtime_s": 6.0, "lost_work_s": 0.0, "mttr_s": 6}
+        )
+    ]
 
     assert job.goodput(now=1100.0)["ettr_upper_bound"] is False
 

@@ -153,7 +153,7 @@ async def test_a_relaunch_sends_its_starts_once_every_stop_is_acknowledged(
         await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
         assert sorted(fleet.ops("start_ranks")) == [("n0", 2), ("n1", 2), ("n2", 2)]
         assert fleet.job.generation == 2 and fleet.job.restarts == 1
-        phases = fleet.job.incidents[-1]["phases"]
+        phases = fleet.job.incidents[-1].phases
         assert {"plan", "stop", "port", "catalogs", "starts"} <= set(phases)
     finally:
         await fleet.close()
@@ -176,7 +176,7 @@ async def test_a_relaunchs_incident_names_the_ranks_launched_cold_and_why(
         )
         await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
 
-        assert fleet.job.incidents[-1]["cold_ranks"] == {
+        assert fleet.job.incidents[-1].cold_ranks == {
             "its warm interpreter was still importing": "2"
         }
         # An agent that says nothing of it (older than warm interpreters): unknown.
@@ -186,7 +186,7 @@ async def test_a_relaunchs_incident_names_the_ranks_launched_cold_and_why(
         )
         await fleet.until(lambda: fleet.job.generation == 3)
         await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
-        assert fleet.job.incidents[-1]["cold_ranks"] is None
+        assert fleet.job.incidents[-1].cold_ranks is None
     finally:
         await fleet.close()
 
@@ -253,11 +253,11 @@ async def test_a_recovery_that_waits_for_a_node_has_its_stops_acknowledged_first
         await fleet.until(lambda: len(fleet.ops("stop_ranks")) == 2)
         await asyncio.sleep(0.2)
         assert fleet.job.recovery is not None
-        assert fleet.job.recovery.get("phase") in (None, "plan")  # still stopping
+        assert fleet.job.recovery.phase == "plan"  # still stopping
         assert fleet.ops("start_ranks") == []
 
         fleet.stops_acked.set()
-        await fleet.until(lambda: fleet.job.recovery.get("phase") == "stopped")  # type: ignore[union-attr]
+        await fleet.until(lambda: fleet.job.recovery.phase == "stopped")  # type: ignore[union-attr]
         assert fleet.ops("start_ranks") == []  # nothing to start on: it waits
     finally:
         await fleet.close()
