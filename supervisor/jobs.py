@@ -101,6 +101,39 @@ class RankPlace:
         return f"rank {self.rank} on node {self.node} exited with code {self.code}"
 
 
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One move of a job's state machine (``Job.history``): when, from, to, and why."""
+
+    at: float
+    from_: JobState
+    to: JobState
+    why: str = ""
+
+    def to_record(self) -> dict[str, Any]:
+        return {"at": self.at, "from": self.from_.value, "to": self.to.value, "why": self.why}
+
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any]) -> Transition:
+        return cls(rec["at"], JobState(rec["from"]), JobState(rec["to"]), rec.get("why", ""))
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """Why a job waits (``Job.waiting``): the scheduler's reason (``resources``,
+    ``preemption``, ...) or a recovery's (``no_spare``), and its detail for a person."""
+
+    reason: str
+    detail: str
+
+    def to_record(self) -> dict[str, Any]:
+        return {"reason": self.reason, "detail": self.detail}
+
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any]) -> Waiting:
+        return cls(rec.get("reason", ""), rec.get("detail", ""))
+
+
 @dataclass
 class Job:
     id: str
@@ -114,12 +147,12 @@ class Job:
     submitted_at: float = field(default_factory=time.time)
     started_at: float | None = None
     ended_at: float | None = None
-    waiting: dict[str, Any] | None = None
+    waiting: Waiting | None = None
     # Where a stop leads, and why (shown as the job's reason once it ends).
     stop_target: JobState | None = None
     reason: str = ""
     preemptions: int = 0
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: list[Transition] = field(default_factory=list)
     # Recovery: restarts used, every incident with its phases and lost work (newest
     # last), the one in progress (persisted: a restarted supervisor finishes it), and
     # when the job first started (for its ETTR).
@@ -250,9 +283,7 @@ class Job:
     def move(self, to: JobState, why: str = "") -> None:
         if to not in TRANSITIONS[self.state]:
             raise IllegalTransition(self.id, self.state, to)
-        self.history.append(
-            {"at": time.time(), "from": self.state.value, "to": to.value, "why": why}
-        )
+        self.history.append(Transition(time.time(), self.state, to, why))
         self.state = to
         if to.final:
             self.ended_at = time.time()
@@ -280,7 +311,7 @@ class Job:
             "started_at": self.started_at,  # this generation's start
             "first_started_at": self.first_started_at,  # the first generation's
             "ended_at": self.ended_at,
-            "waiting": self.waiting,
+            "waiting": self.waiting.to_record() if self.waiting is not None else None,
             "reason": self.reason or None,
             "preemptions": self.preemptions,
             "restarts": self.restarts,
@@ -399,11 +430,11 @@ class Job:
             "submitted_at": self.submitted_at,
             "started_at": self.started_at,
             "ended_at": self.ended_at,
-            "waiting": self.waiting,
+            "waiting": self.waiting.to_record() if self.waiting is not None else None,
             "stop_target": self.stop_target.value if self.stop_target else None,
             "reason": self.reason,
             "preemptions": self.preemptions,
-            "history": self.history[-100:],
+            "history": [t.to_record() for t in self.history[-100:]],
             "restarts": self.restarts,
             "incidents": [i.to_record() for i in self.incidents[-MAX_INCIDENTS_KEPT:]],
             "recovery": self.recovery.to_record() if self.recovery is not None else None,
@@ -417,7 +448,7 @@ class Job:
 
     @classmethod
     def from_record(cls, job_id: str, rec: dict[str, Any]) -> Job:
-        recovery = rec.get("recovery")
+        waiting, recovery = rec.get("waiting"), rec.get("recovery")
         return cls(
             id=job_id,
             spec=JobSpec.model_validate(rec["spec"]),
@@ -430,11 +461,11 @@ class Job:
             submitted_at=rec["submitted_at"],
             started_at=rec.get("started_at"),
             ended_at=rec.get("ended_at"),
-            waiting=rec.get("waiting"),
+            waiting=Waiting.from_record(waiting) if waiting is not None else None,
             stop_target=JobState(rec["stop_target"]) if rec.get("stop_target") else None,
             reason=rec.get("reason", ""),
             preemptions=rec.get("preemptions", 0),
-            history=rec.get("history", []),
+            history=[Transition.from_record(t) for t in rec.get("history", [])],
             restarts=rec.get("restarts", 0),
             incidents=[Incident.from_record(i) for i in rec.get("incidents", [])],
             recovery=Recovery.from_record(recovery) if recovery is not None else None,

@@ -32,7 +32,7 @@ from supervisor.errors import LaunchError, Refused, UnknownJob
 from supervisor.fleet.burnin import BurnIns, Screening
 from supervisor.fleet.commands import CommandSender
 from supervisor.fleet.registry import NodeState, Registry
-from supervisor.jobs import Job, JobState, RankPlace
+from supervisor.jobs import Job, JobState, RankPlace, Waiting
 from supervisor.recovery import rollbacks
 from supervisor.recovery.executor import BURN_IN_TIMEOUT_S, Recoveries
 from supervisor.recovery.incidents import Incidents, cold_ranks
@@ -471,7 +471,7 @@ class JobController:
             self.burnins.start(spare)  # a spare is burned in as it enters the pool
         for wait in decisions.waits:
             job = self.jobs[wait.job_id]
-            waiting = {"reason": wait.reason.value, "detail": wait.detail}
+            waiting = Waiting(wait.reason.value, wait.detail)
             if job.waiting != waiting:
                 job.waiting = waiting
                 self.save(job)
@@ -493,10 +493,9 @@ class JobController:
             job = self.jobs[start.job_id]
             if start.preempts:
                 # Its nodes free up once the victims stop; a later pass places it.
-                job.waiting = {
-                    "reason": "preemption",
-                    "detail": f"waiting for {', '.join(start.preempts)} to stop",
-                }
+                job.waiting = Waiting(
+                    "preemption", f"waiting for {', '.join(start.preempts)} to stop"
+                )
                 self.save(job)
                 continue
             if job.state is JobState.PENDING and job.id not in self._busy:

@@ -37,7 +37,7 @@ from supervisor.actuator import JobControl
 from supervisor.errors import RegistryError
 from supervisor.fleet.burnin import JOIN_PROBES_S, ROUND_PROBES_S
 from supervisor.fleet.registry import NodeState
-from supervisor.jobs import Job, JobState
+from supervisor.jobs import Job, JobState, Waiting
 from supervisor.records import Awaiting, Recheck, Recovery
 from supervisor.recovery import rollbacks
 from supervisor.recovery.incidents import (
@@ -613,7 +613,7 @@ class Recoveries:
         if rec.wait_since is None:
             rec.wait_since = time.time()
         since = rec.wait_since
-        waiting = {"reason": "no_spare", "detail": plan.reason}
+        waiting = Waiting("no_spare", plan.reason)
         if job.waiting != waiting:
             job.waiting = waiting
             self.ctl.save(job)

@@ -10,7 +10,7 @@ import pytest
 
 from phalanx.jobspec import JobSpec, validate_spec
 from supervisor.errors import IllegalTransition
-from supervisor.jobs import TRANSITIONS, Job, JobState, RankPlace
+from supervisor.jobs import TRANSITIONS, Job, JobState, RankPlace, Transition, Waiting
 from supervisor.records import Incident
 
 LEGAL = sorted((frm, to) for frm, tos in TRANSITIONS.items() for to in tos)
@@ -83,8 +83,8 @@ def test_legal_transition_moves_and_records_history(pair: tuple[JobState, JobSta
     job.move(to, "because")
     assert job.state is to
     (entry,) = job.history
-    assert (entry["from"], entry["to"], entry["why"]) == (frm.value, to.value, "because")
-    assert isinstance(entry["at"], float)
+    assert (entry.from_, entry.to, entry.why) == (frm, to, "because")
+    assert isinstance(entry.at, float)
 
 
 @pytest.mark.parametrize("pair", ILLEGAL, ids=pair_id)
@@ -136,7 +136,7 @@ def test_whole_life_is_recorded_in_order() -> None:
         JobState.SUCCEEDED,
     ):
         job.move(to)
-    assert [h["to"] for h in job.history] == [
+    assert [h.to for h in job.history] == [
         "starting",
         "running",
         "stopping",
@@ -189,7 +189,7 @@ def busy_job() -> Job:
     ]
     job.master_addr, job.master_port = "10.0.0.1", 29500
     job.started_at = 1_000.0
-    job.waiting = {"reason": "resources", "detail": "needs 2 nodes"}
+    job.waiting = Waiting("resources", "needs 2 nodes")
     job.stop_target = JobState.FAILED
     job.reason = "rank 1 on node n1 exited with code 1"
     job.preemptions = 2
@@ -211,7 +211,7 @@ def test_round_trip_keeps_ranks_exits_waiting_and_stop_target() -> None:
         (2, "n2", 0, None, 9, False),
         (3, "n2", 1, None, None, True),
     ]
-    assert again.waiting == {"reason": "resources", "detail": "needs 2 nodes"}
+    assert again.waiting == Waiting("resources", "needs 2 nodes")
     assert again.stop_target is JobState.FAILED
     assert again.state is JobState.STOPPING
 
@@ -230,7 +230,7 @@ def test_record_keeps_the_secret_reference_not_a_value() -> None:
 
 def test_record_keeps_only_the_last_hundred_history_entries() -> None:
     job = make_job()
-    job.history = [{"at": float(i), "from": "a", "to": "b", "why": ""} for i in range(150)]
+    job.history = [Transition(float(i), JobState.PENDING, JobState.STARTING) for i in range(150)]
     kept = job.record()["history"]
     assert [h["at"] for h in kept] == [float(i) for i in range(50, 150)]
 
