@@ -9,7 +9,8 @@
     checkpoints/                          the catalog of committed steps, its publisher
     fleet/                                registry, burn-in, commands, MTBF
     telemetry/, auth/, scheduler/         training metrics; tokens and roles; the pure scheduler
-    jobs, store, config, errors           the job record, the SQLite store, settings, errors
+    jobs, records, store, config, errors  the job record and its typed records, the SQLite
+                                          store, settings, errors
 
 A module imports only from its own wing or from a line below it
 (``tests/unit/supervisor/test_imports.py`` holds every import to this). docs/architecture.md

@@ -141,7 +141,7 @@ class Actuator:
             rank0 = self.registry.get(nodes[0])
             assert rank0.birth is not None
             job.master_addr = rank0.birth.address
-            timed = job.recovery.setdefault("phases", {}) if job.recovery is not None else {}
+            timed = job.recovery.phases if job.recovery is not None else {}
             t0 = time.perf_counter()
             port = self.registry.take_port(nodes[0])
             if port is None:
@@ -182,7 +182,7 @@ class Actuator:
             if problems:
                 raise LaunchError("; ".join(problems), failed[0])
             if job.recovery is not None:
-                job.recovery["cold_ranks"] = cold_ranks(
+                job.recovery.cold_ranks = cold_ranks(
                     [a for a in acks if isinstance(a, wire.CommandAck)]
                 )
         except asyncio.CancelledError:

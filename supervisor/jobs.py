@@ -33,6 +33,7 @@ from typing import Any
 from phalanx import wire
 from phalanx.jobspec import JobSpec
 from supervisor.errors import IllegalTransition
+from supervisor.records import Incident, Recovery
 
 
 class JobState(enum.StrEnum):
@@ -100,6 +101,39 @@ class RankPlace:
         return f"rank {self.rank} on node {self.node} exited with code {self.code}"
 
 
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One move of a job's state machine (``Job.history``): when, from, to, and why."""
+
+    at: float
+    from_: JobState
+    to: JobState
+    why: str = ""
+
+    def to_record(self) -> dict[str, Any]:
+        return {"at": self.at, "from": self.from_.value, "to": self.to.value, "why": self.why}
+
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any]) -> Transition:
+        return cls(rec["at"], JobState(rec["from"]), JobState(rec["to"]), rec.get("why", ""))
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """Why a job waits (``Job.waiting``): the scheduler's reason (``resources``,
+    ``preemption``, ...) or a recovery's (``no_spare``), and its detail for a person."""
+
+    reason: str
+    detail: str
+
+    def to_record(self) -> dict[str, Any]:
+        return {"reason": self.reason, "detail": self.detail}
+
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any]) -> Waiting:
+        return cls(rec.get("reason", ""), rec.get("detail", ""))
+
+
 @dataclass
 class Job:
     id: str
@@ -113,18 +147,18 @@ class Job:
     submitted_at: float = field(default_factory=time.time)
     started_at: float | None = None
     ended_at: float | None = None
-    waiting: dict[str, Any] | None = None
+    waiting: Waiting | None = None
     # Where a stop leads, and why (shown as the job's reason once it ends).
     stop_target: JobState | None = None
     reason: str = ""
     preemptions: int = 0
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: list[Transition] = field(default_factory=list)
     # Recovery: restarts used, every incident with its phases and lost work (newest
     # last), the one in progress (persisted: a restarted supervisor finishes it), and
     # when the job first started (for its ETTR).
     restarts: int = 0
-    incidents: list[dict[str, Any]] = field(default_factory=list)
-    recovery: dict[str, Any] | None = None
+    incidents: list[Incident] = field(default_factory=list)
+    recovery: Recovery | None = None
     first_started_at: float | None = None
     # Seconds the generations before the current one ran since the job last started
     # (recoveries keep counting against max_runtime; a preemption starts it afresh).
@@ -249,9 +283,7 @@ class Job:
     def move(self, to: JobState, why: str = "") -> None:
         if to not in TRANSITIONS[self.state]:
             raise IllegalTransition(self.id, self.state, to)
-        self.history.append(
-            {"at": time.time(), "from": self.state.value, "to": to.value, "why": why}
-        )
+        self.history.append(Transition(time.time(), self.state, to, why))
         self.state = to
         if to.final:
             self.ended_at = time.time()
@@ -279,15 +311,15 @@ class Job:
             "started_at": self.started_at,  # this generation's start
             "first_started_at": self.first_started_at,  # the first generation's
             "ended_at": self.ended_at,
-            "waiting": self.waiting,
+            "waiting": self.waiting.to_record() if self.waiting is not None else None,
             "reason": self.reason or None,
             "preemptions": self.preemptions,
             "restarts": self.restarts,
             "max_restarts": self.spec.restart.max_restarts,
             "rollbacks": sum(1 for r in self.rollbacks if r.get("kind") != "sdc"),
             "skipped_steps": [r["skip"] for r in self.rollbacks if r.get("skip")],
-            "recovery": self.recovery,
-            "incidents": self.incidents[-MAX_INCIDENTS_SHOWN:],
+            "recovery": self.recovery.to_record() if self.recovery is not None else None,
+            "incidents": [i.to_record() for i in self.incidents[-MAX_INCIDENTS_SHOWN:]],
             "goodput": self.goodput(),
             "summary": summary,
             "spec": self.spec.redacted(),
@@ -365,16 +397,16 @@ class Job:
             }
         end = self.ended_at or (now if now is not None else time.time())
         wall = max(end - self.first_started_at, 1e-9)
-        down = sum(i.get("downtime_s") or 0.0 for i in self.incidents)
-        work = sum(i.get("lost_work_s") or 0.0 for i in self.incidents)
-        unknown = sum(1 for i in self.incidents if "lost_work_s" in i and i["lost_work_s"] is None)
+        down = sum(i.downtime_s or 0.0 for i in self.incidents)
+        work = sum(i.lost_work_s or 0.0 for i in self.incidents)
+        unknown = sum(1 for i in self.incidents if i.has("lost_work_s") and i.lost_work_s is None)
         # downtime to the start acks only: the first step never came (or not yet)
         untimed = any(
-            i.get("outcome") == "recovered" and "mttr_s" in i and i["mttr_s"] is None
+            i.outcome == "recovered" and i.has("mttr_s") and i.mttr_s is None
             for i in self.incidents
         )
-        if self.recovery is not None and self.recovery.get("detected_at"):
-            down += max(0.0, end - self.recovery["detected_at"])  # the one going on now
+        if self.recovery is not None and self.recovery.detected_at:
+            down += max(0.0, end - self.recovery.detected_at)  # the one going on now
         lost = min(wall, down + work)
         return {
             "ettr": round((wall - lost) / wall, 4),
@@ -398,14 +430,14 @@ class Job:
             "submitted_at": self.submitted_at,
             "started_at": self.started_at,
             "ended_at": self.ended_at,
-            "waiting": self.waiting,
+            "waiting": self.waiting.to_record() if self.waiting is not None else None,
             "stop_target": self.stop_target.value if self.stop_target else None,
             "reason": self.reason,
             "preemptions": self.preemptions,
-            "history": self.history[-100:],
+            "history": [t.to_record() for t in self.history[-100:]],
             "restarts": self.restarts,
-            "incidents": self.incidents[-MAX_INCIDENTS_KEPT:],
-            "recovery": self.recovery,
+            "incidents": [i.to_record() for i in self.incidents[-MAX_INCIDENTS_KEPT:]],
+            "recovery": self.recovery.to_record() if self.recovery is not None else None,
             "first_started_at": self.first_started_at,
             "ran_before_s": self.ran_before_s,
             "progress": self.progress,
@@ -416,6 +448,7 @@ class Job:
 
     @classmethod
     def from_record(cls, job_id: str, rec: dict[str, Any]) -> Job:
+        waiting, recovery = rec.get("waiting"), rec.get("recovery")
         return cls(
             id=job_id,
             spec=JobSpec.model_validate(rec["spec"]),
@@ -428,14 +461,14 @@ class Job:
             submitted_at=rec["submitted_at"],
             started_at=rec.get("started_at"),
             ended_at=rec.get("ended_at"),
-            waiting=rec.get("waiting"),
+            waiting=Waiting.from_record(waiting) if waiting is not None else None,
             stop_target=JobState(rec["stop_target"]) if rec.get("stop_target") else None,
             reason=rec.get("reason", ""),
             preemptions=rec.get("preemptions", 0),
-            history=rec.get("history", []),
+            history=[Transition.from_record(t) for t in rec.get("history", [])],
             restarts=rec.get("restarts", 0),
-            incidents=list(rec.get("incidents", [])),
-            recovery=rec.get("recovery"),
+            incidents=[Incident.from_record(i) for i in rec.get("incidents", [])],
+            recovery=Recovery.from_record(recovery) if recovery is not None else None,
             first_started_at=rec.get("first_started_at"),
             ran_before_s=rec.get("ran_before_s", 0.0),
             progress=dict(rec.get("progress", {})),

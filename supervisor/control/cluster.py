@@ -55,8 +55,9 @@ def cluster_state(
     for job in jobs:
         spec = job.spec
         held = list(job.nodes)
-        if job.recovery is not None:  # the nodes its relaunch will use are held too
-            held += [n for n in (job.recovery.get("plan") or {}).get("nodes", []) if n not in held]
+        if job.recovery is not None and job.recovery.plan is not None:
+            # the nodes its relaunch will use are held too
+            held += [n for n in job.recovery.plan.nodes if n not in held]
         if job.state.holds_nodes and all(n in known for n in held):
             running.append(
                 RunningJob(

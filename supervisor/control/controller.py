@@ -33,7 +33,7 @@ from supervisor.errors import Refused, UnknownJob
 from supervisor.fleet.burnin import BurnIns, Screening
 from supervisor.fleet.commands import CommandSender
 from supervisor.fleet.registry import NodeState, Registry
-from supervisor.jobs import Job, JobState, RankPlace
+from supervisor.jobs import Job, JobState, RankPlace, Waiting
 from supervisor.recovery import intake, rollbacks
 from supervisor.recovery.executor import BURN_IN_TIMEOUT_S, HANG_COLLECT_FLIGHT_S, Recoveries
 from supervisor.recovery.incidents import Incidents
@@ -154,8 +154,8 @@ class JobController:
                 # A recovery's launch, its outcome unknown: the recovery runs again (its
                 # stop first), once the nodes had a chance to re-announce themselves.
                 # The generation it launched is the one to stop now.
-                job.recovery["phase"] = "plan"
-                job.recovery["generation"] = job.generation
+                job.recovery.phase = "plan"
+                job.recovery.generation = job.generation
                 self.move(job, JobState.RECOVERING, "supervisor restarted during recovery")
                 self.spawn(job, self._recover(job, settle=True))
             elif job.state is JobState.RECOVERING:
@@ -524,7 +524,7 @@ class JobController:
             self.burnins.start(spare)  # a spare is burned in as it enters the pool
         for wait in decisions.waits:
             job = self.jobs[wait.job_id]
-            waiting = {"reason": wait.reason.value, "detail": wait.detail}
+            waiting = Waiting(wait.reason.value, wait.detail)
             if job.waiting != waiting:
                 job.waiting = waiting
                 self.save(job)
@@ -546,10 +546,9 @@ class JobController:
             job = self.jobs[start.job_id]
             if start.preempts:
                 # Its nodes free up once the victims stop; a later pass places it.
-                job.waiting = {
-                    "reason": "preemption",
-                    "detail": f"waiting for {', '.join(start.preempts)} to stop",
-                }
+                job.waiting = Waiting(
+                    "preemption", f"waiting for {', '.join(start.preempts)} to stop"
+                )
                 self.save(job)
                 continue
             if job.state is JobState.PENDING and job.id not in self._busy:

@@ -60,7 +60,9 @@ class GangOrders:
         warm = wire.WarmPlan(imports=list(spec.restart.warm_imports)) if spec.restart.warm else None
         # A recovery that left the survivors alive (parked by phalanx.rank.run) on some
         # of the gang's nodes: their agents resume them.
-        in_process = bool(spec.restart.in_process and (job.recovery or {}).get("kept"))
+        in_process = bool(
+            spec.restart.in_process and job.recovery is not None and job.recovery.kept
+        )
         return [
             wire.StartRanksArgs(
                 job=job.id,

@@ -33,15 +33,15 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence, Set
-from dataclasses import asdict, replace
-from typing import Any
+from dataclasses import replace
 
 from phalanx import wire
 from supervisor.actuator import Actuator, Launched
 from supervisor.errors import RegistryError
 from supervisor.fleet.burnin import JOIN_PROBES_S, ROUND_PROBES_S, BurnIns
 from supervisor.fleet.registry import NodeState
-from supervisor.jobs import Job, JobState
+from supervisor.jobs import Job, JobState, Waiting
+from supervisor.records import Awaiting, Recovery
 from supervisor.recovery import rollbacks
 from supervisor.recovery.incidents import (
     Incidents,
@@ -66,7 +66,7 @@ from supervisor.recovery.planner import (
     plan_recovery,
     plan_regrow,
 )
-from supervisor.recovery.sdc_watch import RECHECK, recheck
+from supervisor.recovery.sdc_watch import recheck
 
 log = logging.getLogger(__name__)
 
@@ -112,16 +112,17 @@ class Recoveries:
         if job.state is JobState.RUNNING and job.started_at is not None:
             # max_runtime counts every generation's run (a failed launch ran none)
             job.ran_before_s += max(0.0, (fault_at or now) - job.started_at)
-        job.recovery = {
-            "generation": job.generation,
-            "failures": [_failure_record(f) for f in (failure, *also)],
-            "fault_at": fault_at if fault_at is not None else now,
-            "detected_at": now,
-            "phase": "plan",
-            "phases": {"detect": round(max(0.0, now - (fault_at or now)), 3)},
-            "size": job.size(),  # of the generation it ends (an elastic job's changes)
-            **report.extra,
-        }
+        job.recovery = Recovery(
+            generation=job.generation,
+            failures=[failure, *also],
+            fault_at=fault_at if fault_at is not None else now,
+            detected_at=now,
+            phase="plan",
+            phases={"detect": round(max(0.0, now - (fault_at or now)), 3)},
+            size=job.size(),  # of the generation it ends (an elastic job's changes)
+            recheck=report.recheck,
+            guard=report.guard,
+        )
         job.reason = failure.describe()
         self.ctl.move(job, JobState.RECOVERING, job.reason)
         self.ctl.event(
@@ -146,28 +147,28 @@ class Recoveries:
         rec = job.recovery
         if rec is None or not _recovering(job):
             return None  # cancelled before it began
-        failures = [_failure(f) for f in rec["failures"]]
-        phases: dict[str, float] = rec.setdefault("phases", {})
-        old_generation = int(rec["generation"])
-        stopped = rec.get("phase") not in (None, "plan")
-        if RECHECK in rec:  # replicas diverged with no majority: which node is at fault?
+        failures = list(rec.failures)
+        phases = rec.phases
+        old_generation = rec.generation
+        stopped = rec.phase != "plan"
+        if rec.recheck is not None:  # replicas diverged with no majority: which node is at fault?
             if not stopped:
                 await self._stop(job, old_generation)  # the GPUs free for the recheck
                 stopped = True
             if not _recovering(job) or job.recovery is not rec:
                 return None
-            failures = await recheck(self.ctl, self.burnins, job, failures[0], rec[RECHECK])
+            failures = await recheck(self.ctl, self.burnins, job, failures[0], rec.recheck)
             if not _recovering(job) or job.recovery is not rec:
                 self._quarantine_rechecked(job, failures)  # cancelled meanwhile
                 return None
-            rec["failures"] = [_failure_record(f) for f in failures]
-            del rec[RECHECK]
+            rec.failures = list(failures)
+            rec.recheck = None
             self.ctl.save(job)
         while True:
             if not _recovering(job) or job.recovery is not rec:
                 return None  # cancelled meanwhile: that stop owns the job
             if (
-                time.time() - rec["detected_at"]
+                time.time() - rec.detected_at
                 > job.spec.restart.spare_wait
                 + BACKOFF_MAX_S
                 + BURN_IN_TIMEOUT_S
@@ -180,7 +181,7 @@ class Recoveries:
                         Action.FAIL,
                         "no recovery within restart.spare_wait "
                         f"({job.spec.restart.spare_wait:.0f}s): "
-                        f"{rec.get('plan', {}).get('reason', '')}",
+                        f"{rec.plan.reason if rec.plan is not None else ''}",
                         Cause.SOFTWARE,
                     ),
                 )
@@ -189,8 +190,8 @@ class Recoveries:
             plan = self.plan(job, failures)
             phases["plan"] = round(time.perf_counter() - t0, 4)
             record = plan_record(plan)
-            if record != rec.get("plan"):  # a waiting recovery plans again and again
-                rec["plan"] = record
+            if record != rec.plan:  # a waiting recovery plans again and again
+                rec.plan = record
                 self.ctl.save(job)
                 self.ctl.event(
                     "recovery_planned",
@@ -207,7 +208,7 @@ class Recoveries:
             self._quarantine(job, plan, failures)
             if not stopped:
                 kept = in_process_nodes(job, plan, failures)
-                rec["kept"] = sorted(kept)  # their survivors wait, parked, for the relaunch
+                rec.kept = sorted(kept)  # their survivors wait, parked, for the relaunch
                 await self._stop(job, old_generation, keep=kept)
                 stopped = True
             if not _recovering(job):
@@ -240,7 +241,7 @@ class Recoveries:
                 self.burnins.passed(b) and self._joins(job, plan, b) for _, b in plan.swaps
             ):
                 break
-        rec["plan"] = plan_record(plan)
+        rec.plan = plan_record(plan)
         await self._release_kept(job, plan, failures, old_generation)
         return await self._relaunch(job, plan)
 
@@ -251,13 +252,13 @@ class Recoveries:
         where the plan that goes ahead is not one (it changed while the recovery waited:
         a shrink, a failure) or leaves them out of the gang."""
         rec = job.recovery
-        kept = set(rec.get("kept", ())) if rec is not None else set()
+        kept = set(rec.kept or ()) if rec is not None else set()
         if not kept or rec is None:
             return
         still = in_process_nodes(job, plan, failures) if plan.action is not Action.FAIL else set()
         if kept - still:
             await self._stop_gang(job, old_generation, skip=set(job.nodes) - (kept - still))
-        rec["kept"] = sorted(kept & still)
+        rec.kept = sorted(kept & still)
 
     async def _stop(self, job: Job, old_generation: int, keep: Set[str] = frozenset()) -> None:
         """Stop the failed generation's gang, once per recovery (its ``stop`` phase), but
@@ -267,8 +268,8 @@ class Recoveries:
         assert rec is not None
         t0 = time.perf_counter()
         await self._stop_gang(job, old_generation, skip=keep)
-        rec.setdefault("phases", {})["stop"] = round(time.perf_counter() - t0, 3)
-        rec["phase"] = "stopped"
+        rec.phases["stop"] = round(time.perf_counter() - t0, 3)
+        rec.phase = "stopped"
         self.ctl.save(job)
 
     def _quarantine_rechecked(self, job: Job, failures: list[Failure]) -> None:
@@ -315,9 +316,9 @@ class Recoveries:
         for other in ctl.jobs.values():
             if other.id != job.id and other.state.holds_nodes:
                 busy.update(other.nodes)
-                if other.recovery is not None:  # held for its relaunch
-                    busy.update((other.recovery.get("plan") or {}).get("nodes", []))
-        rejected = set((job.recovery or {}).get("rejected", []))
+                if other.recovery is not None and other.recovery.plan is not None:
+                    busy.update(other.recovery.plan.nodes)  # held for its relaunch
+        rejected = set(job.recovery.rejected or ()) if job.recovery is not None else set()
         spares = set(ctl.spares)
         nodes: dict[str, NodeView] = {}
         for node in ctl.registry.nodes.values():
@@ -337,20 +338,20 @@ class Recoveries:
         committed, where = ctl.catalog.committed_view(job.id)
         history = tuple(
             PastFailure(
-                kind=FailureKind(f["kind"]),
-                node=f["node"],
-                rank=f.get("rank"),
-                code=f.get("code"),
-                signal=f.get("signal"),
-                step=f.get("step"),
-                restored_step=i.get("restored_step"),
-                from_restore=f.get("from_restore"),
+                kind=f.kind,
+                node=f.node,
+                rank=f.rank,
+                code=f.code,
+                signal=f.signal,
+                step=f.step,
+                restored_step=i.restored_step,
+                from_restore=f.from_restore,
             )
             for i in job.incidents
-            for f in i["failures"][:1]
-            if f["kind"] != FailureKind.GROW.value  # no failure
+            for f in i.failures[:1]
+            if f.kind is not FailureKind.GROW  # no failure
         )
-        detected = job.recovery["detected_at"] if job.recovery else time.time()
+        detected = job.recovery.detected_at if job.recovery else time.time()
         for f in failures:  # back after a clean shutdown (an upgrade): burn it in to reuse it
             known = ctl.registry.nodes.get(f.node)
             if f.kind in (FailureKind.GROW, FailureKind.SDC):
@@ -358,7 +359,9 @@ class Recoveries:
             if not f.quarantine and known is not None and known.state is NodeState.UP:
                 self.burnins.start(f.node)
         cleared = frozenset(n for n in job.nodes if self.burnins.passed_since(n, detected))
-        rec = job.recovery or {}
+        rec = job.recovery
+        quarantined = (rec.quarantined or []) if rec is not None else []
+        vetted = (rec.vetted or []) if rec is not None else []
         view = JobView(
             id=job.id,
             nodes=tuple(job.nodes),
@@ -369,8 +372,8 @@ class Recoveries:
             use_spares=job.spec.restart.use_spares,
             history=history,
             cleared=cleared,
-            quarantined=frozenset(n for n in rec.get("quarantined", []) if self._ours(job, n)),
-            vetted=frozenset(rec.get("vetted", [])),
+            quarantined=frozenset(n for n in quarantined if self._ours(job, n)),
+            vetted=frozenset(vetted),
             sizes=tuple(job.spec.elastic_sizes()) if job.spec.elastic is not None else (),
             shrink_first=job.spec.elastic is not None and job.spec.elastic.prefer == "shrink",
             shrink_blocked=shrink_blocked(job),
@@ -439,7 +442,9 @@ class Recoveries:
         that is theirs to make)."""
         why = "; ".join(f.describe() for f in failures)
         assert job.recovery is not None
-        done = job.recovery.setdefault("quarantined", [])
+        if job.recovery.quarantined is None:
+            job.recovery.quarantined = []
+        done = job.recovery.quarantined
         registry = self.ctl.registry
         nodes = registry.nodes
         # Nodes gone together by their wills are a broker or network event, not that many
@@ -493,7 +498,11 @@ class Recoveries:
         evidence that looks like software, no replacement); True when one passed."""
         rec = job.recovery
         assert rec is not None
-        tried, vetted = rec.setdefault("suspects_tried", []), rec.setdefault("vetted", [])
+        if rec.suspects_tried is None:
+            rec.suspects_tried = []
+        if rec.vetted is None:
+            rec.vetted = []
+        tried, vetted = rec.suspects_tried, rec.vetted
         passed_any = False
         for node in plan.burn_in:
             if node in tried:
@@ -523,7 +532,7 @@ class Recoveries:
                 self.burnins.reinstated(node_id)  # its pass stands: no second burn-in
             except RegistryError as exc:
                 log.warning("job %s: node %s not reinstated: %s", job.id, node_id, exc)
-                rec["vetted"] = [n for n in rec.get("vetted", []) if n != node_id]
+                rec.vetted = [n for n in rec.vetted or () if n != node_id]
                 self.ctl.save(job)
                 return False
             self.ctl.event(
@@ -539,8 +548,10 @@ class Recoveries:
         """Wait until the fleet changes; False when ``spare_wait`` ran out (job failed)."""
         rec = job.recovery
         assert rec is not None
-        since = rec.setdefault("wait_since", time.time())
-        waiting = {"reason": "no_spare", "detail": plan.reason}
+        if rec.wait_since is None:
+            rec.wait_since = time.time()
+        since = rec.wait_since
+        waiting = Waiting("no_spare", plan.reason)
         if job.waiting != waiting:
             job.waiting = waiting
             self.ctl.save(job)
@@ -564,16 +575,16 @@ class Recoveries:
         doubling with each such failure in a row (a crash loop), at most
         ``BACKOFF_MAX_S``."""
         assert job.recovery is not None
-        ran = time_ran(job, job.recovery["fault_at"])
-        trained = trained_steps(job.progress.get(str(job.recovery["generation"])))
+        ran = time_ran(job, job.recovery.fault_at)
+        trained = trained_steps(job.progress.get(str(job.recovery.generation)))
         delay = backoff_delay(
-            [loop_ran(i.get("ran_s"), i.get("trained_steps")) for i in job.incidents],
+            [loop_ran(i.ran_s, i.trained_steps) for i in job.incidents],
             loop_ran(ran, trained),
             job.spec.restart.backoff,
         )
         if delay <= 0:
             return True
-        job.recovery["backoff_s"] = delay
+        job.recovery.backoff_s = delay
         self.ctl.save(job)
         await asyncio.sleep(delay)
         return job.state is JobState.RECOVERING
@@ -596,11 +607,11 @@ class Recoveries:
                     if passed:
                         break
                 if passed and job.recovery is not None:
-                    job.recovery.setdefault("linked", []).append(spare)
+                    job.recovery.linked = [*(job.recovery.linked or ()), spare]
             if not passed:
                 self.ctl.event("spare_rejected", job, node=spare, replacing=failed, reason=why)
                 if job.recovery is not None:  # not again in this recovery (drained, or mute)
-                    job.recovery.setdefault("rejected", []).append(spare)
+                    job.recovery.rejected = [*(job.recovery.rejected or ()), spare]
                 return False
         return True
 
@@ -614,7 +625,7 @@ class Recoveries:
 
     def _linked(self, job: Job, spare: str) -> bool:
         """Whether ``spare``'s link to the job was probed and passed in this recovery."""
-        return job.recovery is not None and spare in job.recovery.get("linked", ())
+        return job.recovery is not None and spare in (job.recovery.linked or ())
 
     async def _relaunch(self, job: Job, plan: Plan) -> Launched | None:
         rec = job.recovery
@@ -622,15 +633,15 @@ class Recoveries:
             return None
         if plan.action is Action.ROLLBACK:
             rollbacks.apply(self.ctl, job, plan)
-        elif _failure(rec["failures"][0]).kind is FailureKind.GROW:
+        elif rec.failures[0].kind is FailureKind.GROW:
             pass  # growing back is no failure: it spends no restart
-        elif not rec.get("restart_counted"):  # a relaunch run again after a restart: once
+        elif not rec.restart_counted:  # a relaunch run again after a restart: once
             job.restarts += 1
-            rec["restart_counted"] = True
-        rec["awaiting"] = {"restored": {}, "stepped": {}}
-        rec["phase"] = "launch"
-        rec["launch_started_at"] = time.time()
-        rec["restored_step"] = plan.restore_step
+            rec.restart_counted = True
+        rec.awaiting = Awaiting()
+        rec.phase = "launch"
+        rec.launch_started_at = time.time()
+        rec.restored_step = plan.restore_step
         self.ctl.save(job)
         self.ctl.event(
             "job_recovering",
@@ -712,9 +723,9 @@ def _at_restore(job: Job, failure: Failure) -> Failure:
     if failure.from_restore is not None or str(failure.generation) in job.progress:
         return failure
     last = job.incidents[-1] if job.incidents else None
-    if last is None or last.get("next_generation") != failure.generation:
+    if last is None or last.next_generation != failure.generation:
         return failure
-    restored = last.get("restored_step")
+    restored = last.restored_step
     if restored is None or not any(int(g) < failure.generation for g in job.progress):
         return failure
     return replace(failure, from_restore=int(restored))
@@ -722,16 +733,6 @@ def _at_restore(job: Job, failure: Failure) -> Failure:
 
 def _recovering(job: Job) -> bool:
     return job.state is JobState.RECOVERING
-
-
-def _failure_record(f: Failure) -> dict[str, Any]:
-    rec = asdict(f)
-    rec["kind"] = f.kind.value
-    return rec
-
-
-def _failure(rec: dict[str, Any]) -> Failure:
-    return Failure(**{**rec, "kind": FailureKind(rec["kind"])})
 
 
 __all__ = ["HANG_COLLECT_S", "Recoveries", "backoff_delay", "loop_ran"]

@@ -19,6 +19,7 @@ from typing import Any
 from phalanx import wire
 from supervisor.actuator import Actuator, cold_ranks, rank_ranges
 from supervisor.jobs import Job, JobState
+from supervisor.records import Awaiting, Incident, PlanRecord, Recovery, known
 from supervisor.recovery.planner import NodeIncident, Plan
 
 
@@ -45,14 +46,14 @@ class Incidents:
         phases and its MTTR, fault to the first step (ranks that report no steps leave
         them unknown)."""
         rec = job.recovery
-        if rec is None or "launch_started_at" not in rec:
+        if rec is None or rec.launch_started_at is None:
             return
         now = time.time()
-        rec["generation_new"] = job.generation
-        awaiting = rec.pop("awaiting", None) or {"restored": {}, "stepped": {}}
+        rec.generation_new = job.generation
+        awaiting, rec.awaiting = rec.awaiting or Awaiting(), None
         self.finish(job, None, outcome="recovered", resumed_at=now)
         incident = job.incidents[-1]
-        incident["awaiting"] = awaiting
+        incident.awaiting = awaiting
         job.recovery = None
         self._maybe_timed(job, incident)
         self.ctl.save(job)
@@ -61,35 +62,36 @@ class Incidents:
         """A ``restored`` or ``stepped`` event of a relaunched generation (it may come
         before the launch is acknowledged everywhere)."""
         rec = job.recovery
-        if rec is not None and "awaiting" in rec and job.state is JobState.STARTING:
-            awaiting = rec["awaiting"]
+        if rec is not None and rec.awaiting is not None and job.state is JobState.STARTING:
+            awaiting = rec.awaiting
             incident = None
         else:
             incident = job.incidents[-1] if job.incidents else None
             if (
                 incident is None
-                or incident.get("next_generation") != ev.generation
-                or "awaiting" not in incident
+                or incident.next_generation != ev.generation
+                or incident.awaiting is None
             ):
                 return
-            awaiting = incident["awaiting"]
+            awaiting = incident.awaiting
         if ev.event == "restored":
-            awaiting["restored"][str(ev.rank)] = [ev.at, ev.took_s or 0.0]
+            awaiting.restored[str(ev.rank)] = (ev.at, ev.took_s or 0.0)
         elif ev.event == "stepped":
-            awaiting["stepped"][str(ev.rank)] = ev.at
+            awaiting.stepped[str(ev.rank)] = ev.at
         if incident is not None:
             self._maybe_timed(job, incident)
 
-    def _maybe_timed(self, job: Job, incident: dict[str, Any]) -> None:
+    def _maybe_timed(self, job: Job, incident: Incident) -> None:
         """Once every rank of the new generation stepped: the incident's last phases."""
-        awaiting = incident.get("awaiting")
-        if awaiting is None or len(awaiting["stepped"]) < job.world_size:
+        awaiting = incident.awaiting
+        if awaiting is None or len(awaiting.stepped) < job.world_size:
             return
-        del incident["awaiting"]
-        phases = incident["phases"]
-        first_step_at = max(awaiting["stepped"].values())
-        launch_at = incident["launch_started_at"]
-        restored = list(awaiting["restored"].values())
+        incident.awaiting = None
+        phases = incident.phases
+        first_step_at = max(awaiting.stepped.values())
+        launch_at = incident.launch_started_at
+        assert launch_at is not None  # awaited: its relaunch began
+        restored = list(awaiting.restored.values())
         if restored:
             began = max(at - took for at, took in restored)
             done = max(at for at, _ in restored)
@@ -98,16 +100,16 @@ class Incidents:
             phases["first_step"] = round(max(0.0, first_step_at - done), 3)
         else:
             phases["launch"] = round(max(0.0, first_step_at - launch_at), 3)
-        incident["resumed_at"] = first_step_at
-        incident["downtime_s"] = round(max(0.0, first_step_at - incident["fault_at"]), 3)
-        incident["mttr_s"] = incident["downtime_s"]
+        incident.resumed_at = first_step_at
+        incident.downtime_s = round(max(0.0, first_step_at - incident.fault_at), 3)
+        incident.mttr_s = incident.downtime_s
         self.ctl.save(job)
         self.ctl.event(
             "recovery_timed",
             job,
-            generation=incident.get("next_generation"),
+            generation=incident.next_generation,
             phases=phases,
-            mttr_s=incident["mttr_s"],
+            mttr_s=incident.mttr_s,
         )
 
     def finish(
@@ -115,12 +117,12 @@ class Incidents:
     ) -> None:
         rec = job.recovery
         assert rec is not None
-        old = int(rec["generation"])
+        old = rec.generation
         failed_step = None
         entry = job.progress.get(str(old))
         if entry is not None:
             failed_step = int(entry[2])
-        restored = rec.get("restored_step")
+        restored = known(rec.restored_step)
         lost_steps = None
         lost_work: float | None = None  # unknown: the job reports no steps
         if failed_step is not None:
@@ -136,41 +138,41 @@ class Incidents:
             elif lost_steps == 0:
                 lost_work = 0.0
         end = resumed_at if resumed_at is not None else time.time()
-        ran = time_ran(job, rec["fault_at"])
-        incident = {
-            "generation": old,
-            "next_generation": rec.get("generation_new"),
-            "failures": rec["failures"],
-            "size": rec.get("size"),  # of the generation it ended
-            "fault_at": rec["fault_at"],
-            "detected_at": rec["detected_at"],
-            "plan": plan_record(plan) if plan is not None else rec.get("plan"),
-            "phases": rec.get("phases", {}),
+        ran = time_ran(job, rec.fault_at)
+        incident = Incident(
+            generation=old,
+            next_generation=rec.generation_new,
+            failures=rec.failures,
+            size=rec.size,  # of the generation it ended
+            fault_at=rec.fault_at,
+            detected_at=rec.detected_at,
+            plan=plan_record(plan) if plan is not None else rec.plan,
+            phases=rec.phases,
             # ranks the relaunch started cold (no warm interpreter became them), by reason
-            "cold_ranks": rec.get("cold_ranks"),
-            "launch_started_at": rec.get("launch_started_at"),
-            "outcome": outcome,
-            "failed_step": failed_step,
-            "restored_step": restored,
-            "lost_steps": lost_steps,
-            "lost_work_s": None if lost_work is None else round(lost_work, 3),
-            "downtime_s": round(max(0.0, end - rec["fault_at"]), 3),
-            "resumed_at": resumed_at,
-            "ran_s": ran,
+            cold_ranks=known(rec.cold_ranks),
+            launch_started_at=rec.launch_started_at,
+            outcome=outcome,
+            failed_step=failed_step,
+            restored_step=restored,
+            lost_steps=lost_steps,
+            lost_work_s=None if lost_work is None else round(lost_work, 3),
+            downtime_s=round(max(0.0, end - rec.fault_at), 3),
+            resumed_at=resumed_at,
+            ran_s=ran,
             # steps the failed generation trained past its first (None: it reported none)
-            "trained_steps": trained_steps(entry),
+            trained_steps=trained_steps(entry),
             # fault to every start of the new generation acked; the MTTR (fault to its
             # first step) comes once every rank stepped (_maybe_timed)
-            "acked_s": round(end - rec["fault_at"], 3) if resumed_at else None,
-            "mttr_s": None,
-        }
+            acked_s=round(end - rec.fault_at, 3) if resumed_at else None,
+            mttr_s=None,
+        )
         job.incidents.append(incident)
-        extra = {"acked_s": incident["acked_s"]} if outcome == "recovered" else {}
+        extra: dict[str, Any] = {"acked_s": incident.acked_s} if outcome == "recovered" else {}
         self.ctl.event(
             "job_recovered" if outcome == "recovered" else "recovery_failed",
             job,
             generation=job.generation,
-            phases=incident["phases"],
+            phases=incident.phases,
             lost_steps=lost_steps,
             restored_step=restored,
             **extra,
@@ -182,11 +184,13 @@ def node_incidents(jobs: Iterable[Job]) -> list[NodeIncident]:
     hardware across jobs)."""
     out = []
     for job in jobs:
-        records = [*job.incidents, *([job.recovery] if job.recovery else [])]
+        records: list[Incident | Recovery] = [*job.incidents]
+        if job.recovery is not None:
+            records.append(job.recovery)
         for rec in records:
-            for f in rec.get("failures", []):
-                if f.get("quarantine", True):  # not a node stopped on purpose
-                    out.append(NodeIncident(job.id, f["node"], rec.get("fault_at", 0.0), f["kind"]))
+            for f in rec.failures:
+                if f.quarantine:  # not a node stopped on purpose
+                    out.append(NodeIncident(job.id, f.node, rec.fault_at, f.kind.value))
     return out
 
 
@@ -200,26 +204,26 @@ def time_ran(job: Job, fault_at: float) -> float | None:
     """How long the failed generation ran: since the last recovery resumed the job, or
     since its first start (None: not known)."""
     previous = job.incidents[-1] if job.incidents else None
-    since = previous.get("resumed_at") if previous is not None else job.first_started_at
+    since = previous.resumed_at if previous is not None else job.first_started_at
     return None if since is None else max(0.0, fault_at - since)
 
 
-def plan_record(plan: Plan) -> dict[str, Any]:
-    return {
-        "action": plan.action.value,
-        "cause": plan.cause.value,
-        "reason": plan.reason,
-        "nodes": list(plan.nodes),
-        "quarantine": list(plan.quarantine),
-        "swaps": [list(s) for s in plan.swaps],
-        "restore_step": plan.restore_step,
-        "restore_note": plan.restore_note,
-        "restore_from": {str(r): t for r, t in sorted(plan.restore_from.items())},
-        "burn_in": list(plan.burn_in),
-        "reinstate": list(plan.reinstate),
-        "skip": list(plan.skip) if plan.skip is not None else None,
-        "sources": {str(r): v for r, v in sorted(plan.sources.items())},
-    }
+def plan_record(plan: Plan) -> PlanRecord:
+    return PlanRecord(
+        action=plan.action.value,
+        cause=plan.cause.value,
+        reason=plan.reason,
+        nodes=tuple(plan.nodes),
+        quarantine=tuple(plan.quarantine),
+        swaps=tuple(plan.swaps),
+        restore_step=plan.restore_step,
+        restore_note=plan.restore_note,
+        restore_from={str(r): t for r, t in sorted(plan.restore_from.items())},
+        burn_in=tuple(plan.burn_in),
+        reinstate=tuple(plan.reinstate),
+        skip=plan.skip,
+        sources={str(r): v for r, v in sorted(plan.sources.items())},
+    )
 
 
 __all__ = [

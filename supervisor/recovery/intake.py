@@ -23,6 +23,7 @@ from typing import Any
 from phalanx import flight, wire
 from supervisor.fleet.registry import Node, NodeState
 from supervisor.jobs import Job, JobState, RankPlace
+from supervisor.records import GuardTrip, Recheck
 from supervisor.recovery.planner import Failure, FailureKind
 
 
@@ -40,13 +41,15 @@ class Report:
     """A failure of a job's current generation, ready for the recovery.
 
     ``fault_at``: when it happened (None: when it was seen); ``also``: failures that came
-    with it, planned for together; ``extra``: more for the recovery's record (the SDC
-    recheck's nodes, a guard's trip); ``noted``: events recorded before it is routed."""
+    with it, planned for together; ``recheck``: the nodes to recheck before it plans
+    (replicas that diverged with no majority); ``guard``: the loss guard's trip it rolls
+    back from; ``noted``: events recorded before it is routed."""
 
     failure: Failure
     fault_at: float | None = None
     also: tuple[Failure, ...] = ()
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    recheck: Recheck | None = None
+    guard: GuardTrip | None = None
     noted: tuple[Noted, ...] = ()
 
 

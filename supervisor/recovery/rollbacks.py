@@ -27,6 +27,7 @@ from phalanx.jobspec import GuardSpec
 from supervisor.actuator import Actuator
 from supervisor.fleet.registry import NodeState
 from supervisor.jobs import Job, JobState, hold_steps, void_landing
+from supervisor.records import GuardTrip
 from supervisor.recovery.intake import Report
 from supervisor.recovery.planner import CatalogView, Failure, FailureKind, Plan
 from supervisor.recovery.rollback import RollbackView, plan_rollback, skip_ranges, void
@@ -75,13 +76,13 @@ def on_guard(ctl: Actuator, job: Job, ev: wire.RankEvent) -> Report | None:
     if job.spec.guard is None or job.state not in (JobState.RUNNING, JobState.STARTING):
         return None
     if job.recovery is not None:
-        if job.state is JobState.STARTING and job.recovery.get("launch_started_at"):
+        if job.state is JobState.STARTING and job.recovery.launch_started_at:
             # The new generation's ranks stepped (and tripped) before every start was
             # acknowledged: the rollback waits for the launch to end (the ranks hold).
             job.guard_pending = ev
         return None  # else already recovering: another failure came first
-    guard_trip = {"baseline": ev.baseline, "value": ev.value, "kind": ev.guard}
-    return Report(failure_of(ev), fault_at=ev.at, extra={"guard": guard_trip})
+    trip = GuardTrip(ev.baseline, ev.value, ev.guard)
+    return Report(failure_of(ev), fault_at=ev.at, guard=trip)
 
 
 def plan(ctl: Actuator, job: Job, failure: Failure) -> Plan:
@@ -106,27 +107,28 @@ def plan(ctl: Actuator, job: Job, failure: Failure) -> Plan:
 def apply(ctl: Actuator, job: Job, plan: Plan) -> None:
     """Carry out a rollback plan before its launch (the old generation is stopped):
     record it on the job and forget the steps it voids."""
-    rec = job.recovery or {}
-    if rec.get("rollback_applied"):
+    rec = job.recovery
+    if rec is not None and rec.rollback_applied:
         return  # a relaunch run again after a restart
-    failure = (rec.get("failures") or [{}])[0]
-    trip: dict[str, Any] = rec.get("guard") or {}
+    failure = rec.failures[0] if rec is not None and rec.failures else None
+    trip = rec.guard if rec is not None else None
     entry = {
         "at": time.time(),
         "generation": job.generation,
         "after": plan.restore_step if plan.restore_step is not None else -1,
         "skip": list(plan.skip) if plan.skip is not None else None,
-        "kind": failure.get("kind"),
-        "onset": failure.get("onset"),
-        "step": failure.get("step"),
-        "baseline": trip.get("baseline"),
+        "kind": failure.kind.value if failure is not None else None,
+        "onset": failure.onset if failure is not None else None,
+        "step": failure.step if failure is not None else None,
+        "baseline": trip.baseline if trip is not None else None,
     }
     job.rollbacks.append(entry)
     dropped = void(((s, t) for s, t, _ in ctl.store.commits(job.id)), job.rollbacks)
     with ctl.store.batch():
         for step, tier in dropped:
             ctl.store.drop_step(job.id, step, tier)
-    rec["rollback_applied"] = True
+    if rec is not None:
+        rec.rollback_applied = True
     ctl.save(job)
     ctl.event(
         "job_rolled_back",

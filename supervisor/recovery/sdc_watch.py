@@ -23,12 +23,12 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import Any, Final
 
 from phalanx import wire
 from supervisor.actuator import Actuator
 from supervisor.fleet.burnin import BurnIns
 from supervisor.jobs import Job, JobState
+from supervisor.records import Recheck
 from supervisor.recovery.intake import Report
 from supervisor.recovery.planner import Failure, FailureKind
 from supervisor.recovery.rollback import void
@@ -91,12 +91,12 @@ class SdcWatch:
             # Until the recheck says which node failed, the failure names none: as it
             # stands it restarts the gang in place (Recoveries.run rechecks first).
             failure = no_majority(job, verdict, first, group_nodes[first])
-            plan: dict[str, Any] = {
-                "nodes": {n: group_nodes[n] for n in sorted(group_nodes)},
-                "replicas": len(verdict.group),
-                "clean": verdict.clean_upto,
-            }
-            return Report(failure, fault_at=ev.at, extra={RECHECK: plan})
+            plan = Recheck(
+                nodes={n: group_nodes[n] for n in sorted(group_nodes)},
+                replicas=len(verdict.group),
+                clean=verdict.clean_upto,
+            )
+            return Report(failure, fault_at=ev.at, recheck=plan)
         rank = verdict.odd[0]
         node = nodes.get(rank)
         if node is None:
@@ -146,9 +146,6 @@ class SdcWatch:
         self._boards.pop(job_id, None)
 
 
-RECHECK: Final = "sdc_recheck"  # what a recovery rechecks first (see recheck)
-
-
 def agreed_floor(job: Job) -> int | None:
     """The newest step known to have agreed that the job's current generation may start
     its board from: the job's record (``Job.sdc_agreed``), no newer than the step the
@@ -156,8 +153,8 @@ def agreed_floor(job: Job) -> int | None:
     generation a recovery started from nothing."""
     floor = job.sdc_agreed
     for incident in reversed(job.incidents):
-        if incident.get("next_generation") == job.generation:
-            restored = incident.get("restored_step")
+        if incident.next_generation == job.generation:
+            restored = incident.restored_step
             if floor is None or restored is None:
                 return None
             return min(floor, int(restored) - 1)
@@ -189,14 +186,14 @@ def _detail(replicas: int, step: int | None, clean: int, why: str) -> str:
 
 
 async def recheck(
-    ctl: Actuator, burnins: BurnIns, job: Job, failure: Failure, plan: dict[str, Any]
+    ctl: Actuator, burnins: BurnIns, job: Job, failure: Failure, plan: Recheck
 ) -> list[Failure]:
-    """Recheck the nodes of ``plan`` (``RECHECK``: ``nodes``, node -> its rank in the
-    diverged group; ``replicas``; ``clean``, the newest clean step), the gang stopped:
+    """Recheck the nodes of ``plan`` (``nodes``, node -> its rank in the diverged
+    group; ``replicas``; ``clean``, the newest clean step), the gang stopped:
     each runs its burn-in again. The failures the recovery then plans from: one of kind
     ``sdc`` on each node that failed it (quarantined), or, none failing, ``failure``
     (no node to blame: a restart in place), its detail saying why."""
-    nodes: dict[str, int] = plan["nodes"]
+    nodes = plan.nodes
     names = sorted(nodes)
     results = await asyncio.gather(*(burnins.recheck(n) for n in names))
     checked = dict(zip(names, results, strict=True))
@@ -209,7 +206,7 @@ async def recheck(
     )
 
     def detail(why: str) -> str:
-        return _detail(plan["replicas"], failure.step, plan["clean"], why)
+        return _detail(plan.replicas, failure.step, plan.clean, why)
 
     failed = [
         replace(failure, node=n, rank=nodes[n], quarantine=True, detail=detail(f"it {why}"))

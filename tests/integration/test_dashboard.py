@@ -25,6 +25,7 @@ from supervisor.api.app import make_app
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import Supervisor
 from supervisor.jobs import JobState
+from supervisor.records import Incident
 from tests.harness import TOKEN, Fleet, wait_for
 from tests.integration.test_recovery_training import TIERS, committed_step, tinylm
 from tests.unit.supervisor.fake_fleet import birth
@@ -591,22 +592,24 @@ def test_the_job_page_of_a_script_without_steps_shows_its_lost_work_unknown_and_
     job.state, job.generation, job.nodes = JobState.RUNNING, 2, ["n01"]
     job.first_started_at, job.started_at = now - 400.0, now - 100.0
     job.incidents = [
-        {
-            "generation": 1,
-            "next_generation": 2,
-            "failures": [{"kind": "rank_exit", "node": "n01", "rank": 0, "signal": 9}],
-            "plan": {"action": "restart_in_place", "reason": "rank 0 was killed"},
-            "phases": {"detect": 0.01, "plan": 0.001, "stop": 0.1},
-            "outcome": "recovered",
-            "failed_step": None,
-            "restored_step": None,
-            "lost_steps": None,
-            "lost_work_s": None,
-            "downtime_s": 2.0,
-            "acked_s": 2.0,
-            "mttr_s": None,
-            "resumed_at": now - 100.0,
-        }
+        Incident.from_record(
+            {
+                "generation": 1,
+                "next_generation": 2,
+                "failures": [{"kind": "rank_exit", "node": "n01", "rank": 0, "signal": 9}],
+                "plan": {"action": "restart_in_place", "reason": "rank 0 was killed"},
+                "phases": {"detect": 0.01, "plan": 0.001, "stop": 0.1},
+                "outcome": "recovered",
+                "failed_step": None,
+                "restored_step": None,
+                "lost_steps": None,
+                "lost_work_s": None,
+                "downtime_s": 2.0,
+                "acked_s": 2.0,
+                "mttr_s": None,
+                "resumed_at": now - 100.0,
+            }
+        )
     ]
     sup.jobs.save(job)
     with serve_unstarted(sup) as url:

@@ -56,7 +56,7 @@ async def test_a_job_that_does_not_fit_waits_pending_and_says_why(make_fleet: Ma
 
     await fleet.settle()
     assert job.state is JobState.PENDING and fleet.ops("start_ranks") == []
-    assert job.waiting is not None and job.waiting["reason"]
+    assert job.waiting is not None and job.waiting.reason
 
 
 async def test_a_launch_whose_start_is_refused_fails_the_job_and_stops_the_gang(

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from phalanx import wire
+from supervisor.records import Recovery
 from supervisor.recovery.planner import Failure, FailureKind
 from tests.unit.supervisor.fake_fleet import FakeFleet
 
@@ -119,7 +120,7 @@ async def test_no_growth_onto_drained_nodes(grown: Grown) -> None:
 async def test_no_growth_while_the_job_recovers_and_the_count_starts_again_after(
     grown: Grown,
 ) -> None:
-    grown.job.recovery = {"failures": [], "generation": 2}  # recovering: it plans itself
+    grown.job.recovery = Recovery(2, [], 0.0, 0.0)  # recovering: it plans itself
     grown.commit(10)
     grown.ctl.check_growth()
     grown.commit(20)

@@ -48,8 +48,8 @@ async def failure_of(fleet: FakeFleet, *events: wire.RankEvent) -> dict[str, obj
         fleet.ctl.on_rank_event(ev)
     await fleet.until(lambda: fleet.job.generation == 2 and fleet.job.state is JobState.RUNNING)
     (incident,) = fleet.job.incidents
-    (failure,) = incident["failures"]
-    return failure
+    (failure,) = incident.failures
+    return failure.to_record()
 
 
 async def test_the_flight_recorders_culprit_is_the_hangs(make_fleet: MakeFleet) -> None:

@@ -8,6 +8,7 @@ from typing import Any, cast
 from phalanx import wire
 from supervisor.actuator import Actuator
 from supervisor.jobs import Job, JobState
+from supervisor.records import Awaiting, Recovery
 from supervisor.recovery.incidents import Incidents
 from tests.unit.supervisor.test_jobs_state import make_job
 
@@ -29,13 +30,7 @@ def failed_at(step: int) -> Job:
     job = make_job(JobState.RECOVERING)
     now = time.time()
     job.progress["1"] = [0, now - 60, step, now - 1]
-    job.recovery = {
-        "generation": 1,
-        "failures": [],
-        "fault_at": now - 1,
-        "detected_at": now - 1,
-        "phases": {},
-    }
+    job.recovery = Recovery(generation=1, failures=[], fault_at=now - 1, detected_at=now - 1)
     return job
 
 
@@ -46,8 +41,8 @@ def test_a_failed_recovery_loses_the_steps_since_the_newest_committed_checkpoint
     log.finish(job, None, outcome="failed")
 
     (incident,) = job.incidents
-    assert incident["restored_step"] is None
-    assert incident["lost_steps"] == 9  # not 1969: steps 0..1960 are in a checkpoint
+    assert incident.restored_step is None
+    assert incident.lost_steps == 9  # not 1969: steps 0..1960 are in a checkpoint
 
 
 def test_a_failed_recovery_with_nothing_committed_loses_every_step() -> None:
@@ -56,34 +51,34 @@ def test_a_failed_recovery_with_nothing_committed_loses_every_step() -> None:
 
     log.finish(job, None, outcome="failed")
 
-    assert job.incidents[0]["lost_steps"] == 40
+    assert job.incidents[0].lost_steps == 40
 
 
 def test_a_recovered_incident_counts_from_the_restored_step() -> None:
     job = failed_at(57)
     assert job.recovery is not None
-    job.recovery["restored_step"] = 50
+    job.recovery.restored_step = 50
     log = Incidents(cast(Actuator, Control()), lambda _job, _upto: 55)
 
     log.finish(job, None, outcome="recovered", resumed_at=time.time())
 
-    assert job.incidents[0]["lost_steps"] == 7
+    assert job.incidents[0].lost_steps == 7
 
 
 def relaunched(fault_at: float) -> Job:
     """A job whose recovery launched generation 2 at ``fault_at + 1``, now acked."""
     job = make_job(JobState.RUNNING)
     job.generation = 2
-    job.recovery = {
-        "generation": 1,
-        "failures": [],
-        "fault_at": fault_at,
-        "detected_at": fault_at,
-        "phases": {"detect": 0.0},
-        "launch_started_at": fault_at + 1.0,
-        "restored_step": 50,
-        "awaiting": {"restored": {}, "stepped": {}},
-    }
+    job.recovery = Recovery(
+        generation=1,
+        failures=[],
+        fault_at=fault_at,
+        detected_at=fault_at,
+        phases={"detect": 0.0},
+        launch_started_at=fault_at + 1.0,
+        restored_step=50,
+        awaiting=Awaiting(),
+    )
     return job
 
 
@@ -102,7 +97,7 @@ def test_a_recovery_acked_reports_when_its_ranks_started_and_no_mttr_yet() -> No
     ((kind, detail),) = ctl.events
     assert kind == "job_recovered"
     assert "mttr_s" not in detail and 1.9 <= detail["acked_s"] < 10.0
-    assert job.incidents[0]["mttr_s"] is None
+    assert job.incidents[0].mttr_s is None
 
 
 def test_the_mttr_is_the_fault_to_the_new_generations_first_step() -> None:
@@ -117,22 +112,17 @@ def test_the_mttr_is_the_fault_to_the_new_generations_first_step() -> None:
 
     timed = [d for k, d in ctl.events if k == "recovery_timed"]
     assert [d["mttr_s"] for d in timed] == [10.0]
-    assert job.incidents[0]["mttr_s"] == 10.0
+    assert job.incidents[0].mttr_s == 10.0
 
 
 def test_a_recovery_of_a_job_that_reports_no_steps_lost_unknown_work_not_none() -> None:
     job = make_job(JobState.RECOVERING)
     now = time.time()
-    job.recovery = {
-        "generation": 1,
-        "failures": [],
-        "fault_at": now - 1,
-        "detected_at": now - 1,
-        "phases": {},
-        "restored_step": None,
-    }
+    job.recovery = Recovery(
+        generation=1, failures=[], fault_at=now - 1, detected_at=now - 1, restored_step=None
+    )
 
     Incidents(cast(Actuator, Control())).finish(job, None, outcome="recovered", resumed_at=now)
 
     (incident,) = job.incidents
-    assert (incident["lost_steps"], incident["lost_work_s"]) == (None, None)
+    assert (incident.lost_steps, incident.lost_work_s) == (None, None)

@@ -10,7 +10,8 @@ import pytest
 
 from phalanx.jobspec import JobSpec, validate_spec
 from supervisor.errors import IllegalTransition
-from supervisor.jobs import TRANSITIONS, Job, JobState, RankPlace
+from supervisor.jobs import TRANSITIONS, Job, JobState, RankPlace, Transition, Waiting
+from supervisor.records import Incident
 
 LEGAL = sorted((frm, to) for frm, tos in TRANSITIONS.items() for to in tos)
 ILLEGAL = sorted(
@@ -82,8 +83,8 @@ def test_legal_transition_moves_and_records_history(pair: tuple[JobState, JobSta
     job.move(to, "because")
     assert job.state is to
     (entry,) = job.history
-    assert (entry["from"], entry["to"], entry["why"]) == (frm.value, to.value, "because")
-    assert isinstance(entry["at"], float)
+    assert (entry.from_, entry.to, entry.why) == (frm, to, "because")
+    assert isinstance(entry.at, float)
 
 
 @pytest.mark.parametrize("pair", ILLEGAL, ids=pair_id)
@@ -135,7 +136,7 @@ def test_whole_life_is_recorded_in_order() -> None:
         JobState.SUCCEEDED,
     ):
         job.move(to)
-    assert [h["to"] for h in job.history] == [
+    assert [h.to for h in job.history] == [
         "starting",
         "running",
         "stopping",
@@ -188,7 +189,7 @@ def busy_job() -> Job:
     ]
     job.master_addr, job.master_port = "10.0.0.1", 29500
     job.started_at = 1_000.0
-    job.waiting = {"reason": "resources", "detail": "needs 2 nodes"}
+    job.waiting = Waiting("resources", "needs 2 nodes")
     job.stop_target = JobState.FAILED
     job.reason = "rank 1 on node n1 exited with code 1"
     job.preemptions = 2
@@ -210,7 +211,7 @@ def test_round_trip_keeps_ranks_exits_waiting_and_stop_target() -> None:
         (2, "n2", 0, None, 9, False),
         (3, "n2", 1, None, None, True),
     ]
-    assert again.waiting == {"reason": "resources", "detail": "needs 2 nodes"}
+    assert again.waiting == Waiting("resources", "needs 2 nodes")
     assert again.stop_target is JobState.FAILED
     assert again.state is JobState.STOPPING
 
@@ -229,7 +230,7 @@ def test_record_keeps_the_secret_reference_not_a_value() -> None:
 
 def test_record_keeps_only_the_last_hundred_history_entries() -> None:
     job = make_job()
-    job.history = [{"at": float(i), "from": "a", "to": "b", "why": ""} for i in range(150)]
+    job.history = [Transition(float(i), JobState.PENDING, JobState.STARTING) for i in range(150)]
     kept = job.record()["history"]
     assert [h["at"] for h in kept] == [float(i) for i in range(50, 150)]
 
@@ -336,7 +337,7 @@ def test_step_time_comes_from_the_first_and_last_step_heard_of() -> None:
 def test_goodput_counts_each_incidents_downtime_and_lost_work_against_wall_time() -> None:
     job = make_job(JobState.RUNNING)
     job.first_started_at = 1000.0
-    job.incidents = [{"downtime_s": 6.0, "lost_work_s": 4.0}]
+    job.incidents = [Incident.from_record({"downtime_s": 6.0, "lost_work_s": 4.0})]
 
     view = job.goodput(now=1100.0)
 
@@ -347,7 +348,9 @@ def test_an_incident_whose_lost_work_is_unknown_makes_the_ettr_an_upper_bound() 
     job = make_job(JobState.RUNNING)
     job.first_started_at = 1000.0
     job.incidents = [
-        {"outcome": "recovered", "downtime_s": 6.0, "lost_work_s": None, "mttr_s": None}
+        Incident.from_record(
+            {"outcome": "recovered", "downtime_s": 6.0, "lost_work_s": None, "mttr_s": None}
+        )
     ]
 
     view = job.goodput(now=1100.0)
@@ -358,7 +361,11 @@ def test_an_incident_whose_lost_work_is_unknown_makes_the_ettr_an_upper_bound() 
 def test_incidents_with_known_lost_work_and_mttr_give_an_exact_ettr() -> None:
     job = make_job(JobState.RUNNING)
     job.first_started_at = 1000.0
-    job.incidents = [{"outcome": "recovered", "downtime_s": 6.0, "lost_work_s": 0.0, "mttr_s": 6}]
+    job.incidents = [
+        Incident.from_record(
+            {"outcome": "recovered", "downtime_s": 6.0, "lost_work_s": 0.0, "mttr_s": 6}
+        )
+    ]
 
     assert job.goodput(now=1100.0)["ettr_upper_bound"] is False
 

@@ -21,6 +21,7 @@ from supervisor.config import SupervisorSettings
 from supervisor.daemon import OFFLINE_CONFIRM_S, Supervisor
 from supervisor.fleet.registry import NodeState
 from supervisor.jobs import Job, JobState, RankPlace
+from supervisor.records import Recovery
 from supervisor.recovery.planner import Action, Cause, Failure, FailureKind, Plan
 from tests.unit.supervisor.fake_fleet import birth
 from tests.unit.supervisor.test_metrics import Clock
@@ -114,7 +115,7 @@ def test_a_plan_does_not_quarantine_nodes_gone_together_by_their_wills(
     job = Job(Job.new_id("big"), spec, state=JobState.RECOVERING)
     job.nodes = [f"n{i:02d}" for i in range(16)]
     job.ranks = [RankPlace(rank=r, node=job.nodes[r // 2], local_rank=r % 2) for r in range(32)]
-    job.recovery = {}
+    job.recovery = Recovery(0, [], 0.0, 0.0)
     ctl.jobs[job.id] = job
     gone = [f"n{i:02d}" for i in range(6)]
     for node in gone:
@@ -129,7 +130,7 @@ def test_a_plan_does_not_quarantine_nodes_gone_together_by_their_wills(
     # own failure, quarantined as before.
     for node in gone:
         s.registry.on_birth(birth(node, gpus=2))
-    job.recovery = {}
+    job.recovery = Recovery(0, [], 0.0, 0.0)
     lost = ["n07", "n08", "n09", "n10", "n11"]
     for i, node in enumerate(lost):
         clock.now += 60.0

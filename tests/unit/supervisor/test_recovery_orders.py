@@ -42,7 +42,7 @@ async def test_a_relaunch_sends_its_starts_once_every_stop_is_acknowledged(
     assert sorted(fleet.ops("start_ranks")) == [("n0", 2), ("n1", 2), ("n2", 2)]
     assert fleet.first("sent", None, "start_ranks") > fleet.last("acked", None, "stop_ranks")
     assert fleet.job.generation == 2 and fleet.job.restarts == 1
-    phases = fleet.job.incidents[-1]["phases"]
+    phases = fleet.job.incidents[-1].phases
     assert {"plan", "stop", "port", "catalogs", "starts"} <= set(phases)
 
 
@@ -60,9 +60,7 @@ async def test_a_relaunchs_incident_names_the_ranks_launched_cold_and_why(
     )
     await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
 
-    assert fleet.job.incidents[-1]["cold_ranks"] == {
-        "its warm interpreter was still importing": "2"
-    }
+    assert fleet.job.incidents[-1].cold_ranks == {"its warm interpreter was still importing": "2"}
     # An agent that says nothing of it (older than warm interpreters): unknown.
     fleet.answer("start_ranks", node="n0", result={"pids": {}})
     fleet.answer("start_ranks", node="n1", result={"pids": {}, "cold": "not a dict"})
@@ -71,7 +69,7 @@ async def test_a_relaunchs_incident_names_the_ranks_launched_cold_and_why(
     )
     await fleet.until(lambda: fleet.job.generation == 3)
     await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
-    assert fleet.job.incidents[-1]["cold_ranks"] is None
+    assert fleet.job.incidents[-1].cold_ranks is None
 
 
 def test_cold_ranks_are_kept_as_ranges_by_reason_and_bounded() -> None:
@@ -134,11 +132,11 @@ async def test_a_recovery_that_waits_for_a_node_has_its_stops_acknowledged_first
     await fleet.until(lambda: len(fleet.ops("stop_ranks")) == 2)
     await fleet.settle()
     assert fleet.job.recovery is not None
-    assert fleet.job.recovery.get("phase") in (None, "plan")  # still stopping
+    assert fleet.job.recovery.phase == "plan"  # still stopping
     assert fleet.ops("start_ranks") == []
 
     stops.set()
-    await fleet.until(lambda: fleet.job.recovery.get("phase") == "stopped")  # type: ignore[union-attr]
+    await fleet.until(lambda: fleet.job.recovery.phase == "stopped")  # type: ignore[union-attr]
     assert fleet.ops("start_ranks") == []  # nothing to start on: it waits
 
 

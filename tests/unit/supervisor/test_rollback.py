@@ -11,6 +11,7 @@ from phalanx.guard import LrScale, Rule, parse_lr_scale, parse_rule, parse_skip
 from phalanx.jobspec import validate_spec
 from supervisor.checkpoints.catalog import guard_hold
 from supervisor.jobs import Job, JobState, is_void
+from supervisor.records import Recovery
 from supervisor.recovery.planner import Action, CatalogView, Failure, FailureKind
 from supervisor.recovery.rollback import RollbackView, plan_rollback, skip_ranges, void
 from supervisor.recovery.rollbacks import on_guard, start_env
@@ -239,7 +240,7 @@ def test_a_trip_starts_a_recovery_of_kind_loss_spike_from_its_onset() -> None:
 
     report = on_guard(Events(), job, trip_event())  # type: ignore[arg-type]
 
-    assert report is not None and report.extra["guard"]["kind"] == "loss_spike"
+    assert report is not None and report.guard is not None and report.guard.kind == "loss_spike"
     failure = report.failure
     assert (failure.kind, failure.step, failure.onset, failure.quarantine) == (
         FailureKind.LOSS_SPIKE,
@@ -252,7 +253,7 @@ def test_a_trip_starts_a_recovery_of_kind_loss_spike_from_its_onset() -> None:
 def test_a_trip_while_a_recoverys_launch_is_acknowledged_waits_for_it() -> None:
     job = guarded_job({})
     job.state = JobState.STARTING
-    job.recovery = {"generation": 2, "launch_started_at": NOW}
+    job.recovery = Recovery(2, [], NOW, NOW, launch_started_at=NOW)
 
     report = on_guard(Events(), job, trip_event())  # type: ignore[arg-type]
 

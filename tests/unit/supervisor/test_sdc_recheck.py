@@ -18,6 +18,7 @@ import pytest
 from phalanx import wire
 from phalanx.jobspec import JobSpecError, validate_spec
 from supervisor.jobs import Job, JobState
+from supervisor.records import Incident
 from supervisor.recovery.sdc_watch import agreed_floor
 from tests.unit.supervisor.conftest import MakeFleet
 from tests.unit.supervisor.fake_fleet import FakeFleet
@@ -81,7 +82,7 @@ async def recovered(fleet: FakeFleet) -> dict[str, Any]:
     await fleet.until(lambda: fleet.job.generation == 2)
     await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
     (incident,) = fleet.job.incidents
-    return incident
+    return incident.to_record()
 
 
 async def test_two_replicas_that_differ_are_rechecked_and_the_one_that_fails_is_replaced(
@@ -94,7 +95,7 @@ async def test_two_replicas_that_differ_are_rechecked_and_the_one_that_fails_is_
     await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
 
     assert sorted(fleet.ops("burn_in"))[:2] == [("n0", 0), ("n1", 0)]  # the recheck
-    (incident,) = fleet.job.incidents
+    (incident,) = fleet.record()["incidents"]
     (failure,) = incident["failures"]
     assert (failure["kind"], failure["node"], failure["rank"]) == ("sdc", "n1", 2)
     assert "failed its recheck: recompute on GPU 0" in failure["detail"]
@@ -161,7 +162,7 @@ async def test_the_gang_is_stopped_before_its_nodes_are_rechecked(make_fleet: Ma
     ops = fleet.ops_sent
     assert ops.index("burn_in") > max(i for i, op in enumerate(ops) if op == "stop_ranks")
     assert fleet.job.state is JobState.RECOVERING
-    assert fleet.job.recovery is not None and fleet.job.recovery["phase"] == "stopped"
+    assert fleet.job.recovery is not None and fleet.job.recovery.phase == "stopped"
 
 
 async def test_a_node_that_fails_its_recheck_is_drained_even_if_the_job_was_cancelled(
@@ -203,9 +204,9 @@ def test_a_generations_floor_is_no_newer_than_the_step_it_restored() -> None:
     spec = validate_spec({**SPEC, "sdc": {"every": 5}})
     job = Job("j", spec, generation=3, sdc_agreed=900)
     assert agreed_floor(job) == 900  # no incident started it: as recorded
-    job.incidents = [{"next_generation": 3, "restored_step": 500}]
+    job.incidents = [Incident(next_generation=3, restored_step=500)]
     assert agreed_floor(job) == 499  # its ranks replay the steps after 500
-    job.incidents = [{"next_generation": 3, "restored_step": None}]
+    job.incidents = [Incident(next_generation=3, restored_step=None)]
     assert agreed_floor(job) is None  # it started from nothing
 
 
