@@ -2,7 +2,8 @@
 (``store.url``; :mod:`supervisor.store_db` says how one set of queries serves both).
 
 Only what must survive a restart is written: a node's identity, its drain and
-last known health and state, the event log, the checkpoint catalog, the jobs'
+last known health and state, the event log, the checkpoint catalog
+(``supervisor.checkpoints.rows``), the jobs'
 downsampled metric series (``supervisor.telemetry.rows``) and the API tokens, hashed
 (``supervisor.auth.rows``). Heartbeats that change
 nothing never touch the disk. Writes are small and synchronous (WAL mode), so
@@ -21,12 +22,11 @@ once.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -68,33 +68,6 @@ CREATE TABLE IF NOT EXISTS jobs (
     record TEXT NOT NULL,          -- JSON: spec, generation, rank map, timings, exits
     updated_at REAL NOT NULL
 );
-CREATE TABLE IF NOT EXISTS ckpt_shards (
-    job TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    tier TEXT NOT NULL,
-    rank INTEGER NOT NULL,
-    node TEXT NOT NULL,            -- the node that landed it
-    holder TEXT,                   -- where the copy lies (the buddy, for the peer tier)
-    nbytes INTEGER NOT NULL,
-    checksum TEXT NOT NULL,
-    at REAL NOT NULL,
-    generation INTEGER NOT NULL DEFAULT 0,  -- the job generation whose rank saved it
-    PRIMARY KEY (job, step, tier, rank)
-);
-CREATE TABLE IF NOT EXISTS ckpt_commits (
-    job TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    tier TEXT NOT NULL,
-    committed_at REAL NOT NULL,
-    PRIMARY KEY (job, step, tier)
-);
-CREATE INDEX IF NOT EXISTS ckpt_shards_rank ON ckpt_shards (job, step, rank);
-CREATE TABLE IF NOT EXISTS ckpt_ended_catalogs (
-    job TEXT NOT NULL,
-    node TEXT NOT NULL,            -- a node the job's ended catalog was published for, retained
-    released_at REAL,              -- when its agent let go of the job and the catalog was
-    PRIMARY KEY (job, node)        -- cleared from the broker (NULL: not yet)
-);
 """
 
 
@@ -116,75 +89,15 @@ class Event:
         }
 
 
-# A shard as the catalog lists it: (node that landed it, holder, nbytes, checksum).
-ShardRow = tuple[str, str | None, int, str]
-
-
-class CatalogQueries:
-    """The checkpoint catalog's reads, on ``self._db``: the store's own connection, or a
-    snapshot's (``Store.snapshot``)."""
-
-    _db: Db
-
-    def commits(self, job: str) -> list[tuple[int, str, float]]:
-        rows = self._db.execute(
-            "SELECT step, tier, committed_at FROM ckpt_commits WHERE job = ? ORDER BY step", (job,)
-        ).fetchall()
-        return [(int(r[0]), str(r[1]), float(r[2])) for r in rows]
-
-    def committed_tiers(self, job: str) -> dict[int, list[str]]:
-        """Each step of ``job`` committed somewhere that still has a shard, and its tiers
-        (what ``CheckpointCatalog.view`` says is committed, without reading every shard)."""
-        rows = self._db.execute(
-            "SELECT c.step, c.tier FROM ckpt_commits c WHERE c.job = ? AND EXISTS "
-            "(SELECT 1 FROM ckpt_shards s WHERE s.job = c.job AND s.step = c.step) "
-            "ORDER BY c.step, c.tier",
-            (job,),
-        ).fetchall()
-        found: dict[int, list[str]] = {}
-        for step, tier in rows:
-            found.setdefault(int(step), []).append(str(tier))
-        return found
-
-    def shard_rows(
-        self, job: str, keys: Iterable[tuple[int, str]]
-    ) -> dict[tuple[int, str], dict[int, ShardRow]]:
-        """Each (step, tier) of ``keys``: rank -> (node, holder, nbytes, checksum) of every
-        shard landed there (one indexed read per key)."""
-        found: dict[tuple[int, str], dict[int, ShardRow]] = {}
-        for step, tier in keys:
-            rows = self._db.execute(
-                "SELECT rank, node, holder, nbytes, checksum FROM ckpt_shards "
-                "WHERE job = ? AND step = ? AND tier = ?",
-                (job, step, tier),
-            ).fetchall()
-            found[(step, tier)] = {int(r[0]): (str(r[1]), r[2], int(r[3]), str(r[4])) for r in rows}
-        return found
-
-    def ever_committed(self, job: str) -> bool:
-        """Whether a step of ``job`` was ever committed at a tier (its event log says)."""
-        row = self._db.execute(
-            "SELECT 1 FROM events WHERE kind = 'ckpt_committed' AND "
-            "json_extract(detail, '$.job') = ? LIMIT 1",
-            (job,),
-        ).fetchone()
-        return row is not None
-
-    def shard_nodes(self, job: str) -> set[str]:
-        """The nodes that landed a shard of ``job`` that is still known."""
-        rows = self._db.execute(
-            "SELECT DISTINCT node FROM ckpt_shards WHERE job = ?", (job,)
-        ).fetchall()
-        return {str(r[0]) for r in rows}
-
-
-class Store(CatalogQueries):
+class Store:
     """SQLite at ``path``, or PostgreSQL at ``url`` (``supervisor.store_db``; ``path`` then
     only names the store in its errors). ``backups``: the folder of the store's rolling
     backups (``supervisor.backup``), named in the message that refuses a damaged store.
     A store found damaged at open is refused (:class:`StoreCorrupt`); one met damaged
     later raises it from the read or write that met it, and ``corrupt`` keeps it
     (``supervisor.store_guard``)."""
+
+    _db: Db
 
     def __init__(
         self,
@@ -202,12 +115,6 @@ class Store(CatalogQueries):
         self._soon: list[tuple[str | None, str, Callable[[], tuple[Any, ...]]]] = []
         self._soon_keys: dict[str, int] = {}
         self._schedule: Callable[[], None] | None = None
-        # (job, step, tier) -> a number that changes at every write of its shards or
-        # commit (a dropped key has none): what the catalog cached of it is current while
-        # the number it was read at still stands. Every write of ckpt_shards and
-        # ckpt_commits goes through the methods below, whoever calls them.
-        self.shard_versions: dict[tuple[str, int, str], int] = {}
-        self._shard_clock = itertools.count(1)
         self.backups = backups
         self.corrupt: StoreCorrupt | None = None
         self.url = url  # PostgreSQL's (None: SQLite at ``path``)
@@ -235,11 +142,6 @@ class Store(CatalogQueries):
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
             db.executescript(SCHEMA)
-            columns = {r[1] for r in db.execute("PRAGMA table_info(ckpt_shards)")}
-            if "generation" not in columns:  # a store from before landings had one
-                db.execute(
-                    "ALTER TABLE ckpt_shards ADD COLUMN generation INTEGER NOT NULL DEFAULT 0"
-                )
         except (OSError, sqlite3.Error, StoreError) as exc:
             if db is not None:
                 db.close()
@@ -384,24 +286,23 @@ class Store(CatalogQueries):
         )
 
     @contextlib.contextmanager
-    def snapshot(self) -> Iterator[CatalogQueries]:
-        """The catalog's reads on a connection of their own, for another thread: one read
-        transaction, so they see one committed state (WAL, or PostgreSQL's repeatable
-        read: never a batch in progress on the store's connection, never one that is
-        rolled back), while the event loop keeps writing."""
+    def snapshot_db(self, table: str) -> Iterator[Db]:
+        """A connection of its own for reads in another thread: one read transaction,
+        begun by a read of ``table``, so its reads see one committed state (WAL, or
+        PostgreSQL's repeatable read: never a batch in progress on the store's connection,
+        never one that is rolled back), while the event loop keeps writing. A wing's rows
+        read through it (``checkpoints.rows.CkptRows.snapshot``)."""
         try:
             db = self._snapshot_db()
-            db.execute("SELECT 1 FROM ckpt_commits LIMIT 1").fetchall()  # the snapshot starts
+            db.execute(f"SELECT 1 FROM {table} LIMIT 1").fetchall()  # the snapshot starts
         except DB_ERRORS as exc:
             if is_corrupt(exc):
                 self._on_corrupt(exc)
             raise StoreError(
                 self.path, f"cannot read the supervisor store {self.where}: {exc}"
             ) from exc
-        view = CatalogQueries()
-        view._db = db
         try:
-            yield view
+            yield db
         except DB_ERRORS as exc:
             if is_corrupt(exc):
                 self._on_corrupt(exc)
@@ -497,154 +398,6 @@ class Store(CatalogQueries):
             "(kind = 'node_drained' AND json_extract(detail, '$.by') = 'auto')"
         ).fetchone()
         return int(row[0])
-
-    # --- the checkpoint catalog -----------------------------------------------------
-
-    def add_shard(
-        self,
-        job: str,
-        step: int,
-        tier: str,
-        rank: int,
-        node: str,
-        holder: str | None,
-        nbytes: int,
-        checksum: str,
-        at: float,
-        generation: int = 0,
-    ) -> None:
-        self._shards_changed(job, step, tier)
-        self._write(
-            "INSERT INTO ckpt_shards (job, step, tier, rank, node, holder, nbytes, "
-            "checksum, at, generation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-            "ON CONFLICT (job, step, tier, rank) DO UPDATE SET node = excluded.node, "
-            "holder = excluded.holder, nbytes = excluded.nbytes, checksum = excluded.checksum, "
-            "at = excluded.at, generation = excluded.generation",
-            (job, step, tier, rank, node, holder, nbytes, checksum, at, generation),
-        )
-
-    def drop_step(self, job: str, step: int, tier: str) -> bool:
-        """Forget a step at a tier (retention removed it); True if anything was known."""
-        self.shard_versions.pop((job, step, tier), None)
-        cur = self._write(
-            "DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ?", (job, step, tier)
-        )
-        self._write(
-            "DELETE FROM ckpt_commits WHERE job = ? AND step = ? AND tier = ?", (job, step, tier)
-        )
-        return cur.rowcount > 0
-
-    def drop_shard(self, job: str, step: int, tier: str, rank: int) -> bool:
-        """Forget one rank's copy of a step at a tier, and with it the step's commit there
-        (a step is committed at a tier only while every rank's shard is); True if known."""
-        self._shards_changed(job, step, tier)
-        cur = self._write(
-            "DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ? AND rank = ?",
-            (job, step, tier, rank),
-        )
-        self._write(
-            "DELETE FROM ckpt_commits WHERE job = ? AND step = ? AND tier = ?", (job, step, tier)
-        )
-        return cur.rowcount > 0
-
-    def shard_ranks(self, job: str, step: int, tier: str) -> dict[int, int]:
-        """The ranks with a shard of ``step`` at ``tier``, and the generation of each."""
-        rows = self._db.execute(
-            "SELECT rank, generation FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ?",
-            (job, step, tier),
-        ).fetchall()
-        return {int(r[0]): int(r[1]) for r in rows}
-
-    def saved_in(self, job: str, step: int, rank: int, checksum: str) -> set[int]:
-        """The generations whose saves of rank ``rank``'s shard of ``step`` have
-        ``checksum``, at any tier."""
-        rows = self._db.execute(
-            "SELECT DISTINCT generation FROM ckpt_shards WHERE job = ? AND "
-            "step = ? AND rank = ? AND checksum = ?",
-            (job, step, rank, checksum),
-        ).fetchall()
-        return {int(r[0]) for r in rows}
-
-    def add_commit(self, job: str, step: int, tier: str, at: float) -> bool:
-        self._shards_changed(job, step, tier)
-        cur = self._write(
-            "INSERT INTO ckpt_commits (job, step, tier, committed_at) "
-            "VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
-            (job, step, tier, at),
-        )
-        return cur.rowcount > 0
-
-    def ended_catalogs_sent(self, job: str, nodes: list[str]) -> None:
-        """The job's ended catalog goes out, retained, to ``nodes``."""
-        with self.batch():
-            for node in nodes:
-                self._write(
-                    "INSERT INTO ckpt_ended_catalogs (job, node) VALUES (?, ?) "
-                    "ON CONFLICT DO NOTHING",
-                    (job, node),
-                )
-
-    def ended_catalogs_sent_to(self, job: str) -> set[str]:
-        """The nodes ``job``'s ended catalog was published for."""
-        rows = self._db.execute(
-            "SELECT node FROM ckpt_ended_catalogs WHERE job = ?", (job,)
-        ).fetchall()
-        return {str(r[0]) for r in rows}
-
-    def ended_catalogs_cleared(self, job: str, nodes: list[str], at: float) -> None:
-        """The job's ended catalogs of ``nodes`` were cleared from the broker."""
-        with self.batch():
-            for node in nodes:
-                self._write(
-                    "UPDATE ckpt_ended_catalogs SET released_at = ? WHERE job = ? AND "
-                    "node = ? AND released_at IS NULL",
-                    (at, job, node),
-                )
-
-    def ended_catalogs_let_go(self, job: str) -> set[str]:
-        """The nodes that let go of the job, their ended catalogs cleared."""
-        rows = self._db.execute(
-            "SELECT node FROM ckpt_ended_catalogs WHERE job = ? AND released_at IS NOT NULL", (job,)
-        ).fetchall()
-        return {str(r[0]) for r in rows}
-
-    def ended_catalogs_released(self, job: str) -> bool:
-        """Whether the job's ended catalog went out and every node it went to let go."""
-        row = self._db.execute(
-            "SELECT COUNT(*), COUNT(released_at) FROM ckpt_ended_catalogs WHERE job = ?", (job,)
-        ).fetchone()
-        return bool(row[0]) and row[0] == row[1]
-
-    def shards(self, job: str) -> list[tuple[int, str, int, str, str | None, int, str]]:
-        """(step, tier, rank, node, holder, nbytes, checksum) of every landed shard."""
-        rows = self._db.execute(
-            "SELECT step, tier, rank, node, holder, nbytes, checksum FROM "
-            "ckpt_shards WHERE job = ? ORDER BY step, tier, rank",
-            (job,),
-        ).fetchall()
-        return [
-            (int(r[0]), str(r[1]), int(r[2]), str(r[3]), r[4], int(r[5]), str(r[6])) for r in rows
-        ]
-
-    def shard_version(self, job: str, step: int, tier: str) -> int:
-        """The version of (job, step, tier)'s shards and commit now (see ``shard_versions``);
-        one that has none (nothing was written of it since the store opened) gets one."""
-        key = (job, step, tier)
-        version = self.shard_versions.get(key)
-        if version is None:
-            version = self.shard_versions[key] = next(self._shard_clock)
-        return version
-
-    def forget_versions(self, job: str) -> None:
-        """Drop the versions of ``job``'s keys (its catalog is no longer cached): a later
-        read gets new ones."""
-        for key in [k for k in self.shard_versions if k[0] == job]:
-            del self.shard_versions[key]
-
-    def _shards_changed(self, job: str, step: int, tier: str) -> None:
-        """Before a write of (job, step, tier)'s shards or commit: what was read of it is
-        stale (a write rolled back only makes a cache read it again)."""
-        self.shard_versions[(job, step, tier)] = next(self._shard_clock)
 
     def _fenced(self) -> None:
         """In a write transaction: refuse it unless this supervisor still leads."""

@@ -119,7 +119,8 @@ def add_job_routes(app: web.Application, access: Access, sup: Backend) -> None:
         summary = sup.metrics.summary(found.id)
         # The newest committed steps, each with its tiers and the loss at it: from the
         # commits, not the catalog view (every shard row), as the dashboard polls this.
-        committed = sorted(sup.store.committed_tiers(found.id).items())[-SUMMARY_CHECKPOINTS:]
+        tiers = sup.catalog.rows.committed_tiers(found.id)
+        committed = sorted(tiers.items())[-SUMMARY_CHECKPOINTS:]
         refs = [{"step": step, "tiers": tiers} for step, tiers in committed]
         add_losses(refs, sup.metrics.rows.series(found.id, ["loss"]).get("loss", []))
         summary["checkpoints"] = refs

@@ -38,6 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from supervisor.backup import StoreBackups
+from supervisor.checkpoints.catalog import CheckpointCatalog
 from supervisor.control.controller import JobController
 from supervisor.fleet.registry import NodeState, Registry
 from supervisor.jobs import JobState
@@ -51,6 +52,7 @@ class Source(Protocol):
     registry: Registry
     jobs: JobController
     metrics: TrainingMetrics
+    catalog: CheckpointCatalog
     store: Store
     backups: StoreBackups | None
     bad_messages: int
@@ -98,7 +100,7 @@ class SupervisorCollector(Collector):
             if not job.state.holds_nodes:
                 continue
             newest: dict[str, float] = {}
-            for _step, tier, at in sup.store.commits(job.id):
+            for _step, tier, at in sup.catalog.rows.commits(job.id):
                 newest[tier] = max(newest.get(tier, 0.0), at)
             for tier, at in sorted(newest.items()):
                 commit_age.add_metric([job.id, tier], max(0.0, now - at))

@@ -27,7 +27,8 @@ from typing import Any
 from pydantic import SecretStr
 
 from phalanx import wire
-from supervisor.store import CatalogQueries, ShardRow, Store
+from supervisor.checkpoints.rows import CkptQueries, CkptRows, ShardRow
+from supervisor.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -318,6 +319,7 @@ class Where(Mapping[tuple[int, int, str], tuple[str, str | None]]):
 class CheckpointCatalog:
     def __init__(self, store: Store, *, term: int = 0) -> None:
         self.store = store
+        self.rows = CkptRows.of(store)  # its tables: shards, commits, ended catalogs
         self.term = term  # the supervisor's leadership term, in every catalog (wire)
         # The committed rows read by earlier builds, and the version each was read at:
         # (job, step, tier) -> (version, rows). Written on the event loop only.
@@ -367,18 +369,18 @@ class CheckpointCatalog:
                 msg.error,
             )
             self._landed.pop((msg.job, msg.step, msg.tier), None)
-            return self.store.drop_shard(msg.job, msg.step, msg.tier, msg.rank)
+            return self.rows.drop_shard(msg.job, msg.step, msg.tier, msg.rank)
         if msg.event == "deleted":
             # Retention is the same on every node, and one agent's deletion at a shared
             # tier (the object store) removes every rank's shard: the step is gone there.
             self._landed.pop((msg.job, msg.step, msg.tier), None)
-            return self.store.drop_step(msg.job, msg.step, msg.tier)
+            return self.rows.drop_step(msg.job, msg.step, msg.tier)
         key = (msg.job, msg.step, msg.tier)
         saved: set[int] = set()
         if msg.event == "staged":
             # A copy of a save (a restore staged it in RAM): it counts with the shards of
             # the generation that saved those bytes, never as a save of its own.
-            saved = self.store.saved_in(msg.job, msg.step, msg.rank, msg.checksum)
+            saved = self.rows.saved_in(msg.job, msg.step, msg.rank, msg.checksum)
             if not saved:
                 log.info(
                     "job %s: ignored rank %d's staged copy of step %d at tier %s: no "
@@ -390,7 +392,7 @@ class CheckpointCatalog:
                 )
                 return False
         if key not in self._landed:
-            rows = self.store.shard_ranks(*key)
+            rows = self.rows.shard_ranks(*key)
             newest = max(rows.values(), default=max(saved, default=msg.generation))
             self._landed[key] = (newest, {r for r, g in rows.items() if g == newest})
         generation, ranks = self._landed[key]
@@ -419,11 +421,11 @@ class CheckpointCatalog:
         if msg.generation > generation:
             # A newer generation saves this step again (it restored an older one): what the
             # older generation left at this tier is stale or overwritten, its commit too.
-            went = any(s == msg.step and t == msg.tier for s, t, _ in self.store.commits(msg.job))
-            self.store.drop_step(msg.job, msg.step, msg.tier)
+            went = any(s == msg.step and t == msg.tier for s, t, _ in self.rows.commits(msg.job))
+            self.rows.drop_step(msg.job, msg.step, msg.tier)
             generation, ranks = msg.generation, set()
             self._landed[key] = (generation, ranks)
-        self.store.add_shard(
+        self.rows.add_shard(
             msg.job,
             msg.step,
             msg.tier,
@@ -443,7 +445,7 @@ class CheckpointCatalog:
             k for k in self._landed if k[0] == msg.job and k[2] == msg.tier and k[1] < msg.step
         ]:
             del self._landed[older]  # most likely never complete; reloaded if it does
-        if not self.store.add_commit(msg.job, msg.step, msg.tier, time.time()):
+        if not self.rows.add_commit(msg.job, msg.step, msg.tier, time.time()):
             return went
         self.store.add_event(
             "ckpt_committed", None, {"job": msg.job, "step": msg.step, "tier": msg.tier}
@@ -469,7 +471,7 @@ class CheckpointCatalog:
         for cached in [k for k in self._rows if k[0] == job]:
             del self._rows[cached]
         self._shards.pop(job, None)
-        self.store.forget_versions(job)
+        self.rows.forget_versions(job)
 
     def pin_rows(
         self, job: str, commits: Iterable[tuple[int, str, float]] | None = None
@@ -480,9 +482,9 @@ class CheckpointCatalog:
         gets one now: its rows as read from here on are that version's. ``commits``: the
         job's commits as the caller just read them (else read here)."""
         pinned: dict[tuple[int, str], int] = {}
-        for step, tier, _at in self.store.commits(job) if commits is None else commits:
+        for step, tier, _at in self.rows.commits(job) if commits is None else commits:
             key = (job, step, tier)
-            pinned[(step, tier)] = self.store.shard_version(*key)
+            pinned[(step, tier)] = self.rows.shard_version(*key)
         rows: Rows = {}
         for (step, tier), version in pinned.items():
             cached = self._rows.get((job, step, tier))
@@ -495,13 +497,13 @@ class CheckpointCatalog:
         where each rank's shard of them lies, for the recovery planner. The rows cached
         serve; only those written since are read (a recovery of a 16,384-rank job read
         every shard of it on the event loop, twice, before its start orders)."""
-        commits = self.store.commits(job)
+        commits = self.rows.commits(job)
         committed: dict[int, dict[str, float]] = {}
         for step, tier, at in commits:
             committed.setdefault(step, {})[tier] = at
         pinned, rows = self.pin_rows(job, commits)
         missing = [key for key in pinned if key not in rows]
-        for key, by_rank in self.store.shard_rows(job, missing).items():
+        for key, by_rank in self.rows.shard_rows(job, missing).items():
             rows[key] = StepRows(by_rank)
         self.keep_rows(job, pinned, rows)
         return committed, Where({key: rows[key] for key in pinned})
@@ -511,7 +513,7 @@ class CheckpointCatalog:
         what was written since :meth:`pin_rows` (the build reads it from the snapshot),
         so that the build says what the snapshot holds. A write bumps its key's version
         before it runs: one the snapshot sees was bumped before this looks."""
-        versions = self.store.shard_versions
+        versions = self.rows.shard_versions
         for key in list(rows):
             if versions.get((job, *key)) != pinned.get(key):
                 del rows[key]
@@ -520,7 +522,7 @@ class CheckpointCatalog:
         """On the event loop, after a build: keep the rows it read of each (step, tier)
         still at the version pinned before it (one written since is read again next
         time); forget the job's others (no longer committed)."""
-        versions = self.store.shard_versions
+        versions = self.rows.shard_versions
         for cached in [k for k in self._rows if k[0] == job and (k[1], k[2]) not in rows]:
             del self._rows[cached]
         for (step, tier), found in rows.items():
@@ -542,7 +544,7 @@ class CheckpointCatalog:
         alive: Set[str] | None = None,
         ended: bool = False,
         nodes: Sequence[str] = (),
-        store: CatalogQueries | None = None,
+        store: CkptQueries | None = None,
         credential: Callable[[str, str], str | None] | None = None,
         hold_steps: int | None = None,
         elastic: bool = False,
@@ -574,7 +576,7 @@ class CheckpointCatalog:
         caller can keep them (:meth:`keep_rows`).
         """
 
-        db = store if store is not None else self.store
+        db = store if store is not None else self.rows
         placement = dict(placement or {})
         peers = peers or {}
         committed: dict[int, dict[str, float]] = {}
@@ -729,14 +731,14 @@ class CheckpointCatalog:
     def view(self, job: str, world_size: int, tiers: Sequence[str]) -> dict[str, Any]:
         """Every step with a shard anywhere: committed tiers, and partial ones (ranks there)."""
         steps: dict[int, dict[str, Any]] = {}
-        for step, tier, rank, node, holder, nbytes, _checksum in self.store.shards(job):
+        for step, tier, rank, node, holder, nbytes, _checksum in self.rows.shards(job):
             entry = steps.setdefault(
                 step, {"step": step, "committed": {}, "partial": {}, "bytes": {}, "where": {}}
             )
             entry["partial"][tier] = entry["partial"].get(tier, 0) + 1
             entry["bytes"][tier] = entry["bytes"].get(tier, 0) + nbytes
             entry["where"].setdefault(tier, {})[str(rank)] = holder or node
-        for step, tier, at in self.store.commits(job):
+        for step, tier, at in self.rows.commits(job):
             if step in steps:
                 steps[step]["committed"][tier] = at
                 steps[step]["partial"].pop(tier, None)

@@ -156,9 +156,9 @@ class CatalogPublisher:
         node may still need again."""
         self._sent.clear()
         for job in list(jobs):
-            if job.state.final and self.store.ended_catalogs_released(job.id):
+            if job.state.final and self.catalog.rows.ended_catalogs_released(job.id):
                 continue  # every node let go of it: nothing left to tell
-            if not job.state.final or self.store.commits(job.id):
+            if not job.state.final or self.catalog.rows.commits(job.id):
                 await self.publish(job.id)
 
     def publish_soon(self, job_id: str) -> None:
@@ -205,7 +205,7 @@ class CatalogPublisher:
                 return
 
             def build() -> list[tuple[str, str, bytes]]:
-                with self.store.snapshot() as snapshot:  # committed rows only, one state
+                with self.catalog.rows.snapshot() as snapshot:  # committed rows only, one state
                     self.catalog.drop_stale(job_id, pinned, rows)  # written since the pin
                     messages = self.catalog.messages(
                         job_id,
@@ -235,9 +235,11 @@ class CatalogPublisher:
                 if ended:
                     # A node that let go of the job needs nothing more; the others' rows go
                     # in before the first message is out, as its release may come at once.
-                    done = self.store.ended_catalogs_let_go(job_id)
+                    done = self.catalog.rows.ended_catalogs_let_go(job_id)
                     built = [m for m in built if m[0] not in done]
-                    self.store.ended_catalogs_sent(job_id, [target for target, _, _ in built])
+                    self.catalog.rows.ended_catalogs_sent(
+                        job_id, [target for target, _, _ in built]
+                    )
             except StoreError as exc:
                 log.error(
                     "job %s: cannot build the checkpoint catalog: %s: trying again", job_id, exc
@@ -347,13 +349,13 @@ class CatalogPublisher:
         try:
             async with self._locks.setdefault(job, asyncio.Lock()):
                 try:
-                    for node in sorted(let_go & self.store.ended_catalogs_sent_to(job)):
+                    for node in sorted(let_go & self.catalog.rows.ended_catalogs_sent_to(job)):
                         await self._publish(wire.catalog_topic(job, node), b"", retain=True)
                         cleared.append(node)
                 finally:
                     if cleared:
-                        self.store.ended_catalogs_cleared(job, cleared, time.time())
-                released = self.store.ended_catalogs_released(job)
+                        self.catalog.rows.ended_catalogs_cleared(job, cleared, time.time())
+                released = self.catalog.rows.ended_catalogs_released(job)
         except (LinkDown, StoreError) as exc:
             log.warning(
                 "job %s: ended catalogs not cleared for %s: %s",

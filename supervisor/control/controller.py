@@ -655,7 +655,9 @@ class JobController:
         self.act.move(job, to, why)
 
     def _newest_committed(self, job: str, upto: int) -> int | None:
-        return max((step for step, _, _ in self.store.commits(job) if step <= upto), default=None)
+        return max(
+            (step for step, _, _ in self.catalog.rows.commits(job) if step <= upto), default=None
+        )
 
     def save(self, job: Job) -> None:
         self.act.save(job)

@@ -157,7 +157,7 @@ class GangOrders:
         listen is stopped at once."""
         tiers = job.spec.checkpoint.tiers
         tier = next((t for t in ("peer", "object", "nvme", "ram") if t in tiers), None)
-        commits = self.ctl.store.commits(job.id)
+        commits = self.ctl.catalog.rows.commits(job.id)
         before = max((s for s, t, _ in commits if t == tier), default=-1)
         args = wire.SaveNowArgs(job=job.id, generation=max(job.generation, 1))
         timeout = self.ctl.settings.command_timeout_s
@@ -171,7 +171,9 @@ class GangOrders:
         saved = None
         deadline = time.monotonic() + job.spec.grace_period
         while asked and time.monotonic() < deadline:
-            newest = max((s for s, t, _ in self.ctl.store.commits(job.id) if t == tier), default=-1)
+            newest = max(
+                (s for s, t, _ in self.ctl.catalog.rows.commits(job.id) if t == tier), default=-1
+            )
             if newest > before:
                 saved = newest
                 break

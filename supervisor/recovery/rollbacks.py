@@ -123,10 +123,10 @@ def apply(ctl: Actuator, job: Job, plan: Plan) -> None:
         "baseline": trip.baseline if trip is not None else None,
     }
     job.rollbacks.append(entry)
-    dropped = void(((s, t) for s, t, _ in ctl.store.commits(job.id)), job.rollbacks)
+    dropped = void(((s, t) for s, t, _ in ctl.catalog.rows.commits(job.id)), job.rollbacks)
     with ctl.store.batch():
         for step, tier in dropped:
-            ctl.store.drop_step(job.id, step, tier)
+            ctl.catalog.rows.drop_step(job.id, step, tier)
     if rec is not None:
         rec.rollback_applied = True
     ctl.save(job)

@@ -129,10 +129,10 @@ class SdcWatch:
                 "kind": "sdc",
             }
         )
-        dropped = void(((s, t) for s, t, _ in self.ctl.store.commits(job.id)), job.rollbacks)
+        dropped = void(((s, t) for s, t, _ in self.ctl.catalog.rows.commits(job.id)), job.rollbacks)
         with self.ctl.store.batch():
             for step, tier in dropped:
-                self.ctl.store.drop_step(job.id, step, tier)
+                self.ctl.catalog.rows.drop_step(job.id, step, tier)
         self.ctl.save(job)
         self.ctl.event(
             "ckpt_voided",

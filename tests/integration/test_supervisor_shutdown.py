@@ -21,6 +21,7 @@ import supervisor.checkpoints.publisher
 from phalanx import wire
 from phalanx.jobspec import validate_spec
 from phalanx.settings import MqttSettings
+from supervisor.checkpoints.rows import CkptRows
 from supervisor.config import ApiSettings, SupervisorSettings
 from supervisor.daemon import Supervisor
 from supervisor.store import Store
@@ -161,7 +162,7 @@ async def test_releases_received_just_before_shutdown_clear_their_catalogs(
 
     store = Store(settings.state_dir / "state.db")
     try:
-        assert store.ended_catalogs_released(job)
+        assert CkptRows.of(store).ended_catalogs_released(job)
     finally:
         store.close()
 
@@ -185,6 +186,6 @@ async def test_landings_received_just_before_shutdown_are_recorded_and_their_cat
 
     store = Store(settings.state_dir / "state.db")
     try:
-        assert [step for step, _, _ in store.commits(job)] == [4]
+        assert [step for step, _, _ in CkptRows.of(store).commits(job)] == [4]
     finally:
         store.close()

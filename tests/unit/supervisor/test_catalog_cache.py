@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 from phalanx import wire
 from supervisor.checkpoints.catalog import CheckpointCatalog
+from supervisor.checkpoints.rows import CkptQueries, CkptRows
 from supervisor.jobs import hold_steps
-from supervisor.store import CatalogQueries, Store
+from supervisor.store import Store
 from tests.unit.supervisor.test_catalog_publish import (
     NODES,
     WORLD,
@@ -51,7 +52,7 @@ def cached(catalog: CheckpointCatalog, world: int = WORLD, **kw: Any) -> list[st
     """A build as the publisher makes it: the rows still current, the rest read from a
     snapshot."""
     pinned, rows = catalog.pin_rows(JOB)
-    with catalog.store.snapshot() as snapshot:
+    with catalog.rows.snapshot() as snapshot:
         catalog.drop_stale(JOB, pinned, rows)
         built = catalog.messages(JOB, world, placement=PLACEMENT, rows=rows, store=snapshot, **kw)
     catalog.keep_rows(JOB, pinned, rows)
@@ -74,7 +75,7 @@ def test_a_row_rewritten_between_the_pin_and_the_snapshot_is_read_from_the_snaps
         # another node (a redelivery, a staged copy), which commits nothing new.
         with store.batch():
             catalog.on_landing(landing(4, 0).model_copy(update={"node": "n07"}), WORLD)
-        with store.snapshot() as snapshot:
+        with CkptRows.of(store).snapshot() as snapshot:
             catalog.drop_stale(JOB, pinned, rows)
             built = catalog.messages(JOB, WORLD, placement=PLACEMENT, rows=rows, store=snapshot)
 
@@ -90,16 +91,16 @@ class ReadCounter:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.keys: list[tuple[int, str]] = []
-        real = CatalogQueries.shard_rows
+        real = CkptQueries.shard_rows
 
         def shard_rows(
-            queries: CatalogQueries, job: str, keys: Iterable[tuple[int, str]]
+            queries: CkptQueries, job: str, keys: Iterable[tuple[int, str]]
         ) -> dict[tuple[int, str], Any]:
             keys = list(keys)
             self.keys += keys
             return real(queries, job, keys)
 
-        monkeypatch.setattr(CatalogQueries, "shard_rows", shard_rows)
+        monkeypatch.setattr(CkptQueries, "shard_rows", shard_rows)
 
 
 async def test_a_build_reads_only_the_steps_committed_since_the_last_and_says_the_same(
@@ -132,7 +133,8 @@ async def test_a_step_dropped_behind_the_catalogs_back_is_gone_from_the_next_bui
     await publisher.publish(JOB)
     assert link.catalog("n00") is not None and link.catalog("n00").restore_step == 5  # type: ignore[union-attr]
 
-    publisher.store.drop_step(JOB, 5, "object")  # as a rollback does, on the store itself
+    # as a rollback does, on the store's rows themselves
+    CkptRows.of(publisher.store).drop_step(JOB, 5, "object")
     await publisher.publish(JOB)
 
     msg = link.catalog("n00")
@@ -216,7 +218,7 @@ def test_whatever_happens_to_the_shards_a_cached_build_says_what_a_fresh_one_say
                 elif op in ("corrupt", "deleted"):
                     land(step, tier, rank, op)
                 elif op == "drop":  # a rollback or the SDC watch, on the store itself
-                    store.drop_step(JOB, step, tier)
+                    CkptRows.of(store).drop_step(JOB, step, tier)
                 else:  # the row rewritten: a redelivery from another node, a staged copy
                     land(step, tier, rank, node="n05")
                 assert cached(catalog, world) == fresh(store, world)

@@ -21,6 +21,7 @@ from phalanx import wire
 from phalanx.jobspec import validate_spec
 from supervisor.checkpoints.catalog import CheckpointCatalog
 from supervisor.checkpoints.publisher import CatalogPublisher
+from supervisor.checkpoints.rows import CkptRows
 from supervisor.errors import StoreError
 from supervisor.fleet.registry import Registry
 from supervisor.jobs import Job, JobState, RankPlace
@@ -194,11 +195,11 @@ async def test_landings_a_failed_store_write_rolled_back_are_queued_again_and_co
     monkeypatch.setattr(store, "batch", full_disk)
     with pytest.raises(StoreError):
         publisher.record_landings()
-    assert store.commits("j-1") == []
+    assert CkptRows.of(store).commits("j-1") == []
 
     monkeypatch.setattr(store, "batch", real_batch)
     assert publisher.record_landings() == {"j-1"}
-    assert [c[0] for c in store.commits("j-1")] == [5]
+    assert [c[0] for c in CkptRows.of(store).commits("j-1")] == [5]
 
 
 async def test_a_landing_the_store_cannot_take_is_dropped_and_never_holds_up_the_others(
@@ -226,8 +227,8 @@ async def test_a_landing_the_store_cannot_take_is_dropped_and_never_holds_up_the
 
     store.batch = counted  # type: ignore[method-assign]
     assert publisher.record_landings() == {"j-1"}
-    assert [c[0] for c in store.commits("j-1")] == list(range(1, 65))
-    assert store.commits("j-2") == []
+    assert [c[0] for c in CkptRows.of(store).commits("j-1")] == list(range(1, 65))
+    assert CkptRows.of(store).commits("j-2") == []
     assert transactions <= 15  # halves around the one that fails, not one per landing
     assert publisher.record_landings() == set()  # nothing left queued
 
@@ -236,22 +237,22 @@ def test_a_snapshot_sees_committed_rows_only_never_a_batch_in_progress(
     tmp_path: Path, open_store: OpenStore
 ) -> None:
     store = open_store()
-    store.add_commit("j-1", 4, "nvme", 1.0)
+    CkptRows.of(store).add_commit("j-1", 4, "nvme", 1.0)
     seen: list[list[int]] = []
 
     def read() -> None:
-        with store.snapshot() as snapshot:
+        with CkptRows.of(store).snapshot() as snapshot:
             seen.append([step for step, _, _ in snapshot.commits("j-1")])
 
     with store.batch():
-        store.add_commit("j-1", 5, "nvme", 2.0)
+        CkptRows.of(store).add_commit("j-1", 5, "nvme", 2.0)
         with ThreadPoolExecutor(1) as pool:  # the builder's thread, as the publisher uses
             pool.submit(read).result()
     with ThreadPoolExecutor(1) as pool:
         pool.submit(read).result()
 
     assert seen == [[4], [4, 5]]
-    assert [s for s, _, _ in store.commits("j-1")] == [4, 5]
+    assert [s for s, _, _ in CkptRows.of(store).commits("j-1")] == [4, 5]
     store.close()
 
 
@@ -373,10 +374,10 @@ async def test_a_node_that_let_go_is_cleared_even_when_a_catalog_for_it_was_in_f
     await publisher.clear_ended_catalogs("j-1", {"n02"})
 
     assert link.retained[topic] == b""
-    assert store.ended_catalogs_let_go("j-1") == {"n02"}
-    assert not store.ended_catalogs_released("j-1")  # the other nodes still hold it
+    assert CkptRows.of(store).ended_catalogs_let_go("j-1") == {"n02"}
+    assert not CkptRows.of(store).ended_catalogs_released("j-1")  # the other nodes still hold it
     await publisher.clear_ended_catalogs("j-1", set(NODES))
-    assert store.ended_catalogs_released("j-1")
+    assert CkptRows.of(store).ended_catalogs_released("j-1")
     assert all(link.retained[wire.catalog_topic("j-1", n)] == b"" for n in NODES)
 
 
@@ -418,7 +419,7 @@ async def test_releases_are_cleared_in_batches_off_the_message_loop(make: Make) 
         "the flush to clear every node's catalog",
     )
 
-    assert store.ended_catalogs_released("j-1")
+    assert CkptRows.of(store).ended_catalogs_released("j-1")
     assert len(batches) == 1
 
 
@@ -431,7 +432,7 @@ async def test_the_drain_records_the_landings_queued_and_sends_their_catalogs(ma
 
     await publisher.drain(timeout=5.0)
 
-    assert [c[0] for c in publisher.store.commits("j-1")] == [4]
+    assert [c[0] for c in CkptRows.of(publisher.store).commits("j-1")] == [4]
     assert all((c := link.catalog(n)) is not None and c.restore_step == 4 for n in NODES)
 
 
@@ -446,7 +447,7 @@ async def test_the_drain_clears_the_catalogs_of_the_releases_queued(make: Make) 
     await publisher.drain(timeout=5.0)
 
     assert all(link.retained[wire.catalog_topic("j-1", n)] == b"" for n in NODES)
-    assert publisher.store.ended_catalogs_released("j-1")
+    assert CkptRows.of(publisher.store).ended_catalogs_released("j-1")
 
 
 async def test_landings_that_come_after_the_drain_are_recorded_as_it_closes(make: Make) -> None:
@@ -459,7 +460,7 @@ async def test_landings_that_come_after_the_drain_are_recorded_as_it_closes(make
 
     publisher.close()
 
-    assert [c[0] for c in publisher.store.commits("j-1")] == [4]
+    assert [c[0] for c in CkptRows.of(publisher.store).commits("j-1")] == [4]
     assert link.published == 0  # sent at the next start
 
 

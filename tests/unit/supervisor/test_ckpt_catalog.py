@@ -16,6 +16,7 @@ from ckpt import Checkpointer, CheckpointError
 from ckpt.peer import SealCheck
 from phalanx import wire
 from supervisor.checkpoints.catalog import CheckpointCatalog, pick_buddies
+from supervisor.checkpoints.rows import CkptRows
 from tests.unit.supervisor.conftest import OpenStore
 
 
@@ -272,13 +273,13 @@ def test_landings_recorded_in_one_batch_commit_once_and_a_failed_batch_leaves_no
     with store.batch():
         committed = [catalog.on_landing(landing(5, rank), world_size=3) for rank in range(3)]
     assert committed == [False, False, True]
-    assert store.commits("j-1")[0][:2] == (5, "nvme")
+    assert CkptRows.of(store).commits("j-1")[0][:2] == (5, "nvme")
 
     with pytest.raises(RuntimeError), store.batch():
         catalog.on_landing(landing(6, 0), world_size=3)
         raise RuntimeError("the flush failed half way")
     catalog.forget()
-    assert store.shard_ranks("j-1", 6, "nvme") == {}
+    assert CkptRows.of(store).shard_ranks("j-1", 6, "nvme") == {}
     for rank in range(3):  # the landings come again: the step still commits, once
         committed.append(catalog.on_landing(landing(6, rank), world_size=3))
     assert committed[3:] == [False, False, True]

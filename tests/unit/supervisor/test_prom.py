@@ -13,6 +13,8 @@ from phalanx import wire
 from phalanx.jobspec import validate_spec
 from supervisor.api.prom import registry_of
 from supervisor.backup import StoreBackups, take_backup
+from supervisor.checkpoints.catalog import CheckpointCatalog
+from supervisor.checkpoints.rows import CkptRows
 from supervisor.fleet.registry import NodeState
 from supervisor.jobs import Job, JobState
 from supervisor.store import Store
@@ -45,6 +47,10 @@ class FakeSupervisor:
     backups: StoreBackups | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def catalog(self) -> CheckpointCatalog:
+        return CheckpointCatalog(self.store)
+
 
 def job(job_id: str, state: JobState, restarts: int = 0) -> Job:
     spec = validate_spec(
@@ -70,8 +76,8 @@ def test_prometheus_shows_the_fleet_and_each_running_jobs_figures_by_job_only(
         "wait-1": job("wait-1", JobState.PENDING),
     }
     jobs["wait-1"].submitted_at = time.time() - 600  # queued for 10 minutes
-    store.add_commit("big-1", 90, "ram", time.time() - 5)
-    store.add_commit("big-1", 60, "object", time.time() - 300)  # the object tier lags
+    CkptRows.of(store).add_commit("big-1", 90, "ram", time.time() - 5)
+    CkptRows.of(store).add_commit("big-1", 60, "object", time.time() - 300)  # the object tier lags
     metrics = TrainingMetrics(store, jobs.get)
     metrics.on_batch(
         wire.MetricsBatch(

@@ -12,6 +12,7 @@ import pytest
 from ckpt.stores import LocalFolderStore, S3Store
 from supervisor.auth.rows import TokenRows
 from supervisor.backup import REMOTE_FOLDER, StoreBackups, backups_in, take_backup
+from supervisor.checkpoints.rows import CkptRows
 from supervisor.config import StoreSettings, SupervisorSettings
 from supervisor.errors import StoreError
 from supervisor.store import Store
@@ -37,9 +38,10 @@ def store_with_rows(path: Path) -> Store:
     store.save_node("n01", {"rack": "r1", "drain": {"reason": "bad fan", "by": "operator"}})
     store.save_job("j-1", "running", {"spec": {"name": "train"}, "generation": 2})
     store.add_event("job_submitted", None, {"job": "j-1"})
-    store.add_shard("j-1", 100, "nvme", 0, "n01", None, 4096, "xxh3_128:00", 1.0, generation=2)
-    store.add_commit("j-1", 100, "nvme", 2.0)
-    store.ended_catalogs_sent("j-1", ["n01"])
+    rows = CkptRows.of(store)
+    rows.add_shard("j-1", 100, "nvme", 0, "n01", None, 4096, "xxh3_128:00", 1.0, generation=2)
+    rows.add_commit("j-1", 100, "nvme", 2.0)
+    rows.ended_catalogs_sent("j-1", ["n01"])
     counts = SeriesRows(store).series_counts("j-1")
     for step in range(40):
         SeriesRows(store).add_point(

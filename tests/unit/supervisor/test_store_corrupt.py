@@ -16,6 +16,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from supervisor.api.app import make_app
+from supervisor.checkpoints.rows import CkptRows
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import Supervisor
 from supervisor.errors import StoreCorrupt
@@ -47,7 +48,7 @@ def commit_aside(path: Path) -> None:
     """Another connection's commit: it makes the store's connection drop the pages it
     cached and read them from the file again (as after any change it did not make)."""
     other = sqlite3.connect(path, isolation_level=None)
-    other.execute("INSERT INTO ckpt_commits VALUES ('j', 1, 'ram', 1.0)")
+    other.execute("INSERT INTO events (ts, kind, node, detail) VALUES (1.0, 'aside', NULL, '{}')")
     other.close()
 
 
@@ -122,7 +123,7 @@ def test_damage_met_by_a_snapshot_read_marks_the_store(tmp_path: Path) -> None:
         fold(path)
         damage(path, page_at(path))
 
-        with pytest.raises(StoreCorrupt), store.snapshot() as view:
+        with pytest.raises(StoreCorrupt), CkptRows.of(store).snapshot() as view:
             view.ever_committed("j-1")  # reads every event
     finally:
         store.close()

@@ -1,0 +1,319 @@
+"""The checkpoint catalog's rows in the supervisor's store: their tables, reads and writes.
+
+Three tables: ``ckpt_shards`` (every rank's shard landed at a tier: who landed it,
+where the copy lies, its size and checksum, the generation that saved it),
+``ckpt_commits`` (a step committed at a tier: every rank's shard there) and
+``ckpt_ended_catalogs`` (the nodes an ended job's catalog went out to, retained, and
+when each let go of it). The store owns the file, the connection and the transactions
+(:meth:`~supervisor.store.Store.write`, :meth:`~supervisor.store.Store.batch`); this
+wing owns its schema and its queries, as ``telemetry.rows`` and ``auth.rows`` do.
+
+:class:`CkptQueries` reads, on the store's connection or on a snapshot's (a build of
+the catalogs in another thread, :meth:`CkptRows.snapshot`); :class:`CkptRows` also
+writes, and versions each (job, step, tier) at every write of its shards or commit, so
+that what the catalog cached of a key is current while the version it read stands.
+There is one :class:`CkptRows` per store (:meth:`CkptRows.of`): every write of these
+tables goes through it, whoever makes it, so no version is missed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sqlite3
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import ClassVar
+
+from supervisor.store import Store
+from supervisor.store_db import Db
+
+# A shard as the catalog lists it: (node that landed it, holder, nbytes, checksum).
+ShardRow = tuple[str, str | None, int, str]
+
+CKPT_SCHEMA = """
+CREATE TABLE IF NOT EXISTS ckpt_shards (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    tier TEXT NOT NULL,
+    rank INTEGER NOT NULL,
+    node TEXT NOT NULL,            -- the node that landed it
+    holder TEXT,                   -- where the copy lies (the buddy, for the peer tier)
+    nbytes INTEGER NOT NULL,
+    checksum TEXT NOT NULL,
+    at REAL NOT NULL,
+    generation INTEGER NOT NULL DEFAULT 0,  -- the job generation whose rank saved it
+    PRIMARY KEY (job, step, tier, rank)
+);
+CREATE TABLE IF NOT EXISTS ckpt_commits (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    tier TEXT NOT NULL,
+    committed_at REAL NOT NULL,
+    PRIMARY KEY (job, step, tier)
+);
+CREATE INDEX IF NOT EXISTS ckpt_shards_rank ON ckpt_shards (job, step, rank);
+CREATE TABLE IF NOT EXISTS ckpt_ended_catalogs (
+    job TEXT NOT NULL,
+    node TEXT NOT NULL,            -- a node the job's ended catalog was published for, retained
+    released_at REAL,              -- when its agent let go of the job and the catalog was
+    PRIMARY KEY (job, node)        -- cleared from the broker (NULL: not yet)
+);
+"""
+
+
+def open_ckpt_tables(db: sqlite3.Connection) -> None:
+    """Create the tables, or give a store's ``ckpt_shards`` from before landings named
+    their generation that column."""
+    db.executescript(CKPT_SCHEMA)
+    columns = {r[1] for r in db.execute("PRAGMA table_info(ckpt_shards)")}
+    if "generation" not in columns:
+        db.execute("ALTER TABLE ckpt_shards ADD COLUMN generation INTEGER NOT NULL DEFAULT 0")
+
+
+class CkptQueries:
+    """The catalog's reads on ``db``: the store's own connection, or a snapshot's."""
+
+    def __init__(self, db: Db) -> None:
+        self._db = db
+
+    @property
+    def db(self) -> Db:
+        return self._db
+
+    def commits(self, job: str) -> list[tuple[int, str, float]]:
+        rows = self.db.execute(
+            "SELECT step, tier, committed_at FROM ckpt_commits WHERE job = ? ORDER BY step", (job,)
+        ).fetchall()
+        return [(int(r[0]), str(r[1]), float(r[2])) for r in rows]
+
+    def committed_tiers(self, job: str) -> dict[int, list[str]]:
+        """Each step of ``job`` committed somewhere that still has a shard, and its tiers
+        (what ``CheckpointCatalog.view`` says is committed, without reading every shard)."""
+        rows = self.db.execute(
+            "SELECT c.step, c.tier FROM ckpt_commits c WHERE c.job = ? AND EXISTS "
+            "(SELECT 1 FROM ckpt_shards s WHERE s.job = c.job AND s.step = c.step) "
+            "ORDER BY c.step, c.tier",
+            (job,),
+        ).fetchall()
+        found: dict[int, list[str]] = {}
+        for step, tier in rows:
+            found.setdefault(int(step), []).append(str(tier))
+        return found
+
+    def shard_rows(
+        self, job: str, keys: Iterable[tuple[int, str]]
+    ) -> dict[tuple[int, str], dict[int, ShardRow]]:
+        """Each (step, tier) of ``keys``: rank -> (node, holder, nbytes, checksum) of every
+        shard landed there (one indexed read per key)."""
+        found: dict[tuple[int, str], dict[int, ShardRow]] = {}
+        for step, tier in keys:
+            rows = self.db.execute(
+                "SELECT rank, node, holder, nbytes, checksum FROM ckpt_shards "
+                "WHERE job = ? AND step = ? AND tier = ?",
+                (job, step, tier),
+            ).fetchall()
+            found[(step, tier)] = {int(r[0]): (str(r[1]), r[2], int(r[3]), str(r[4])) for r in rows}
+        return found
+
+    def ever_committed(self, job: str) -> bool:
+        """Whether a step of ``job`` was ever committed at a tier (its event log says)."""
+        row = self.db.execute(
+            "SELECT 1 FROM events WHERE kind = 'ckpt_committed' AND "
+            "json_extract(detail, '$.job') = ? LIMIT 1",
+            (job,),
+        ).fetchone()
+        return row is not None
+
+    def shard_nodes(self, job: str) -> set[str]:
+        """The nodes that landed a shard of ``job`` that is still known."""
+        rows = self.db.execute(
+            "SELECT DISTINCT node FROM ckpt_shards WHERE job = ?", (job,)
+        ).fetchall()
+        return {str(r[0]) for r in rows}
+
+    def shard_ranks(self, job: str, step: int, tier: str) -> dict[int, int]:
+        """The ranks with a shard of ``step`` at ``tier``, and the generation of each."""
+        rows = self.db.execute(
+            "SELECT rank, generation FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ?",
+            (job, step, tier),
+        ).fetchall()
+        return {int(r[0]): int(r[1]) for r in rows}
+
+    def saved_in(self, job: str, step: int, rank: int, checksum: str) -> set[int]:
+        """The generations whose saves of rank ``rank``'s shard of ``step`` have
+        ``checksum``, at any tier."""
+        rows = self.db.execute(
+            "SELECT DISTINCT generation FROM ckpt_shards WHERE job = ? AND "
+            "step = ? AND rank = ? AND checksum = ?",
+            (job, step, rank, checksum),
+        ).fetchall()
+        return {int(r[0]) for r in rows}
+
+    def shards(self, job: str) -> list[tuple[int, str, int, str, str | None, int, str]]:
+        """(step, tier, rank, node, holder, nbytes, checksum) of every landed shard."""
+        rows = self.db.execute(
+            "SELECT step, tier, rank, node, holder, nbytes, checksum FROM "
+            "ckpt_shards WHERE job = ? ORDER BY step, tier, rank",
+            (job,),
+        ).fetchall()
+        return [
+            (int(r[0]), str(r[1]), int(r[2]), str(r[3]), r[4], int(r[5]), str(r[6])) for r in rows
+        ]
+
+    def ended_catalogs_sent_to(self, job: str) -> set[str]:
+        """The nodes ``job``'s ended catalog was published for."""
+        rows = self.db.execute(
+            "SELECT node FROM ckpt_ended_catalogs WHERE job = ?", (job,)
+        ).fetchall()
+        return {str(r[0]) for r in rows}
+
+    def ended_catalogs_let_go(self, job: str) -> set[str]:
+        """The nodes that let go of the job, their ended catalogs cleared."""
+        rows = self.db.execute(
+            "SELECT node FROM ckpt_ended_catalogs WHERE job = ? AND released_at IS NOT NULL", (job,)
+        ).fetchall()
+        return {str(r[0]) for r in rows}
+
+    def ended_catalogs_released(self, job: str) -> bool:
+        """Whether the job's ended catalog went out and every node it went to let go."""
+        row = self.db.execute(
+            "SELECT COUNT(*), COUNT(released_at) FROM ckpt_ended_catalogs WHERE job = ?", (job,)
+        ).fetchone()
+        return bool(row[0]) and row[0] == row[1]
+
+
+class CkptRows(CkptQueries):
+    """The catalog's rows of ``store``: its reads on the store's connection, its writes
+    through the store's transactions. Take it with :meth:`of` (one per store)."""
+
+    _made: ClassVar[weakref.WeakKeyDictionary[Store, CkptRows]] = weakref.WeakKeyDictionary()
+
+    def __init__(self, store: Store) -> None:
+        store.open_tables("checkpoints", open_ckpt_tables)
+        super().__init__(store.db)
+        self.store = store
+        # (job, step, tier) -> a number that changes at every write of its shards or
+        # commit (a dropped key has none): what the catalog cached of it is current while
+        # the number it was read at still stands.
+        self.shard_versions: dict[tuple[str, int, str], int] = {}
+        self._shard_clock = itertools.count(1)
+
+    @classmethod
+    def of(cls, store: Store) -> CkptRows:
+        """The store's catalog rows: made on first use, then the same for every caller."""
+        rows = cls._made.get(store)
+        if rows is None:
+            rows = cls._made[store] = cls(store)
+        return rows
+
+    @property
+    def db(self) -> Db:
+        return self.store.db  # the store's (PostgreSQL's may be reconnected under it)
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[CkptQueries]:
+        """The catalog's reads on a connection of their own, for another thread: one read
+        transaction (see :meth:`~supervisor.store.Store.snapshot_db`)."""
+        with self.store.snapshot_db("ckpt_commits") as db:
+            yield CkptQueries(db)
+
+    # --- writes ---------------------------------------------------------------------
+
+    def add_shard(
+        self,
+        job: str,
+        step: int,
+        tier: str,
+        rank: int,
+        node: str,
+        holder: str | None,
+        nbytes: int,
+        checksum: str,
+        at: float,
+        generation: int = 0,
+    ) -> None:
+        self._shards_changed(job, step, tier)
+        self.store.write(
+            "INSERT INTO ckpt_shards (job, step, tier, rank, node, holder, nbytes, "
+            "checksum, at, generation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (job, step, tier, rank) DO UPDATE SET node = excluded.node, "
+            "holder = excluded.holder, nbytes = excluded.nbytes, checksum = excluded.checksum, "
+            "at = excluded.at, generation = excluded.generation",
+            (job, step, tier, rank, node, holder, nbytes, checksum, at, generation),
+        )
+
+    def drop_step(self, job: str, step: int, tier: str) -> bool:
+        """Forget a step at a tier (retention removed it); True if anything was known."""
+        self.shard_versions.pop((job, step, tier), None)
+        cur = self.store.write(
+            "DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ?", (job, step, tier)
+        )
+        self.store.write(
+            "DELETE FROM ckpt_commits WHERE job = ? AND step = ? AND tier = ?", (job, step, tier)
+        )
+        return cur.rowcount > 0
+
+    def drop_shard(self, job: str, step: int, tier: str, rank: int) -> bool:
+        """Forget one rank's copy of a step at a tier, and with it the step's commit there
+        (a step is committed at a tier only while every rank's shard is); True if known."""
+        self._shards_changed(job, step, tier)
+        cur = self.store.write(
+            "DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ? AND rank = ?",
+            (job, step, tier, rank),
+        )
+        self.store.write(
+            "DELETE FROM ckpt_commits WHERE job = ? AND step = ? AND tier = ?", (job, step, tier)
+        )
+        return cur.rowcount > 0
+
+    def add_commit(self, job: str, step: int, tier: str, at: float) -> bool:
+        self._shards_changed(job, step, tier)
+        cur = self.store.write(
+            "INSERT INTO ckpt_commits (job, step, tier, committed_at) "
+            "VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            (job, step, tier, at),
+        )
+        return cur.rowcount > 0
+
+    def ended_catalogs_sent(self, job: str, nodes: list[str]) -> None:
+        """The job's ended catalog goes out, retained, to ``nodes``."""
+        with self.store.batch():
+            for node in nodes:
+                self.store.write(
+                    "INSERT INTO ckpt_ended_catalogs (job, node) VALUES (?, ?) "
+                    "ON CONFLICT DO NOTHING",
+                    (job, node),
+                )
+
+    def ended_catalogs_cleared(self, job: str, nodes: list[str], at: float) -> None:
+        """The job's ended catalogs of ``nodes`` were cleared from the broker."""
+        with self.store.batch():
+            for node in nodes:
+                self.store.write(
+                    "UPDATE ckpt_ended_catalogs SET released_at = ? WHERE job = ? AND "
+                    "node = ? AND released_at IS NULL",
+                    (at, job, node),
+                )
+
+    # --- versions -------------------------------------------------------------------
+
+    def shard_version(self, job: str, step: int, tier: str) -> int:
+        """The version of (job, step, tier)'s shards and commit now (see ``shard_versions``);
+        one that has none (nothing was written of it since the store opened) gets one."""
+        key = (job, step, tier)
+        version = self.shard_versions.get(key)
+        if version is None:
+            version = self.shard_versions[key] = next(self._shard_clock)
+        return version
+
+    def forget_versions(self, job: str) -> None:
+        """Drop the versions of ``job``'s keys (its catalog is no longer cached): a later
+        read gets new ones."""
+        for key in [k for k in self.shard_versions if k[0] == job]:
+            del self.shard_versions[key]
+
+    def _shards_changed(self, job: str, step: int, tier: str) -> None:
+        """Before a write of (job, step, tier)'s shards or commit: what was read of it is
+        stale (a write rolled back only makes a cache read it again)."""
+        self.shard_versions[(job, step, tier)] = next(self._shard_clock)
