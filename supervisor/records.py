@@ -304,6 +304,9 @@ class Recovery:
     cold_ranks: dict[str, str] | Unset | None = UNSET  # reason -> ranks started cold
     generation_new: int | None = None  # the generation it launched, once acked
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    # The keys of the fields from ``size`` on, in the order they were first set (or
+    # read): its record writes them so, as the dict it replaces kept them.
+    order: list[str] = field(default_factory=list, repr=False, compare=False)
 
     KEYS: ClassVar[tuple[str, ...]] = (
         "generation",
@@ -335,8 +338,25 @@ class Recovery:
     # Set to null, told apart from not set (``UNSET``); None is not set for the others.
     NULLABLE: ClassVar[frozenset[str]] = frozenset({"restored_step", "cold_ranks"})
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        key = _LATE_KEYS.get(name)
+        if key is None or not _is_set(key, value):
+            return
+        try:
+            order: list[str] = object.__getattribute__(self, "order")
+        except AttributeError:  # in __init__, before ``order``: __post_init__ sees to it
+            return
+        if key not in order:
+            order.append(key)
+
+    def __post_init__(self) -> None:
+        for name, key in _LATE_KEYS.items():  # set when made: in the order a recovery sets
+            if key not in self.order and _is_set(key, getattr(self, name)):
+                self.order.append(key)
+
     def to_record(self) -> dict[str, Any]:
-        """Its dict: the keys of the fields it set, in the order a recovery sets them."""
+        """Its dict: the keys of the fields it set, in the order they were first set."""
         late: list[tuple[str, Any]] = [
             ("size", self.size),
             (RECHECK, self.recheck.to_record() if self.recheck is not None else None),
@@ -366,10 +386,9 @@ class Recovery:
                 ("detected_at", self.detected_at),
                 ("phase", self.phase),
                 ("phases", self.phases),
-                *(
-                    (k, v)
-                    for k, v in late
-                    if v is not UNSET and (v is not None or k in self.NULLABLE)
+                *_in_order(
+                    [(k, v) for k, v in late if _is_set(k, v)],
+                    self.order,
                 ),
             ],
             frozenset(),
@@ -408,7 +427,47 @@ class Recovery:
             cold_ranks=rec.get("cold_ranks", UNSET),
             generation_new=rec.get("generation_new"),
             extra=extra,
+            order=[k for k in rec if k in _LATE_SET],
         )
+
+
+# Recovery's fields from ``size`` on, and their keys, in the order a recovery sets them.
+_LATE_KEYS: Final = {
+    "size": "size",
+    "recheck": RECHECK,
+    "guard": "guard",
+    "plan": "plan",
+    "quarantined": "quarantined",
+    "kept": "kept",
+    "suspects_tried": "suspects_tried",
+    "vetted": "vetted",
+    "wait_since": "wait_since",
+    "backoff_s": "backoff_s",
+    "linked": "linked",
+    "rejected": "rejected",
+    "rollback_applied": "rollback_applied",
+    "restart_counted": "restart_counted",
+    "awaiting": "awaiting",
+    "launch_started_at": "launch_started_at",
+    "restored_step": "restored_step",
+    "cold_ranks": "cold_ranks",
+    "generation_new": "generation_new",
+}
+_LATE_SET: Final = frozenset(_LATE_KEYS.values())
+
+
+def _is_set(key: str, value: Any) -> bool:
+    """Whether a late field's value puts its key in the record (None is not set, but for
+    the nullable ones; False is not set)."""
+    if value is UNSET or value is False:
+        return False
+    return value is not None or key in Recovery.NULLABLE
+
+
+def _in_order(pairs: list[tuple[str, Any]], order: list[str]) -> list[tuple[str, Any]]:
+    """``pairs`` with the keys of ``order`` first, in its order, then the rest as given."""
+    rank = {k: i for i, k in enumerate(order)}
+    return sorted(pairs, key=lambda kv: rank.get(kv[0], len(rank)))
 
 
 @dataclass(slots=True)

@@ -110,6 +110,9 @@ class Store:
     ) -> None:
         self.path = path
         self._wing_tables: set[str] = set()
+        # A wing's rows object that must be one per store (``checkpoints.rows.CkptRows``:
+        # its versions), by wing.
+        self.wing_rows: dict[str, object] = {}
         # The writes queued by the *_soon methods, in order: (key, sql, args), where a key
         # (a node's or a job's record) holds the newest only; args is a thunk for those.
         self._soon: list[tuple[str | None, str, Callable[[], tuple[Any, ...]]]] = []

@@ -21,9 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sqlite3
-import weakref
 from collections.abc import Iterable, Iterator
-from typing import ClassVar
 
 from supervisor.store import Store
 from supervisor.store_db import Db
@@ -187,8 +185,6 @@ class CkptRows(CkptQueries):
     """The catalog's rows of ``store``: its reads on the store's connection, its writes
     through the store's transactions. Take it with :meth:`of` (one per store)."""
 
-    _made: ClassVar[weakref.WeakKeyDictionary[Store, CkptRows]] = weakref.WeakKeyDictionary()
-
     def __init__(self, store: Store) -> None:
         store.open_tables("checkpoints", open_ckpt_tables)
         super().__init__(store.db)
@@ -201,10 +197,12 @@ class CkptRows(CkptQueries):
 
     @classmethod
     def of(cls, store: Store) -> CkptRows:
-        """The store's catalog rows: made on first use, then the same for every caller."""
-        rows = cls._made.get(store)
-        if rows is None:
-            rows = cls._made[store] = cls(store)
+        """The store's catalog rows: made on first use, then the same for every caller
+        (kept with the store, :attr:`~supervisor.store.Store.wing_rows`)."""
+        rows = store.wing_rows.get("checkpoints")
+        if not isinstance(rows, CkptRows):
+            rows = cls(store)
+            store.wing_rows["checkpoints"] = rows
         return rows
 
     @property

@@ -253,6 +253,8 @@ class JobController:
             assert launched.node is not None
             if not self.recoveries.relaunch_failed(job, launched.node, launched.why):
                 break
+            if self.tasks.closed:
+                break  # shutting down: begun and persisted, the next supervisor runs it
         self.wake()
 
     def _settling(self) -> bool:
@@ -564,6 +566,11 @@ class JobController:
         launched = await self.act.launch(job, nodes)
         if launched.ok:
             self._running(job)
+        elif not launched.superseded and job.recovery is not None and launched.node:
+            # A recovery began while this launch was under way (a guard's trip): it
+            # takes the failed launch up, charged to the budget, as its own would.
+            if self.recoveries.relaunch_failed(job, launched.node, launched.why):
+                self.spawn(job, self._recover(job))
         elif not launched.superseded:
             job.stop_target = JobState.FAILED
             job.reason = f"launch failed: {launched.why}"

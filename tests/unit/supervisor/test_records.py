@@ -467,3 +467,22 @@ async def test_the_apis_view_of_a_job_recovering_after_an_incident_is_the_stored
         assert text(view[key]) == text(stored[key]), key
     assert view["restarts"] == 1 and view["state"] == "recovering"
     assert view["goodput"]["lost_work_s"] == 495.0
+
+
+def test_a_recoverys_keys_are_written_in_the_order_it_first_set_them() -> None:
+    """As the dict it replaces kept them: a spare rejected before the wait for a node
+    writes ``rejected`` before ``wait_since``; the other way round, the other way."""
+    first = Recovery(3, [], 1.0, 2.0, size={"nodes": 2})
+    first.rejected = ["n9"]
+    first.wait_since = 5.0
+    assert [k for k in first.to_record() if k in ("rejected", "wait_since")] == [
+        "rejected",
+        "wait_since",
+    ]
+    second = Recovery(3, [], 1.0, 2.0, size={"nodes": 2})
+    second.wait_since = 5.0
+    second.rejected = ["n9"]
+    record = second.to_record()
+    assert [k for k in record if k in ("rejected", "wait_since")] == ["wait_since", "rejected"]
+    # Read back, written again: the same order.
+    assert list(Recovery.from_record(record).to_record()) == list(record)
