@@ -29,7 +29,17 @@ from tests.harness import rank_pid
 from tests.rig import shards
 from tests.rig.base import Fleet
 from tests.rig.hosts import Host, NetnsHost
-from tests.rig.net import Network, RigError, sh, teardown
+from tests.rig.net import (
+    PREFIX,
+    Network,
+    RigError,
+    claim_lock,
+    leftovers,
+    process_started,
+    rig_names,
+    sh,
+    teardown,
+)
 
 log = logging.getLogger(__name__)
 
@@ -348,21 +358,37 @@ class RigFleet(Fleet):
         return problems
 
 
-def down_all() -> list[str]:
-    """``python -m tests.rig down``: remove every run's leftovers on this machine."""
-    from tests.rig.net import leftovers, stray_names
-
+def down_all(everything: bool = True) -> dict[str, list[str]]:
+    """Remove what runs left on this machine; never a live run (whose owner still runs),
+    which is ``kept``. ``everything`` (``python -m tests.rig down``): also the runs that do
+    not name their owner (a rig older than that) and rig names no run's state names; else
+    (the sweep around ``pytest -m rig``) only the runs whose owner is gone."""
+    with claim_lock():  # no run half-claimed while we look
+        runs = leftovers()
+        names = rig_names()
     removed: list[str] = []
-    for state in leftovers():
+    kept: list[str] = []
+    for state in runs:
+        alive = state.owner_alive()
+        if alive or (alive is None and not everything):
+            kept.append(state.rid)
+            continue
         for shm in Path("/dev/shm").glob(f"phalanx-rig-{state.rid}-*"):
             shutil.rmtree(shm, ignore_errors=True)
         teardown(state)
         removed.append(state.rid)
-    for name in stray_names():
-        sh("ip", "netns", "del", name, check=False)
-        sh("ip", "link", "del", name, check=False)
-        removed.append(name)
-    return removed
+    if everything:
+        known = {state.rid for state in runs}
+        for name in names:
+            if name[len(PREFIX) :][:4] in known:
+                continue  # a run's: removed above, or live
+            probe = name.removeprefix(f"{PREFIX}probe")
+            if probe != name and probe.isdigit() and process_started(int(probe)):
+                continue  # a live process's probe (net.can_build)
+            sh("ip", "netns", "del", name, check=False)
+            sh("ip", "link", "del", name, check=False)
+            removed.append(name)
+    return {"removed": removed, "kept": kept}
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
