@@ -15,7 +15,9 @@ import os
 import secrets
 import shutil
 import signal
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path, PurePath
@@ -77,12 +79,19 @@ class RigFleet(Fleet):
         net = Network.create()
         fleet = cls(net, [], secrets.token_hex(16))
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        interrupted = False
         try:
             fleet._build(gpu_hosts, spares)
             yield fleet
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:
             signal.signal(signal.SIGTERM, previous)
-            fleet.down()
+            # Interrupted, the daemons are killed at once: under pytest-xdist the worker
+            # has ~10 s before its controller kills it (SIGINT again after 5 s).
+            with _interrupts_deferred():
+                fleet.down(grace=0.0 if interrupted else 10.0)
 
     def _build(self, gpu_hosts: int, spares: int) -> None:
         self.spares = spares
@@ -339,11 +348,22 @@ class RigFleet(Fleet):
         """Where the run's logs are kept after ``down`` (daemons' and ranks')."""
         return LOG_ROOT / self.net.state.rid
 
-    def down(self) -> list[str]:
-        for host in reversed(self.hosts):
-            for role in list(host.processes):
-                with contextlib.suppress(Exception):
-                    host.stop(role, timeout=10)
+    def down(self, grace: float = 10.0) -> list[str]:
+        """Stop every daemon (SIGTERM, and SIGKILL for those not gone within ``grace``
+        seconds, all at once), keep the logs, remove everything the run made."""
+        procs = [host.processes.pop(role) for host in self.hosts for role in list(host.processes)]
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM if grace > 0 else signal.SIGKILL)
+        deadline = time.monotonic() + grace
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(5)
         for path in self.dir.rglob("*.log"):
             if path.is_file():
                 kept = self.logs / path.relative_to(self.dir)
@@ -389,6 +409,27 @@ def down_all(everything: bool = True) -> dict[str, list[str]]:
             sh("ip", "link", "del", name, check=False)
             removed.append(name)
     return {"removed": removed, "kept": kept}
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block is done (a teardown is not cut short),
+    then raise KeyboardInterrupt. Only the main thread can set handlers: elsewhere, as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: came.append(signum))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if came:
+        raise KeyboardInterrupt(f"signal {came[0]} (deferred during the rig's teardown)")
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
