@@ -18,7 +18,7 @@ import pytest
 
 from tests.rig.driver import run_scenario, undisturbed
 from tests.rig.faults import FAULTS
-from tests.rig.fleet import RigFleet
+from tests.rig.fleet import RigFleet, down_all
 from tests.rig.net import can_build
 
 pytestmark = pytest.mark.rig
@@ -53,6 +53,7 @@ def buildable() -> None:
     why = can_build()
     if why is not None:
         pytest.fail(f"the rig cannot run here: {why}", pytrace=False)
+    down_all(everything=False)  # what dead runs left; a sibling worker's fleets stay
 
 
 @pytest.fixture(scope="session")
