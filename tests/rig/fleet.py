@@ -25,7 +25,7 @@ from typing import Any
 
 from phalanx.agent_tokens import new_secret, node_token
 from phalanx.client import ApiError, Client
-from phalanx.local import find_mosquitto
+from phalanx.local import LOCAL_MIN_P2P, find_mosquitto
 from phalanx.simgpu import inject as sim_inject
 from tests.harness import rank_pid
 from tests.rig import shards
@@ -180,6 +180,12 @@ class RigFleet(Fleet):
         conf = d / "supervisor.toml"
         conf.write_text(
             f'state_dir = "{d / "state"}"\noffline_after_s = 4.0\n'
+            # The hosts share this machine's CPUs with each other and, under make rig, with
+            # another scenario's fleet: a link probe over veth measures how busy they are as
+            # much as the link, and a healthy node read under half the median (25-49 %) kept
+            # a spare out. Only a link under 5 % of it keeps a node out here (slow-spare's,
+            # capped by tbf, is ~0.01 %); the probes' size stays the default.
+            f"screen_min_p2p = {LOCAL_MIN_P2P}\n"
             f'agent_token_file = "{self.dir / "agent-secret"}"\nschedule_interval_s = 0.5\n'
             f"spares = {self.spares}\n"
             f'[mqtt]\nhost = "{ctl.address}"\nport = {BROKER_PORT}\nkeepalive_s = 5\n'
