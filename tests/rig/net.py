@@ -116,10 +116,11 @@ def process_started(pid: int) -> str | None:
 
 
 @contextlib.contextmanager
-def claim_lock(timeout: float = 30.0) -> Iterator[None]:
-    """:data:`CLAIM_LOCK`, held: no other run claims an id or a subnet meanwhile."""
-    CLAIM_LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with CLAIM_LOCK.open("a") as fh:
+def locked(path: Path, timeout: float) -> Iterator[None]:
+    """An exclusive flock on ``path`` (made if missing), held for the block; a RigError
+    naming it when another process holds it for longer than ``timeout`` seconds."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -127,12 +128,17 @@ def claim_lock(timeout: float = 30.0) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise RigError(f"{CLAIM_LOCK} not free within {timeout:.0f} s") from None
+                    raise RigError(f"{path} not free within {timeout:.0f} s") from None
                 time.sleep(0.05)
         try:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def claim_lock(timeout: float = 30.0) -> contextlib.AbstractContextManager[None]:
+    """:data:`CLAIM_LOCK`, held: no other run claims an id or a subnet meanwhile."""
+    return locked(CLAIM_LOCK, timeout)
 
 
 def free_subnet(routes: str, claimed: set[str], rng: random.Random) -> ipaddress.IPv4Network:
