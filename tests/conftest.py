@@ -8,6 +8,11 @@ import pytest
 
 from tests.harness import Broker, Fleet
 from tests.pg import PgCluster
+from tests.rig.sweep import RigSweep
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(RigSweep(), "rig-sweep")
 
 
 @pytest.fixture

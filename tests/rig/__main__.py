@@ -1,7 +1,7 @@
 """``python -m tests.rig``: the fault-injection rig's one entry point (run as root).
 
 python -m tests.rig up [--hosts 4]          build the fleet, print where it is, wait
-python -m tests.rig down                    remove what any run left on this machine
+python -m tests.rig down                    remove what any run left here (not a live run)
 python -m tests.rig run --fault KIND [--seed S] [--trials N] [-o json]
 python -m tests.rig soak --mtbf 120 --minutes 10 [--seed S]
 python -m tests.rig list                    the fault kinds and what each expects
@@ -83,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{f.kind:20} {f.expect_state:10} {f.recovery:9} {f.what}")
         return 0
     if args.verb == "down":
-        removed = down_all()
-        print(json.dumps({"removed": removed}))
+        print(json.dumps(down_all()))
         return 0
     if getattr(args, "inventory", None) is not None:
         try:

@@ -47,13 +47,24 @@ def wait_end(fleet: Fleet, job_id: str, timeout: float) -> dict[str, Any]:
     raise RigError(f"job {job_id} did not end within {timeout:.0f} s (state {last.get('state')})")
 
 
+JOB_POLL_S = 0.5  # how often wait_step asks the supervisor about the job
+LOG_POLL_S = 0.02  # how often it reads rank 0's log: the strike's precision
+
+
 def wait_step(fleet: Fleet, job_id: str, step: int, timeout: float) -> int:
-    """Block until rank 0 reports ``step`` (or later); the step it reported."""
+    """Block until rank 0 reports ``step`` (or later); the step it reported. Rank 0's log
+    is read every 20 ms, the job asked for every 0.5 s: asked every 20 ms, it cost ~9 %
+    of a core while a scenario waits (the supervisor's 5.6 %, the driver's 3 %), twice
+    that with two scenarios at once on the 2-core CI machine."""
     deadline = time.monotonic() + timeout
+    job: dict[str, Any] = {}
+    asked = 0.0
     while time.monotonic() < deadline:
-        job = fleet.client().get(f"/v1/jobs/{job_id}")
-        if job["state"] in ("succeeded", "failed", "cancelled"):
-            raise RigError(f"job {job_id} ended ({job['state']}) before step {step}")
+        if time.monotonic() - asked >= JOB_POLL_S:
+            job = fleet.client().get(f"/v1/jobs/{job_id}")
+            asked = time.monotonic()
+            if job["state"] in ("succeeded", "failed", "cancelled"):
+                raise RigError(f"job {job_id} ended ({job['state']}) before step {step}")
         if job["state"] == "running" and job["ranks"]:
             try:
                 seen = rigjob.last_step(fleet.rank_log(job, 0))
@@ -61,7 +72,7 @@ def wait_step(fleet: Fleet, job_id: str, step: int, timeout: float) -> int:
                 seen = None
             if seen is not None and seen >= step:
                 return seen
-        time.sleep(0.02)
+        time.sleep(LOG_POLL_S)
     raise RigError(f"job {job_id} did not reach step {step} within {timeout:.0f} s")
 
 

@@ -15,7 +15,9 @@ import os
 import secrets
 import shutil
 import signal
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path, PurePath
@@ -23,13 +25,23 @@ from typing import Any
 
 from phalanx.agent_tokens import new_secret, node_token
 from phalanx.client import ApiError, Client
-from phalanx.local import find_mosquitto
+from phalanx.local import LOCAL_MIN_P2P, find_mosquitto
 from phalanx.simgpu import inject as sim_inject
 from tests.harness import rank_pid
 from tests.rig import shards
 from tests.rig.base import Fleet
 from tests.rig.hosts import Host, NetnsHost
-from tests.rig.net import Network, RigError, sh, teardown
+from tests.rig.net import (
+    PREFIX,
+    Network,
+    RigError,
+    claim_lock,
+    leftovers,
+    process_started,
+    rig_names,
+    sh,
+    teardown,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +79,19 @@ class RigFleet(Fleet):
         net = Network.create()
         fleet = cls(net, [], secrets.token_hex(16))
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        interrupted = False
         try:
             fleet._build(gpu_hosts, spares)
             yield fleet
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:
             signal.signal(signal.SIGTERM, previous)
-            fleet.down()
+            # Interrupted, the daemons are killed at once: under pytest-xdist the worker
+            # has ~10 s before its controller kills it (SIGINT again after 5 s).
+            with _interrupts_deferred():
+                fleet.down(grace=0.0 if interrupted else 10.0)
 
     def _build(self, gpu_hosts: int, spares: int) -> None:
         self.spares = spares
@@ -161,6 +180,12 @@ class RigFleet(Fleet):
         conf = d / "supervisor.toml"
         conf.write_text(
             f'state_dir = "{d / "state"}"\noffline_after_s = 4.0\n'
+            # The hosts share this machine's CPUs with each other and, under make rig, with
+            # another scenario's fleet: a link probe over veth measures how busy they are as
+            # much as the link, and a healthy node read under half the median (25-49 %) kept
+            # a spare out. Only a link under 5 % of it keeps a node out here (slow-spare's,
+            # capped by tbf, is ~0.01 %); the probes' size stays the default.
+            f"screen_min_p2p = {LOCAL_MIN_P2P}\n"
             f'agent_token_file = "{self.dir / "agent-secret"}"\nschedule_interval_s = 0.5\n'
             f"spares = {self.spares}\n"
             f'[mqtt]\nhost = "{ctl.address}"\nport = {BROKER_PORT}\nkeepalive_s = 5\n'
@@ -329,11 +354,22 @@ class RigFleet(Fleet):
         """Where the run's logs are kept after ``down`` (daemons' and ranks')."""
         return LOG_ROOT / self.net.state.rid
 
-    def down(self) -> list[str]:
-        for host in reversed(self.hosts):
-            for role in list(host.processes):
-                with contextlib.suppress(Exception):
-                    host.stop(role, timeout=10)
+    def down(self, grace: float = 10.0) -> list[str]:
+        """Stop every daemon (SIGTERM, and SIGKILL for those not gone within ``grace``
+        seconds, all at once), keep the logs, remove everything the run made."""
+        procs = [host.processes.pop(role) for host in self.hosts for role in list(host.processes)]
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM if grace > 0 else signal.SIGKILL)
+        deadline = time.monotonic() + grace
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(5)
         for path in self.dir.rglob("*.log"):
             if path.is_file():
                 kept = self.logs / path.relative_to(self.dir)
@@ -348,21 +384,58 @@ class RigFleet(Fleet):
         return problems
 
 
-def down_all() -> list[str]:
-    """``python -m tests.rig down``: remove every run's leftovers on this machine."""
-    from tests.rig.net import leftovers, stray_names
-
+def down_all(everything: bool = True) -> dict[str, list[str]]:
+    """Remove what runs left on this machine; never a live run (whose owner still runs),
+    which is ``kept``. ``everything`` (``python -m tests.rig down``): also the runs that do
+    not name their owner (a rig older than that) and rig names no run's state names; else
+    (the sweep around ``pytest -m rig``) only the runs whose owner is gone."""
+    with claim_lock():  # no run half-claimed while we look
+        runs = leftovers()
+        names = rig_names()
     removed: list[str] = []
-    for state in leftovers():
+    kept: list[str] = []
+    for state in runs:
+        alive = state.owner_alive()
+        if alive or (alive is None and not everything):
+            kept.append(state.rid)
+            continue
         for shm in Path("/dev/shm").glob(f"phalanx-rig-{state.rid}-*"):
             shutil.rmtree(shm, ignore_errors=True)
         teardown(state)
         removed.append(state.rid)
-    for name in stray_names():
-        sh("ip", "netns", "del", name, check=False)
-        sh("ip", "link", "del", name, check=False)
-        removed.append(name)
-    return removed
+    if everything:
+        known = {state.rid for state in runs}
+        for name in names:
+            if name[len(PREFIX) :][:4] in known:
+                continue  # a run's: removed above, or live
+            probe = name.removeprefix(f"{PREFIX}probe")
+            if probe != name and probe.isdigit() and process_started(int(probe)):
+                continue  # a live process's probe (net.can_build)
+            sh("ip", "netns", "del", name, check=False)
+            sh("ip", "link", "del", name, check=False)
+            removed.append(name)
+    return {"removed": removed, "kept": kept}
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block is done (a teardown is not cut short),
+    then raise KeyboardInterrupt. Only the main thread can set handlers: elsewhere, as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: came.append(signum))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if came:
+        raise KeyboardInterrupt(f"signal {came[0]} (deferred during the rig's teardown)")
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

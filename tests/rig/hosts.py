@@ -121,17 +121,6 @@ class NetnsHost(Host):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
 
-    def stop(self, role: str, timeout: float = 15.0) -> None:
-        proc = self.processes.pop(role, None)
-        if proc is None or proc.poll() is not None:
-            return
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
 
 class Unreachable(RigError):
     """A host that does not answer over SSH; the message names it."""
