@@ -10,6 +10,9 @@ STAMP   := $(VENV)/.installed
 # integration tests mostly wait on the daemons, ranks and browsers they start: more.
 UNIT_WORKERS        ?= 2
 INTEGRATION_WORKERS ?= 4
+# The rig's scenarios mostly wait (detection timeouts, recoveries), each on a fleet of its
+# own: two at once (docs/rig.md has the figures).
+RIG_WORKERS         ?= 2
 
 .PHONY: demo test test-fast rig lint format install clean
 
@@ -52,9 +55,10 @@ test: lint
 	$(BIN)/pytest tests/integration tests/rig -n $(INTEGRATION_WORKERS) --dist loadfile $(RERUN)
 	$(BIN)/pytest tests/rollout $(RERUN)
 
-# The fault-injection rig: every fault once on a fleet of network namespaces (root only).
+# The fault-injection rig: every fault once on a fleet of network namespaces (root only),
+# RIG_WORKERS scenarios at a time, each handed to the next idle worker (--dist load).
 rig: $(STAMP)
-	$(BIN)/pytest -m rig -p no:cacheprovider $(RERUN)
+	$(BIN)/pytest tests/rig -m rig -n $(RIG_WORKERS) --dist load -p no:cacheprovider $(RERUN)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .phalanx-local
