@@ -368,21 +368,34 @@ class SimAgent:
         if gen is None or gen.generation > args.generation:
             return {"stopped": []}
         del self.gens[args.job]
+        self._exited(gen, now, gen.last_step, signal=15)
+        return {"stopped": gen.ranks}
+
+    def _exited(
+        self,
+        gen: Gen,
+        now: float,
+        step: int | None,
+        *,
+        code: int | None = None,
+        signal: int | None = None,
+    ) -> None:
+        """Each rank of ``gen`` reports its exit (stopped: ``signal``; done: ``code``)."""
         for rank in gen.ranks:
             self.rank_events.put(
                 wire.RankEvent(
                     node=self.node,
-                    job=args.job,
+                    job=gen.job,
                     generation=gen.generation,
                     rank=rank,
                     event="exited",
-                    signal=15,
+                    code=code,
+                    signal=signal,
                     pid=100000 + rank,
-                    step=gen.last_step,
+                    step=step,
                     at=now,
                 )
             )
-        return {"stopped": gen.ranks}
 
     # --- the ranks --------------------------------------------------------------
 
@@ -428,20 +441,7 @@ class SimAgent:
                 finished.append(gen)
         for gen in finished:
             del self.gens[gen.job]
-            for rank in gen.ranks:
-                self.rank_events.put(
-                    wire.RankEvent(
-                        node=self.node,
-                        job=gen.job,
-                        generation=gen.generation,
-                        rank=rank,
-                        event="exited",
-                        code=0,
-                        pid=100000 + rank,
-                        step=step,
-                        at=now,
-                    )
-                )
+            self._exited(gen, now, step, code=0)
 
     async def _save(self, gen: Gen, step: int) -> None:
         """The ranks' shards of ``step`` land at every tier of the plan, in its order."""
