@@ -234,6 +234,16 @@ class CkptSettings(_Section):
         "of content (a zstd body counts decompressed): a larger one is refused with 413 as "
         "soon as it crosses the limit, and nothing is stored. Default 64 GiB.",
     )
+    catalog_wait_s: float = Field(
+        default=20.0,
+        gt=0,
+        le=60,
+        description="How long a restoring rank's question (which step, where) waits for the "
+        "checkpoint catalog of the generation this node started, which the supervisor sends "
+        "beside the start orders (at 2,048 nodes its catalogs take seconds); then the "
+        "catalog this node has answers, with a warning, or the rank's restore fails "
+        "without one.",
+    )
     socket: Path | None = Field(
         default=None,
         description="The unix socket ranks reach the agent at (PHALANX_AGENT_SOCKET). "

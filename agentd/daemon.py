@@ -159,6 +159,7 @@ class Agent:
                 cpus=tuple(settings.ckpt.write_cpus),
             ),
             peer_ssl=settings.http.peer_ssl(),  # HTTPS to buddies when this agent serves it
+            catalog_wait_s=settings.ckpt.catalog_wait_s,
         )
         self.link = MqttLink(
             settings.mqtt.resolved(),

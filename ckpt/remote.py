@@ -190,7 +190,11 @@ class AgentClient:
 
     def restore_plan(self, step: int | None) -> RestorePlan:
         query = RestoreQuery(job=self.env.job, rank=self.env.rank, step=step)
-        return self._ask("GET", "/v1/ckpt/restore", None, RestorePlan, query=query)
+        # The agent may wait for its generation's checkpoint catalog first (20 s at most),
+        # which the supervisor sends beside the ranks' start.
+        return self._ask(
+            "GET", "/v1/ckpt/restore", None, RestorePlan, query=query, timeout=self.timeout_s + 30
+        )
 
     def stage(self, step: int, tier: TierName, *, timeout: float | None = None) -> StageReply:
         body = StageRequest(**self._ident(), step=step, tier=tier)

@@ -7,9 +7,9 @@ calls back into the controller. Its verbs:
 
 * :meth:`Actuator.command` one node, :meth:`Actuator.command_gang` a job's reachable
   nodes, and wait for their acks;
-* :meth:`Actuator.launch` a job's next generation on its nodes: the rendezvous, the
-  catalogs, the start orders; it returns a :class:`Launched` (done, failed and why, or
-  superseded by a cancel) and decides nothing about a failed launch;
+* :meth:`Actuator.launch` a job's next generation on its nodes: the rendezvous, then
+  the catalogs and the start orders together; it returns a :class:`Launched` (done,
+  failed and why, or superseded by a cancel) and decides nothing about a failed launch;
 * :meth:`Actuator.save`, :meth:`Actuator.save_soon`, :meth:`Actuator.event` and
   :meth:`Actuator.move` write the job's record and the event log.
 
@@ -118,9 +118,10 @@ class Actuator:
 
     async def launch(self, job: Job, nodes: list[str]) -> Launched:
         """Launch the job's next generation on ``nodes``: ``starting``, a rendezvous port
-        on rank 0's node, the catalogs, every node's start order; ``running`` once every
-        start is acknowledged. A recovery's launch is timed step by step (its phases
-        ``port``, ``catalogs``, ``starts``) and its cold ranks kept."""
+        on rank 0's node, then the catalogs and every node's start order together (an
+        elastic job's catalogs first); ``running`` once every start is acknowledged. A
+        recovery's launch is timed (its phases ``port``, then ``catalogs`` and ``starts``,
+        which overlap) and its cold ranks kept."""
         spec = job.spec
         job.generation += 1
         job.nodes = nodes
@@ -154,20 +155,58 @@ class Actuator:
                 self.registry.port_given(nodes[0], port)
             job.master_port = port
             timed["port"] = round(time.perf_counter() - t0, 3)
-            # The ranks restore first thing: their nodes must know this generation's
-            # restore step (or that there is none) before; their agents wait for it.
-            t0 = time.perf_counter()
-            await self._publisher.publish(job.id)
-            timed["catalogs"] = round(time.perf_counter() - t0, 3)
-            t0 = time.perf_counter()
+
+            # The catalogs (this generation's restore step, or that there is none) and the
+            # start orders go out together: a rank asks its node what to restore only once
+            # it runs, and the node waits for this generation's catalog
+            # (agentd.ckpt.restores.CATALOG_WAIT_S). At 2,048 nodes a publish takes
+            # seconds that the starts no longer wait behind. An elastic job's orders carry
+            # the samples consumed up to the restore step: its catalogs go out first.
+            async def catalogs() -> None:
+                t0 = time.perf_counter()
+                await self._publisher.publish(job.id)
+                timed["catalogs"] = round(time.perf_counter() - t0, 3)
+
+            if job.spec.elastic is not None:
+                await catalogs()
             orders = self._start_orders(job, nodes)
-            acks = await asyncio.gather(
-                *(
-                    self._send(node, order, timeout=timeout)
-                    for node, order in zip(nodes, orders, strict=True)
-                ),
-                return_exceptions=True,
-            )
+
+            async def starts() -> list[wire.CommandAck | BaseException]:
+                t0 = time.perf_counter()
+                acks = await asyncio.gather(
+                    *(
+                        self._send(node, order, timeout=timeout)
+                        for node, order in zip(nodes, orders, strict=True)
+                    ),
+                    return_exceptions=True,
+                )
+                timed["starts"] = round(time.perf_counter() - t0, 3)
+                return acks
+
+            if job.spec.elastic is not None:
+                acks = await starts()
+            else:
+                sending = asyncio.ensure_future(starts())
+                try:
+                    published: Exception | None = None
+                    try:
+                        await catalogs()
+                    except Exception as exc:  # the starts go on regardless
+                        published = exc
+                    acks = await sending
+                finally:
+                    sending.cancel()  # the launch cancelled meanwhile: its starts with it
+                if published is not None:
+                    # Not the launch's failure: they go again, and the ranks' nodes wait
+                    # for them (agentd.ckpt.restores.CATALOG_WAIT_S).
+                    log.warning(
+                        "job %s: generation %d's checkpoint catalogs did not all go out "
+                        "with its start orders (%s): they go again",
+                        job.id,
+                        job.generation,
+                        published,
+                    )
+                    self._publisher.publish_soon(job.id)
             problems, failed = [], []
             for node, result in zip(nodes, acks, strict=True):
                 if isinstance(result, asyncio.CancelledError):
@@ -178,7 +217,6 @@ class Actuator:
                 elif result.status != wire.AckStatus.DONE:
                     problems.append(f"{node}: {result.detail}")
                     failed.append(node)
-            timed["starts"] = round(time.perf_counter() - t0, 3)
             if problems:
                 raise LaunchError("; ".join(problems), failed[0])
             if job.recovery is not None:

@@ -172,7 +172,8 @@ class Job:
     # (the ranks hold meanwhile): taken once the generation runs. Not persisted.
     guard_pending: Any = None
     # The step the gang restores from, as the catalog last published it (None: nothing
-    # committed). Not persisted: each launch publishes it first.
+    # committed). Not persisted: each launch publishes it (an elastic job's before its
+    # start orders, which carry the samples consumed up to it).
     published_restore: int | None = None
     # The newest step whose parameter digests agreed in every replica group (``sdc``;
     # supervisor.recovery.sdc_watch): a divergence's newest clean checkpoint is one past

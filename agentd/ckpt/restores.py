@@ -33,7 +33,12 @@ from phalanx import wire
 
 log = logging.getLogger(__name__)
 
-CATALOG_WAIT_S = 3.0
+# How long a restoring rank's node waits for the catalog of the generation it started
+# (``ckpt.catalog_wait_s``). The supervisor sends a generation's catalogs and its start
+# orders together, and at 2,048 nodes publishing the catalogs takes seconds: a rank of a
+# warm node asks at once. (A rank's request waits longer:
+# ckpt.remote.AgentClient.restore_plan; the setting is at most 60 s.)
+CATALOG_WAIT_S = 20.0
 
 T = TypeVar("T")
 
@@ -50,8 +55,10 @@ class Restores:
         store: Callable[[str, int], RankStore],
         pool: concurrent.futures.Executor,
         publish: Publish,
+        catalog_wait_s: float = CATALOG_WAIT_S,
     ) -> None:
         self.node = node
+        self.catalog_wait_s = catalog_wait_s
         self.jobs = jobs
         self.tiers = tiers
         self.store = store
@@ -63,9 +70,9 @@ class Restores:
 
     async def _catalog_for(self, job: str) -> wire.CkptCatalog | None:
         """The job's catalog, once it is of the generation started here (the supervisor
-        sends it before the ranks' start; give a late one ``CATALOG_WAIT_S``)."""
+        sends it beside the ranks' start; give a late one ``catalog_wait_s``)."""
         wanted = self.jobs.generations.get(job, 0)
-        deadline = time.monotonic() + CATALOG_WAIT_S
+        deadline = time.monotonic() + self.catalog_wait_s
         changed = self.jobs.changed
         async with changed:
             while (catalog := self.jobs.catalogs.get(job)) is None or catalog.generation < wanted:
@@ -76,7 +83,7 @@ class Restores:
                     if catalog is None:
                         raise CkptRequestError(
                             f"job {job}: no checkpoint catalog came for generation {wanted} "
-                            f"within {CATALOG_WAIT_S:g} s: cannot tell which step the gang "
+                            f"within {self.catalog_wait_s:g} s: cannot tell which step the gang "
                             "restores from",
                             status=503,
                         )

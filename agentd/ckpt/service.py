@@ -33,7 +33,7 @@ from agentd.ckpt.errors import CkptRequestError
 from agentd.ckpt.jobs import DEFAULT_PLAN, JobBook
 from agentd.ckpt.node_tiers import NodeTiers
 from agentd.ckpt.rank_stores import TIER_ORDER, Publish, RankStore, RankStores, Reporter
-from agentd.ckpt.restores import Restores
+from agentd.ckpt.restores import CATALOG_WAIT_S, Restores
 from ckpt import (
     Engine,
     ObjectTier,
@@ -73,6 +73,7 @@ class CkptService:
         *,
         pacing: Pacing | None = None,
         peer_ssl: ssl.SSLContext | None = None,
+        catalog_wait_s: float = CATALOG_WAIT_S,
     ) -> None:
         self.node = node
         self.publish_threadsafe = publish
@@ -108,7 +109,9 @@ class CkptService:
         self.commits = Commits(
             node, shm_dir, self.jobs, self.stores, self.tiers, self.commit_io, self.publish
         )
-        self.restores = Restores(node, self.jobs, self.tiers, self.store, self.slow, self.publish)
+        self.restores = Restores(
+            node, self.jobs, self.tiers, self.store, self.slow, self.publish, catalog_wait_s
+        )
         self._closed = False
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:

@@ -35,9 +35,9 @@ pytestmark = pytest.mark.integration
 TIERS = ["ram", "nvme", "peer", "object"]
 
 
-def start_two_racks(fleet: Fleet, supervisor_extra: str = "") -> None:
+def start_two_racks(fleet: Fleet, supervisor_extra: str = "", agent_extra: str = "") -> None:
     fleet.start_supervisor(extra=supervisor_extra)
-    fleet.start_nodes(2, racks=2)
+    fleet.start_nodes(2, racks=2, extra=agent_extra)
 
 
 def tinylm(*args: str) -> list[str]:
@@ -219,8 +219,14 @@ class Gang:
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
-        # The job fails; its RAM tier stays for the restarts the test sends by hand.
-        start_two_racks(fleet, supervisor_extra="ckpt_failed_ram_linger_s = 3600\n")
+        # The job fails; its RAM tier stays for the restarts the test sends by hand. The
+        # supervisor is gone by then: no catalog of those generations comes, and the ranks
+        # restore from the last one the agents have after ckpt.catalog_wait_s.
+        start_two_racks(
+            fleet,
+            supervisor_extra="ckpt_failed_ram_linger_s = 3600\n",
+            agent_extra="catalog_wait_s = 1\n",
+        )
         self.mqtt = RawMqtt(fleet.broker.port)
         self.mqtt.subscribe("phalanx/v1/node/+/rank")
         self.generation = 1

@@ -317,9 +317,8 @@ def test_an_unreachable_holder_is_no_corrupt_copy_and_nothing_is_reported(
 
 def test_a_rank_whose_catalog_never_came_refuses_to_start_afresh(
     fleet: dict[str, Any],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("agentd.ckpt.restores.CATALOG_WAIT_S", 0.5)
+    fleet["n03"].service.restores.catalog_wait_s = 0.5  # (ckpt.catalog_wait_s)
     # Generation 2 started on n03, but its catalog was lost on the way.
     with Checkpointer() as ckpt, pytest.raises(CheckpointError, match=r"no checkpoint catalog"):
         ckpt.restore()

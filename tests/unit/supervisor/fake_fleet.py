@@ -105,10 +105,6 @@ def drain_health(code: str = "ecc_dbe", detail: str = "double-bit ECC error") ->
     )
 
 
-async def nowhere(topic: str, payload: bytes, **kw: Any) -> None:
-    """The link's publish: the checkpoint catalogs go nowhere (no node listens here)."""
-
-
 def job_spec(**over: Any) -> JobSpec:
     """A gang job's spec: ``nodes`` x ``RPN`` ranks of ``true``; ``over`` replaces fields.
     No backoff between restarts (``restart.backoff``: a test never waits for a clock)."""
@@ -184,9 +180,14 @@ class FakeFleet:
         self._held: list[asyncio.Event] = []
         self.confirmed = offline_confirmed
         self.job: Job = None  # type: ignore[assignment]  # the job submitted or set running
+        # Set: the catalogs' publish waits for it (cleared by a test to hold them).
+        self.catalogs_out = asyncio.Event()
+        self.catalogs_out.set()
+        self._held.append(self.catalogs_out)
+        self.catalogs_refused = 0  # so many catalogs' publishes fail (the broker's error)
         self.publisher = CatalogPublisher(
             CheckpointCatalog(self.store),
-            nowhere,
+            self._publish,
             job=lambda job_id: self.ctl.jobs.get(job_id),
             registry=self.registry,
             ram_linger_s=900.0,
@@ -201,6 +202,18 @@ class FakeFleet:
         )
         self._closed = False
         self._restarted: list[FakeFleet] = []  # closed with this one
+
+    async def _publish(self, topic: str, payload: bytes, **kw: Any) -> None:
+        """The link's publish: a checkpoint catalog goes nowhere (no node listens here),
+        once :attr:`catalogs_out` is set; logged as ("catalog", node, generation)."""
+        await self.catalogs_out.wait()
+        if self.catalogs_refused > 0:
+            self.catalogs_refused -= 1
+            raise RuntimeError("the broker refused the publish")
+        if payload:
+            catalog = wire.parse(topic, payload).message
+            if isinstance(catalog, wire.CkptCatalog):
+                self.log.append(("catalog", catalog.node, str(catalog.generation)))
 
     # --- the nodes' side of a command ---------------------------------------------
 

@@ -1,6 +1,7 @@
 """A recovery's orders (issue 22): the next generation's starts go out once every stop
-of the gang is acknowledged, with the rendezvous port rank 0's node offered in its
-heartbeat (no ``alloc_port`` round trip) when it offered one.
+of the gang is acknowledged, beside its checkpoint catalogs (an elastic job's after
+them), with the rendezvous port rank 0's node offered in its heartbeat (no
+``alloc_port`` round trip) when it offered one.
 
 The controller, its store, registry, catalog and planner are real; the commands go to the
 fake fleet's recording ``send`` (``fake_fleet``), whose stops are acknowledged only when
@@ -44,6 +45,66 @@ async def test_a_relaunch_sends_its_starts_once_every_stop_is_acknowledged(
     assert fleet.job.generation == 2 and fleet.job.restarts == 1
     phases = fleet.job.incidents[-1].phases
     assert {"plan", "stop", "port", "catalogs", "starts"} <= set(phases)
+
+
+async def test_a_relaunchs_starts_go_out_beside_its_catalogs(make_fleet: MakeFleet) -> None:
+    # Not after them: at 2,048 nodes publishing the catalogs takes seconds (issue 22). A
+    # rank asks its node what to restore only once it runs, and the node waits for its
+    # generation's catalog (agentd.ckpt.restores), so nothing needs them out first.
+    fleet = make_fleet(["n0", "n1"], gang=["n0", "n1"])
+    fleet.catalogs_out.clear()  # the broker takes no catalog yet
+    fleet.ctl.on_failure(
+        fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=1)
+    )
+    await fleet.until(lambda: len(fleet.ops("start_ranks")) == 2)
+    assert sorted(fleet.ops("start_ranks")) == [("n0", 2), ("n1", 2)]
+    assert fleet.first("catalog", None, "2") == -1
+    await fleet.settle()
+    assert fleet.job.state is JobState.STARTING  # its launch is not over without them
+
+    fleet.catalogs_out.set()
+    await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+    assert {n for w, n, o in fleet.log if w == "catalog" and o == "2"} == {"n0", "n1"}
+    assert {"catalogs", "starts"} <= set(fleet.job.incidents[-1].phases)
+
+
+async def test_a_relaunch_whose_catalogs_fail_to_go_out_runs_and_sends_them_again(
+    make_fleet: MakeFleet,
+) -> None:
+    # The starts went out beside them: the launch is not failed for it (that would stop a
+    # gang that is starting, and spend a restart); its nodes wait for the catalogs.
+    fleet = make_fleet(["n0", "n1"], gang=["n0", "n1"])
+    fleet.catalogs_refused = 1
+    fleet.ctl.on_failure(
+        fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=1)
+    )
+    await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+    await fleet.until(
+        lambda: {n for w, n, o in fleet.log if w == "catalog" and o == "2"} == {"n0", "n1"}
+    )
+    assert fleet.job.generation == 2 and fleet.job.restarts == 1
+    assert fleet.ops("stop_ranks") == [("n0", 1), ("n1", 1)]  # the failure's, no other
+
+
+async def test_an_elastic_jobs_catalogs_go_out_before_its_starts(make_fleet: MakeFleet) -> None:
+    # Its start orders carry the samples consumed up to the restore step, which the
+    # catalogs' build decides: they are built once the catalogs are out.
+    fleet = make_fleet(["n0", "n1"])
+    fleet.running(
+        ["n0", "n1"],
+        elastic={"min_nodes": 1, "global_batch": 32, "micro_batch": 1},
+    )
+    fleet.catalogs_out.clear()
+    fleet.ctl.on_failure(
+        fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=1)
+    )
+    await fleet.until(lambda: fleet.job.state is JobState.STARTING)
+    await fleet.settle()
+    assert fleet.ops("start_ranks") == []
+
+    fleet.catalogs_out.set()
+    await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+    assert fleet.last("catalog", None, "2") < fleet.first("sent", None, "start_ranks")
 
 
 async def test_a_relaunchs_incident_names_the_ranks_launched_cold_and_why(
