@@ -702,6 +702,13 @@ class Bench:
             # online (after the broker restart): the broker may have had no one to give
             # them to. Metrics lost are at most these.
             metrics_sent_before_supervisor_seen=sum(r["unheard"] for r in reports),
+            # Nodes whose ranks waited CATALOG_WAIT_S for their generation's catalog (the
+            # supervisor sends it beside the start orders): restored from an older one, or
+            # failed for want of any. Both should be 0.
+            catalog_waits={
+                k: sum(r.get("catalog_waits", {}).get(k, 0) for r in reports)
+                for k in ("late", "none")
+            },
         )
         last_landing: dict[int, float] = {}
         for r in reports:

@@ -11,8 +11,9 @@ for commands (at most once, never late, acked), its :class:`~agentd.health.Healt
 to turn a GPU sample into health (an ECC fault is a sample with an uncorrected error) and
 its :class:`~agentd.metrics.MetricsWindow` to fold the ranks' step reports into metrics
 batches. What it does not run is rank processes: it answers start and stop orders as
-the agent would (a ``restored`` and a ``stepped`` event per rank at a start, an
-``exited`` one per rank at a stop) and makes its ranks step on a shared clock, so that
+the agent would (a ``restored`` event per rank once its generation's checkpoint catalog
+is here, as a real rank waits for it, then ``stepped``; an ``exited`` one per rank at a
+stop) and makes its ranks step on a shared clock, so that
 every node checkpoints the same steps and lands them at every tier of the job's plan.
 
 The process takes orders on stdin, one JSON object a line (``{"op": "die", "node": N}``:
@@ -42,6 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from agentd.ckpt.restores import CATALOG_WAIT_S
 from agentd.commands import CommandLedger
 from agentd.config import Thresholds
 from agentd.gpu.base import GpuSample, NodeSample
@@ -103,6 +105,11 @@ class Gen:
     # finishes); None: they train until stopped.
     steps: int | None = None
     first_step: int | None = None
+    # Started before this generation's catalog came: its ranks wait for it to learn their
+    # restore step, as a real rank asks its agent (``agentd.ckpt.restores``); after
+    # ``CATALOG_WAIT_S`` they restore from an older one, as the agent answers then, or
+    # fail without any.
+    restoring_since: float | None = None
 
 
 class SimAgent:
@@ -263,6 +270,8 @@ class SimAgent:
                 self.seen_complete.add(key)
                 self.sim.catalogs.setdefault(key, []).append(round(now, 4))
         if gen is not None:
+            if gen.restoring_since is not None and catalog.generation >= gen.generation:
+                self._restored(gen, catalog, now)
             self._retain(gen, catalog, now)
         if catalog.ended and catalog.job not in self.gens:
             self.landings.put(wire.CkptReleased(node=self.node, job=catalog.job, at=now))
@@ -332,7 +341,6 @@ class SimAgent:
             return {"pids": [], "already_started": True}
         plan = args.ckpt
         interval = plan.interval if plan is not None else "auto"
-        catalog = self.catalogs.get(args.job)
         gen = Gen(
             job=args.job,
             generation=args.generation,
@@ -340,26 +348,36 @@ class SimAgent:
             tiers=list(plan.tiers) if plan is not None else ["ram"],
             buddy=plan.buddy.node if plan is not None and plan.buddy is not None else None,
             interval_s=float(interval) if isinstance(interval, float | int) else 60.0,
-            restore_step=catalog.restore_step if catalog is not None else None,
             keep=dict(plan.keep) if plan is not None else {},
             steps=sim_steps(args.command),
+            restoring_since=now,
         )
         self.gens[args.job] = gen
         emit(ev="start", node=self.node, job=args.job, gen=args.generation, at=now)
+        catalog = self.catalogs.get(args.job)
+        if catalog is not None and catalog.generation >= args.generation:
+            self._restored(gen, catalog, now)
+        return {"pids": [100000 + r for r in gen.ranks]}
+
+    def _restored(self, gen: Gen, catalog: wire.CkptCatalog, now: float) -> None:
+        """The ranks of ``gen`` learnt their restore step from ``catalog`` (of their
+        generation): they report it, and step from the next tick."""
+        took = now - (gen.restoring_since or now)
+        gen.restoring_since = None
+        gen.restore_step = catalog.restore_step
         for rank in gen.ranks:
             self.rank_events.put(
                 wire.RankEvent(
                     node=self.node,
-                    job=args.job,
-                    generation=args.generation,
+                    job=gen.job,
+                    generation=gen.generation,
                     rank=rank,
                     event="restored",
                     step=gen.restore_step,
-                    took_s=0.05,
+                    took_s=round(max(took, 0.05), 3),
                     at=now,
                 )
             )
-        return {"pids": [100000 + r for r in gen.ranks]}
 
     def _stop(self, args: wire.StopRanksArgs) -> dict[str, Any]:
         now = time.time()
@@ -402,8 +420,18 @@ class SimAgent:
     def step(self, step: int, now: float) -> None:
         """Every rank of every generation here reports ``step``; a due one is saved; a
         job's ranks that took their ``--steps`` exit 0."""
-        finished = []
-        for gen in self.gens.values():
+        finished, failed = [], []
+        for gen in list(self.gens.values()):
+            if gen.restoring_since is not None:
+                if now - gen.restoring_since > CATALOG_WAIT_S:
+                    older = self.catalogs.get(gen.job)
+                    if older is not None:
+                        self.sim.catalog_waits["late"] += 1
+                        self._restored(gen, older, now)
+                    else:
+                        self.sim.catalog_waits["none"] += 1
+                        failed.append(gen)  # the ranks cannot tell what to restore
+                continue
             for rank in gen.ranks:
                 self.metrics.add(
                     StepReport(
@@ -442,6 +470,9 @@ class SimAgent:
         for gen in finished:
             del self.gens[gen.job]
             self._exited(gen, now, step, code=0)
+        for gen in failed:
+            del self.gens[gen.job]
+            self._exited(gen, now, None, code=1)
 
     async def _save(self, gen: Gen, step: int) -> None:
         """The ranks' shards of ``step`` land at every tier of the plan, in its order."""
@@ -523,6 +554,9 @@ class Sim:
         self.sent: dict[str, int] = {"rank": 0, "ckpt": 0, "metrics": 0}
         self.dropped: dict[str, int] = {"metrics": 0}
         self.unheard = 0  # metrics batches sent before the supervisor was seen online
+        # Nodes whose ranks waited CATALOG_WAIT_S for their generation's catalog: restored
+        # from an older one (late), or failed for want of any (none).
+        self.catalog_waits = {"late": 0, "none": 0}
         self.quiet = False  # metrics stopped (``quiet``), for the final count
         self.last_landing: dict[tuple[str, int], float] = {}
         # (job, step) -> when each node first saw it committed at every tier
@@ -616,6 +650,7 @@ class Sim:
             "sent": self.sent,
             "dropped": self.dropped,
             "unheard": self.unheard,
+            "catalog_waits": self.catalog_waits,
             "queued": sum(len(a.rank_events) + len(a.landings) for a in live),
             "connected": sum(a.link.connected for a in live),
             "stuck": [
