@@ -47,17 +47,23 @@ def fleet(tmp_path: Path, broker: Broker, request: pytest.FixtureRequest) -> Ite
 
 
 # In a parallel run (make test: pytest-xdist, --dist loadfile) a file's tests run in one
-# worker, one after another: the tests that train tinylm hard (test_recovery_training, and
-# the undisturbed run it compares with, computed once per worker) never run four at once on
-# 2 cores, where they starve each other past their timeouts. (--dist loadgroup would group
-# them across files, but pytest-xdist 3.8 cannot set a group on pytest 9.2's node ids.)
-# The longest files first, so that none of them starts last with the other workers idle
-# until it ends; the rest keep their order.
+# worker, one after another: the tests that train tinylm hard (test_recovery_training and
+# test_recovery_moves, and the undisturbed run they compare with, computed once per worker)
+# never run four at once on 2 cores, where they starve each other past their timeouts; two
+# files, so that they take two workers, not one for over ten minutes. (--dist loadgroup
+# would group them across files, but pytest-xdist 3.8 cannot set a group on pytest 9.2's
+# node ids.) The longest files first (by a run of 2026-11-29), so that none of them starts
+# last with the other workers idle until it ends; the rest keep their order.
 LONGEST_FIRST = (
     "tests/integration/test_recovery_training.py",
+    "tests/integration/test_ha.py",
+    "tests/integration/test_elastic.py",
+    "tests/integration/test_recovery_moves.py",
     "tests/integration/test_ckpt_fleet.py",
-    "tests/integration/test_dashboard.py",
+    "tests/integration/test_broker_list.py",
+    "tests/integration/test_guard_rollback.py",
     "tests/integration/test_jobs.py",
+    "tests/integration/test_dashboard.py",
 )
 
 

@@ -4,7 +4,7 @@ other, the supervisor (on both all along) hears them there, and the job trains o
 Real processes throughout: two Mosquittos, a supervisor, two agents running tinylm on gloo.
 The broker the fleet is on is killed (``kill -9``) mid-job; the job must keep its
 generation, commit its steps through the other broker and end with the undisturbed
-run's digest (``test_recovery_training``)."""
+run's digest (``training``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import Broker, CuttableLink, Fleet, wait_for
-from tests.integration.test_recovery_training import (
+from tests.integration.training import (
     committed_step,
     final_digest,
     submit,

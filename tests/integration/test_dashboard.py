@@ -27,7 +27,7 @@ from supervisor.daemon import Supervisor
 from supervisor.jobs import JobState
 from supervisor.records import Incident
 from tests.harness import TOKEN, Fleet, wait_for
-from tests.integration.test_recovery_training import TIERS, committed_step, tinylm
+from tests.integration.training import TIERS, committed_step, tinylm
 from tests.unit.supervisor.fake_fleet import birth
 from tests.unit.supervisor.test_dashboard_auth import TOKEN as FAKE_TOKEN
 

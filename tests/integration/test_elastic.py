@@ -116,6 +116,8 @@ def test_a_node_lost_with_no_spare_shrinks_the_job_and_it_grows_back_with_the_sa
         env={"OMP_NUM_THREADS": "1"},
         checkpoint={"tiers": ["ram", "nvme", "peer", "object"], "interval": {"steps": 10}},
         elastic={"min_nodes": 1, "global_batch": GLOBAL, "micro_batch": MICRO, "grow_after": 1},
+        # Warm, as for a user: its interpreters take each new size and batch layout.
+        restart={"warm": True},
     )["id"]
     running = fleet.wait_job(job_id, "running", timeout=60)
     assert running["elastic"]["accumulation"] == 2 and running["world_size"] == 6

@@ -4,7 +4,7 @@ Real processes throughout: the test session's PostgreSQL (``tests.pg``), Mosquit
 ``phalanx-supervisor`` processes on the same store and broker, agents running tinylm on
 gloo. The leader is killed (``kill -9``) or paused (SIGSTOP) while the job trains; the
 job must keep training, the standby must lead and commit what landed meanwhile, and the
-job must end with the undisturbed run's digest (``test_recovery_training``).
+job must end with the undisturbed run's digest (``training``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from phalanx import wire
 from phalanx.client import Client
 from phalanx.local import free_port
 from tests.harness import TOKEN, Fleet, Process, RawMqtt, leader_of, rank_pid, wait_for
-from tests.integration.test_recovery_training import (
+from tests.integration.training import (
     committed_step,
     final_digest,
     submit,

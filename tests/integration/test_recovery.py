@@ -3,7 +3,7 @@
 The ranks here are small bash scripts, so each case shows one decision of the
 recovery controller in seconds: restart in place, move to a spare, wait for
 one, fail on a spent budget. The training cases (real tinylm with checkpoints,
-final digests compared) are in test_recovery_training.py.
+final digests compared) are in test_recovery_training.py and test_recovery_moves.py.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def submit(fleet: Fleet, work: Path, name: str, **restart: Any) -> str:
         workdir=str(work),
         command=[sys.executable, "probe.py", "--flag", "two words"],
         grace_period=2,
-        restart={"warm_imports": ["decimal"], **restart},
+        restart={"warm": True, "warm_imports": ["decimal"], **restart},
     )["id"]
     return job
 
