@@ -41,6 +41,7 @@ import getpass
 import json
 import os
 import queue
+import re
 import resource
 import signal
 import subprocess
@@ -410,15 +411,21 @@ class Bench:
         waited in the queue (submitted to its first start)."""
         jobs = {j["id"]: j for j in self.api.get("/v1/jobs")}
         states: dict[str, int] = {}
+        reasons: dict[str, int] = {}  # a failed one's reason, its numbers out (a kind each)
         waits = []
         for job_id in self.small:
             job = jobs.get(job_id, {})
             states[job.get("state", "missing")] = states.get(job.get("state", "missing"), 0) + 1
+            if job.get("state") == "failed":
+                why = re.sub(r"command [0-9a-f]+", "command ID", str(job.get("reason", "")))
+                kind = re.sub(r"[0-9]+(\.[0-9]+)?", "N", why)[:160]
+                reasons[kind] = reasons.get(kind, 0) + 1
             if job.get("first_started_at") and job.get("submitted_at"):
                 waits.append(job["first_started_at"] - job["submitted_at"])
         self.out.update(
             small_jobs=len(self.small),
             small_jobs_by_state=states,
+            small_jobs_failed_why=reasons,
             small_jobs_started=len(waits),
             small_job_queue_wait_p50_s=pct(waits, 0.5),
             small_job_queue_wait_p99_s=pct(waits, 0.99),

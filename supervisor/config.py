@@ -145,7 +145,12 @@ class SupervisorSettings(BaseSettings):
         description="A node with no heartbeat for this long is offline even without a last "
         "will (a partition the broker has not noticed yet). Default: 3 heartbeats of 5s.",
     )
-    command_timeout_s: float = Field(default=10.0, gt=0, description="Wait for a command's ack.")
+    command_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Wait for a command's ack; a supervisor behind on its messages waits "
+        "that much longer (at most 60 s more): the ack may be among them.",
+    )
     schedule_interval_s: float = Field(
         default=2.0,
         gt=0,

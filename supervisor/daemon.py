@@ -122,7 +122,11 @@ class Supervisor:
         self._node_via: dict[str, int] = {}  # the link each node's heartbeats came through
         self._link_up = [False] * len(self.link.links)  # as the daemon last saw each link
         self.commands = Commands(
-            self._publish, self.registry, timeout_s=settings.command_timeout_s, term=self.term
+            self._publish,
+            self.registry,
+            timeout_s=settings.command_timeout_s,
+            term=self.term,
+            behind=lambda: self.link.behind_s,  # an ack may wait among what it has not read
         )
         self.catalog = CheckpointCatalog(self.store, term=self.term)
         self.publisher = CatalogPublisher(
