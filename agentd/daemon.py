@@ -456,10 +456,18 @@ class Agent:
                     log.warning("link probe: %s", exc)
                     return {"error": str(exc), "reached": exc.reached}
             case wire.SaveNowArgs():
-                here = sorted(self.ranks.pids(cmd.args.job, cmd.args.generation))
-                return {
-                    "ranks": self.progress.request_save(cmd.args.job, cmd.args.generation, here)
+                job, generation = cmd.args.job, cmd.args.generation
+                here = sorted(self.ranks.pids(job, generation))
+                asked = self.progress.request_save(job, generation, here)
+                # The step each asked rank reported last: the save comes after its next
+                # report, so the supervisor takes no commit at or before step + 1 (a
+                # checkpoint in flight when it asked, docs/jobspec.md) for this save.
+                steps = {
+                    str(r): s
+                    for r in asked
+                    if (s := self.progress.last_step(job, generation, r)) is not None
                 }
+                return {"ranks": asked, "steps": steps}
             case wire.AllocPortArgs():
                 return {"port": self.ranks.free_port()}
             case wire.RebirthArgs():

@@ -162,12 +162,20 @@ class GangOrders:
         args = wire.SaveNowArgs(job=job.id, generation=max(job.generation, 1))
         timeout = self.ctl.settings.command_timeout_s
         acks = await self.ctl.command_gang(job.nodes, args, timeout)
-        asked = any(
-            not isinstance(a, BaseException)
+        done = [
+            a
+            for a in acks
+            if not isinstance(a, BaseException)
             and a.status == wire.AckStatus.DONE
             and a.result.get("ranks")
-            for a in acks
-        )
+        ]
+        asked = bool(done)
+        # A rank asked after it reported step s saves after its next report: at s + 2 or
+        # later (``ckpt.save(step + 1)``, docs/jobspec.md). A checkpoint already in flight
+        # (s + 1 or older) commits meanwhile and is not the save asked for.
+        reported = reported_steps(done)
+        if reported:
+            before = max(before, min(reported) + 1)
         saved = None
         deadline = time.monotonic() + job.spec.grace_period
         while asked and time.monotonic() < deadline:
@@ -192,3 +200,14 @@ class GangOrders:
                     tier,
                     job.spec.grace_period,
                 )
+
+
+def reported_steps(acks: list[wire.CommandAck]) -> list[int]:
+    """The steps the asked ranks had reported when their nodes took a ``save_now`` (an
+    agent's ack lists them under ``steps``; an older agent's, or garbage, lists none)."""
+    found: list[int] = []
+    for ack in acks:
+        steps = ack.result.get("steps")
+        if isinstance(steps, dict):
+            found += [s for s in steps.values() if isinstance(s, int) and not isinstance(s, bool)]
+    return found

@@ -136,9 +136,18 @@ async def test_save_now_asks_each_of_the_nodes_ranks_to_save_once(
 
     ack = await run(agent, wire.SaveNowArgs(job=JOB, generation=1))
 
-    assert ack.result == {"ranks": [0, 1]}
+    # With the step each rank had reported: its save comes after its next report (the
+    # supervisor takes no commit at or before that step + 1 for it).
+    assert ack.result["ranks"] == [0, 1]
+    reported = ack.result["steps"]
+    assert sorted(reported) == ["0", "1"] and all(isinstance(s, int) for s in reported.values())
     logs = [tmp_path / "data" / "jobs" / JOB / "g1" / f"rank-{r}.log" for r in (0, 1)]
     await eventually(lambda: all("saved at" in log.read_text() for log in logs), "both ranks save")
+    for rank, log in enumerate(logs):
+        (at,) = [
+            int(line.split()[-1]) for line in log.read_text().splitlines() if "saved at" in line
+        ]
+        assert at > reported[str(rank)]
     saved = {r: s.step for r, s in agent.progress.progress(JOB, 1).items()}
     await eventually(  # 15 more steps each: none of them is asked again
         lambda: all(s.step >= saved[r] + 15 for r, s in agent.progress.progress(JOB, 1).items()),
@@ -150,4 +159,4 @@ async def test_save_now_asks_each_of_the_nodes_ranks_to_save_once(
 async def test_save_now_for_a_generation_not_running_here_asks_nobody(agent: Agent) -> None:
     ack = await run(agent, wire.SaveNowArgs(job=JOB, generation=3))
 
-    assert (ack.status, ack.result) == (wire.AckStatus.DONE, {"ranks": []})
+    assert (ack.status, ack.result) == (wire.AckStatus.DONE, {"ranks": [], "steps": {}})
