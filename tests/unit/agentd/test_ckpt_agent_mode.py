@@ -89,6 +89,9 @@ class AgentHarness:
             self.root / "shm",
             (self.root / "objects").as_uri(),
             self._landing,
+            # No catalog of a later generation comes here (start_generation): its ranks
+            # restore from generation 1's after this wait, not the agent's default 20 s.
+            catalog_wait_s=1.0,
         )
         self.service.configure(
             JOB,
