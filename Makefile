@@ -14,7 +14,7 @@ INTEGRATION_WORKERS ?= 4
 # own: two at once (docs/rig.md has the figures).
 RIG_WORKERS         ?= 2
 
-.PHONY: demo test test-fast rig lint format install clean
+.PHONY: demo test test-fast test-unit test-rollout rig lint format install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -47,12 +47,19 @@ test-fast: $(STAMP)
 # plain pytest commands (and make test-fast) do not rerun.
 RERUN   := --reruns 1 --reruns-delay 2 -rR
 
-# Everything but the rig: lint, the unit tests, the integration tests and the rig's helpers
-# (a file's tests in one worker: loadfile), then the rollout tests, in one process (they
-# share one converged tree, a session fixture).
+# Everything but the rig: lint; the unit tests beside the rollout tests (the unit tests
+# leave half the two cores idle, waiting on sockets and subprocesses; the rollout tests run
+# in one process: they share one converged tree, a session fixture), each one's output
+# printed once it ends; then the integration tests and the rig's helpers (a file's tests in
+# one worker: loadfile).
 test: lint
-	$(BIN)/pytest tests/unit -n $(UNIT_WORKERS) $(RERUN)
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-unit test-rollout
 	$(BIN)/pytest tests/integration tests/rig -n $(INTEGRATION_WORKERS) --dist loadfile $(RERUN)
+
+test-unit: $(STAMP)
+	$(BIN)/pytest tests/unit -n $(UNIT_WORKERS) $(RERUN)
+
+test-rollout: $(STAMP)
 	$(BIN)/pytest tests/rollout $(RERUN)
 
 # The fault-injection rig: every fault once on a fleet of network namespaces (root only),

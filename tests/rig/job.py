@@ -10,7 +10,7 @@ from typing import Any
 from tests.rig.fleet import REPO
 from tests.tinylm import MODEL
 
-STEPS = 240
+STEPS = 150
 CKPT_EVERY = 10
 TINY = [
     *MODEL,  # the tiny model every test trains (tests.tinylm)
