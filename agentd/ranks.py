@@ -80,7 +80,9 @@ Reporter = Callable[[wire.RankEvent], Awaitable[None]]
 # How long an in-process start waits for a live rank of the older generation to park
 # (phalanx.rank.run) before it stops it and starts the slot's rank as usual.
 PARK_WAIT_S = 3.0
-IN_PROCESS_STOP_GRACE_S = 5.0
+# The grace a start gives the job's older ranks it finds still running (the supervisor's
+# recovery stop gives as much: supervisor.recovery.executor.STOP_GRACE_S).
+OLDER_STOP_GRACE_S = 5.0
 
 
 class Parking(Protocol):
@@ -241,11 +243,11 @@ class RankRunner:
         adopted: dict[int, int] = {}
         if req.in_process:
             adopted = await self._adopt(req, slots, env, logs, visible)
-        # Ranks of an older generation whose stop never arrived go first: left running, they
-        # would hold the GPUs and, replaced in self._ranks, escape every later stop. (Those
-        # an in-process start did not resume get the supervisor's own short grace: this
-        # start's acknowledgement waits for them.)
-        grace = min(req.grace_s, IN_PROCESS_STOP_GRACE_S) if req.in_process else req.grace_s
+        # Ranks of an older generation whose stop never arrived, or is still on its way (a
+        # recovery relaunches without every stop's ack), go first: left running, they would
+        # hold the GPUs and, replaced in self._ranks, escape every later stop. They get the
+        # supervisor's own short recovery grace: this start's acknowledgement waits for them.
+        grace = min(req.grace_s, OLDER_STOP_GRACE_S)
         await self._stop(req.job, req.generation - 1, grace_s=grace)
         pids = dict(adopted)
         cold: dict[int, str] = {}  # rank -> why no warm interpreter became it

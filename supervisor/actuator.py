@@ -116,12 +116,13 @@ class Actuator:
 
     # --- launch --------------------------------------------------------------------
 
-    async def launch(self, job: Job, nodes: list[str]) -> Launched:
+    async def launch(self, job: Job, nodes: list[str], *, ack_grace_s: float = 0.0) -> Launched:
         """Launch the job's next generation on ``nodes``: ``starting``, a rendezvous port
         on rank 0's node, then the catalogs and every node's start order together (an
         elastic job's catalogs first); ``running`` once every start is acknowledged. A
         recovery's launch is timed (its phases ``port``, then ``catalogs`` and ``starts``,
-        which overlap) and its cold ranks kept."""
+        which overlap) and its cold ranks kept. ``ack_grace_s``: how much longer a start's
+        ack may take (its node may still be stopping the job's older ranks)."""
         spec = job.spec
         job.generation += 1
         job.nodes = nodes
@@ -175,7 +176,7 @@ class Actuator:
                 t0 = time.perf_counter()
                 acks = await asyncio.gather(
                     *(
-                        self._send(node, order, timeout=timeout)
+                        self._send(node, order, timeout=timeout + ack_grace_s)
                         for node, order in zip(nodes, orders, strict=True)
                     ),
                     return_exceptions=True,

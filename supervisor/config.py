@@ -151,6 +151,14 @@ class SupervisorSettings(BaseSettings):
         description="Wait for a command's ack; a supervisor behind on its messages waits "
         "that much longer (at most 60 s more): the ack may be among them.",
     )
+    recovery_stop_wait_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=600,
+        description="How long a recovery waits for every node's ack of its stop before it "
+        "relaunches all the same (each node stops the job's old ranks before it starts the "
+        "new; a save they commit after that is not restored from).",
+    )
     schedule_interval_s: float = Field(
         default=2.0,
         gt=0,

@@ -274,6 +274,7 @@ class JobController:
         keeps its persisted state, which the next supervisor takes up: :meth:`resume`)."""
         self.tasks.close()
         self.burnins.close()
+        self.recoveries.close()
 
     async def shutdown(self, timeout: float) -> None:
         """Start nothing new; wait up to ``timeout`` s for the job tasks, orphan stops and

@@ -8,7 +8,10 @@ offline, a gang whose steps stopped. The job turns ``recovering`` and its task t
 
 1. **plans** with the pure planner (:func:`supervisor.recovery.planner.plan_recovery`)
    from the fleet, the spare pool, the checkpoint catalog and the job's history;
-2. **stops** the gang's ranks everywhere (each node keeps the job's RAM tier);
+2. **stops** the gang's ranks everywhere (each node keeps the job's RAM tier); a
+   relaunch goes ahead ``recovery_stop_wait_s`` after with acks still to come (each
+   node's agent stops the old ranks before it starts the new), anything else waits
+   for every ack;
 3. **quarantines** a failed node: drained, with the failure as the reason;
 4. **waits** for a spare or a healthy node when there is none (bounded by
    ``restart.spare_wait``), and backs off before a repeated restart;
@@ -93,6 +96,8 @@ class Recoveries:
         self.incidents = incidents
         self.burnins = burnins
         self._wake = asyncio.Event()
+        self._stopping: dict[str, asyncio.Future[None]] = {}  # job -> its recovery's stop
+        self._late_stops: set[asyncio.Future[None]] = set()  # of jobs relaunched since
 
     def wake(self) -> None:
         """Something changed in the fleet: recoveries waiting for a node look again."""
@@ -147,6 +152,32 @@ class Recoveries:
         rec = job.recovery
         if rec is None or not _recovering(job):
             return None  # cancelled before it began
+        launched: Launched | None = None
+        try:
+            launched = await self._run(job, rec)
+            return launched
+        finally:
+            stopping = self._stopping.pop(job.id, None)
+            if stopping is not None and not stopping.done():
+                if launched is None:
+                    stopping.cancel()  # the recovery ended early: a cancel's stop owns it
+                else:
+                    # Relaunched with acks of the stop still to come (each node acknowledged
+                    # its start only once it had stopped the old ranks): they are logged.
+                    self._late_stops.add(stopping)
+                    stopping.add_done_callback(self._late_stop_done)
+
+    def _late_stop_done(self, stopping: asyncio.Future[None]) -> None:
+        self._late_stops.discard(stopping)
+        if not stopping.cancelled() and (exc := stopping.exception()) is not None:
+            log.error("a relaunched job's stop failed: %r", exc)
+
+    def close(self) -> None:
+        """At shutdown: stop waiting for the late acks of relaunched jobs' stops."""
+        for stopping in list(self._late_stops):
+            stopping.cancel()
+
+    async def _run(self, job: Job, rec: Recovery) -> Launched | None:
         failures = list(rec.failures)
         phases = rec.phases
         old_generation = rec.generation
@@ -209,10 +240,20 @@ class Recoveries:
             if not stopped:
                 kept = in_process_nodes(job, plan, failures)
                 rec.kept = sorted(kept)  # their survivors wait, parked, for the relaunch
-                await self._stop(job, old_generation, keep=kept)
+                # A relaunch waits for the stop's acks only so long: at 2,048 nodes they take
+                # seconds, and each node's agent stops the old ranks before it starts the new.
+                bound = self.ctl.settings.recovery_stop_wait_s
+                await self._stop(
+                    job,
+                    old_generation,
+                    keep=kept,
+                    wait=bound if plan.action in RELAUNCHES else None,
+                )
                 stopped = True
             if not _recovering(job):
                 return None
+            if plan.action not in RELAUNCHES:
+                await self._all_stopped(job)  # a burn-in, a wait or the end: the gang first
             if plan.action is Action.FAIL:
                 await self._release_kept(job, plan, failures, old_generation)
                 self._fail(job, plan)
@@ -260,17 +301,44 @@ class Recoveries:
             await self._stop_gang(job, old_generation, skip=set(job.nodes) - (kept - still))
         rec.kept = sorted(kept & still)
 
-    async def _stop(self, job: Job, old_generation: int, keep: Set[str] = frozenset()) -> None:
+    async def _stop(
+        self,
+        job: Job,
+        old_generation: int,
+        keep: Set[str] = frozenset(),
+        wait: float | None = None,
+    ) -> None:
         """Stop the failed generation's gang, once per recovery (its ``stop`` phase), but
         on ``keep``: nodes whose live ranks wait, parked, to be the next generation's (an
-        in-process restart; their agent stops those that do not come back)."""
+        in-process restart; their agent stops those that do not come back). ``wait``: go
+        on after that many seconds with acks still to come (:meth:`_all_stopped` waits
+        for them); None: wait for every ack."""
         rec = job.recovery
         assert rec is not None
         t0 = time.perf_counter()
-        await self._stop_gang(job, old_generation, skip=keep)
+        stopping = asyncio.ensure_future(self._stop_gang(job, old_generation, skip=keep))
+        self._stopping[job.id] = stopping
+        await asyncio.wait({stopping}, timeout=wait)
         rec.phases["stop"] = round(time.perf_counter() - t0, 3)
+        if stopping.done():
+            await self._all_stopped(job)
+        else:
+            log.info(
+                "job %s: generation %d's stop not acknowledged by every node within %.1f s: "
+                "the relaunch goes ahead (each node stops the old ranks before it starts "
+                "the new)",
+                job.id,
+                old_generation,
+                wait,
+            )
         rec.phase = "stopped"
         self.ctl.save(job)
+
+    async def _all_stopped(self, job: Job) -> None:
+        """Wait for the rest of the job's recovery stop (:meth:`_stop`), if any."""
+        stopping = self._stopping.pop(job.id, None)
+        if stopping is not None:
+            await stopping
 
     def _quarantine_rechecked(self, job: Job, failures: list[Failure]) -> None:
         """The recovery ended while its nodes were rechecked: those that failed are
@@ -653,7 +721,9 @@ class Recoveries:
             swaps=[list(s) for s in plan.swaps],
             skip=list(plan.skip) if plan.skip is not None else None,
         )
-        return await self.ctl.launch(job, list(plan.nodes))
+        # A node still stopping the old ranks acknowledges its start once they are gone.
+        late = STOP_GRACE_S if job.id in self._stopping else 0.0
+        return await self.ctl.launch(job, list(plan.nodes), ack_grace_s=late)
 
 
 RELAUNCHES = frozenset(

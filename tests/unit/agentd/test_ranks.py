@@ -530,6 +530,21 @@ async def test_start_of_a_newer_generation_stops_the_older_ranks_first(
     assert runner.running() == [wire.JobRanks(job=JOB, generation=2, ranks=[2, 3])]
 
 
+async def test_a_start_gives_older_ranks_ignoring_sigterm_the_short_grace_not_the_jobs(
+    runner: RankRunner, reporter: Reporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A recovery relaunches without waiting for every stop's ack (issue 22): the start may
+    # be first to find the old ranks. Its ack waits for them, so they get the recovery's
+    # short grace (agentd.ranks.OLDER_STOP_GRACE_S, 5 s), not the job's grace_period.
+    monkeypatch.setattr("agentd.ranks.OLDER_STOP_GRACE_S", 0.5)
+    script = "trap '' TERM; while true; do sleep 0.1; done"
+    old = await runner.start(start_args(script, generation=1, ranks=slots(0, 1)))
+    newer = start_args("exec sleep 300", generation=2, ranks=slots(2, 3))
+    await asyncio.wait_for(runner.start(newer.model_copy(update={"grace_s": 600.0})), WAIT_S)
+    assert not any(alive(pid) for pid in old["pids"].values())
+    assert {(e.generation, e.signal) for e in await reporter.wait_for(2)} == {(1, signal.SIGKILL)}
+
+
 async def test_newer_generation_on_the_same_ranks_leaves_no_untracked_process(
     runner: RankRunner,
 ) -> None:

@@ -1,7 +1,8 @@
 """A recovery's orders (issue 22): the next generation's starts go out once every stop
-of the gang is acknowledged, beside its checkpoint catalogs (an elastic job's after
-them), with the rendezvous port rank 0's node offered in its heartbeat (no
-``alloc_port`` round trip) when it offered one.
+of the gang is acknowledged, or ``recovery_stop_wait_s`` after the stops went out with
+acks still to come, beside its checkpoint catalogs (an elastic job's after them), with
+the rendezvous port rank 0's node offered in its heartbeat (no ``alloc_port`` round
+trip) when it offered one.
 
 The controller, its store, registry, catalog and planner are real; the commands go to the
 fake fleet's recording ``send`` (``fake_fleet``), whose stops are acknowledged only when
@@ -25,10 +26,11 @@ from tests.unit.supervisor.fake_fleet import FakeFleet
 async def test_a_relaunch_sends_its_starts_once_every_stop_is_acknowledged(
     make_fleet: MakeFleet,
 ) -> None:
-    # Not before: a start that reached a node while the old generation's ranks were still
-    # in their grace would be fenced out of them (its generation configured, its catalog
-    # built while they may still commit a step), and its ack would have to cover the stop.
-    fleet = make_fleet(["n0", "n1", "n2"], gang=["n0", "n1", "n2"])
+    # Not before, while they come within recovery_stop_wait_s: a start that reached a node
+    # while the old generation's ranks were still in their grace would be fenced out of
+    # them (its generation configured, its catalog built while they may still commit a
+    # step), and its ack would have to cover the stop.
+    fleet = make_fleet(["n0", "n1", "n2"], gang=["n0", "n1", "n2"], recovery_stop_wait_s=60)
     stops = fleet.hold("stop_ranks")
     fleet.ctl.on_failure(
         fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=1)
@@ -45,6 +47,46 @@ async def test_a_relaunch_sends_its_starts_once_every_stop_is_acknowledged(
     assert fleet.job.generation == 2 and fleet.job.restarts == 1
     phases = fleet.job.incidents[-1].phases
     assert {"plan", "stop", "port", "catalogs", "starts"} <= set(phases)
+
+
+async def test_a_relaunch_goes_ahead_when_stops_are_not_all_acknowledged_in_time(
+    make_fleet: MakeFleet,
+) -> None:
+    # At 2,048 nodes the stop's acks take seconds (issue 22): after recovery_stop_wait_s the
+    # starts go out, each node's agent stopping the old ranks before it starts the new
+    # (agentd.ranks: a start stops every older generation first), and each start's ack
+    # may take the stop's grace longer.
+    fleet = make_fleet(["n0", "n1", "n2"], gang=["n0", "n1", "n2"], recovery_stop_wait_s=0.2)
+    stops = fleet.hold("stop_ranks", node="n2")
+    fleet.ctl.on_failure(
+        fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=1)
+    )
+    await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+    assert sorted(fleet.ops("start_ranks")) == [("n0", 2), ("n1", 2), ("n2", 2)]
+    assert fleet.first("sent", "n2", "start_ranks") > fleet.first("sent", "n2", "stop_ranks")
+    assert fleet.last("acked", "n2", "stop_ranks") == -1  # still held
+    assert 0.2 <= fleet.job.incidents[-1].phases["stop"] < 5
+    assert fleet.ctl.recoveries._late_stops  # still waited for, and logged if it fails
+
+    stops.set()
+    await fleet.until(lambda: not fleet.ctl.recoveries._late_stops)
+    assert fleet.last("acked", "n2", "stop_ranks") > fleet.first("sent", "n2", "start_ranks")
+
+
+async def test_a_recovery_that_waits_for_a_node_waits_for_every_stop_first(
+    make_fleet: MakeFleet,
+) -> None:
+    # Not a relaunch: the gang's GPUs must be free before anything else runs on them.
+    fleet = make_fleet(["n0", "n1"], gang=["n0", "n1"], recovery_stop_wait_s=0.0)
+    stops = fleet.hold("stop_ranks", node="n0")
+    fleet.will("n1")  # no spare: the recovery waits for a node
+    await fleet.until(lambda: fleet.job.waiting is not None or len(fleet.ops("stop_ranks")) > 0)
+    await fleet.settle()
+    assert fleet.job.state is JobState.RECOVERING
+    assert fleet.job.waiting is None  # not before n0's stop is acknowledged
+    stops.set()
+    await fleet.until(lambda: fleet.job.waiting is not None)
+    assert fleet.job.waiting.reason == "no_spare"
 
 
 async def test_a_relaunchs_starts_go_out_beside_its_catalogs(make_fleet: MakeFleet) -> None:
