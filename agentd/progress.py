@@ -324,6 +324,11 @@ class ProgressMonitor:
         return sorted(asked)
 
     def last_step(self, job: str, generation: int, rank: int) -> int | None:
+        """The step ``rank`` reported last, counting the reports still queued on the socket:
+        a rank that exits right after a step is seen to exit (its exit event carries this)
+        as soon as, or before, the loop reads its last datagram, and the recovery's
+        same-step rule compares these steps."""
+        self._on_readable()
         gen = self._gens.get((job, generation))
         r = gen.ranks.get(rank) if gen is not None else None
         return r.step if r is not None else None

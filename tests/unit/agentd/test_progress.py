@@ -196,6 +196,23 @@ async def test_a_step_reaches_the_agent_with_its_scalars(
     assert (ch.sent, ch.drops) == (1, 0)
 
 
+async def test_a_ranks_last_step_counts_its_reports_still_queued_on_the_socket(
+    monitor: ProgressMonitor, path: Path, channels: list[RankChannel]
+) -> None:
+    # A rank that reports step 34 and dies at once: its exit may be handled before the
+    # loop reads the datagram, and the exit event would say 33 (a step-35 crash that
+    # comes back after a restore then looked like a failure at another step: one restart
+    # more before "follows the code").
+    monitor.begin(JOB, 1)
+    ch = channel(path, rank=1)
+    channels.append(ch)
+    ch.step(33, loss=1.0)
+    await reported(monitor, 1, 33)
+
+    ch.step(34, loss=1.0)  # no await: the loop has not read it
+    assert monitor.last_step(JOB, 1, 1) == 34
+
+
 async def test_the_module_level_step_uses_the_agents_environment(
     monitor: ProgressMonitor, path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
