@@ -92,7 +92,7 @@ def test_a_rank_killed_with_sigkill_restarts_in_place_and_ends_bit_identical(
     phases = incident["phases"]
     assert all(
         phases.get(p) is not None
-        for p in ("detect", "plan", "stop", "launch", "restore", "first_step")
+        for p in ("detect", "plan", "stop", "prepare", "launch", "restore", "first_step")
     ), phases
 
 

@@ -10,6 +10,8 @@ what was sent, the job's states and record, and the events in the store.
 
 from __future__ import annotations
 
+import asyncio
+
 from phalanx import wire
 from supervisor.jobs import JobState
 from tests.unit.supervisor.conftest import MakeFleet
@@ -176,6 +178,26 @@ async def test_a_node_lost_by_its_will_is_replaced_by_the_burned_in_spare(
     assert incident["plan"]["action"] == "replace"
     assert incident["plan"]["swaps"] == [["n1", "n2"]]
     assert "node_quarantined" in fleet.kinds()
+
+
+async def test_the_time_from_the_stop_to_the_launch_is_the_incidents_prepare_phase(
+    make_fleet: MakeFleet,
+) -> None:
+    # Here the spare's burn-in, held 0.3 s: at 4,096 nodes such checks took seconds that no
+    # phase timed (issue 22).
+    fleet = make_fleet(["n0", "n1", "n2"], spares=1, gang=GANG)
+    burn_in = fleet.hold("burn_in", node="n2")
+    fleet.tick()  # n2 into the spare pool, its burn-in held
+    fleet.will("n1")
+    await fleet.until(lambda: fleet.ops("stop_ranks") == [("n0", 1)])
+    await asyncio.sleep(0.3)
+    assert fleet.ops("start_ranks") == []
+    burn_in.set()
+    await fleet.until(lambda: running(fleet, 2))
+
+    (incident,) = fleet.record()["incidents"]
+    assert incident["plan"]["swaps"] == [["n1", "n2"]]
+    assert 0.3 <= incident["phases"]["prepare"] < 10
 
 
 async def test_a_node_drained_for_its_health_is_replaced_by_a_spare(

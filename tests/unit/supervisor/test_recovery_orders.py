@@ -46,7 +46,7 @@ async def test_a_relaunch_sends_its_starts_once_every_stop_is_acknowledged(
     assert fleet.first("sent", None, "start_ranks") > fleet.last("acked", None, "stop_ranks")
     assert fleet.job.generation == 2 and fleet.job.restarts == 1
     phases = fleet.job.incidents[-1].phases
-    assert {"plan", "stop", "port", "catalogs", "starts"} <= set(phases)
+    assert {"plan", "stop", "prepare", "port", "catalogs", "starts"} <= set(phases)
 
 
 async def test_a_relaunch_goes_ahead_when_stops_are_not_all_acknowledged_in_time(

@@ -22,7 +22,7 @@ import {
   table,
 } from "./dom.js";
 
-const PHASES = ["detect", "plan", "stop", "launch", "restore", "first_step"];
+const PHASES = ["detect", "plan", "stop", "prepare", "launch", "restore", "first_step"];
 const MAIN_CHARTS = [
   ["loss", "loss"],
   ["grad_norm", "grad norm"],
