@@ -45,19 +45,31 @@ def saved(fleet: FakeFleet) -> list[dict[str, Any]]:
     return [e.detail for e in fleet.events("job_preempt_checkpoint")]
 
 
+def preemptible(make_fleet: MakeFleet) -> FakeFleet:
+    """A preemptible job on n0 and n1 that committed step 20 at the object store."""
+    fleet = make_fleet(["n0", "n1"])
+    fleet.running(["n0", "n1"], preemptible=True, checkpoint=OBJECT, grace_period=30)
+    commit(fleet, 20)
+    return fleet
+
+
+async def save_first(fleet: FakeFleet) -> asyncio.Future[None]:
+    """The job's save before its stop, running, once both nodes were asked."""
+    saving = asyncio.ensure_future(fleet.ctl.orders.save_first(fleet.job))
+    await fleet.until(lambda: len(fleet.ops("save_now")) == 2)
+    return saving
+
+
 async def test_a_checkpoint_in_flight_when_the_save_is_asked_is_not_taken_for_it(
     make_fleet: MakeFleet,
 ) -> None:
     # Seen in the suite: the ranks had reported step 29 when the request reached them;
     # step 30's periodic save (ckpt.save(step + 1)) committed a moment later and the stop
     # went ahead on it, while the save asked for, step 31, was still landing.
-    fleet = make_fleet(["n0", "n1"])
-    fleet.running(["n0", "n1"], preemptible=True, checkpoint=OBJECT, grace_period=30)
-    commit(fleet, 20)
+    fleet = preemptible(make_fleet)
     fleet.answer("save_now", result={"ranks": [0, 1], "steps": {"0": 29, "1": 29}}, node="n0")
     fleet.answer("save_now", result={"ranks": [2, 3], "steps": {"2": 29, "3": 30}}, node="n1")
-    saving = asyncio.ensure_future(fleet.ctl.orders.save_first(fleet.job))
-    await fleet.until(lambda: len(fleet.ops("save_now")) == 2)
+    saving = await save_first(fleet)
 
     commit(fleet, 30)  # in flight when asked
     await asyncio.sleep(0.5)  # save_first looks every 0.2 s
@@ -71,12 +83,9 @@ async def test_a_checkpoint_in_flight_when_the_save_is_asked_is_not_taken_for_it
 async def test_without_the_steps_an_older_agent_acks_any_newer_commit_is_the_save(
     make_fleet: MakeFleet,
 ) -> None:
-    fleet = make_fleet(["n0", "n1"])
-    fleet.running(["n0", "n1"], preemptible=True, checkpoint=OBJECT, grace_period=30)
-    commit(fleet, 20)
+    fleet = preemptible(make_fleet)
     fleet.answer("save_now", result={"ranks": [0, 1]})
-    saving = asyncio.ensure_future(fleet.ctl.orders.save_first(fleet.job))
-    await fleet.until(lambda: len(fleet.ops("save_now")) == 2)
+    saving = await save_first(fleet)
     commit(fleet, 24)
     await asyncio.wait_for(saving, 5)
     assert saved(fleet) == [{"job": "j-1", "step": 24, "tier": "object", "committed": True}]
