@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-PHASES = ("detect", "plan", "stop", "launch", "restore", "first_step")
+PHASES = ("detect", "plan", "stop", "prepare", "launch", "restore", "first_step")
 
 
 def ettr_text(goodput: dict[str, Any]) -> str | None:

@@ -53,3 +53,9 @@ def test_status_names_the_ranks_a_recovery_launched_cold_by_reason() -> None:
     assert f"    cold launch of ranks 0-1: {importing}" in lines
     assert "    cold launch of ranks 3: restart.warm is off" in lines
     assert not any("cold launch" in line for line in incident_lines(UNKNOWN))
+
+
+def test_status_shows_the_phases_in_their_order_with_the_prepare_phase() -> None:
+    phases = {"launch": 0.2, "prepare": 1.5, "stop": 1.0, "detect": 0.01, "port": 0.0}
+    lines = incident_lines({**UNKNOWN, "phases": phases})
+    assert "    phases: detect 0.01s  stop 1.00s  prepare 1.50s  launch 0.20s" in lines
