@@ -279,6 +279,8 @@ class Sweeps:
             running += 1
             self._submit_trial(sw, trial.number, trial.params)
         if not running and not waiting and started >= sw.spec.n_trials:
+            if any((j := self._job_of(t)) is not None and not j.state.final for t in trials):
+                return  # a pruned or failed trial's job still stopping: its nodes not yet free
             done = sum(t.state is TrialState.COMPLETE for t in sw.study.get_trials(deepcopy=False))
             self._end(sw, SweepState.COMPLETE, f"{done} of {len(trials)} trials complete")
 

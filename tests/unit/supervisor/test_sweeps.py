@@ -140,6 +140,31 @@ async def test_a_trial_behind_the_others_at_a_rung_is_pruned_and_its_job_stopped
     assert first.state is JobState.RUNNING
 
 
+async def test_a_sweep_is_complete_only_once_its_last_pruned_trials_job_has_stopped(
+    sup: Supervisor,
+) -> None:
+    sw = submitted(sup, n_trials=2)
+    first, second = trial_jobs(sup, sw)
+    run(first)
+    run(second)
+    losses(sup, first, {5: 1.5, 10: 1.0, 19: 0.5})
+    sup.sweeps.tick()
+    first.move(JobState.SUCCEEDED)
+    sup.sweeps.tick()
+    losses(sup, second, {5: 2.5, 11: 2.0})
+
+    sup.sweeps.tick()  # the second trial is pruned: its job is told to stop, saving first
+
+    assert [r["state"] for r in trials(sup, sw)] == ["complete", "pruned"]
+    assert second.state is JobState.STOPPING
+    sup.sweeps.tick()
+    assert sw.state is SweepState.RUNNING  # its nodes are not free yet
+    await settle(sup)
+    sup.sweeps.tick()
+    assert second.state is JobState.CANCELLED
+    assert sw.state is SweepState.COMPLETE
+
+
 def test_a_succeeded_trial_is_told_its_last_value_and_the_best_is_reported(
     sup: Supervisor,
 ) -> None:
