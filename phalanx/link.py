@@ -30,6 +30,7 @@ from phalanx.settings import MqttSettings
 log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 5.0
+RETRY_AFTER_S = 0.2  # an outbox's pause before it tries a failed send again
 # Messages handled from the queue before the link lets the event loop run its other
 # work: a backlog of thousands is not handled in one turn of the loop.
 YIELD_EVERY = 32
@@ -790,6 +791,13 @@ class Outbox:
                     await self._send_first(timeout=30.0, connection=connection)
                 except LinkDown as exc:
                     log.warning("%s not yet sent on %s: %s", self._what, self._topic, exc)
+                else:
+                    continue
+            # A publish refused at once (paho's socket closed before the link saw the
+            # connection end) is tried again after a pause: a loop that never waits
+            # would starve the event loop, and the link would never see the end (an
+            # agent wedged after a broker restart, bench/fleet_scale.py: issue 22).
+            await asyncio.sleep(RETRY_AFTER_S)
 
     async def flush(self, timeout: float) -> None:
         """On shutdown: send what is queued, in order, as far as ``timeout`` allows (a send

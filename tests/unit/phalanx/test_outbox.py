@@ -199,3 +199,38 @@ def test_an_outbox_bound_under_one_is_refused() -> None:
 
     with pytest.raises(ValueError, match="max_queued 0"):
         Outbox(cast(MqttLink, GatedLink()), "t", "rank event", max_queued=0)
+
+
+class RefusingLink:
+    """The I/O boundary: connected, but every publish refused at once (paho's socket
+    closed before the link saw its connection end, as in a broker restart)."""
+
+    connects = 1
+
+    def __init__(self) -> None:
+        self.tries = 0
+
+    async def until_connected(self) -> None:
+        return None
+
+    async def publish(self, topic: str, payload: bytes, **_: Any) -> None:
+        self.tries += 1
+        if self.tries > 100:  # a loop that never waits: end it, for the test to say so
+            raise RuntimeError("the outbox tried 100 times without letting the loop run")
+        raise LinkDown("could not publish: the client is not connected")
+
+
+async def test_a_send_refused_at_once_is_tried_again_after_a_pause_not_in_a_tight_loop() -> None:
+    link = RefusingLink()
+    box = Outbox(cast(MqttLink, link), "phalanx/v1/node/n1/metrics", "metrics batch")
+    box.put(Event(n=1))
+    runner = asyncio.create_task(box.run())
+    turns = 0
+    for _ in range(5):  # the loop's other work goes on (the link's own task, heartbeats)
+        await asyncio.sleep(0.05)
+        turns += 1
+
+    assert not runner.done(), runner.exception()
+    runner.cancel()
+    assert turns == 5 and 1 <= link.tries <= 3
+    assert len(box) == 1  # still queued, for when the link is back
