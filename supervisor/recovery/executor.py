@@ -391,6 +391,12 @@ class Recoveries:
                     busy.update(other.recovery.plan.nodes)  # held for its relaunch
         rejected = set(job.recovery.rejected or ()) if job.recovery is not None else set()
         spares = set(ctl.spares)
+        if job.recovery is not None and job.recovery.plan is not None:
+            # The replacements this recovery picked were spares then; the scheduling pass
+            # took them out of the pool since (the job holds them) and put others in. They
+            # stay this job's to take again: planning again must not move on to another
+            # spare and probe it too (at 2,048 nodes, seconds: issue 22).
+            spares.update(b for _, b in job.recovery.plan.swaps)
         nodes: dict[str, NodeView] = {}
         for node in ctl.registry.nodes.values():
             if node.birth is None or not node.birth.gpus:

@@ -200,6 +200,34 @@ async def test_the_time_from_the_stop_to_the_launch_is_the_incidents_prepare_pha
     assert 0.3 <= incident["phases"]["prepare"] < 10
 
 
+async def test_a_replacement_taken_out_of_the_spare_pool_while_probed_stays_the_jobs(
+    make_fleet: MakeFleet,
+) -> None:
+    # While the spare's link is probed, a scheduling pass takes it out of the pool (the
+    # recovery holds it) and puts the next one in. Planning again kept moving on to that one
+    # and probing it too: at 2,048 nodes, seconds a recovery (issue 22).
+    fleet = make_fleet(["n0", "n1", "n2", "n3"], spares=2, gang=GANG)
+    fleet.tick()
+    await fleet.until(lambda: fleet.ctl.burnins.passed("n2") and fleet.ctl.burnins.passed("n3"))
+    await fleet.settle()  # the link survey between the two spares
+    assert fleet.ctl.spares == ("n2", "n3")
+    probes = len(fleet.ops("probe_link"))
+    probe = fleet.hold("probe_link", node="n2")
+
+    fleet.will("n1")
+    await fleet.until(lambda: len(fleet.ops("probe_link")) > probes)
+    assert fleet.job.recovery is not None and fleet.job.recovery.plan is not None
+    fleet.tick()  # a pass while the recovery holds n2
+    assert fleet.ctl.spares == ("n3",)
+    probe.set()
+    await fleet.until(lambda: running(fleet, 2))
+
+    assert fleet.job.nodes == ["n0", "n2"]
+    assert {node for node, _ in fleet.ops("probe_link")[probes:]} <= {"n0", "n2"}
+    planned = [e.detail["swaps"] for e in fleet.events("recovery_planned")]
+    assert planned == [[["n1", "n2"]]]
+
+
 async def test_a_node_drained_for_its_health_is_replaced_by_a_spare(
     make_fleet: MakeFleet,
 ) -> None:
