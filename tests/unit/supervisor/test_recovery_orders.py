@@ -20,7 +20,7 @@ from supervisor.jobs import JobState
 from supervisor.recovery.incidents import cold_ranks, rank_ranges
 from supervisor.recovery.planner import Failure, FailureKind
 from tests.unit.supervisor.conftest import MakeFleet
-from tests.unit.supervisor.fake_fleet import FakeFleet
+from tests.unit.supervisor.fake_fleet import FakeFleet, heartbeat
 
 
 async def test_a_relaunch_sends_its_starts_once_every_stop_is_acknowledged(
@@ -313,8 +313,26 @@ async def test_parked_survivors_in_a_heartbeat_are_no_orphans_while_their_job_st
     fleet.ctl.reconciler.on_heartbeat(beat)
     await fleet.settle()
     assert fleet.ops("stop_ranks") == []
-    fleet.job.spec = validate_spec(
-        {**fleet.job.spec.model_dump(mode="json", exclude_none=True), "restart": {}}
-    )
-    fleet.ctl.reconciler.on_heartbeat(beat)
+
+
+async def test_an_older_generation_is_no_orphan_while_its_relaunch_stops_it(
+    make_fleet: MakeFleet,
+) -> None:
+    # A relaunch that went ahead before every stop was acknowledged (recovery_stop_wait_s):
+    # the node's agent stops the old ranks before it starts the new ones. At 2,048 nodes
+    # ~190 orphan stops went out beside the launch's starts (issue 22). Past the stop's
+    # grace, ranks still listed are orphans as before.
+    fleet = make_fleet(["n0", "n1"], gang=["n0", "n1"])
+    old = [wire.JobRanks(job="j-1", generation=1, ranks=[0, 1])]
+    fleet.job.state, fleet.job.generation = JobState.STARTING, 2
+    fleet.ctl.reconciler.on_heartbeat(heartbeat("n0", jobs=old))
+    fleet.job.state, fleet.job.started_at = JobState.RUNNING, time.time()
+    fleet.ctl.reconciler.on_heartbeat(heartbeat("n0", jobs=old))
+    await fleet.settle()
+    assert fleet.ops("stop_ranks") == []
+
+    fleet.job.started_at = time.time() - 60  # the old ranks outlived their stop
+    fleet.ctl.reconciler.on_heartbeat(heartbeat("n0", jobs=old))
     await fleet.until(lambda: fleet.ops("stop_ranks") == [("n0", 1)])
+    (stop,) = fleet.args("stop_ranks")
+    assert "orphaned" in stop.reason and stop.keep_warm
