@@ -59,6 +59,10 @@ log = logging.getLogger(__name__)
 SHUTDOWN_MARGIN_S = 50.0
 # How long commands and catalogs in flight get to finish at shutdown.
 COMMAND_DRAIN_S = 10.0
+# Metrics batches waiting for the broker at most (one per job every metrics_interval_s:
+# minutes of one job's); past it the oldest is dropped and counted.
+METRICS_QUEUED = 64
+METRICS_FLUSH_S = 2.0  # at shutdown: a chart's last points are not worth a longer stop
 
 
 class BirthSequence:
@@ -121,8 +125,7 @@ class Agent:
         )
         # Training metrics: step reports folded into one batch per job and interval.
         self.metrics = MetricsWindow(self.node)
-        self.metrics_sent = 0
-        self.metrics_dropped = 0  # batches not sent: the link was down
+        self.metrics_sent = 0  # batches handed to the metrics outbox
         self._names_logged = -math.inf
         self.progress = ProgressMonitor(
             self.node,
@@ -198,6 +201,15 @@ class Agent:
             pack=wire.pack_landings,  # what queued up goes in one message
             max_queued=settings.outbox_max,
         )
+        # The window's batches, QoS 1 like the rest: a sweep's pruner and a job's last value
+        # read them. Sent again when a connection drops with one on its way.
+        self.metrics_out = Outbox(
+            self.link,
+            wire.metrics_topic(self.node),
+            "metrics batch",
+            gate=gate,
+            max_queued=METRICS_QUEUED,
+        )
         self.http_port = 0
         self._group: asyncio.TaskGroup | None = None
         self._tasks = Tasks(f"agent {self.node}")  # commands and catalogs being handled
@@ -224,6 +236,7 @@ class Agent:
                 ("metrics", self._metrics_loop),
                 ("rank-events", self.rank_events.run),
                 ("ckpt-landings", self.landings.run),
+                ("metrics-out", self.metrics_out.run),
             ):
                 self._loops.append(self._group.create_task(supervised(name, loop), name=name))
         except BaseException:
@@ -253,7 +266,8 @@ class Agent:
         await asyncio.sleep(0)  # the landings the close queued from its threads
         await self.rank_events.flush(timeout=deadline.left(floor=1.0))
         await self.landings.flush(timeout=deadline.left(floor=1.0))
-        await self.publish_metrics()  # the ranks' last window
+        self.queue_metrics()  # the ranks' last window
+        await self.metrics_out.flush(timeout=min(METRICS_FLUSH_S, deadline.left(floor=1.0)))
         if self.link.connected:
             death = wire.NodeDeath(node=self.node, seq=self._birth_seq, cause="shutdown")
             with contextlib.suppress(LinkDown):
@@ -539,13 +553,24 @@ class Agent:
                     await self.publish_heartbeat()
 
     async def _metrics_loop(self) -> None:
-        """Every ``metrics_interval_s``: the window's batches to the supervisor, QoS 0 and
-        never queued (a batch lost while the link is down is a gap in a chart, no more)."""
+        """Every ``metrics_interval_s``: the window's batches into the metrics outbox (QoS 1,
+        in order, sent again after a connection lost with one on its way; the broker keeps
+        them for the supervisor's session while it is away). While the link is down, or the
+        broker it is on has not shown the supervisor's session yet (``supervisor_known``),
+        the window is not flushed: it goes on folding the ranks' reports, and is sent,
+        longer, after."""
         while True:
             await asyncio.sleep(self.settings.metrics_interval_s)
-            await self.publish_metrics()
+            self.queue_metrics()
 
-    async def publish_metrics(self) -> None:
+    @property
+    def metrics_dropped(self) -> int:
+        """Batches pushed out of a full metrics outbox (``METRICS_QUEUED``)."""
+        return self.metrics_out.dropped
+
+    def queue_metrics(self) -> None:
+        if not self.link.connected or not self.supervisor_known.is_set():
+            return  # kept in the window until a broker that holds the supervisor's session
         for batch in self.metrics.flush(time.time()):
             if batch.dropped_names and time.monotonic() - self._names_logged >= 60.0:
                 self._names_logged = time.monotonic()
@@ -557,17 +582,8 @@ class Agent:
                     wire.MAX_METRIC_NAMES,
                     extra={"job": batch.job, "event": "metrics_names_dropped"},
                 )
-            if not self.link.connected:
-                self.metrics_dropped += 1
-                continue
-            try:
-                await self.link.publish(
-                    wire.metrics_topic(self.node), wire.encode(batch), qos=0, timeout=2.0
-                )
-                self.metrics_sent += 1
-            except LinkDown as exc:
-                self.metrics_dropped += 1
-                log.debug("metrics of job %s not sent: %s", batch.job, exc)
+            self.metrics_out.put(batch)
+            self.metrics_sent += 1
 
     async def _heartbeat_loop(self) -> None:
         while True:

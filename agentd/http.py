@@ -56,7 +56,9 @@ class Agent(CkptHost, Protocol):
     ranks: RankRunner
     metrics: MetricsWindow
     metrics_sent: int
-    metrics_dropped: int
+
+    @property
+    def metrics_dropped(self) -> int: ...
 
     @property
     def rank_events(self) -> _Outbox: ...
@@ -136,10 +138,14 @@ class _AgentCollector(Collector):
                 "Datagrams on the progress socket that were no report",
                 a.progress.garbage,
             ),
-            ("phalanx_metrics_batches_sent", "Training-metrics batches sent", a.metrics_sent),
+            (
+                "phalanx_metrics_batches_sent",
+                "Training-metrics batches queued to send",
+                a.metrics_sent,
+            ),
             (
                 "phalanx_metrics_batches_dropped",
-                "Training-metrics batches dropped: the link was down",
+                "Training-metrics batches dropped: the outbox was full",
                 a.metrics_dropped,
             ),
             (

@@ -664,7 +664,7 @@ class Bench:
                 )
             except RuntimeError as exc:
                 self.out["outboxes_not_empty"] = str(exc)
-            time.sleep(2.0)  # QoS 0 metrics on their way
+            time.sleep(2.0)  # metrics on their way
             try:  # and the supervisor through what it received (it may lag its broker)
                 self.wait(
                     lambda: self.stats().get("behind_s", 0.0) == 0.0, 120, "supervisor caught up"
@@ -702,13 +702,8 @@ class Bench:
             lost_by_kind=lost,
             lost_messages=sum(lost.values()),
             duplicates={k: max(0, got[k] - sent[k]) for k in sent},
-            metrics_not_sent_link_down=sum(r["dropped"]["metrics"] for r in reports),
             queued_at_end=sum(r["queued"] for r in reports),
             stuck_outboxes=[x for r in reports for x in r["stuck"]][:20],
-            # QoS 0 batches a node sent on a new connection before it saw the supervisor
-            # online (after the broker restart): the broker may have had no one to give
-            # them to. Metrics lost are at most these.
-            metrics_sent_before_supervisor_seen=sum(r["unheard"] for r in reports),
             # Nodes whose ranks waited CATALOG_WAIT_S for their generation's catalog (the
             # supervisor sends it beside the start orders): restored from an older one, or
             # failed for want of any. Both should be 0.
