@@ -12,7 +12,9 @@ POST     /v1/nodes/{id}/ping           round trip of a command to the agent
 =======  ============================  ==========================================
 
 Each node's view carries the jobs that hold it, whether it is a spare, and its
-:func:`gauge_summary` (made once per heartbeat, not per request).
+:func:`gauge_summary` (made once per heartbeat, not per request). The listing keeps
+each node's entry encoded until something it shows changes (:func:`_listed`): at 2,048
+nodes building and encoding every view took 110-130 ms a request, on the event loop.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from aiohttp import web
 
 from phalanx import wire
 from phalanx.http import json_response
+from phalanx.jsonenc import dumps
 from supervisor.api.backend import Backend
 from supervisor.api.handlers import body, error
 from supervisor.fleet.registry import Node
@@ -76,11 +79,22 @@ def add_node_routes(app: web.Application, sup: Backend) -> None:
             view["host"] = n.health.host.model_dump() if n.health.host else None
         return view
 
+    # node -> (what its entry shows, the entry encoded): the listing's, kept meanwhile.
+    encoded: dict[str, tuple[tuple[Any, ...], bytes]] = {}
+
     async def nodes(request: web.Request) -> web.Response:
         held = jobs_by_node()
-        return json_response(
-            [node_view(n, held=held) for _, n in sorted(sup.registry.nodes.items())]
-        )
+        spares = set(sup.jobs.spares)
+        parts: list[bytes] = []
+        for node_id, n in sorted(sup.registry.nodes.items()):
+            shows = _listed(n, sorted(held.get(node_id, [])), node_id in spares)
+            kept = encoded.get(node_id)
+            if kept is None or kept[0] != shows:
+                kept = encoded[node_id] = (shows, dumps(node_view(n, held=held)))
+            parts.append(kept[1])
+        for gone in encoded.keys() - sup.registry.nodes.keys():
+            del encoded[gone]
+        return web.Response(body=b"[" + b",".join(parts) + b"]", content_type="application/json")
 
     async def node(request: web.Request) -> web.Response:
         found = sup.registry.get(request.match_info["id"])
@@ -112,3 +126,23 @@ def add_node_routes(app: web.Application, sup: Backend) -> None:
     app.router.add_post("/v1/nodes/{id}/drain", drain)
     app.router.add_post("/v1/nodes/{id}/undrain", undrain)
     app.router.add_post("/v1/nodes/{id}/ping", ping)
+
+
+def _listed(n: Node, jobs: list[str], spare: bool) -> tuple[Any, ...]:
+    """Everything a node's listed view is made of (``Node.view`` and the route's own
+    fields): equal tuples, equal views. The wall time of its last heartbeat comes first,
+    so that a node heard since compares unequal at once; the health, birth and slow-node
+    record are compared by value only when it did not (the same objects, then)."""
+    d = n.drain
+    return (
+        n.last_seen_wall,
+        n.online,
+        n.offline_cause,
+        n.birth_seq,
+        (d.by, d.reason, d.since, tuple(d.codes)) if d is not None else None,
+        n.health,
+        n.birth,
+        n.slow,
+        tuple(jobs),
+        spare,
+    )
