@@ -559,15 +559,28 @@ class Bench:
         self.out["dashboard_fleet_page_p50_s"] = pct(times, 0.5)
 
     def recovered(self, generation: int, t0: float, what: str) -> dict[str, Any]:
-        """Wait until the job runs ``generation`` on all its nodes; the orders' times."""
+        """Wait until the job runs ``generation`` or a later one (a relaunch that failed,
+        its start orders late at starved simulators, is recovered again) on all its
+        nodes; the orders' times of the generation that ran, and how many launches it
+        took (``launches``)."""
+
+        def ran() -> bool:
+            job = self.job()
+            return job["state"] == "running" and job["generation"] >= generation
+
+        self.wait(ran, 240, f"the job running generation {generation} or later after {what}")
+        first, generation = generation, self.job()["generation"]
         self.wait(
             lambda: len(self.starts_of(generation)) >= self.job_nodes,
-            240,
+            120,
             f"every start order of generation {generation} after the {what}",
         )
-        self.wait(lambda: self.job()["state"] == "running", 120, f"the job running after {what}")
         times = sorted(s["at"] - t0 for s in self.starts_of(generation))
-        got: dict[str, Any] = {"first": round(times[0], 3), "last": round(times[-1], 3)}
+        got: dict[str, Any] = {
+            "first": round(times[0], 3),
+            "last": round(times[-1], 3),
+            "launches": generation - first + 1,
+        }
         out = self.orders.of(self.job_id, generation) if self.orders is not None else []
         if len(out) >= self.job_nodes:  # every order seen leaving the broker (QoS 0 may drop)
             got["out"] = round(max(out) - t0, 3)
