@@ -37,6 +37,18 @@ running_generation() {  # running_generation JOB GEN: the job runs generation GE
     [ "$(job_field "$1" "j['state'] == 'running' and j['generation'] >= $2")" = True ]
 }
 succeeded() { [ "$(job_field "$1" "j['state']")" = succeeded ]; }
+warm_ready() {  # warm_ready JOB: every rank slot of the job's nodes has a warm interpreter
+    phalanx status "$1" -o json | python3 -c "
+import json, pathlib, re, sys
+job = json.load(sys.stdin)
+ready = re.compile(r'job ' + re.escape(job['id']) + r' local rank (\d+): warm interpreter ready')
+slots = set()
+for node in set(job['nodes']):
+    log = pathlib.Path('$DIR/logs/agent-' + node + '.log')
+    text = log.read_text(errors='replace') if log.exists() else ''
+    slots.update((node, m) for m in ready.findall(text))
+sys.exit(0 if len(slots) >= job['world_size'] else 1)"
+}
 rank_pid() {  # rank_pid JOB RANK -> the pid of that rank's process
     python3 - "$1" "$2" <<'EOF'
 import pathlib, sys
@@ -80,6 +92,10 @@ job=$(phalanx submit "$spec")
 wait_until 60 "the job to run" running_generation "$job" 1
 wait_until 120 "step 40 to be committed" committed "$job" 40
 phalanx ckpt ls "$job"
+# A restart hands each rank a warm interpreter (torch imported ahead): on a slow machine
+# their imports may take longer than the first checkpoint. Waited for, up to a minute;
+# without them the restart is a cold launch, which `phalanx status` then says.
+wait_until 60 "the warm interpreters" warm_ready "$job" || true
 
 say "killing rank 3 with SIGKILL: the gang restarts in place, from its own RAM"
 kill -9 "$(rank_pid "$job" 3)"
