@@ -105,14 +105,6 @@ class Reconciler:
                 # (a recovering job's gang is being stopped by its recovery already)
                 and job.state
                 in (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING, JobState.STOPPING)
-            ) or (
-                # An in-process restart's survivors, parked until their agent hands them
-                # the new generation (it stops those that do not park in time).
-                job is not None
-                and job.spec.restart.in_process
-                and job.generation == generation + 1
-                and job.holds(node)
-                and job.state in (JobState.RECOVERING, JobState.STARTING)
             )
             key = (job_id, node, generation)
             if owned or now - self._orphan_stops.get(key, -1e9) < ORPHAN_STOP_EVERY_S:
@@ -166,14 +158,18 @@ class Reconciler:
 
 def _being_stopped(job: Job, node: str, generation: int, sent_at: float) -> bool:
     """Whether ``generation`` of ``job`` on ``node``, listed in a heartbeat sent at
-    ``sent_at``, is an older one its relaunch is stopping: one that went ahead before every
-    stop was acknowledged (``recovery_stop_wait_s``), whose node's agent stops the older
-    ranks before it starts the new. At 2,048 nodes ~190 orphan stops went out beside a
-    launch's starts (issue 22)."""
+    ``sent_at``, is an older one its node's agent takes care of: a relaunch that went
+    ahead before every stop was acknowledged (``recovery_stop_wait_s``; the agent stops
+    the older ranks before it starts the new; at 2,048 nodes ~190 orphan stops went out
+    beside a launch's starts, issue 22), or an in-process restart's survivors, parked
+    until their agent hands them the new generation (it stops those that do not park in
+    time)."""
     if generation >= job.generation or not job.holds(node):
         return False
     if job.state is JobState.STARTING:
         return True
+    if job.state is JobState.RECOVERING:
+        return job.spec.restart.in_process and generation == job.generation - 1
     return (
         job.state is JobState.RUNNING
         and job.started_at is not None
