@@ -290,7 +290,7 @@ class Store:
 
     @contextlib.contextmanager
     def snapshot_db(self, table: str) -> Iterator[Db]:
-        """A connection of its own for reads in another thread: one read transaction,
+        """A connection of its own for reads that take their time: one read transaction,
         begun by a read of ``table``, so its reads see one committed state (WAL, or
         PostgreSQL's repeatable read: never a batch in progress on the store's connection,
         never one that is rolled back), while the event loop keeps writing. A wing's rows

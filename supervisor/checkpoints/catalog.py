@@ -325,7 +325,7 @@ class CheckpointCatalog:
         # (job, step, tier) -> (version, rows). Written on the event loop only.
         self._rows: dict[tuple[str, int, str], tuple[int, StepRows]] = {}
         # The wire shards the last build of each job made, reused by the next (most of a
-        # job's steps are the same from one build to the next); the builder thread's own.
+        # job's steps are the same from one build to the next).
         self._shards: dict[str, dict[tuple[Any, ...], wire.CkptShard]] = {}
         # The ranks landed so far of each step not yet committed at a tier, loaded from the
         # store once: counting them in SQL on every landing grew with the square of the ranks.
@@ -509,9 +509,9 @@ class CheckpointCatalog:
         return committed, Where({key: rows[key] for key in pinned})
 
     def drop_stale(self, job: str, pinned: Mapping[tuple[int, str], int], rows: Rows) -> None:
-        """In the builder thread, once the build's snapshot has begun: drop from ``rows``
-        what was written since :meth:`pin_rows` (the build reads it from the snapshot),
-        so that the build says what the snapshot holds. A write bumps its key's version
+        """Once the build's snapshot has begun: drop from ``rows`` what was written since
+        :meth:`pin_rows` (the build reads it from the snapshot), so that the build says
+        what the snapshot holds. A write bumps its key's version
         before it runs: one the snapshot sees was bumped before this looks."""
         versions = self.rows.shard_versions
         for key in list(rows):
@@ -533,7 +533,11 @@ class CheckpointCatalog:
             elif (held := self._rows.get((job, step, tier))) and held[0] != current:
                 del self._rows[(job, step, tier)]  # stale (a newer one cached meanwhile stays)
 
-    def messages(
+    def messages(self, job: str, world_size: int, **kwargs: Any) -> list[wire.CkptCatalog]:
+        """Every message of :meth:`iter_messages` (the same arguments), at once."""
+        return list(self.iter_messages(job, world_size, **kwargs))
+
+    def iter_messages(
         self,
         job: str,
         world_size: int,
@@ -550,7 +554,7 @@ class CheckpointCatalog:
         elastic: bool = False,
         sharded: bool = False,
         rows: Rows | None = None,
-    ) -> list[wire.CkptCatalog]:
+    ) -> Iterator[wire.CkptCatalog]:
         """The job's catalog as each node needs it: one message per node that runs a rank
         of the job (``placement``: rank -> node, the current generation), landed a shard,
         or is named in ``nodes`` (the last generation's, when the job has ended).
@@ -560,8 +564,8 @@ class CheckpointCatalog:
         its size does not grow with the job. ``peers`` gives the address of each node
         that can hold a peer copy; ``alive`` the nodes not offline (default: all).
         ``store``: where to read (default: the catalog's store), such as a snapshot
-        when the messages are built off the event loop. ``credential(holder, node)``:
-        what ``node`` presents at ``holder``'s peer routes; each message's peer
+        while the event loop goes on writing. ``credential(holder, node)``: what ``node``
+        presents at ``holder``'s peer routes; each message's peer
         addresses carry its own node's credential only (none without ``credential``).
         ``hold_steps``: the loss guard's reach (its window and margin): every message's
         ``hold`` (:func:`guard_hold`), the steps retention keeps beyond ``keep``.
@@ -574,6 +578,11 @@ class CheckpointCatalog:
         ``rows``: the committed rows known (:meth:`pin_rows`); the others are read from
         ``store`` and added, and what is no longer committed is taken out, so that the
         caller can keep them (:meth:`keep_rows`).
+
+        Every read of ``store`` is done before the first message comes; then one message
+        at a time, node by node, so that the caller may let other work run between them
+        (the publisher builds on the event loop, in slices: a 2,048-node job's messages
+        take about half a second of a core).
         """
 
         db = store if store is not None else self.rows
@@ -675,7 +684,6 @@ class CheckpointCatalog:
         runs: dict[str, set[int]] = {}
         for rank, node in placement.items():
             runs.setdefault(node, set()).add(rank)
-        out = []
         for node in sorted(set(runs) | set(landed_on) | db.shard_nodes(job) | set(nodes)):
             mine = runs.get(node, set())
             read = {sources.get(r, r) for r in mine} if sources else set()
@@ -710,7 +718,7 @@ class CheckpointCatalog:
                         world_size=saved if saved != world_size else None,
                     )
                 )
-            out.append(
+            yield (
                 wire.CkptCatalog(
                     job=job,
                     node=node,
@@ -726,7 +734,6 @@ class CheckpointCatalog:
                 )
             )
         self._shards[job] = made
-        return out
 
     def view(self, job: str, world_size: int, tiers: Sequence[str]) -> dict[str, Any]:
         """Every step with a shard anywhere: committed tiers, and partial ones (ranks there)."""

@@ -4,9 +4,10 @@ The supervisor hands the publisher each checkpoint landing and release a node
 reports (:meth:`CatalogPublisher.on_landing`, :meth:`~CatalogPublisher.on_release`).
 Landings are recorded in batches (one store transaction per ``BATCH_S``: a step
 brings one per rank and tier), and each job whose catalog changed gets it
-published: one retained message per node, built off the event loop, sent only
-when it changed. A release (a node let go of an ended job) clears that node's
-retained catalog, in batches too. A publish the link refuses, or a batch the
+published: one retained message per node, built on the event loop in slices
+(``BUILD_SLICE_S``) from a snapshot of the store, sent only when it changed. A
+release (a node let go of an ended job) clears that node's retained catalog, in
+batches too. A publish the link refuses, or a batch the
 store refuses, is tried again after ``RETRY_S``. A failed job's catalog says
 ``ended`` (its nodes free its RAM tier) once ``ckpt_failed_ram_linger_s`` is over.
 
@@ -24,7 +25,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from phalanx import wire
@@ -45,6 +45,7 @@ PUBLISH_AT_ONCE = 256  # a job's catalogs in flight to the broker at once
 PIN_ERRORS: tuple[type[Exception], ...] = (StoreError, *DB_ERRORS)
 BATCH_S = 0.05  # landings and releases received within this are handled together
 RETRY_S = 2.0  # a catalog the link refused, or landings the store refused, go again after
+BUILD_SLICE_S = 0.02  # a build of catalogs lets the event loop run at least this often
 MAX_QUEUED_LANDINGS = 1_000_000  # ~a checkpoint step of 250k ranks at every tier
 
 
@@ -130,9 +131,6 @@ class CatalogPublisher:
         # (registry version, every node's peer address, the nodes not offline): kept while
         # the registry's version stands (see _fleet).
         self._fleet_seen: tuple[int, dict[str, wire.PeerAddr], frozenset[str]] | None = None
-        # Catalog messages are built here, off the event loop: for a 16,384-rank job one
-        # build took 1.5-1.9 s (SQLite rows and pydantic models), which held heartbeats.
-        self._builder = ThreadPoolExecutor(1, thread_name_prefix="catalog")
 
     # --- inbound ------------------------------------------------------------------
 
@@ -200,10 +198,16 @@ class CatalogPublisher:
                 self._retry_later({job_id})
                 return
 
-            def build() -> list[tuple[str, str, bytes]]:
+            try:
+                built: list[tuple[str, str, bytes]] = []
+                # On the event loop, in slices: in a thread of its own, a build held the
+                # GIL against the loop, whose every socket and SQLite call then waited up
+                # to the interpreter's switch interval (5 ms) to take it back: at 2,048
+                # nodes each checkpoint's builds stalled the supervisor's messages for
+                # seconds (issue 22).
                 with self.catalog.rows.snapshot() as snapshot:  # committed rows only, one state
                     self.catalog.drop_stale(job_id, pinned, rows)  # written since the pin
-                    messages = self.catalog.messages(
+                    made = self.catalog.iter_messages(
                         job_id,
                         world_size,
                         generation=generation,
@@ -219,14 +223,14 @@ class CatalogPublisher:
                         sharded=sharded,
                         rows=rows,
                     )
-                if messages:
-                    job.published_restore = messages[0].restore_step
-                return [
-                    (m.node, wire.catalog_topic(job_id, m.node), wire.encode(m)) for m in messages
-                ]
-
-            try:
-                built = await asyncio.get_running_loop().run_in_executor(self._builder, build)
+                    sliced = time.perf_counter()
+                    for m in made:
+                        if not built:
+                            job.published_restore = m.restore_step
+                        built.append((m.node, wire.catalog_topic(job_id, m.node), wire.encode(m)))
+                        if time.perf_counter() - sliced >= BUILD_SLICE_S:
+                            await asyncio.sleep(0)  # the loop's messages, HTTP, timers
+                            sliced = time.perf_counter()
                 self.catalog.keep_rows(job_id, pinned, rows)
                 if ended:
                     # A node that let go of the job needs nothing more; the others' rows go
@@ -292,8 +296,8 @@ class CatalogPublisher:
         """Every node's peer address and the nodes not offline, as the registry has them,
         made again only when its version changed (a node's state or birth). Made at every
         publish, 2,048 nodes' addresses took 27 % of the supervisor's CPU with 256 small
-        jobs beside a big one (issue 22). Never changed once made: a build reads them in
-        its thread."""
+        jobs beside a big one (issue 22). Never changed once made: a build in progress
+        goes on reading them."""
         version = self._registry.version
         if self._fleet_seen is None or self._fleet_seen[0] != version:
             peers, alive = {}, set()
@@ -497,8 +501,8 @@ class CatalogPublisher:
 
     def close(self) -> None:
         """Once the link is closed (nothing comes any more): record the landings that came
-        since the drain, and end the builder thread. Landings the store refuses now are
-        lost, and the log says how many."""
+        since the drain. Landings the store refuses now are lost, and the log says how
+        many."""
         if self._landings:
             try:
                 self.record_landings()
@@ -508,4 +512,3 @@ class CatalogPublisher:
                     len(self._landings),
                     exc,
                 )
-        self._builder.shutdown(wait=True)

@@ -9,9 +9,10 @@ when each let go of it). The store owns the file, the connection and the transac
 wing owns its schema and its queries, as ``telemetry.rows`` and ``auth.rows`` do.
 
 :class:`CkptQueries` reads, on the store's connection or on a snapshot's (a build of
-the catalogs in another thread, :meth:`CkptRows.snapshot`); :class:`CkptRows` also
-writes, and versions each (job, step, tier) at every write of its shards or commit, so
-that what the catalog cached of a key is current while the version it read stands.
+the catalogs while the event loop goes on writing, :meth:`CkptRows.snapshot`);
+:class:`CkptRows` also writes, and versions each (job, step, tier) at every write of
+its shards or commit, so that what the catalog cached of a key is current while the
+version it read stands.
 There is one :class:`CkptRows` per store (:meth:`CkptRows.of`): every write of these
 tables goes through it, whoever makes it, so no version is missed.
 """
@@ -211,8 +212,9 @@ class CkptRows(CkptQueries):
 
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[CkptQueries]:
-        """The catalog's reads on a connection of their own, for another thread: one read
-        transaction (see :meth:`~supervisor.store.Store.snapshot_db`)."""
+        """The catalog's reads on a connection of their own, for a build the event loop
+        goes on writing beside: one read transaction (see
+        :meth:`~supervisor.store.Store.snapshot_db`)."""
         with self.store.snapshot_db("ckpt_commits") as db:
             yield CkptQueries(db)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -148,14 +148,14 @@ async def test_publishes_asked_while_one_is_out_make_one_more_build_and_all_retu
     publisher = make(link)
     commit(publisher, 5)
     builds = 0
-    real = publisher.catalog.messages
+    real = publisher.catalog.iter_messages
 
-    def counted(*args: Any, **kw: Any) -> list[wire.CkptCatalog]:
+    def counted(*args: Any, **kw: Any) -> Iterator[wire.CkptCatalog]:
         nonlocal builds
         builds += 1
         return real(*args, **kw)
 
-    publisher.catalog.messages = counted  # type: ignore[method-assign]
+    publisher.catalog.iter_messages = counted  # type: ignore[method-assign]
     first = asyncio.create_task(publisher.publish(JOB))
     await until(link.slow.is_set, 5.0, "the first build, n02's publish in flight")
     commit(publisher, 6)  # changes after the first build: a later publish must show them

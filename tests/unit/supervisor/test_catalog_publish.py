@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
+import itertools
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from phalanx import wire
 from phalanx.jobspec import validate_spec
 from supervisor.checkpoints.catalog import CheckpointCatalog
-from supervisor.checkpoints.publisher import CatalogPublisher
+from supervisor.checkpoints.publisher import BUILD_SLICE_S, CatalogPublisher
 from supervisor.checkpoints.rows import CkptRows
 from supervisor.errors import StoreError
 from supervisor.fleet.registry import Registry
@@ -245,42 +245,46 @@ def test_a_snapshot_sees_committed_rows_only_never_a_batch_in_progress(
         with CkptRows.of(store).snapshot() as snapshot:
             seen.append([step for step, _, _ in snapshot.commits("j-1")])
 
-    with store.batch():
+    with store.batch():  # a batch of the event loop's, between two slices of a build
         CkptRows.of(store).add_commit("j-1", 5, "nvme", 2.0)
-        with ThreadPoolExecutor(1) as pool:  # the builder's thread, as the publisher uses
-            pool.submit(read).result()
-    with ThreadPoolExecutor(1) as pool:
-        pool.submit(read).result()
+        read()
+    read()
 
     assert seen == [[4], [4, 5]]
     assert [s for s, _, _ in CkptRows.of(store).commits("j-1")] == [4, 5]
     store.close()
 
 
-async def test_the_event_loop_keeps_running_while_a_catalog_is_built(make: Make) -> None:
+async def test_the_event_loop_runs_between_the_messages_of_a_long_build(make: Make) -> None:
     link = SlowLink()
     publisher = make(link)
     commit(publisher, 4)
     catalog = publisher.catalog
-    real = catalog.messages
-    loop_ran = threading.Event()
-    during: list[bool] = []
+    real = catalog.iter_messages
+    turns = 0  # the loop's turns: what a heartbeat handler needs
+    seen: list[int] = []  # the turns the loop had taken as each message was made
 
-    building = threading.Event()
+    def iter_messages(*args: Any, **kwargs: Any) -> Iterator[wire.CkptCatalog]:
+        for message in real(*args, **kwargs):
+            time.sleep(BUILD_SLICE_S)  # each a slice's worth (a job of many thousand ranks)
+            seen.append(turns)
+            yield message
 
-    def messages(*args: object, **kwargs: object) -> list[wire.CkptCatalog]:
-        # A long build (a job of many thousand ranks): only a loop that is free sets it.
-        building.set()
-        during.append(loop_ran.wait(10))
-        return real(*args, **kwargs)  # type: ignore[arg-type]
+    async def loop_turns() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
 
-    catalog.messages = messages  # type: ignore[method-assign]
-    publish = asyncio.create_task(publisher.publish("j-1"))
-    await until(building.is_set, 5.0, "the publish to start its build")
-    loop_ran.set()  # what a heartbeat handler needs: the loop's turn, mid-build
-    await publish
+    catalog.iter_messages = iter_messages  # type: ignore[method-assign]
+    ticking = asyncio.create_task(loop_turns())
+    try:
+        await publisher.publish("j-1")
+    finally:
+        ticking.cancel()
 
-    assert during == [True]
+    assert len(seen) == WORLD
+    assert all(later > earlier for earlier, later in itertools.pairwise(seen)), seen
     assert len(link.retained) == WORLD
 
 
