@@ -7,9 +7,9 @@ brings one per rank and tier), and each job whose catalog changed gets it
 published: one retained message per node, built on the event loop in slices
 (``BUILD_SLICE_S``) from a snapshot of the store, sent only when it changed. A
 release (a node let go of an ended job) clears that node's retained catalog, in
-batches too. A publish the link refuses, or a batch the
-store refuses, is tried again after ``RETRY_S``. A failed job's catalog says
-``ended`` (its nodes free its RAM tier) once ``ckpt_failed_ram_linger_s`` is over.
+batches too. A publish the link refuses, or a batch the store refuses, is tried
+again after ``RETRY_S``. A failed job's catalog says ``ended`` (its nodes free its
+RAM tier) once ``ckpt_failed_ram_linger_s`` is over.
 
 Each of these delays is a :class:`OneShot`; the work they start runs as tasks of
 the publisher's own :class:`~phalanx.tasks.Tasks`. Shutdown, in the supervisor's
