@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 from phalanx.jsonenc import dumps_text
 from supervisor.errors import StoreCorrupt, StoreError
-from supervisor.store_db import DB_ERRORS, Cursor, Db, PgDb, open_pg, redacted
+from supervisor.store_db import DB_ERRORS, Cursor, Db, open_pg, redacted
 from supervisor.store_guard import GuardedConnection, is_corrupt, quick_check
 
 log = logging.getLogger(__name__)
@@ -199,18 +199,6 @@ class Store:
         """One write; a failure is a :class:`StoreError` naming the store's file."""
         return self._write(sql, args)
 
-    def _snapshot_db(self) -> Db:
-        if self.url is not None:
-            return PgDb(self.url, self.path, read_only_snapshot=True)
-        db = sqlite3.connect(
-            f"{self.path.resolve().as_uri()}?mode=ro",
-            uri=True,
-            isolation_level=None,
-            check_same_thread=False,
-        )
-        db.execute("BEGIN")
-        return db
-
     # --- writes soon ----------------------------------------------------------------
 
     def defer(self, schedule: Callable[[], None] | None) -> None:
@@ -287,33 +275,6 @@ class Store:
             _SAVE_JOB,
             lambda: (job_id, state(), dumps_text(record()), time.time()),
         )
-
-    @contextlib.contextmanager
-    def snapshot_db(self, table: str) -> Iterator[Db]:
-        """A connection of its own for reads that take their time: one read transaction,
-        begun by a read of ``table``, so its reads see one committed state (WAL, or
-        PostgreSQL's repeatable read: never a batch in progress on the store's connection,
-        never one that is rolled back), while the event loop keeps writing. A wing's rows
-        read through it (``checkpoints.rows.CkptRows.snapshot``)."""
-        try:
-            db = self._snapshot_db()
-            db.execute(f"SELECT 1 FROM {table} LIMIT 1").fetchall()  # the snapshot starts
-        except DB_ERRORS as exc:
-            if is_corrupt(exc):
-                self._on_corrupt(exc)
-            raise StoreError(
-                self.path, f"cannot read the supervisor store {self.where}: {exc}"
-            ) from exc
-        try:
-            yield db
-        except DB_ERRORS as exc:
-            if is_corrupt(exc):
-                self._on_corrupt(exc)
-            raise StoreError(
-                self.path, f"cannot read the supervisor store {self.where}: {exc}"
-            ) from exc
-        finally:
-            db.close()
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:

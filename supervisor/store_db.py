@@ -9,9 +9,8 @@ things that differ on their way to PostgreSQL: the ``?`` placeholders (``%s``),
 4 bytes and its ``integer`` 4 bytes, so the columns are ``double precision`` and
 ``bigint``, and every text column sorts bytewise (``COLLATE "C"``), as SQLite's do.
 
-psycopg 3 over asyncpg: the store is called synchronously from the event loop and from
-the catalog builder's thread (``Store.snapshot``), as the SQLite store is; psycopg has
-a synchronous API, asyncpg has none.
+psycopg 3 over asyncpg: the store is called synchronously from the event loop, as the
+SQLite store is; psycopg has a synchronous API, asyncpg has none.
 """
 
 from __future__ import annotations
@@ -85,7 +84,6 @@ class PgDb:
         url: str,
         path: Path,
         *,
-        read_only_snapshot: bool = False,
         options: Mapping[str, Any] | None = None,
         session: Sequence[str] = (),
     ) -> None:
@@ -96,8 +94,6 @@ class PgDb:
         self._options = dict(options or {})
         self._session = tuple(session)
         self._conn = self._open()
-        if read_only_snapshot:
-            self._conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
 
     def _open(self) -> psycopg.Connection[Any]:
         conn = psycopg.connect(

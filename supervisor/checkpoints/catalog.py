@@ -508,16 +508,6 @@ class CheckpointCatalog:
         self.keep_rows(job, pinned, rows)
         return committed, Where({key: rows[key] for key in pinned})
 
-    def drop_stale(self, job: str, pinned: Mapping[tuple[int, str], int], rows: Rows) -> None:
-        """Once the build's snapshot has begun: drop from ``rows`` what was written since
-        :meth:`pin_rows` (the build reads it from the snapshot), so that the build says
-        what the snapshot holds. A write bumps its key's version
-        before it runs: one the snapshot sees was bumped before this looks."""
-        versions = self.rows.shard_versions
-        for key in list(rows):
-            if versions.get((job, *key)) != pinned.get(key):
-                del rows[key]
-
     def keep_rows(self, job: str, pinned: Mapping[tuple[int, str], int], rows: Rows) -> None:
         """On the event loop, after a build: keep the rows it read of each (step, tier)
         still at the version pinned before it (one written since is read again next
@@ -563,10 +553,10 @@ class CheckpointCatalog:
         when the node holds many ranks) and the shards of that node's ranks only, so
         its size does not grow with the job. ``peers`` gives the address of each node
         that can hold a peer copy; ``alive`` the nodes not offline (default: all).
-        ``store``: where to read (default: the catalog's store), such as a snapshot
-        while the event loop goes on writing. ``credential(holder, node)``: what ``node``
-        presents at ``holder``'s peer routes; each message's peer
-        addresses carry its own node's credential only (none without ``credential``).
+        ``store``: where to read (default: the catalog's store).
+        ``credential(holder, node)``: what ``node`` presents at ``holder``'s peer routes;
+        each message's peer addresses carry its own node's credential only (none without
+        ``credential``).
         ``hold_steps``: the loss guard's reach (its window and margin): every message's
         ``hold`` (:func:`guard_hold`), the steps retention keeps beyond ``keep``.
         ``elastic``: the job's state is replicated and its size may change; when the

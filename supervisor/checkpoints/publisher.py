@@ -5,7 +5,7 @@ reports (:meth:`CatalogPublisher.on_landing`, :meth:`~CatalogPublisher.on_releas
 Landings are recorded in batches (one store transaction per ``BATCH_S``: a step
 brings one per rank and tier), and each job whose catalog changed gets it
 published: one retained message per node, built on the event loop in slices
-(``BUILD_SLICE_S``) from a snapshot of the store, sent only when it changed. A
+(``BUILD_SLICE_S``), sent only when it changed. A
 release (a node let go of an ended job) clears that node's retained catalog, in
 batches too. A publish the link refuses, or a batch the store refuses, is tried
 again after ``RETRY_S``. A failed job's catalog says ``ended`` (its nodes free its
@@ -40,7 +40,7 @@ from supervisor.store_db import DB_ERRORS
 log = logging.getLogger(__name__)
 
 PUBLISH_AT_ONCE = 256  # a job's catalogs in flight to the broker at once
-# What reading the job's commits on the store's connection may raise: a StoreError, or
+# What reading the job's rows on the store's connection may raise: a StoreError, or
 # SQLite's own error where it is not corruption (PostgreSQL's come as StoreError).
 PIN_ERRORS: tuple[type[Exception], ...] = (StoreError, *DB_ERRORS)
 BATCH_S = 0.05  # landings and releases received within this are handled together
@@ -204,33 +204,33 @@ class CatalogPublisher:
                 # GIL against the loop, whose every socket and SQLite call then waited up
                 # to the interpreter's switch interval (5 ms) to take it back: at 2,048
                 # nodes each checkpoint's builds stalled the supervisor's messages for
-                # seconds (issue 22).
-                with self.catalog.rows.snapshot() as snapshot:  # committed rows only, one state
-                    self.catalog.drop_stale(job_id, pinned, rows)  # written since the pin
-                    made = self.catalog.iter_messages(
-                        job_id,
-                        world_size,
-                        generation=generation,
-                        placement=placement,
-                        peers=peers,
-                        alive=alive,
-                        ended=ended,
-                        nodes=nodes,
-                        store=snapshot,
-                        credential=self._agent_keys.peer_credential,
-                        hold_steps=hold,
-                        elastic=elastic,
-                        sharded=sharded,
-                        rows=rows,
-                    )
-                    sliced = time.perf_counter()
-                    for m in made:
-                        if not built:
-                            job.published_restore = m.restore_step
-                        built.append((m.node, wire.catalog_topic(job_id, m.node), wire.encode(m)))
-                        if time.perf_counter() - sliced >= BUILD_SLICE_S:
-                            await asyncio.sleep(0)  # the loop's messages, HTTP, timers
-                            sliced = time.perf_counter()
+                # seconds (issue 22). Its reads are all made before its first message, in
+                # the same turn of the loop as the pin, on the store's own connection
+                # (outside any batch: committed rows only); what is written while it goes
+                # on is the next build's (keep_rows keeps no row written since the pin).
+                made = self.catalog.iter_messages(
+                    job_id,
+                    world_size,
+                    generation=generation,
+                    placement=placement,
+                    peers=peers,
+                    alive=alive,
+                    ended=ended,
+                    nodes=nodes,
+                    credential=self._agent_keys.peer_credential,
+                    hold_steps=hold,
+                    elastic=elastic,
+                    sharded=sharded,
+                    rows=rows,
+                )
+                sliced = time.perf_counter()
+                for m in made:
+                    if not built:
+                        job.published_restore = m.restore_step
+                    built.append((m.node, wire.catalog_topic(job_id, m.node), wire.encode(m)))
+                    if time.perf_counter() - sliced >= BUILD_SLICE_S:
+                        await asyncio.sleep(0)  # the loop's messages, HTTP, timers
+                        sliced = time.perf_counter()
                 self.catalog.keep_rows(job_id, pinned, rows)
                 if ended:
                     # A node that let go of the job needs nothing more; the others' rows go
@@ -240,7 +240,7 @@ class CatalogPublisher:
                     self.catalog.rows.ended_catalogs_sent(
                         job_id, [target for target, _, _ in built]
                     )
-            except StoreError as exc:
+            except PIN_ERRORS as exc:
                 log.error(
                     "job %s: cannot build the checkpoint catalog: %s: trying again", job_id, exc
                 )

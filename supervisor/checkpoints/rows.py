@@ -8,21 +8,18 @@ when each let go of it). The store owns the file, the connection and the transac
 (:meth:`~supervisor.store.Store.write`, :meth:`~supervisor.store.Store.batch`); this
 wing owns its schema and its queries, as ``telemetry.rows`` and ``auth.rows`` do.
 
-:class:`CkptQueries` reads, on the store's connection or on a snapshot's (a build of
-the catalogs while the event loop goes on writing, :meth:`CkptRows.snapshot`);
-:class:`CkptRows` also writes, and versions each (job, step, tier) at every write of
-its shards or commit, so that what the catalog cached of a key is current while the
-version it read stands.
-There is one :class:`CkptRows` per store (:meth:`CkptRows.of`): every write of these
+:class:`CkptQueries` reads, on the store's connection; :class:`CkptRows` also writes,
+and versions each (job, step, tier) at every write of its shards or commit, so that
+what the catalog cached of a key is current while the version it read stands. There
+is one :class:`CkptRows` per store (:meth:`CkptRows.of`): every write of these
 tables goes through it, whoever makes it, so no version is missed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import sqlite3
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from supervisor.store import Store
 from supervisor.store_db import Db
@@ -71,7 +68,7 @@ def open_ckpt_tables(db: sqlite3.Connection) -> None:
 
 
 class CkptQueries:
-    """The catalog's reads on ``db``: the store's own connection, or a snapshot's."""
+    """The catalog's reads on ``db``, the store's connection."""
 
     def __init__(self, db: Db) -> None:
         self._db = db
@@ -209,14 +206,6 @@ class CkptRows(CkptQueries):
     @property
     def db(self) -> Db:
         return self.store.db  # the store's (PostgreSQL's may be reconnected under it)
-
-    @contextlib.contextmanager
-    def snapshot(self) -> Iterator[CkptQueries]:
-        """The catalog's reads on a connection of their own, for a build the event loop
-        goes on writing beside: one read transaction (see
-        :meth:`~supervisor.store.Store.snapshot_db`)."""
-        with self.store.snapshot_db("ckpt_commits") as db:
-            yield CkptQueries(db)
 
     # --- writes ---------------------------------------------------------------------
 

@@ -49,41 +49,12 @@ def fresh(store: Store, world: int = WORLD, **kw: Any) -> list[str]:
 
 
 def cached(catalog: CheckpointCatalog, world: int = WORLD, **kw: Any) -> list[str]:
-    """A build as the publisher makes it: the rows still current, the rest read from a
-    snapshot."""
+    """A build as the publisher makes it: the rows still current, the rest read from the
+    store."""
     pinned, rows = catalog.pin_rows(JOB)
-    with catalog.rows.snapshot() as snapshot:
-        catalog.drop_stale(JOB, pinned, rows)
-        built = catalog.messages(JOB, world, placement=PLACEMENT, rows=rows, store=snapshot, **kw)
+    built = catalog.messages(JOB, world, placement=PLACEMENT, rows=rows, **kw)
     catalog.keep_rows(JOB, pinned, rows)
     return said(built)
-
-
-def test_a_row_rewritten_between_the_pin_and_the_snapshot_is_read_from_the_snapshot(
-    tmp_path: Path,
-) -> None:
-    store = Store(tmp_path / "state.db")
-    try:
-        catalog = CheckpointCatalog(store)
-        for rank in range(WORLD):
-            with store.batch():
-                catalog.on_landing(landing(4, rank), WORLD)
-        cached(catalog)  # step 4's rows are cached now
-        pinned, rows = catalog.pin_rows(JOB)
-        assert (4, "object") in rows
-        # While the build waits for the builder thread: rank 0's copy is landed again by
-        # another node (a redelivery, a staged copy), which commits nothing new.
-        with store.batch():
-            catalog.on_landing(landing(4, 0).model_copy(update={"node": "n07"}), WORLD)
-        with CkptRows.of(store).snapshot() as snapshot:
-            catalog.drop_stale(JOB, pinned, rows)
-            built = catalog.messages(JOB, WORLD, placement=PLACEMENT, rows=rows, store=snapshot)
-
-        assert said(built) == fresh(store)
-        n07 = next(m for m in built if m.node == "n07")
-        assert [s.rank for s in n07.steps[0].shards] == [0, 7]  # it landed rank 0 now
-    finally:
-        store.close()
 
 
 class ReadCounter:

@@ -234,27 +234,6 @@ async def test_a_landing_the_store_cannot_take_is_dropped_and_never_holds_up_the
     assert publisher.record_landings() == set()  # nothing left queued
 
 
-def test_a_snapshot_sees_committed_rows_only_never_a_batch_in_progress(
-    tmp_path: Path, open_store: OpenStore
-) -> None:
-    store = open_store()
-    CkptRows.of(store).add_commit("j-1", 4, "nvme", 1.0)
-    seen: list[list[int]] = []
-
-    def read() -> None:
-        with CkptRows.of(store).snapshot() as snapshot:
-            seen.append([step for step, _, _ in snapshot.commits("j-1")])
-
-    with store.batch():  # a batch of the event loop's, between two slices of a build
-        CkptRows.of(store).add_commit("j-1", 5, "nvme", 2.0)
-        read()
-    read()
-
-    assert seen == [[4], [4, 5]]
-    assert [s for s, _, _ in CkptRows.of(store).commits("j-1")] == [4, 5]
-    store.close()
-
-
 async def test_the_event_loop_runs_between_the_messages_of_a_long_build(make: Make) -> None:
     link = SlowLink()
     publisher = make(link)

@@ -16,7 +16,6 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from supervisor.api.app import make_app
-from supervisor.checkpoints.rows import CkptRows
 from supervisor.config import SupervisorSettings
 from supervisor.daemon import Supervisor
 from supervisor.errors import StoreCorrupt
@@ -111,24 +110,6 @@ def test_damage_met_at_runtime_raises_store_corrupt_and_marks_the_store(
     said = [r for r in caplog.records if r.levelname == "CRITICAL"]
     assert len(said) == 1  # once, not at every read
     assert "copy the newest state-*.db" in said[0].getMessage()
-
-
-def test_damage_met_by_a_snapshot_read_marks_the_store(tmp_path: Path) -> None:
-    path = tmp_path / "state.db"
-    store = Store(path)
-    try:
-        with store.batch():
-            for i in range(NODES):
-                store.add_event("ckpt_landed", None, {"job": f"j{i}", "note": "x" * 200})
-        fold(path)
-        damage(path, page_at(path))
-
-        with pytest.raises(StoreCorrupt), CkptRows.of(store).snapshot() as view:
-            view.ever_committed("j-1")  # reads every event
-    finally:
-        store.close()
-
-    assert store.corrupt is not None
 
 
 async def test_api_answers_503_naming_the_store_once_damage_is_met_and_healthz_says_so(
