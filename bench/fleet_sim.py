@@ -57,6 +57,7 @@ from phalanx.settings import MqttSettings
 log = logging.getLogger("fleet_sim")
 
 SHARD_BYTES = 2 * 2**30  # what a landing says a rank's shard weighs (nothing is written)
+LINK_MB_S = 12_500.0  # what a link probe says it measured (100 Gb/s)
 TIER_DELAY_S = {"ram": 0.0, "nvme": 0.5, "peer": 1.0, "object": 2.0}  # after the save
 
 
@@ -333,6 +334,15 @@ class SimAgent:
                 return {"ranks": []}
             case wire.PrewarmArgs():  # a simulated spare has no interpreters to keep
                 return {"warm": len(args.start.ranks)}
+            case wire.ProbeLinkArgs():  # no bytes move: the figure of a healthy 100 Gb/s link
+                seconds = args.nbytes / LINK_MB_S / 1e6
+                await asyncio.sleep(seconds)
+                return {
+                    "mb_s": LINK_MB_S,
+                    "nbytes": args.nbytes,
+                    "seconds": round(seconds, 4),
+                    "peer": args.peer.node,
+                }
         raise AssertionError(f"unhandled command {args!r}")
 
     def _start(self, args: wire.StartRanksArgs) -> dict[str, Any]:
@@ -340,6 +350,9 @@ class SimAgent:
         old = self.gens.get(args.job)
         if old is not None and old.generation == args.generation:
             return {"pids": [], "already_started": True}
+        if old is not None and old.generation < args.generation:
+            # As the agent does: an older generation whose stop never came goes first.
+            self._exited(old, now, old.last_step, signal=15)
         plan = args.ckpt
         interval = plan.interval if plan is not None else "auto"
         gen = Gen(
