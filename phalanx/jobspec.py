@@ -147,8 +147,9 @@ class RestartSpec(_Spec):
         ge=0,
         le=600,
         description="Seconds to wait before restarting a generation that a recovery started "
-        "and that failed again within a minute; doubles with each such failure in a row, at "
-        "most 60 s. Other restarts are immediate.",
+        "and that failed again within a minute without training a step (a crash loop); "
+        "doubles with each such failure in a row, at most 60 s. Other restarts, and any "
+        "after a hardware failure (its node quarantined and replaced), are immediate.",
     )
 
     warm: bool = Field(

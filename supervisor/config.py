@@ -155,9 +155,11 @@ class SupervisorSettings(BaseSettings):
         default=1.0,
         ge=0,
         le=600,
-        description="How long a recovery waits for every node's ack of its stop before it "
-        "relaunches all the same (each node stops the job's old ranks before it starts the "
-        "new; a save they commit after that is not restored from).",
+        description="How long a recovery about to relaunch, which stopped the whole gang "
+        "first (a backoff, a burn-in, a rollback), waits for the stops' acks before it goes "
+        "on all the same. A relaunch that follows at once stops only the nodes that leave "
+        "the gang: each node that stays stops the job's old ranks before it starts the new "
+        "(a save they commit after the plan is not restored from).",
     )
     schedule_interval_s: float = Field(
         default=2.0,

@@ -8,10 +8,13 @@ offline, a gang whose steps stopped. The job turns ``recovering`` and its task t
 
 1. **plans** with the pure planner (:func:`supervisor.recovery.planner.plan_recovery`)
    from the fleet, the spare pool, the checkpoint catalog and the job's history;
-2. **stops** the gang's ranks everywhere (each node keeps the job's RAM tier); a
-   relaunch goes ahead ``recovery_stop_wait_s`` after with acks still to come (each
-   node's agent stops the old ranks before it starts the new), anything else waits
-   for every ack;
+2. **stops** the failed generation's ranks (each node keeps the job's RAM tier). A
+   relaunch that follows at once stops only the nodes that leave the gang, and waits
+   for no ack: each node that stays gets its start order, and its agent stops the old
+   ranks before it starts the new (at 2,048 nodes, a stop and an ack less per node:
+   seconds, issue 22).
+   Anything else (a wait, a burn-in, a backoff, the end) stops the whole gang first and
+   waits for every ack (a relaunch after it, for at most ``recovery_stop_wait_s``);
 3. **quarantines** a failed node: drained, with the failure as the reason;
 4. **waits** for a spare or a healthy node when there is none (bounded by
    ``restart.spare_wait``), and backs off before a repeated restart;
@@ -99,6 +102,7 @@ class Recoveries:
         self._stopping: dict[str, asyncio.Future[None]] = {}  # job -> its recovery's stop
         self._late_stops: set[asyncio.Future[None]] = set()  # of jobs relaunched since
         self._stop_ended: dict[str, float] = {}  # job -> when its stop phase ended (perf)
+        self._parted: dict[str, set[str]] = {}  # job -> the nodes stopped before its relaunch
 
     def wake(self) -> None:
         """Something changed in the fleet: recoveries waiting for a node look again."""
@@ -159,6 +163,7 @@ class Recoveries:
             return launched
         finally:
             self._stop_ended.pop(job.id, None)
+            self._parted.pop(job.id, None)
             stopping = self._stopping.pop(job.id, None)
             if stopping is not None and not stopping.done():
                 if launched is None:
@@ -183,7 +188,9 @@ class Recoveries:
         failures = list(rec.failures)
         phases = rec.phases
         old_generation = rec.generation
-        stopped = rec.phase != "plan"
+        # "parted": a relaunch that follows at once stopped the nodes leaving the gang; the
+        # others stop theirs at their start order.
+        stopped = rec.phase not in ("plan", "parted")
         if rec.recheck is not None:  # replicas diverged with no majority: which node is at fault?
             if not stopped:
                 await self._stop(job, old_generation)  # the GPUs free for the recheck
@@ -242,16 +249,20 @@ class Recoveries:
             if not stopped:
                 kept = in_process_nodes(job, plan, failures)
                 rec.kept = sorted(kept)  # their survivors wait, parked, for the relaunch
-                # A relaunch waits for the stop's acks only so long: at 2,048 nodes they take
-                # seconds, and each node's agent stops the old ranks before it starts the new.
-                bound = self.ctl.settings.recovery_stop_wait_s
-                await self._stop(
-                    job,
-                    old_generation,
-                    keep=kept,
-                    wait=bound if plan.action in RELAUNCHES else None,
-                )
-                stopped = True
+                if plan.action in RELAUNCHES and self._straight(job, plan):
+                    await self._part(job, plan, old_generation, kept)
+                else:
+                    # A relaunch waits for the stop's acks only so long: at 2,048 nodes they
+                    # take seconds, and each node's agent stops the old ranks before it
+                    # starts the new.
+                    bound = self.ctl.settings.recovery_stop_wait_s
+                    await self._stop(
+                        job,
+                        old_generation,
+                        keep=kept | self._parted.get(job.id, set()),
+                        wait=bound if plan.action in RELAUNCHES else None,
+                    )
+                    stopped = True
             if not _recovering(job):
                 return None
             if plan.action not in RELAUNCHES:
@@ -271,7 +282,7 @@ class Recoveries:
                     return None
                 continue
             job.waiting = None
-            if plan.action not in FREE and not await self._backoff(job):
+            if plan.action not in FREE and not await self._backoff(job, plan):
                 return None  # (a rollback spends its own budget, guard.max_rollbacks)
             if not await self._burn_in_swaps(job, plan):
                 continue  # a replacement failed its burn-in: plan again without it
@@ -284,6 +295,8 @@ class Recoveries:
                 self.burnins.passed(b) and self._joins(job, plan, b) for _, b in plan.swaps
             ):
                 break
+        if not stopped:  # the nodes this plan leaves out, if the one parted before kept them
+            await self._part(job, plan, old_generation, frozenset(rec.kept or ()))
         rec.plan = plan_record(plan)
         await self._release_kept(job, plan, failures, old_generation)
         return await self._relaunch(job, plan)
@@ -303,29 +316,69 @@ class Recoveries:
             await self._stop_gang(job, old_generation, skip=set(job.nodes) - (kept - still))
         rec.kept = sorted(kept & still)
 
+    def _straight(self, job: Job, plan: Plan) -> bool:
+        """Whether ``plan``, a relaunch, follows at once: each replacement
+        burned in (a burn-in takes minutes), no backoff to wait out. Its link probe (two
+        round trips) it may still need. A rollback stops the gang first all the same: its
+        ranks trained on bad data, and must save no more of it."""
+        if plan.action is Action.ROLLBACK:
+            return False
+        if not all(self.burnins.passed(b) for _, b in plan.swaps):
+            return False
+        return plan.action in FREE or self._backoff_delay(job, plan) <= 0
+
+    async def _part(self, job: Job, plan: Plan, old_generation: int, kept: Set[str]) -> None:
+        """Before a relaunch that follows at once: stop the failed generation's ranks on the
+        nodes that leave the gang, without waiting for their acks. Each node that stays
+        stops its old ranks at its start order (``wire.StartRanksArgs``: a start of
+        generation G first stops what still runs of the generations before it). A
+        replacement's link is probed meanwhile with a node that stays: the gang's
+        collectives stall once a node's ranks are gone (a node lost, a leaver stopped),
+        and the checkpoints' write-back goes on whatever the ranks do; waiting for that
+        node's stop cost a round trip, seconds on a busy fleet (issue 22). Called again
+        with a later plan, it stops only what the earlier calls did not."""
+        rec = job.recovery
+        assert rec is not None
+        done = self._parted.setdefault(job.id, set())
+        nodes = {n for n in job.nodes if n not in set(plan.nodes)} - set(kept) - done
+        # Not saved: a supervisor restarted meanwhile runs the recovery from its plan again.
+        rec.phase = "parted"
+        if not nodes:  # the incident's stop phase took no time; its prepare starts here
+            rec.phases.setdefault("stop", 0.0)
+            self._stop_ended.setdefault(job.id, time.perf_counter())
+            return
+        done |= nodes
+        await self._stop(job, old_generation, keep=set(job.nodes) - nodes, wait=0.0, phase="parted")
+
     async def _stop(
         self,
         job: Job,
         old_generation: int,
         keep: Set[str] = frozenset(),
         wait: float | None = None,
+        phase: str = "stopped",
     ) -> None:
-        """Stop the failed generation's gang, once per recovery (its ``stop`` phase), but
-        on ``keep``: nodes whose live ranks wait, parked, to be the next generation's (an
-        in-process restart; their agent stops those that do not come back). ``wait``: go
-        on after that many seconds with acks still to come (:meth:`_all_stopped` waits
-        for them); None: wait for every ack."""
+        """Stop the failed generation's ranks on the job's nodes but ``keep`` (its ``stop``
+        phase): those whose live ranks wait, parked, to be the next generation's (an
+        in-process restart; their agent stops those that do not come back), and those
+        stopped already (:meth:`_part`). ``wait``: go on after that many seconds with
+        acks still to come (:meth:`_all_stopped` waits for them); None: wait for every
+        ack. ``phase``: the recovery's, after it (saved, but "parted": see :meth:`_part`)."""
         rec = job.recovery
         assert rec is not None
         t0 = time.perf_counter()
         stopping = asyncio.ensure_future(self._stop_gang(job, old_generation, skip=keep))
+        earlier = self._stopping.get(job.id)
+        if earlier is not None and not earlier.done():
+            stopping = asyncio.ensure_future(_both(earlier, stopping))
         self._stopping[job.id] = stopping
         await asyncio.wait({stopping}, timeout=wait)
         self._stop_ended[job.id] = time.perf_counter()
-        rec.phases["stop"] = round(self._stop_ended[job.id] - t0, 3)
+        # Each stop of the recovery (a part, then the rest of the gang) adds to the phase.
+        rec.phases["stop"] = round(rec.phases.get("stop", 0.0) + self._stop_ended[job.id] - t0, 3)
         if stopping.done():
             await self._all_stopped(job)
-        else:
+        elif wait:
             log.info(
                 "job %s: generation %d's stop not acknowledged by every node within %.1f s: "
                 "the relaunch goes ahead (each node stops the old ranks before it starts "
@@ -334,8 +387,9 @@ class Recoveries:
                 old_generation,
                 wait,
             )
-        rec.phase = "stopped"
-        self.ctl.save(job)
+        rec.phase = phase
+        if phase != "parted":
+            self.ctl.save(job)
 
     async def _all_stopped(self, job: Job) -> None:
         """Wait for the rest of the job's recovery stop (:meth:`_stop`), if any."""
@@ -646,25 +700,35 @@ class Recoveries:
             await asyncio.wait_for(self._wake.wait(), min(left, WAIT_POLL_S))
         return job.state is JobState.RECOVERING
 
-    async def _backoff(self, job: Job) -> bool:
+    async def _backoff(self, job: Job, plan: Plan) -> bool:
         """Wait before restarting a generation that a recovery started and that failed
         again within ``QUICK_FAILURE_S`` without training a step: ``restart.backoff``,
         doubling with each such failure in a row (a crash loop), at most
-        ``BACKOFF_MAX_S``."""
+        ``BACKOFF_MAX_S``. Not after a hardware failure (:meth:`_backoff_delay`)."""
         assert job.recovery is not None
-        ran = time_ran(job, job.recovery.fault_at)
-        trained = trained_steps(job.progress.get(str(job.recovery.generation)))
-        delay = backoff_delay(
-            [loop_ran(i.ran_s, i.trained_steps) for i in job.incidents],
-            loop_ran(ran, trained),
-            job.spec.restart.backoff,
-        )
+        delay = self._backoff_delay(job, plan)
         if delay <= 0:
             return True
         job.recovery.backoff_s = delay
         self.ctl.save(job)
         await asyncio.sleep(delay)
         return job.state is JobState.RECOVERING
+
+    def _backoff_delay(self, job: Job, plan: Plan) -> float:
+        """The wait before the relaunch; none when the plan blames the hardware: a crash
+        loop is the code's, and a failed node is quarantined and replaced at once. (Whether
+        the failed generation trained a step is known from its ranks' exits: after a node
+        lost or drained, none have come before a relaunch that follows at once.)"""
+        assert job.recovery is not None
+        if plan.cause is Cause.HARDWARE:
+            return 0.0
+        ran = time_ran(job, job.recovery.fault_at)
+        trained = trained_steps(job.progress.get(str(job.recovery.generation)))
+        return backoff_delay(
+            [loop_ran(i.ran_s, i.trained_steps) for i in job.incidents],
+            loop_ran(ran, trained),
+            job.spec.restart.backoff,
+        )
 
     async def _burn_in_swaps(self, job: Job, plan: Plan) -> bool:
         """Each replacement of the plan burned in and its link from a node of the job that
@@ -708,6 +772,7 @@ class Recoveries:
         rec = job.recovery
         if rec is None or not _recovering(job):
             return None
+        parted = rec.phase == "parted"  # the nodes that stay stop the old ranks at the start
         if plan.action is Action.ROLLBACK:
             rollbacks.apply(self.ctl, job, plan)
         elif rec.failures[0].kind is FailureKind.GROW:
@@ -734,8 +799,9 @@ class Recoveries:
             swaps=[list(s) for s in plan.swaps],
             skip=list(plan.skip) if plan.skip is not None else None,
         )
-        # A node still stopping the old ranks acknowledges its start once they are gone.
-        late = STOP_GRACE_S if job.id in self._stopping else 0.0
+        # A node still stopping the old ranks (its stop's ack to come, or none sent: the
+        # start stops them) acknowledges its start once they are gone.
+        late = STOP_GRACE_S if job.id in self._stopping or parted else 0.0
         return await self.ctl.launch(job, list(plan.nodes), ack_grace_s=late)
 
 
@@ -746,6 +812,11 @@ FREE = frozenset({Action.ROLLBACK, Action.GROW})  # no backoff before them
 
 
 IN_PROCESS_ACTIONS = frozenset({Action.RESTART_IN_PLACE, Action.REPLACE})
+
+
+async def _both(first: asyncio.Future[None], then: asyncio.Future[None]) -> None:
+    await first
+    await then
 
 
 def in_process_nodes(job: Job, plan: Plan, failures: Sequence[Failure]) -> frozenset[str]:

@@ -123,24 +123,17 @@ async def test_a_rank_event_of_an_older_generation_changes_nothing(make_fleet: M
 # --- recoveries ----------------------------------------------------------------------
 
 
-async def test_a_rank_that_exits_non_zero_restarts_the_gang_in_place_once_stopped(
+async def test_a_rank_that_exits_non_zero_restarts_the_gang_in_place(
     make_fleet: MakeFleet,
 ) -> None:
     fleet = make_fleet(["n0", "n1", "n2"], gang=GANG)
-    stops = fleet.hold("stop_ranks")
 
     fleet.exit(2, 1, step=40)
     assert fleet.job.state is JobState.RECOVERING
-    await fleet.until(lambda: len(fleet.ops("stop_ranks")) == 2)
-    await fleet.settle()
-    assert fleet.ops("start_ranks") == []  # not before every stop is acknowledged
-
-    stops.set()
     await fleet.until(lambda: running(fleet, 2))
-    assert sorted(fleet.ops("stop_ranks")) == [("n0", 1), ("n1", 1)]
+    # No stop: each node's agent stops the old ranks before it starts the new.
+    assert fleet.ops("stop_ranks") == []
     assert sorted(fleet.ops("start_ranks")) == [("n0", 2), ("n1", 2)]
-    assert fleet.first("sent", None, "start_ranks") > fleet.last("acked", None, "stop_ranks")
-    assert all(a.keep_warm for a in fleet.args("stop_ranks"))  # RAM tiers and warm ranks
     assert fleet.job.nodes == GANG and fleet.job.restarts == 1
     assert fleet.job.recovery is None
 
@@ -168,7 +161,8 @@ async def test_a_node_lost_by_its_will_is_replaced_by_the_burned_in_spare(
     await fleet.until(lambda: running(fleet, 2))
 
     assert fleet.job.nodes == ["n0", "n2"]
-    assert fleet.ops("stop_ranks") == [("n0", 1)]  # n1 is offline: no stop to it
+    # n1 is offline: no stop to it; n0 stays: its start stops the old ranks.
+    assert fleet.ops("stop_ranks") == []
     assert sorted(fleet.ops("start_ranks")) == [("n0", 2), ("n2", 2)]
     assert fleet.first("sent", "n2", "start_ranks") > fleet.first("acked", "n2", "burn_in")
     drain = fleet.registry.nodes["n1"].drain
@@ -240,7 +234,7 @@ async def test_a_node_drained_for_its_health_is_replaced_by_a_spare(
     await fleet.until(lambda: running(fleet, 2))
 
     assert fleet.job.nodes == ["n2", "n1"]  # n0's ranks (0 and 1) moved to the spare
-    assert sorted(fleet.ops("stop_ranks")) == [("n0", 1), ("n1", 1)]
+    assert fleet.ops("stop_ranks") == [("n0", 1)]  # it leaves; n1's start stops its ranks
     assert sorted(fleet.ops("start_ranks")) == [("n1", 2), ("n2", 2)]
     (incident,) = fleet.record()["incidents"]
     failure = incident["failures"][0]
@@ -281,7 +275,8 @@ async def test_hang_reports_from_every_node_make_one_recovery_naming_the_culprit
     assert (failure["kind"], failure["node"], failure["rank"]) == ("hang", "n1", 3)
     assert [e.node for e in fleet.events("ranks_hung")] == ["n0", "n2", "n1"]
     assert len(fleet.events("job_failure")) == 1
-    assert sorted(fleet.ops("stop_ranks")) == [("n0", 1), ("n1", 1), ("n2", 1)]
+    assert fleet.ops("stop_ranks") == []  # the starts stop the hung ranks
+    assert sorted(fleet.ops("start_ranks")) == [("n0", 2), ("n1", 2), ("n2", 2)]
     assert fleet.job.restarts == 1
 
 
@@ -311,7 +306,9 @@ async def test_a_relaunch_whose_start_is_refused_is_recovered_again_until_the_bu
     # Two relaunches (the budget), both refused by n1; the third recovery finds none left.
     assert fleet.job.restarts == 2
     assert [g for _, g in fleet.ops("start_ranks")] == [2, 2, 3, 3]
-    assert [g for node, g in fleet.ops("stop_ranks") if node == "n0"] == [1, 2, 3]
+    # Each relaunch's starts stopped the generation before; the failed job's gang is
+    # stopped at its end.
+    assert sorted(fleet.ops("stop_ranks")) == [("n0", 3), ("n1", 3)]
     failures = fleet.events("job_failure")
     assert len(failures) == 3
     assert all("launch failed" in e.detail["detail"] for e in failures[1:])
@@ -341,10 +338,11 @@ async def test_a_refused_relaunch_recovers_once_more_and_runs_when_the_next_star
 async def test_a_cancel_during_a_recovery_cancels_the_job_and_relaunches_nothing(
     make_fleet: MakeFleet,
 ) -> None:
+    # n1 lost and no spare: the recovery stops the gang, then waits for a node.
     fleet = make_fleet(GANG, gang=GANG)
     stops = fleet.hold("stop_ranks")
-    fleet.exit(2, 1)
-    await fleet.until(lambda: len(fleet.ops("stop_ranks")) == 2)
+    fleet.will("n1")
+    await fleet.until(lambda: fleet.ops("stop_ranks") == [("n0", 1)])
 
     fleet.ctl.cancel(fleet.job.id)
     assert fleet.job.state is JobState.STOPPING
@@ -410,9 +408,14 @@ async def test_an_offline_node_not_yet_confirmed_is_no_failure_until_it_is(
 async def test_a_supervisor_restarted_while_a_recovery_stopped_the_gang_runs_it_again(
     make_fleet: MakeFleet,
 ) -> None:
-    fleet = make_fleet(GANG, gang=GANG)
+    # n0 drained, and the spare n2 still burning in: the recovery stops the gang first.
+    fleet = make_fleet(["n0", "n1", "n2"], spares=1, gang=GANG, recovery_stop_wait_s=60)
+    fleet.hold("burn_in", node="n2")
+    fleet.tick()
+    await fleet.until(lambda: fleet.ops("burn_in") == [("n2", 0)])
     fleet.hold("stop_ranks")  # the stops never come back to this supervisor
-    fleet.exit(2, 1)
+    fleet.beat("n0", health=drain_health())
+    fleet.tick()
     await fleet.until(lambda: len(fleet.ops("stop_ranks")) == 2)
     assert fleet.record()["state"] == "recovering"
 
@@ -421,13 +424,13 @@ async def test_a_supervisor_restarted_while_a_recovery_stopped_the_gang_runs_it_
 
     await again.until(lambda: running(again, 2))
     assert sorted(again.ops("stop_ranks")) == [("n0", 1), ("n1", 1)]  # stopped again
-    assert sorted(again.ops("start_ranks")) == [("n0", 2), ("n1", 2)]
+    assert sorted(again.ops("start_ranks")) == [("n1", 2), ("n2", 2)]
     assert again.job.restarts == 1
     (incident,) = again.record()["incidents"]
-    assert incident["failures"][0]["rank"] == 2
+    assert incident["failures"][0]["node"] == "n0"
 
 
-async def test_a_supervisor_restarted_during_a_recoverys_launch_stops_it_and_relaunches(
+async def test_a_supervisor_restarted_during_a_recoverys_launch_relaunches_over_it(
     make_fleet: MakeFleet,
 ) -> None:
     fleet = make_fleet(GANG, gang=GANG)
@@ -440,7 +443,7 @@ async def test_a_supervisor_restarted_during_a_recoverys_launch_stops_it_and_rel
     assert again.job.state is JobState.RECOVERING  # its launch's outcome unknown
 
     await again.until(lambda: running(again, 3))
-    assert sorted(again.ops("stop_ranks")) == [("n0", 2), ("n1", 2)]  # what it launched
+    assert again.ops("stop_ranks") == []  # the starts stop what it launched
     assert sorted(again.ops("start_ranks")) == [("n0", 3), ("n1", 3)]
     assert again.job.restarts == 1  # the relaunch, run again, is charged once
     moves = [(h["from"], h["to"], h["why"]) for h in again.record()["history"]]

@@ -1,6 +1,9 @@
-"""A recovery's orders (issue 22): the next generation's starts go out once every stop
-of the gang is acknowledged, or ``recovery_stop_wait_s`` after the stops went out with
-acks still to come, beside its checkpoint catalogs (an elastic job's after them), with
+"""A recovery's orders (issue 22): a relaunch that follows at once stops only the nodes
+that leave the gang, waiting for no ack; each node that stays stops the old ranks at its
+start. One that stops the whole gang first waits for its acks at most
+``recovery_stop_wait_s``.
+The next generation's starts go out beside its checkpoint catalogs (an elastic job's
+after them), with
 the rendezvous port rank 0's node offered in its heartbeat (no ``alloc_port`` round
 trip) when it offered one.
 
@@ -20,57 +23,82 @@ from supervisor.jobs import JobState
 from supervisor.recovery.incidents import cold_ranks, rank_ranges
 from supervisor.recovery.planner import Failure, FailureKind
 from tests.unit.supervisor.conftest import MakeFleet
-from tests.unit.supervisor.fake_fleet import FakeFleet, heartbeat
+from tests.unit.supervisor.fake_fleet import FakeFleet, drain_health, heartbeat
 
 
-async def test_a_relaunch_sends_its_starts_once_every_stop_is_acknowledged(
+async def test_a_restart_in_place_sends_no_stop_the_starts_stop_the_old_ranks(
     make_fleet: MakeFleet,
 ) -> None:
-    # Not before, while they come within recovery_stop_wait_s: a start that reached a node
-    # while the old generation's ranks were still in their grace would be fenced out of
-    # them (its generation configured, its catalog built while they may still commit a
-    # step), and its ack would have to cover the stop.
+    # Every node stays: each gets its start order at once, and its agent stops the old
+    # generation's ranks before it starts the new (agentd.ranks: a start stops every older
+    # generation first), the start's ack waiting for them. A stop and its ack less per
+    # node: at 2,048 nodes they took seconds before the first start (issue 22).
     fleet = make_fleet(["n0", "n1", "n2"], gang=["n0", "n1", "n2"], recovery_stop_wait_s=60)
-    stops = fleet.hold("stop_ranks")
     fleet.ctl.on_failure(
         fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=1)
     )
-    await fleet.until(lambda: len(fleet.ops("stop_ranks")) == 3)
-    await fleet.settle()
-    assert sorted(fleet.ops("stop_ranks")) == [("n0", 1), ("n1", 1), ("n2", 1)]
-    assert fleet.ops("start_ranks") == []  # the stops are not acknowledged yet
-
-    stops.set()
     await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+    assert fleet.ops("stop_ranks") == []
     assert sorted(fleet.ops("start_ranks")) == [("n0", 2), ("n1", 2), ("n2", 2)]
-    assert fleet.first("sent", None, "start_ranks") > fleet.last("acked", None, "stop_ranks")
     assert fleet.job.generation == 2 and fleet.job.restarts == 1
     phases = fleet.job.incidents[-1].phases
     assert {"plan", "stop", "prepare", "port", "catalogs", "starts"} <= set(phases)
+    assert phases["stop"] == 0.0
+
+
+async def test_a_replacement_joins_with_only_the_leaver_stopped_and_no_ack_awaited(
+    make_fleet: MakeFleet,
+) -> None:
+    # n0 drained under the job: it leaves the gang, its ranks stopped; the spare n2 takes
+    # its ranks, its link probed with n1, which stays (the gang's collectives stall once
+    # n0's ranks are gone). Neither waits for n0's ack: a round trip that took seconds on
+    # a busy fleet (issue 22).
+    fleet = make_fleet(["n0", "n1", "n2"], spares=1, gang=["n0", "n1"], recovery_stop_wait_s=60)
+    fleet.tick()
+    await fleet.until(lambda: fleet.ctl.burnins.passed("n2"))
+    probes = len(fleet.ops("probe_link"))
+    stops = fleet.hold("stop_ranks", node="n0")
+    fleet.beat("n0", health=drain_health())
+    fleet.tick()
+    await fleet.until(lambda: fleet.job.state is JobState.RUNNING and fleet.job.generation == 2)
+    assert fleet.ops("stop_ranks") == [("n0", 1)]
+    assert fleet.last("acked", "n0", "stop_ranks") == -1  # still held
+    assert all(a.keep_warm for a in fleet.args("stop_ranks"))  # RAM tiers and warm ranks
+    assert sorted(fleet.ops("start_ranks")) == [("n1", 2), ("n2", 2)]
+    probed = {n for n, _ in fleet.ops("probe_link")[probes:]}
+    assert "n2" in probed and probed <= {"n1", "n2"}
+    assert fleet.first("sent", None, "start_ranks") > fleet.last("acked", None, "probe_link")
+    stops.set()
+    await fleet.until(lambda: not fleet.ctl.recoveries._late_stops)
 
 
 async def test_a_relaunch_goes_ahead_when_stops_are_not_all_acknowledged_in_time(
     make_fleet: MakeFleet,
 ) -> None:
-    # At 2,048 nodes the stop's acks take seconds (issue 22): after recovery_stop_wait_s the
-    # starts go out, each node's agent stopping the old ranks before it starts the new
-    # (agentd.ranks: a start stops every older generation first), and each start's ack
-    # may take the stop's grace longer.
-    fleet = make_fleet(["n0", "n1", "n2"], gang=["n0", "n1", "n2"], recovery_stop_wait_s=0.2)
-    stops = fleet.hold("stop_ranks", node="n2")
-    fleet.ctl.on_failure(
-        fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=1)
-    )
-    await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
-    assert sorted(fleet.ops("start_ranks")) == [("n0", 2), ("n1", 2), ("n2", 2)]
-    assert fleet.first("sent", "n2", "start_ranks") > fleet.first("sent", "n2", "stop_ranks")
-    assert fleet.last("acked", "n2", "stop_ranks") == -1  # still held
+    # The spare is still burning in: the recovery stops the whole gang first. A stop's ack
+    # may take seconds (a busy node): after recovery_stop_wait_s the relaunch goes ahead,
+    # the node's agent stopping the old ranks before it starts the new, and each start's
+    # ack may take the stop's grace longer.
+    fleet = make_fleet(["n0", "n1", "n2"], spares=1, gang=["n0", "n1"], recovery_stop_wait_s=0.2)
+    burn_in = fleet.hold("burn_in", node="n2")
+    fleet.tick()
+    await fleet.until(lambda: fleet.ops("burn_in") == [("n2", 0)])
+    stops = fleet.hold("stop_ranks", node="n1")
+    fleet.beat("n0", health=drain_health())
+    fleet.tick()
+    await fleet.until(lambda: ("n1", 1) in fleet.ops("stop_ranks"))
+    burn_in.set()
+    await fleet.until(lambda: fleet.job.state is JobState.RUNNING and fleet.job.generation == 2)
+    assert sorted(fleet.ops("stop_ranks")) == [("n0", 1), ("n1", 1)]
+    assert sorted(fleet.ops("start_ranks")) == [("n1", 2), ("n2", 2)]
+    assert fleet.first("sent", "n1", "start_ranks") > fleet.first("sent", "n1", "stop_ranks")
+    assert fleet.last("acked", "n1", "stop_ranks") == -1  # still held
     assert 0.2 <= fleet.job.incidents[-1].phases["stop"] < 5
     assert fleet.ctl.recoveries._late_stops  # still waited for, and logged if it fails
 
     stops.set()
     await fleet.until(lambda: not fleet.ctl.recoveries._late_stops)
-    assert fleet.last("acked", "n2", "stop_ranks") > fleet.first("sent", "n2", "start_ranks")
+    assert fleet.last("acked", "n1", "stop_ranks") > fleet.first("sent", "n1", "start_ranks")
 
 
 async def test_a_recovery_that_waits_for_a_node_waits_for_every_stop_first(
@@ -125,7 +153,7 @@ async def test_a_relaunch_whose_catalogs_fail_to_go_out_runs_and_sends_them_agai
         lambda: {n for w, n, o in fleet.log if w == "catalog" and o == "2"} == {"n0", "n1"}
     )
     assert fleet.job.generation == 2 and fleet.job.restarts == 1
-    assert fleet.ops("stop_ranks") == [("n0", 1), ("n1", 1)]  # the failure's, no other
+    assert fleet.ops("stop_ranks") == []  # the starts stopped the old ranks; none failed
 
 
 async def test_an_elastic_jobs_catalogs_go_out_before_its_starts(make_fleet: MakeFleet) -> None:
@@ -285,13 +313,15 @@ async def test_an_in_process_restart_leaves_the_survivors_running_and_says_so_to
     assert all(a.in_process and a.env["PHALANX_IN_PROCESS"] == "1" for a in starts)
 
 
-async def test_an_in_process_job_that_hangs_is_stopped_as_usual(make_fleet: MakeFleet) -> None:
-    # A hang leaves no rank to resume (they are stuck in a collective): the gang stops.
+async def test_an_in_process_job_that_hangs_is_restarted_as_usual(make_fleet: MakeFleet) -> None:
+    # A hang leaves no rank to resume (they are stuck in a collective): the starts stop
+    # them, and resume none.
     fleet = make_fleet(["n0", "n1"], gang=["n0", "n1"])
     in_process(fleet)
     fleet.ctl.on_failure(fleet.job, Failure(FailureKind.HANG, "n1", rank=2, generation=1))
     await fleet.until(lambda: fleet.job.state is JobState.RUNNING and fleet.job.generation == 2)
-    assert sorted(fleet.ops("stop_ranks")) == [("n0", 1), ("n1", 1)]
+    assert fleet.ops("stop_ranks") == []
+    assert not any(a.in_process for a in fleet.args("start_ranks"))
 
 
 async def test_parked_survivors_in_a_heartbeat_are_no_orphans_while_their_job_starts(
@@ -336,3 +366,30 @@ async def test_an_older_generation_is_no_orphan_while_its_relaunch_stops_it(
     await fleet.until(lambda: fleet.ops("stop_ranks") == [("n0", 1)])
     (stop,) = fleet.args("stop_ranks")
     assert "orphaned" in stop.reason and stop.keep_warm
+
+
+async def test_a_node_that_fails_soon_after_a_recovery_is_replaced_without_a_backoff(
+    make_fleet: MakeFleet,
+) -> None:
+    # restart.backoff is for a crash loop of the code; a failed node is quarantined and
+    # replaced at once. Its generation's steps are known from the ranks' exits, which a
+    # relaunch straight after a node's drain does not wait for.
+    fleet = make_fleet(["n0", "n1", "n2", "n3"], spares=2, gang=["n0", "n1"])
+    fleet.job.spec = validate_spec(
+        {
+            **fleet.job.spec.model_dump(mode="json", exclude_none=True),
+            "restart": {"max_restarts": 3, "backoff": 30},
+        }
+    )
+    fleet.tick()
+    await fleet.until(lambda: fleet.ctl.burnins.passed("n2") and fleet.ctl.burnins.passed("n3"))
+    fleet.beat("n0", health=drain_health())
+    fleet.tick()
+    await fleet.until(lambda: fleet.job.state is JobState.RUNNING and fleet.job.generation == 2)
+    fleet.tick()
+    replacement = next(n for n in fleet.job.nodes if n in ("n2", "n3"))
+    fleet.beat(replacement, health=drain_health())
+    fleet.tick()
+    await fleet.until(lambda: fleet.job.state is JobState.RUNNING and fleet.job.generation == 3)
+    assert [i.get("backoff_s") for i in fleet.record()["incidents"]] == [None, None]
+    assert fleet.ops("stop_ranks") == [("n0", 1), (replacement, 2)]  # the leavers only
