@@ -116,13 +116,22 @@ class Actuator:
 
     # --- launch --------------------------------------------------------------------
 
-    async def launch(self, job: Job, nodes: list[str], *, ack_grace_s: float = 0.0) -> Launched:
+    async def launch(
+        self,
+        job: Job,
+        nodes: list[str],
+        *,
+        ack_grace_s: float = 0.0,
+        on_issued: Callable[[], None] | None = None,
+    ) -> Launched:
         """Launch the job's next generation on ``nodes``: ``starting``, a rendezvous port
         on rank 0's node, then the catalogs and every node's start order together (an
         elastic job's catalogs first); ``running`` once every start is acknowledged. A
         recovery's launch is timed (its phases ``port``, then ``catalogs`` and ``starts``,
         which overlap) and its cold ranks kept. ``ack_grace_s``: how much longer a start's
-        ack may take (its node may still be stopping the job's older ranks)."""
+        ack may take (its node may still be stopping the job's older ranks). ``on_issued``:
+        called once every start order was handed to the broker link (or the launch
+        failed before)."""
         spec = job.spec
         job.generation += 1
         job.nodes = nodes
@@ -157,12 +166,14 @@ class Actuator:
             job.master_port = port
             timed["port"] = round(time.perf_counter() - t0, 3)
 
-            # The catalogs (this generation's restore step, or that there is none) and the
-            # start orders go out together: a rank asks its node what to restore only once
+            # The catalogs (this generation's restore step, or that there is none) go out
+            # right behind the start orders: a rank asks its node what to restore only once
             # it runs, and the node waits for this generation's catalog
             # (agentd.ckpt.restores.CATALOG_WAIT_S). At 2,048 nodes a publish takes
-            # seconds that the starts no longer wait behind. An elastic job's orders carry
-            # the samples consumed up to the restore step: its catalogs go out first.
+            # seconds that the starts no longer wait behind, nor share the broker link
+            # with: each start is handed to it before the first catalog is built. An
+            # elastic job's orders carry the samples consumed up to the restore step: its
+            # catalogs go out first.
             async def catalogs() -> None:
                 t0 = time.perf_counter()
                 await self._publisher.publish(job.id)
@@ -172,15 +183,29 @@ class Actuator:
                 await catalogs()
             orders = self._start_orders(job, nodes)
 
+            issued = asyncio.Event()  # every start handed to the broker link
+
             async def starts() -> list[wire.CommandAck | BaseException]:
                 t0 = time.perf_counter()
-                acks = await asyncio.gather(
+                sends = asyncio.gather(
                     *(
                         self._send(node, order, timeout=timeout + ack_grace_s)
                         for node, order in zip(nodes, orders, strict=True)
                     ),
                     return_exceptions=True,
                 )
+                try:
+                    # The gather made a task of each send, ready before this one: each
+                    # publishes its order, up to its ack's wait, before this goes on.
+                    await asyncio.sleep(0)
+                except asyncio.CancelledError:
+                    sends.cancel()
+                    raise
+                finally:
+                    issued.set()
+                    if on_issued is not None:
+                        on_issued()
+                acks = await sends
                 timed["starts"] = round(time.perf_counter() - t0, 3)
                 return acks
 
@@ -191,6 +216,7 @@ class Actuator:
                 try:
                     published: Exception | None = None
                     try:
+                        await issued.wait()
                         await catalogs()
                     except Exception as exc:  # the starts go on regardless
                         published = exc
