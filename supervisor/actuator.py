@@ -125,13 +125,13 @@ class Actuator:
         on_issued: Callable[[], None] | None = None,
     ) -> Launched:
         """Launch the job's next generation on ``nodes``: ``starting``, a rendezvous port
-        on rank 0's node, then the catalogs and every node's start order together (an
-        elastic job's catalogs first); ``running`` once every start is acknowledged. A
+        on rank 0's node, then every node's start order and right behind them the catalogs
+        (an elastic job's catalogs first); ``running`` once every start is acknowledged. A
         recovery's launch is timed (its phases ``port``, then ``catalogs`` and ``starts``,
         which overlap) and its cold ranks kept. ``ack_grace_s``: how much longer a start's
         ack may take (its node may still be stopping the job's older ranks). ``on_issued``:
-        called once every start order was handed to the broker link (or the launch
-        failed before)."""
+        called once every start order was handed to the broker link (not when the launch
+        ends before that)."""
         spec = job.spec
         job.generation += 1
         job.nodes = nodes
