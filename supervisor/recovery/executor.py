@@ -40,6 +40,7 @@ import logging
 import time
 from collections.abc import Sequence, Set
 from dataclasses import replace
+from typing import Any
 
 from phalanx import wire
 from supervisor import gcdefer
@@ -100,8 +101,8 @@ class Recoveries:
         self.incidents = incidents
         self.burnins = burnins
         self._wake = asyncio.Event()
-        self._stopping: dict[str, asyncio.Future[None]] = {}  # job -> its recovery's stop
-        self._late_stops: set[asyncio.Future[None]] = set()  # of jobs relaunched since
+        self._stopping: dict[str, asyncio.Future[Any]] = {}  # job -> its recovery's stop
+        self._late_stops: set[asyncio.Future[Any]] = set()  # of jobs relaunched since
         self._stop_ended: dict[str, float] = {}  # job -> when its stop phase ended (perf)
         self._parted: dict[str, set[str]] = {}  # job -> the nodes stopped before its relaunch
         self._held: dict[str, gcdefer.Hold] = {}  # job -> its hold of the garbage collector
@@ -180,7 +181,7 @@ class Recoveries:
                     self._late_stops.add(stopping)
                     stopping.add_done_callback(self._late_stop_done)
 
-    def _late_stop_done(self, stopping: asyncio.Future[None]) -> None:
+    def _late_stop_done(self, stopping: asyncio.Future[Any]) -> None:
         self._late_stops.discard(stopping)
         if not stopping.cancelled() and (exc := stopping.exception()) is not None:
             log.error("a relaunched job's stop failed: %r", exc)
@@ -346,7 +347,7 @@ class Recoveries:
         rec = job.recovery
         assert rec is not None
         done = self._parted.setdefault(job.id, set())
-        nodes = {n for n in job.nodes if n not in set(plan.nodes)} - set(kept) - done
+        nodes = set(job.nodes) - set(plan.nodes) - set(kept) - done
         # Not saved: a supervisor restarted meanwhile runs the recovery from its plan again.
         rec.phase = "parted"
         if not nodes:  # the incident's stop phase took no time; its prepare starts here
@@ -354,7 +355,7 @@ class Recoveries:
             self._stop_ended.setdefault(job.id, time.perf_counter())
             return
         done |= nodes
-        await self._stop(job, old_generation, keep=set(job.nodes) - nodes, wait=0.0, phase="parted")
+        await self._send_stops(job, old_generation, keep=set(job.nodes) - nodes, wait=0.0)
 
     async def _stop(
         self,
@@ -362,21 +363,32 @@ class Recoveries:
         old_generation: int,
         keep: Set[str] = frozenset(),
         wait: float | None = None,
-        phase: str = "stopped",
     ) -> None:
-        """Stop the failed generation's ranks on the job's nodes but ``keep`` (its ``stop``
-        phase): those whose live ranks wait, parked, to be the next generation's (an
-        in-process restart; their agent stops those that do not come back), and those
-        stopped already (:meth:`_part`). ``wait``: go on after that many seconds with
-        acks still to come (:meth:`_all_stopped` waits for them); None: wait for every
-        ack. ``phase``: the recovery's, after it (saved, but "parted": see :meth:`_part`)."""
+        """Stop the failed generation's gang (:meth:`_send_stops`); the recovery's phase is
+        then ``stopped``, and saved."""
+        await self._send_stops(job, old_generation, keep, wait)
+        assert job.recovery is not None
+        job.recovery.phase = "stopped"
+        self.ctl.save(job)
+
+    async def _send_stops(
+        self, job: Job, old_generation: int, keep: Set[str], wait: float | None
+    ) -> None:
+        """Stop the failed generation's ranks on the job's nodes but ``keep`` (the
+        incident's ``stop`` phase): those whose live ranks wait, parked, to be the next
+        generation's (an in-process restart; their agent stops those that do not come
+        back), and those stopped already (:meth:`_part`). ``wait``: go on after that many
+        seconds with acks still to come (:meth:`_all_stopped` waits for them, with those
+        of the recovery's earlier stops); None: wait for every ack."""
         rec = job.recovery
         assert rec is not None
         t0 = time.perf_counter()
-        stopping = asyncio.ensure_future(self._stop_gang(job, old_generation, skip=keep))
+        stopping: asyncio.Future[Any] = asyncio.ensure_future(
+            self._stop_gang(job, old_generation, skip=keep)
+        )
         earlier = self._stopping.get(job.id)
         if earlier is not None and not earlier.done():
-            stopping = asyncio.ensure_future(_both(earlier, stopping))
+            stopping = asyncio.gather(earlier, stopping)
         self._stopping[job.id] = stopping
         await asyncio.wait({stopping}, timeout=wait)
         self._stop_ended[job.id] = time.perf_counter()
@@ -393,9 +405,6 @@ class Recoveries:
                 old_generation,
                 wait,
             )
-        rec.phase = phase
-        if phase != "parted":
-            self.ctl.save(job)
 
     async def _all_stopped(self, job: Job) -> None:
         """Wait for the rest of the job's recovery stop (:meth:`_stop`), if any."""
@@ -825,11 +834,6 @@ FREE = frozenset({Action.ROLLBACK, Action.GROW})  # no backoff before them
 
 
 IN_PROCESS_ACTIONS = frozenset({Action.RESTART_IN_PLACE, Action.REPLACE})
-
-
-async def _both(first: asyncio.Future[None], then: asyncio.Future[None]) -> None:
-    await first
-    await then
 
 
 def in_process_nodes(job: Job, plan: Plan, failures: Sequence[Failure]) -> frozenset[str]:
