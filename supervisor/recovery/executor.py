@@ -327,12 +327,14 @@ class Recoveries:
         """Whether ``plan``, a relaunch, follows at once: each replacement
         burned in (a burn-in takes minutes), no backoff to wait out. Its link probe (two
         round trips) it may still need. A rollback stops the gang first all the same: its
-        ranks trained on bad data, and must save no more of it."""
-        if plan.action is Action.ROLLBACK:
+        ranks trained on bad data, and must save no more of it; so does an elastic job's
+        shrink or growth: every rank's share of the data changes with the size, and the
+        old size's ranks must train and save no more of theirs."""
+        if plan.action not in STRAIGHT_ACTIONS:
             return False
         if not all(self.burnins.passed(b) for _, b in plan.swaps):
             return False
-        return plan.action in FREE or self._backoff_delay(job, plan) <= 0
+        return self._backoff_delay(job, plan) <= 0
 
     async def _part(self, job: Job, plan: Plan, old_generation: int, kept: Set[str]) -> None:
         """Before a relaunch that follows at once: stop the failed generation's ranks on the
@@ -831,6 +833,9 @@ RELAUNCHES = frozenset(
     {Action.RESTART_IN_PLACE, Action.REPLACE, Action.ROLLBACK, Action.SHRINK, Action.GROW}
 )
 FREE = frozenset({Action.ROLLBACK, Action.GROW})  # no backoff before them
+# Relaunches that may follow at once, the nodes that stay stopping the old ranks at their
+# start (Recoveries._straight).
+STRAIGHT_ACTIONS = frozenset({Action.RESTART_IN_PLACE, Action.REPLACE})
 
 
 IN_PROCESS_ACTIONS = frozenset({Action.RESTART_IN_PLACE, Action.REPLACE})
