@@ -156,10 +156,10 @@ class SupervisorSettings(BaseSettings):
         ge=0,
         le=600,
         description="How long a recovery about to relaunch, which stopped the whole gang "
-        "first (a backoff, a burn-in, a rollback), waits for the stops' acks before it goes "
-        "on all the same. A relaunch that follows at once stops only the nodes that leave "
-        "the gang: each node that stays stops the job's old ranks before it starts the new "
-        "(a save they commit after the plan is not restored from).",
+        "first (a backoff, a burn-in, a rollback, an elastic resize), waits for the stops' "
+        "acks before it goes on all the same. A relaunch that follows at once stops only "
+        "the nodes that leave the gang: each node that stays stops the job's old ranks "
+        "before it starts the new (a save they commit after the plan is not restored from).",
     )
     schedule_interval_s: float = Field(
         default=2.0,

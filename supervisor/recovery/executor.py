@@ -13,8 +13,9 @@ offline, a gang whose steps stopped. The job turns ``recovering`` and its task t
    for no ack: each node that stays gets its start order, and its agent stops the old
    ranks before it starts the new (at 2,048 nodes, a stop and an ack less per node:
    seconds, issue 22).
-   Anything else (a wait, a burn-in, a backoff, the end) stops the whole gang first and
-   waits for every ack (a relaunch after it, for at most ``recovery_stop_wait_s``);
+   Anything else (a wait, a burn-in, a backoff, a rollback, an elastic resize, the end)
+   stops the whole gang first and waits for every ack (a relaunch after it, for at most
+   ``recovery_stop_wait_s``);
 3. **quarantines** a failed node: drained, with the failure as the reason;
 4. **waits** for a spare or a healthy node when there is none (bounded by
    ``restart.spare_wait``), and backs off before a repeated restart;
