@@ -531,14 +531,17 @@ async def test_start_of_a_newer_generation_stops_the_older_ranks_first(
 
 
 async def test_a_start_gives_older_ranks_ignoring_sigterm_the_short_grace_not_the_jobs(
-    runner: RankRunner, reporter: Reporter, monkeypatch: pytest.MonkeyPatch
+    runner: RankRunner, reporter: Reporter, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     # A recovery relaunches without waiting for every stop's ack (issue 22): the start may
     # be first to find the old ranks. Its ack waits for them, so they get the recovery's
     # short grace (agentd.ranks.OLDER_STOP_GRACE_S, 5 s), not the job's grace_period.
     monkeypatch.setattr("agentd.ranks.OLDER_STOP_GRACE_S", 0.5)
-    script = "trap '' TERM; while true; do sleep 0.1; done"
+    script = "trap '' TERM; echo ready; while true; do sleep 0.1; done"
     old = await runner.start(start_args(script, generation=1, ranks=slots(0, 1)))
+    logs = tmp_path / "data" / "jobs" / JOB / "g1"
+    # (a TERM before the trap is set would end the shell: not what is tested)
+    assert wait_until(lambda: all(has_text(logs / f"rank-{r}.log", "ready") for r in (0, 1)))
     newer = start_args("exec sleep 300", generation=2, ranks=slots(2, 3))
     await asyncio.wait_for(runner.start(newer.model_copy(update={"grace_s": 600.0})), WAIT_S)
     assert not any(alive(pid) for pid in old["pids"].values())
