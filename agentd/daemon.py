@@ -311,6 +311,7 @@ class Agent:
             version=__version__,
             started_at=self.started_at,
             health=self.health,
+            features=[wire.FEATURE_PROBE_BOTH_WAYS],
         )
 
     async def _on_connect(self) -> None:
@@ -458,17 +459,24 @@ class Agent:
                 )
                 return result.as_result()
             case wire.ProbeLinkArgs():
+                # ``max_s`` is each way's: both ways share what is left of the deadline.
+                ways = 2 if cmd.args.both_ways else 1
+                left = cmd.deadline - time.time() - 1.0
                 try:
-                    return await probe(
+                    found = await probe(
                         self.node,
                         cmd.args.peer,
                         cmd.args.nbytes,
-                        min(cmd.args.max_s, max(0.1, cmd.deadline - time.time() - 1.0)),
+                        min(cmd.args.max_s, max(0.1, left / ways)),
                         self.settings.http.peer_ssl(),
+                        both_ways=cmd.args.both_ways,
                     )
                 except ProbeFailed as exc:
                     log.warning("link probe: %s", exc)
                     return {"error": str(exc), "reached": exc.reached}
+                if "back_error" in found:
+                    log.warning("link probe, the way back: %s", found["back_error"])
+                return found
             case wire.SaveNowArgs():
                 job, generation = cmd.args.job, cmd.args.generation
                 here = sorted(self.ranks.pids(job, generation))

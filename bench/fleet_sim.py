@@ -186,6 +186,7 @@ class SimAgent:
             version="fleet-sim",
             started_at=self.sim.started_at,
             health=self.health,
+            features=[wire.FEATURE_PROBE_BOTH_WAYS],
         )
 
     async def _on_connect(self) -> None:
@@ -336,12 +337,12 @@ class SimAgent:
                 return {"warm": len(args.start.ranks)}
             case wire.ProbeLinkArgs():  # no bytes move: the figure of a healthy 100 Gb/s link
                 seconds = args.nbytes / LINK_MB_S / 1e6
-                await asyncio.sleep(seconds)
+                figure = {"mb_s": LINK_MB_S, "nbytes": args.nbytes, "seconds": round(seconds, 4)}
+                await asyncio.sleep(2 * seconds if args.both_ways else seconds)
                 return {
-                    "mb_s": LINK_MB_S,
-                    "nbytes": args.nbytes,
-                    "seconds": round(seconds, 4),
+                    **figure,
                     "peer": args.peer.node,
+                    **({"back": figure} if args.both_ways else {}),
                 }
         raise AssertionError(f"unhandled command {args!r}")
 

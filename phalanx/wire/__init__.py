@@ -93,6 +93,7 @@ from phalanx.wire._metrics import (
     ScalarStats,
 )
 from phalanx.wire._node import (
+    FEATURE_PROBE_BOTH_WAYS,
     MAX_FLIGHT_POINTS,
     FlightPoint,
     GpuDescriptor,
@@ -133,6 +134,7 @@ from phalanx.wire._topics import (
 )
 
 __all__ = [
+    "FEATURE_PROBE_BOTH_WAYS",
     "JOB_ID_PATTERN",
     "MAX_CATALOG_STEPS",
     "MAX_FLIGHT_POINTS",

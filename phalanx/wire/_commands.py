@@ -144,12 +144,25 @@ class ProbeLinkArgs(Msg):
     """Measure the network from ``peer`` to this node: read up to ``nbytes`` from the
     peer agent's probe route (``GET /v1/probe``, opened by ``peer.token``) for at most
     ``max_s`` seconds, timed from its first byte. The ack's result: ``mb_s`` (10^6 bytes
-    a second), ``nbytes`` read and ``seconds``."""
+    a second), ``nbytes`` read and ``seconds``.
+
+    ``both_ways``: then send as many bytes to the peer (``POST /v1/probe``, at most
+    ``max_s`` seconds too), which times them; the result adds ``back`` (``mb_s``,
+    ``nbytes``, ``seconds`` as the peer measured them), or ``back_error`` and
+    ``back_reached`` when that way could not be measured. Sent only where the births of
+    both agents announce ``FEATURE_PROBE_BOTH_WAYS`` (an older one refuses the field, or
+    does not serve the upload)."""
 
     op: Literal["probe_link"] = "probe_link"
     peer: PeerAddr
     nbytes: int = Field(ge=1 << 16, le=1 << 30)
-    max_s: float = Field(default=2.0, gt=0, le=30)
+    max_s: float = Field(default=2.0, gt=0, le=30, description="at most, each way")
+    both_ways: bool = Field(
+        default=False,
+        description="measure from this node to the peer too, in the same command (left "
+        "out when false, so that older agents take a one-way probe)",
+        exclude_if=lambda both_ways: not both_ways,
+    )
 
 
 class SaveNowArgs(Msg):

@@ -99,6 +99,11 @@ class Topology(Msg):
     nvlink_domain: str | None = None
 
 
+# What an agent can do that an older one cannot, as its birth announces it
+# (``NodeBirth.features``): the supervisor asks only for what the node announced.
+FEATURE_PROBE_BOTH_WAYS: Final = "probe_both_ways"  # ProbeLinkArgs.both_ways, POST /v1/probe
+
+
 class NodeBirth(Msg):
     kind: Literal["birth"] = "birth"
     node: NodeId
@@ -112,6 +117,14 @@ class NodeBirth(Msg):
     version: str
     started_at: float
     health: Health
+    features: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="what this agent can do that an older one cannot (e.g. "
+        "FEATURE_PROBE_BOTH_WAYS); left out when empty, so an older agent's birth is what "
+        "it was (an older supervisor refuses a birth that has it: it is upgraded first)",
+        exclude_if=lambda features: not features,
+    )
 
 
 class NodeDeath(Msg):

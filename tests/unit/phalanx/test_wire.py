@@ -481,3 +481,30 @@ def test_a_catalog_carries_its_restore_sources_only_when_it_has_some() -> None:
     assert json.loads(encoded)["sources"] == {"2": 4, "3": 5}
     got = wire.parse(wire.catalog_topic("j-1", NODE), encoded).message
     assert isinstance(got, wire.CkptCatalog) and got.sources == {2: 4, 3: 5}
+
+
+def test_a_one_way_probe_is_sent_without_both_ways() -> None:
+    """An agent from before ``both_ways`` refuses a command that has the field (extra
+    fields are forbidden): a one-way probe is sent as it was before it."""
+    peer = wire.PeerAddr(node="n2", address="10.0.0.2", http_port=9400)
+    one_way = Command.new(NODE, wire.ProbeLinkArgs(peer=peer, nbytes=1 << 20))
+    assert "both_ways" not in json.loads(wire.encode(one_way))["args"]
+    both = Command.new(NODE, wire.ProbeLinkArgs(peer=peer, nbytes=1 << 20, both_ways=True))
+    encoded = wire.encode(both)
+    assert json.loads(encoded)["args"]["both_ways"] is True
+    got = parse(wire.command_topic(NODE), encoded).message
+    assert isinstance(got, Command) and isinstance(got.args, wire.ProbeLinkArgs)
+    assert got.args.both_ways
+
+
+def test_a_birth_announces_its_features_only_when_it_has_some() -> None:
+    """An agent from before ``features`` sends a birth without the field, and one with
+    none sends what it did: only what the agent can do is added (the supervisor, which
+    refuses an unknown field, is upgraded first)."""
+    plain = _birth()
+    assert "features" not in json.loads(wire.encode(plain))
+    announcing = plain.model_copy(update={"features": [wire.FEATURE_PROBE_BOTH_WAYS]})
+    encoded = wire.encode(announcing)
+    assert json.loads(encoded)["features"] == ["probe_both_ways"]
+    got = parse(wire.birth_topic(NODE), encoded).message
+    assert isinstance(got, NodeBirth) and got.features == [wire.FEATURE_PROBE_BOTH_WAYS]
