@@ -14,7 +14,8 @@ node much slower than their median (a slow GPU, a degraded link between its GPUs
 fails like any other. Every node's figures are kept in memory for a day, for the
 nodes that come after it (lost when the supervisor restarts or a standby takes over).
 
-Links between nodes are probed too (``agentd.linkprobe``), both ways: a burn-in probes
+Links between nodes are probed too (``agentd.linkprobe``), both ways (in one command
+where both agents announce ``wire.FEATURE_PROBE_BOTH_WAYS``, else two): a burn-in probes
 the node's links with up to ``PROBE_TARGETS`` idle nodes, a node about to replace one
 of a job's its link with a node of that job (:meth:`BurnIns.screen_join`, on the
 recovery's path), and now and then two idle nodes probe each other
@@ -45,15 +46,19 @@ from supervisor.fleet.screening import Perf, parse_perf, screen, screen_p2p
 log = logging.getLogger(__name__)
 
 Sender = Callable[[str, wire.CommandArgsType, float], Awaitable[wire.CommandAck]]
+# One way of a link probed: (MB/s, why not measured, whether the link failed).
+Way = tuple[float | None, str, bool]
 RETRY_S = 30.0  # a burn-in that could not run (no ack) is tried again after this
 PERF_KEPT_S = 24 * 3600.0  # a node's speed counts in the fleet's median this long
 PROBE_TARGETS = 3  # the idle nodes a burn-in reads from
 PROBE_MAX_S = 2.0  # how long one probe reads at most
 PROBE_COMMAND_S = PROBE_MAX_S + 10.0  # its command's timeout: the agent's connect (5 s) too
-# The longest a replacement's probes can take (two peers, both ways), for the recovery's
-# deadline.
-JOIN_PROBES_S = 2 * 2 * PROBE_COMMAND_S
-ROUND_PROBES_S = PROBE_TARGETS * 2 * PROBE_COMMAND_S  # and a burn-in's
+# A command that probes both ways (``ProbeLinkArgs.both_ways``): two reads' time.
+PROBE_BOTH_WAYS_COMMAND_S = 2 * PROBE_COMMAND_S
+# The longest a replacement's probes can take (two peers, both ways: one command each, or
+# two for an agent from before ``both_ways``), for the recovery's deadline.
+JOIN_PROBES_S = 2 * PROBE_BOTH_WAYS_COMMAND_S
+ROUND_PROBES_S = PROBE_TARGETS * PROBE_BOTH_WAYS_COMMAND_S  # and a burn-in's
 LINKS_KEPT = 4096  # the fleet's latest link figures
 SURVEY_EARLY_S = 2.0  # between surveys while the fleet has too few link figures
 SURVEY_S = 600.0  # between surveys after
@@ -246,20 +251,41 @@ class BurnIns:
         now = time.time()
         return [mb_s for at, mb_s in self._links if now - at <= PERF_KEPT_S]
 
-    async def probe_link(self, node_id: str, peer_id: str) -> tuple[float | None, str, bool]:
+    async def probe_link(self, node_id: str, peer_id: str) -> Way:
         """Have ``node_id`` read from ``peer_id`` (``wire.ProbeLinkArgs``): (MB/s, why not,
         whether the link failed). The MB/s is None when nothing was measured: the link
         failed (no connection, nothing carried: the third value True), or the probe did
         not run (no answer, a peer that refused it or does not know it: False)."""
+        ways = await self._probe(node_id, peer_id, both_ways=False)
+        return ways[0]
+
+    async def probe_link_both_ways(self, node_id: str, peer_id: str) -> tuple[Way, Way]:
+        """Have ``node_id`` read from ``peer_id`` and then send to it, in one command
+        (``wire.ProbeLinkArgs.both_ways``; both agents must announce
+        ``wire.FEATURE_PROBE_BOTH_WAYS``): what :meth:`probe_link` says of each way,
+        from ``peer_id`` to ``node_id`` first. When the first way gave no figure, the
+        second says the same."""
+        forward, *back = await self._probe(node_id, peer_id, both_ways=True)
+        return forward, back[0] if back else forward
+
+    def _knows_both_ways(self, node_id: str) -> bool:
+        node = self.registry.nodes.get(node_id)
+        return (
+            node is not None
+            and node.birth is not None
+            and wire.FEATURE_PROBE_BOTH_WAYS in node.birth.features
+        )
+
+    async def _probe(self, node_id: str, peer_id: str, *, both_ways: bool) -> list[Way]:
         peer = self.registry.nodes.get(peer_id)
         if peer is None or peer.birth is None or not peer.birth.http_port:
-            return None, f"node {peer_id} has not announced its address", False
+            return [(None, f"node {peer_id} has not announced its address", False)]
         # One probe at a time on a node (it serves one stream, and two would each measure
         # half the link): a recovery's probe may wait for a survey's or a burn-in's.
         first, second = sorted((node_id, peer_id))
         address, port = peer.birth.address, peer.birth.http_port
         async with self._probe_lock(first), self._probe_lock(second):
-            return await self._probe_link(node_id, peer_id, address, port)
+            return await self._probe_link(node_id, peer_id, address, port, both_ways=both_ways)
 
     def _probe_lock(self, node_id: str) -> asyncio.Lock:
         lock = self._probe_locks.get(node_id)
@@ -268,8 +294,10 @@ class BurnIns:
         return lock
 
     async def _probe_link(
-        self, node_id: str, peer_id: str, address: str, http_port: int
-    ) -> tuple[float | None, str, bool]:
+        self, node_id: str, peer_id: str, address: str, http_port: int, *, both_ways: bool
+    ) -> list[Way]:
+        """The command: [the way from ``peer_id``] and, ``both_ways``, [the way back]
+        when the first gave a figure."""
         credential = self._agent_keys.peer_credential(holder=peer_id, peer=node_id)
         args = wire.ProbeLinkArgs(
             peer=wire.PeerAddr(
@@ -277,32 +305,53 @@ class BurnIns:
             ),
             nbytes=self.screening.probe_bytes,
             max_s=PROBE_MAX_S,
+            both_ways=both_ways,
         )
         try:
-            ack = await self._send(node_id, args, PROBE_COMMAND_S)
+            ack = await self._send(
+                node_id, args, PROBE_BOTH_WAYS_COMMAND_S if both_ways else PROBE_COMMAND_S
+            )
         except (TimeoutError, ConnectionError, RegistryError) as exc:
             why = f"the probe from node {peer_id} to node {node_id} did not run: {exc}"
-            return None, why, False
+            return [(None, why, False)]
         result = ack.result or {}
         if ack.status != wire.AckStatus.DONE:
-            return None, f"node {node_id} did not probe: {ack.detail or ack.status.value}", False
-        if "error" in result:
-            return None, str(result["error"])[:500], result.get("reached") is False
-        mb_s = result.get("mb_s")
-        if isinstance(mb_s, bool) or not isinstance(mb_s, int | float) or not mb_s >= 0:
-            return None, f"node {node_id}'s probe gave no rate: {result!r:.200}", False
-        return float(mb_s), "", False
+            return [
+                (None, f"node {node_id} did not probe: {ack.detail or ack.status.value}", False)
+            ]
+        forward = _way(node_id, result)
+        if not both_ways or forward[0] is None:
+            return [forward]
+        if "back_error" in result:
+            return [
+                forward,
+                (None, str(result["back_error"])[:500], result.get("back_reached") is False),
+            ]
+        back = result.get("back")
+        if not isinstance(back, dict):
+            return [
+                forward,
+                (None, f"node {node_id}'s probe gave no rate back: {result!r:.200}", False),
+            ]
+        return [forward, _way(node_id, back)]
 
     async def _both_ways(
         self, node_id: str, peer_id: str
     ) -> tuple[tuple[float, str] | None, str, bool]:
-        """Probe the link between two nodes both ways, one after the other (a degraded
-        link may be slow one way only), recording each figure: ((the slower way's MB/s,
-        that way in words), why not measured, whether the link failed)."""
+        """Probe the link between two nodes both ways (a degraded link may be slow one way
+        only), recording each figure: ((the slower way's MB/s, that way in words), why
+        not measured, whether the link failed). One command when both agents know
+        ``both_ways`` (it is on a recovery's path: one round trip, not two); else two,
+        one after the other."""
+        ways = ((node_id, peer_id), (peer_id, node_id))  # (reader, sender)
+        if self._knows_both_ways(node_id) and self._knows_both_ways(peer_id):
+            found = list(await self.probe_link_both_ways(node_id, peer_id))
+        else:
+            found = []
         slowest: tuple[float, str] | None = None
-        for reader, sender in ((node_id, peer_id), (peer_id, node_id)):
+        for i, (reader, sender) in enumerate(ways):
             way = f"the link from node {sender} to node {reader}"
-            mb_s, why, failed = await self.probe_link(reader, sender)
+            mb_s, why, failed = found[i] if found else await self.probe_link(reader, sender)
             if failed:
                 return None, f"{way} failed: {why}", True
             if mb_s is None:
@@ -450,3 +499,13 @@ class BurnIns:
     async def shutdown(self, timeout: float) -> None:
         """Start no burn-in; wait up to ``timeout`` s for those running, cancel the rest."""
         await self._tasks.shutdown(timeout)
+
+
+def _way(node_id: str, result: dict[str, Any]) -> Way:
+    """One way's figure in a probe's result (the ack's, or its ``back``)."""
+    if "error" in result:
+        return None, str(result["error"])[:500], result.get("reached") is False
+    mb_s = result.get("mb_s")
+    if isinstance(mb_s, bool) or not isinstance(mb_s, int | float) or not mb_s >= 0:
+        return None, f"node {node_id}'s probe gave no rate: {result!r:.200}", False
+    return float(mb_s), "", False

@@ -4,7 +4,7 @@ a hand-written fake at the command boundary."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from phalanx import wire
 from phalanx.agent_tokens import AgentKeys
 from supervisor.config import SupervisorSettings
-from supervisor.fleet.burnin import BurnIns, Screening
+from supervisor.fleet.burnin import PROBE_COMMAND_S, BurnIns, Screening
 from supervisor.fleet.registry import NodeState, Registry
 from supervisor.store import Store
 from tests.wait import until
@@ -21,7 +21,7 @@ from tests.wait import until
 OK = wire.Health(status=wire.HealthStatus.OK)
 
 
-def birth(node: str, seq: int = 1) -> wire.NodeBirth:
+def birth(node: str, seq: int = 1, features: Collection[str] = ()) -> wire.NodeBirth:
     return wire.NodeBirth(
         node=node,
         seq=seq,
@@ -36,12 +36,20 @@ def birth(node: str, seq: int = 1) -> wire.NodeBirth:
         version="0",
         started_at=0.0,
         health=OK,
+        features=list(features),
     )
+
+
+def announce_both_ways(registry: Registry, *nodes: str) -> None:
+    """The nodes' agents restart on a version that probes a link both ways at once."""
+    for node in nodes:
+        registry.on_birth(birth(node, seq=2, features=[wire.FEATURE_PROBE_BOTH_WAYS]))
 
 
 class Agents:
     """Answers burn-in commands as the agents would: passed unless told otherwise; and
-    link probes, at 1,000 MB/s unless a link or a node is slow or cut."""
+    link probes, at 1,000 MB/s unless a link or a node is slow or cut, one way or both
+    (``both_ways``)."""
 
     def __init__(self) -> None:
         self.failing: dict[str, str] = {}
@@ -51,12 +59,17 @@ class Agents:
         self.slow: dict[str, float] = {}  # node -> MB/s of every link to it
         self.cut: set[str] = set()  # nodes no probe reaches
         self.probes: list[tuple[str, str, str | None]] = []  # (node, peer, its credential)
+        self.both_ways: list[tuple[str, str]] = []  # (node, peer) of the both-ways probes
+        self.ways: dict[tuple[str, str], float] = {}  # (from, to) -> MB/s of that way alone
+        self.refused_uploads: set[str] = set()  # nodes whose agent refuses an upload
+        self.probe_timeouts: list[float] = []
         self.probing: set[str] = set()  # the nodes of the probes under way
         self.probe_s = 0.0
 
     async def send(self, node: str, args: wire.CommandArgsType, timeout: float) -> wire.CommandAck:
         if isinstance(args, wire.ProbeLinkArgs):
             ends = (node, args.peer.node)
+            self.probe_timeouts.append(timeout)
             assert not self.probing & set(ends), f"{ends} probed while {self.probing} were"
             self.probing |= set(ends)
             await asyncio.sleep(self.probe_s)
@@ -83,13 +96,27 @@ class Agents:
         peer = args.peer.node
         token = args.peer.token.get_secret_value() if args.peer.token else None
         self.probes.append((node, peer, token))
-        if node in self.cut:
-            result: dict[str, object] = {"error": "ConnectionRefusedError", "reached": False}
-        else:
-            result = {"mb_s": min(self.slow.get(node, 1000.0), self.slow.get(peer, 1000.0))}
+        result = self.way(peer, node)
+        if args.both_ways:
+            self.both_ways.append((node, peer))
+            back = self.way(node, peer)
+            if "mb_s" not in result:
+                pass  # the agent does not send what it could not read
+            elif peer in self.refused_uploads:
+                result |= {"back_error": "answered 405 to the upload", "back_reached": True}
+            elif "error" in back:
+                result |= {"back_error": back["error"], "back_reached": back["reached"]}
+            else:
+                result |= {"back": back | {"nbytes": args.nbytes, "seconds": 0.1}}
         return wire.CommandAck(
             id="p", node=node, status=wire.AckStatus.DONE, result=result, acked_at=0.0
         )
+
+    def way(self, sender: str, reader: str) -> dict[str, object]:
+        if reader in self.cut:
+            return {"error": "ConnectionRefusedError", "reached": False}
+        usual = min(self.slow.get(reader, 1000.0), self.slow.get(sender, 1000.0))
+        return {"mb_s": self.ways.get((sender, reader), usual)}
 
 
 @pytest.fixture
@@ -395,3 +422,76 @@ def test_a_probe_too_small_to_time_is_refused_in_the_settings() -> None:
     with pytest.raises(ValidationError, match="0 \\(no probes\\) or at least 65536"):
         SupervisorSettings(screen_probe_bytes=1000)
     assert SupervisorSettings(screen_probe_bytes=0).screen_probe_bytes == 0
+
+
+async def test_one_command_probes_a_link_both_ways_when_both_agents_can_and_the_slower_counts(
+    fleet6: Registry, agents: Agents
+) -> None:
+    announce_both_ways(fleet6, "n1", "n2", "n3", "n4", "n5", "n6")
+    burnins = BurnIns(fleet6, agents.send)
+    for node in ("n1", "n3", "n4"):  # the fleet's figures: both ways of each link
+        assert await burnins.screen_join(node, "n2") == (True, "")
+    assert len(burnins.fleet_links()) == 6
+
+    agents.ways[("n5", "n2")] = 400.0  # slow from the replacement only: the way back
+    joins, why = await burnins.screen_join("n5", "n2")
+
+    assert not joins
+    assert why.startswith("slow_p2p: the link from node n5 to node n2 carried 400.0 MB/s, 40%")
+    assert agents.both_ways == [("n1", "n2"), ("n3", "n2"), ("n4", "n2"), ("n5", "n2")]
+    assert len(agents.probes) == 4  # one command a link, not two
+    assert sorted(burnins.fleet_links())[:2] == [400.0, 1000.0]  # both ways recorded
+    assert len(burnins.fleet_links()) == 8
+    assert min(agents.probe_timeouts) >= 2 * PROBE_COMMAND_S  # time for two ways
+
+
+async def test_a_way_back_that_carries_nothing_keeps_a_replacement_out(
+    fleet6: Registry, agents: Agents
+) -> None:
+    announce_both_ways(fleet6, "n2", "n6")
+    burnins = BurnIns(fleet6, agents.send)
+    agents.cut.add("n2")  # n6 reads from n2, but what n6 sends never reaches n2
+
+    joins, why = await burnins.screen_join("n6", "n2")
+
+    assert not joins and why.startswith("unreachable_p2p: the link from node n6 to node n2")
+    assert agents.both_ways == [("n6", "n2")] and len(agents.probes) == 1
+
+
+async def test_a_way_back_the_peer_refused_to_time_leaves_the_link_unjudged(
+    fleet6: Registry, agents: Agents
+) -> None:
+    announce_both_ways(fleet6, "n2", "n6")
+    burnins = BurnIns(fleet6, agents.send)
+    agents.refused_uploads.add("n2")
+
+    assert await burnins.screen_join("n6", "n2") == (True, "")  # no word on the link
+    assert burnins.fleet_links() == [1000.0]  # the way that was measured still counts
+    assert len(agents.probes) == 1
+
+
+@pytest.mark.parametrize("announcing", [("n1",), ("n2",), ()], ids=["reader", "peer", "none"])
+async def test_a_link_with_an_agent_from_before_both_ways_is_probed_by_two_commands(
+    fleet6: Registry, agents: Agents, announcing: tuple[str, ...]
+) -> None:
+    announce_both_ways(fleet6, *announcing)
+    burnins = BurnIns(fleet6, agents.send)
+
+    assert await burnins.screen_join("n1", "n2") == (True, "")
+
+    assert [(n, p) for n, p, _ in agents.probes] == [("n1", "n2"), ("n2", "n1")]
+    assert agents.both_ways == []
+    assert len(burnins.fleet_links()) == 2
+
+
+async def test_a_node_is_in_one_both_ways_probe_at_a_time(fleet6: Registry, agents: Agents) -> None:
+    # As with two commands: the fake fails a probe that overlaps another on a node.
+    announce_both_ways(fleet6, "n1", "n2", "n3", "n4", "n5", "n6")
+    agents.probe_s = 0.05
+    burnins = BurnIns(fleet6, agents.send, busy=lambda: {"n1", "n2", "n5", "n6"})
+    burnins.survey()
+    joined = await asyncio.gather(burnins.screen_join("n3", "n1"), burnins.screen_join("n3", "n4"))
+    assert joined == [(True, ""), (True, "")]
+    if burnins._surveying is not None:
+        await burnins._surveying
+    assert len(agents.both_ways) == len(agents.probes) == 3  # the survey's, and a join's each
