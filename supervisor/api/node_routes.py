@@ -28,25 +28,25 @@ from phalanx.http import json_response
 from phalanx.jsonenc import dumps
 from supervisor.api.backend import Backend
 from supervisor.api.handlers import body, error
-from supervisor.fleet.registry import Node
+from supervisor.fleet.registry import Gauges, Node
 
 
-def gauge_summary(health: wire.Health) -> dict[str, Any]:
+def gauge_summary(gauges: Gauges) -> dict[str, Any]:
     """A node's GPU gauges in a few numbers (the hottest GPU, ECC and retired pages
     summed over its GPUs, the GPUs throttled): what a fleet view of thousands shows."""
-    gpus = health.gpus
+    gpus = gauges.gpu_dicts()
 
     def total(field: str) -> int | None:
-        values = [getattr(g, field) for g in gpus if getattr(g, field) is not None]
+        values = [g[field] for g in gpus if g[field] is not None]
         return sum(values) if values else None
 
-    temps = [g.temperature_c for g in gpus if g.temperature_c is not None]
+    temps = [g["temperature_c"] for g in gpus if g["temperature_c"] is not None]
     return {
         "temperature_max_c": max(temps) if temps else None,
         "ecc_sbe_volatile": total("ecc_sbe_volatile"),
         "ecc_dbe_volatile": total("ecc_dbe_volatile"),
         "retired_pages": total("retired_pages"),
-        "throttled_gpus": [g.index for g in gpus if g.throttle],
+        "throttled_gpus": [g["index"] for g in gpus if g["throttle"]],
     }
 
 
@@ -61,8 +61,8 @@ def add_node_routes(app: web.Application, sup: Backend) -> None:
                     held.setdefault(node, []).append(j.id)
         return held
 
-    # Each node's gauge summary, made once per heartbeat (its health), not per request.
-    gauges_of: dict[str, tuple[wire.Health, dict[str, Any]]] = {}
+    # Each node's gauge summary, made once per heartbeat (its gauges), not per request.
+    gauges_of: dict[str, tuple[Gauges, dict[str, Any]]] = {}
 
     def node_view(
         n: Node, *, gauges: bool = False, held: dict[str, list[str]] | None = None
@@ -71,12 +71,12 @@ def add_node_routes(app: web.Application, sup: Backend) -> None:
         view["jobs"] = sorted((held if held is not None else jobs_by_node()).get(n.id, []))
         view["spare"] = n.id in sup.jobs.spares
         seen = gauges_of.get(n.id)
-        if seen is None or seen[0] is not n.health:  # a new heartbeat since
-            seen = gauges_of[n.id] = (n.health, gauge_summary(n.health))
+        if seen is None or seen[0] is not n.gauges:  # a new heartbeat since
+            seen = gauges_of[n.id] = (n.gauges, gauge_summary(n.gauges))
         view["gauges"] = dict(seen[1])
         if gauges:  # one node: every GPU's numbers, and the host's
-            view["gpu_gauges"] = [g.model_dump() for g in n.health.gpus]
-            view["host"] = n.health.host.model_dump() if n.health.host else None
+            view["gpu_gauges"] = n.gauges.gpu_dicts()
+            view["host"] = n.gauges.host_dict()
         return view
 
     # node -> (what its entry shows, the entry encoded): the listing's, kept meanwhile.
@@ -141,6 +141,7 @@ def _listed(n: Node, jobs: list[str], spare: bool) -> tuple[Any, ...]:
         n.birth_seq,
         (d.by, d.reason, d.since, tuple(d.codes)) if d is not None else None,
         n.health,
+        n.gauges,
         n.birth,
         n.slow,
         tuple(jobs),

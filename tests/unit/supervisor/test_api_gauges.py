@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from phalanx import wire
 from supervisor.api.node_routes import gauge_summary
+from supervisor.fleet.registry import Gauges
 
 
 def test_a_nodes_gauges_sum_up_to_its_hottest_gpu_and_its_ecc_counts() -> None:
@@ -23,7 +24,7 @@ def test_a_nodes_gauges_sum_up_to_its_hottest_gpu_and_its_ecc_counts() -> None:
         ],
     )
 
-    assert gauge_summary(health) == {
+    assert gauge_summary(Gauges.of(health)) == {
         "temperature_max_c": 89.0,
         "ecc_sbe_volatile": 5,
         "ecc_dbe_volatile": 1,
@@ -33,7 +34,7 @@ def test_a_nodes_gauges_sum_up_to_its_hottest_gpu_and_its_ecc_counts() -> None:
 
 
 def test_a_node_without_gauges_has_none_rather_than_zero() -> None:
-    summary = gauge_summary(wire.Health(status=wire.HealthStatus.OK))
+    summary = gauge_summary(Gauges.of(wire.Health(status=wire.HealthStatus.OK)))
 
     assert summary["temperature_max_c"] is None
     assert summary["ecc_dbe_volatile"] is None

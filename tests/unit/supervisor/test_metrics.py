@@ -3,6 +3,7 @@ and a job summary."""
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,13 @@ from supervisor.jobs import Job, JobState, RankPlace
 from supervisor.store import Store
 from supervisor.telemetry.rows import SeriesRows
 from supervisor.telemetry.series import row_bound
-from supervisor.telemetry.training import MAX_SERIES, TrainingMetrics, gang_points, merge_windows
+from supervisor.telemetry.training import (
+    MAX_SERIES,
+    TrainingMetrics,
+    Window,
+    gang_points,
+    merge_windows,
+)
 from tests.unit.supervisor.conftest import OpenStore
 
 JOB = "tinylm-abc123"
@@ -110,10 +117,21 @@ def test_two_windows_of_a_rank_in_one_flush_make_one_point(store: Store) -> None
 
 
 def test_merged_windows_keep_the_newer_figures_whatever_their_order() -> None:
-    older, newer = window(0, 9, loss=5.0), window(0, 19, loss=4.0)
+    older = Window.of(window(0, 9, loss=5.0), "n1", 1.0)
+    newer = Window.of(window(0, 19, loss=4.0), "n1", 2.0)
     got = merge_windows(newer, older)
     assert (got.step_first, got.step_last, got.reports) == (0, 19, 20)
-    assert got.scalars["loss"] == (4.0, 3.0, 6.0, 4.5)
+    assert got.stats("loss") == (4.0, 3.0, 6.0, 4.5)
+    assert got.stats("grad_norm") is None
+
+
+def test_a_kept_window_is_tuples_of_numbers_the_garbage_collector_lets_go() -> None:
+    kept = Window.of(window(0, 9, loss=5.0, grad_norm=1.0), "n1", 1.0)
+    gc.collect()
+    gc.collect()  # (a tuple holding tuples may take a second look)
+    assert kept.scalars == (("loss", 5.0, 4.0, 6.0, 5.0), ("grad_norm", 1.0, 0.0, 2.0, 1.0))
+    assert not gc.is_tracked(kept.scalars)
+    assert not any(gc.is_tracked(s) for s in kept.scalars)
 
 
 def test_gang_series_come_from_fresh_windows_only_when_pending_is_empty() -> None:

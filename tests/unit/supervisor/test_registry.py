@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -518,3 +519,58 @@ def test_a_restarted_registry_shows_remembered_nodes_offline_until_they_are_hear
         assert again.get("n1").state is NodeState.DRAIN
     finally:
         store.close()
+
+
+def _gauged(temperature: float, *, status: HealthStatus = HealthStatus.OK) -> Health:
+    return Health(
+        status=status,
+        reasons=[Reason(code="hot", severity="warn", detail="")]
+        if status is HealthStatus.WARN
+        else [],
+        gpus=[
+            wire.GpuGauges(index=i, temperature_c=temperature + i, throttle=["sw_power_cap"][:i])
+            for i in range(2)
+        ],
+        host=wire.HostGauges(
+            disk_free_bytes=1,
+            disk_total_bytes=2,
+            mem_available_bytes=3,
+            mem_total_bytes=4,
+            load1=0.5,
+            cpu_count=8,
+        ),
+        sampled_at=1700000001.0,
+    )
+
+
+def test_a_heartbeat_s_gauges_are_kept_as_they_came_and_no_heartbeat_model_is_kept(
+    registry: Registry,
+) -> None:
+    registry.on_birth(_birth())
+    node = registry.get("n1")
+    health = node.health
+
+    registry.on_heartbeat(_beat(health=_gauged(40.0)))
+    registry.on_heartbeat(_beat(n=2, health=_gauged(50.0)))
+
+    sent = _gauged(50.0)
+    assert node.gauges.gpu_dicts() == [g.model_dump() for g in sent.gpus]
+    assert sent.host is not None and node.gauges.host_dict() == sent.host.model_dump()
+    assert node.gauges.sampled_at == sent.sampled_at
+    assert node.health is health  # the same status and reasons: the same object
+    gc.collect()
+    gc.collect()  # (a GPU's row holding its throttle tuple may need a second look)
+    assert not any(gc.is_tracked(g) for g in node.gauges.gpus)  # the collector let go
+
+
+def test_a_changed_health_is_kept_without_its_gauges(registry: Registry, store: Store) -> None:
+    registry.on_birth(_birth())
+    node = registry.get("n1")
+
+    registry.on_heartbeat(_beat(health=_gauged(90.0, status=HealthStatus.WARN)))
+
+    assert node.state is NodeState.WARN
+    assert [r.code for r in node.reasons] == ["hot"]
+    assert node.health.gpus == [] and node.health.host is None
+    assert node.gauges.gpu_dicts()[1]["temperature_c"] == 91.0
+    assert "health_changed" in _kinds(store.events(node="n1"))
