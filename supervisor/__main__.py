@@ -10,7 +10,6 @@ On a PostgreSQL store it first stands by until it leads (``supervisor.standby``)
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import sys
@@ -20,6 +19,7 @@ from phalanx.logs import configure
 from phalanx.run import run_until_signal
 from phalanx.settings import ConfigError
 from phalanx.systemd import Notifier
+from supervisor import gcpolicy
 from supervisor.config import load
 from supervisor.daemon import Supervisor
 from supervisor.errors import StoreError
@@ -27,24 +27,6 @@ from supervisor.leadership import EXIT_LOST, Leadership, default_api_url
 from supervisor.standby import wait_for_lead
 
 log = logging.getLogger("supervisor")
-
-# CPython's cyclic garbage collector, set for a daemon that holds a large, medium-lived
-# working set (default: 700, 10, 10). At 2,048 nodes the supervisor tracks ~600,000
-# objects, most of them each node's last heartbeat and metrics window, replaced every
-# 5 s: by default ~30,000 a second outlived the young generations, and a full
-# collection ran every 3-5 s, each holding the event loop 0.2-0.5 s (heartbeats, acks
-# and the API behind it; issue 22). With these, the young generation is collected every
-# 50,000 objects kept (20-170 ms) and a full collection comes a minute or more apart.
-# Memory freed by reference counts (nearly all of it) is freed at once either way.
-GC_THRESHOLDS = (50_000, 20, 10)
-
-
-def tune_gc() -> None:
-    """Set :data:`GC_THRESHOLDS`, and take what the imports made (modules, classes:
-    never garbage) out of every later collection."""
-    gc.set_threshold(*GC_THRESHOLDS)
-    gc.collect()
-    gc.freeze()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -57,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"phalanx-supervisor: {exc}", file=sys.stderr)
         return 2
     configure(settings.log_level, json_lines=settings.log_json, name="supervisor")
-    tune_gc()
+    gcpolicy.tune()
 
     notifier = Notifier.from_environment()
 

@@ -1,6 +1,6 @@
 """The cyclic garbage collector held off a short, latency-critical stretch of the loop.
 
-With :data:`supervisor.__main__.GC_THRESHOLDS` the young generations are collected
+With :data:`supervisor.gcpolicy.GC_THRESHOLDS` the young generations are collected
 every 50,000 objects kept, and a collection scans every object kept since the last:
 up to 0.3 s at 2,048 nodes, with nothing to collect (the supervisor's garbage goes by
 reference counts). A recovery's way from its plan to the last start order out
