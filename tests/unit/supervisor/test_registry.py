@@ -574,3 +574,15 @@ def test_a_changed_health_is_kept_without_its_gauges(registry: Registry, store: 
     assert node.health.gpus == [] and node.health.host is None
     assert node.gauges.gpu_dicts()[1]["temperature_c"] == 91.0
     assert "health_changed" in _kinds(store.events(node="n1"))
+
+
+def test_a_birth_s_gauges_are_the_node_s_until_its_first_heartbeat_and_not_kept_twice(
+    registry: Registry,
+) -> None:
+    registry.on_birth(_birth(health=_gauged(60.0)))
+    node = registry.get("n1")
+
+    assert node.gauges.gpu_dicts()[0]["temperature_c"] == 60.0
+    assert node.birth is not None and node.birth.health.gpus == []
+    assert node.birth.health.host is None
+    assert [g["uuid"] for g in node.view()["gpus"]] == ["GPU-n1-0", "GPU-n1-1"]
