@@ -62,32 +62,40 @@ HOST_GAUGES: Final = tuple(wire.HostGauges.model_fields)
 
 
 class Gauges(NamedTuple):
-    """A node's gauges from its last heartbeat, as tuples (:data:`GPU_GAUGES`,
-    :data:`HOST_GAUGES`): the cyclic garbage collector stops tracking a tuple of numbers
-    the first time it looks at it. Kept as the heartbeat's models, 2,048 nodes' gauges
-    were ~85,000 tracked objects replaced every second, the half of what each young
-    collection scanned (200-250 ms pauses on this 2-core machine: issue 22)."""
+    """A node's gauges from its last heartbeat as plain tuples: ``gpus`` each GPU's
+    :data:`GPU_GAUGES` values one GPU after the other (its throttle reasons a tuple),
+    ``host`` the :data:`HOST_GAUGES` values. The cyclic garbage collector stops tracking
+    a tuple of numbers and strings the first time it looks at it. Kept as the
+    heartbeat's models, 2,048 nodes' gauges were ~85,000 tracked objects replaced every
+    heartbeat, near half of what each young collection scanned (200-250 ms pauses on
+    this 2-core machine: issue 22)."""
 
     sampled_at: float
-    gpus: tuple[tuple[Any, ...], ...]
+    gpus: tuple[Any, ...]
     host: tuple[Any, ...] | None
 
     @classmethod
     def of(cls, health: wire.Health) -> Gauges:
-        gpus = tuple(
-            (*(getattr(g, f) for f in GPU_GAUGES[:-1]), tuple(g.throttle)) for g in health.gpus
-        )
         host = health.host
         return cls(
             health.sampled_at,
-            gpus,
+            tuple(
+                v
+                for g in health.gpus
+                for v in (*(getattr(g, f) for f in GPU_GAUGES[:-1]), tuple(g.throttle))
+            ),
             None if host is None else tuple(getattr(host, f) for f in HOST_GAUGES),
         )
 
     def gpu_dicts(self) -> list[dict[str, Any]]:
         """Each GPU's gauges as ``GpuGauges.model_dump()`` gives them."""
+        n, gpus = len(GPU_GAUGES), self.gpus
         return [
-            {**dict(zip(GPU_GAUGES, g, strict=True)), "throttle": list(g[-1])} for g in self.gpus
+            {
+                **dict(zip(GPU_GAUGES, gpus[i : i + n], strict=True)),
+                "throttle": list(gpus[i + n - 1]),
+            }
+            for i in range(0, len(gpus), n)
         ]
 
     def host_dict(self) -> dict[str, Any] | None:

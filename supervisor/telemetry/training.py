@@ -67,17 +67,20 @@ ANOMALY_EVENT_EVERY_S: Final = 60.0
 DROP_LOG_EVERY_S: Final = 60.0
 
 
-Scalar = tuple[str, float, float, float, float]  # a name and its (last, min, max, mean)
+# A window's scalars: each one's name and (last, min, max, mean), one after the other in
+# one flat tuple (a tuple a scalar would be one more object for the collector to look at).
+Scalars = tuple[str | float, ...]
 
 
 class Window(NamedTuple):
     """A rank's window (``wire.RankWindow``), or its windows since the last flush merged
     (:func:`merge_windows`), as the supervisor keeps them: a tuple of numbers, its
-    scalars tuples of a name and numbers. The cyclic garbage collector stops tracking
-    such tuples once it has looked at them; kept as the wire's models, 16,384 ranks'
-    windows were ~130,000 tracked objects living 5 s each, rescanned by every collection
-    (young pauses of 200-250 ms at 2,048 nodes on this 2-core machine: issue 22).
-    ``node`` sent it, ``heard`` is the supervisor's clock when it came."""
+    scalars one flat tuple of names and numbers. The cyclic garbage collector stops
+    tracking a tuple of numbers and strings once it has looked at it; kept as the wire's
+    models, 16,384 ranks' windows were ~130,000 tracked objects living 5 s each,
+    rescanned by every collection (young pauses of 200-250 ms at 2,048 nodes on this
+    2-core machine: issue 22). ``node`` sent it, ``heard`` is the supervisor's clock
+    when it came."""
 
     node: str
     heard: float
@@ -88,7 +91,7 @@ class Window(NamedTuple):
     step_time_s: float | None
     tokens_per_s: float | None
     data_wait_s: float | None
-    scalars: tuple[Scalar, ...]
+    scalars: Scalars
 
     @classmethod
     def of(cls, w: wire.RankWindow, node: str, heard: float) -> Window:
@@ -102,15 +105,28 @@ class Window(NamedTuple):
             w.step_time_s,
             w.tokens_per_s,
             w.data_wait_s,
-            tuple((name, *stats) for name, stats in w.scalars.items()),
+            _flat(w.scalars),
         )
+
+    def names(self) -> tuple[str, ...]:
+        """The names of its scalars, in the order they came."""
+        return self.scalars[0::5]  # type: ignore[return-value]
 
     def stats(self, name: str) -> wire.ScalarStats | None:
         """The (last, min, max, mean) of scalar ``name``, or None when not reported."""
-        for scalar in self.scalars:
-            if scalar[0] == name:
-                return scalar[1:]
+        s = self.scalars
+        for i in range(0, len(s), 5):
+            if s[i] == name:
+                return s[i + 1 : i + 5]  # type: ignore[return-value]
         return None
+
+    def stats_by_name(self) -> dict[str, wire.ScalarStats]:
+        s = self.scalars
+        return {s[i]: s[i + 1 : i + 5] for i in range(0, len(s), 5)}  # type: ignore[misc]
+
+
+def _flat(scalars: Mapping[str, wire.ScalarStats]) -> Scalars:
+    return tuple(v for name, stats in scalars.items() for v in (name, *stats))
 
 
 @dataclass
@@ -136,9 +152,9 @@ def merge_windows(older: Window, newer: Window) -> Window:
         newer.step_last == older.step_last and newer.at < older.at
     ):
         older, newer = newer, older
-    scalars: dict[str, wire.ScalarStats] = {s[0]: s[1:] for s in older.scalars}
+    scalars = older.stats_by_name()
     total = older.reports + newer.reports
-    for name, last, low, high, mean in newer.scalars:
+    for name, (last, low, high, mean) in newer.stats_by_name().items():
         old = scalars.get(name)
         if old is None:
             scalars[name] = (last, low, high, mean)
@@ -155,7 +171,7 @@ def merge_windows(older: Window, newer: Window) -> Window:
     return newer._replace(
         step_first=min(older.step_first, newer.step_first),
         reports=total,
-        scalars=tuple((n, *v) for n, v in list(scalars.items())[: wire.MAX_METRIC_NAMES]),
+        scalars=_flat(dict(list(scalars.items())[: wire.MAX_METRIC_NAMES])),
     )
 
 
@@ -170,7 +186,7 @@ def gang_points(
     points: dict[str, Point] = {}
     latest = list(fresh)
     first = pending.get(0)
-    names = {s[0] for w in pending.values() for s in w.scalars}
+    names = {n for w in pending.values() for n in w.names()}
     for name in sorted(names - set(GANG_SERIES)):
         of_first = first.stats(name) if first is not None else None
         if name in rank_0_names and of_first is None:
@@ -329,13 +345,11 @@ class TrainingMetrics:
             # window (another rank's alone would repeat a step or mix in its own value);
             # the windows stay pending meanwhile, merged with the next ones.
             if (first := state.pending.get(0)) is not None:
-                state.rank_0_names.update(s[0] for s in first.scalars)
+                state.rank_0_names.update(first.names())
             deferred = (
                 first is None
                 and not job.state.final
-                and any(
-                    s[0] in state.rank_0_names for w in state.pending.values() for s in w.scalars
-                )
+                and any(n in state.rank_0_names for w in state.pending.values() for n in w.names())
             )
             points = gang_points(
                 {} if deferred else state.pending, fresh.values(), state.rank_0_names
