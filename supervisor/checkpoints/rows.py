@@ -49,6 +49,7 @@ CREATE TABLE IF NOT EXISTS ckpt_commits (
     PRIMARY KEY (job, step, tier)
 );
 CREATE INDEX IF NOT EXISTS ckpt_shards_rank ON ckpt_shards (job, step, rank);
+CREATE INDEX IF NOT EXISTS ckpt_shards_node ON ckpt_shards (job, node);
 CREATE TABLE IF NOT EXISTS ckpt_ended_catalogs (
     job TEXT NOT NULL,
     node TEXT NOT NULL,            -- a node the job's ended catalog was published for, retained
@@ -122,9 +123,17 @@ class CkptQueries:
         return row is not None
 
     def shard_nodes(self, job: str) -> set[str]:
-        """The nodes that landed a shard of ``job`` that is still known."""
+        """The nodes that landed a shard of ``job`` that is still known: one seek of the
+        ``(job, node)`` index per node. ``SELECT DISTINCT`` read every shard row of the job
+        at each catalog build: 0.17 s of the event loop at 2,048 nodes with three steps
+        kept at four tiers, right behind a recovery's start orders (issue 22)."""
         rows = self.db.execute(
-            "SELECT DISTINCT node FROM ckpt_shards WHERE job = ?", (job,)
+            "WITH RECURSIVE found(node) AS ("
+            "SELECT MIN(node) FROM ckpt_shards WHERE job = ? "
+            "UNION ALL SELECT (SELECT MIN(node) FROM ckpt_shards "
+            "WHERE job = ? AND node > found.node) FROM found WHERE found.node IS NOT NULL"
+            ") SELECT node FROM found WHERE node IS NOT NULL",
+            (job, job),
         ).fetchall()
         return {str(r[0]) for r in rows}
 

@@ -127,6 +127,26 @@ def test_a_deleted_step_leaves_the_catalog_at_that_tier_only(
     assert [sorted(s.committed) for s in catalog.messages("j-1", 2)[0].steps] == [["nvme"]]
 
 
+def test_every_node_with_a_shard_still_known_gets_a_catalog_and_no_other(
+    open_store: OpenStore,
+) -> None:
+    catalog = CheckpointCatalog(open_store())
+    for rank, node in ((0, "n01"), (1, "n02")):
+        catalog.on_landing(landing(5, rank, "nvme", node=node), world_size=2)
+    catalog.on_landing(landing(6, 0, "object", node="n03"), world_size=2)  # never committed
+    catalog.on_landing(landing(7, 0, "ram", node="n04"), world_size=2)
+    catalog.on_landing(landing(7, 0, "ram", "deleted", node="n04"), world_size=2)
+
+    assert catalog.rows.shard_nodes("j-1") == {"n01", "n02", "n03"}
+    assert catalog.rows.shard_nodes("j-2") == set()
+    assert [m.node for m in catalog.messages("j-1", 2, nodes=["n05"])] == [
+        "n01",
+        "n02",
+        "n03",
+        "n05",
+    ]
+
+
 def test_the_catalog_message_is_retained_per_job_and_node_and_checks_its_topic() -> None:
     msg = wire.CkptCatalog(
         job="j-1",
