@@ -316,6 +316,45 @@ class Where(Mapping[tuple[int, int, str], tuple[str, str | None]]):
         return sum(len(found.by_rank) for found in self._rows.values())
 
 
+class _Listed:
+    """One step as a build listed it for one node, and what that listing was made of:
+    the node's ranks, the rows of each of the step's committed tiers (a tier's rows are
+    the same object while the store wrote nothing of that step and tier; a commit or a
+    drop there is a write, and so is a change of its commit time), the peers' addresses
+    and the credentials."""
+
+    __slots__ = ("credential", "peers", "ranks", "rows", "step")
+
+    def __init__(
+        self,
+        ranks: tuple[int, ...],
+        rows: tuple[StepRows, ...],
+        peers: Mapping[str, wire.PeerAddr],
+        credential: Callable[[str, str], str | None] | None,
+        step: wire.CkptStep,
+    ) -> None:
+        self.ranks = ranks
+        self.rows = rows
+        self.peers = peers
+        self.credential = credential
+        self.step = step
+
+    def same(
+        self,
+        ranks: list[int],
+        rows: tuple[StepRows, ...],
+        peers: Mapping[str, wire.PeerAddr],
+        credential: Callable[[str, str], str | None] | None,
+    ) -> bool:
+        return (
+            self.peers is peers
+            and self.credential == credential
+            and len(self.rows) == len(rows)
+            and all(a is b for a, b in zip(self.rows, rows, strict=True))
+            and self.ranks == tuple(ranks)
+        )
+
+
 class CheckpointCatalog:
     def __init__(self, store: Store, *, term: int = 0) -> None:
         self.store = store
@@ -327,6 +366,9 @@ class CheckpointCatalog:
         # The wire shards the last build of each job made, reused by the next (most of a
         # job's steps are the same from one build to the next).
         self._shards: dict[str, dict[tuple[Any, ...], wire.CkptShard]] = {}
+        # job -> (node, step) -> a step as the last build listed it for that node, and what
+        # it was made of (:class:`_Listed`)
+        self._listed: dict[str, dict[tuple[str, int], _Listed]] = {}
         # The ranks landed so far of each step not yet committed at a tier, loaded from the
         # store once: counting them in SQL on every landing grew with the square of the ranks.
         # The generation that counts for each step and tier: the newest that landed there.
@@ -471,6 +513,7 @@ class CheckpointCatalog:
         for cached in [k for k in self._rows if k[0] == job]:
             del self._rows[cached]
         self._shards.pop(job, None)
+        self._listed.pop(job, None)
         self.rows.forget_versions(job)
 
     def pin_rows(
@@ -671,6 +714,20 @@ class CheckpointCatalog:
             made[key] = got
             return got
 
+        # A step listed for a node by the last build is listed again as it was while what
+        # it is made of stands: the node's ranks, the same rows of each of the step's tiers
+        # (kept while the store wrote nothing of them, :meth:`keep_rows`), its commit
+        # times, the same peers and credentials. At a commit every node's message changes,
+        # but only by its newest step: a 2,048-node build listed the older ones again
+        # shard by shard (issue 22). Not for a job that reshapes (a step's listing there
+        # depends on the restore step's sources and sizes).
+        listed_before = {} if elastic or sharded else self._listed.get(job, {})
+        listed_now: dict[tuple[str, int], _Listed] = {}
+        tier_rows = {
+            step: tuple(committed_rows[(step, tier)] for tier in sorted(tiers))
+            for step, tiers in committed.items()
+        }
+
         runs: dict[str, set[int]] = {}
         for rank, node in placement.items():
             runs.setdefault(node, set()).add(rank)
@@ -686,6 +743,12 @@ class CheckpointCatalog:
                 keep = sorted([restore_step, *keep[1:]])  # the gang's step is always listed
             steps = []
             for step in keep:
+                if not (elastic or sharded):
+                    was = listed_before.get((node, step))
+                    if was is not None and was.same(ranks, tier_rows[step], peers, credential):
+                        steps.append(was.step)
+                        listed_now[(node, step)] = was
+                        continue
                 listed = []
                 peer_rows = committed_rows.get((step, "peer"))
                 for rank in sorted(every | set(ranks)) if every and step == restore_step else ranks:
@@ -698,16 +761,19 @@ class CheckpointCatalog:
                         wire_shard(rank, row, addressed(holder, node) if holder else no_peer)
                     )
                 saved = saved_ranks(step) if elastic or sharded else world_size
-                steps.append(
-                    wire.CkptStep(
-                        step=step,
-                        committed=committed[step],
-                        shards=listed,
-                        # an elastic or resharding job's only: a step of another job
-                        # with a copy gone (reported corrupt) was saved by the whole gang
-                        world_size=saved if saved != world_size else None,
-                    )
+                made_step = wire.CkptStep(
+                    step=step,
+                    committed=committed[step],
+                    shards=listed,
+                    # an elastic or resharding job's only: a step of another job
+                    # with a copy gone (reported corrupt) was saved by the whole gang
+                    world_size=saved if saved != world_size else None,
                 )
+                steps.append(made_step)
+                if not (elastic or sharded):
+                    listed_now[(node, step)] = _Listed(
+                        tuple(ranks), tier_rows[step], peers, credential, made_step
+                    )
             yield (
                 wire.CkptCatalog(
                     job=job,
@@ -724,6 +790,7 @@ class CheckpointCatalog:
                 )
             )
         self._shards[job] = made
+        self._listed[job] = listed_now
 
     def view(self, job: str, world_size: int, tiers: Sequence[str]) -> dict[str, Any]:
         """Every step with a shard anywhere: committed tiers, and partial ones (ranks there)."""

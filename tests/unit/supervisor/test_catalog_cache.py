@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from phalanx import wire
@@ -37,6 +37,10 @@ from tests.wait import until
 
 JOB = "j-1"
 PLACEMENT = {rank: NODES[rank] for rank in range(WORLD)}
+
+
+def credential(holder: str, node: str) -> str:
+    return f"{holder}-lets-{node}-in"
 
 
 def said(messages: Iterable[wire.CkptCatalog]) -> list[str]:
@@ -142,10 +146,11 @@ async def test_publishes_asked_while_one_is_out_make_one_more_build_and_all_retu
 # One job of 4 ranks on 2 nodes at two tiers; what happens to its shards, in any order.
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["commit", "partial", "corrupt", "deleted", "drop", "moved"]),
+        st.sampled_from(["commit", "partial", "corrupt", "deleted", "drop", "moved", "placed"]),
         st.integers(1, 4),  # step
         st.sampled_from(["nvme", "peer"]),
         st.integers(0, 3),  # rank
+        st.booleans(),  # a build follows (else the next op's build sees both changes)
     ),
     max_size=25,
 )
@@ -153,14 +158,54 @@ OPS = st.lists(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(OPS)
+# dropped and committed again between two builds: the same tiers, a new commit
+@example(
+    [("commit", 1, "nvme", 0, True), ("drop", 1, "nvme", 0, False), ("commit", 1, "nvme", 0, True)]
+)
 def test_whatever_happens_to_the_shards_a_cached_build_says_what_a_fresh_one_says(
-    ops: list[tuple[str, int, str, int]],
+    ops: list[tuple[str, int, str, int, bool]],
 ) -> None:
+    """Also as the publisher builds, with the fleet's peers and their credentials: a step
+    listed for a node by the last build is listed again as it was while nothing it was
+    made of changed (its tiers' rows, the node's ranks)."""
     world = 4
+    # the same map from build to build while the fleet is unchanged (CatalogPublisher._fleet)
+    peers = {
+        n: wire.PeerAddr(node=n, address=f"10.0.0.{i}", http_port=8600)
+        for i, n in enumerate(["n00", "n01", "n05", "n09"])
+    }
+    placement = {rank: f"n{rank // 2:02d}" for rank in range(world)}
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(Path(tmp) / "state.db")
         try:
             catalog = CheckpointCatalog(store)
+            with_peers = CheckpointCatalog(store)
+
+            def as_published() -> list[str]:
+                pinned, rows = with_peers.pin_rows(JOB)
+                built = with_peers.messages(
+                    JOB,
+                    world,
+                    placement=placement,
+                    rows=rows,
+                    peers=peers,
+                    credential=credential,
+                    nodes=sorted(set(placement.values())),
+                )
+                with_peers.keep_rows(JOB, pinned, rows)
+                return said(built)
+
+            def fresh_with_peers() -> list[str]:
+                return said(
+                    CheckpointCatalog(store).messages(
+                        JOB,
+                        world,
+                        placement=placement,
+                        peers=peers,
+                        credential=credential,
+                        nodes=sorted(set(placement.values())),
+                    )
+                )
 
             def land(
                 step: int, tier: str, rank: int, event: str = "landed", node: str = ""
@@ -180,7 +225,7 @@ def test_whatever_happens_to_the_shards_a_cached_build_says_what_a_fresh_one_say
                 with store.batch():
                     catalog.on_landing(msg, world)
 
-            for op, step, tier, rank in ops:
+            for op, step, tier, rank, build in ops:
                 if op == "commit":
                     for r in range(world):
                         land(step, tier, r)
@@ -190,9 +235,15 @@ def test_whatever_happens_to_the_shards_a_cached_build_says_what_a_fresh_one_say
                     land(step, tier, rank, op)
                 elif op == "drop":  # a rollback or the SDC watch, on the store itself
                     CkptRows.of(store).drop_step(JOB, step, tier)
-                else:  # the row rewritten: a redelivery from another node, a staged copy
+                elif op == "moved":  # the row rewritten: a redelivery from another node
                     land(step, tier, rank, node="n05")
-                assert cached(catalog, world) == fresh(store, world)
+                else:  # a relaunch put the rank on another node
+                    placement = {**placement, rank: f"n{step:02d}"}
+                if build:
+                    assert cached(catalog, world) == fresh(store, world)
+                    assert as_published() == fresh_with_peers()
+            assert cached(catalog, world) == fresh(store, world)
+            assert as_published() == fresh_with_peers()
         finally:
             store.close()
 
