@@ -38,6 +38,7 @@ import sys
 import paho.mqtt.client as mqtt
 c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="bench-burst-consumer")
 c.on_connect = lambda client, *_: client.subscribe("phalanx/v1/node/+/cmd", qos=1)
+c.on_subscribe = lambda *_: print("subscribed", flush=True)
 c.connect("127.0.0.1", int(sys.argv[1]))
 c.loop_forever()
 """
@@ -89,11 +90,13 @@ def main() -> None:
         )
         consumer: subprocess.Popen[bytes] | None = None
         try:
-            time.sleep(0.5)
+            time.sleep(0.5)  # the broker listening
             consumer = subprocess.Popen(
-                [sys.executable, "-c", CONSUMER, str(port)], stdout=subprocess.DEVNULL
+                [sys.executable, "-c", CONSUMER, str(port)], stdout=subprocess.PIPE
             )
-            time.sleep(0.5)
+            assert consumer.stdout is not None
+            if consumer.stdout.readline().strip() != b"subscribed":  # or it ended: EOF
+                sys.exit("bench/publish_burst.py: the consumer could not subscribe")
             results: dict[str, Any] = {}
             for messages in args.messages:
                 for inflight in args.settings:
