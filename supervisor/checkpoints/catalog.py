@@ -341,7 +341,7 @@ class _Listed:
 
     def same(
         self,
-        ranks: list[int],
+        ranks: tuple[int, ...],
         rows: tuple[StepRows, ...],
         peers: Mapping[str, wire.PeerAddr],
         credential: Callable[[str, str], str | None] | None,
@@ -351,7 +351,7 @@ class _Listed:
             and self.credential == credential
             and len(self.rows) == len(rows)
             and all(a is b for a, b in zip(self.rows, rows, strict=True))
-            and self.ranks == tuple(ranks)
+            and self.ranks == ranks
         )
 
 
@@ -721,7 +721,8 @@ class CheckpointCatalog:
         # but only by its newest step: a 2,048-node build listed the older ones again
         # shard by shard (issue 22). Not for a job that reshapes (a step's listing there
         # depends on the restore step's sources and sizes).
-        listed_before = {} if elastic or sharded else self._listed.get(job, {})
+        reuse = not (elastic or sharded)
+        listed_before = self._listed.get(job, {}) if reuse else {}
         listed_now: dict[tuple[str, int], _Listed] = {}
         tier_rows = {
             step: tuple(committed_rows[(step, tier)] for tier in sorted(tiers))
@@ -735,6 +736,7 @@ class CheckpointCatalog:
             mine = runs.get(node, set())
             read = {sources.get(r, r) for r in mine} if sources else set()
             ranks = sorted(mine | landed_on.get(node, set()) | read)
+            ranks_key = tuple(ranks)
             # ~200 bytes per shard listed: stay well under the wire's payload limit.
             budget = wire.MAX_PAYLOAD_BYTES // 2 - 256 * len(every)
             fit = max(1, budget // (200 * max(1, len(ranks)) + 100))
@@ -743,9 +745,9 @@ class CheckpointCatalog:
                 keep = sorted([restore_step, *keep[1:]])  # the gang's step is always listed
             steps = []
             for step in keep:
-                if not (elastic or sharded):
+                if reuse:
                     was = listed_before.get((node, step))
-                    if was is not None and was.same(ranks, tier_rows[step], peers, credential):
+                    if was is not None and was.same(ranks_key, tier_rows[step], peers, credential):
                         steps.append(was.step)
                         listed_now[(node, step)] = was
                         continue
@@ -770,9 +772,9 @@ class CheckpointCatalog:
                     world_size=saved if saved != world_size else None,
                 )
                 steps.append(made_step)
-                if not (elastic or sharded):
+                if reuse:
                     listed_now[(node, step)] = _Listed(
-                        tuple(ranks), tier_rows[step], peers, credential, made_step
+                        ranks_key, tier_rows[step], peers, credential, made_step
                     )
             yield (
                 wire.CkptCatalog(
