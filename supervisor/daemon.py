@@ -13,6 +13,7 @@ from ckpt.stores import open_store
 from phalanx import wire
 from phalanx.agent_tokens import AgentKeys, read_secret
 from phalanx.link import LinkDown, MqttLinks, Will
+from phalanx.loopwatch import LoopWatch
 from phalanx.settings import ConfigError
 from phalanx.tasks import Deadline, supervised
 from supervisor.api.app import start_api
@@ -97,6 +98,8 @@ class Supervisor:
         self.started_at = time.time()
         self.bad_messages = 0
         self.wire_stats = WireStats()  # messages taken by kind, heartbeat lag
+        # The event loop's stalls, and where (GET /v1/stats, /metrics; issue 22).
+        self.loopwatch = LoopWatch(name="the supervisor's event loop")
         # When the link to the broker last came up (None: down) and went down, on the
         # registry's clock: a node offline is acted on only once the link stayed up.
         self.link_since: float | None = None
@@ -226,6 +229,7 @@ class Supervisor:
 
     async def __aenter__(self) -> Supervisor:
         try:
+            await self._serving.enter_async_context(self.loopwatch)
             self.api_port = await self._serving.enter_async_context(start_api(self))
             await self.link.__aenter__()
             self._linked = True

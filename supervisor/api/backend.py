@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from phalanx.link import MqttLinks
+from phalanx.loopwatch import LoopWatch
 from supervisor.backup import StoreBackups
 from supervisor.checkpoints.catalog import CheckpointCatalog
 from supervisor.config import SupervisorSettings
@@ -36,4 +37,5 @@ class Backend(Protocol):
     sweeps: Sweeps
     bad_messages: int
     wire_stats: WireStats
+    loopwatch: LoopWatch  # the event loop's stalls
     leadership: Leadership | None  # None: a supervisor alone (SQLite)

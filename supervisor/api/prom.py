@@ -23,6 +23,7 @@ metric                                   type     labels
 ``phalanx_store_ok``                     gauge    (0 once damage was met in state.db)
 ``phalanx_store_backup_timestamp_seconds``  gauge  (the newest sound backup; none: no backups)
 ``phalanx_store_backup_failures_total``  counter  (backups that failed since the start)
+``phalanx_supervisor_loop_stall_seconds``  histogram  (event loop stalls of 0.1 s or more)
 =======================================  =======  ======================================
 """
 
@@ -34,9 +35,15 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
+from phalanx.loopwatch import LoopWatch
 from supervisor.backup import StoreBackups
 from supervisor.checkpoints.catalog import CheckpointCatalog
 from supervisor.control.controller import JobController
@@ -56,6 +63,7 @@ class Source(Protocol):
     store: Store
     backups: StoreBackups | None
     bad_messages: int
+    loopwatch: LoopWatch
 
 
 class SupervisorCollector(Collector):
@@ -138,6 +146,19 @@ class SupervisorCollector(Collector):
             counter.add_metric([], value)
             yield counter
         yield from self._store()
+        yield self._stalls()
+
+    def _stalls(self) -> Metric:
+        """The event loop's stalls (``phalanx.loopwatch``)."""
+        watch = self.sup.loopwatch
+        family = HistogramMetricFamily(
+            "phalanx_supervisor_loop_stall_seconds",
+            "Stretches of at least "
+            f"{watch.threshold_s:g} s the supervisor's event loop ran without a yield "
+            "(messages, heartbeats and the API waited); where: GET /v1/stats, loop",
+        )
+        family.add_metric([], watch.cumulative(), sum_value=watch.total_s)
+        return family
 
     def _store(self) -> Iterator[Metric]:
         """The state database's health and its backups (``supervisor.backup``)."""

@@ -12,7 +12,8 @@ GET      /v1/leader                    (no token) whether this supervisor leads,
 GET      /v1/events                    ``?node=ID&job=ID&limit=N&after=ID``
 GET      /v1/stats                     counters (heartbeats handled, bad messages, messages
                                        taken by kind, heartbeat lag histogram, how far
-                                       behind its broker the supervisor is: behind_s)
+                                       behind its broker the supervisor is: behind_s;
+                                       the event loop's stalls, and where: loop)
 GET      /metrics                      Prometheus (``supervisor.api.prom``), any valid token
 =======  ============================  ==========================================
 """
@@ -72,6 +73,8 @@ def add_status_routes(app: web.Application, sup: Backend) -> None:
                 "metrics_batches": sup.metrics.batches,
                 "metrics_dropped": sup.metrics.dropped,
                 **sup.wire_stats.view(),
+                # stretches the event loop ran without a yield, and where (phalanx.loopwatch)
+                "loop": sup.loopwatch.view(),
             }
         )
 

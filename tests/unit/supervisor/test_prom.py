@@ -11,6 +11,7 @@ from prometheus_client import generate_latest
 
 from phalanx import wire
 from phalanx.jobspec import validate_spec
+from phalanx.loopwatch import LoopWatch
 from supervisor.api.prom import registry_of
 from supervisor.backup import StoreBackups, take_backup
 from supervisor.checkpoints.catalog import CheckpointCatalog
@@ -45,6 +46,7 @@ class FakeSupervisor:
     store: Store
     bad_messages: int = 0
     backups: StoreBackups | None = None
+    loopwatch: LoopWatch = field(default_factory=LoopWatch)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -121,6 +123,7 @@ def test_prometheus_shows_the_fleet_and_each_running_jobs_figures_by_job_only(
     assert 'phalanx_job_step_time_seconds{job="big-1"} 0.5' in lines
     assert 'phalanx_job_tokens_per_second{job="big-1"} 64000.0' in lines
     assert "phalanx_bad_messages_total 3.0" in lines
+    assert 'phalanx_supervisor_loop_stall_seconds_bucket{le="+Inf"} 0.0' in lines
     values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line}
     assert 600 <= values["phalanx_queue_wait_seconds"] < 660
     assert 5 <= values['phalanx_ckpt_commit_age_seconds{job="big-1",tier="ram"}'] < 60
