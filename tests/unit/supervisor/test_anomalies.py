@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
+import statistics
 
-from supervisor.telemetry.anomalies import SpikeWatch, StragglerWatch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from supervisor.telemetry.anomalies import SpikeWatch, Straggler, StragglerWatch
 
 
 def steady(watch: SpikeWatch, n: int = 30, value: float = 2.0) -> None:
@@ -81,3 +85,49 @@ def test_a_rank_slow_once_is_no_straggler() -> None:
 def test_one_rank_alone_is_never_a_straggler() -> None:
     watch = StragglerWatch(windows=1)
     assert watch.see({0: 5.0}) == ([], [])
+
+
+def _reference_see(
+    watch: StragglerWatch, step_times: dict[int, float]
+) -> tuple[list[tuple[int, float]], list[int]]:
+    """The straggler rule as first written: every rank visited at every look."""
+    times = {r: t for r, t in step_times.items() if math.isfinite(t) and t >= 0}
+    if len(times) < watch.min_ranks:
+        return [], []
+    median = statistics.median(times.values())
+    new: list[tuple[int, float]] = []
+    cleared: list[int] = []
+    for rank, t in sorted(times.items()):
+        if t > median * (1 + watch.margin):
+            watch.slow_for[rank] = watch.slow_for.get(rank, 0) + 1
+            if watch.slow_for[rank] >= watch.windows:
+                if rank not in watch.flagged:
+                    new.append((rank, t))
+                watch.flagged[rank] = Straggler(rank, t, median)
+        else:
+            watch.slow_for.pop(rank, None)
+            if watch.flagged.pop(rank, None) is not None:
+                cleared.append(rank)
+    return new, cleared
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 4),
+    st.lists(
+        st.dictionaries(
+            st.integers(0, 11),
+            st.sampled_from([0.9, 1.0, 1.0, 1.1, 1.2, 1.3, 2.0, math.inf, math.nan, -1.0]),
+        ),
+        max_size=12,
+    ),
+)
+def test_the_straggler_watch_visiting_only_slow_ranks_judges_as_the_rule_does(
+    windows: int, looks: list[dict[int, float]]
+) -> None:
+    fast, reference = StragglerWatch(windows=windows), StragglerWatch(windows=windows)
+    for times in looks:
+        new, cleared = fast.see(times)
+        assert ([(s.rank, s.step_time_s) for s in new], cleared) == _reference_see(reference, times)
+        assert fast.slow_for == reference.slow_for
+        assert fast.flagged == reference.flagged
