@@ -129,10 +129,23 @@ class _Client(aiomqtt.Client):
                     self._disconnected.set_exception(exc)
 
         def watch() -> None:
-            if client.socket() is sock and sock.fileno() == fd:
+            # Nothing left to write: written since by write_now, whose drain unregistered
+            # a writer not yet added (one added now would fire forever, with nothing to
+            # write and no unregistration to come).
+            if client.socket() is sock and sock.fileno() == fd and client.want_write():
                 self._loop.add_writer(fd, writable)
 
         self._loop.call_soon_threadsafe(watch)
+
+    def write_now(self) -> None:
+        """Hand paho's queued messages to the socket now, as far as it takes them, not at
+        the loop's next turn (the rest goes when the socket is writable). Called on the
+        event loop only."""
+        try:
+            self._client.loop_write()
+        except Exception as exc:
+            if not self._disconnected.done():
+                self._disconnected.set_exception(exc)
 
     async def send(
         self, topic: str, payload: bytes, qos: int, retain: bool, timeout: float
@@ -253,6 +266,13 @@ class MqttLink:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    def write_now(self) -> None:
+        """What was published and waits in the client goes to the socket now, rather than
+        after whatever the loop runs next (a recovery's start orders, before the catalogs'
+        build: issue 22)."""
+        if self._client is not None:
+            self._client.write_now()
 
     @property
     def broker(self) -> str:
@@ -578,6 +598,11 @@ class MqttLinks:
     @property
     def behind_s(self) -> float:
         return max(link.behind_s for link in self.links)
+
+    def write_now(self) -> None:
+        """:meth:`MqttLink.write_now` on every link."""
+        for link in self.links:
+            link.write_now()
 
     def up(self, index: int) -> bool:
         return self.links[index].connected

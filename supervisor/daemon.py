@@ -148,6 +148,7 @@ class Supervisor:
             publisher=self.publisher,
             offline_confirmed=self.offline_confirmed,
             agent_keys=self.agent_keys,
+            write_now=self.link.write_now,
         )
         self.metrics = TrainingMetrics(
             self.store,

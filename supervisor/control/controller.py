@@ -72,7 +72,10 @@ class JobController:
         publisher: CatalogPublisher,
         offline_confirmed: Callable[[float], bool],
         agent_keys: AgentKeys | None = None,
+        write_now: Callable[[], None] = lambda: None,
     ) -> None:
+        """``write_now``: hands what was published to the broker's socket at once
+        (``phalanx.link.MqttLinks.write_now``; the actuator's, after a launch's starts)."""
         self.store = store
         self.agent_keys = agent_keys if agent_keys is not None else AgentKeys("")
         self.registry = registry
@@ -91,6 +94,7 @@ class JobController:
             publisher=publisher,
             agent_keys=self.agent_keys,
             start_orders=lambda job, nodes: self.orders.start_orders(job, nodes),
+            write_now=write_now,
         )
         self.orders = GangOrders(self.act)
         self._hangs = intake.HangReports()

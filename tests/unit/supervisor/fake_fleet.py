@@ -199,6 +199,8 @@ class FakeFleet:
             send=self.send,
             publisher=self.publisher,
             offline_confirmed=lambda since: self.confirmed,
+            # the link's write_now: what was published goes to the broker now
+            write_now=lambda: self.log.append(("written", "", "")),
         )
         self._closed = False
         self._restarted: list[FakeFleet] = []  # closed with this one

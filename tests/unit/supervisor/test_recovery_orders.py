@@ -139,6 +139,24 @@ async def test_a_relaunchs_starts_go_out_beside_its_catalogs(make_fleet: MakeFle
     assert {"catalogs", "starts"} <= set(fleet.job.incidents[-1].phases)
 
 
+async def test_a_relaunchs_starts_are_written_to_the_broker_before_its_catalogs_are_built(
+    make_fleet: MakeFleet,
+) -> None:
+    # Not at the loop's next turn, after the catalogs' first slice (its reads and the
+    # restore step's choice: up to half a second at 2,048 nodes on a busy host, issue 22).
+    fleet = make_fleet(["n0", "n1"], gang=["n0", "n1"])
+    fleet.ctl.on_failure(
+        fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=1)
+    )
+    await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+    await fleet.until(lambda: fleet.first("catalog", None, "2") >= 0)
+    last_start = fleet.last("sent", None, "start_ranks")
+    written = next(
+        (i for i, (w, _, _) in enumerate(fleet.log) if w == "written" and i > last_start), -1
+    )
+    assert last_start < written < fleet.first("catalog", None, "2")
+
+
 async def test_a_relaunch_whose_catalogs_fail_to_go_out_runs_and_sends_them_again(
     make_fleet: MakeFleet,
 ) -> None:

@@ -1,0 +1,95 @@
+"""A link hands what was published to the broker at once when asked (``write_now``),
+before the loop goes on to other work, and leaves no writer behind once all is out."""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+import threading
+import time
+
+import paho.mqtt.client as mqtt
+
+from phalanx.link import MqttLink
+from phalanx.settings import MqttSettings
+from tests.harness import Broker
+
+HOLD_S = 1.0  # the loop held, as a long build would hold it
+
+
+async def _noop(topic: str, payload: bytes) -> None:
+    return None
+
+
+def _hold(seconds: float) -> None:
+    """Hold the event loop (called on it), as a long build would."""
+    time.sleep(seconds)
+
+
+def _subscriber(
+    port: int, topic: str, expect: int
+) -> tuple[mqtt.Client, list[float], threading.Event, threading.Event]:
+    got: list[float] = []
+    ready, done = threading.Event(), threading.Event()
+
+    def on_message(*_: object) -> None:
+        got.append(time.monotonic())
+        if len(got) >= expect:
+            done.set()
+
+    sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="watch")
+    sub.on_connect = lambda c, *_: c.subscribe(topic, 0)
+    sub.on_subscribe = lambda *_: ready.set()
+    sub.on_message = on_message
+    sub.connect("127.0.0.1", port)
+    sub.loop_start()
+    return sub, got, ready, done
+
+
+def _writing(link: MqttLink) -> bool:
+    """Whether the loop watches the link's socket for writing."""
+    client = link._client
+    assert client is not None
+    sock = client._client.socket()
+    selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+    try:
+        key = selector.get_key(sock.fileno())
+    except KeyError:
+        return False
+    return bool(key.events & selectors.EVENT_WRITE)
+
+
+async def test_messages_written_now_reach_the_broker_while_the_loop_is_held(
+    broker: Broker,
+) -> None:
+    sub, got, ready, done = _subscriber(broker.port, "phalanx/test/now/+", 50)
+    try:
+        assert ready.wait(10)
+        settings = MqttSettings(host="127.0.0.1", port=broker.port)
+        async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
+            await link.wait_connected(10)
+            sends = [
+                asyncio.create_task(link.publish(f"phalanx/test/now/{i}", b"x", qos=1))
+                for i in range(50)
+            ]
+            await asyncio.sleep(0)  # each task has published (held in the client)
+            link.write_now()
+            held_until = time.monotonic() + HOLD_S
+            _hold(HOLD_S)  # nothing else writes meanwhile
+            async with asyncio.timeout(10):
+                await asyncio.gather(*sends)
+            assert await asyncio.to_thread(done.wait, 10)
+            assert len(got) == 50
+            assert max(got) < held_until  # all of them delivered during the hold
+
+            await asyncio.sleep(0.1)  # acks read; a writer added late would stay
+            assert not _writing(link)
+    finally:
+        sub.loop_stop()
+        sub.disconnect()
+
+
+async def test_a_link_not_connected_writes_nothing_and_raises_nothing() -> None:
+    settings = MqttSettings(port=1, reconnect_initial_s=0.01, reconnect_max_s=0.02)
+    async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
+        link.write_now()
