@@ -61,6 +61,7 @@ from supervisor.telemetry.wire_stats import quantile
 
 TOKEN = "bench-token-0123456789abcdef"
 JOB = "scale"
+SENT_AT = re.compile(rb'"sent_at":\s*([0-9.eE+-]+)')
 ROUTES = ("/v1/nodes", "/v1/jobs", "/v1/jobs/{id}", "/metrics")
 
 
@@ -162,8 +163,15 @@ class OrderWatch:
         self._complete_at: set[tuple[str, int, str]] = set()
         self._lock = threading.Lock()
         self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="bench-orders")
+        # Heartbeats too: (when delivered here, how long after their node stamped them),
+        # the simulators' and the broker's share of the heartbeat lag the supervisor sees.
+        self.heartbeats: list[tuple[float, float]] = []
         self._client.on_connect = lambda c, *_: c.subscribe(
-            [("phalanx/v1/node/+/cmd", 0), ("phalanx/v1/job/+/ckpt/+", 0)]
+            [
+                ("phalanx/v1/node/+/cmd", 0),
+                ("phalanx/v1/job/+/ckpt/+", 0),
+                ("phalanx/v1/node/+/heartbeat", 0),
+            ]
         )
         self._client.on_message = self._on_message
         self._client.reconnect_delay_set(0.2, 1.0)
@@ -187,6 +195,10 @@ class OrderWatch:
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
         at = time.time()
+        if message.topic.endswith("/heartbeat"):
+            if found := SENT_AT.search(message.payload):
+                self.heartbeats.append((at, at - float(found.group(1))))
+            return
         if "/ckpt/" in message.topic:
             if message.payload:
                 self._on_catalog(at, message.payload)
@@ -207,6 +219,63 @@ class OrderWatch:
         self._client.disconnect()
 
 
+def summarize(
+    stalls: list[dict[str, Any]], since: float = 0.0, until: float = float("inf")
+) -> dict[str, Any]:
+    """The stalls (``phalanx.loopwatch.Stall.as_dict``) that began in [since, until):
+    how many, how long in all, the longest, and by where (the most seconds first, eight
+    at most)."""
+    found = [s for s in stalls if since <= s["at"] < until]
+    by: dict[str, dict[str, Any]] = {}
+    for stall in found:
+        key = stall["where"] or stall["leaf"] or "?"
+        one = by.setdefault(
+            key, {"where": key, "n": 0, "s": 0.0, "max_s": 0.0, "leaf": "", "stack": ""}
+        )
+        one["n"] += 1
+        one["s"] = round(one["s"] + stall["s"], 3)
+        if stall["s"] > one["max_s"]:
+            one["max_s"], one["leaf"] = stall["s"], stall["leaf"]
+            one["stack"] = stall.get("stack", "")
+    return {
+        "n": len(found),
+        "s": round(sum(s["s"] for s in found), 3),
+        "longest_s": max((s["s"] for s in found), default=0.0),
+        "by_where": sorted(by.values(), key=lambda w: -w["s"])[:8],
+        "over_0_25_s": [
+            {k: s.get(k) for k in ("at", "s", "stack", "leaf")}
+            for s in sorted(found, key=lambda s: s["at"])
+            if s["s"] >= 0.25
+        ][:40],
+    }
+
+
+class StallLog:
+    """The supervisor's event loop stalls (``GET /v1/stats``: ``loop``, the last 16),
+    polled every second in a thread of its own from the fleet's start to the end, each
+    kept once: what held the loop while heartbeats, orders and REST waited."""
+
+    def __init__(self, port: int) -> None:
+        self.stalls: dict[float, dict[str, Any]] = {}
+        self._stop = threading.Event()
+        self._client = Client(f"http://127.0.0.1:{port}", TOKEN, timeout=30)
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(1.0):
+            with contextlib.suppress(ApiError, OSError):
+                for stall in self._client.get("/v1/stats").get("loop", {}).get("recent", []):
+                    self.stalls.setdefault(stall["at"], stall)
+
+    def summary(self, since: float = 0.0, until: float = float("inf")) -> dict[str, Any]:
+        return summarize(list(self.stalls.values()), since, until)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, root: Path) -> None:
         self.args = args
@@ -224,6 +293,7 @@ class Bench:
         self.supervisor: subprocess.Popen[bytes] | None = None
         self.spy: subprocess.Popen[bytes] | None = None  # py-spy on the supervisor
         self.orders: OrderWatch | None = None
+        self.stall_log: StallLog | None = None
         self.sims: list[SimProcess] = []
         self.api = Client(f"http://127.0.0.1:{self.api_port}", TOKEN, timeout=30)
         self.owner: dict[str, SimProcess] = {}
@@ -231,6 +301,7 @@ class Bench:
         self.out: dict[str, Any] = {}
         self.killed = 0  # nodes lost for good (their will)
         self.job_id = ""
+        self.steady_window = (0.0, 0.0)  # wall clock
 
     # --- parts ------------------------------------------------------------------
 
@@ -328,6 +399,8 @@ class Bench:
     def stop(self) -> None:
         if self.orders is not None:
             self.orders.close()
+        if self.stall_log is not None:
+            self.stall_log.close()
         for sim in self.sims:
             sim.stop()
         if self.spy is not None and self.spy.poll() is None:
@@ -492,6 +565,7 @@ class Bench:
         }
         others0 = {k: sum(proc_cpu_s(p) for p in pids) for k, pids in others.items()}
         cpu0, size0, t0 = proc_cpu_s(pid), store_bytes(state), time.monotonic()
+        wall0 = time.time()
         load0 = load()
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
@@ -526,6 +600,14 @@ class Bench:
             heartbeat_lag_p99_s=quantile(buckets, 0.99),
             heartbeats_in_window=sum(buckets.values()),
         )
+        assert self.stall_log is not None
+        time.sleep(1.5)  # the stall log's last poll of the window
+        self.steady_window = (wall0, wall0 + elapsed)
+        if self.orders is not None:  # stamped by the node -> delivered to the bench's watcher
+            delivered = [lag for at, lag in list(self.orders.heartbeats) if wall0 <= at]
+            self.out["heartbeat_delivery_lag_p50_s"] = pct(delivered, 0.5)
+            self.out["heartbeat_delivery_lag_p99_s"] = pct(delivered, 0.99)
+        self.out["steady_loop_stalls"] = self.stall_log.summary(*self.steady_window)
         for route in ROUTES:
             key = route.replace("/v1/", "").replace("/", "_").replace("{id}", "id").strip("_")
             self.out[f"rest_{key}_p50_s"] = pct(latencies[route], 0.5)
@@ -607,6 +689,7 @@ class Bench:
         )
         times = sorted(s["at"] - t0 for s in self.starts_of(generation))
         got: dict[str, Any] = {
+            "at": round(t0, 3),  # the fault's wall clock time (the stalls' "at" compare)
             "first": round(times[0], 3),
             "last": round(times[-1], 3),
             "launches": generation - first + 1,
@@ -777,6 +860,11 @@ class Bench:
                 for k in ("late", "none")
             },
         )
+        # The simulators' own loops (each serves --per-process nodes): their nodes'
+        # heartbeats, acks and landings wait behind these stalls before they are sent.
+        sim_stalls = [s for r in reports for s in (r.get("loop") or {}).get("recent", [])]
+        self.out["simulator_steady_loop_stalls"] = summarize(sim_stalls, *self.steady_window)
+        self.out["simulator_loop_stalls"] = summarize(sim_stalls)
         last_landing: dict[int, float] = {}
         for r in reports:
             for job, step, at in r["last_landing"]:
@@ -822,6 +910,7 @@ class Bench:
         t0 = time.time()
         self.start_broker()
         self.start_supervisor()
+        self.stall_log = StallLog(self.api_port)
         self.start_fleet()
         self.out["fleet_up_s"] = round(time.time() - t0, 1)
         self.orders = OrderWatch(self.broker_port)
@@ -838,6 +927,14 @@ class Bench:
         assert self.supervisor is not None
         self.out["supervisor_alive"] = self.supervisor.poll() is None
         self.out["bad_messages"] = self.stats()["bad_messages"]
+        time.sleep(1.5)  # the stall log's last poll
+        self.out["loop_stalls"] = self.stall_log.summary() if self.stall_log else None
+        if self.stall_log is not None:  # each of the faults' (after the steady state)
+            self.out["fault_loop_stalls"] = [
+                {k: s.get(k) for k in ("at", "s", "stack", "leaf")}
+                for at, s in sorted(self.stall_log.stalls.items())
+                if at >= self.steady_window[1]
+            ][:200]
         return self.out
 
 

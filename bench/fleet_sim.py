@@ -51,6 +51,7 @@ from agentd.health import HealthClassifier
 from agentd.metrics import MetricsWindow
 from phalanx import wire
 from phalanx.link import MqttLink, Outbox, Will
+from phalanx.loopwatch import LoopWatch
 from phalanx.progress import StepReport
 from phalanx.settings import MqttSettings
 
@@ -570,6 +571,7 @@ class Sim:
         # Nodes whose ranks waited CATALOG_WAIT_S for their generation's catalog: restored
         # from an older one (late), or failed for want of any (none).
         self.catalog_waits = {"late": 0, "none": 0}
+        self.watch: LoopWatch | None = None
         self.quiet = False  # metrics stopped (``quiet``), for the final count
         self.last_landing: dict[tuple[str, int], float] = {}
         # (job, step) -> when each node first saw it committed at every tier
@@ -614,14 +616,17 @@ class Sim:
         ]
 
     async def run(self) -> None:
-        for agent in self.agents.values():
-            await agent.start()
-            await asyncio.sleep(0.002)  # a fleet does not connect in one instant
-        ticker = asyncio.create_task(self._tick())
-        try:
-            await self._orders()
-        finally:
-            ticker.cancel()
+        # This process's own stalls: its nodes' heartbeats wait behind them too (a real
+        # agent's loop serves one node, this one serves --count).
+        async with LoopWatch(own=("bench", "phalanx", "agentd"), keep=256) as self.watch:
+            for agent in self.agents.values():
+                await agent.start()
+                await asyncio.sleep(0.002)  # a fleet does not connect in one instant
+            ticker = asyncio.create_task(self._tick())
+            try:
+                await self._orders()
+            finally:
+                ticker.cancel()
 
     async def _tick(self) -> None:
         while True:
@@ -678,6 +683,7 @@ class Sim:
             ][:20],
             "last_landing": [[j, s, t] for (j, s), t in self.last_landing.items()],
             "catalogs": [[j, s, v] for (j, s), v in self.catalogs.items()],
+            "loop": self.watch.view(recent=256) if self.watch is not None else None,
         }
 
 
