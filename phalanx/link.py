@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 import aiomqtt
+from paho.mqtt.enums import MQTTErrorCode
 from pydantic import BaseModel
 
 from phalanx.settings import MqttSettings
@@ -34,6 +35,7 @@ RETRY_AFTER_S = 0.2  # an outbox's pause before it tries a failed send again
 # Messages handled from the queue before the link lets the event loop run its other
 # work: a backlog of thousands is not handled in one turn of the loop.
 YIELD_EVERY = 32
+READ_PACKETS = 256  # MQTT packets one turn of the event loop reads at most, per link
 
 Handler = Callable[[str, bytes], Awaitable[None]]
 
@@ -99,14 +101,24 @@ class _Client(aiomqtt.Client):
     def _on_socket_open(self, client: Any, userdata: Any, sock: Any) -> None:
         fd = sock.fileno()
 
+        again: list[asyncio.Handle] = []  # a read of what an SSL socket decoded, to come
+
+        def ssl_pending() -> bool:
+            pending = getattr(client.socket(), "pending", None)
+            return pending is not None and pending() > 0
+
         def readable() -> None:
-            # paho may not consume every decoded byte of an SSL socket in one read
+            # READ_PACKETS at most a turn of the loop (``_read_some``). What is left in
+            # the socket makes the selector call again; what an SSL socket decoded
+            # already, it does not see: that is read at the next turn (one call queued).
+            while again:  # this call reads what the one queued would have
+                again.pop().cancel()
             try:
-                while True:
-                    client.loop_read()
-                    pending = getattr(client.socket(), "pending", None)
-                    if pending is None or pending() <= 0:
-                        break
+                while not _read_some(client):
+                    if not ssl_pending():  # paho may not take every decoded byte at once
+                        return
+                if ssl_pending():
+                    again.append(self._loop.call_soon(readable))
             except Exception as exc:  # a broken pipe: the connection is lost
                 if not self._disconnected.done():
                     self._disconnected.set_exception(exc)
@@ -183,6 +195,25 @@ class _Client(aiomqtt.Client):
         for future in list(self._sends):
             if not future.done():
                 future.set_exception(error())
+
+
+def _read_some(client: Any) -> bool:
+    """paho's ``loop_read``, but ``READ_PACKETS`` packets at most: True when it stopped
+    there with more perhaps to read. ``loop_read`` reads as many packets as messages are
+    in flight: a recovery's 2,048 start orders' acknowledgements and every node's acks,
+    rank events and landings behind them, 0.6-0.9 s of the supervisor's loop in one
+    callback at 2,048 nodes (the stall watch's samples), while the rest of the orders
+    waited to be written and every HTTP request and timer waited too (issue 22)."""
+    for _ in range(READ_PACKETS):
+        if client._sock is None:
+            return False  # MQTT_ERR_NO_CONN, as loop_read says
+        rc = client._packet_read()
+        if rc > 0:
+            client._loop_rc_handle(rc)  # the connection is lost: paho says so
+            return False
+        if rc == MQTTErrorCode.MQTT_ERR_AGAIN:
+            return False
+    return True
 
 
 class _NoTopicCallbacks:

@@ -1,0 +1,64 @@
+"""A link reads a bounded number of packets a turn of the event loop: a backlog of
+thousands (the broker's acknowledgements of a recovery's start orders, the acks and
+events behind them) is parsed in slices, with the loop's other work (timers, HTTP, the
+rest of the writes) between them, not in one callback."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+from phalanx.link import READ_PACKETS, MqttLink
+from phalanx.settings import MqttSettings
+from tests.harness import Broker
+
+IN_FLIGHT = 3000
+
+
+def _hold(seconds: float) -> None:
+    """Hold the event loop (called on it): the acknowledgements pile up in the socket."""
+    time.sleep(seconds)
+
+
+async def _noop(topic: str, payload: bytes) -> None:
+    return None
+
+
+async def test_a_backlog_of_acknowledgements_is_read_in_slices_with_the_loop_turning_between(
+    broker: Broker,
+) -> None:
+    settings = MqttSettings(host="127.0.0.1", port=broker.port)
+    async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
+        await link.wait_connected(10)
+        client = link._client
+        assert client is not None
+        sends = [
+            asyncio.create_task(link.publish(f"phalanx/test/pile/{i}", b"x", qos=1))
+            for i in range(IN_FLIGHT)
+        ]
+        await asyncio.sleep(0)  # each is published, in flight
+        link.write_now()
+        _hold(1.0)  # their acknowledgements arrive meanwhile, unread
+
+        # A callback that counts, at every turn of the loop, what is still in flight.
+        in_flight = client._client._out_messages
+        seen: list[int] = []
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def look() -> None:
+            seen.append(len(in_flight))
+            if seen[-1] > 0:
+                loop.call_soon(look)
+            else:
+                done.set()
+
+        look()
+        async with asyncio.timeout(20):
+            await done.wait()
+            await asyncio.gather(*sends)
+
+    steps = [a - b for a, b in itertools.pairwise(seen)]
+    assert max(steps) <= READ_PACKETS, steps  # never the whole backlog in one turn
+    assert len([s for s in steps if s > 0]) >= IN_FLIGHT // READ_PACKETS  # in slices
