@@ -55,7 +55,10 @@ class Stall:
     frames most of those samples were in (``where`` first, then its callers), ``leaf``
     the innermost frame of those samples (a library's, or ``where`` again), ``share``
     the fraction of the samples in ``where``; ``samples``: how many were taken (0: none,
-    the stall was over before the thread looked, and ``where`` is empty)."""
+    the stall was over before the thread looked, and ``where`` is empty); ``cpu_s`` the
+    CPU time the loop's thread had from the tick before the stall to its end (``s`` +
+    ``TICK_S`` of wall time): far less than ``s``, the loop was not working but waiting
+    (for the CPU, on a busy host; for the disk; for the GIL)."""
 
     at: float
     s: float
@@ -64,6 +67,7 @@ class Stall:
     share: float
     samples: int
     stack: str = ""
+    cpu_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +78,7 @@ class Stall:
             "share": round(self.share, 2),
             "samples": self.samples,
             "stack": self.stack,
+            "cpu_s": round(self.cpu_s, 3),
         }
 
 
@@ -139,6 +144,7 @@ class LoopWatch:
         self.longest_s = 0.0
         self.buckets = [0] * (len(BUCKETS) + 1)  # per bound, not cumulative; last: +Inf
         self._due = 0.0  # monotonic: when the next tick is due
+        self._cpu = 0.0  # the loop thread's CPU time at the last tick
         self._lock = threading.Lock()
         self._samples: Counter[tuple[str, str]] = Counter()
         self._stop = threading.Event()
@@ -150,6 +156,7 @@ class LoopWatch:
         loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._due = time.monotonic() + TICK_S
+        self._cpu = time.thread_time()
         self._handle = loop.call_later(TICK_S, self._tick)
         self._stop.clear()
         self._thread = threading.Thread(target=self._watch, name="loopwatch", daemon=True)
@@ -175,16 +182,16 @@ class LoopWatch:
             self._thread = None
 
     def _tick(self) -> None:
-        now = time.monotonic()
+        now, cpu = time.monotonic(), time.thread_time()
         late = now - self._due
         if late >= self.threshold_s:
             with self._lock:
                 samples, self._samples = self._samples, Counter()
-            self._keep(late, samples)
+            self._keep(late, samples, cpu - self._cpu)
         elif self._samples:
             with self._lock:
                 self._samples.clear()
-        self._due = now + TICK_S
+        self._due, self._cpu = now + TICK_S, cpu
         self._handle = asyncio.get_running_loop().call_later(TICK_S, self._tick)
 
     def _watch(self) -> None:
@@ -197,7 +204,7 @@ class LoopWatch:
             with self._lock:
                 self._samples[found] += 1
 
-    def _keep(self, s: float, samples: Counter[tuple[str, str]]) -> None:
+    def _keep(self, s: float, samples: Counter[tuple[str, str]], cpu_s: float) -> None:
         taken = sum(samples.values())
         where, leaf, stack, share = "", "", "", 0.0
         if taken:
@@ -209,7 +216,7 @@ class LoopWatch:
             mine = {k: n for k, n in samples.items() if k[0].split(" < ", 1)[0] == where}
             leaf = Counter({lf: n for (_, lf), n in mine.items()}).most_common(1)[0][0]
             stack = Counter({st: n for (st, _), n in mine.items()}).most_common(1)[0][0]
-        stall = Stall(time.time() - s, s, where, leaf, share, taken, stack)
+        stall = Stall(time.time() - s, s, where, leaf, share, taken, stack, cpu_s)
         self.stalls.append(stall)
         self.count += 1
         self.total_s += s
@@ -217,9 +224,10 @@ class LoopWatch:
         self.buckets[next((i for i, b in enumerate(BUCKETS) if s <= b), len(BUCKETS))] += 1
         if s >= self.log_s:
             log.warning(
-                "%s stalled %.2f s, mostly (%d of %d samples) in %s%s",
+                "%s stalled %.2f s (%.2f s of CPU), mostly (%d of %d samples) in %s%s",
                 self.name,
                 s,
+                cpu_s,
                 round(share * taken),
                 taken,
                 stack or "code outside the project",

@@ -102,3 +102,23 @@ async def test_leaving_the_watch_stops_its_thread_and_its_tick() -> None:
 def test_a_threshold_that_is_not_positive_is_refused() -> None:
     with pytest.raises(ValueError, match="threshold_s must be positive"):
         LoopWatch(threshold_s=0)
+
+
+def _sleep_on_the_loop(seconds: float) -> None:
+    time.sleep(seconds)  # the loop waits (as for a disk, or the CPU), using none
+
+
+async def test_a_stall_says_how_much_of_it_the_loop_spent_working() -> None:
+    async with LoopWatch(threshold_s=0.1, own=OWN) as watch:
+        await _settle()
+        loop = asyncio.get_running_loop()
+        loop.call_soon(_sleep_on_the_loop, 0.5)
+        await _settle()
+        loop.call_soon(_hold_the_loop, 0.5)
+        await _settle()
+
+    waited = next(s for s in watch.stalls if "_sleep_on_the_loop" in s.where)
+    worked = next(s for s in watch.stalls if "_hold_the_loop" in s.where)
+    assert waited.cpu_s < waited.s / 2  # waiting, not working
+    assert worked.cpu_s > waited.cpu_s
+    assert watch.view()["recent"][-1]["cpu_s"] == round(worked.cpu_s, 3)
