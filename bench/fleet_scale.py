@@ -240,10 +240,13 @@ def summarize(
     return {
         "n": len(found),
         "s": round(sum(s["s"] for s in found), 3),
+        # the loop thread's CPU over those stalls (and a tick before each): far less
+        # than "s", the loop mostly waited for the CPU (or the disk), not worked
+        "cpu_s": round(sum(s.get("cpu_s", 0.0) for s in found), 3),
         "longest_s": max((s["s"] for s in found), default=0.0),
         "by_where": sorted(by.values(), key=lambda w: -w["s"])[:8],
         "over_0_25_s": [
-            {k: s.get(k) for k in ("at", "s", "stack", "leaf")}
+            {k: s.get(k) for k in ("at", "s", "cpu_s", "stack", "leaf")}
             for s in sorted(found, key=lambda s: s["at"])
             if s["s"] >= 0.25
         ][:40],
@@ -931,7 +934,7 @@ class Bench:
         self.out["loop_stalls"] = self.stall_log.summary() if self.stall_log else None
         if self.stall_log is not None:  # each of the faults' (after the steady state)
             self.out["fault_loop_stalls"] = [
-                {k: s.get(k) for k in ("at", "s", "stack", "leaf")}
+                {k: s.get(k) for k in ("at", "s", "cpu_s", "stack", "leaf")}
                 for at, s in sorted(self.stall_log.stalls.items())
                 if at >= self.steady_window[1]
             ][:200]
