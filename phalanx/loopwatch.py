@@ -195,8 +195,13 @@ class LoopWatch:
         self._handle = asyncio.get_running_loop().call_later(TICK_S, self._tick)
 
     def _watch(self) -> None:
-        while not self._stop.wait(SAMPLE_S):
-            if time.monotonic() - self._due < self.threshold_s:
+        wait = SAMPLE_S
+        while not self._stop.wait(wait):
+            # Asleep until the loop would be late by the threshold (a few wake-ups a
+            # second, each taking the GIL from the loop), every SAMPLE_S while it is.
+            early = self._due + self.threshold_s - time.monotonic()
+            wait = max(SAMPLE_S, early)
+            if early > 0:
                 continue
             frame = sys._current_frames().get(self._loop_thread)
             found = locate(frame, self.own)
