@@ -930,14 +930,14 @@ class Bench:
         assert self.supervisor is not None
         self.out["supervisor_alive"] = self.supervisor.poll() is None
         self.out["bad_messages"] = self.stats()["bad_messages"]
+        assert self.stall_log is not None
         time.sleep(1.5)  # the stall log's last poll
-        self.out["loop_stalls"] = self.stall_log.summary() if self.stall_log else None
-        if self.stall_log is not None:  # each of the faults' (after the steady state)
-            self.out["fault_loop_stalls"] = [
-                {k: s.get(k) for k in ("at", "s", "cpu_s", "stack", "leaf")}
-                for at, s in sorted(self.stall_log.stalls.items())
-                if at >= self.steady_window[1]
-            ][:200]
+        self.out["loop_stalls"] = self.stall_log.summary()
+        self.out["fault_loop_stalls"] = [  # each of the faults' (after the steady state)
+            {k: s.get(k) for k in ("at", "s", "cpu_s", "stack", "leaf")}
+            for at, s in sorted(self.stall_log.stalls.items())
+            if at >= self.steady_window[1]
+        ][:200]
         return self.out
 
 
