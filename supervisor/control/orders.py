@@ -5,6 +5,7 @@ is preempted."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -21,6 +22,14 @@ from supervisor.jobs import Job
 from supervisor.recovery import rollbacks
 
 log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=65536)
+def _slot(rank: int, local_rank: int) -> wire.RankSlot:
+    """A rank's slot in a start order, made once (a frozen message, shared by every order
+    that names it): a 2,048-node launch made 16,384 of them again at every relaunch, 45 %
+    of its orders' build (issue 22)."""
+    return wire.RankSlot(rank=rank, local_rank=local_rank)
 
 
 class GangOrders:
@@ -74,9 +83,7 @@ class GangOrders:
                 group_rank=group_rank,
                 master_addr=job.master_addr or "",
                 master_port=job.master_port or 1,
-                ranks=[
-                    wire.RankSlot(rank=r.rank, local_rank=r.local_rank) for r in job.places_on(node)
-                ],
+                ranks=[_slot(r.rank, r.local_rank) for r in job.places_on(node)],
                 grace_s=spec.grace_period,
                 ckpt=self._ckpt_plan(job, node, buddies) if ckpt else None,
                 hang_timeout_s=spec.restart.hang_timeout,
