@@ -96,6 +96,7 @@ class _Client(aiomqtt.Client):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._sends: set[asyncio.Future[None]] = set()  # publishes waiting for the broker
+        self._drains: list[asyncio.Future[None]] = []  # waits for the queue written out
         # paho matches every message's topic against the per-topic callbacks, of which
         # the link has none: 4 % of the supervisor at 2,048 nodes (issue 22).
         self._client._on_message_filtered = _NoTopicCallbacks()  # type: ignore[assignment]
@@ -141,6 +142,7 @@ class _Client(aiomqtt.Client):
             except Exception as exc:
                 if not self._disconnected.done():
                     self._disconnected.set_exception(exc)
+            self._drained()
 
         def watch() -> None:
             # Nothing left to write: written since by write_now, whose drain unregistered
@@ -160,6 +162,34 @@ class _Client(aiomqtt.Client):
         except Exception as exc:
             if not self._disconnected.done():
                 self._disconnected.set_exception(exc)
+        self._drained()
+
+    async def written(self, timeout: float) -> bool:
+        """Wait until nothing published waits in the client any more (all of it handed
+        to the socket), ``timeout`` at most: False when something still waits then, or
+        the connection ended first."""
+        if not self._client.want_write():
+            return True
+        drain = self._loop.create_future()
+        self._drains.append(drain)
+        try:
+            async with asyncio.timeout(timeout):
+                await drain
+        except TimeoutError:
+            return False
+        finally:
+            with contextlib.suppress(ValueError):
+                self._drains.remove(drain)
+        return not self._client.want_write()
+
+    def _drained(self, *, ended: bool = False) -> None:
+        """Wake the waits of :meth:`written` once the client's queue is empty (``ended``:
+        the connection is gone, whatever is left)."""
+        if self._drains and (ended or not self._client.want_write()):
+            for drain in self._drains:
+                if not drain.done():
+                    drain.set_result(None)
+            self._drains.clear()
 
     async def send(
         self, topic: str, payload: bytes, qos: int, retain: bool, timeout: float
@@ -193,10 +223,11 @@ class _Client(aiomqtt.Client):
 
     def fail_sends(self, error: Callable[[], Exception]) -> None:
         """The connection ended: every publish still waiting for the broker fails now,
-        with what ``error`` makes."""
+        with what ``error`` makes; a wait for the queue written out ends too."""
         for future in list(self._sends):
             if not future.done():
                 future.set_exception(error())
+        self._drained(ended=True)
 
 
 def _read_some(client: Any) -> bool:
@@ -392,6 +423,14 @@ class MqttLink:
         build: issue 22)."""
         if self._client is not None:
             self._client.write_now()
+
+    async def written(self, timeout: float) -> bool:
+        """Wait until what was published is all handed to the socket, ``timeout`` at
+        most (False: not all of it, or the link is down)."""
+        client = self._client
+        if client is None:
+            return False
+        return await client.written(timeout)
 
     @property
     def broker(self) -> str:
@@ -722,6 +761,12 @@ class MqttLinks:
         """:meth:`MqttLink.write_now` on every link."""
         for link in self.links:
             link.write_now()
+
+    async def written(self, timeout: float) -> bool:
+        """:meth:`MqttLink.written` on every link that is up: whether all of them wrote
+        everything within ``timeout``."""
+        up = [link for link in self.links if link.connected]
+        return all(await asyncio.gather(*(link.written(timeout) for link in up)))
 
     def up(self, index: int) -> bool:
         return self.links[index].connected

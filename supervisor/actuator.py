@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from supervisor.store import Store
 log = logging.getLogger(__name__)
 
 MAX_WORLDS_KEPT = 16  # generations whose world size a job keeps (Job.worlds)
+WRITTEN_WAIT_S = 1.0  # how long a launch's catalogs wait for its starts on the wire, at most
 
 StartOrders = Callable[[Job, Sequence[str]], list[wire.StartRanksArgs]]
 
@@ -76,9 +77,11 @@ class Actuator:
         agent_keys: AgentKeys,
         start_orders: StartOrders,
         write_now: Callable[[], None] = lambda: None,
+        written: Callable[[float], Awaitable[bool]] | None = None,
     ) -> None:
         self.jobs = jobs
         self._write_now = write_now
+        self._written = written
         self.store = store
         self.registry = registry
         self.settings = settings
@@ -196,18 +199,27 @@ class Actuator:
                     ),
                     return_exceptions=True,
                 )
+                written = False
                 try:
                     # The gather made a task of each send, ready before this one: each
                     # publishes its order, up to its ack's wait, before this goes on.
                     await asyncio.sleep(0)
-                except asyncio.CancelledError:
-                    sends.cancel()
-                    raise
-                finally:
                     # Out to the broker now: the catalogs' build, next, would hold them
                     # in the link for its first slice (its reads and the restore step's
                     # choice: up to half a second at 2,048 nodes on a busy host).
                     self._write_now()
+                    written = True
+                    # And what the socket did not take at once (2 MB of orders at 2,048
+                    # nodes) before the catalogs begin: their first slice held the rest
+                    # 0.5 s (issue 22). Bounded: the catalogs matter too.
+                    if self._written is not None:
+                        await self._written(WRITTEN_WAIT_S)
+                except asyncio.CancelledError:
+                    sends.cancel()
+                    raise
+                finally:
+                    if not written:
+                        self._write_now()
                     issued.set()
                     if on_issued is not None:
                         on_issued()

@@ -149,6 +149,7 @@ class Supervisor:
             offline_confirmed=self.offline_confirmed,
             agent_keys=self.agent_keys,
             write_now=self.link.write_now,
+            written=self.link.written,
         )
         self.metrics = TrainingMetrics(
             self.store,

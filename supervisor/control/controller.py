@@ -15,7 +15,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 from phalanx import wire
@@ -73,9 +73,12 @@ class JobController:
         offline_confirmed: Callable[[float], bool],
         agent_keys: AgentKeys | None = None,
         write_now: Callable[[], None] = lambda: None,
+        written: Callable[[float], Awaitable[bool]] | None = None,
     ) -> None:
         """``write_now``: hands what was published to the broker's socket at once
-        (``phalanx.link.MqttLinks.write_now``; the actuator's, after a launch's starts)."""
+        (``phalanx.link.MqttLinks.write_now``; the actuator's, after a launch's starts);
+        ``written``: waits until all of it was (``MqttLinks.written``), before the
+        launch's catalogs."""
         self.store = store
         self.agent_keys = agent_keys if agent_keys is not None else AgentKeys("")
         self.registry = registry
@@ -95,6 +98,7 @@ class JobController:
             agent_keys=self.agent_keys,
             start_orders=lambda job, nodes: self.orders.start_orders(job, nodes),
             write_now=write_now,
+            written=written,
         )
         self.orders = GangOrders(self.act)
         self._hangs = intake.HangReports()

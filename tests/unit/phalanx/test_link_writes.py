@@ -6,6 +6,8 @@ QoS 0 publish, a disconnect) still get paho's own handling."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 from typing import Any
 
@@ -16,6 +18,8 @@ from phalanx.link import WRITE_BYTES, MqttLink, _write_joined
 from phalanx.settings import MqttSettings
 from tests.harness import Broker
 
+BIG = b"x" * 256 * 1024
+FULL_MESSAGES = 200  # 50 MB: more than loopback's socket buffers hold
 MESSAGES = 900  # under Mosquitto's 1,000 queued a subscriber (max_queued_messages)
 
 
@@ -175,3 +179,28 @@ async def test_a_burst_reaches_a_subscriber_whole_and_in_order_in_few_sends(
 
 async def _noop(topic: str, payload: bytes) -> None:
     return None
+
+
+async def test_written_waits_until_a_full_socket_took_everything_or_its_timeout(
+    broker: Broker,
+) -> None:
+    settings = MqttSettings(host="127.0.0.1", port=broker.port)
+    async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
+        await link.wait_connected(10)
+        assert await link.written(1.0)  # nothing queued
+        os.kill(broker.process.pid, signal.SIGSTOP)  # the broker reads no more
+        try:
+            publishes = [
+                asyncio.create_task(link.publish(f"phalanx/test/full/{i}", BIG, qos=1))
+                for i in range(FULL_MESSAGES)
+            ]
+            await asyncio.sleep(0)
+            link.write_now()
+            assert not await link.written(0.3)  # more than the socket's buffers hold
+        finally:
+            os.kill(broker.process.pid, signal.SIGCONT)
+        assert await link.written(20)
+        client = link._client
+        assert client is not None and not client._client.want_write()
+        async with asyncio.timeout(30):
+            await asyncio.gather(*publishes)

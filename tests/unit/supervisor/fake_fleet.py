@@ -185,6 +185,11 @@ class FakeFleet:
         self.catalogs_out.set()
         self._held.append(self.catalogs_out)
         self.catalogs_refused = 0  # so many catalogs' publishes fail (the broker's error)
+        # Set: what was published is all on the wire (the link's written); cleared by a
+        # test, the socket is full until it is set again, or the wait's timeout.
+        self.on_the_wire = asyncio.Event()
+        self.on_the_wire.set()
+        self._held.append(self.on_the_wire)
         self.publisher = CatalogPublisher(
             CheckpointCatalog(self.store),
             self._publish,
@@ -201,9 +206,20 @@ class FakeFleet:
             offline_confirmed=lambda since: self.confirmed,
             # the link's write_now: what was published goes to the broker now
             write_now=lambda: self.log.append(("written", "", "")),
+            written=self._written,
         )
         self._closed = False
         self._restarted: list[FakeFleet] = []  # closed with this one
+
+    async def _written(self, timeout: float) -> bool:
+        """The link's ``written``: logged as ("on the wire", "", "") once
+        :attr:`on_the_wire` is set, within ``timeout``."""
+        try:
+            await asyncio.wait_for(self.on_the_wire.wait(), timeout)
+        except TimeoutError:
+            return False
+        self.log.append(("on the wire", "", ""))
+        return True
 
     async def _publish(self, topic: str, payload: bytes, **kw: Any) -> None:
         """The link's publish: a checkpoint catalog goes nowhere (no node listens here),

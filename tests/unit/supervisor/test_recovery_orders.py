@@ -17,8 +17,11 @@ from __future__ import annotations
 import gc
 import time
 
+import pytest
+
 from phalanx import wire
 from phalanx.jobspec import validate_spec
+from supervisor import actuator
 from supervisor.control import prewarm
 from supervisor.jobs import JobState
 from supervisor.recovery.incidents import cold_ranks, rank_ranges
@@ -155,6 +158,41 @@ async def test_a_relaunchs_starts_are_written_to_the_broker_before_its_catalogs_
         (i for i, (w, _, _) in enumerate(fleet.log) if w == "written" and i > last_start), -1
     )
     assert last_start < written < fleet.first("catalog", None, "2")
+
+
+async def test_a_relaunchs_catalogs_wait_until_its_starts_are_all_on_the_wire(
+    make_fleet: MakeFleet,
+) -> None:
+    # What the socket did not take at once goes before the catalogs' first slice, which
+    # held the rest of 2,048 orders in the client for 0.5 s (issue 22).
+    fleet = make_fleet(["n0", "n1"], gang=["n0", "n1"])
+    fleet.on_the_wire.clear()  # the socket full
+    fleet.ctl.on_failure(
+        fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=1)
+    )
+    await fleet.until(lambda: len(fleet.ops("start_ranks")) == 2)
+    await fleet.settle()
+    assert fleet.first("catalog", None, "2") == -1  # not while the starts wait
+
+    fleet.on_the_wire.set()
+    await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+    await fleet.until(lambda: fleet.first("catalog", None, "2") >= 0)
+    assert fleet.first("on the wire", None, "") < fleet.first("catalog", None, "2")
+
+
+async def test_a_relaunchs_catalogs_go_once_the_wait_for_the_wire_is_over(
+    make_fleet: MakeFleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A socket that never drains (a broker that stopped reading) holds them only so long.
+    monkeypatch.setattr(actuator, "WRITTEN_WAIT_S", 0.2)
+    fleet = make_fleet(["n0", "n1"], gang=["n0", "n1"])
+    fleet.on_the_wire.clear()
+    fleet.ctl.on_failure(
+        fleet.job, Failure(FailureKind.RANK_EXIT, "n1", rank=2, code=1, generation=1)
+    )
+    await fleet.until(lambda: fleet.job.state is JobState.RUNNING)
+    await fleet.until(lambda: fleet.first("catalog", None, "2") >= 0)
+    assert fleet.first("on the wire", None, "") == -1
 
 
 async def test_a_relaunch_whose_catalogs_fail_to_go_out_runs_and_sends_them_again(
