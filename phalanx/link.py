@@ -38,6 +38,7 @@ RETRY_AFTER_S = 0.2  # an outbox's pause before it tries a failed send again
 YIELD_EVERY = 32
 READ_PACKETS = 256  # MQTT packets one turn of the event loop reads at most, per link
 WRITE_BYTES = 64 * 1024  # the most bytes of queued packets one send hands the socket
+READ_BYTES = 64 * 1024  # what one read from the socket asks for (paho's reads are buffered)
 
 Handler = Callable[[str, bytes], Awaitable[None]]
 
@@ -100,27 +101,56 @@ class _Client(aiomqtt.Client):
         # paho matches every message's topic against the per-topic callbacks, of which
         # the link has none: 4 % of the supervisor at 2,048 nodes (issue 22).
         self._client._on_message_filtered = _NoTopicCallbacks()  # type: ignore[assignment]
+        # paho reads a packet in three reads or more (its first byte, its length a byte
+        # at a time, the rest): a system call each. Its reads come from a buffer here,
+        # filled READ_BYTES at a time: at 2,048 nodes the supervisor's reads were its
+        # loop's longest stalls after its store's, their leaf the socket's recv.
+        self._read_from_socket = self._client._sock_recv
+        self._read: bytes = b""  # read from the socket, not yet given to paho from ...
+        self._read_at = 0  # ... here on
+        self._client._sock_recv = self._buffered_recv  # type: ignore[method-assign]
+
+    def _buffered_recv(self, bufsize: int) -> bytes:
+        """paho's ``_sock_recv``: up to ``bufsize`` bytes, from what was read before if
+        any is left, else from one read of the socket of ``READ_BYTES`` at least (raising
+        as paho's does: ``BlockingIOError`` when there is nothing, b"" at its end)."""
+        data, at = self._read, self._read_at
+        if at < len(data):
+            self._read_at = at + bufsize
+            return data[at : at + bufsize]
+        got: bytes = self._read_from_socket(max(bufsize, READ_BYTES))
+        if len(got) > bufsize:
+            self._read, self._read_at = got, bufsize
+            return got[:bufsize]
+        self._read, self._read_at = b"", 0
+        return got
 
     def _on_socket_open(self, client: Any, userdata: Any, sock: Any) -> None:
         fd = sock.fileno()
+        self._read, self._read_at = b"", 0  # a new connection: nothing of the last
 
-        again: list[asyncio.Handle] = []  # a read of what an SSL socket decoded, to come
+        again: list[asyncio.Handle] = []  # a read of what was read already, to come
 
-        def ssl_pending() -> bool:
-            pending = getattr(client.socket(), "pending", None)
-            return pending is not None and pending() > 0
+        def pending() -> bool:
+            """Bytes read that the selector does not see: in the link's buffer, or
+            decoded by an SSL socket."""
+            if self._read_at < len(self._read):
+                return True
+            decoded = getattr(client.socket(), "pending", None)
+            return decoded is not None and decoded() > 0
 
         def readable() -> None:
             # READ_PACKETS at most a turn of the loop (``_read_some``). What is left in
-            # the socket makes the selector call again; what an SSL socket decoded
-            # already, it does not see: that is read at the next turn (one call queued).
+            # the socket makes the selector call again; what was read into the link's
+            # buffer or an SSL socket's already, it does not see: that is read at the
+            # next turn (one call queued).
             while again:  # this call reads what the one queued would have
                 again.pop().cancel()
             try:
                 while not _read_some(client):
-                    if not ssl_pending():  # paho may not take every decoded byte at once
+                    if not pending():  # paho may not take every byte read at once
                         return
-                if ssl_pending():
+                if pending():
                     again.append(self._loop.call_soon(readable))
             except Exception as exc:  # a broken pipe: the connection is lost
                 if not self._disconnected.done():

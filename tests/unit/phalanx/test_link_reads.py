@@ -14,6 +14,7 @@ from phalanx.settings import MqttSettings
 from tests.harness import Broker
 
 IN_FLIGHT = 3000
+BUFFERED = 1000
 
 
 def _hold(seconds: float) -> None:
@@ -62,3 +63,44 @@ async def test_a_backlog_of_acknowledgements_is_read_in_slices_with_the_loop_tur
     steps = [a - b for a, b in itertools.pairwise(seen)]
     assert max(steps) <= READ_PACKETS, steps  # never the whole backlog in one turn
     assert len([s for s in steps if s > 0]) >= IN_FLIGHT // READ_PACKETS  # in slices
+
+
+async def test_packets_are_read_from_a_buffer_filled_many_at_a_time_whole_and_in_order(
+    broker: Broker,
+) -> None:
+    # paho reads each packet in three reads of the socket or more; here one read
+    # takes up to READ_BYTES of them. Big payloads (over READ_BYTES) among small ones.
+    payloads = [(b"%05d" % i) + (b"y" * (200_000 if i % 97 == 0 else 300)) for i in range(BUFFERED)]
+    got: list[bytes] = []
+    done = asyncio.Event()
+
+    async def take(topic: str, payload: bytes) -> None:
+        got.append(payload)
+        if len(got) == len(payloads):
+            done.set()
+
+    settings = MqttSettings(host="127.0.0.1", port=broker.port)
+    async with MqttLink(
+        settings, "reader", subscriptions=("phalanx/test/buffered",), handler=take
+    ) as link:
+        await link.wait_connected(10)
+        client = link._client
+        assert client is not None
+        reads = [0]
+        real = client._read_from_socket
+
+        def counted(size: int) -> bytes:
+            reads[0] += 1
+            data: bytes = real(size)
+            return data
+
+        client._read_from_socket = counted
+        async with MqttLink(settings, "writer", subscriptions=(), handler=_noop) as writer:
+            await writer.wait_connected(10)
+            await asyncio.gather(
+                *(writer.publish("phalanx/test/buffered", p, qos=1) for p in payloads)
+            )
+        async with asyncio.timeout(30):
+            await done.wait()
+    assert got == payloads  # whole, once, in order
+    assert reads[0] < 3 * len(payloads) // 10, reads[0]  # paho alone: 3 or more a packet
