@@ -181,7 +181,21 @@ class _Client(aiomqtt.Client):
             if client.socket() is sock and sock.fileno() == fd and client.want_write():
                 self._loop.add_writer(fd, writable)
 
-        self._loop.call_soon_threadsafe(watch)
+        # paho asks at every publish that finds its queue empty. On the loop's own thread
+        # the writer is added now: call_soon_threadsafe wakes the loop through its self
+        # pipe, a system call a publish (the simulators' largest stall at 2,048 nodes,
+        # 512 links a process: issue 22). From connect's thread, it must.
+        if self._on_loop():
+            watch()
+        else:
+            self._loop.call_soon_threadsafe(watch)
+
+    def _on_loop(self) -> bool:
+        """Whether this runs on the link's event loop's thread."""
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # no loop runs in this thread
+            return False
 
     def write_now(self) -> None:
         """Hand paho's queued messages to the socket now, as far as it takes them, not at

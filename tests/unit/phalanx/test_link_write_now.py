@@ -9,6 +9,7 @@ import threading
 import time
 
 import paho.mqtt.client as mqtt
+import pytest
 
 from phalanx.link import MqttLink
 from phalanx.settings import MqttSettings
@@ -93,3 +94,27 @@ async def test_a_link_not_connected_writes_nothing_and_raises_nothing() -> None:
     settings = MqttSettings(port=1, reconnect_initial_s=0.01, reconnect_max_s=0.02)
     async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
         link.write_now()
+
+
+async def test_a_publish_on_the_loop_adds_its_writer_without_waking_the_loop_through_its_pipe(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # call_soon_threadsafe writes to the loop's self pipe: a system call a publish that
+    # found the client's queue empty, for nothing, on the loop's own thread.
+    settings = MqttSettings(host="127.0.0.1", port=broker.port)
+    async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
+        await link.wait_connected(10)
+        loop = asyncio.get_running_loop()
+        wakes = [0]
+        real = loop._write_to_self  # type: ignore[attr-defined]
+
+        def counted() -> None:
+            wakes[0] += 1
+            real()
+
+        monkeypatch.setattr(loop, "_write_to_self", counted)
+        for i in range(50):  # each finds the queue empty (the last one written)
+            await link.publish(f"phalanx/test/wake/{i}", b"x", qos=1)
+            assert not _writing(link)  # and no writer left behind
+        monkeypatch.undo()
+    assert wakes[0] < 5, wakes[0]  # one a publish before
