@@ -145,6 +145,16 @@ class CkptQueries:
         ).fetchall()
         return {int(r[0]): int(r[1]) for r in rows}
 
+    def shard_rows_of(self, job: str, step: int, tier: str) -> dict[int, tuple[int, ShardRow]]:
+        """Every shard of ``step`` at ``tier``: rank -> (generation, (node, holder, nbytes,
+        checksum)), as :meth:`shard_rows` reads them."""
+        rows = self.db.execute(
+            "SELECT rank, generation, node, holder, nbytes, checksum FROM ckpt_shards "
+            "WHERE job = ? AND step = ? AND tier = ?",
+            (job, step, tier),
+        ).fetchall()
+        return {int(r[0]): (int(r[1]), (str(r[2]), r[3], int(r[4]), str(r[5]))) for r in rows}
+
     def saved_in(self, job: str, step: int, rank: int, checksum: str) -> set[int]:
         """The generations whose saves of rank ``rank``'s shard of ``step`` have
         ``checksum``, at any tier."""

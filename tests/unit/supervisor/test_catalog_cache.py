@@ -78,10 +78,11 @@ class ReadCounter:
         monkeypatch.setattr(CkptQueries, "shard_rows", shard_rows)
 
 
-async def test_a_build_reads_only_the_steps_committed_since_the_last_and_says_the_same(
+async def test_a_build_reads_none_of_the_shards_it_knows_and_says_the_same(
     make: Make,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The steps built before are kept; a step committed since came with its landings.
     link = SlowLink()
     publisher = make(link)
     reads = ReadCounter(monkeypatch)
@@ -92,10 +93,35 @@ async def test_a_build_reads_only_the_steps_committed_since_the_last_and_says_th
 
     await publisher.publish(JOB)
 
-    assert reads.keys == [(5, "object")]
+    assert reads.keys == []
     sent = [link.retained[wire.catalog_topic(JOB, node)].decode() for node in NODES]
     job = running_job()
     assert sent == fresh(publisher.store, generation=1, alive=set(), hold_steps=hold_steps(job))
+
+
+def test_a_step_committed_while_a_build_is_out_is_not_read_back_by_the_next(
+    tmp_path: Path,
+) -> None:
+    # The build that was out when it committed (its slices let landings in) must not
+    # drop what the commit's landings left for the next.
+    store = Store(tmp_path / "state.db")
+    try:
+        catalog = CheckpointCatalog(store)
+        for rank in range(WORLD):
+            catalog.on_landing(landing(5, rank), WORLD)
+        pinned, rows = catalog.pin_rows(JOB)
+        built = catalog.messages(JOB, WORLD, placement=PLACEMENT, rows=rows)
+        for rank in range(WORLD):  # committed while that build was out
+            catalog.on_landing(landing(6, rank), WORLD)
+        catalog.keep_rows(JOB, pinned, rows)
+        assert [m.restore_step for m in built] == [5] * len(built)
+
+        _, kept = catalog.pin_rows(JOB)
+
+        assert set(kept) == {(5, "object"), (6, "object")}  # nothing to read back
+        assert cached(catalog) == fresh(store)
+    finally:
+        store.close()
 
 
 async def test_a_step_dropped_behind_the_catalogs_back_is_gone_from_the_next_build(
@@ -146,7 +172,19 @@ async def test_publishes_asked_while_one_is_out_make_one_more_build_and_all_retu
 # One job of 4 ranks on 2 nodes at two tiers; what happens to its shards, in any order.
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["commit", "partial", "corrupt", "deleted", "drop", "moved", "placed"]),
+        st.sampled_from(
+            [
+                "commit",
+                "partial",
+                "corrupt",
+                "deleted",
+                "drop",
+                "moved",
+                "placed",
+                "newer",  # a newer generation saves the step again
+                "reopen",  # a restarted supervisor: what was landed is loaded again
+            ]
+        ),
         st.integers(1, 4),  # step
         st.sampled_from(["nvme", "peer"]),
         st.integers(0, 3),  # rank
@@ -207,6 +245,8 @@ def test_whatever_happens_to_the_shards_a_cached_build_says_what_a_fresh_one_say
                     )
                 )
 
+            generation = 1
+
             def land(
                 step: int, tier: str, rank: int, event: str = "landed", node: str = ""
             ) -> None:
@@ -221,6 +261,7 @@ def test_whatever_happens_to_the_shards_a_cached_build_says_what_a_fresh_one_say
                     checksum=f"xxh3_128:{step:016x}{rank:016x}",
                     at=1.0,
                     holder="n09" if tier == "peer" else None,
+                    generation=generation,
                 )
                 with store.batch():
                     catalog.on_landing(msg, world)
@@ -237,6 +278,11 @@ def test_whatever_happens_to_the_shards_a_cached_build_says_what_a_fresh_one_say
                     CkptRows.of(store).drop_step(JOB, step, tier)
                 elif op == "moved":  # the row rewritten: a redelivery from another node
                     land(step, tier, rank, node="n05")
+                elif op == "newer":
+                    generation += 1
+                    land(step, tier, rank)
+                elif op == "reopen":
+                    catalog = CheckpointCatalog(store)
                 else:  # a relaunch put the rank on another node
                     placement = {**placement, rank: f"n{step:02d}"}
                 if build:
