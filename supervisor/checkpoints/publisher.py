@@ -44,6 +44,7 @@ PUBLISH_AT_ONCE = 256  # a job's catalogs in flight to the broker at once
 # SQLite's own error where it is not corruption (PostgreSQL's come as StoreError).
 PIN_ERRORS: tuple[type[Exception], ...] = (StoreError, *DB_ERRORS)
 BATCH_S = 0.05  # landings and releases received within this are handled together
+RECORD_AT_ONCE = 512  # landings recorded in one transaction, one turn of the event loop
 RETRY_S = 2.0  # a catalog the link refused, or landings the store refused, go again after
 BUILD_SLICE_S = 0.02  # a build of catalogs lets the event loop run at least this often
 MAX_QUEUED_LANDINGS = 1_000_000  # ~a checkpoint step of 250k ranks at every tier
@@ -389,25 +390,42 @@ class CatalogPublisher:
     # --- landings -------------------------------------------------------------------
 
     async def flush_landings(self) -> None:
-        """Record the landings received since the last flush, then publish the catalogs
-        that changed."""
+        """Record the landings received since the last flush, ``RECORD_AT_ONCE`` a
+        transaction with the event loop's other work between them, then publish the
+        catalogs that changed. At 2,048 nodes a tier's 16,384 landings come within a
+        second: recorded 0.05 s of them at a time, they held the loop 0.1-0.3 s a batch
+        on a busy host, the longest of its stalls (issue 22). Those that come meanwhile
+        wait for the next flush."""
         self._landing_flush.cancel()
-        try:
-            changed = self.record_landings()
-        except StoreError:
-            self._landing_flush.start(RETRY_S)
-            return
+        changed: set[str] = set()
+        left = len(self._landings)
+        while left > 0:
+            take = min(left, RECORD_AT_ONCE)
+            left -= take
+            try:
+                changed |= self.record_landings(take)
+            except StoreError:
+                if changed:  # recorded: their catalogs go out with the retry of catalogs
+                    self._retry_later(changed)
+                self._landing_flush.start(RETRY_S)
+                return
+            if left > 0:
+                await asyncio.sleep(0)  # the loop's messages, HTTP, timers
         for job_id in sorted(changed):
             await self.publish(job_id)
 
-    def record_landings(self) -> set[str]:
-        """Record the queued landings in one transaction; the jobs whose catalog changed.
+    def record_landings(self, limit: int | None = None) -> set[str]:
+        """Record the queued landings (the first ``limit`` of them) in one transaction;
+        the jobs whose catalog changed.
 
         On a store error the landings go back to the queue (acknowledged to the broker,
         they exist nowhere else) and the error is raised. Any other error is one landing
         the store cannot take (a value past what it holds): that one is logged and
         dropped, and it never holds up the others."""
-        batch, self._landings = self._landings, []
+        if limit is None:
+            batch, self._landings = self._landings, []
+        else:
+            batch, self._landings = self._landings[:limit], self._landings[limit:]
 
         def record(msgs: list[wire.CkptLanding]) -> set[str]:
             changed: set[str] = set()

@@ -19,6 +19,7 @@ import pytest
 
 from phalanx import wire
 from phalanx.jobspec import validate_spec
+from supervisor.checkpoints import publisher as publisher_module
 from supervisor.checkpoints.catalog import CheckpointCatalog
 from supervisor.checkpoints.publisher import BUILD_SLICE_S, CatalogPublisher
 from supervisor.checkpoints.rows import CkptRows
@@ -232,6 +233,49 @@ async def test_a_landing_the_store_cannot_take_is_dropped_and_never_holds_up_the
     assert CkptRows.of(store).commits("j-2") == []
     assert transactions <= 15  # halves around the one that fails, not one per landing
     assert publisher.record_landings() == set()  # nothing left queued
+
+
+async def test_a_flush_records_its_landings_in_slices_with_the_loop_turning_between(
+    make: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A tier's 16,384 landings within a second were one transaction a 50 ms batch: the
+    # loop's longest stalls at 2,048 nodes (issue 22). Sliced: every one still counts.
+    monkeypatch.setattr(publisher_module, "RECORD_AT_ONCE", 2)
+    link = SlowLink()
+    publisher = make(link)
+    store = publisher.store
+    turns = 0
+    at: list[int] = []  # the loop's turns as each transaction began
+    real_batch = store.batch
+
+    @contextlib.contextmanager
+    def counted() -> Iterator[None]:
+        at.append(turns)
+        with real_batch():
+            yield
+
+    async def loop_turns() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    store.batch = counted  # type: ignore[method-assign]
+    for step in (4, 5):
+        for rank in range(WORLD):
+            publisher._landings.append(landing(step, rank))  # queued, no flush timer
+    ticking = asyncio.create_task(loop_turns())
+    try:
+        await publisher.flush_landings()
+    finally:
+        ticking.cancel()
+
+    assert len(at) == (2 * WORLD + 1) // 2  # two landings a transaction
+    assert all(later > earlier for earlier, later in itertools.pairwise(at)), at
+    assert [c[0] for c in CkptRows.of(store).commits("j-1")] == [4, 5]
+    catalog = link.catalog("n00")
+    assert catalog is not None and catalog.restore_step == 5  # published once all were in
+    assert publisher._landings == []
 
 
 async def test_the_event_loop_runs_between_the_messages_of_a_long_build(make: Make) -> None:
