@@ -79,12 +79,16 @@ class CountingOutbox(Outbox):
 
     async def _send_first(self, timeout: float, connection: int | None = None) -> int:
         head = list(itertools.islice(self._queue, wire.MAX_LANDINGS_BATCHED))
+        # When the node handed them to its link, not when the broker's acknowledgement
+        # came back: that waits for this process's loop, up to seconds behind at 2,048
+        # nodes, and a step's catalogs then seemed out before its last landing.
+        handed = time.time()
         count = await super()._send_first(timeout, connection)
         self.sim.sent[self.kind] += count
         for message in head[:count]:
             if isinstance(message, wire.CkptLanding) and message.event == "landed":
                 key = (message.job, message.step)
-                self.sim.last_landing[key] = max(self.sim.last_landing.get(key, 0.0), time.time())
+                self.sim.last_landing[key] = max(self.sim.last_landing.get(key, 0.0), handed)
         return count
 
 
