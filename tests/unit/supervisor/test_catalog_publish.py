@@ -235,6 +235,27 @@ async def test_a_landing_the_store_cannot_take_is_dropped_and_never_holds_up_the
     assert publisher.record_landings() == set()  # nothing left queued
 
 
+class LoopTurns:
+    """Counts the event loop's turns while entered (``async with``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _turn(self) -> None:
+        while True:
+            self.count += 1
+            await asyncio.sleep(0)
+
+    async def __aenter__(self) -> LoopTurns:
+        self._task = asyncio.create_task(self._turn())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
 async def test_a_flush_records_its_landings_in_slices_with_the_loop_turning_between(
     make: Make, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -244,31 +265,22 @@ async def test_a_flush_records_its_landings_in_slices_with_the_loop_turning_betw
     link = SlowLink()
     publisher = make(link)
     store = publisher.store
-    turns = 0
+    turns = LoopTurns()
     at: list[int] = []  # the loop's turns as each transaction began
     real_batch = store.batch
 
     @contextlib.contextmanager
     def counted() -> Iterator[None]:
-        at.append(turns)
+        at.append(turns.count)
         with real_batch():
             yield
-
-    async def loop_turns() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await asyncio.sleep(0)
 
     store.batch = counted  # type: ignore[method-assign]
     for step in (4, 5):
         for rank in range(WORLD):
             publisher._landings.append(landing(step, rank))  # queued, no flush timer
-    ticking = asyncio.create_task(loop_turns())
-    try:
+    async with turns:
         await publisher.flush_landings()
-    finally:
-        ticking.cancel()
 
     assert len(at) == (2 * WORLD + 1) // 2  # two landings a transaction
     assert all(later > earlier for earlier, later in itertools.pairwise(at)), at
@@ -284,27 +296,18 @@ async def test_the_event_loop_runs_between_the_messages_of_a_long_build(make: Ma
     commit(publisher, 4)
     catalog = publisher.catalog
     real = catalog.iter_messages
-    turns = 0  # the loop's turns: what a heartbeat handler needs
+    turns = LoopTurns()  # the loop's turns: what a heartbeat handler needs
     seen: list[int] = []  # the turns the loop had taken as each message was made
 
     def iter_messages(*args: Any, **kwargs: Any) -> Iterator[wire.CkptCatalog]:
         for message in real(*args, **kwargs):
             time.sleep(BUILD_SLICE_S)  # each a slice's worth (a job of many thousand ranks)
-            seen.append(turns)
+            seen.append(turns.count)
             yield message
 
-    async def loop_turns() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await asyncio.sleep(0)
-
     catalog.iter_messages = iter_messages  # type: ignore[method-assign]
-    ticking = asyncio.create_task(loop_turns())
-    try:
+    async with turns:
         await publisher.publish("j-1")
-    finally:
-        ticking.cancel()
 
     assert len(seen) == WORLD
     assert all(later > earlier for earlier, later in itertools.pairwise(seen)), seen
