@@ -181,12 +181,22 @@ class _Client(aiomqtt.Client):
             if client.socket() is sock and sock.fileno() == fd and client.want_write():
                 self._loop.add_writer(fd, writable)
 
+        def write_soon() -> None:
+            # What was published in this turn of the loop goes in one write; the socket
+            # is watched for writing only when it did not take all of it.
+            if client.socket() is not sock or sock.fileno() != fd:
+                return  # that connection is gone
+            writable()
+            if client.want_write():
+                self._loop.add_writer(fd, writable)
+
         # paho asks at every publish that finds its queue empty. On the loop's own thread
-        # the writer is added now: call_soon_threadsafe wakes the loop through its self
-        # pipe, a system call a publish (the simulators' largest stall at 2,048 nodes,
-        # 512 links a process: issue 22). From connect's thread, it must.
+        # the queue is written at the loop's next turn: a writer registered and removed
+        # for every message is two system calls (epoll's), and call_soon_threadsafe a
+        # third (the loop's self pipe): the simulators' largest stalls at 2,048 nodes,
+        # 512 links a process (issue 22). From connect's thread, the writer is watched.
         if self._on_loop():
-            watch()
+            self._loop.call_soon(write_soon)
         else:
             self._loop.call_soon_threadsafe(watch)
 

@@ -118,3 +118,29 @@ async def test_a_publish_on_the_loop_adds_its_writer_without_waking_the_loop_thr
             assert not _writing(link)  # and no writer left behind
         monkeypatch.undo()
     assert wakes[0] < 5, wakes[0]  # one a publish before
+
+
+async def test_a_publish_with_room_in_the_socket_is_written_without_watching_the_socket(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A writer added and removed for every message is two epoll system calls; the
+    # queue is written at the loop's next turn instead, watched only when it is full.
+    settings = MqttSettings(host="127.0.0.1", port=broker.port)
+    async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
+        await link.wait_connected(10)
+        loop = asyncio.get_running_loop()
+        added = [0]
+        real = loop.add_writer
+
+        def counted(*args: object) -> None:
+            added[0] += 1
+            real(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(loop, "add_writer", counted)
+        for i in range(50):
+            await link.publish(f"phalanx/test/room/{i}", b"x", qos=1)
+        burst = [link.publish(f"phalanx/test/room/b{i}", b"y" * 100, qos=1) for i in range(200)]
+        await asyncio.gather(*burst)
+        assert await link.written(5)
+        monkeypatch.undo()
+    assert added[0] == 0
