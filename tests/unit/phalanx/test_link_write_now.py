@@ -7,6 +7,7 @@ import asyncio
 import selectors
 import threading
 import time
+from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -45,6 +46,19 @@ def _subscriber(
     sub.connect("127.0.0.1", port)
     sub.loop_start()
     return sub, got, ready, done
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[int]:
+    """Count the calls of ``owner.name`` (still made) in the list returned."""
+    calls = [0]
+    real = getattr(owner, name)
+
+    def counted(*args: Any) -> Any:
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
 
 
 def _writing(link: MqttLink) -> bool:
@@ -104,15 +118,7 @@ async def test_a_publish_on_the_loop_adds_its_writer_without_waking_the_loop_thr
     settings = MqttSettings(host="127.0.0.1", port=broker.port)
     async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
         await link.wait_connected(10)
-        loop = asyncio.get_running_loop()
-        wakes = [0]
-        real = loop._write_to_self  # type: ignore[attr-defined]
-
-        def counted() -> None:
-            wakes[0] += 1
-            real()
-
-        monkeypatch.setattr(loop, "_write_to_self", counted)
+        wakes = _count_calls(monkeypatch, asyncio.get_running_loop(), "_write_to_self")
         for i in range(50):  # each finds the queue empty (the last one written)
             await link.publish(f"phalanx/test/wake/{i}", b"x", qos=1)
             assert not _writing(link)  # and no writer left behind
@@ -128,15 +134,7 @@ async def test_a_publish_with_room_in_the_socket_is_written_without_watching_the
     settings = MqttSettings(host="127.0.0.1", port=broker.port)
     async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
         await link.wait_connected(10)
-        loop = asyncio.get_running_loop()
-        added = [0]
-        real = loop.add_writer
-
-        def counted(*args: object) -> None:
-            added[0] += 1
-            real(*args)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(loop, "add_writer", counted)
+        added = _count_calls(monkeypatch, asyncio.get_running_loop(), "add_writer")
         for i in range(50):
             await link.publish(f"phalanx/test/room/{i}", b"x", qos=1)
         burst = [link.publish(f"phalanx/test/room/b{i}", b"y" * 100, qos=1) for i in range(200)]
