@@ -5,20 +5,26 @@ from __future__ import annotations
 
 import gc
 import math
+import statistics
 from collections.abc import Iterator
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from phalanx import wire
 from phalanx.jobspec import validate_spec
 from supervisor.jobs import Job, JobState, RankPlace
 from supervisor.store import Store
 from supervisor.telemetry.rows import SeriesRows
-from supervisor.telemetry.series import row_bound
+from supervisor.telemetry.series import Point, row_bound
 from supervisor.telemetry.training import (
+    GANG_SERIES,
     MAX_SERIES,
+    STEP_TIME,
     TrainingMetrics,
     Window,
     gang_points,
@@ -326,3 +332,72 @@ def test_an_ended_jobs_last_windows_without_rank_0_add_no_point_at_a_step_it_has
     clock.now += 5
     m.flush()
     assert [p.step for p in SeriesRows(store).series(JOB, ["loss"])["loss"]] == [19]
+
+
+def _gang_points_by_name(pending: dict[int, Window], rank_0_names: set[str]) -> dict[str, Point]:
+    """The scalars' gang points as first written: each name looked up in each window."""
+    points: dict[str, Point] = {}
+    first = pending.get(0)
+    names = {n for w in pending.values() for n in w.names()}
+    for name in sorted(names - set(GANG_SERIES)):
+        of_first = first.stats(name) if first is not None else None
+        if name in rank_0_names and of_first is None:
+            continue
+        having = [(w, st) for w in pending.values() if (st := w.stats(name)) is not None]
+        lows = [st[1] for _, st in having]
+        highs = [st[2] for _, st in having]
+        nan = any(math.isnan(v) for v in (*lows, *highs))
+        low, high = (math.nan, math.nan) if nan else (min(lows), max(highs))
+        if first is not None and of_first is not None:
+            points[name] = Point(first.step_last, first.at, of_first[0], low, high)
+        else:
+            value = statistics.fmean(st[0] for _, st in having)
+            step = max(w.step_last for w, _ in having)
+            points[name] = Point(step, max(w.at for w, _ in having), value, low, high)
+    return points
+
+
+_figure = st.floats(min_value=-1e6, max_value=1e6) | st.just(math.nan)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(
+        st.integers(min_value=0, max_value=6),
+        st.tuples(
+            st.integers(min_value=0, max_value=50),  # step
+            st.dictionaries(
+                st.sampled_from(["loss", "lr", "grad_norm", "acc", STEP_TIME]),
+                st.tuples(_figure, _figure, _figure, _figure),
+                max_size=5,
+            ),
+        ),
+        max_size=6,
+    ),
+    st.sets(st.sampled_from(["loss", "lr"])),
+)
+def test_the_scalars_gang_points_in_one_pass_are_those_by_name(
+    ranks: dict[int, tuple[int, dict[str, tuple[float, float, float, float]]]],
+    rank_0_names: set[str],
+) -> None:
+    pending = {
+        rank: Window(
+            "n1",
+            1.0,
+            step - 1,
+            step,
+            1000.0 + step + rank,
+            2,
+            0.1,
+            1.0,
+            0.0,
+            tuple(v for name, stats in scalars.items() for v in (name, *stats)),
+        )
+        for rank, (step, scalars) in ranks.items()
+    }
+    got = gang_points(pending, [], rank_0_names)
+    want = _gang_points_by_name(pending, rank_0_names)
+    assert got.keys() == want.keys()
+    for name, point in got.items():  # figure by figure, a NaN as good as a NaN
+        pairs = zip(astuple(point), astuple(want[name]), strict=True)
+        assert all((a != a and b != b) or a == b for a, b in pairs), (name, point, want[name])
