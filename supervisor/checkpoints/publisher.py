@@ -397,93 +397,92 @@ class CatalogPublisher:
         on a busy host, the longest of its stalls (issue 22). Those that come meanwhile
         wait for the next flush."""
         self._landing_flush.cancel()
+        batch, self._landings = self._landings, []
+        pending = [batch[i : i + RECORD_AT_ONCE] for i in range(0, len(batch), RECORD_AT_ONCE)]
         changed: set[str] = set()
-        left = len(self._landings)
-        while left > 0:
-            take = min(left, RECORD_AT_ONCE)
-            left -= take
-            try:
-                changed |= self.record_landings(take)
-            except StoreError:
-                if changed:  # recorded: their catalogs go out with the retry of catalogs
-                    self._retry_later(changed)
-                self._landing_flush.start(RETRY_S)
-                return
-            if left > 0:
-                await asyncio.sleep(0)  # the loop's messages, HTTP, timers
+        try:
+            while pending:
+                self._record_first(pending, changed)
+                if pending:
+                    await asyncio.sleep(0)  # the loop's messages, HTTP, timers
+        except StoreError:
+            self._landing_flush.start(RETRY_S)
+            return
         for job_id in sorted(changed):
             await self.publish(job_id)
 
-    def record_landings(self, limit: int | None = None) -> set[str]:
-        """Record the queued landings (the first ``limit`` of them) in one transaction;
-        the jobs whose catalog changed.
+    def record_landings(self) -> set[str]:
+        """Record the queued landings in one transaction; the jobs whose catalog changed.
 
         On a store error the landings go back to the queue (acknowledged to the broker,
         they exist nowhere else) and the error is raised. Any other error is one landing
         the store cannot take (a value past what it holds): that one is logged and
         dropped, and it never holds up the others."""
-        if limit is None:
-            batch, self._landings = self._landings, []
-        else:
-            batch, self._landings = self._landings[:limit], self._landings[limit:]
-
-        def record(msgs: list[wire.CkptLanding]) -> set[str]:
-            changed: set[str] = set()
-            try:
-                with self.store.batch():
-                    for msg in msgs:
-                        job = self._job(msg.job)
-                        if job is None:
-                            log.warning("dropped: a checkpoint landing of unknown job %s", msg.job)
-                        elif void_landing(job, msg):
-                            log.info(
-                                "job %s: ignored a landing of step %d from generation %d: "
-                                "a rollback voided it",
-                                msg.job,
-                                msg.step,
-                                msg.generation,
-                            )
-                        elif self.catalog.on_landing(msg, job.world_size_of(msg.generation)):
-                            changed.add(msg.job)
-            except BaseException:
-                self.catalog.forget()  # the transaction was rolled back: so is what it counted
-                raise
-            return changed
-
-        def requeue(msgs: list[wire.CkptLanding], exc: StoreError) -> None:
-            self._landings[:0] = msgs[-MAX_QUEUED_LANDINGS:]
-            lost = len(self._landings) - MAX_QUEUED_LANDINGS
-            if lost > 0:
-                del self._landings[:lost]
-                log.error(
-                    "dropped the %d oldest checkpoint landings: the store has failed for too long",
-                    lost,
-                )
-            log.error("recording %d checkpoint landing(s) failed, trying again: %s", len(msgs), exc)
-
-        # One transaction for the batch; a batch that fails for any reason but the store is
-        # split in halves until the landing that fails stands alone (a few transactions,
-        # never one per landing).
-        pending, changed = [batch], set()
+        batch, self._landings = self._landings, []
+        pending: list[list[wire.CkptLanding]] = [batch]
+        changed: set[str] = set()
         while pending:
-            chunk = pending.pop(0)
-            try:
-                changed |= record(chunk)
-            except StoreError as exc:
-                requeue([msg for part in (chunk, *pending) for msg in part], exc)
-                if changed:  # recorded: their catalogs go out with the retry of catalogs
-                    self._retry_later(changed)
-                raise
-            except Exception as exc:
-                if len(chunk) > 1:
-                    pending[:0] = [chunk[: len(chunk) // 2], chunk[len(chunk) // 2 :]]
-                    continue
-                log.error(
-                    "dropped a checkpoint landing the store cannot take: %r: %s",
-                    exc,
-                    chunk[0].model_dump_json()[:500],
-                )
+            self._record_first(pending, changed)
         return changed
+
+    def _record_first(self, pending: list[list[wire.CkptLanding]], changed: set[str]) -> None:
+        """Record the first of the ``pending`` batches (taken off it) in one transaction,
+        adding the jobs whose catalog changed to ``changed``. A batch that fails for any
+        reason but the store is split in halves until the landing that fails stands
+        alone (a few transactions, never one per landing). On a store error that batch
+        and every pending one go back to the queue, first, and the error is raised."""
+        chunk = pending.pop(0)
+        try:
+            changed |= self._record(chunk)
+        except StoreError as exc:
+            self._requeue([msg for part in (chunk, *pending) for msg in part], exc)
+            pending.clear()
+            if changed:  # recorded: their catalogs go out with the retry of catalogs
+                self._retry_later(changed)
+            raise
+        except Exception as exc:
+            if len(chunk) > 1:
+                pending[:0] = [chunk[: len(chunk) // 2], chunk[len(chunk) // 2 :]]
+                return
+            log.error(
+                "dropped a checkpoint landing the store cannot take: %r: %s",
+                exc,
+                chunk[0].model_dump_json()[:500],
+            )
+
+    def _record(self, msgs: list[wire.CkptLanding]) -> set[str]:
+        changed: set[str] = set()
+        try:
+            with self.store.batch():
+                for msg in msgs:
+                    job = self._job(msg.job)
+                    if job is None:
+                        log.warning("dropped: a checkpoint landing of unknown job %s", msg.job)
+                    elif void_landing(job, msg):
+                        log.info(
+                            "job %s: ignored a landing of step %d from generation %d: "
+                            "a rollback voided it",
+                            msg.job,
+                            msg.step,
+                            msg.generation,
+                        )
+                    elif self.catalog.on_landing(msg, job.world_size_of(msg.generation)):
+                        changed.add(msg.job)
+        except BaseException:
+            self.catalog.forget()  # the transaction was rolled back: so is what it counted
+            raise
+        return changed
+
+    def _requeue(self, msgs: list[wire.CkptLanding], exc: StoreError) -> None:
+        self._landings[:0] = msgs[-MAX_QUEUED_LANDINGS:]
+        lost = len(self._landings) - MAX_QUEUED_LANDINGS
+        if lost > 0:
+            del self._landings[:lost]
+            log.error(
+                "dropped the %d oldest checkpoint landings: the store has failed for too long",
+                lost,
+            )
+        log.error("recording %d checkpoint landing(s) failed, trying again: %s", len(msgs), exc)
 
     # --- shutdown -------------------------------------------------------------------
 

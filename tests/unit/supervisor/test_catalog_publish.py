@@ -290,6 +290,36 @@ async def test_a_flush_records_its_landings_in_slices_with_the_loop_turning_betw
     assert publisher._landings == []
 
 
+async def test_a_store_failing_mid_flush_keeps_the_landings_not_recorded_in_order(
+    make: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(publisher_module, "RECORD_AT_ONCE", 2)
+    publisher = make(SlowLink())
+    store = publisher.store
+    real_batch = store.batch
+    transactions = 0
+
+    @contextlib.contextmanager
+    def third_fails() -> Iterator[None]:  # the disk fills at the third transaction
+        nonlocal transactions
+        transactions += 1
+        with real_batch():
+            yield
+            if transactions == 3:
+                raise StoreError(store.path, "cannot write the supervisor store: disk is full")
+
+    queued = [landing(step, rank) for step in (4, 5) for rank in range(WORLD)]
+    publisher._landings.extend(queued)
+    monkeypatch.setattr(store, "batch", third_fails)
+    await publisher.flush_landings()
+    assert publisher._landings == queued[4:]  # the first two slices are in; the rest wait
+
+    monkeypatch.setattr(store, "batch", real_batch)
+    await publisher.flush_landings()
+    assert [c[0] for c in CkptRows.of(store).commits("j-1")] == [4, 5]
+    assert publisher._landings == []
+
+
 async def test_the_event_loop_runs_between_the_messages_of_a_long_build(make: Make) -> None:
     link = SlowLink()
     publisher = make(link)
