@@ -372,12 +372,11 @@ class CheckpointCatalog:
         # The ranks landed so far of each step not yet committed at a tier, loaded from the
         # store once: counting them in SQL on every landing grew with the square of the ranks.
         # The generation that counts for each step and tier: the newest that landed there.
-        self._landed: dict[tuple[str, int, str], tuple[int, set[int]]] = {}
         # And every shard row of it, as the store holds them (rank -> row): at its commit
         # they are the committed rows, cached for the catalog's build, which read 16,384
         # of them back at every commit of a 2,048-node job (0.2-0.4 s of the event loop
         # on a busy host, between the last landing and the catalogs: issue 22).
-        self._landed_rows: dict[tuple[str, int, str], dict[int, ShardRow]] = {}
+        self._landed: dict[tuple[str, int, str], tuple[int, set[int], dict[int, ShardRow]]] = {}
 
     def on_landing(self, msg: wire.CkptLanding, world_size: int) -> bool:
         """Record a landing or deletion; True when a commit appeared or went."""
@@ -415,12 +414,12 @@ class CheckpointCatalog:
                 msg.tier,
                 msg.error,
             )
-            self._unload((msg.job, msg.step, msg.tier))
+            self._landed.pop((msg.job, msg.step, msg.tier), None)
             return self.rows.drop_shard(msg.job, msg.step, msg.tier, msg.rank)
         if msg.event == "deleted":
             # Retention is the same on every node, and one agent's deletion at a shared
             # tier (the object store) removes every rank's shard: the step is gone there.
-            self._unload((msg.job, msg.step, msg.tier))
+            self._landed.pop((msg.job, msg.step, msg.tier), None)
             return self.rows.drop_step(msg.job, msg.step, msg.tier)
         key = (msg.job, msg.step, msg.tier)
         saved: set[int] = set()
@@ -441,10 +440,12 @@ class CheckpointCatalog:
         if key not in self._landed:
             found = self.rows.shard_rows_of(*key)
             newest = max((g for g, _ in found.values()), default=max(saved, default=msg.generation))
-            self._landed[key] = (newest, {r for r, (g, _) in found.items() if g == newest})
-            self._landed_rows[key] = {r: row for r, (_, row) in found.items()}
-        generation, ranks = self._landed[key]
-        shard_rows = self._landed_rows[key]
+            self._landed[key] = (
+                newest,
+                {r for r, (g, _) in found.items() if g == newest},
+                {r: row for r, (_, row) in found.items()},
+            )
+        generation, ranks, shard_rows = self._landed[key]
         went = False
         if saved:
             msg = msg.model_copy(
@@ -473,8 +474,8 @@ class CheckpointCatalog:
             went = any(s == msg.step and t == msg.tier for s, t, _ in self.rows.commits(msg.job))
             self.rows.drop_step(msg.job, msg.step, msg.tier)
             generation, ranks = msg.generation, set()
-            self._landed[key] = (generation, ranks)
             shard_rows.clear()
+            self._landed[key] = (generation, ranks, shard_rows)
         self.rows.add_shard(
             msg.job,
             msg.step,
@@ -491,11 +492,11 @@ class CheckpointCatalog:
         ranks.add(msg.rank)
         if len(ranks) < world_size:
             return went
-        self._unload(key)  # complete: a redelivery or a corrupt report reloads it
+        del self._landed[key]  # complete: a redelivery or a corrupt report reloads it
         for older in [
             k for k in self._landed if k[0] == msg.job and k[2] == msg.tier and k[1] < msg.step
         ]:
-            self._unload(older)  # most likely never complete; reloaded if it does
+            del self._landed[older]  # most likely never complete; reloaded if it does
         if not self.rows.add_commit(msg.job, msg.step, msg.tier, time.time()):
             return went
         # The committed rows, as the store now holds them, at the version the commit's
@@ -514,21 +515,15 @@ class CheckpointCatalog:
         )
         return True
 
-    def _unload(self, key: tuple[str, int, str]) -> None:
-        """Forget what was loaded of a step at a tier not committed yet."""
-        self._landed.pop(key, None)
-        self._landed_rows.pop(key, None)
-
     def forget(self) -> None:
         """Drop what is cached of the store (after a write was rolled back)."""
         self._landed.clear()
-        self._landed_rows.clear()
         self._rows.clear()
 
     def forget_job(self, job: str) -> None:
         """Drop what is cached of one job (it ended); a later landing reloads it."""
         for key in [k for k in self._landed if k[0] == job]:
-            self._unload(key)
+            del self._landed[key]
         for cached in [k for k in self._rows if k[0] == job]:
             del self._rows[cached]
         self._shards.pop(job, None)

@@ -137,14 +137,6 @@ class CkptQueries:
         ).fetchall()
         return {str(r[0]) for r in rows}
 
-    def shard_ranks(self, job: str, step: int, tier: str) -> dict[int, int]:
-        """The ranks with a shard of ``step`` at ``tier``, and the generation of each."""
-        rows = self.db.execute(
-            "SELECT rank, generation FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ?",
-            (job, step, tier),
-        ).fetchall()
-        return {int(r[0]): int(r[1]) for r in rows}
-
     def shard_rows_of(self, job: str, step: int, tier: str) -> dict[int, tuple[int, ShardRow]]:
         """Every shard of ``step`` at ``tier``: rank -> (generation, (node, holder, nbytes,
         checksum)), as :meth:`shard_rows` reads them."""

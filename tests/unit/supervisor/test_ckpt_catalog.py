@@ -299,7 +299,7 @@ def test_landings_recorded_in_one_batch_commit_once_and_a_failed_batch_leaves_no
         catalog.on_landing(landing(6, 0), world_size=3)
         raise RuntimeError("the flush failed half way")
     catalog.forget()
-    assert CkptRows.of(store).shard_ranks("j-1", 6, "nvme") == {}
+    assert CkptRows.of(store).shard_rows_of("j-1", 6, "nvme") == {}
     for rank in range(3):  # the landings come again: the step still commits, once
         committed.append(catalog.on_landing(landing(6, rank), world_size=3))
     assert committed[3:] == [False, False, True]
