@@ -9,9 +9,9 @@ import asyncio
 import itertools
 import time
 
-from phalanx.link import READ_PACKETS, MqttLink
-from phalanx.settings import MqttSettings
+from phalanx.link import READ_PACKETS
 from tests.harness import Broker
+from tests.unit.phalanx.links import connected
 
 IN_FLIGHT = 3000
 BUFFERED = 1000
@@ -22,16 +22,10 @@ def _hold(seconds: float) -> None:
     time.sleep(seconds)
 
 
-async def _noop(topic: str, payload: bytes) -> None:
-    return None
-
-
 async def test_a_backlog_of_acknowledgements_is_read_in_slices_with_the_loop_turning_between(
     broker: Broker,
 ) -> None:
-    settings = MqttSettings(host="127.0.0.1", port=broker.port)
-    async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
-        await link.wait_connected(10)
+    async with connected(broker, "t") as link:
         client = link._client
         assert client is not None
         sends = [
@@ -79,11 +73,9 @@ async def test_packets_are_read_from_a_buffer_filled_many_at_a_time_whole_and_in
         if len(got) == len(payloads):
             done.set()
 
-    settings = MqttSettings(host="127.0.0.1", port=broker.port)
-    async with MqttLink(
-        settings, "reader", subscriptions=("phalanx/test/buffered",), handler=take
+    async with connected(
+        broker, "reader", subscriptions=("phalanx/test/buffered",), handler=take
     ) as link:
-        await link.wait_connected(10)
         client = link._client
         assert client is not None
         reads = [0]
@@ -95,8 +87,7 @@ async def test_packets_are_read_from_a_buffer_filled_many_at_a_time_whole_and_in
             return data
 
         client._read_from_socket = counted
-        async with MqttLink(settings, "writer", subscriptions=(), handler=_noop) as writer:
-            await writer.wait_connected(10)
+        async with connected(broker, "writer") as writer:
             await asyncio.gather(
                 *(writer.publish("phalanx/test/buffered", p, qos=1) for p in payloads)
             )

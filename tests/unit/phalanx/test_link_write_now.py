@@ -15,12 +15,9 @@ import pytest
 from phalanx.link import MqttLink
 from phalanx.settings import MqttSettings
 from tests.harness import Broker
+from tests.unit.phalanx.links import connected, noop
 
 HOLD_S = 1.0  # the loop held, as a long build would hold it
-
-
-async def _noop(topic: str, payload: bytes) -> None:
-    return None
 
 
 def _hold(seconds: float) -> None:
@@ -80,9 +77,7 @@ async def test_messages_written_now_reach_the_broker_while_the_loop_is_held(
     sub, got, ready, done = _subscriber(broker.port, "phalanx/test/now/+", 50)
     try:
         assert ready.wait(10)
-        settings = MqttSettings(host="127.0.0.1", port=broker.port)
-        async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
-            await link.wait_connected(10)
+        async with connected(broker, "t") as link:
             sends = [
                 asyncio.create_task(link.publish(f"phalanx/test/now/{i}", b"x", qos=1))
                 for i in range(50)
@@ -106,7 +101,7 @@ async def test_messages_written_now_reach_the_broker_while_the_loop_is_held(
 
 async def test_a_link_not_connected_writes_nothing_and_raises_nothing() -> None:
     settings = MqttSettings(port=1, reconnect_initial_s=0.01, reconnect_max_s=0.02)
-    async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
+    async with MqttLink(settings, "t", subscriptions=(), handler=noop) as link:
         link.write_now()
 
 
@@ -115,9 +110,7 @@ async def test_a_publish_on_the_loop_adds_its_writer_without_waking_the_loop_thr
 ) -> None:
     # call_soon_threadsafe writes to the loop's self pipe: a system call a publish that
     # found the client's queue empty, for nothing, on the loop's own thread.
-    settings = MqttSettings(host="127.0.0.1", port=broker.port)
-    async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
-        await link.wait_connected(10)
+    async with connected(broker, "t") as link:
         wakes = _count_calls(monkeypatch, asyncio.get_running_loop(), "_write_to_self")
         for i in range(50):  # each finds the queue empty (the last one written)
             await link.publish(f"phalanx/test/wake/{i}", b"x", qos=1)
@@ -131,9 +124,7 @@ async def test_a_publish_with_room_in_the_socket_is_written_without_watching_the
 ) -> None:
     # A writer added and removed for every message is two epoll system calls; the
     # queue is written at the loop's next turn instead, watched only when it is full.
-    settings = MqttSettings(host="127.0.0.1", port=broker.port)
-    async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
-        await link.wait_connected(10)
+    async with connected(broker, "t") as link:
         added = _count_calls(monkeypatch, asyncio.get_running_loop(), "add_writer")
         for i in range(50):
             await link.publish(f"phalanx/test/room/{i}", b"x", qos=1)

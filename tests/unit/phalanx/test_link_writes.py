@@ -14,9 +14,9 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.client import DISCONNECT, PUBLISH, PUBREL
 
-from phalanx.link import WRITE_BYTES, MqttLink, _write_joined
-from phalanx.settings import MqttSettings
+from phalanx.link import WRITE_BYTES, _write_joined
 from tests.harness import Broker
+from tests.unit.phalanx.links import connected
 
 BIG = b"x" * 256 * 1024
 FULL_MESSAGES = 200  # 50 MB: more than loopback's socket buffers hold
@@ -138,9 +138,7 @@ async def test_a_burst_reaches_a_subscriber_whole_and_in_order_in_few_sends(
     sub.loop_start()
     try:
         assert await asyncio.to_thread(ready.wait, 10)
-        settings = MqttSettings(host="127.0.0.1", port=broker.port)
-        async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
-            await link.wait_connected(10)
+        async with connected(broker, "t") as link:
             client = link._client
             assert client is not None
             paho = client._client
@@ -177,16 +175,10 @@ async def test_a_burst_reaches_a_subscriber_whole_and_in_order_in_few_sends(
     assert sends[0] < MESSAGES // 10, sends[0]
 
 
-async def _noop(topic: str, payload: bytes) -> None:
-    return None
-
-
 async def test_written_waits_until_a_full_socket_took_everything_or_its_timeout(
     broker: Broker,
 ) -> None:
-    settings = MqttSettings(host="127.0.0.1", port=broker.port)
-    async with MqttLink(settings, "t", subscriptions=(), handler=_noop) as link:
-        await link.wait_connected(10)
+    async with connected(broker, "t") as link:
         assert await link.written(1.0)  # nothing queued
         os.kill(broker.process.pid, signal.SIGSTOP)  # the broker reads no more
         try:
