@@ -113,6 +113,7 @@ class Store:
         # A wing's rows object that must be one per store (``checkpoints.rows.CkptRows``:
         # its versions), by wing.
         self.wing_rows: dict[str, object] = {}
+        self._rollback_hooks: list[Callable[[], None]] = []
         # The writes queued by the *_soon methods, in order: (key, sql, args), where a key
         # (a node's or a job's record) holds the newest only; args is a thunk for those.
         self._soon: list[tuple[str | None, str, Callable[[], tuple[Any, ...]]]] = []
@@ -198,6 +199,15 @@ class Store:
     def write(self, sql: str, args: tuple[Any, ...]) -> Cursor:
         """One write; a failure is a :class:`StoreError` naming the store's file."""
         return self._write(sql, args)
+
+    def on_rollback(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` whenever a :meth:`batch` is rolled back: a wing that keeps what
+        it wrote in memory (``checkpoints.rows``) drops what the store no longer holds."""
+        self._rollback_hooks.append(hook)
+
+    def _rolled_back(self) -> None:
+        for hook in self._rollback_hooks:
+            hook()
 
     # --- writes soon ----------------------------------------------------------------
 
@@ -297,12 +307,14 @@ class Store:
         except BaseException:
             with contextlib.suppress(*DB_ERRORS, StoreError):  # the error says what failed
                 self._db.execute("ROLLBACK")
+            self._rolled_back()
             raise
         try:
             self._db.execute("COMMIT")
         except DB_ERRORS as exc:
             with contextlib.suppress(*DB_ERRORS, StoreError):
                 self._db.execute("ROLLBACK")
+            self._rolled_back()
             raise StoreError(
                 self.path, f"cannot write the supervisor store {self.where}: {exc}"
             ) from exc

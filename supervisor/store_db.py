@@ -187,7 +187,7 @@ CREATE TABLE IF NOT EXISTS ckpt_commits (
     PRIMARY KEY (job, step, tier)
 );
 CREATE INDEX IF NOT EXISTS ckpt_shards_rank ON ckpt_shards (job, step, rank);
-CREATE INDEX IF NOT EXISTS ckpt_shards_node ON ckpt_shards (job, node);
+DROP INDEX IF EXISTS ckpt_shards_node;
 CREATE TABLE IF NOT EXISTS ckpt_ended_catalogs (
     job TEXT COLLATE "C" NOT NULL,
     node TEXT COLLATE "C" NOT NULL,

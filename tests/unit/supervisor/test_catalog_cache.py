@@ -9,6 +9,7 @@ what was cached: every test here compares it with a build from the store alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -149,14 +150,14 @@ async def test_publishes_asked_while_one_is_out_make_one_more_build_and_all_retu
     publisher = make(link)
     commit(publisher, 5)
     builds = 0
-    real = publisher.catalog.iter_messages
+    real = publisher.catalog.iter_payloads
 
-    def counted(*args: Any, **kw: Any) -> Iterator[wire.CkptCatalog]:
+    def counted(*args: Any, **kw: Any) -> Iterator[tuple[wire.CkptCatalog, bytes]]:
         nonlocal builds
         builds += 1
         return real(*args, **kw)
 
-    publisher.catalog.iter_messages = counted  # type: ignore[method-assign]
+    publisher.catalog.iter_payloads = counted  # type: ignore[method-assign]
     first = asyncio.create_task(publisher.publish(JOB))
     await until(link.slow.is_set, 5.0, "the first build, n02's publish in flight")
     commit(publisher, 6)  # changes after the first build: a later publish must show them
@@ -183,6 +184,7 @@ OPS = st.lists(
                 "placed",
                 "newer",  # a newer generation saves the step again
                 "reopen",  # a restarted supervisor: what was landed is loaded again
+                "rollback",  # a landing whose transaction the store rolls back
             ]
         ),
         st.integers(1, 4),  # step
@@ -248,7 +250,13 @@ def test_whatever_happens_to_the_shards_a_cached_build_says_what_a_fresh_one_say
             generation = 1
 
             def land(
-                step: int, tier: str, rank: int, event: str = "landed", node: str = ""
+                step: int,
+                tier: str,
+                rank: int,
+                event: str = "landed",
+                node: str = "",
+                *,
+                rolled_back: bool = False,
             ) -> None:
                 msg = wire.CkptLanding(
                     node=node or f"n{rank // 2:02d}",
@@ -263,11 +271,25 @@ def test_whatever_happens_to_the_shards_a_cached_build_says_what_a_fresh_one_say
                     holder="n09" if tier == "peer" else None,
                     generation=generation,
                 )
-                with store.batch():
+                if not rolled_back:
+                    with store.batch():
+                        catalog.on_landing(msg, world)
+                    return
+                with contextlib.suppress(RuntimeError), store.batch():
                     catalog.on_landing(msg, world)
+                    catalog.forget()  # as the publisher does when its batch fails
+                    raise RuntimeError("the batch fails after its writes")
+
+            def nodes_in_store() -> set[str]:
+                rows = store.db.execute(
+                    "SELECT DISTINCT node FROM ckpt_shards WHERE job = ?", (JOB,)
+                ).fetchall()
+                return {str(r[0]) for r in rows}
 
             for op, step, tier, rank, build in ops:
-                if op == "commit":
+                if op == "rollback":
+                    land(step, tier, rank, node="n07", rolled_back=True)
+                elif op == "commit":
                     for r in range(world):
                         land(step, tier, r)
                 elif op == "partial":
@@ -285,6 +307,7 @@ def test_whatever_happens_to_the_shards_a_cached_build_says_what_a_fresh_one_say
                     catalog = CheckpointCatalog(store)
                 else:  # a relaunch put the rank on another node
                     placement = {**placement, rank: f"n{step:02d}"}
+                assert CkptRows.of(store).shard_nodes(JOB) == nodes_in_store()
                 if build:
                     assert cached(catalog, world) == fresh(store, world)
                     assert as_published() == fresh_with_peers()
@@ -310,5 +333,39 @@ def test_a_store_opened_again_is_cached_from_its_first_build(tmp_path: Path) -> 
 
         assert first == fresh(store)
         assert set(rows) == {(4, "object")} and set(pinned) == {(4, "object")}
+    finally:
+        store.close()
+
+
+def test_retentions_deletions_drop_a_step_once_and_again_after_it_landed_again(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "state.db")
+    try:
+        catalog = CheckpointCatalog(store)
+        rows = CkptRows.of(store)
+        deletes: list[str] = []
+        store.db.set_trace_callback(  # type: ignore[attr-defined]
+            lambda sql: deletes.append(sql) if sql.startswith("DELETE FROM ckpt_shards") else None
+        )
+
+        def record(rank: int, event: str) -> bool:
+            with store.batch():
+                return catalog.on_landing(landing(4, rank, event), WORLD)
+
+        for rank in range(WORLD):
+            record(rank, "landed")
+        assert rows.commits(JOB) == [(4, "object", rows.commits(JOB)[0][2])]
+
+        assert record(0, "deleted") is True  # the commit went
+        assert all(record(rank, "deleted") is False for rank in range(1, WORLD))
+        assert len(deletes) == 1  # every other rank's report of it found it dropped
+        assert rows.shard_rows_of(JOB, 4, "object") == {} and rows.shard_nodes(JOB) == set()
+
+        record(2, "landed")  # the step saved there again (a rollback to it)
+        assert rows.shard_nodes(JOB) == {NODES[2]}
+        assert record(2, "deleted") is True  # its row went
+        assert len(deletes) == 2
+        assert rows.shard_rows_of(JOB, 4, "object") == {} and rows.shard_nodes(JOB) == set()
     finally:
         store.close()

@@ -325,17 +325,17 @@ async def test_the_event_loop_runs_between_the_messages_of_a_long_build(make: Ma
     publisher = make(link)
     commit(publisher, 4)
     catalog = publisher.catalog
-    real = catalog.iter_messages
+    real = catalog.iter_payloads
     turns = LoopTurns()  # the loop's turns: what a heartbeat handler needs
     seen: list[int] = []  # the turns the loop had taken as each message was made
 
-    def iter_messages(*args: Any, **kwargs: Any) -> Iterator[wire.CkptCatalog]:
-        for message in real(*args, **kwargs):
+    def iter_payloads(*args: Any, **kwargs: Any) -> Iterator[tuple[wire.CkptCatalog, bytes]]:
+        for made in real(*args, **kwargs):
             time.sleep(BUILD_SLICE_S)  # each a slice's worth (a job of many thousand ranks)
             seen.append(turns.count)
-            yield message
+            yield made
 
-    catalog.iter_messages = iter_messages  # type: ignore[method-assign]
+    catalog.iter_payloads = iter_payloads  # type: ignore[method-assign]
     async with turns:
         await publisher.publish("j-1")
 

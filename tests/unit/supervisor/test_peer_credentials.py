@@ -19,26 +19,33 @@ PEERS = {
 }
 
 
+def land(
+    catalog: CheckpointCatalog, step: int, rank: int, node: str, tier: str, holder: str | None
+) -> None:
+    """Rank ``rank``'s shard of ``step`` of the 2-rank job j-1, landed at ``tier``."""
+    catalog.on_landing(
+        wire.CkptLanding(
+            node=node,
+            job="j-1",
+            step=step,
+            rank=rank,
+            tier=tier,  # type: ignore[arg-type]
+            nbytes=100 + step,
+            checksum=f"xxh3_128:{step:016x}{rank:016x}",
+            holder=holder,
+            at=time.time(),
+        ),
+        world_size=2,
+    )
+
+
 def catalog_with_peer_copies(tmp_path: Path) -> CheckpointCatalog:
     """Step 5 of a 2-rank job: rank 0 on n01 (its peer copy on n02), rank 1 on n02 (its
     peer copy on n01)."""
     catalog = CheckpointCatalog(Store(tmp_path / "state.db"))
     for rank, node, holder in ((0, "n01", "n02"), (1, "n02", "n01")):
         for tier in ("nvme", "peer"):
-            catalog.on_landing(
-                wire.CkptLanding(
-                    node=node,
-                    job="j-1",
-                    step=5,
-                    rank=rank,
-                    tier=tier,
-                    nbytes=100,
-                    checksum=f"xxh3_128:{rank:032x}",
-                    holder=holder if tier == "peer" else None,
-                    at=time.time(),
-                ),
-                world_size=2,
-            )
+            land(catalog, 5, rank, node, tier, holder if tier == "peer" else None)
     return catalog
 
 
@@ -103,3 +110,24 @@ def test_without_a_fleet_secret_no_credential_is_sent(tmp_path: Path) -> None:
     )
 
     assert all(p.token is None for m in msgs for p in peers_in(m).values())
+
+
+def test_a_catalogs_payload_is_its_messages_encoding_with_steps_listed_again(
+    tmp_path: Path,
+) -> None:
+    catalog = catalog_with_peer_copies(tmp_path)
+    args = {"placement": {0: "n01", 1: "n03"}, "peers": PEERS, "credential": KEYS.peer_credential}
+
+    def payloads(**kwargs: object) -> list[bytes]:
+        built = list(catalog.iter_payloads("j-1", 2, **{**args, **kwargs}))
+        assert [p for _, p in built] == [wire.encode(m) for m, _ in built]
+        assert all(wire.parse(wire.catalog_topic("j-1", m.node), p).message == m for m, p in built)
+        return [p for _, p in built]
+
+    first = payloads(hold_steps=10)
+    assert payloads(hold_steps=10) == first  # step 5 listed again, from its kept bytes
+    for rank, node in ((0, "n01"), (1, "n02")):
+        land(catalog, 6, rank, node, "nvme", None)
+    assert payloads(hold_steps=10) != first  # step 6 new, step 5 as before
+    payloads(elastic=True)  # a job that reshapes: no listing is kept, each step encoded
+    payloads(ended=True, nodes=["n01", "n02", "n03"])
