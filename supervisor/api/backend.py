@@ -9,6 +9,7 @@ from phalanx.link import MqttLinks
 from phalanx.loopwatch import LoopWatch
 from supervisor.backup import StoreBackups
 from supervisor.checkpoints.catalog import CheckpointCatalog
+from supervisor.checkpoints.publisher import CatalogPublisher
 from supervisor.config import SupervisorSettings
 from supervisor.control.controller import JobController
 from supervisor.fleet.commands import Commands
@@ -31,6 +32,7 @@ class Backend(Protocol):
     store: Store
     backups: StoreBackups | None  # the store's rolling backups (None: off)
     catalog: CheckpointCatalog
+    publisher: CatalogPublisher  # the catalogs out: its last flushes and publishes
     commands: Commands
     link: MqttLinks
     metrics: TrainingMetrics

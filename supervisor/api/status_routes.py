@@ -13,7 +13,9 @@ GET      /v1/events                    ``?node=ID&job=ID&limit=N&after=ID``
 GET      /v1/stats                     counters (heartbeats handled, bad messages, messages
                                        taken by kind, heartbeat lag histogram, how far
                                        behind its broker the supervisor is: behind_s;
-                                       the event loop's stalls, and where: loop)
+                                       the event loop's stalls, and where: loop; the
+                                       last flushes of checkpoint landings and publishes
+                                       of catalogs, each with its phases: catalogs)
 GET      /metrics                      Prometheus (``supervisor.api.prom``), any valid token
 =======  ============================  ==========================================
 """
@@ -75,6 +77,11 @@ def add_status_routes(app: web.Application, sup: Backend) -> None:
                 **sup.wire_stats.view(),
                 # stretches the event loop ran without a yield, and where (phalanx.loopwatch)
                 "loop": sup.loopwatch.view(),
+                # the last flushes of checkpoint landings and publishes of catalogs
+                "catalogs": {
+                    "recorded": list(sup.publisher.recorded),
+                    "published": list(sup.publisher.published),
+                },
             }
         )
 

@@ -22,6 +22,7 @@ order: :meth:`~CatalogPublisher.stop` (no new timer), :meth:`~CatalogPublisher.d
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable
@@ -49,6 +50,7 @@ RECORD_AT_ONCE = 512  # landings recorded in one transaction, one turn of the ev
 RETRY_S = 2.0  # a catalog the link refused, or landings the store refused, go again after
 BUILD_SLICE_S = 0.02  # a build of catalogs lets the event loop run at least this often
 MAX_QUEUED_LANDINGS = 1_000_000  # ~a checkpoint step of 250k ranks at every tier
+KEEP_PUBLISHES = 32  # the last publishes' account kept for GET /v1/stats
 
 
 JobLookup = Callable[[str], Job | None]
@@ -133,6 +135,11 @@ class CatalogPublisher:
         # (registry version, every node's peer address, the nodes not offline): kept while
         # the registry's version stands (see _fleet).
         self._fleet_seen: tuple[int, dict[str, wire.PeerAddr], frozenset[str]] | None = None
+        # The last publishes, each: when it began, how long it waited for the job's lock,
+        # built and sent, how many nodes' messages it made and sent (GET /v1/stats).
+        self.published: collections.deque[dict[str, Any]] = collections.deque(maxlen=KEEP_PUBLISHES)
+        # The last flushes of landings: how many, and how long they took to record.
+        self.recorded: collections.deque[dict[str, Any]] = collections.deque(maxlen=KEEP_PUBLISHES)
 
     # --- inbound ------------------------------------------------------------------
 
@@ -178,10 +185,12 @@ class CatalogPublisher:
         for while another waits for its turn, it returns with that one (which is built
         from what is known when it begins, after both were asked for)."""
         asked = self._asked[job_id] = self._asked.get(job_id, 0) + 1
+        asked_at = time.time()
         async with self._locks.setdefault(job_id, asyncio.Lock()):
             if self._covered.get(job_id, 0) >= asked:
                 return  # a publish that began after this one was asked for sent it all
             began = self._asked[job_id]
+            began_at = time.time()
             job = self._job(job_id)
             if job is None:
                 return
@@ -253,6 +262,7 @@ class CatalogPublisher:
             # At most PUBLISH_AT_ONCE in flight: each publish's timeout runs from its start,
             # and one queued behind thousands in the client would time out unsent.
             changed = [(t, topic, p) for t, topic, p in built if self._sent.get(topic) != p]
+            built_at = time.time()
             room = asyncio.Semaphore(PUBLISH_AT_ONCE)
 
             async def send(topic: str, payload: bytes) -> None:
@@ -261,6 +271,17 @@ class CatalogPublisher:
 
             results = await asyncio.gather(
                 *(send(topic, payload) for _, topic, payload in changed), return_exceptions=True
+            )
+            self.published.append(
+                {
+                    "job": job_id,
+                    "at": round(asked_at, 3),
+                    "wait_s": round(began_at - asked_at, 3),
+                    "build_s": round(built_at - began_at, 3),
+                    "send_s": round(time.time() - built_at, 3),
+                    "messages": len(built),
+                    "sent": len(changed),
+                }
             )
             refused: list[tuple[str, BaseException]] = []
             failed: BaseException | None = None
@@ -401,6 +422,7 @@ class CatalogPublisher:
         batch, self._landings = self._landings, []
         pending = [batch[i : i + RECORD_AT_ONCE] for i in range(0, len(batch), RECORD_AT_ONCE)]
         changed: set[str] = set()
+        began = time.time()
         try:
             while pending:
                 self._record_first(pending, changed)
@@ -409,6 +431,15 @@ class CatalogPublisher:
         except StoreError:
             self._landing_flush.start(RETRY_S)
             return
+        finally:
+            self.recorded.append(
+                {
+                    "at": round(began, 3),
+                    "landings": len(batch),
+                    "record_s": round(time.time() - began, 3),
+                    "changed": sorted(changed),
+                }
+            )
         if not changed:
             return
         # A commit's catalogs out, then the cyclic collector: a pass of it in the middle

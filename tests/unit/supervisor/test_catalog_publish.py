@@ -497,6 +497,27 @@ async def test_the_drain_records_the_landings_queued_and_sends_their_catalogs(ma
     assert all((c := link.catalog(n)) is not None and c.restore_step == 4 for n in NODES)
 
 
+async def test_each_flush_and_publish_is_accounted_for_with_its_phases(make: Make) -> None:
+    # GET /v1/stats shows them: where a step's commit spent its time on its way out.
+    link = SlowLink()
+    publisher = make(link)
+    for rank in range(WORLD):
+        publisher.on_landing(landing(4, rank))
+
+    await publisher.flush_landings()
+    await publisher.publish("j-1")  # nothing changed since: built, not sent again
+
+    [flush] = publisher.recorded
+    assert flush["landings"] == WORLD and flush["changed"] == ["j-1"]
+    assert flush["record_s"] >= 0
+    first, again = publisher.published
+    assert (first["job"], first["messages"], first["sent"]) == ("j-1", WORLD, WORLD)
+    assert (again["messages"], again["sent"]) == (WORLD, 0)
+    assert first["send_s"] >= 0.01  # the link took 0.01 s a message, all at once
+    assert all(p[k] >= 0 for p in (first, again) for k in ("wait_s", "build_s", "send_s"))
+    assert first["at"] <= again["at"]
+
+
 async def test_the_drain_clears_the_catalogs_of_the_releases_queued(make: Make) -> None:
     link = SlowLink()
     publisher = ended_job(make, link)
