@@ -697,7 +697,7 @@ class CheckpointCatalog:
 
         db = store if store is not None else self.rows
         placement = dict(placement or {})
-        peers = peers or {}
+        peers = peers if peers is not None else {}
         committed: dict[int, dict[str, float]] = {}
         for step, tier, at in db.commits(job):
             committed.setdefault(step, {})[tier] = at

@@ -125,6 +125,40 @@ def test_a_step_committed_while_a_build_is_out_is_not_read_back_by_the_next(
         store.close()
 
 
+@pytest.mark.parametrize(
+    "peers", [{}, {"n00": wire.PeerAddr(node="n00", address="h", http_port=9)}]
+)
+def test_a_step_unchanged_is_listed_again_as_kept_with_or_without_peer_addresses(
+    tmp_path: Path, peers: dict[str, wire.PeerAddr]
+) -> None:
+    # The publisher hands every build the fleet's addresses as one object while the
+    # registry stands: none known (no agent serves peer routes) is such an object too.
+    # An empty one was replaced by a new dict at every build, and no step was ever
+    # listed again from the last build (issue 22).
+    store = Store(tmp_path / "state.db")
+    try:
+        catalog = CheckpointCatalog(store)
+        for rank in range(WORLD):
+            catalog.on_landing(landing(5, rank), WORLD)
+
+        def build() -> list[wire.CkptCatalog]:
+            pinned, rows = catalog.pin_rows(JOB)
+            built = catalog.messages(JOB, WORLD, placement=PLACEMENT, rows=rows, peers=peers)
+            catalog.keep_rows(JOB, pinned, rows)
+            return built
+
+        first = build()
+        for rank in range(WORLD):
+            catalog.on_landing(landing(6, rank), WORLD)
+        again = build()
+
+        assert [m.steps[0].step for m in again] == [5] * len(again)
+        assert all(a.steps[0] is b.steps[0] for a, b in zip(again, first, strict=True))
+        assert said(again) == fresh(store, peers=peers)
+    finally:
+        store.close()
+
+
 async def test_a_step_dropped_behind_the_catalogs_back_is_gone_from_the_next_build(
     make: Make,  # noqa: F811
 ) -> None:
