@@ -81,7 +81,9 @@ class Inbound:
 
 
 def encode(message: BaseModel) -> bytes:
-    return message.model_dump_json().encode()
+    """The message in JSON, as ``model_dump_json`` writes it, as bytes (without the
+    str it makes on the way: a step's catalogs at 2,048 nodes are ~10 MB)."""
+    return message.__pydantic_serializer__.to_json(message)
 
 
 def parse(topic: str, payload: bytes | bytearray | str | None) -> Inbound:

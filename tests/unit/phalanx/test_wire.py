@@ -124,6 +124,34 @@ def test_every_node_message_round_trips_through_encode_and_parse_on_its_topic(
     assert inbound.message == message
 
 
+@pytest.mark.parametrize(("kind", "make"), ROUND_TRIPS)
+def test_encode_writes_what_pydantics_json_dump_writes(
+    kind: str, make: Callable[[], wire.Message]
+) -> None:
+    # encode takes the serializer's bytes as they are, not through a str: the same JSON
+    message = make()
+
+    assert wire.encode(message) == message.model_dump_json().encode()
+
+
+def test_encode_writes_text_as_utf8_and_non_finite_numbers_as_pydantic_does() -> None:
+    batch = _metrics_batch(2, 3)
+    note = wire.CkptLanding(
+        node=NODE,
+        job="j-1",
+        step=1,
+        rank=0,
+        tier="nvme",
+        at=1700000005.0,
+        event="failed",
+        error="disque plein — écrit 0 octet",
+    )
+
+    for message in (batch, note):
+        assert wire.encode(message) == message.model_dump_json().encode()
+    assert "—".encode() in wire.encode(note)
+
+
 def test_supervisor_status_round_trips_on_the_fleet_wide_topic() -> None:
     status = SupervisorStatus(online=True, since=1700000000.0)
 
