@@ -7,7 +7,8 @@ in a temporary folder) takes what a job of ``--nodes`` nodes sends a checkpoint:
 rank's landing at RAM, NVMe, peer and object, node by node and flushed ``--per-flush``
 at a time as the publisher's batches take them, then retention's deletions (the job keeps
 2, 3, 2 and 5 steps at those tiers, as ``bench/fleet_scale.py``'s; every rank reports
-each), each commit's catalogs built and handed to a link that takes them at once. Nothing
+each), each commit's catalogs built and handed to a link that takes them at once. Every node
+is born in the registry with its agent's peer routes, as in a fleet. Nothing
 else shares the event loop or the machine, unlike the fleet bench, whose simulators and
 broker do: this is the supervisor's share of a checkpoint alone, what a change to the
 catalog path is measured with.
@@ -107,11 +108,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             commits += sql == "COMMIT"
 
         store.db.set_trace_callback(traced)  # type: ignore[attr-defined]
+        # Every node born, its agent's peer routes known, as in a fleet: the peer tier's
+        # shards carry their buddy's address.
+        registry = Registry(store, offline_after_s=15.0)
+        for node in nodes:
+            registry.on_birth(
+                wire.NodeBirth(
+                    node=node,
+                    seq=1,
+                    hostname=node,
+                    address="127.0.0.1",
+                    http_port=9400,
+                    gpus=[],
+                    gpu_backend="sim",
+                    topology=wire.Topology(),
+                    version="ckpt-commit",
+                    started_at=time.time(),
+                    health=wire.Health(status=wire.HealthStatus.OK),
+                )
+            )
         publisher = CatalogPublisher(
             CheckpointCatalog(store),
             publish,
             job={JOB: job}.get,
-            registry=Registry(store, offline_after_s=15.0),
+            registry=registry,
             ram_linger_s=900.0,
         )
         real_publish = publisher.publish

@@ -22,7 +22,11 @@ faults are injected
 one after the other, each waited out: an ECC drain on a node of the job, a node lost
 (its connection cut: the broker sends its will), a hang report, a broker restart. At
 the end every message sent (rank events, landings, metrics batches) is compared with
-what the supervisor counted (``/v1/stats``). Prints one JSON object.
+what the supervisor counted (``/v1/stats``). Prints one JSON object; a step's commit is
+timed from its last landing handed to its node's link (``commit_after_last_landing_s``)
+and from the broker's delivery of it (``..._delivered_s``: the supervisor's and the
+broker's share), and taken apart in ``commit_steps`` and ``steady_commit_phases``
+(the supervisor's account of its flushes and publishes, ``/v1/stats``: ``catalogs``).
 
 Connections per process: each simulated node holds one MQTT connection, i.e. one
 socket plus the paho client's wake-up socket pair (three descriptors), so 512 agents a
@@ -166,11 +170,16 @@ class OrderWatch:
         # Heartbeats too: (when delivered here, how long after their node stamped them),
         # the simulators' and the broker's share of the heartbeat lag the supervisor sees.
         self.heartbeats: list[tuple[float, float]] = []
+        # (job, step) -> when the broker delivered its last landing here: a step's commit
+        # timed from it leaves out how late the starved simulators sent it (the
+        # supervisor's and the broker's share of the commit).
+        self.landed: dict[tuple[str, int], float] = {}
         self._client.on_connect = lambda c, *_: c.subscribe(
             [
                 ("phalanx/v1/node/+/cmd", 0),
                 ("phalanx/v1/job/+/ckpt/+", 0),
                 ("phalanx/v1/node/+/heartbeat", 0),
+                ("phalanx/v1/node/+/ckpt", 0),
             ]
         )
         self._client.on_message = self._on_message
@@ -202,6 +211,15 @@ class OrderWatch:
         if "/ckpt/" in message.topic:
             if message.payload:
                 self._on_catalog(at, message.payload)
+            return
+        if message.topic.endswith("/ckpt"):
+            with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                sent = json.loads(message.payload)
+                for landing in sent.get("landings", [sent]):
+                    if landing.get("event", "landed") == "landed":
+                        key = (landing["job"], int(landing["step"]))
+                        with self._lock:
+                            self.landed[key] = max(self.landed.get(key, 0.0), at)
             return
         if b'"start_ranks"' not in message.payload:
             return
@@ -256,10 +274,13 @@ def summarize(
 class StallLog:
     """The supervisor's event loop stalls (``GET /v1/stats``: ``loop``, the last 16),
     polled every second in a thread of its own from the fleet's start to the end, each
-    kept once: what held the loop while heartbeats, orders and REST waited."""
+    kept once: what held the loop while heartbeats, orders and REST waited. And its
+    account of each flush of landings and publish of a job's catalogs (``catalogs``)."""
 
     def __init__(self, port: int) -> None:
         self.stalls: dict[float, dict[str, Any]] = {}
+        self.recorded: dict[float, dict[str, Any]] = {}
+        self.published: dict[tuple[str, float], dict[str, Any]] = {}
         self._stop = threading.Event()
         self._client = Client(f"http://127.0.0.1:{port}", TOKEN, timeout=30)
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -268,11 +289,85 @@ class StallLog:
     def _poll(self) -> None:
         while not self._stop.wait(1.0):
             with contextlib.suppress(ApiError, OSError):
-                for stall in self._client.get("/v1/stats").get("loop", {}).get("recent", []):
+                stats = self._client.get("/v1/stats")
+                for stall in stats.get("loop", {}).get("recent", []):
                     self.stalls.setdefault(stall["at"], stall)
+                catalogs = stats.get("catalogs", {})
+                for flush in catalogs.get("recorded", []):
+                    self.recorded.setdefault(flush["at"], flush)
+                for out in catalogs.get("published", []):
+                    self.published.setdefault((out["job"], out["at"]), out)
 
     def summary(self, since: float = 0.0, until: float = float("inf")) -> dict[str, Any]:
         return summarize(list(self.stalls.values()), since, until)
+
+    def commit_of(self, job: str, nodes: int, landed: float, out: float) -> dict[str, Any]:
+        """One step's commit, from its last landing (handed to its node's link) to the
+        last of its catalogs out of the broker: to the first flush of landings that began
+        after it (the landing's way to the supervisor and the batch's wait), that flush's
+        recording, then the first publish of the job's catalogs asked for after it (its
+        wait, build, hand-off) and what was left to the broker. Approximate: the flush
+        that took the last landing may be a later one."""
+        flush = min(
+            (f for f in self.recorded.values() if f["at"] >= landed and job in f["changed"]),
+            key=lambda f: f["at"],
+            default=None,
+        )
+        if flush is None:
+            return {"total_s": round(out - landed, 3)}
+        after = flush["at"] + flush["record_s"] - 0.001
+        publish = min(
+            (
+                p
+                for p in self.published.values()
+                if p["job"] == job and p["messages"] >= nodes and p["at"] >= after
+            ),
+            key=lambda p: p["at"],
+            default=None,
+        )
+        found: dict[str, Any] = {
+            "total_s": round(out - landed, 3),
+            "to_flush_s": round(flush["at"] - landed, 3),
+            "record_s": flush["record_s"],
+        }
+        if publish is not None:
+            done = publish["at"] + publish["wait_s"] + publish["build_s"] + publish["send_s"]
+            found |= {
+                "to_publish_s": round(publish["at"] - after, 3),
+                **{k: publish[k] for k in ("wait_s", "build_s", "send_s")},
+                "broker_s": round(out - done, 3),
+            }
+        return found
+
+    def commit_phases(
+        self, job: str, nodes: int, since: float = 0.0, until: float = float("inf")
+    ) -> dict[str, Any]:
+        """Where a step's commit went, in [since, until): the flushes of landings that
+        changed the job's catalog (how long each took to record), and the publishes of
+        its catalogs to at least ``nodes`` nodes (waited for the job's lock, built,
+        handed to the broker), each as median and max."""
+
+        def spread(values: list[float]) -> dict[str, float | None]:
+            return {"p50": pct(values, 0.5), "max": max(values, default=None)}
+
+        flushes = [
+            f for f in self.recorded.values() if since <= f["at"] < until and job in f["changed"]
+        ]
+        outs = [
+            p
+            for p in self.published.values()
+            if p["job"] == job and p["messages"] >= nodes and since <= p["at"] < until
+        ]
+        return {
+            "flushes": len(flushes),
+            "record_s": spread([f["record_s"] for f in flushes]),
+            "landings_a_flush": spread([float(f["landings"]) for f in flushes]),
+            "publishes": len(outs),
+            **{
+                f"{phase}_s": spread([p[f"{phase}_s"] for p in outs])
+                for phase in ("wait", "build", "send")
+            },
+        }
 
     def close(self) -> None:
         self._stop.set()
@@ -611,6 +706,10 @@ class Bench:
             self.out["heartbeat_delivery_lag_p50_s"] = pct(delivered, 0.5)
             self.out["heartbeat_delivery_lag_p99_s"] = pct(delivered, 0.99)
         self.out["steady_loop_stalls"] = self.stall_log.summary(*self.steady_window)
+        if self.job_id:
+            self.out["steady_commit_phases"] = self.stall_log.commit_phases(
+                self.job_id, self.job_nodes, *self.steady_window
+            )
         for route in ROUTES:
             key = route.replace("/v1/", "").replace("/", "_").replace("{id}", "id").strip("_")
             self.out[f"rest_{key}_p50_s"] = pct(latencies[route], 0.5)
@@ -878,7 +977,8 @@ class Bench:
             for job, step, times in r["catalogs"]:
                 if job == self.job_id:
                     seen.setdefault(step, []).extend(times)
-        commits, outs = [], []
+        commits, outs, outs_delivered = [], [], []
+        steps: list[dict[str, Any]] = []
         for step, times in sorted(seen.items()):
             # The moment the job's last node had it (a spare that joins later sees old
             # steps for the first time then: those are not counted).
@@ -887,10 +987,33 @@ class Bench:
                 out = self.orders.catalogs_of(self.job_id, step) if self.orders else []
                 if len(out) >= self.job_nodes:  # the watcher saw each (QoS 0 may drop)
                     outs.append(sorted(out)[self.job_nodes - 1] - last_landing[step])
+                    delivered = self.orders.landed.get((self.job_id, step)) if self.orders else None
+                    if delivered is not None:
+                        outs_delivered.append(sorted(out)[self.job_nodes - 1] - delivered)
+                    if self.stall_log is not None:
+                        steps.append(
+                            {"step": step}
+                            | self.stall_log.commit_of(
+                                self.job_id,
+                                self.job_nodes,
+                                last_landing[step],
+                                sorted(out)[self.job_nodes - 1],
+                            )
+                            | (
+                                {"landing_delivered_s": round(delivered - last_landing[step], 3)}
+                                if delivered is not None
+                                else {}
+                            )
+                        )
+        self.out["commit_steps"] = steps
         # Out: the job's last node's catalog saying so left the broker; received: taken by
         # its (simulated) node.
         self.out["commit_after_last_landing_s"] = pct(outs or commits, 0.5)
         self.out["commit_after_last_landing_max_s"] = max(outs or commits, default=None)
+        # From the broker's delivery of the last landing (to the bench's watcher): the
+        # supervisor's and the broker's share, not the starved simulators' send.
+        self.out["commit_after_last_landing_delivered_s"] = pct(outs_delivered, 0.5)
+        self.out["commit_after_last_landing_delivered_max_s"] = max(outs_delivered, default=None)
         self.out["commit_after_last_landing_received_s"] = pct(commits, 0.5)
         self.out["commit_after_last_landing_received_max_s"] = max(commits, default=None)
         self.out["commits_measured"] = len(commits)

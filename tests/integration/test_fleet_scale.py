@@ -102,6 +102,12 @@ def test_every_node_of_the_job_gets_each_committed_step_in_its_catalog(
     run: dict[str, Any],
 ) -> None:
     assert run["commits_measured"] >= 1
+    # and the supervisor accounted for the way out of each (GET /v1/stats: catalogs):
+    # the bench finds a flush of its landings and a publish of its catalogs after it
+    assert run["commit_steps"], run
+    assert all({"record_s", "build_s", "send_s"} <= set(step) for step in run["commit_steps"]), run[
+        "commit_steps"
+    ]
 
 
 def test_the_supervisor_takes_every_message_and_stays_up(run: dict[str, Any]) -> None:
