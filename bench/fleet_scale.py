@@ -985,26 +985,17 @@ class Bench:
             if step in last_landing and len(times) >= self.job_nodes:
                 commits.append(sorted(times)[self.job_nodes - 1] - last_landing[step])
                 out = self.orders.catalogs_of(self.job_id, step) if self.orders else []
-                if len(out) >= self.job_nodes:  # the watcher saw each (QoS 0 may drop)
-                    outs.append(sorted(out)[self.job_nodes - 1] - last_landing[step])
-                    delivered = self.orders.landed.get((self.job_id, step)) if self.orders else None
-                    if delivered is not None:
-                        outs_delivered.append(sorted(out)[self.job_nodes - 1] - delivered)
-                    if self.stall_log is not None:
-                        steps.append(
-                            {"step": step}
-                            | self.stall_log.commit_of(
-                                self.job_id,
-                                self.job_nodes,
-                                last_landing[step],
-                                sorted(out)[self.job_nodes - 1],
-                            )
-                            | (
-                                {"landing_delivered_s": round(delivered - last_landing[step], 3)}
-                                if delivered is not None
-                                else {}
-                            )
-                        )
+                if self.orders is None or len(out) < self.job_nodes:
+                    continue  # the watcher did not see each (QoS 0 may drop)
+                landed, last_out = last_landing[step], sorted(out)[self.job_nodes - 1]
+                outs.append(last_out - landed)
+                taken: dict[str, Any] = {"step": step}
+                if (delivered := self.orders.landed.get((self.job_id, step))) is not None:
+                    outs_delivered.append(last_out - delivered)
+                    taken["landing_delivered_s"] = round(delivered - landed, 3)
+                if self.stall_log is not None:
+                    taken |= self.stall_log.commit_of(self.job_id, self.job_nodes, landed, last_out)
+                    steps.append(taken)
         self.out["commit_steps"] = steps
         # Out: the job's last node's catalog saying so left the broker; received: taken by
         # its (simulated) node.
