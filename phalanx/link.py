@@ -39,6 +39,10 @@ YIELD_EVERY = 32
 READ_PACKETS = 256  # MQTT packets one turn of the event loop reads at most, per link
 WRITE_BYTES = 64 * 1024  # the most bytes of queued packets one send hands the socket
 READ_BYTES = 64 * 1024  # what one read from the socket asks for (paho's reads are buffered)
+# Publishes of :meth:`MqttLink.publish_many` a connection has with the broker at once, the
+# rest waiting in the link, not in paho's queue: a message published meanwhile (a start
+# order) waits behind at most these (~1.5 MB of a step's catalogs), not behind thousands.
+BULK_IN_FLIGHT = 256
 
 Handler = Callable[[str, bytes], Awaitable[None]]
 
@@ -53,6 +57,15 @@ class Publish(Protocol):
     async def __call__(
         self, topic: str, payload: bytes, *, retain: bool = ..., timeout: float = ...
     ) -> None: ...
+
+
+class PublishMany(Protocol):
+    """:meth:`MqttLink.publish_many`: many messages, one result each (None: the broker took
+    it; else why not). It may raise :class:`LinkDown` for all of them at once."""
+
+    async def __call__(
+        self, items: Sequence[tuple[str, bytes]], *, retain: bool = ..., timeout: float = ...
+    ) -> list[BaseException | None]: ...
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,12 @@ class _Client(aiomqtt.Client):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._sends: set[asyncio.Future[None]] = set()  # publishes waiting for the broker
+        # send_many's publishes: waiting for room, and with the broker (mid -> publish)
+        self._bulk: collections.deque[_Bulk] = collections.deque()
+        self._bulk_out: dict[int, _Bulk] = {}
+        self._batches: set[_Batch] = set()  # those not settled yet
+        self._bulk_acked_at = 0.0  # when the broker last acknowledged one (monotonic)
+        self._pump_queued = False
         self._drains: list[asyncio.Future[None]] = []  # waits for the queue written out
         # paho matches every message's topic against the per-topic callbacks, of which
         # the link has none: 4 % of the supervisor at 2,048 nodes (issue 22).
@@ -275,12 +294,129 @@ class _Client(aiomqtt.Client):
             if pending.get(mid) is acked:
                 del pending[mid]
 
+    def send_many(
+        self,
+        items: Sequence[tuple[str, bytes]],
+        qos: int,
+        retain: bool,
+        timeout: float,
+    ) -> asyncio.Future[list[BaseException | None]]:
+        """Publish every ``(topic, payload)``, in order, ``BULK_IN_FLIGHT`` at most with the
+        broker at once (this connection's, all batches together): a future of one result
+        each, None once the broker took it (QoS 1: its PUBACK), else the error (paho's
+        refusal, ``TimeoutError``, or what :meth:`fail_sends` makes).
+
+        One future and one timer for the lot: :meth:`send`'s task, future and timer a
+        message were most of a step's hand-off of 2,048 catalogs (issue 22). The timeout
+        is the broker's silence: the batch fails once none of this connection's batched
+        publishes was acknowledged for ``timeout`` seconds, while some of it waits."""
+        batch = _Batch(self._loop.create_future(), len(items))
+        if not items:
+            batch.future.set_result([])
+            return batch.future
+        batch.slots = [
+            _Bulk(self, batch, i, topic, payload, qos, retain)
+            for i, (topic, payload) in enumerate(items)
+        ]
+        self._bulk.extend(batch.slots)
+        self._batches.add(batch)
+        batch.began = time.monotonic()
+        batch.timer = self._loop.call_later(timeout, self._bulk_check, batch, timeout)
+        batch.future.add_done_callback(functools.partial(self._cancelled, batch))
+        self._pump()
+        return batch.future
+
+    def _cancelled(self, batch: _Batch, future: asyncio.Future[Any]) -> None:
+        """A batch whose wait was cancelled: what of it is not out yet never goes."""
+        if future.cancelled():
+            for slot in batch.slots:
+                self._drop(slot, asyncio.CancelledError())
+            self._pump()
+
+    def _pump(self) -> None:
+        """Hand paho the next batched publishes while fewer than ``BULK_IN_FLIGHT`` are out."""
+        self._pump_queued = False
+        while self._bulk and len(self._bulk_out) < BULK_IN_FLIGHT:
+            slot = self._bulk.popleft()
+            if slot.done:
+                continue  # its batch failed meanwhile
+            try:
+                info = self._client.publish(slot.topic, slot.payload, slot.qos, slot.retain)
+            except Exception as exc:  # paho's ValueError: a topic or payload it refuses
+                self._settle(slot, exc)
+                continue
+            if info.rc != 0:  # MQTT_ERR_SUCCESS
+                self._settle(slot, aiomqtt.MqttCodeError(info.rc, "Could not publish message"))
+            elif info.is_published():
+                self._settle(slot, None)
+            else:
+                slot.mid = info.mid
+                self._bulk_out[info.mid] = slot
+                pending: dict[int, Any] = self._pending_publishes
+                pending[info.mid] = slot  # aiomqtt's on_publish calls its set(), as an Event's
+
+    def _acked(self, slot: _Bulk) -> None:
+        """The broker took ``slot`` (from aiomqtt's ``on_publish``, inside paho's read):
+        the next ones go after the read, at the loop's next turn."""
+        mid = slot.mid
+        if mid is not None and self._bulk_out.get(mid) is slot:
+            del self._bulk_out[mid]
+            self._bulk_acked_at = time.monotonic()
+        self._settle(slot, None)
+        if self._bulk and not self._pump_queued:
+            self._pump_queued = True
+            self._loop.call_soon(self._pump)
+
+    def _settle(self, slot: _Bulk, error: BaseException | None) -> None:
+        if slot.done:
+            return
+        slot.done = True
+        batch = slot.batch
+        batch.results[slot.index] = error
+        batch.left -= 1
+        if batch.left == 0:
+            self._batches.discard(batch)
+            if batch.timer is not None:
+                batch.timer.cancel()
+            if not batch.future.done():
+                batch.future.set_result(batch.results)
+
+    def _drop(self, slot: _Bulk, error: BaseException) -> None:
+        """``slot`` fails with ``error``; if it was out, its room is free again."""
+        if slot.done:
+            return
+        mid = slot.mid
+        if mid is not None and self._bulk_out.get(mid) is slot:
+            del self._bulk_out[mid]
+            pending: dict[int, Any] = self._pending_publishes
+            if pending.get(mid) is slot:
+                del pending[mid]
+        self._settle(slot, error)
+
+    def _bulk_check(self, batch: _Batch, timeout: float) -> None:
+        """``timeout`` after a batch began or its check last ran: it fails now if the broker
+        acknowledged none of this connection's batched publishes since ``timeout`` ago."""
+        batch.timer = None
+        if batch.left == 0:
+            return
+        silent = time.monotonic() - max(batch.began, self._bulk_acked_at)
+        if silent < timeout:
+            batch.timer = self._loop.call_later(timeout - silent, self._bulk_check, batch, timeout)
+            return
+        for slot in batch.slots:
+            self._drop(slot, TimeoutError(f"no acknowledgement from the broker for {timeout:g}s"))
+        self._pump()
+
     def fail_sends(self, error: Callable[[], Exception]) -> None:
         """The connection ended: every publish still waiting for the broker fails now,
         with what ``error`` makes; a wait for the queue written out ends too."""
         for future in list(self._sends):
             if not future.done():
                 future.set_exception(error())
+        for batch in list(self._batches):
+            for slot in batch.slots:
+                self._drop(slot, error())
+        self._bulk.clear()
         self._drained(ended=True)
 
 
@@ -421,6 +557,49 @@ class _Acked:
             self.future.set_exception(TimeoutError("no acknowledgement from the broker"))
 
 
+class _Batch:
+    """The publishes of one :meth:`_Client.send_many`: settled together."""
+
+    __slots__ = ("began", "future", "left", "results", "slots", "timer")
+
+    def __init__(self, future: asyncio.Future[list[BaseException | None]], count: int) -> None:
+        self.future = future
+        self.results: list[BaseException | None] = [None] * count
+        self.left = count
+        self.slots: list[_Bulk] = []
+        self.began = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class _Bulk:
+    """One publish of a :class:`_Batch`; ``set`` (aiomqtt's ``on_publish``) is its PUBACK."""
+
+    __slots__ = ("batch", "client", "done", "index", "mid", "payload", "qos", "retain", "topic")
+
+    def __init__(
+        self,
+        client: _Client,
+        batch: _Batch,
+        index: int,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        retain: bool,
+    ) -> None:
+        self.client = client
+        self.batch = batch
+        self.index = index
+        self.topic = topic
+        self.payload = payload
+        self.qos = qos
+        self.retain = retain
+        self.mid: int | None = None
+        self.done = False
+
+    def set(self) -> None:
+        self.client._acked(self)
+
+
 class MqttLink:
     """A supervised connection to the broker, usable as ``async with MqttLink(...)``."""
 
@@ -558,6 +737,40 @@ class MqttLink:
             raise LinkDown(
                 f"could not publish to {topic} within {timeout:.1f}s: {exc or 'broker unreachable'}"
             ) from exc
+
+    async def publish_many(
+        self,
+        items: Sequence[tuple[str, bytes]],
+        *,
+        qos: int = 1,
+        retain: bool = False,
+        timeout: float = 5.0,
+    ) -> list[BaseException | None]:
+        """Publish every ``(topic, payload)`` once the link is up, in order, on one
+        connection (:meth:`_Client.send_many`): one result each, None once the broker took
+        it, else a :class:`LinkDown` saying why not (the link not up within ``timeout``,
+        the connection lost, the broker silent for ``timeout`` seconds)."""
+        if not items:
+            return []
+        try:
+            if not self._connected.is_set():
+                await asyncio.wait_for(self._connected.wait(), timeout)
+        except TimeoutError:
+            down = f"could not publish within {timeout:.1f}s: broker unreachable"
+            return [LinkDown(f"{down} ({topic})") for topic, _ in items]
+        client = self._client
+        if client is None or self._gone.is_set():
+            return [
+                LinkDown(f"MQTT link to {self.broker} lost before publishing to {topic}")
+                for topic, _ in items
+            ]
+        results = await client.send_many(items, qos, retain, timeout)
+        return [
+            None
+            if result is None
+            else LinkDown(f"could not publish to {topic}: {result or type(result).__name__}")
+            for (topic, _), result in zip(items, results, strict=True)
+        ]
 
     async def _publish_on(
         self,
@@ -781,12 +994,21 @@ class MqttLinks:
         """Link ``index`` (re)connected: the retained messages again, each as it is now
         (one published meanwhile went to this link too, in order), then ``on_connect``."""
         link = self.links[index]
-        for topic in list(self._retained):
+        items = [(topic, found[0]) for topic, found in self._retained.items()]
+        results = await link.publish_many(items, retain=True, timeout=30.0)
+        for (topic, payload), result in zip(items, results, strict=True):
+            if result is None:
+                self._took(topic, payload, index)
+        failed = next((result for result in results if result is not None), None)
+        if failed is not None:
+            raise failed
+        # One published meanwhile may have reached this broker before the batch's older
+        # payload: whatever changed since goes again, as it is now.
+        for topic, payload in items:
             found = self._retained.get(topic)
-            if found is None:
-                continue
-            await link.publish(topic, found[0], retain=True, timeout=30.0)
-            self._took(topic, found[0], index)
+            if found is not None and found[0] != payload:
+                await link.publish(topic, found[0], retain=True, timeout=30.0)
+                self._took(topic, found[0], index)
         if self._on_connect is not None:
             await self._on_connect(index)
 
@@ -915,6 +1137,60 @@ class MqttLinks:
             )
         for link, result in failed:
             log.warning("not sent to broker %s (the others took it): %s", link.broker, result)
+
+    async def publish_many(
+        self,
+        items: Sequence[tuple[str, bytes]],
+        *,
+        qos: int = 1,
+        retain: bool = False,
+        timeout: float = 5.0,
+    ) -> list[BaseException | None]:
+        """Publish every ``(topic, payload)`` to every broker that is up, as :meth:`publish`
+        does a message no route names (a catalog), with one batch a link
+        (:meth:`MqttLink.publish_many`): one result each, None once it was taken, else a
+        :class:`LinkDown` (no broker took it; or, retained, a broker that is up did not)."""
+        links = self.links
+        if len(links) == 1:
+            return await links[0].publish_many(items, qos=qos, retain=retain, timeout=timeout)
+        if not items:
+            return []
+        if retain:  # kept before the links are looked at: a link up from now gets them
+            for topic, payload in items:
+                self._retained[topic] = (payload, set())
+        if not self.connected:
+            try:
+                await asyncio.wait_for(self.until_connected(), timeout)
+            except TimeoutError:
+                down = f"could not publish within {timeout:.1f}s: no broker reachable"
+                return [LinkDown(f"{down} ({topic})") for topic, _ in items]
+        up = [(index, link) for index, link in enumerate(links) if link.connected]
+        each = await asyncio.gather(
+            *(link.publish_many(items, qos=qos, retain=retain, timeout=timeout) for _, link in up)
+        )
+        out: list[BaseException | None] = []
+        for i, (topic, payload) in enumerate(items):
+            failed = [(link, got[i]) for (_, link), got in zip(up, each, strict=True) if got[i]]
+            if retain:
+                for (index, _), got in zip(up, each, strict=True):
+                    if got[i] is None:
+                        self._took(topic, payload, index)
+            if len(failed) == len(up):
+                out.append(failed[0][1])
+            elif retain and failed:  # a broker still connected holds an older one
+                out.append(
+                    LinkDown(
+                        f"retained {topic} not taken by "
+                        + "; ".join(f"broker {link.broker}: {error}" for link, error in failed)
+                    )
+                )
+            else:
+                for link, error in failed:
+                    log.warning(
+                        "not sent to broker %s (the others took it): %s", link.broker, error
+                    )
+                out.append(None)
+        return out
 
 
 # What an outbox sends for its queue's head: one message standing for the first

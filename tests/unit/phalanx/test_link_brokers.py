@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 
 import aiomqtt
 import pytest
@@ -16,23 +15,6 @@ from phalanx.local import free_port
 from phalanx.settings import MqttSettings
 from tests.harness import Broker, CuttableLink
 from tests.wait import until
-
-
-@pytest.fixture
-def brokers(tmp_path: Path) -> Iterator[tuple[Broker, Broker]]:
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    a = Broker(tmp_path / "a").start()
-    try:
-        b = Broker(tmp_path / "b").start()
-    except BaseException:
-        a.stop()
-        raise
-    try:
-        yield a, b
-    finally:
-        a.stop()
-        b.stop()
 
 
 def _settings(*ports: int) -> MqttSettings:
