@@ -7,7 +7,8 @@ in a temporary folder) takes what a job of ``--nodes`` nodes sends a checkpoint:
 rank's landing at RAM, NVMe, peer and object, node by node and flushed ``--per-flush``
 at a time as the publisher's batches take them, then retention's deletions (the job keeps
 2, 3, 2 and 5 steps at those tiers, as ``bench/fleet_scale.py``'s; every rank reports
-each), each commit's catalogs built and handed to a link that takes them at once. Every node
+each), each commit's catalogs built and handed to a link that takes them at once (in
+the batches the supervisor's link takes). Every node
 is born in the registry with its agent's peer routes, as in a fleet. Nothing
 else shares the event loop or the machine, unlike the fleet bench, whose simulators and
 broker do: this is the supervisor's share of a checkpoint alone, what a change to the
@@ -98,6 +99,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     async def publish(topic: str, payload: bytes, retain: bool = False, timeout: float = 5) -> None:
         sent[topic] = payload
 
+    async def publish_many(
+        items: Any, *, retain: bool = False, timeout: float = 5
+    ) -> list[BaseException | None]:
+        sent.update(items)
+        return [None] * len(items)
+
     gcpolicy.tune()  # the collector as the supervisor's daemon has it
     with tempfile.TemporaryDirectory(prefix="phalanx-ckpt-commit-") as tmp:
         store = Store(Path(tmp) / "state.db")
@@ -133,6 +140,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             job={JOB: job}.get,
             registry=registry,
             ram_linger_s=900.0,
+            publish_many=publish_many,
         )
         real_publish = publisher.publish
         published: list[float] = []

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 
 from ckpt.stores import open_store
@@ -139,6 +139,7 @@ class Supervisor:
             registry=self.registry,
             ram_linger_s=settings.ckpt_failed_ram_linger_s,
             agent_keys=self.agent_keys,
+            publish_many=self._publish_many,
         )
         self.jobs = JobController(
             self.store,
@@ -195,6 +196,14 @@ class Supervisor:
         """The link's publish, for what only the leader may send (commands, catalogs)."""
         self._check_lead()
         await self.link.publish(topic, payload, retain=retain, timeout=timeout, via=via)
+
+    async def _publish_many(
+        self, items: Sequence[tuple[str, bytes]], *, retain: bool = False, timeout: float = 5.0
+    ) -> list[BaseException | None]:
+        """The link's batch (:meth:`MqttLinks.publish_many`), for the leader only: a step's
+        catalogs."""
+        self._check_lead()
+        return await self.link.publish_many(items, retain=retain, timeout=timeout)
 
     def _route(self, topic: str) -> int | None:
         """The link a command to a node goes out on: the one its heartbeats come through."""

@@ -594,3 +594,87 @@ async def test_a_holder_reborn_at_another_address_is_named_there_in_the_next_cat
     await publisher.publish("j-1")
     again = peer_of_rank_0()
     assert again is not None and (again.node, again.http_port) == ("n01", 9555)
+
+
+class BatchLink(SlowLink):
+    """The link's batch (``publish_many``): each call's topics, and how many messages the
+    build had made when it came."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made = 0
+        self.calls: list[tuple[int, list[str]]] = []
+
+    async def publish_many(
+        self, items: Any, *, retain: bool = False, timeout: float = 5.0
+    ) -> list[BaseException | None]:
+        self.calls.append((self.made, [topic for topic, _ in items]))
+        await asyncio.sleep(0.01)
+        for topic, payload in items:
+            self.retained[topic] = payload
+        return [None] * len(items)
+
+
+def batched(make: Make, link: BatchLink) -> CatalogPublisher:
+    publisher = make(link)
+    publisher._publish_many = link.publish_many
+    real = publisher.catalog.iter_payloads
+
+    def iter_payloads(*args: Any, **kwargs: Any) -> Iterator[tuple[wire.CkptCatalog, bytes]]:
+        for made in real(*args, **kwargs):
+            time.sleep(BUILD_SLICE_S)  # each a slice's worth (a job of many thousand ranks)
+            link.made += 1
+            yield made
+
+    publisher.catalog.iter_payloads = iter_payloads  # type: ignore[method-assign]
+    return publisher
+
+
+async def test_a_slices_catalogs_go_to_the_link_while_the_next_are_built(make: Make) -> None:
+    # The broker takes the first nodes' catalogs while the rest are built: at 2,048 nodes
+    # the build and the hand-off took 0.3-0.8 s each, one after the other.
+    link = BatchLink()
+    publisher = batched(make, link)
+    commit(publisher, 4)
+
+    await publisher.publish("j-1")
+
+    assert len(link.calls) > 1
+    assert link.calls[0][0] < WORLD  # handed before the build's last message was made
+    topics = [topic for _, batch in link.calls for topic in batch]
+    assert topics == [wire.catalog_topic("j-1", node) for node in NODES]  # each once, in order
+    assert all((c := link.catalog(n)) is not None and c.restore_step == 4 for n in NODES)
+    [account] = publisher.published
+    assert (account["messages"], account["sent"]) == (WORLD, WORLD)
+
+
+async def test_a_build_that_fails_midway_waits_for_what_it_handed_then_tries_again(
+    make: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    link = BatchLink()
+    publisher = batched(make, link)
+    commit(publisher, 4)
+    built = publisher.catalog.iter_payloads
+
+    def failing(*args: Any, **kwargs: Any) -> Iterator[tuple[wire.CkptCatalog, bytes]]:
+        for n, made in enumerate(built(*args, **kwargs)):
+            if n == WORLD // 2:
+                raise StoreError(
+                    publisher.store.path, "cannot read the supervisor store: database is locked"
+                )
+            yield made
+
+    monkeypatch.setattr(publisher.catalog, "iter_payloads", failing)
+    monkeypatch.setattr(publisher_module, "RETRY_S", 0.05)
+
+    await publisher.publish("j-1")  # the first half handed and taken, the rest not built
+
+    handed = [topic for _, batch in link.calls for topic in batch]
+    assert handed == [wire.catalog_topic("j-1", node) for node in NODES[: WORLD // 2]]
+    assert set(link.retained) == set(handed)  # each was out before the publish returned
+    assert publisher._retry.pending
+
+    monkeypatch.setattr(publisher.catalog, "iter_payloads", built)
+    await until(lambda: len(link.retained) == WORLD, 5.0, "every catalog out at the retry")
+    again = [topic for _, batch in link.calls[len(link.calls) - 1 :] for topic in batch]
+    assert wire.catalog_topic("j-1", NODES[0]) not in again  # sent already: not sent again
