@@ -631,21 +631,35 @@ class CheckpointCatalog:
         byte for byte. A step listed again as the last build listed it (all but the newest,
         at a commit) is not encoded again: its bytes are spliced into the message's. At
         2,048 nodes a build encoded ~11 MB of catalogs, five steps a node, a quarter of
-        its time (issue 22)."""
+        its time (issue 22).
+
+        The messages of one build differ only by their node, steps and ``sources``: the
+        first one's envelope (the message without its steps) is the others', their node
+        spliced in, where they have no ``sources`` (a message's copy and encoding each
+        were a tenth of a 2,048-node build)."""
+        template: tuple[bytes, bytes, bytes] | None = None  # before the node, after, tail
         for message, listed in self._iter_built(job, world_size, **kwargs):
             if not message.steps:
-                yield message, wire.encode(message)
-                continue
-            envelope = wire.encode(message.model_copy(update={"steps": []}))
-            head, found, tail = envelope.partition(_NO_STEPS)
-            if not found:  # cannot happen: the envelope has its steps field, empty
                 yield message, wire.encode(message)
                 continue
             steps = b",".join(
                 wire.encode(step) if was is None else was.json
                 for step, was in zip(message.steps, listed, strict=True)
             )
-            yield message, b"".join((head, b'"steps":[', steps, b"]", tail))
+            node = message.node.encode()  # NodeId: ASCII letters, digits, "_.-"
+            if template is None or message.sources:
+                envelope = wire.encode(message.model_copy(update={"steps": []}))
+                head, found, tail = envelope.partition(_NO_STEPS)
+                if not found:  # cannot happen: the envelope has its steps field, empty
+                    yield message, wire.encode(message)
+                    continue
+                named = b'"node":"' + node + b'"'
+                if not message.sources and head.count(b'"node":"') == 1 and named in head:
+                    before, _, after = head.partition(named)
+                    template = (before + b'"node":"', b'"' + after + b'"steps":[', b"]" + tail)
+                yield message, b"".join((head, b'"steps":[', steps, b"]", tail))
+                continue
+            yield message, b"".join((template[0], node, template[1], steps, template[2]))
 
     def _iter_built(
         self,

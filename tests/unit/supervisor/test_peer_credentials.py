@@ -131,3 +131,13 @@ def test_a_catalogs_payload_is_its_messages_encoding_with_steps_listed_again(
     assert payloads(hold_steps=10) != first  # step 6 new, step 5 as before
     payloads(elastic=True)  # a job that reshapes: no listing is kept, each step encoded
     payloads(ended=True, nodes=["n01", "n02", "n03"])
+    payloads(alive=set())  # nothing readable: a restore note naming ranks and nodes
+    # A gang of three restoring what two saved: some nodes' messages carry sources, not all
+    # (each of those is encoded whole; the others share the first's envelope).
+    grown = list(
+        catalog.iter_payloads(
+            "j-1", 3, **{**args, "placement": {0: "n01", 1: "n03", 2: "n02"}, "elastic": True}
+        )
+    )
+    assert any(m.sources for m, _ in grown) and not all(m.sources for m, _ in grown)
+    assert [p for _, p in grown] == [wire.encode(m) for m, _ in grown]
