@@ -17,7 +17,8 @@ catalog path is measured with.
 Prints JSON: per checkpoint once retention runs (the median over ``--checkpoints``
 minus the first five): the event loop's time recording the landings and deletions, their
 transactions (one fsync each), the loop's longest turn, and the build and hand-off of
-the catalogs at the last tier's commit (``commit_publish_s``).
+the catalogs at the last tier's commit (``commit_publish_s``); and where the loop's turns
+of 20 ms or more were (``long_turns``, by the supervisor's own stall watch).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from phalanx import wire
 from phalanx.jobspec import validate_spec
+from phalanx.loopwatch import LoopWatch
 from supervisor import gcpolicy
 from supervisor.checkpoints.catalog import CheckpointCatalog
 from supervisor.checkpoints.publisher import CatalogPublisher
@@ -46,6 +48,7 @@ from supervisor.store import Store
 JOB = "bench-1"
 TIERS = ("ram", "nvme", "peer", "object")
 KEEP = {"ram": 2, "nvme": 3, "peer": 2, "object": 5}
+WATCH_S = 0.02  # the loop's turns this long or longer are located (long_turns)
 WARM = 5  # checkpoints before retention has dropped a step at every tier
 
 
@@ -152,6 +155,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
         publisher.publish = timed_publish  # type: ignore[method-assign]
         turns = Turns()
+        # Where the loop's longest turns were (the supervisor's own stall watch, which
+        # names the project's frames a turn was in).
+        watch = LoopWatch(threshold_s=WATCH_S, keep=1024, log_s=float("inf"))
         rows: list[dict[str, float]] = []
         steps: list[int] = []
 
@@ -166,8 +172,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 took += time.perf_counter() - began
             return took
 
+        await watch.__aenter__()
         try:
             for n in range(args.checkpoints):
+                if n == WARM:
+                    watch.stalls.clear()
                 step = 1000 + 100 * n
                 steps.append(step)
                 landings = {
@@ -233,9 +242,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     }
                 )
         finally:
+            await watch.__aexit__(None, None, None)
             publisher.stop()
             publisher.close()
             store.close()
+    by_where: dict[str, list[float]] = {}
+    for stall in watch.stalls:
+        if stall.stack:  # none: the bench's own making of the landings
+            by_where.setdefault(stall.stack, []).append(stall.s)
 
     steady = rows[WARM:] or rows
     return {
@@ -256,6 +270,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "commit_publish_s",
             )
         },
+        # The loop's turns of WATCH_S or longer once retention runs, by where they were.
+        "long_turns": sorted(
+            (
+                {"stack": where, "n": len(s), "max_s": round(max(s), 3)}
+                for where, s in by_where.items()
+            ),
+            key=lambda t: -float(t["max_s"]),
+        )[:8],
     }
 
 

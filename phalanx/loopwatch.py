@@ -39,7 +39,7 @@ SAMPLE_S = 0.01
 THRESHOLD_S = 0.1  # a stall shorter than this is not kept
 LOG_S = 1.0  # a stall this long or longer is logged, as a warning
 KEEP = 64
-DEPTH = 4  # the project's frames a stall's ``stack`` names
+DEPTH = 6  # the project's frames a stall's ``stack`` names
 # The histogram's upper bounds, seconds (Prometheus ``le``); the last is +Inf.
 BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # The folders of the project's own code: a stall's ``where`` is the innermost frame of
