@@ -386,8 +386,13 @@ class CheckpointCatalog:
         # And every shard row of it, as the store holds them (rank -> row): at its commit
         # they are the committed rows, cached for the catalog's build, which read 16,384
         # of them back at every commit of a 2,048-node job (0.2-0.4 s of the event loop
-        # on a busy host, between the last landing and the catalogs: issue 22).
-        self._landed: dict[tuple[str, int, str], tuple[int, set[int], dict[int, ShardRow]]] = {}
+        # on a busy host, between the last landing and the catalogs: issue 22). Last, the
+        # key's version (``CkptRows.shard_versions``) after the catalog's own last read or
+        # write of it: another, behind its back (a rollback's or the SDC watch's drop),
+        # and the key is read again.
+        self._landed: dict[
+            tuple[str, int, str], tuple[int, set[int], dict[int, ShardRow], int | None]
+        ] = {}
         # The (job, step, tier) retention dropped last, oldest first: every rank reports
         # its deletion, and all but the first found nothing left to delete, two
         # statements each (131,072 at 2,048 nodes a checkpoint). Landed again, a key
@@ -461,15 +466,17 @@ class CheckpointCatalog:
                     msg.tier,
                 )
                 return False
-        if key not in self._landed:
+        entry = self._landed.get(key)
+        if entry is None or entry[3] != self.rows.shard_versions.get(key):
             found = self.rows.shard_rows_of(*key)
             newest = max((g for g, _ in found.values()), default=max(saved, default=msg.generation))
-            self._landed[key] = (
+            entry = self._landed[key] = (
                 newest,
                 {r for r, (g, _) in found.items() if g == newest},
                 {r: row for r, (_, row) in found.items()},
+                self.rows.shard_version(*key),
             )
-        generation, ranks, shard_rows = self._landed[key]
+        generation, ranks, shard_rows, _ = entry
         went = False
         if saved:
             msg = msg.model_copy(
@@ -499,7 +506,6 @@ class CheckpointCatalog:
             self.rows.drop_step(msg.job, msg.step, msg.tier)
             generation, ranks = msg.generation, set()
             shard_rows.clear()
-            self._landed[key] = (generation, ranks, shard_rows)
         replaced = shard_rows.get(msg.rank)
         self.rows.add_shard(
             msg.job,
@@ -517,6 +523,7 @@ class CheckpointCatalog:
         shard_rows[msg.rank] = (msg.node, msg.holder, msg.nbytes, msg.checksum)
         ranks.add(msg.rank)
         if len(ranks) < world_size:
+            self._landed[key] = (generation, ranks, shard_rows, self.rows.shard_versions.get(key))
             return went
         del self._landed[key]  # complete: a redelivery or a corrupt report reloads it
         for older in [

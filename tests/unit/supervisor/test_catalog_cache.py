@@ -236,6 +236,14 @@ OPS = st.lists(
 @example(
     [("commit", 1, "nvme", 0, True), ("drop", 1, "nvme", 0, False), ("commit", 1, "nvme", 0, True)]
 )
+# a partial step dropped behind the catalog's back, then landed again: read again
+@example(
+    [
+        ("partial", 1, "nvme", 1, False),
+        ("drop", 1, "nvme", 0, False),
+        ("partial", 1, "nvme", 1, False),
+    ]
+)
 def test_whatever_happens_to_the_shards_a_cached_build_says_what_a_fresh_one_says(
     ops: list[tuple[str, int, str, int, bool]],
 ) -> None:
@@ -403,3 +411,38 @@ def test_retentions_deletions_drop_a_step_once_and_again_after_it_landed_again(
         assert rows.shard_rows_of(JOB, 4, "object") == {} and rows.shard_nodes(JOB) == set()
     finally:
         store.close()
+
+
+def test_a_partial_step_dropped_behind_the_catalogs_back_commits_only_when_landed_again(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "state.db")
+    try:
+        catalog = CheckpointCatalog(store)
+        rows = CkptRows.of(store)
+
+        def record(rank: int) -> bool:
+            with store.batch():
+                return catalog.on_landing(landing(4, rank), WORLD)
+
+        for rank in range(WORLD - 1):
+            record(rank)
+        rows.drop_step(JOB, 4, "object")  # as a rollback or the SDC watch does, on the store
+
+        assert record(WORLD - 1) is False  # the ranks it counted before are gone
+        assert rows.commits(JOB) == [] and stored_ranks(store, 4, "object") == [WORLD - 1]
+        assert rows.shard_nodes(JOB) == {NODES[WORLD - 1]}
+        for rank in range(WORLD - 1):
+            record(rank)
+        assert [(s, t) for s, t, _ in rows.commits(JOB)] == [(4, "object")]
+    finally:
+        store.close()
+
+
+def stored_ranks(store: Store, step: int, tier: str) -> list[int]:
+    """The ranks of ``step`` whose rows the store's file still has at ``tier``."""
+    rows = store.db.execute(
+        "SELECT rank FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ? ORDER BY rank",
+        (JOB, step, tier),
+    ).fetchall()
+    return [int(r[0]) for r in rows]
