@@ -188,6 +188,12 @@ CREATE TABLE IF NOT EXISTS ckpt_commits (
 );
 CREATE INDEX IF NOT EXISTS ckpt_shards_rank ON ckpt_shards (job, step, rank);
 DROP INDEX IF EXISTS ckpt_shards_node;
+CREATE TABLE IF NOT EXISTS ckpt_purges (
+    job TEXT COLLATE "C" NOT NULL,
+    step BIGINT NOT NULL,
+    tier TEXT COLLATE "C" NOT NULL,
+    PRIMARY KEY (job, step, tier)
+);
 CREATE TABLE IF NOT EXISTS ckpt_ended_catalogs (
     job TEXT COLLATE "C" NOT NULL,
     node TEXT COLLATE "C" NOT NULL,

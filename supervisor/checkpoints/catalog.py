@@ -445,7 +445,7 @@ class CheckpointCatalog:
             self._landed.pop(key, None)
             if key in self._dropped:
                 return False  # another rank's report of a step already dropped there
-            went = self.rows.drop_step(msg.job, msg.step, msg.tier)
+            went = self.rows.retire_step(msg.job, msg.step, msg.tier)  # rows deleted soon
             self._dropped[key] = None
             if len(self._dropped) > DROPPED_KEPT:
                 del self._dropped[next(iter(self._dropped))]

@@ -170,6 +170,8 @@ class CatalogPublisher:
         """Back on the broker, which may have lost retained messages: send every catalog a
         node may still need again."""
         self._sent.clear()
+        if self.catalog.rows.purging:  # retired by a supervisor that stopped: go on
+            self._landing_flush.start(BATCH_S)
         for job in list(jobs):
             if job.state.final and self.catalog.rows.ended_catalogs_released(job.id):
                 continue  # every node let go of it: nothing left to tell
@@ -468,7 +470,9 @@ class CatalogPublisher:
         catalogs that changed. At 2,048 nodes a tier's 16,384 landings come within a
         second: recorded 0.05 s of them at a time, they held the loop 0.1-0.3 s a batch
         on a busy host, the longest of its stalls (issue 22). Those that come meanwhile
-        wait for the next flush."""
+        wait for the next flush. Last, the shard rows of the steps retention dropped are
+        deleted, a slice a transaction, the loop turning between
+        (:meth:`~supervisor.checkpoints.rows.CkptRows.purge_some`)."""
         self._landing_flush.cancel()
         batch, self._landings = self._landings, []
         pending = [batch[i : i + RECORD_AT_ONCE] for i in range(0, len(batch), RECORD_AT_ONCE)]
@@ -491,16 +495,31 @@ class CatalogPublisher:
                     "changed": sorted(changed),
                 }
             )
-        if not changed:
-            return
-        # A commit's catalogs out, then the cyclic collector: a pass of it in the middle
-        # of a 2,048-node build held the event loop 0.3-0.4 s (issue 22).
-        held = gcdefer.hold()
-        try:
-            for job_id in sorted(changed):
-                await self.publish(job_id)
-        finally:
-            held.release()
+        if changed:
+            # A commit's catalogs out, then the cyclic collector: a pass of it in the
+            # middle of a 2,048-node build held the event loop 0.3-0.4 s (issue 22).
+            held = gcdefer.hold()
+            try:
+                for job_id in sorted(changed):
+                    await self.publish(job_id)
+            finally:
+                held.release()
+        await self._purge_retired()
+
+    async def _purge_retired(self) -> None:
+        """Delete the shard rows of the steps retention dropped, ``PURGE_AT_ONCE`` a
+        transaction, the event loop turning between. On a store error the rest wait for
+        the next flush (the landings' retry starts one)."""
+        rows = self.catalog.rows
+        while rows.purging:
+            try:
+                with self.store.batch():
+                    rows.purge_some()
+            except StoreError as exc:
+                log.warning("the rows of retired checkpoint steps are deleted later: %s", exc)
+                self._landing_flush.start(RETRY_S)
+                return
+            await asyncio.sleep(0)
 
     def record_landings(self) -> set[str]:
         """Record the queued landings in one transaction; the jobs whose catalog changed.

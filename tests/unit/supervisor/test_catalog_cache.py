@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from phalanx import wire
 from supervisor.checkpoints.catalog import CheckpointCatalog
-from supervisor.checkpoints.rows import CkptQueries, CkptRows
+from supervisor.checkpoints.rows import NOT_RETIRED, CkptQueries, CkptRows
 from supervisor.jobs import hold_steps
 from supervisor.store import Store
 from tests.unit.supervisor.test_catalog_publish import (
@@ -212,7 +212,8 @@ OPS = st.lists(
                 "commit",
                 "partial",
                 "corrupt",
-                "deleted",
+                "deleted",  # retention: the step's rows go later, a slice at a time
+                "purge",  # a slice of the retired steps' rows deleted (1-4 rows)
                 "drop",
                 "moved",
                 "placed",
@@ -322,9 +323,10 @@ def test_whatever_happens_to_the_shards_a_cached_build_says_what_a_fresh_one_say
                     catalog.forget()  # as the publisher does when its batch fails
                     raise RuntimeError("the batch fails after its writes")
 
-            def nodes_in_store() -> set[str]:
+            def nodes_in_store() -> set[str]:  # but those of steps retention dropped
                 rows = store.db.execute(
-                    "SELECT DISTINCT node FROM ckpt_shards WHERE job = ?", (JOB,)
+                    "SELECT DISTINCT node FROM ckpt_shards s WHERE job = ? " + NOT_RETIRED,
+                    (JOB,),
                 ).fetchall()
                 return {str(r[0]) for r in rows}
 
@@ -338,6 +340,9 @@ def test_whatever_happens_to_the_shards_a_cached_build_says_what_a_fresh_one_say
                     land(step, tier, rank)
                 elif op in ("corrupt", "deleted"):
                     land(step, tier, rank, op)
+                elif op == "purge":
+                    with store.batch():
+                        CkptRows.of(store).purge_some(rank + 1)
                 elif op == "drop":  # a rollback or the SDC watch, on the store itself
                     CkptRows.of(store).drop_step(JOB, step, tier)
                 elif op == "moved":  # the row rewritten: a redelivery from another node
@@ -386,9 +391,9 @@ def test_retentions_deletions_drop_a_step_once_and_again_after_it_landed_again(
     try:
         catalog = CheckpointCatalog(store)
         rows = CkptRows.of(store)
-        deletes: list[str] = []
+        retired: list[str] = []
         store.db.set_trace_callback(  # type: ignore[attr-defined]
-            lambda sql: deletes.append(sql) if sql.startswith("DELETE FROM ckpt_shards") else None
+            lambda sql: retired.append(sql) if sql.startswith("INSERT INTO ckpt_purges") else None
         )
 
         def record(rank: int, event: str) -> bool:
@@ -401,13 +406,22 @@ def test_retentions_deletions_drop_a_step_once_and_again_after_it_landed_again(
 
         assert record(0, "deleted") is True  # the commit went
         assert all(record(rank, "deleted") is False for rank in range(1, WORLD))
-        assert len(deletes) == 1  # every other rank's report of it found it dropped
+        assert len(retired) == 1  # every other rank's report of it found it dropped
         assert rows.shard_rows_of(JOB, 4, "object") == {} and rows.shard_nodes(JOB) == set()
+        assert rows.purging == 1 and stored_ranks(store, 4, "object") == list(range(WORLD))
+
+        with store.batch():
+            assert rows.purge_some(2) == 2  # a slice of its rows
+        assert stored_ranks(store, 4, "object") == list(range(2, WORLD))
+        while rows.purging:
+            with store.batch():
+                rows.purge_some(2)
+        assert stored_ranks(store, 4, "object") == []
 
         record(2, "landed")  # the step saved there again (a rollback to it)
         assert rows.shard_nodes(JOB) == {NODES[2]}
         assert record(2, "deleted") is True  # its row went
-        assert len(deletes) == 2
+        assert len(retired) == 2
         assert rows.shard_rows_of(JOB, 4, "object") == {} and rows.shard_nodes(JOB) == set()
     finally:
         store.close()
@@ -446,3 +460,85 @@ def stored_ranks(store: Store, step: int, tier: str) -> list[int]:
         (JOB, step, tier),
     ).fetchall()
     return [int(r[0]) for r in rows]
+
+
+def test_a_step_landed_again_before_its_retired_rows_are_deleted_counts_only_its_new_shards(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "state.db")
+    try:
+        catalog = CheckpointCatalog(store)
+        rows = CkptRows.of(store)
+
+        def record(rank: int, event: str = "landed") -> bool:
+            with store.batch():
+                return catalog.on_landing(landing(4, rank, event), WORLD)
+
+        for rank in range(WORLD):
+            record(rank)
+        assert record(0, "deleted") is True
+        assert rows.purging == 1  # every rank's row is still in the file
+
+        for rank in range(WORLD - 1):  # saved there again, by all ranks but the last
+            assert record(rank) is False
+        assert rows.commits(JOB) == []  # the stale row of the last rank does not count
+        assert rows.purging == 0 and stored_ranks(store, 4, "object") == list(range(WORLD - 1))
+        assert record(WORLD - 1) is True
+        assert [(s, t) for s, t, _ in rows.commits(JOB)] == [(4, "object")]
+        assert cached(catalog) == fresh(store)
+    finally:
+        store.close()
+
+
+def test_a_retired_steps_rows_outlive_a_restart_hidden_and_are_deleted_after_it(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "state.db")
+    catalog = CheckpointCatalog(store)
+    for rank in range(WORLD):
+        with store.batch():
+            catalog.on_landing(landing(4, rank), WORLD)
+            catalog.on_landing(landing(5, rank), WORLD)
+    with store.batch():
+        catalog.on_landing(landing(4, 0, "deleted"), WORLD)
+    store.close()  # a supervisor stopped before the rows of step 4 were deleted
+
+    store = Store(tmp_path / "state.db")
+    try:
+        rows = CkptRows.of(store)
+        assert rows.purging == 1
+        assert {s for s, *_ in rows.shards(JOB)} == {5}  # hidden from every read
+        assert rows.shard_rows_by_node(JOB) == {node: 1 for node in NODES}
+        assert [s for s, _t, _ in rows.commits(JOB)] == [5]
+        while rows.purging:
+            with store.batch():
+                rows.purge_some(3)
+        assert stored_ranks(store, 4, "object") == []
+        assert stored_ranks(store, 5, "object") == list(range(WORLD))
+        assert store.db.execute("SELECT COUNT(*) FROM ckpt_purges").fetchone()[0] == 0
+    finally:
+        store.close()
+
+
+def test_a_retirement_rolled_back_leaves_the_step_committed_and_whole(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.db")
+    try:
+        catalog = CheckpointCatalog(store)
+        rows = CkptRows.of(store)
+        for rank in range(WORLD):
+            with store.batch():
+                catalog.on_landing(landing(4, rank), WORLD)
+        before = cached(catalog)
+        assert rows.shard_nodes(JOB) == set(NODES)  # counted, then kept by the writes
+
+        with pytest.raises(RuntimeError), store.batch():
+            assert catalog.on_landing(landing(4, 0, "deleted"), WORLD) is True
+            assert rows.purging == 1 and rows.shard_nodes(JOB) == set()
+            raise RuntimeError("the transaction fails after the retirement")
+        catalog.forget()  # as the publisher does when its batch fails
+
+        assert rows.purging == 0 and rows.shard_nodes(JOB) == set(NODES)
+        assert [(s, t) for s, t, _ in rows.commits(JOB)] == [(4, "object")]
+        assert cached(catalog) == before == fresh(store)
+    finally:
+        store.close()
