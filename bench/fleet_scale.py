@@ -275,10 +275,12 @@ class StallLog:
     """The supervisor's event loop stalls (``GET /v1/stats``: ``loop``, the last 16),
     polled every second in a thread of its own from the fleet's start to the end, each
     kept once: what held the loop while heartbeats, orders and REST waited. And its
-    account of each flush of landings and publish of a job's catalogs (``catalogs``)."""
+    account of each flush of landings and publish of a job's catalogs (``catalogs``). And
+    the cyclic collector's passes of 20 ms or more (``gc``: each stops the loop too)."""
 
     def __init__(self, port: int) -> None:
         self.stalls: dict[float, dict[str, Any]] = {}
+        self.gc: dict[float, dict[str, Any]] = {}
         self.recorded: dict[float, dict[str, Any]] = {}
         self.published: dict[tuple[str, float], dict[str, Any]] = {}
         self._stop = threading.Event()
@@ -292,6 +294,8 @@ class StallLog:
                 stats = self._client.get("/v1/stats")
                 for stall in stats.get("loop", {}).get("recent", []):
                     self.stalls.setdefault(stall["at"], stall)
+                for pause in stats.get("gc", {}).get("recent", []):
+                    self.gc.setdefault(pause["at"], pause)
                 catalogs = stats.get("catalogs", {})
                 for flush in catalogs.get("recorded", []):
                     self.recorded.setdefault(flush["at"], flush)
@@ -300,6 +304,18 @@ class StallLog:
 
     def summary(self, since: float = 0.0, until: float = float("inf")) -> dict[str, Any]:
         return summarize(list(self.stalls.values()), since, until)
+
+    def gc_summary(self, since: float = 0.0, until: float = float("inf")) -> dict[str, Any]:
+        """The collector's passes of 20 ms or more that began in [since, until), by
+        generation: how many, how long in all, the longest."""
+        out: dict[str, Any] = {}
+        for pause in self.gc.values():
+            if since <= pause["at"] < until:
+                one = out.setdefault(f"gen{pause['generation']}", {"n": 0, "s": 0.0, "max_s": 0.0})
+                one["n"] += 1
+                one["s"] = round(one["s"] + pause["s"], 3)
+                one["max_s"] = max(one["max_s"], pause["s"])
+        return out
 
     def commit_of(self, job: str, nodes: int, landed: float, out: float) -> dict[str, Any]:
         """One step's commit, from its last landing (handed to its node's link) to the
@@ -706,6 +722,7 @@ class Bench:
             self.out["heartbeat_delivery_lag_p50_s"] = pct(delivered, 0.5)
             self.out["heartbeat_delivery_lag_p99_s"] = pct(delivered, 0.99)
         self.out["steady_loop_stalls"] = self.stall_log.summary(*self.steady_window)
+        self.out["steady_gc_pauses"] = self.stall_log.gc_summary(*self.steady_window)
         if self.job_id:
             self.out["steady_commit_phases"] = self.stall_log.commit_phases(
                 self.job_id, self.job_nodes, *self.steady_window
@@ -1047,6 +1064,7 @@ class Bench:
         assert self.stall_log is not None
         time.sleep(1.5)  # the stall log's last poll
         self.out["loop_stalls"] = self.stall_log.summary()
+        self.out["gc_pauses"] = self.stall_log.gc_summary()
         self.out["fault_loop_stalls"] = [  # each of the faults' (after the steady state)
             {k: s.get(k) for k in ("at", "s", "cpu_s", "stack", "leaf")}
             for at, s in sorted(self.stall_log.stalls.items())

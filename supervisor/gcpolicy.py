@@ -22,18 +22,94 @@ and promoted windows added up. So:
 Nothing here keeps an object alive or frees one early: a frozen object is freed by its
 reference count as any other; only a cycle of frozen objects waits for the next reclaim.
 :mod:`supervisor.gcdefer` holds the collector off during a recovery.
+
+Every pass of the collector is timed (:data:`PAUSES`: ``GET /v1/stats`` ``gc``, and
+``phalanx_supervisor_gc_pause_seconds``): a pass stops the event loop as any stall does,
+and the loop's stall watch sees only where the loop was when it began (an allocation
+anywhere, often a weakref's callback as the pass frees what it found).
 """
 
 from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from typing import Any, Final
 
 GC_THRESHOLDS: Final = (50_000, 20, 10)
 RECLAIM_S: Final = 3600.0
+# A pause's histogram's upper bounds, seconds (Prometheus ``le``); the last is +Inf.
+PAUSE_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+RECENT_S: Final = 0.02  # a pause this long or longer is kept in ``Pauses.recent``
+KEEP_RECENT: Final = 64
 
 _reclaimed_at = time.monotonic()
+
+
+class Pauses:
+    """The collector's passes since :func:`tune`, by generation (0, 1, 2): how many, the
+    seconds they took in all, the longest and the histogram; and the last
+    :data:`KEEP_RECENT` of :data:`RECENT_S` or more: (when, generation, seconds, objects
+    collected). Written by the collector's callback (the interpreter's lock held)."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.total_s = [0.0, 0.0, 0.0]
+        self.longest_s = [0.0, 0.0, 0.0]
+        self.buckets = [[0] * (len(PAUSE_BUCKETS) + 1) for _ in range(3)]
+        self.recent: deque[tuple[float, int, float, int]] = deque(maxlen=KEEP_RECENT)
+        self._began = 0.0
+
+    def on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        s = time.perf_counter() - self._began
+        generation = min(2, max(0, int(info.get("generation", 0))))
+        self.count[generation] += 1
+        self.total_s[generation] += s
+        self.longest_s[generation] = max(self.longest_s[generation], s)
+        bucket = next((i for i, b in enumerate(PAUSE_BUCKETS) if s <= b), len(PAUSE_BUCKETS))
+        self.buckets[generation][bucket] += 1
+        if s >= RECENT_S:
+            self.recent.append((time.time() - s, generation, s, int(info.get("collected", 0))))
+
+    def cumulative(self, generation: int) -> list[tuple[str, int]]:
+        """A generation's histogram as Prometheus wants it: (upper bound, passes at or
+        under it)."""
+        out: list[tuple[str, int]] = []
+        total = 0
+        for bound, n in zip(
+            [*map(str, PAUSE_BUCKETS), "+Inf"], self.buckets[generation], strict=True
+        ):
+            total += n
+            out.append((bound, total))
+        return out
+
+    def view(self) -> dict[str, Any]:
+        """What ``GET /v1/stats`` shows under ``gc``."""
+        return {
+            "thresholds": list(gc.get_threshold()),
+            "frozen": gc.get_freeze_count(),
+            "generations": [
+                {
+                    "generation": g,
+                    # what its passes found garbage since the process began (gc.get_stats)
+                    "collected": found["collected"],
+                    "passes": self.count[g],
+                    "paused_s": round(self.total_s[g], 3),
+                    "longest_s": round(self.longest_s[g], 4),
+                }
+                for g, found in enumerate(gc.get_stats())
+            ],
+            "recent": [
+                {"at": round(at, 3), "generation": g, "s": round(s, 4), "collected": n}
+                for at, g, s, n in self.recent
+            ],
+        }
+
+
+PAUSES = Pauses()  # the process's
 
 
 def tune() -> None:
@@ -42,15 +118,18 @@ def tune() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
     gc.collect()
     gc.freeze()
+    if PAUSES.on_gc not in gc.callbacks:
+        gc.callbacks.insert(0, PAUSES.on_gc)  # first at the start and first at the stop
     if _after not in gc.callbacks:
         gc.callbacks.append(_after)
 
 
 def untune() -> None:
-    """Stop freezing after full collections (the process's collector as it was, but for
-    its thresholds and what is frozen)."""
-    if _after in gc.callbacks:
-        gc.callbacks.remove(_after)
+    """Stop freezing after full collections and timing the passes (the process's
+    collector as it was, but for its thresholds and what is frozen)."""
+    for callback in (_after, PAUSES.on_gc):
+        if callback in gc.callbacks:
+            gc.callbacks.remove(callback)
 
 
 def _after(phase: str, info: dict[str, Any]) -> None:

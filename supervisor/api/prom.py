@@ -24,6 +24,7 @@ metric                                   type     labels
 ``phalanx_store_backup_timestamp_seconds``  gauge  (the newest sound backup; none: no backups)
 ``phalanx_store_backup_failures_total``  counter  (backups that failed since the start)
 ``phalanx_supervisor_loop_stall_seconds``  histogram  (event loop stalls of 0.1 s or more)
+``phalanx_supervisor_gc_pause_seconds``  histogram  ``generation`` (the collector's passes)
 =======================================  =======  ======================================
 """
 
@@ -44,6 +45,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from phalanx.loopwatch import LoopWatch
+from supervisor import gcpolicy
 from supervisor.backup import StoreBackups
 from supervisor.checkpoints.catalog import CheckpointCatalog
 from supervisor.control.controller import JobController
@@ -147,6 +149,24 @@ class SupervisorCollector(Collector):
             yield counter
         yield from self._store()
         yield self._stalls()
+        yield self._gc_pauses()
+
+    def _gc_pauses(self) -> Metric:
+        """The cyclic collector's passes, each a pause of the event loop (``gcpolicy``)."""
+        family = HistogramMetricFamily(
+            "phalanx_supervisor_gc_pause_seconds",
+            "Passes of the supervisor's cyclic garbage collector, by generation: each "
+            "stops its event loop (GET /v1/stats, gc)",
+            labels=["generation"],
+        )
+        pauses = gcpolicy.PAUSES
+        for generation in range(3):
+            family.add_metric(
+                [str(generation)],
+                pauses.cumulative(generation),
+                sum_value=pauses.total_s[generation],
+            )
+        return family
 
     def _stalls(self) -> Metric:
         """The event loop's stalls (``phalanx.loopwatch``)."""

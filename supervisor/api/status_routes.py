@@ -26,6 +26,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from phalanx.http import json_response
+from supervisor import gcpolicy
 from supervisor.api.backend import Backend
 from supervisor.api.handlers import error
 from supervisor.api.prom import registry_of
@@ -77,6 +78,8 @@ def add_status_routes(app: web.Application, sup: Backend) -> None:
                 **sup.wire_stats.view(),
                 # stretches the event loop ran without a yield, and where (phalanx.loopwatch)
                 "loop": sup.loopwatch.view(),
+                # the cyclic collector's passes, each a pause of the loop (supervisor.gcpolicy)
+                "gc": gcpolicy.PAUSES.view(),
                 # the last flushes of checkpoint landings and publishes of catalogs
                 "catalogs": {
                     "recorded": list(sup.publisher.recorded),

@@ -79,3 +79,39 @@ def test_an_hourly_reclaim_takes_the_cycles_frozen_objects_made(
     assert gc.collect() >= 1  # ...and the next full collection takes the cycle
     assert gc.get_freeze_count() > 0  # then freezes what lived again
     assert not [o for o in gc.get_objects() if type(o) is Cycle]
+
+
+@pytest.mark.usefixtures("tuned")
+def test_every_pass_is_timed_by_generation_and_the_long_ones_are_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pauses = gcpolicy.PAUSES
+    before = list(pauses.count)
+    monkeypatch.setattr(gcpolicy, "RECENT_S", 0.0)  # every pass counts as long here
+    gc.collect(0)
+    gc.collect(1)
+    cycle = Cycle()
+    del cycle
+    gc.collect(2)
+
+    assert [pauses.count[g] - before[g] for g in range(3)] == [1, 1, 1]
+    assert [r[1] for r in list(pauses.recent)[-3:]] == [0, 1, 2]
+    assert list(pauses.recent)[-1][3] >= 1  # the full pass collected the cycle
+    view = pauses.view()
+    assert view["thresholds"] == list(gcpolicy.GC_THRESHOLDS)
+    assert [g["passes"] for g in view["generations"]] == pauses.count
+    assert view["recent"][-1]["generation"] == 2 and view["recent"][-1]["s"] >= 0
+    for g in range(3):
+        assert pauses.cumulative(g)[-1] == ("+Inf", pauses.count[g])
+
+
+def test_an_untuned_collector_is_not_timed_any_more() -> None:
+    gcpolicy.tune()
+    gcpolicy.untune()
+    try:
+        assert gcpolicy.PAUSES.on_gc not in gc.callbacks
+        before = list(gcpolicy.PAUSES.count)
+        gc.collect(0)
+        assert gcpolicy.PAUSES.count == before
+    finally:
+        gc.unfreeze()

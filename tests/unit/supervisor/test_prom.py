@@ -124,6 +124,10 @@ def test_prometheus_shows_the_fleet_and_each_running_jobs_figures_by_job_only(
     assert 'phalanx_job_tokens_per_second{job="big-1"} 64000.0' in lines
     assert "phalanx_bad_messages_total 3.0" in lines
     assert 'phalanx_supervisor_loop_stall_seconds_bucket{le="+Inf"} 0.0' in lines
+    names = {line.rsplit(" ", 1)[0] for line in lines}
+    for generation in range(3):  # every pass of the collector, by generation
+        bucket = f'generation="{generation}",le="+Inf"'
+        assert f"phalanx_supervisor_gc_pause_seconds_bucket{{{bucket}}}" in names
     values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line}
     assert 600 <= values["phalanx_queue_wait_seconds"] < 660
     assert 5 <= values['phalanx_ckpt_commit_age_seconds{job="big-1",tier="ram"}'] < 60
