@@ -90,7 +90,9 @@ class Pauses:
         """What ``GET /v1/stats`` shows under ``gc``."""
         return {
             "thresholds": list(gc.get_threshold()),
-            "frozen": gc.get_freeze_count(),
+            # each generation's count now, against its threshold (not the objects frozen:
+            # gc.get_freeze_count walks them all, 0.1-0.2 s of the loop at 2,048 nodes)
+            "counts": list(gc.get_count()),
             "generations": [
                 {
                     "generation": g,

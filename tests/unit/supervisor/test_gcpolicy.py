@@ -99,6 +99,7 @@ def test_every_pass_is_timed_by_generation_and_the_long_ones_are_kept(
     assert list(pauses.recent)[-1][3] >= 1  # the full pass collected the cycle
     view = pauses.view()
     assert view["thresholds"] == list(gcpolicy.GC_THRESHOLDS)
+    assert len(view["counts"]) == 3 and "frozen" not in view  # nothing that walks the heap
     assert [g["passes"] for g in view["generations"]] == pauses.count
     assert view["recent"][-1]["generation"] == 2 and view["recent"][-1]["s"] >= 0
     for g in range(3):
