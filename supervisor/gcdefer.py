@@ -7,7 +7,8 @@ reference counts). A recovery's way from its plan to the last start order out
 allocates more than that (the plan, the job's records, 2,048 orders), so one such
 pause or more fell inside the second a recovery has (issue 22). :func:`hold` holds the
 collector off until the orders are out (:meth:`Hold.release`), or ``max_s`` at most;
-what it would have collected meanwhile is collected at the next allocation after.
+then what piled up meanwhile is frozen (:func:`supervisor.gcpolicy.freeze_held`, with
+the daemon's policy on), not scanned by the next pass all at once.
 Holds nest: the collector runs again once the last one is released.
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+
+from supervisor import gcpolicy
 
 MAX_HOLD_S = 3.0
 
@@ -39,6 +42,7 @@ class Hold:
         if self._timer is not None:
             self._timer.cancel()
         if not _holds and _enabled_before:
+            gcpolicy.freeze_held()  # not scanned all at once now (gcpolicy.freeze_held)
             gc.enable()
 
 
