@@ -384,6 +384,29 @@ def test_a_store_opened_again_is_cached_from_its_first_build(tmp_path: Path) -> 
         store.close()
 
 
+def record(catalog: CheckpointCatalog, rank: int, event: str = "landed", step: int = 4) -> bool:
+    """One landing of the job's object tier, in a transaction of its own."""
+    with catalog.store.batch():
+        return catalog.on_landing(landing(step, rank, event), WORLD)
+
+
+def purge_all(store: Store, at_once: int) -> None:
+    """Delete every retired step's rows, ``at_once`` a transaction."""
+    rows = CkptRows.of(store)
+    while rows.purging:
+        with store.batch():
+            rows.purge_some(at_once)
+
+
+def stored_ranks(store: Store, step: int, tier: str) -> list[int]:
+    """The ranks of ``step`` whose rows the store's file still has at ``tier``."""
+    rows = store.db.execute(
+        "SELECT rank FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ? ORDER BY rank",
+        (JOB, step, tier),
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
 def test_retentions_deletions_drop_a_step_once_and_again_after_it_landed_again(
     tmp_path: Path,
 ) -> None:
@@ -396,16 +419,12 @@ def test_retentions_deletions_drop_a_step_once_and_again_after_it_landed_again(
             lambda sql: retired.append(sql) if sql.startswith("INSERT INTO ckpt_purges") else None
         )
 
-        def record(rank: int, event: str) -> bool:
-            with store.batch():
-                return catalog.on_landing(landing(4, rank, event), WORLD)
-
         for rank in range(WORLD):
-            record(rank, "landed")
+            record(catalog, rank)
         assert rows.commits(JOB) == [(4, "object", rows.commits(JOB)[0][2])]
 
-        assert record(0, "deleted") is True  # the commit went
-        assert all(record(rank, "deleted") is False for rank in range(1, WORLD))
+        assert record(catalog, 0, "deleted") is True  # the commit went
+        assert all(record(catalog, rank, "deleted") is False for rank in range(1, WORLD))
         assert len(retired) == 1  # every other rank's report of it found it dropped
         assert rows.shard_rows_of(JOB, 4, "object") == {} and rows.shard_nodes(JOB) == set()
         assert rows.purging == 1 and stored_ranks(store, 4, "object") == list(range(WORLD))
@@ -413,14 +432,12 @@ def test_retentions_deletions_drop_a_step_once_and_again_after_it_landed_again(
         with store.batch():
             assert rows.purge_some(2) == 2  # a slice of its rows
         assert stored_ranks(store, 4, "object") == list(range(2, WORLD))
-        while rows.purging:
-            with store.batch():
-                rows.purge_some(2)
+        purge_all(store, 2)
         assert stored_ranks(store, 4, "object") == []
 
-        record(2, "landed")  # the step saved there again (a rollback to it)
+        record(catalog, 2)  # the step saved there again (a rollback to it)
         assert rows.shard_nodes(JOB) == {NODES[2]}
-        assert record(2, "deleted") is True  # its row went
+        assert record(catalog, 2, "deleted") is True  # its row went
         assert len(retired) == 2
         assert rows.shard_rows_of(JOB, 4, "object") == {} and rows.shard_nodes(JOB) == set()
     finally:
@@ -435,31 +452,18 @@ def test_a_partial_step_dropped_behind_the_catalogs_back_commits_only_when_lande
         catalog = CheckpointCatalog(store)
         rows = CkptRows.of(store)
 
-        def record(rank: int) -> bool:
-            with store.batch():
-                return catalog.on_landing(landing(4, rank), WORLD)
-
         for rank in range(WORLD - 1):
-            record(rank)
+            record(catalog, rank)
         rows.drop_step(JOB, 4, "object")  # as a rollback or the SDC watch does, on the store
 
-        assert record(WORLD - 1) is False  # the ranks it counted before are gone
+        assert record(catalog, WORLD - 1) is False  # the ranks it counted before are gone
         assert rows.commits(JOB) == [] and stored_ranks(store, 4, "object") == [WORLD - 1]
         assert rows.shard_nodes(JOB) == {NODES[WORLD - 1]}
         for rank in range(WORLD - 1):
-            record(rank)
+            record(catalog, rank)
         assert [(s, t) for s, t, _ in rows.commits(JOB)] == [(4, "object")]
     finally:
         store.close()
-
-
-def stored_ranks(store: Store, step: int, tier: str) -> list[int]:
-    """The ranks of ``step`` whose rows the store's file still has at ``tier``."""
-    rows = store.db.execute(
-        "SELECT rank FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ? ORDER BY rank",
-        (JOB, step, tier),
-    ).fetchall()
-    return [int(r[0]) for r in rows]
 
 
 def test_a_step_landed_again_before_its_retired_rows_are_deleted_counts_only_its_new_shards(
@@ -470,20 +474,16 @@ def test_a_step_landed_again_before_its_retired_rows_are_deleted_counts_only_its
         catalog = CheckpointCatalog(store)
         rows = CkptRows.of(store)
 
-        def record(rank: int, event: str = "landed") -> bool:
-            with store.batch():
-                return catalog.on_landing(landing(4, rank, event), WORLD)
-
         for rank in range(WORLD):
-            record(rank)
-        assert record(0, "deleted") is True
+            record(catalog, rank)
+        assert record(catalog, 0, "deleted") is True
         assert rows.purging == 1  # every rank's row is still in the file
 
         for rank in range(WORLD - 1):  # saved there again, by all ranks but the last
-            assert record(rank) is False
+            assert record(catalog, rank) is False
         assert rows.commits(JOB) == []  # the stale row of the last rank does not count
         assert rows.purging == 0 and stored_ranks(store, 4, "object") == list(range(WORLD - 1))
-        assert record(WORLD - 1) is True
+        assert record(catalog, WORLD - 1) is True
         assert [(s, t) for s, t, _ in rows.commits(JOB)] == [(4, "object")]
         assert cached(catalog) == fresh(store)
     finally:
@@ -496,11 +496,9 @@ def test_a_retired_steps_rows_outlive_a_restart_hidden_and_are_deleted_after_it(
     store = Store(tmp_path / "state.db")
     catalog = CheckpointCatalog(store)
     for rank in range(WORLD):
-        with store.batch():
-            catalog.on_landing(landing(4, rank), WORLD)
-            catalog.on_landing(landing(5, rank), WORLD)
-    with store.batch():
-        catalog.on_landing(landing(4, 0, "deleted"), WORLD)
+        record(catalog, rank, step=4)
+        record(catalog, rank, step=5)
+    record(catalog, 0, "deleted", step=4)
     store.close()  # a supervisor stopped before the rows of step 4 were deleted
 
     store = Store(tmp_path / "state.db")
@@ -510,9 +508,7 @@ def test_a_retired_steps_rows_outlive_a_restart_hidden_and_are_deleted_after_it(
         assert {s for s, *_ in rows.shards(JOB)} == {5}  # hidden from every read
         assert rows.shard_rows_by_node(JOB) == {node: 1 for node in NODES}
         assert [s for s, _t, _ in rows.commits(JOB)] == [5]
-        while rows.purging:
-            with store.batch():
-                rows.purge_some(3)
+        purge_all(store, 3)
         assert stored_ranks(store, 4, "object") == []
         assert stored_ranks(store, 5, "object") == list(range(WORLD))
         assert store.db.execute("SELECT COUNT(*) FROM ckpt_purges").fetchone()[0] == 0
@@ -526,8 +522,7 @@ def test_a_retirement_rolled_back_leaves_the_step_committed_and_whole(tmp_path: 
         catalog = CheckpointCatalog(store)
         rows = CkptRows.of(store)
         for rank in range(WORLD):
-            with store.batch():
-                catalog.on_landing(landing(4, rank), WORLD)
+            record(catalog, rank)
         before = cached(catalog)
         assert rows.shard_nodes(JOB) == set(NODES)  # counted, then kept by the writes
 

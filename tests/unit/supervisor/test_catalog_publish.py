@@ -27,6 +27,7 @@ from supervisor.checkpoints.rows import CkptRows
 from supervisor.errors import StoreError
 from supervisor.fleet.registry import Registry
 from supervisor.jobs import Job, JobState, RankPlace
+from supervisor.store import Store
 from tests.unit.supervisor.conftest import OpenStore
 from tests.unit.supervisor.fake_fleet import birth
 from tests.wait import settle, until
@@ -257,6 +258,40 @@ class LoopTurns:
         self._task.cancel()
 
 
+Batch = Callable[[], contextlib.AbstractContextManager[None]]  # a store's batch
+
+
+def noting(store: Store, note: Callable[[], None]) -> Batch:
+    """The store's batch, calling ``note()`` as each transaction begins."""
+    real_batch = store.batch
+
+    @contextlib.contextmanager
+    def batch() -> Iterator[None]:
+        note()
+        with real_batch():
+            yield
+
+    return batch
+
+
+def failing_at(store: Store, nth: int) -> Batch:
+    """The store's batch, its ``nth`` transaction failing after its writes, as a disk that
+    fills does."""
+    real_batch = store.batch
+    transactions = 0
+
+    @contextlib.contextmanager
+    def batch() -> Iterator[None]:
+        nonlocal transactions
+        transactions += 1
+        with real_batch():
+            yield
+            if transactions == nth:
+                raise StoreError(store.path, "cannot write the supervisor store: disk is full")
+
+    return batch
+
+
 async def test_a_flush_records_its_landings_in_slices_with_the_loop_turning_between(
     make: Make, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -268,15 +303,7 @@ async def test_a_flush_records_its_landings_in_slices_with_the_loop_turning_betw
     store = publisher.store
     turns = LoopTurns()
     at: list[int] = []  # the loop's turns as each transaction began
-    real_batch = store.batch
-
-    @contextlib.contextmanager
-    def counted() -> Iterator[None]:
-        at.append(turns.count)
-        with real_batch():
-            yield
-
-    store.batch = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(store, "batch", noting(store, lambda: at.append(turns.count)))
     for step in (4, 5):
         for rank in range(WORLD):
             publisher._landings.append(landing(step, rank))  # queued, no flush timer
@@ -298,20 +325,9 @@ async def test_a_store_failing_mid_flush_keeps_the_landings_not_recorded_in_orde
     publisher = make(SlowLink())
     store = publisher.store
     real_batch = store.batch
-    transactions = 0
-
-    @contextlib.contextmanager
-    def third_fails() -> Iterator[None]:  # the disk fills at the third transaction
-        nonlocal transactions
-        transactions += 1
-        with real_batch():
-            yield
-            if transactions == 3:
-                raise StoreError(store.path, "cannot write the supervisor store: disk is full")
-
     queued = [landing(step, rank) for step in (4, 5) for rank in range(WORLD)]
     publisher._landings.extend(queued)
-    monkeypatch.setattr(store, "batch", third_fails)
+    monkeypatch.setattr(store, "batch", failing_at(store, 3))  # the disk fills then
     await publisher.flush_landings()
     assert publisher._landings == queued[4:]  # the first two slices are in; the rest wait
 
@@ -342,15 +358,9 @@ async def test_the_rows_of_a_step_retention_dropped_go_in_slices_after_its_catal
         commit(publisher, step)
     turns = LoopTurns()
     at: list[tuple[int, int]] = []  # the loop's turns and the link's publishes at each
-    real_batch = store.batch
-
-    @contextlib.contextmanager
-    def counted() -> Iterator[None]:
-        at.append((turns.count, link.published))
-        with real_batch():
-            yield
-
-    store.batch = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(
+        store, "batch", noting(store, lambda: at.append((turns.count, link.published)))
+    )
     publisher._landings.extend(landing(4, rank, "deleted") for rank in range(WORLD))
     async with turns:
         await publisher.flush_landings()
@@ -374,18 +384,7 @@ async def test_a_store_failing_while_retired_rows_go_leaves_them_hidden_for_the_
     for step in (4, 5):
         commit(publisher, step)
     real_batch = store.batch
-    transactions = 0
-
-    @contextlib.contextmanager
-    def second_fails() -> Iterator[None]:  # the disk fills at the first slice
-        nonlocal transactions
-        transactions += 1
-        with real_batch():
-            yield
-            if transactions == 2:
-                raise StoreError(store.path, "cannot write the supervisor store: disk is full")
-
-    monkeypatch.setattr(store, "batch", second_fails)
+    monkeypatch.setattr(store, "batch", failing_at(store, 2))  # the disk fills at the first slice
     publisher._landings.extend(landing(4, rank, "deleted") for rank in range(WORLD))
     await publisher.flush_landings()
 
