@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import re
 import sqlite3
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,9 +41,17 @@ class Cursor(Protocol):
 
 
 class Db(Protocol):
-    """The store's connection: a ``sqlite3.Connection`` or a :class:`PgDb`."""
+    """The store's connection: a :class:`~supervisor.store_guard.GuardedConnection`
+    (SQLite) or a :class:`PgDb`.
+
+    ``gate`` is held by a worker thread while it commits a transaction for the event loop
+    (:meth:`supervisor.store.Store.batch_async`): ``execute`` waits for it, so nothing
+    runs on the connection meanwhile; ``execute_held`` is that thread's, which holds it."""
+
+    gate: threading.Lock
 
     def execute(self, sql: str, parameters: Any = ..., /) -> Any: ...
+    def execute_held(self, sql: str, /) -> Any: ...
     @property
     def in_transaction(self) -> bool: ...
     def close(self) -> None: ...
@@ -94,6 +103,7 @@ class PgDb:
         self._options = dict(options or {})
         self._session = tuple(session)
         self._conn = self._open()
+        self.gate = threading.Lock()  # see Db
 
     def _open(self) -> psycopg.Connection[Any]:
         conn = psycopg.connect(
@@ -106,6 +116,14 @@ class PgDb:
     def execute(self, sql: str, parameters: Any = (), /) -> psycopg.Cursor[Any]:
         """Run ``sql``; a ``StoreError`` when the server cannot be reached (a read as well
         as a write), a ``ValueError`` for a value a column cannot take."""
+        with self.gate:
+            return self._execute(sql, parameters)
+
+    def execute_held(self, sql: str, /) -> psycopg.Cursor[Any]:
+        """:meth:`execute`, by the thread that holds ``gate`` (see :class:`Db`)."""
+        return self._execute(sql, ())
+
+    def _execute(self, sql: str, parameters: Any) -> psycopg.Cursor[Any]:
         query, args = to_pg(sql), tuple(parameters) or None
         try:
             if self._conn.broken:

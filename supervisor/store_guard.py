@@ -17,6 +17,7 @@ notices a damaged page only when it reads it, as ``database disk image is malfor
 from __future__ import annotations
 
 import sqlite3
+import threading
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeGuard
 
@@ -94,6 +95,14 @@ class GuardedConnection(sqlite3.Connection):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.on_corrupt: Callable[[sqlite3.DatabaseError], NoReturn] | None = None
+        # Held by a worker thread while it commits for the event loop
+        # (``supervisor.store_db.Db`` says more): a statement waits for it.
+        self.gate = threading.Lock()
 
     def execute(self, sql: str, parameters: Any = (), /) -> GuardedCursor:
-        return self.cursor(GuardedCursor).execute(sql, parameters)
+        with self.gate:
+            return self.cursor(GuardedCursor).execute(sql, parameters)
+
+    def execute_held(self, sql: str, /) -> GuardedCursor:
+        """:meth:`execute`, by the thread that holds ``gate``."""
+        return self.cursor(GuardedCursor).execute(sql)
