@@ -133,6 +133,10 @@ class CatalogPublisher:
         self._releases: list[wire.CkptReleased] = []
         self._retry_jobs: set[str] = set()
         self._landing_flush = OneShot("ckpt-landings", self.flush_landings, self.tasks)
+        # Held by a flush of the landings: one that starts while another awaits its
+        # commits waits for it (a landing and a later drop of the same shard, recorded out
+        # of order, would leave the drop undone).
+        self._flushing = asyncio.Lock()
         self._release_flush = OneShot("ckpt-releases", self.flush_releases, self.tasks)
         self._retry = OneShot("ckpt-catalog-retry", self._retry_catalogs, self.tasks)
         self._lingers: dict[str, OneShot] = {}  # failed job -> its RAM freed then
@@ -469,32 +473,15 @@ class CatalogPublisher:
         transaction with the event loop's other work between them, then publish the
         catalogs that changed. At 2,048 nodes a tier's 16,384 landings come within a
         second: recorded 0.05 s of them at a time, they held the loop 0.1-0.3 s a batch
-        on a busy host, the longest of its stalls (issue 22). Those that come meanwhile
-        wait for the next flush. Last, the shard rows of the steps retention dropped are
-        deleted, a slice a transaction, the loop turning between
+        on a busy host, the longest of its stalls (issue 22); each slice's COMMIT runs on a
+        worker thread while the loop turns (``Store.batch_async``). Those that come
+        meanwhile wait for the next flush. Last, the shard rows of the steps retention
+        dropped are deleted, a slice a transaction, committed the same way
         (:meth:`~supervisor.checkpoints.rows.CkptRows.purge_some`)."""
-        self._landing_flush.cancel()
-        batch, self._landings = self._landings, []
-        pending = [batch[i : i + RECORD_AT_ONCE] for i in range(0, len(batch), RECORD_AT_ONCE)]
-        changed: set[str] = set()
-        began = time.time()
-        try:
-            while pending:
-                self._record_first(pending, changed)
-                if pending:
-                    await asyncio.sleep(0)  # the loop's messages, HTTP, timers
-        except StoreError:
-            self._landing_flush.start(RETRY_S)
+        async with self._flushing:  # one at a time: the landings are recorded in order
+            changed = await self._record_flushed()
+        if changed is None:
             return
-        finally:
-            self.recorded.append(
-                {
-                    "at": round(began, 3),
-                    "landings": len(batch),
-                    "record_s": round(time.time() - began, 3),
-                    "changed": sorted(changed),
-                }
-            )
         if changed:
             # A commit's catalogs out, then the cyclic collector: a pass of it in the
             # middle of a 2,048-node build held the event loop 0.3-0.4 s (issue 22).
@@ -506,6 +493,31 @@ class CatalogPublisher:
                 held.release()
         await self._purge_retired()
 
+    async def _record_flushed(self) -> set[str] | None:
+        """Record the landings queued, a slice a transaction; the jobs whose catalog
+        changed, or None on a store error (the rest stay queued, a retry is timed)."""
+        self._landing_flush.cancel()
+        batch, self._landings = self._landings, []
+        pending = [batch[i : i + RECORD_AT_ONCE] for i in range(0, len(batch), RECORD_AT_ONCE)]
+        changed: set[str] = set()
+        began = time.time()
+        try:
+            while pending:
+                await self._record_first_async(pending, changed)
+        except StoreError:
+            self._landing_flush.start(RETRY_S)
+            return None
+        finally:
+            self.recorded.append(
+                {
+                    "at": round(began, 3),
+                    "landings": len(batch),
+                    "record_s": round(time.time() - began, 3),
+                    "changed": sorted(changed),
+                }
+            )
+        return changed
+
     async def _purge_retired(self) -> None:
         """Delete the shard rows of the steps retention dropped, ``PURGE_AT_ONCE`` a
         transaction, the event loop turning between. On a store error the rest wait for
@@ -513,13 +525,12 @@ class CatalogPublisher:
         rows = self.catalog.rows
         while rows.purging:
             try:
-                with self.store.batch():
+                async with self.store.batch_async():  # the loop turns while it commits
                     rows.purge_some()
             except StoreError as exc:
                 log.warning("the rows of retired checkpoint steps are deleted later: %s", exc)
                 self._landing_flush.start(RETRY_S)
                 return
-            await asyncio.sleep(0)
 
     def record_landings(self) -> set[str]:
         """Record the queued landings in one transaction; the jobs whose catalog changed.
@@ -543,45 +554,74 @@ class CatalogPublisher:
         and every pending one go back to the queue, first, and the error is raised."""
         chunk = pending.pop(0)
         try:
-            changed |= self._record(chunk)
-        except StoreError as exc:
+            with self.store.batch():
+                ours = self._count(chunk)
+        except Exception as exc:
+            self._record_failed(exc, chunk, pending, changed)
+            return
+        except BaseException:
+            self.catalog.forget()  # rolled back, or may be: counted again from the store
+            raise
+        changed |= ours
+
+    async def _record_first_async(
+        self, pending: list[list[wire.CkptLanding]], changed: set[str]
+    ) -> None:
+        """:meth:`_record_first`, committed on a worker thread (``Store.batch_async``)."""
+        chunk = pending.pop(0)
+        try:
+            async with self.store.batch_async():
+                ours = self._count(chunk)
+        except Exception as exc:
+            self._record_failed(exc, chunk, pending, changed)
+            return
+        except BaseException:  # cancelled: the COMMIT may yet fail
+            self.catalog.forget()
+            raise
+        changed |= ours
+
+    def _record_failed(
+        self,
+        exc: Exception,
+        chunk: list[wire.CkptLanding],
+        pending: list[list[wire.CkptLanding]],
+        changed: set[str],
+    ) -> None:
+        """``chunk``'s transaction failed with ``exc`` (rolled back)."""
+        self.catalog.forget()  # what it counted was rolled back with it
+        if isinstance(exc, StoreError):
             self._requeue([msg for part in (chunk, *pending) for msg in part], exc)
             pending.clear()
             if changed:  # recorded: their catalogs go out with the retry of catalogs
                 self._retry_later(changed)
-            raise
-        except Exception as exc:
-            if len(chunk) > 1:
-                pending[:0] = [chunk[: len(chunk) // 2], chunk[len(chunk) // 2 :]]
-                return
-            log.error(
-                "dropped a checkpoint landing the store cannot take: %r: %s",
-                exc,
-                chunk[0].model_dump_json()[:500],
-            )
+            raise exc
+        if len(chunk) > 1:
+            pending[:0] = [chunk[: len(chunk) // 2], chunk[len(chunk) // 2 :]]
+            return
+        log.error(
+            "dropped a checkpoint landing the store cannot take: %r: %s",
+            exc,
+            chunk[0].model_dump_json()[:500],
+        )
 
-    def _record(self, msgs: list[wire.CkptLanding]) -> set[str]:
-        changed: set[str] = set()
-        try:
-            with self.store.batch():
-                for msg in msgs:
-                    job = self._job(msg.job)
-                    if job is None:
-                        log.warning("dropped: a checkpoint landing of unknown job %s", msg.job)
-                    elif void_landing(job, msg):
-                        log.info(
-                            "job %s: ignored a landing of step %d from generation %d: "
-                            "a rollback voided it",
-                            msg.job,
-                            msg.step,
-                            msg.generation,
-                        )
-                    elif self.catalog.on_landing(msg, job.world_size_of(msg.generation)):
-                        changed.add(msg.job)
-        except BaseException:
-            self.catalog.forget()  # the transaction was rolled back: so is what it counted
-            raise
-        return changed
+    def _count(self, msgs: list[wire.CkptLanding]) -> set[str]:
+        """Count ``msgs`` in the catalog, in the caller's transaction; the jobs whose
+        catalog changed."""
+        ours: set[str] = set()
+        for msg in msgs:
+            job = self._job(msg.job)
+            if job is None:
+                log.warning("dropped: a checkpoint landing of unknown job %s", msg.job)
+            elif void_landing(job, msg):
+                log.info(
+                    "job %s: ignored a landing of step %d from generation %d: a rollback voided it",
+                    msg.job,
+                    msg.step,
+                    msg.generation,
+                )
+            elif self.catalog.on_landing(msg, job.world_size_of(msg.generation)):
+                ours.add(msg.job)
+        return ours
 
     def _requeue(self, msgs: list[wire.CkptLanding], exc: StoreError) -> None:
         self._landings[:0] = msgs[-MAX_QUEUED_LANDINGS:]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import sqlite3
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
 
 from supervisor.store import Store
@@ -96,6 +96,10 @@ class SeriesRows:
     def batch(self) -> AbstractContextManager[None]:
         """The store's transaction (:meth:`Store.batch`)."""
         return self._store.batch()
+
+    def batch_async(self) -> AbstractAsyncContextManager[None]:
+        """The store's transaction committed off the event loop (:meth:`Store.batch_async`)."""
+        return self._store.batch_async()
 
     def series_counts(self, job: str) -> dict[tuple[str, int], int]:
         """Rows per (name, level) of ``job``'s series."""

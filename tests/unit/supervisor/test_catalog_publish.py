@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import sqlite3
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -258,38 +260,38 @@ class LoopTurns:
         self._task.cancel()
 
 
-Batch = Callable[[], contextlib.AbstractContextManager[None]]  # a store's batch
+AsyncBatch = Callable[[], contextlib.AbstractAsyncContextManager[None]]  # batch_async
 
 
-def noting(store: Store, note: Callable[[], None]) -> Batch:
-    """The store's batch, calling ``note()`` as each transaction begins."""
-    real_batch = store.batch
+def noting(store: Store, note: Callable[[], None]) -> AsyncBatch:
+    """The store's ``batch_async`` (a flush's transactions), calling ``note()`` as each
+    transaction begins."""
+    real_batch = store.batch_async
 
-    @contextlib.contextmanager
-    def batch() -> Iterator[None]:
+    @contextlib.asynccontextmanager
+    async def batch() -> AsyncIterator[None]:
         note()
-        with real_batch():
+        async with real_batch():
             yield
 
     return batch
 
 
-def failing_at(store: Store, nth: int) -> Batch:
-    """The store's batch, its ``nth`` transaction failing after its writes, as a disk that
-    fills does."""
-    real_batch = store.batch
-    transactions = 0
+def failing_at(monkeypatch: pytest.MonkeyPatch, store: Store, nth: int) -> None:
+    """The ``nth`` COMMIT a worker thread runs for ``store`` (``batch_async``'s, a flush's
+    transactions) fails, as on a disk that fills; the others go through."""
+    real = store.db.execute_held
+    commits = 0
 
-    @contextlib.contextmanager
-    def batch() -> Iterator[None]:
-        nonlocal transactions
-        transactions += 1
-        with real_batch():
-            yield
-            if transactions == nth:
-                raise StoreError(store.path, "cannot write the supervisor store: disk is full")
+    def execute_held(sql: str, /) -> Any:
+        nonlocal commits
+        if sql == "COMMIT":
+            commits += 1
+            if commits == nth:
+                raise sqlite3.OperationalError("database or disk is full")
+        return real(sql)
 
-    return batch
+    monkeypatch.setattr(store.db, "execute_held", execute_held)
 
 
 async def test_a_flush_records_its_landings_in_slices_with_the_loop_turning_between(
@@ -303,7 +305,7 @@ async def test_a_flush_records_its_landings_in_slices_with_the_loop_turning_betw
     store = publisher.store
     turns = LoopTurns()
     at: list[int] = []  # the loop's turns as each transaction began
-    monkeypatch.setattr(store, "batch", noting(store, lambda: at.append(turns.count)))
+    monkeypatch.setattr(store, "batch_async", noting(store, lambda: at.append(turns.count)))
     for step in (4, 5):
         for rank in range(WORLD):
             publisher._landings.append(landing(step, rank))  # queued, no flush timer
@@ -318,20 +320,44 @@ async def test_a_flush_records_its_landings_in_slices_with_the_loop_turning_betw
     assert publisher._landings == []
 
 
+async def test_a_flush_begun_while_another_commits_records_after_it(
+    make: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each slice's COMMIT runs on a worker thread, so a flush can start while another
+    # awaits one. Retention's deletion of a step recorded before a landing of it (in a
+    # later slice of the first flush) would be undone by it: the step committed again.
+    monkeypatch.setattr(publisher_module, "RECORD_AT_ONCE", 2)
+    publisher = make(SlowLink())
+    store = publisher.store
+    go = threading.Event()  # the first COMMIT waits for it
+    real = store.db.execute_held
+    monkeypatch.setattr(store.db, "execute_held", lambda sql: go.wait(30) and real(sql))
+    publisher._landings.extend(landing(4, rank) for rank in range(WORLD))
+    first = asyncio.create_task(publisher.flush_landings())
+    await until(store.db.gate.locked, 30, "the first slice's COMMIT under way")
+    publisher._landings.append(landing(4, 0, "deleted"))
+    second = asyncio.create_task(publisher.flush_landings())
+    await settle()  # the second flush waits, and the loop is not held meanwhile
+    go.set()
+    await asyncio.gather(first, second)
+
+    rows = CkptRows.of(store)
+    assert rows.commits("j-1") == []  # deleted after it landed: gone, not committed
+    assert rows.shards("j-1") == [] and rows.purging == 0
+
+
 async def test_a_store_failing_mid_flush_keeps_the_landings_not_recorded_in_order(
     make: Make, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(publisher_module, "RECORD_AT_ONCE", 2)
     publisher = make(SlowLink())
     store = publisher.store
-    real_batch = store.batch
     queued = [landing(step, rank) for step in (4, 5) for rank in range(WORLD)]
     publisher._landings.extend(queued)
-    monkeypatch.setattr(store, "batch", failing_at(store, 3))  # the disk fills then
+    failing_at(monkeypatch, store, 3)  # the disk fills then
     await publisher.flush_landings()
     assert publisher._landings == queued[4:]  # the first two slices are in; the rest wait
 
-    monkeypatch.setattr(store, "batch", real_batch)
     await publisher.flush_landings()
     assert [c[0] for c in CkptRows.of(store).commits("j-1")] == [4, 5]
     assert publisher._landings == []
@@ -359,7 +385,7 @@ async def test_the_rows_of_a_step_retention_dropped_go_in_slices_after_its_catal
     turns = LoopTurns()
     at: list[tuple[int, int]] = []  # the loop's turns and the link's publishes at each
     monkeypatch.setattr(
-        store, "batch", noting(store, lambda: at.append((turns.count, link.published)))
+        store, "batch_async", noting(store, lambda: at.append((turns.count, link.published)))
     )
     publisher._landings.extend(landing(4, rank, "deleted") for rank in range(WORLD))
     async with turns:
@@ -383,8 +409,7 @@ async def test_a_store_failing_while_retired_rows_go_leaves_them_hidden_for_the_
     store = publisher.store
     for step in (4, 5):
         commit(publisher, step)
-    real_batch = store.batch
-    monkeypatch.setattr(store, "batch", failing_at(store, 2))  # the disk fills at the first slice
+    failing_at(monkeypatch, store, 2)  # the disk fills at the first slice
     publisher._landings.extend(landing(4, rank, "deleted") for rank in range(WORLD))
     await publisher.flush_landings()
 
@@ -394,7 +419,6 @@ async def test_a_store_failing_while_retired_rows_go_leaves_them_hidden_for_the_
     assert [c[0] for c in rows.commits("j-1")] == [5]
     assert publisher._landing_flush.pending  # a flush again soon, which goes on deleting
 
-    monkeypatch.setattr(store, "batch", real_batch)
     await publisher.flush_landings()
     assert rows.purging == 0 and stored_steps(publisher) == {5: WORLD}
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gc
 import math
+import sqlite3
 import statistics
+import threading
 from collections.abc import Iterator
 from dataclasses import astuple
 from pathlib import Path
@@ -17,6 +19,7 @@ from hypothesis import strategies as st
 
 from phalanx import wire
 from phalanx.jobspec import validate_spec
+from supervisor.errors import StoreError
 from supervisor.jobs import Job, JobState, RankPlace
 from supervisor.store import Store
 from supervisor.telemetry.rows import SeriesRows
@@ -120,6 +123,39 @@ def test_two_windows_of_a_rank_in_one_flush_make_one_point(store: Store) -> None
     m.flush()
     [loss] = SeriesRows(store).series(JOB, ["loss"])["loss"]
     assert (loss.step, loss.value, loss.low, loss.high) == (19, 4.0, 3.0, 6.0)
+
+
+async def test_the_loops_flush_commits_on_a_worker_thread_and_a_failed_one_is_redone(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The loop's flush (flush_async) commits off the event loop; a COMMIT that fails
+    # there (the disk full) rolls the points back, and the next flush reads the series'
+    # rows again: nothing is counted that the store does not hold.
+    job, clock = make_job(), Clock()
+    m = metrics(store, job, clock)
+    real = store.db.execute_held
+    threads: list[str] = []
+    full = [True]
+
+    def execute_held(sql: str, /) -> Any:
+        if sql == "COMMIT":
+            threads.append(threading.current_thread().name)
+            if full[0]:
+                raise sqlite3.OperationalError("database or disk is full")
+        return real(sql)
+
+    monkeypatch.setattr(store.db, "execute_held", execute_held)
+    m.on_batch(batch("n1", window(0, 9, loss=5.0), window(1, 9, loss=5.0)))
+    with pytest.raises(StoreError, match="disk is full"):
+        await m.flush_async()
+    assert SeriesRows(store).series(JOB, ["loss"])["loss"] == []
+
+    full[0] = False
+    m.on_batch(batch("n1", window(0, 19, loss=4.0), window(1, 19, loss=4.0)))
+    await m.flush_async()
+    [loss] = SeriesRows(store).series(JOB, ["loss"])["loss"]
+    assert (loss.step, loss.value) == (19, 4.0)
+    assert len(threads) == 2 and threading.current_thread().name not in threads
 
 
 def test_merged_windows_keep_the_newer_figures_whatever_their_order() -> None:
