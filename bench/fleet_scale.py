@@ -237,6 +237,10 @@ class OrderWatch:
         self._client.disconnect()
 
 
+# The store's own frames: a stall there is told apart by the first frame outside them.
+STORE_FRAMES = ("supervisor/store.py", "supervisor/store_guard.py", "supervisor/store_db.py")
+
+
 def summarize(
     stalls: list[dict[str, Any]], since: float = 0.0, until: float = float("inf")
 ) -> dict[str, Any]:
@@ -247,6 +251,12 @@ def summarize(
     by: dict[str, dict[str, Any]] = {}
     for stall in found:
         key = stall["where"] or stall["leaf"] or "?"
+        if key.startswith(STORE_FRAMES):  # the store's: by whose statement it was
+            caller = next(
+                (f for f in stall.get("stack", "").split(" < ") if not f.startswith(STORE_FRAMES)),
+                "",
+            )
+            key = f"{key} (for {caller})" if caller else key
         one = by.setdefault(
             key, {"where": key, "n": 0, "s": 0.0, "max_s": 0.0, "leaf": "", "stack": ""}
         )
