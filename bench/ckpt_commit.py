@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from phalanx import wire
 from phalanx.jobspec import validate_spec
-from phalanx.loopwatch import LoopWatch
+from phalanx.loopwatch import LoopWatch, Stall
 from supervisor import gcpolicy
 from supervisor.checkpoints.catalog import CheckpointCatalog
 from supervisor.checkpoints.publisher import CatalogPublisher
@@ -270,7 +271,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "commit_publish_s",
             )
         },
-        # The loop's turns of WATCH_S or longer once retention runs, by where they were.
+        # The loop's turns of WATCH_S or longer, all, and in the store's statements.
+        "long_turns_all": _total(watch.stalls),
+        "long_turns_in_store": _total(
+            s for s in watch.stalls if s.stack.startswith("supervisor/store")
+        ),
+        # Those turns, by where they were (the longest eight).
         "long_turns": sorted(
             (
                 {"stack": where, "n": len(s), "max_s": round(max(s), 3)}
@@ -279,6 +285,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             key=lambda t: -float(t["max_s"]),
         )[:8],
     }
+
+
+def _total(stalls: Iterable[Stall]) -> dict[str, float]:
+    """How many of ``stalls`` (the bench's own making of landings left out), their
+    seconds in all."""
+    found = [s.s for s in stalls if s.stack]
+    return {"n": len(found), "s": round(sum(found), 3)}
 
 
 def main() -> None:
