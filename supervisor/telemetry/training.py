@@ -41,7 +41,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
@@ -188,15 +188,24 @@ class _Gathered:
         self.step = -1
         self.at = -math.inf
 
-    def add(self, w: Window, last: float, low: float, high: float) -> None:
-        self.lasts.append(last)
-        if low != low or high != high:  # NaN
+    def add(
+        self,
+        lasts: Sequence[float],
+        lows: Sequence[float],
+        highs: Sequence[float],
+        step: int,
+        at: float,
+    ) -> None:
+        """The figures of some windows (column by column), the newest step and time
+        among them."""
+        self.lasts.extend(lasts)
+        if not self.nan and (any(map(math.isnan, lows)) or any(map(math.isnan, highs))):
             self.nan = True
-        else:
-            self.low = min(self.low, low)
-            self.high = max(self.high, high)
-        self.step = max(self.step, w.step_last)
-        self.at = max(self.at, w.at)
+        if not self.nan:
+            self.low = min(self.low, min(lows))
+            self.high = max(self.high, max(highs))
+        self.step = max(self.step, step)
+        self.at = max(self.at, at)
 
 
 def gang_points(
@@ -213,14 +222,27 @@ def gang_points(
     # One pass over every window's scalars, each name's figures gathered on the way: a
     # look-up of each name in each window (Window.stats) grew with the ranks times the
     # names squared, 0.4-0.6 s of the event loop a flush at 4,096 nodes (issue 22).
-    gathered: dict[str, _Gathered] = {}
+    # The windows that name the same scalars in the same order (at 16,384 ranks, most
+    # or all) are taken as columns, transposed at once (zip): a name's figures gathered
+    # one window at a time were 0.11 s of the loop a flush at 2,048 nodes (issue 22).
+    alike: dict[Scalars, list[Window]] = {}
     for w in pending.values():
-        s = w.scalars
-        for i in range(0, len(s), 5):
-            g = gathered.get(s[i])  # type: ignore[arg-type]
+        names = w.scalars[0::5]
+        group = alike.get(names)
+        if group is None:
+            alike[names] = [w]
+        else:
+            group.append(w)
+    gathered: dict[str, _Gathered] = {}
+    for names, group in alike.items():
+        columns = list(zip(*(w.scalars for w in group), strict=True))
+        step = max(w.step_last for w in group)
+        at = max(w.at for w in group)
+        for j, name in enumerate(names):
+            g = gathered.get(name)  # type: ignore[arg-type]
             if g is None:
-                g = gathered[s[i]] = _Gathered()  # type: ignore[index]
-            g.add(w, s[i + 1], s[i + 2], s[i + 3])  # type: ignore[arg-type]
+                g = gathered[name] = _Gathered()  # type: ignore[index]
+            g.add(columns[5 * j + 1], columns[5 * j + 2], columns[5 * j + 3], step, at)
     for name in sorted(gathered.keys() - set(GANG_SERIES)):
         of_first = first.stats(name) if first is not None else None
         if name in rank_0_names and of_first is None:
