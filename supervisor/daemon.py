@@ -287,8 +287,9 @@ class Supervisor:
         4. **cancel the rest**, each with a message naming it and the limit.
         5. **Close.** End the waits for acks left (only now: a launch would read its
            cancelled acks as node failures); close the link; record the landings that
-           came since the drain (their catalogs go out at the next start); end the
-           catalog builder thread; close the store.
+           came since the drain, and those of a slice the drain's end cut short
+           (their catalogs go out at the next start); close the store (its commit
+           thread with it).
         """
         deadline = Deadline(SHUTDOWN_S)
         try:

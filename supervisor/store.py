@@ -27,6 +27,7 @@ checkpoint at 2,048 nodes, no longer hold the event loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -120,10 +121,11 @@ class Store:
         # its versions), by wing.
         self.wing_rows: dict[str, object] = {}
         self._rollback_hooks: list[Callable[[], None]] = []
-        # A COMMIT on a worker thread (batch_async): the last one begun, and one that
-        # failed, its hooks not run yet.
+        # batch_async's COMMITs: their thread (made when first needed; its own, so that
+        # no other work queued on the loop's executor holds a COMMIT, and the store's
+        # gate, back), and the last one begun.
+        self._committer: concurrent.futures.ThreadPoolExecutor | None = None
         self._committing: asyncio.Future[BaseException | None] | None = None
-        self._commit_failed: BaseException | None = None
         # The writes queued by the *_soon methods, in order: (key, sql, args), where a key
         # (a node's or a job's record) holds the newest only; args is a thunk for those.
         self._soon: list[tuple[str | None, str, Callable[[], tuple[Any, ...]]]] = []
@@ -181,6 +183,9 @@ class Store:
 
     def close(self) -> None:
         self._settle()
+        if self._committer is not None:
+            self._committer.shutdown()
+            self._committer = None
         with contextlib.suppress(StoreError):
             self.flush()
         self._db.close()
@@ -324,7 +329,7 @@ class Store:
 
     @contextlib.asynccontextmanager
     async def batch_async(self) -> AsyncIterator[None]:
-        """:meth:`batch` for the event loop, its COMMIT on a worker thread: the fsync (18-21
+        """:meth:`batch` for the event loop, its COMMIT on a thread of its own: the fsync (18-21
         ms on a busy host, past 0.1 s one time in a hundred, with SQLite's WAL checkpoint
         when one falls due) no longer holds the loop. At 2,048 nodes a checkpoint is some
         160 transactions of landings and retired rows: 3 s of the loop (issue 22).
@@ -348,10 +353,14 @@ class Store:
         except BaseException:
             self._abort()
             raise
+        if self._committer is None:
+            self._committer = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="store-commit"
+            )
         gate = self._db.gate
         gate.acquire()  # free: settled above, and only the loop starts a commit
         try:
-            done = asyncio.get_running_loop().run_in_executor(None, self._commit_held)
+            done = asyncio.get_running_loop().run_in_executor(self._committer, self._commit_held)
         except BaseException:
             gate.release()
             self._abort()
@@ -371,29 +380,31 @@ class Store:
             ) from failed
 
     def _commit_held(self) -> BaseException | None:
-        """On a worker thread, holding the connection's gate: COMMIT, or ROLLBACK if it
-        fails; the error, whose hooks the loop runs (:meth:`_settle`)."""
+        """On the commit thread, holding the connection's gate: COMMIT, or ROLLBACK if it
+        fails; the error. The rollback's hooks are left to the next statement on the
+        loop (``Db.rolled_back``), or to :meth:`_settle`, whichever comes first."""
         try:
             self._db.execute_held("COMMIT")
             return None
         except BaseException as exc:
             with contextlib.suppress(*DB_ERRORS, StoreError):
                 self._db.execute_held("ROLLBACK")
-            self._commit_failed = exc
+            self._db.rolled_back = self._rolled_back
             return exc
         finally:
             self._db.gate.release()
 
     def _settle(self) -> None:
-        """Wait for a COMMIT on a worker thread (:meth:`batch_async`) to end; if it failed,
-        run the rollback's hooks (once) before the store is used again."""
+        """Wait for a COMMIT on the commit thread (:meth:`batch_async`) to end; if it
+        failed, run the rollback's hooks (once) before the store is used again."""
         gate = self._db.gate
         if gate.locked():
             with gate:
                 pass
-        if self._commit_failed is not None:
-            self._commit_failed = None
-            self._rolled_back()
+        hooks = self._db.rolled_back
+        if hooks is not None:
+            self._db.rolled_back = None
+            hooks()
 
     def _begin(self) -> None:
         self.flush()  # what was queued before goes first, on its own

@@ -19,7 +19,7 @@ import functools
 import re
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -46,9 +46,13 @@ class Db(Protocol):
 
     ``gate`` is held by a worker thread while it commits a transaction for the event loop
     (:meth:`supervisor.store.Store.batch_async`): ``execute`` waits for it, so nothing
-    runs on the connection meanwhile; ``execute_held`` is that thread's, which holds it."""
+    runs on the connection meanwhile; ``execute_held`` is that thread's, which holds it.
+    Should that COMMIT fail, the thread leaves the store's rollback hooks in
+    ``rolled_back``: the next ``execute`` runs them first (a read too), so that nothing
+    reads what is kept in memory of the rolled-back transaction."""
 
     gate: threading.Lock
+    rolled_back: Callable[[], None] | None
 
     def execute(self, sql: str, parameters: Any = ..., /) -> Any: ...
     def execute_held(self, sql: str, /) -> Any: ...
@@ -104,6 +108,7 @@ class PgDb:
         self._session = tuple(session)
         self._conn = self._open()
         self.gate = threading.Lock()  # see Db
+        self.rolled_back: Callable[[], None] | None = None  # see Db
 
     def _open(self) -> psycopg.Connection[Any]:
         conn = psycopg.connect(
@@ -117,6 +122,9 @@ class PgDb:
         """Run ``sql``; a ``StoreError`` when the server cannot be reached (a read as well
         as a write), a ``ValueError`` for a value a column cannot take."""
         with self.gate:
+            if self.rolled_back is not None:
+                hooks, self.rolled_back = self.rolled_back, None
+                hooks()
             return self._execute(sql, parameters)
 
     def execute_held(self, sql: str, /) -> psycopg.Cursor[Any]:

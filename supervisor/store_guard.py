@@ -95,12 +95,16 @@ class GuardedConnection(sqlite3.Connection):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.on_corrupt: Callable[[sqlite3.DatabaseError], NoReturn] | None = None
-        # Held by a worker thread while it commits for the event loop
-        # (``supervisor.store_db.Db`` says more): a statement waits for it.
+        # Held by a worker thread while it commits for the event loop, and what the next
+        # statement runs first after that COMMIT failed (``supervisor.store_db.Db``).
         self.gate = threading.Lock()
+        self.rolled_back: Callable[[], None] | None = None
 
     def execute(self, sql: str, parameters: Any = (), /) -> GuardedCursor:
         with self.gate:
+            if self.rolled_back is not None:
+                hooks, self.rolled_back = self.rolled_back, None
+                hooks()
             return self.cursor(GuardedCursor).execute(sql, parameters)
 
     def execute_held(self, sql: str, /) -> GuardedCursor:

@@ -62,7 +62,7 @@ async def test_the_commit_runs_on_a_worker_thread_while_the_loop_turns(
         tasks.create_task(turn())
 
     assert turned.is_set()
-    assert threads and threads[0] != threading.current_thread().name
+    assert threads and threads[0].startswith("store-commit")  # its own, not the loop's pool
     assert kinds(open_store()) == ["landed"]  # on disk: another connection reads it
 
 
@@ -142,6 +142,40 @@ async def test_a_commit_that_fails_on_its_thread_rolls_back_and_runs_the_hooks_o
         store.add_event("landed", "n1", {"rank": 1})
     assert hooks == [1]
     assert [e.detail["rank"] for e in open_store().events()] == [1]
+
+
+async def test_a_read_after_a_failed_commit_runs_the_rollbacks_hooks_first(
+    open_store: OpenStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What is kept in memory of a rolled-back transaction (the catalog's counts, the
+    # retired steps) must not be read with the store: the hooks run before any statement
+    # after the failed COMMIT, a read too, not only when its batch's coroutine resumes.
+    store = open_store()
+    hooks: list[str] = []
+    store.on_rollback(lambda: hooks.append(threading.current_thread().name))
+    go = threading.Event()
+    read: list[list[str]] = []
+
+    def before() -> None:
+        assert go.wait(WAIT_S)
+        raise sqlite3.OperationalError("database or disk is full")
+
+    hold_commits(monkeypatch, store, before)
+
+    async def committing() -> None:
+        async with store.batch_async():
+            store.add_event("landed", "n1", {"rank": 0})
+
+    task = asyncio.create_task(committing())
+    await until(store.db.gate.locked, WAIT_S, "the COMMIT under way")
+    reader = threading.Thread(target=lambda: read.append(kinds(store)), name="reader")
+    reader.start()  # waits for the gate
+    go.set()
+    reader.join(WAIT_S)
+    assert read == [[]] and hooks == ["reader"]  # before the read, on the reader's way
+    with pytest.raises(StoreError):
+        await task
+    assert hooks == ["reader"]  # once
 
 
 async def test_a_block_that_fails_is_rolled_back_on_the_loop_without_a_commit(
