@@ -575,8 +575,14 @@ class CatalogPublisher:
         except Exception as exc:
             self._record_failed(exc, chunk, pending, changed)
             return
-        except BaseException:  # cancelled: the COMMIT may yet fail
+        except BaseException:
+            # Cancelled (a shutdown's drain that ran out of time): this slice's COMMIT may
+            # yet fail, and the slices after it were never recorded. All go back to the
+            # queue, first, for close() to record: a landing recorded twice is recorded
+            # once (each is an upsert, a commit is made once), one lost is not.
             self.catalog.forget()
+            self._landings[:0] = [msg for part in (chunk, *pending) for msg in part]
+            pending.clear()
             raise
         changed |= ours
 

@@ -346,6 +346,50 @@ async def test_a_flush_begun_while_another_commits_records_after_it(
     assert rows.shards("j-1") == [] and rows.purging == 0
 
 
+@pytest.mark.parametrize("commit_fails", [False, True], ids=["commits", "fails"])
+async def test_a_flush_cancelled_mid_commit_leaves_its_landings_for_close(
+    make: Make, monkeypatch: pytest.MonkeyPatch, commit_fails: bool
+) -> None:
+    # A shutdown's drain that runs out of time cancels the flush while a slice commits:
+    # that slice (its COMMIT may fail yet) and the ones after it go back to the queue,
+    # and close() records them. None is lost; one recorded twice counts once.
+    monkeypatch.setattr(publisher_module, "RECORD_AT_ONCE", 2)
+    publisher = make(SlowLink())
+    store = publisher.store
+    go = threading.Event()
+    real = store.db.execute_held
+    commits = 0
+
+    def execute_held(sql: str, /) -> Any:
+        nonlocal commits
+        if sql == "COMMIT":
+            commits += 1
+            if commits == 2:  # the second slice's
+                assert go.wait(30)
+                if commit_fails:
+                    raise sqlite3.OperationalError("database or disk is full")
+        return real(sql)
+
+    monkeypatch.setattr(store.db, "execute_held", execute_held)
+    queued = [landing(4, rank) for rank in range(WORLD)]
+    publisher._landings.extend(queued)
+    flush = asyncio.create_task(publisher.flush_landings())
+    await until(lambda: commits == 2, 30, "the second slice's COMMIT under way")
+    flush.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await flush
+    assert publisher._landings == queued[2:]  # the slice committing, and those after it
+    go.set()
+    await until(lambda: not store.db.gate.locked(), 30, "the COMMIT's end")
+
+    publisher.stop()
+    publisher.close()  # as the daemon's shutdown does, once the link is closed
+    rows = CkptRows.of(store)
+    assert [c[0] for c in rows.commits("j-1")] == [4]
+    assert {r for _s, _t, r, *_ in rows.shards("j-1")} == set(range(WORLD))
+    assert publisher._landings == []
+
+
 async def test_a_store_failing_mid_flush_keeps_the_landings_not_recorded_in_order(
     make: Make, monkeypatch: pytest.MonkeyPatch
 ) -> None:
