@@ -41,6 +41,19 @@ def hold_commits(
     return threads
 
 
+async def commit_started(store: Store, kind: str = "landed") -> asyncio.Task[None]:
+    """A task that writes an event in ``store.batch_async()``, once its COMMIT is under
+    way (the gate held)."""
+
+    async def committing() -> None:
+        async with store.batch_async():
+            store.add_event(kind, None, {})
+
+    task = asyncio.create_task(committing())
+    await until(store.db.gate.locked, WAIT_S, "the COMMIT under way")
+    return task
+
+
 def kinds(store: Store) -> list[str]:
     return [e.kind for e in store.events()]
 
@@ -103,12 +116,7 @@ async def test_a_batch_begun_during_the_commit_is_a_transaction_of_its_own(
     go = threading.Event()
     hold_commits(monkeypatch, store, lambda: go.wait(WAIT_S))
 
-    async def committing() -> None:
-        async with store.batch_async():
-            store.add_event("first", None, {})
-
-    task = asyncio.create_task(committing())
-    await until(store.db.gate.locked, WAIT_S, "the COMMIT under way")
+    task = await commit_started(store, "first")
     threading.Timer(0.05, go.set).start()  # let it end, from elsewhere than the loop
     with pytest.raises(RuntimeError), store.batch():  # waits for it, on the loop
         store.add_event("second", None, {})
@@ -162,12 +170,7 @@ async def test_a_read_after_a_failed_commit_runs_the_rollbacks_hooks_first(
 
     hold_commits(monkeypatch, store, before)
 
-    async def committing() -> None:
-        async with store.batch_async():
-            store.add_event("landed", "n1", {"rank": 0})
-
-    task = asyncio.create_task(committing())
-    await until(store.db.gate.locked, WAIT_S, "the COMMIT under way")
+    task = await commit_started(store)
     reader = threading.Thread(target=lambda: read.append(kinds(store)), name="reader")
     reader.start()  # waits for the gate
     go.set()
@@ -208,12 +211,7 @@ async def test_cancelled_while_committing_the_commit_still_ends(
 
     hold_commits(monkeypatch, store, before)
 
-    async def committing() -> None:
-        async with store.batch_async():
-            store.add_event("landed", "n1", {"rank": 0})
-
-    task = asyncio.create_task(committing())
-    await until(store.db.gate.locked, WAIT_S, "the COMMIT under way")
+    task = await commit_started(store)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
