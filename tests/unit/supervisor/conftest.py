@@ -5,6 +5,7 @@ the store's databases, SQLite and PostgreSQL (the test session's own cluster,
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,25 @@ from tests.pg import PgCluster
 from tests.unit.supervisor.fake_fleet import FakeFleet
 
 OpenStore = Callable[..., Store]
+
+
+def hold_commits(
+    monkeypatch: pytest.MonkeyPatch, store: Store, before: Callable[[], None]
+) -> list[str]:
+    """Each COMMIT that ``store``'s commit thread runs (``Store.batch_async``) first calls
+    ``before()`` on that thread: the fault (it raises, as a full disk does) or the wait a
+    test injects there. Returns the committing threads' names, one per COMMIT so far."""
+    real = store.db.execute_held
+    threads: list[str] = []
+
+    def execute_held(sql: str, /) -> Any:
+        if sql == "COMMIT":
+            threads.append(threading.current_thread().name)
+            before()
+        return real(sql)
+
+    monkeypatch.setattr(store.db, "execute_held", execute_held)
+    return threads
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -30,7 +30,7 @@ from supervisor.errors import StoreError
 from supervisor.fleet.registry import Registry
 from supervisor.jobs import Job, JobState, RankPlace
 from supervisor.store import Store
-from tests.unit.supervisor.conftest import OpenStore
+from tests.unit.supervisor.conftest import OpenStore, hold_commits
 from tests.unit.supervisor.fake_fleet import birth
 from tests.wait import settle, until
 
@@ -278,20 +278,14 @@ def noting(store: Store, note: Callable[[], None]) -> AsyncBatch:
 
 
 def failing_at(monkeypatch: pytest.MonkeyPatch, store: Store, nth: int) -> None:
-    """The ``nth`` COMMIT a worker thread runs for ``store`` (``batch_async``'s, a flush's
+    """The ``nth`` COMMIT of ``store``'s commit thread (``batch_async``'s, a flush's
     transactions) fails, as on a disk that fills; the others go through."""
-    real = store.db.execute_held
-    commits = 0
 
-    def execute_held(sql: str, /) -> Any:
-        nonlocal commits
-        if sql == "COMMIT":
-            commits += 1
-            if commits == nth:
-                raise sqlite3.OperationalError("database or disk is full")
-        return real(sql)
+    def before() -> None:
+        if len(commits) == nth:
+            raise sqlite3.OperationalError("database or disk is full")
 
-    monkeypatch.setattr(store.db, "execute_held", execute_held)
+    commits = hold_commits(monkeypatch, store, before)
 
 
 async def test_a_flush_records_its_landings_in_slices_with_the_loop_turning_between(
@@ -330,8 +324,7 @@ async def test_a_flush_begun_while_another_commits_records_after_it(
     publisher = make(SlowLink())
     store = publisher.store
     go = threading.Event()  # the first COMMIT waits for it
-    real = store.db.execute_held
-    monkeypatch.setattr(store.db, "execute_held", lambda sql: go.wait(30) and real(sql))
+    hold_commits(monkeypatch, store, lambda: go.wait(30))
     publisher._landings.extend(landing(4, rank) for rank in range(WORLD))
     first = asyncio.create_task(publisher.flush_landings())
     await until(store.db.gate.locked, 30, "the first slice's COMMIT under way")
@@ -357,24 +350,18 @@ async def test_a_flush_cancelled_mid_commit_leaves_its_landings_for_close(
     publisher = make(SlowLink())
     store = publisher.store
     go = threading.Event()
-    real = store.db.execute_held
-    commits = 0
 
-    def execute_held(sql: str, /) -> Any:
-        nonlocal commits
-        if sql == "COMMIT":
-            commits += 1
-            if commits == 2:  # the second slice's
-                assert go.wait(30)
-                if commit_fails:
-                    raise sqlite3.OperationalError("database or disk is full")
-        return real(sql)
+    def before() -> None:
+        if len(commits) == 2:  # the second slice's
+            assert go.wait(30)
+            if commit_fails:
+                raise sqlite3.OperationalError("database or disk is full")
 
-    monkeypatch.setattr(store.db, "execute_held", execute_held)
+    commits = hold_commits(monkeypatch, store, before)
     queued = [landing(4, rank) for rank in range(WORLD)]
     publisher._landings.extend(queued)
     flush = asyncio.create_task(publisher.flush_landings())
-    await until(lambda: commits == 2, 30, "the second slice's COMMIT under way")
+    await until(lambda: len(commits) == 2, 30, "the second slice's COMMIT under way")
     flush.cancel()
     with pytest.raises(asyncio.CancelledError):
         await flush

@@ -33,7 +33,7 @@ from supervisor.telemetry.training import (
     gang_points,
     merge_windows,
 )
-from tests.unit.supervisor.conftest import OpenStore
+from tests.unit.supervisor.conftest import OpenStore, hold_commits
 
 JOB = "tinylm-abc123"
 
@@ -133,18 +133,13 @@ async def test_the_loops_flush_commits_on_a_worker_thread_and_a_failed_one_is_re
     # rows again: nothing is counted that the store does not hold.
     job, clock = make_job(), Clock()
     m = metrics(store, job, clock)
-    real = store.db.execute_held
-    threads: list[str] = []
     full = [True]
 
-    def execute_held(sql: str, /) -> Any:
-        if sql == "COMMIT":
-            threads.append(threading.current_thread().name)
-            if full[0]:
-                raise sqlite3.OperationalError("database or disk is full")
-        return real(sql)
+    def before() -> None:
+        if full[0]:
+            raise sqlite3.OperationalError("database or disk is full")
 
-    monkeypatch.setattr(store.db, "execute_held", execute_held)
+    threads = hold_commits(monkeypatch, store, before)
     m.on_batch(batch("n1", window(0, 9, loss=5.0), window(1, 9, loss=5.0)))
     with pytest.raises(StoreError, match="disk is full"):
         await m.flush_async()

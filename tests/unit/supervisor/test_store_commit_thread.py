@@ -10,35 +10,15 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from supervisor.errors import StoreError
 from supervisor.store import Store
-from tests.unit.supervisor.conftest import OpenStore
+from tests.unit.supervisor.conftest import OpenStore, hold_commits
 from tests.wait import until
 
 WAIT_S = 30  # a bound on each wait of these tests, never reached when they pass
-
-
-def hold_commits(
-    monkeypatch: pytest.MonkeyPatch, store: Store, before: Callable[[], None]
-) -> list[str]:
-    """Each COMMIT a worker thread runs for ``store`` first calls ``before()`` (on that
-    thread); the threads' names, one per COMMIT."""
-    real = store.db.execute_held
-    threads: list[str] = []
-
-    def execute_held(sql: str, /) -> Any:
-        if sql == "COMMIT":
-            threads.append(threading.current_thread().name)
-            before()
-        return real(sql)
-
-    monkeypatch.setattr(store.db, "execute_held", execute_held)
-    return threads
 
 
 async def commit_started(store: Store, kind: str = "landed") -> asyncio.Task[None]:
