@@ -121,6 +121,10 @@ class Store:
         # its versions), by wing.
         self.wing_rows: dict[str, object] = {}
         self._rollback_hooks: list[Callable[[], None]] = []
+        # Called at the end of a batch's block, before its COMMIT (a wing's writes held
+        # for one statement of many, ``checkpoints.rows``), and whether a block runs.
+        self._commit_hooks: list[Callable[[], None]] = []
+        self._in_block = False
         # batch_async's COMMITs: their thread (made when first needed; its own, so that
         # no other work queued on the loop's executor holds a COMMIT, and the store's
         # gate, back), and the last one begun.
@@ -215,6 +219,49 @@ class Store:
     def write(self, sql: str, args: tuple[Any, ...]) -> Cursor:
         """One write; a failure is a :class:`StoreError` naming the store's file."""
         return self._write(sql, args)
+
+    def write_many(self, sql: str, rows: Sequence[tuple[Any, ...]]) -> None:
+        """One statement for each of ``rows`` (``executemany``: at 2,048 nodes a tier's
+        16,384 landings cost a third less of the event loop than a write each); a failure
+        is a :class:`StoreError`, or the ``ValueError`` of a value no column takes."""
+        self._settle()
+        self.flush()
+        if self.fence is not None and not self._db.in_transaction:
+            with self.batch():
+                self.write_many(sql, rows)
+            return
+        try:
+            self._db.executemany(sql, rows)
+        except DB_ERRORS as exc:
+            raise StoreError(
+                self.path, f"cannot write the supervisor store {self.where}: {exc}"
+            ) from exc
+
+    @property
+    def in_batch(self) -> bool:
+        """Whether the block of a :meth:`batch` (or :meth:`batch_async`) runs now: what
+        a wing writes will be committed with it, and its :meth:`before_commit` hooks
+        run first."""
+        return self._in_block
+
+    def before_commit(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` at the end of every :meth:`batch`'s block, before its COMMIT,
+        in its transaction: a wing that holds writes back to make them at once
+        (``checkpoints.rows``) makes them there. Should it raise, the batch is rolled
+        back and the error raised, as one of the block's own."""
+        self._commit_hooks.append(hook)
+
+    @contextlib.contextmanager
+    def _block(self) -> Iterator[None]:
+        """A batch's block: ``in_batch`` while it runs, and at its end, unless it raised,
+        the ``before_commit`` hooks (in its transaction)."""
+        self._in_block = True
+        try:
+            yield
+            for hook in self._commit_hooks:
+                hook()
+        finally:
+            self._in_block = False
 
     def on_rollback(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` whenever a :meth:`batch` is rolled back: a wing that keeps what
@@ -315,7 +362,8 @@ class Store:
         self._begin()
         try:
             self._fenced()
-            yield
+            with self._block():
+                yield
         except BaseException:
             self._abort()
             raise
@@ -349,7 +397,8 @@ class Store:
         self._begin()
         try:
             self._fenced()
-            yield
+            with self._block():
+                yield
         except BaseException:
             self._abort()
             raise

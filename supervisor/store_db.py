@@ -15,6 +15,7 @@ SQLite store is; psycopg has a synchronous API, asyncpg has none.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import sqlite3
@@ -55,6 +56,7 @@ class Db(Protocol):
     rolled_back: Callable[[], None] | None
 
     def execute(self, sql: str, parameters: Any = ..., /) -> Any: ...
+    def executemany(self, sql: str, rows: Sequence[Any], /) -> Any: ...
     def execute_held(self, sql: str, /) -> Any: ...
     @property
     def in_transaction(self) -> bool: ...
@@ -127,13 +129,28 @@ class PgDb:
                 hooks()
             return self._execute(sql, parameters)
 
+    def executemany(self, sql: str, rows: Sequence[Any], /) -> psycopg.Cursor[Any]:
+        """``sql`` once for each of ``rows`` (psycopg pipelines them); its errors as
+        :meth:`execute`'s. Meant for a transaction: on a broken connection the error goes
+        to the caller, who rolls back (the next transaction gets a new connection)."""
+        with self.gate:
+            if self.rolled_back is not None:
+                hooks, self.rolled_back = self.rolled_back, None
+                hooks()
+            with self._errors():
+                if self._conn.broken:
+                    self._reconnect()
+                cur = self._conn.cursor()
+                cur.executemany(to_pg(sql), [tuple(row) for row in rows])
+                return cur
+
     def execute_held(self, sql: str, /) -> psycopg.Cursor[Any]:
         """:meth:`execute`, by the thread that holds ``gate`` (see :class:`Db`)."""
         return self._execute(sql, ())
 
     def _execute(self, sql: str, parameters: Any) -> psycopg.Cursor[Any]:
         query, args = to_pg(sql), tuple(parameters) or None
-        try:
+        with self._errors():
             if self._conn.broken:
                 self._reconnect()
             alone = not self.in_transaction
@@ -150,13 +167,19 @@ class PgDb:
                 # transaction gets a new connection.
                 self._reconnect()
                 return self._conn.execute(query, args)
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        """The server out of reach is a ``StoreError``; a value a column cannot take (out
+        of range, say) a ``ValueError``: the statement's fault, not the database's, as
+        SQLite's OverflowError for the same value is."""
+        try:
+            yield
         except psycopg.OperationalError as exc:
             raise StoreError(
                 self.path, f"cannot reach the supervisor store {redacted(self.url)}: {exc}"
             ) from exc
         except psycopg.errors.DataError as exc:
-            # A value the column cannot take (out of range, say): the statement's fault,
-            # not the database's, as SQLite's OverflowError for the same value is.
             raise ValueError(f"a value the store cannot take: {exc}") from exc
 
     def _reconnect(self) -> None:
@@ -212,7 +235,7 @@ CREATE TABLE IF NOT EXISTS ckpt_commits (
     committed_at DOUBLE PRECISION NOT NULL,
     PRIMARY KEY (job, step, tier)
 );
-CREATE INDEX IF NOT EXISTS ckpt_shards_rank ON ckpt_shards (job, step, rank);
+DROP INDEX IF EXISTS ckpt_shards_rank;
 DROP INDEX IF EXISTS ckpt_shards_node;
 CREATE TABLE IF NOT EXISTS ckpt_purges (
     job TEXT COLLATE "C" NOT NULL,

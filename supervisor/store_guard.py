@@ -57,6 +57,13 @@ class GuardedCursor(sqlite3.Cursor):
             self._met(exc)
         return self
 
+    def executemany(self, sql: str, seq_of_parameters: Any, /) -> GuardedCursor:
+        try:
+            super().executemany(sql, seq_of_parameters)
+        except sqlite3.DatabaseError as exc:
+            self._met(exc)
+        return self
+
     def fetchone(self) -> Any:
         try:
             return super().fetchone()
@@ -106,6 +113,13 @@ class GuardedConnection(sqlite3.Connection):
                 hooks, self.rolled_back = self.rolled_back, None
                 hooks()
             return self.cursor(GuardedCursor).execute(sql, parameters)
+
+    def executemany(self, sql: str, seq_of_parameters: Any, /) -> GuardedCursor:
+        with self.gate:
+            if self.rolled_back is not None:
+                hooks, self.rolled_back = self.rolled_back, None
+                hooks()
+            return self.cursor(GuardedCursor).executemany(sql, seq_of_parameters)
 
     def execute_held(self, sql: str, /) -> GuardedCursor:
         """:meth:`execute`, by the thread that holds ``gate``."""

@@ -23,10 +23,11 @@ import collections
 import itertools
 import sqlite3
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, get_args
 
+from phalanx.wire import CkptTierName
 from supervisor.store import Store
-from supervisor.store_db import Db
+from supervisor.store_db import Cursor, Db
 
 # A shard as the catalog lists it: (node that landed it, holder, nbytes, checksum).
 ShardRow = tuple[str, str | None, int, str]
@@ -59,7 +60,7 @@ CREATE TABLE IF NOT EXISTS ckpt_commits (
     committed_at REAL NOT NULL,
     PRIMARY KEY (job, step, tier)
 );
-CREATE INDEX IF NOT EXISTS ckpt_shards_rank ON ckpt_shards (job, step, rank);
+DROP INDEX IF EXISTS ckpt_shards_rank;  -- saved_in reads the primary key, each tier
 DROP INDEX IF EXISTS ckpt_shards_node;  -- CkptRows counts each node's rows instead
 CREATE TABLE IF NOT EXISTS ckpt_purges (
     job TEXT NOT NULL,             -- a step retention dropped at a tier: its shard rows
@@ -82,7 +83,19 @@ NOT_RETIRED = (
     "AND NOT EXISTS (SELECT 1 FROM ckpt_purges p WHERE p.job = s.job AND p.step = s.step "
     "AND p.tier = s.tier) "
 )
-PURGE_AT_ONCE = 2048  # shard rows of a retired step deleted in one transaction
+# Every tier, named: a read of one rank's rows of a step at any tier finds them by the
+# primary key (job, step, tier, rank), a lookup per tier. An index on (job, step, rank)
+# did before, and each landing and each deleted row wrote a page of it: 12-20 % of a
+# 2,048-node checkpoint's SQLite time (issue 22).
+ANY_TIER = "tier IN (" + ", ".join(f"'{t}'" for t in get_args(CkptTierName)) + ") "
+PURGE_AT_ONCE = 2048
+ADD_SHARD = (
+    "INSERT INTO ckpt_shards (job, step, tier, rank, node, holder, nbytes, checksum, at, "
+    "generation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (job, step, tier, rank) DO UPDATE SET node = excluded.node, "
+    "holder = excluded.holder, nbytes = excluded.nbytes, checksum = excluded.checksum, "
+    "at = excluded.at, generation = excluded.generation"
+)  # shard rows of a retired step deleted in one transaction
 
 
 def open_ckpt_tables(db: sqlite3.Connection) -> None:
@@ -176,8 +189,10 @@ class CkptQueries:
         """The generations whose saves of rank ``rank``'s shard of ``step`` have
         ``checksum``, at any tier."""
         rows = self.db.execute(
-            "SELECT DISTINCT generation FROM ckpt_shards s WHERE job = ? AND "
-            "step = ? AND rank = ? AND checksum = ? " + NOT_RETIRED,
+            "SELECT DISTINCT generation FROM ckpt_shards s WHERE job = ? AND step = ? AND "
+            + ANY_TIER
+            + "AND rank = ? AND checksum = ? "
+            + NOT_RETIRED,
             (job, step, rank, checksum),
         ).fetchall()
         return {int(r[0]) for r in rows}
@@ -242,6 +257,12 @@ class CkptRows(CkptQueries):
         # restarted supervisor goes on deleting them.
         self._purges_read: dict[tuple[str, int, str], None] | None = None
         store.on_rollback(self._forget_purges)
+        # Shard rows landed in the store's open batch, written at once by one statement
+        # (:meth:`_write_held`) before any other of these tables' and at the batch's end:
+        # a write each cost a third more of the event loop (issue 22).
+        self._held: list[tuple[Any, ...]] = []
+        store.on_rollback(self._drop_held)
+        store.before_commit(self._write_held)
 
     @classmethod
     def of(cls, store: Store) -> CkptRows:
@@ -255,7 +276,23 @@ class CkptRows(CkptQueries):
 
     @property
     def db(self) -> Db:
+        if self._held:
+            self._write_held()  # what is read sees every shard landed
         return self.store.db  # the store's (PostgreSQL's may be reconnected under it)
+
+    def _write(self, sql: str, args: tuple[Any, ...]) -> Cursor:
+        if self._held:
+            self._write_held()  # in the order they were made
+        return self.store.write(sql, args)
+
+    def _drop_held(self) -> None:
+        self._held = []  # rolled back with the batch they were landed in
+
+    def _write_held(self) -> None:
+        """Write the shard rows held (:meth:`add_shard`) in one statement."""
+        if self._held:
+            held, self._held = self._held, []
+            self.store.write_many(ADD_SHARD, held)
 
     @property
     def _purges(self) -> dict[tuple[str, int, str], None]:
@@ -300,17 +337,18 @@ class CkptRows(CkptQueries):
     ) -> None:
         """``replaces``: the node that landed the rank's row there now, which this one
         replaces (None: the rank has none there); the caller that does not know leaves it
-        out, and the job's count of rows by node is read again when next needed."""
+        out, and the job's count of rows by node is read again when next needed.
+
+        Within a batch (:meth:`~supervisor.store.Store.batch`) the row is held and written
+        with the others held, by one statement, before any other statement here and at
+        the batch's end (a failure then fails the batch, as the write would have)."""
         self._settle(job, step, tier)
         self._shards_changed(job, step, tier)
-        self.store.write(
-            "INSERT INTO ckpt_shards (job, step, tier, rank, node, holder, nbytes, "
-            "checksum, at, generation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-            "ON CONFLICT (job, step, tier, rank) DO UPDATE SET node = excluded.node, "
-            "holder = excluded.holder, nbytes = excluded.nbytes, checksum = excluded.checksum, "
-            "at = excluded.at, generation = excluded.generation",
-            (job, step, tier, rank, node, holder, nbytes, checksum, at, generation),
-        )
+        row = (job, step, tier, rank, node, holder, nbytes, checksum, at, generation)
+        if self.store.in_batch:
+            self._held.append(row)  # written with the others at once, in the batch
+        else:
+            self._write(ADD_SHARD, row)
         counts = self._node_rows.get(job)
         if counts is None:
             return
@@ -326,11 +364,11 @@ class CkptRows(CkptQueries):
         newer generation saving it again); True if anything was known."""
         self._settle(job, step, tier)
         self.shard_versions.pop((job, step, tier), None)
-        gone = self.store.write(
+        gone = self._write(
             "DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ? RETURNING node",
             (job, step, tier),
         ).fetchall()
-        self.store.write(
+        self._write(
             "DELETE FROM ckpt_commits WHERE job = ? AND step = ? AND tier = ?", (job, step, tier)
         )
         self._rows_gone(job, gone)
@@ -341,12 +379,12 @@ class CkptRows(CkptQueries):
         (a step is committed at a tier only while every rank's shard is); True if known."""
         self._settle(job, step, tier)
         self._shards_changed(job, step, tier)
-        gone = self.store.write(
+        gone = self._write(
             "DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ? AND rank = ? "
             "RETURNING node",
             (job, step, tier, rank),
         ).fetchall()
-        self.store.write(
+        self._write(
             "DELETE FROM ckpt_commits WHERE job = ? AND step = ? AND tier = ?", (job, step, tier)
         )
         self._rows_gone(job, gone)
@@ -368,10 +406,10 @@ class CkptRows(CkptQueries):
             "GROUP BY node",
             key,
         ).fetchall()
-        self.store.write("DELETE FROM ckpt_commits WHERE job = ? AND step = ? AND tier = ?", key)
+        self._write("DELETE FROM ckpt_commits WHERE job = ? AND step = ? AND tier = ?", key)
         if not by_node:
             return False
-        self.store.write(
+        self._write(
             "INSERT INTO ckpt_purges (job, step, tier) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
             key,
         )
@@ -394,7 +432,7 @@ class CkptRows(CkptQueries):
             return 0
         limit = PURGE_AT_ONCE if limit is None else limit
         key = next(iter(self._purges))
-        gone = self.store.write(
+        gone = self._write(
             "DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ? AND rank IN "
             "(SELECT rank FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ? "
             "ORDER BY rank LIMIT ?) RETURNING rank",
@@ -408,11 +446,11 @@ class CkptRows(CkptQueries):
         """Before a write of a step at a tier: what is left of its rows, retired, goes."""
         key = (job, step, tier)
         if key in self._purges:
-            self.store.write("DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ?", key)
+            self._write("DELETE FROM ckpt_shards WHERE job = ? AND step = ? AND tier = ?", key)
             self._purged(key)
 
     def _purged(self, key: tuple[str, int, str]) -> None:
-        self.store.write("DELETE FROM ckpt_purges WHERE job = ? AND step = ? AND tier = ?", key)
+        self._write("DELETE FROM ckpt_purges WHERE job = ? AND step = ? AND tier = ?", key)
         del self._purges[key]
 
     def _rows_gone(self, job: str, gone: Iterable[Sequence[Any]]) -> None:
@@ -423,7 +461,7 @@ class CkptRows(CkptQueries):
     def add_commit(self, job: str, step: int, tier: str, at: float) -> bool:
         self._settle(job, step, tier)
         self._shards_changed(job, step, tier)
-        cur = self.store.write(
+        cur = self._write(
             "INSERT INTO ckpt_commits (job, step, tier, committed_at) "
             "VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
             (job, step, tier, at),
@@ -434,7 +472,7 @@ class CkptRows(CkptQueries):
         """The job's ended catalog goes out, retained, to ``nodes``."""
         with self.store.batch():
             for node in nodes:
-                self.store.write(
+                self._write(
                     "INSERT INTO ckpt_ended_catalogs (job, node) VALUES (?, ?) "
                     "ON CONFLICT DO NOTHING",
                     (job, node),
@@ -444,7 +482,7 @@ class CkptRows(CkptQueries):
         """The job's ended catalogs of ``nodes`` were cleared from the broker."""
         with self.store.batch():
             for node in nodes:
-                self.store.write(
+                self._write(
                     "UPDATE ckpt_ended_catalogs SET released_at = ? WHERE job = ? AND "
                     "node = ? AND released_at IS NULL",
                     (at, job, node),

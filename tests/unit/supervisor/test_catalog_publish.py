@@ -239,6 +239,26 @@ async def test_a_landing_the_store_cannot_take_is_dropped_and_never_holds_up_the
     assert publisher.record_landings() == set()  # nothing left queued
 
 
+async def test_a_landing_whose_row_fails_when_the_batchs_rows_are_written_is_dropped_alone(
+    make: Make,
+) -> None:
+    publisher = make(SlowLink(), {"j-1": running_job(world=1), "j-2": running_job("j-2", 2)})
+    store = publisher.store
+    # The shard rows of a batch are written at once at its end (or before the next read):
+    # a row the store cannot take fails there, not at its own landing, and must still
+    # cost that landing alone, never the others of its batch.
+    poison = wire.CkptLanding.model_construct(
+        **{**landing(7, 0, job="j-2").model_dump(), "nbytes": 2**63}
+    )
+    good = [landing(step, 0) for step in range(1, 33)]
+    for msg in [*good[:20], poison, *good[20:]]:
+        publisher.on_landing(msg)
+    await publisher.flush_landings()
+    assert [c[0] for c in CkptRows.of(store).commits("j-1")] == list(range(1, 33))
+    assert CkptRows.of(store).shard_rows_of("j-2", 7, "object") == {}
+    assert publisher.record_landings() == set()  # nothing left queued
+
+
 class LoopTurns:
     """Counts the event loop's turns while entered (``async with``)."""
 
