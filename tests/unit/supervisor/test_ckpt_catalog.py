@@ -15,7 +15,13 @@ import ckpt
 from ckpt import Checkpointer, CheckpointError
 from ckpt.peer import SealCheck
 from phalanx import wire
-from supervisor.checkpoints.catalog import CheckpointCatalog, pick_buddies
+from supervisor.checkpoints.catalog import (
+    CheckpointCatalog,
+    StepRows,
+    Where,
+    gang_restore,
+    pick_buddies,
+)
 from supervisor.checkpoints.rows import CkptRows
 from tests.unit.supervisor.conftest import OpenStore
 
@@ -468,3 +474,49 @@ def test_a_resharding_gang_reads_any_saved_shard_so_every_node_lists_them_all(
     assert msgs["n03"].restore_step == 30
     step30 = next(s for s in msgs["n03"].steps if s.step == 30)
     assert step30.world_size is None and {s.rank for s in step30.shards} == {2, 3}
+
+
+TIER_NAMES = ("ram", "nvme", "peer", "object")
+
+
+@st.composite
+def restore_cases(draw: st.DrawFn) -> dict[str, Any]:
+    """A job's committed steps, where each rank's shard of each lies, where its ranks run
+    now and which nodes are alive and reachable."""
+    nodes = [f"n{i}" for i in range(draw(st.integers(1, 5)))]
+    world = draw(st.integers(1, 10))
+    node_of = st.sampled_from(nodes)
+    committed: dict[int, dict[str, float]] = {}
+    rows: dict[tuple[int, str], StepRows] = {}
+    for step in draw(st.sets(st.integers(1, 6), max_size=4)):
+        tiers = draw(st.sets(st.sampled_from(TIER_NAMES), min_size=1))
+        committed[step] = {tier: 1.0 for tier in tiers}
+        for tier in tiers:
+            by_rank = {
+                r: (draw(node_of), draw(node_of) if tier == "peer" else None, 1, "c")
+                for r in range(world)
+                if tier == "object" or draw(st.integers(0, 9)) > 0  # a few ranks missing
+            }
+            rows[(step, tier)] = StepRows(by_rank)
+    placement = {r: draw(node_of) for r in range(world) if draw(st.booleans())}
+    alive = draw(st.none() | st.sets(node_of))
+    reachable = draw(st.none() | st.sets(node_of))
+    return {
+        "committed": committed,
+        "where": Where(rows),
+        "world_size": world,
+        "placement": placement,
+        "alive": alive,
+        "reachable": reachable,
+    }
+
+
+@given(restore_cases())
+def test_the_restore_step_found_node_by_node_is_the_one_found_rank_by_rank(
+    case: dict[str, Any],
+) -> None:
+    # Over the catalog's rows (a Where) the ranks that can read a step are found in sets,
+    # node by node; over any other mapping, one rank at a time: both say the same.
+    by_sets = gang_restore(**case)
+    by_ranks = gang_restore(**{**case, "where": dict(case["where"].items())})
+    assert by_sets == by_ranks
