@@ -43,6 +43,8 @@ import argparse
 import contextlib
 import getpass
 import json
+import multiprocessing
+import multiprocessing.synchronize
 import os
 import queue
 import re
@@ -67,6 +69,35 @@ TOKEN = "bench-token-0123456789abcdef"
 JOB = "scale"
 SENT_AT = re.compile(rb'"sent_at":\s*([0-9.eE+-]+)')
 ROUTES = ("/v1/nodes", "/v1/jobs", "/v1/jobs/{id}", "/metrics")
+
+
+def poll_rest(
+    url: str,
+    job_id: str,
+    every: float,
+    *,
+    stop: multiprocessing.synchronize.Event,
+    answers: multiprocessing.SimpleQueue[dict[str, list[float]]],
+) -> None:
+    """In a process of its own, until ``stop``: each route of ``ROUTES`` asked for in turn,
+    every ``every`` seconds, as a client would (the answer read and parsed); the seconds
+    each took, by route, put in ``answers`` at the end."""
+    client = Client(url, TOKEN, timeout=30)
+    latencies: dict[str, list[float]] = {r: [] for r in ROUTES}
+    while not stop.is_set():
+        for route in ROUTES:
+            path = route.replace("{id}", job_id)
+            t = time.perf_counter()
+            try:
+                if route == "/metrics":
+                    client.get_bytes(path)
+                else:
+                    client.get(path)
+            except ApiError:
+                continue
+            latencies[route].append(time.perf_counter() - t)
+        stop.wait(every)
+    answers.put(latencies)
 
 
 def raise_fd_limit() -> None:
@@ -334,8 +365,12 @@ class StallLog:
         recording, then the first publish of the job's catalogs asked for after it (its
         wait, build, hand-off) and what was left to the broker. Approximate: the flush
         that took the last landing may be a later one."""
-        flush = min(
-            (f for f in self.recorded.values() if f["at"] >= landed and job in f["changed"]),
+        flush = min(  # its "at" is rounded to the millisecond
+            (
+                f
+                for f in self.recorded.values()
+                if f["at"] >= landed - 0.001 and job in f["changed"]
+            ),
             key=lambda f: f["at"],
             default=None,
         )
@@ -663,24 +698,17 @@ class Bench:
         assert self.supervisor is not None
         pid = self.supervisor.pid
         state = self.root / "supervisor" / "state"
-        latencies: dict[str, list[float]] = {r: [] for r in ROUTES}
-        stop = threading.Event()
-
-        def poll() -> None:
-            client = Client(f"http://127.0.0.1:{self.api_port}", TOKEN, timeout=30)
-            while not stop.is_set():
-                for route in ROUTES:
-                    path = route.replace("{id}", self.job_id)
-                    t = time.perf_counter()
-                    try:
-                        if route == "/metrics":
-                            client.get_bytes(path)
-                        else:
-                            client.get(path)
-                    except ApiError:
-                        continue
-                    latencies[route].append(time.perf_counter() - t)
-                stop.wait(self.args.rest_every)
+        spawn = multiprocessing.get_context("spawn")
+        stop = spawn.Event()
+        answers: multiprocessing.SimpleQueue[dict[str, list[float]]] = spawn.SimpleQueue()
+        # A process of its own: a thread of this one waited for the GIL behind the order
+        # watcher's (every heartbeat and catalog of the fleet parsed here).
+        poller = spawn.Process(
+            target=poll_rest,
+            args=(f"http://127.0.0.1:{self.api_port}", self.job_id, self.args.rest_every),
+            kwargs={"stop": stop, "answers": answers},
+            daemon=True,
+        )
 
         lag0 = self.stats()["heartbeat_lag_s"]["buckets"]
         others = {
@@ -691,13 +719,13 @@ class Bench:
         cpu0, size0, t0 = proc_cpu_s(pid), store_bytes(state), time.monotonic()
         wall0 = time.time()
         load0 = load()
-        poller = threading.Thread(target=poll, daemon=True)
         poller.start()
         rss = []
         while time.monotonic() - t0 < self.args.steady:
             time.sleep(min(5.0, self.args.steady))
             rss.append(proc_rss_mib(pid))
         stop.set()
+        latencies = answers.get()
         poller.join(30)
         elapsed = time.monotonic() - t0
         cpu = proc_cpu_s(pid) - cpu0
