@@ -223,7 +223,8 @@ class Store:
     def write_many(self, sql: str, rows: Sequence[tuple[Any, ...]]) -> None:
         """One statement for each of ``rows`` (``executemany``: at 2,048 nodes a tier's
         16,384 landings cost a third less of the event loop than a write each); a failure
-        is a :class:`StoreError`, or the ``ValueError`` of a value no column takes."""
+        is a :class:`StoreError`, or the error of a value no column takes (SQLite's
+        ``OverflowError``, PostgreSQL's as a ``ValueError``), as :meth:`write`'s are."""
         self._settle()
         self.flush()
         if self.fence is not None and not self._db.in_transaction:

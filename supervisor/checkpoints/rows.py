@@ -88,14 +88,15 @@ NOT_RETIRED = (
 # did before, and each landing and each deleted row wrote a page of it: 12-20 % of a
 # 2,048-node checkpoint's SQLite time (issue 22).
 ANY_TIER = "tier IN (" + ", ".join(f"'{t}'" for t in get_args(CkptTierName)) + ") "
-PURGE_AT_ONCE = 2048
+PURGE_AT_ONCE = 2048  # shard rows of a retired step deleted in one transaction
+# A rank's shard landed at a tier (landed again: its row replaced).
 ADD_SHARD = (
     "INSERT INTO ckpt_shards (job, step, tier, rank, node, holder, nbytes, checksum, at, "
     "generation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
     "ON CONFLICT (job, step, tier, rank) DO UPDATE SET node = excluded.node, "
     "holder = excluded.holder, nbytes = excluded.nbytes, checksum = excluded.checksum, "
     "at = excluded.at, generation = excluded.generation"
-)  # shard rows of a retired step deleted in one transaction
+)
 
 
 def open_ckpt_tables(db: sqlite3.Connection) -> None:
