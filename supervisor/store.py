@@ -225,18 +225,7 @@ class Store:
         16,384 landings cost a third less of the event loop than a write each); a failure
         is a :class:`StoreError`, or the error of a value no column takes (SQLite's
         ``OverflowError``, PostgreSQL's as a ``ValueError``), as :meth:`write`'s are."""
-        self._settle()
-        self.flush()
-        if self.fence is not None and not self._db.in_transaction:
-            with self.batch():
-                self.write_many(sql, rows)
-            return
-        try:
-            self._db.executemany(sql, rows)
-        except DB_ERRORS as exc:
-            raise StoreError(
-                self.path, f"cannot write the supervisor store {self.where}: {exc}"
-            ) from exc
+        self._written(lambda: self._db.executemany(sql, rows))
 
     @property
     def in_batch(self) -> bool:
@@ -532,14 +521,20 @@ class Store:
             self.fence(self._db)
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> Cursor:
+        cur: Cursor = self._written(lambda: self._db.execute(sql, args))
+        return cur
+
+    def _written(self, run: Callable[[], Any]) -> Any:
+        """``run()`` (a statement on the connection), after what is queued soon; with a
+        fence and no transaction open, in one with the fence. A failure is a
+        :class:`StoreError` naming the store."""
         self._settle()
         self.flush()  # the writes queued soon go first: the event log keeps its order
         if self.fence is not None and not self._db.in_transaction:
             with self.batch():  # the fence and the write in one transaction
-                return self._write(sql, args)
+                return self._written(run)
         try:
-            cur: Cursor = self._db.execute(sql, args)
-            return cur
+            return run()
         except DB_ERRORS as exc:
             raise StoreError(
                 self.path, f"cannot write the supervisor store {self.where}: {exc}"
