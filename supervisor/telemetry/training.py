@@ -43,6 +43,7 @@ import statistics
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Final, NamedTuple
 
 from phalanx import wire
@@ -228,26 +229,22 @@ def gang_points(
     # look-up of each name in each window (Window.stats) grew with the ranks times the
     # names squared, 0.4-0.6 s of the event loop a flush at 4,096 nodes (issue 22).
     # The windows that name the same scalars in the same order (at 16,384 ranks, most
-    # or all) are taken as columns, transposed at once (zip): a name's figures gathered
-    # one window at a time were 0.11 s of the loop a flush at 2,048 nodes (issue 22).
-    alike: dict[Scalars, list[Window]] = {}
-    for w in pending.values():
-        names = w.scalars[0::5]
-        group = alike.get(names)
-        if group is None:
-            alike[names] = [w]
-        else:
-            group.append(w)
+    # or all) are taken as columns, each figure's column made by one pass in C (map over
+    # an itemgetter): a Python pass over 16,384 windows per figure was ~70 ms of a turn
+    # of the loaded supervisor's loop a flush at 2,048 nodes, and a transposition by
+    # zip(*windows) makes an iterator per window, objects enough to set the collector off
+    # (issue 22).
     gathered: dict[str, _Gathered] = {}
-    for names, group in alike.items():
-        columns = list(zip(*(w.scalars for w in group), strict=True))
-        step = max(w.step_last for w in group)
-        at = max(w.at for w in group)
+    for names, group in _alike(list(pending.values())):
+        scalars = list(map(_SCALARS, group))
+        step = max(map(_STEP_LAST, group))
+        at = max(map(_AT, group))
         for j, name in enumerate(names):
-            g = gathered.get(name)  # type: ignore[arg-type]
+            lasts, lows, highs = (list(map(itemgetter(5 * j + k), scalars)) for k in (1, 2, 3))
+            g = gathered.get(name)
             if g is None:
-                g = gathered[name] = _Gathered()  # type: ignore[index]
-            g.add(columns[5 * j + 1], columns[5 * j + 2], columns[5 * j + 3], step, at)
+                g = gathered[name] = _Gathered()
+            g.add(lasts, lows, highs, step, at)
     for name in sorted(gathered.keys() - set(GANG_SERIES)):
         of_first = first.stats(name) if first is not None else None
         if name in rank_0_names and of_first is None:
@@ -261,17 +258,56 @@ def gang_points(
             points[name] = Point(g.step, g.at, value, low, high)
     if not latest:
         return points
-    step = max(w.step_last for w in latest)
-    at = max(w.at for w in latest)
-    for name, values, combine in (
-        (STEP_TIME, [w.step_time_s for w in latest], statistics.median),
-        (TOKENS_PER_S, [w.tokens_per_s for w in latest], math.fsum),
-        (DATA_WAIT, [w.data_wait_s for w in latest], statistics.fmean),
+    step = max(map(_STEP_LAST, latest))
+    at = max(map(_AT, latest))
+    for name, field_of, combine in (
+        (STEP_TIME, _STEP_TIME, statistics.median),
+        (TOKENS_PER_S, _TOKENS, math.fsum),
+        (DATA_WAIT, _DATA_WAIT, statistics.fmean),
     ):
-        known = [v for v in values if v is not None]
+        values = list(map(field_of, latest))  # floats and Nones
+        known = values if None not in values else [v for v in values if v is not None]
         if known:
             points[name] = Point(step, at, float(combine(known)), min(known), max(known))
     return points
+
+
+def _field(name: str) -> itemgetter[Any]:
+    """A window's field ``name`` as a function of the window, run in C."""
+    return itemgetter(Window._fields.index(name))
+
+
+_STEP_LAST: Final = _field("step_last")
+_AT: Final = _field("at")
+_STEP_TIME: Final = _field("step_time_s")
+_TOKENS: Final = _field("tokens_per_s")
+_DATA_WAIT: Final = _field("data_wait_s")
+_SCALARS: Final = _field("scalars")
+
+
+def _alike(windows: list[Window]) -> Iterator[tuple[tuple[str, ...], list[Window]]]:
+    """The windows in groups that name the same scalars in the same order: each group's
+    names and windows."""
+    if not windows:
+        return
+    scalars = list(map(_SCALARS, windows))
+    widths = list(map(len, scalars))
+    names = windows[0].names()
+    if widths.count(widths[0]) == len(widths) and all(
+        column.count(column[0]) == len(column)
+        for column in (list(map(itemgetter(i), scalars)) for i in range(0, widths[0], 5))
+    ):
+        yield names, windows
+        return
+    groups: dict[tuple[str, ...], list[Window]] = {}
+    for w in windows:
+        names = w.names()
+        group = groups.get(names)
+        if group is None:
+            groups[names] = [w]
+        else:
+            group.append(w)
+    yield from groups.items()
 
 
 class TrainingMetrics:
@@ -525,8 +561,10 @@ class TrainingMetrics:
     def _stragglers(
         self, job: Job, state: _JobMetrics, fresh: dict[int, Window], now: float
     ) -> None:
-        times = {r: f.step_time_s for r, f in fresh.items()}
-        new, cleared = state.stragglers.see({r: t for r, t in times.items() if t is not None})
+        times = dict(zip(fresh.keys(), map(_STEP_TIME, fresh.values()), strict=True))
+        if None in times.values():
+            times = {r: t for r, t in times.items() if t is not None}
+        new, cleared = state.stragglers.see(times)
         for s in new:
             state.flagged_at[s.rank] = now
             node = fresh[s.rank].node

@@ -26,9 +26,11 @@ from supervisor.store import Store
 from supervisor.telemetry.rows import SeriesRows
 from supervisor.telemetry.series import Point, row_bound
 from supervisor.telemetry.training import (
+    DATA_WAIT,
     GANG_SERIES,
     MAX_SERIES,
     STEP_TIME,
+    TOKENS_PER_S,
     TrainingMetrics,
     Window,
     gang_points,
@@ -426,10 +428,27 @@ def _gang_points_by_name(pending: dict[int, Window], rank_0_names: set[str]) -> 
     return points
 
 
+def _gang_series_by_window(latest: list[Window]) -> dict[str, Point]:
+    """The gang series' points as first written: a pass over the windows per figure."""
+    points: dict[str, Point] = {}
+    step = max(w.step_last for w in latest)
+    at = max(w.at for w in latest)
+    for name, values, combine in (
+        (STEP_TIME, [w.step_time_s for w in latest], statistics.median),
+        (TOKENS_PER_S, [w.tokens_per_s for w in latest], math.fsum),
+        (DATA_WAIT, [w.data_wait_s for w in latest], statistics.fmean),
+    ):
+        known = [v for v in values if v is not None]
+        if known:
+            points[name] = Point(step, at, float(combine(known)), min(known), max(known))
+    return points
+
+
 _figure = st.floats(min_value=-1e6, max_value=1e6) | st.just(math.nan)
+_gang_figure = st.none() | st.floats(min_value=0, max_value=1e6)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     st.dictionaries(
         st.integers(min_value=0, max_value=6),
@@ -440,15 +459,24 @@ _figure = st.floats(min_value=-1e6, max_value=1e6) | st.just(math.nan)
                 st.tuples(_figure, _figure, _figure, _figure),
                 max_size=5,
             ),
+            st.tuples(_gang_figure, _gang_figure, _gang_figure),  # step time, tokens/s, wait
         ),
         max_size=6,
     ),
     st.sets(st.sampled_from(["loss", "lr"])),
+    st.booleans(),  # every rank names the first one's scalars, in its order
 )
 def test_the_scalars_gang_points_in_one_pass_are_those_by_name(
-    ranks: dict[int, tuple[int, dict[str, tuple[float, float, float, float]]]],
+    ranks: dict[int, tuple[int, dict[str, tuple[float, float, float, float]], tuple[Any, ...]]],
     rank_0_names: set[str],
+    alike: bool,
 ) -> None:
+    if alike and ranks:
+        names = list(next(iter(ranks.values()))[1])
+        ranks = {
+            rank: (step, {n: scalars.get(n, (1.0, 0.5, 2.0, 1.0)) for n in names}, gang)
+            for rank, (step, scalars, gang) in ranks.items()
+        }
     pending = {
         rank: Window(
             "n1",
@@ -457,15 +485,15 @@ def test_the_scalars_gang_points_in_one_pass_are_those_by_name(
             step,
             1000.0 + step + rank,
             2,
-            0.1,
-            1.0,
-            0.0,
+            *gang,
             tuple(v for name, stats in scalars.items() for v in (name, *stats)),
         )
-        for rank, (step, scalars) in ranks.items()
+        for rank, (step, scalars, gang) in ranks.items()
     }
-    got = gang_points(pending, [], rank_0_names)
+    got = gang_points(pending, pending.values(), rank_0_names)
     want = _gang_points_by_name(pending, rank_0_names)
+    if pending:
+        want.update(_gang_series_by_window(list(pending.values())))
     assert got.keys() == want.keys()
     for name, point in got.items():  # figure by figure, a NaN as good as a NaN
         pairs = zip(astuple(point), astuple(want[name]), strict=True)
