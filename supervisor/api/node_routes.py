@@ -13,8 +13,9 @@ POST     /v1/nodes/{id}/ping           round trip of a command to the agent
 
 Each node's view carries the jobs that hold it, whether it is a spare, and its
 :func:`gauge_summary` (made once per heartbeat, not per request). The listing keeps
-each node's entry encoded until something it shows changes (:func:`_listed`): at 2,048
-nodes building and encoding every view took 110-130 ms a request, on the event loop.
+each node's entry encoded until something it shows changes (:class:`_Entry`), its last
+heartbeat's time and gauges put in apart: at 2,048 nodes building and encoding every
+view took 110-130 ms a request, on the event loop.
 """
 
 from __future__ import annotations
@@ -74,8 +75,16 @@ def add_node_routes(app: web.Application, sup: Backend) -> None:
                     held.setdefault(node, []).append(j.id)
         return held
 
-    # Each node's gauge summary, made once per heartbeat (its gauges), not per request.
-    gauges_of: dict[str, tuple[Gauges, dict[str, Any]]] = {}
+    # Each node's gauge summary, and it encoded, made once per heartbeat (its gauges)
+    # when asked for, not per request.
+    gauges_of: dict[str, tuple[Gauges, dict[str, Any], bytes]] = {}
+
+    def summary(n: Node) -> tuple[Gauges, dict[str, Any], bytes]:
+        seen = gauges_of.get(n.id)
+        if seen is None or seen[0] is not n.gauges:  # a new heartbeat since
+            made = gauge_summary(n.gauges)
+            seen = gauges_of[n.id] = (n.gauges, made, dumps(made))
+        return seen
 
     def node_view(
         n: Node, *, gauges: bool = False, held: dict[str, list[str]] | None = None
@@ -83,30 +92,30 @@ def add_node_routes(app: web.Application, sup: Backend) -> None:
         view = n.view()
         view["jobs"] = sorted((held if held is not None else jobs_by_node()).get(n.id, []))
         view["spare"] = n.id in sup.jobs.spares
-        seen = gauges_of.get(n.id)
-        if seen is None or seen[0] is not n.gauges:  # a new heartbeat since
-            seen = gauges_of[n.id] = (n.gauges, gauge_summary(n.gauges))
-        view["gauges"] = dict(seen[1])
+        view["gauges"] = dict(summary(n)[1])
         if gauges:  # one node: every GPU's numbers, and the host's
             view["gpu_gauges"] = n.gauges.gpu_dicts()
             view["host"] = n.gauges.host_dict()
         return view
 
-    # node -> (what its entry shows, the entry encoded): the listing's, kept meanwhile.
-    encoded: dict[str, tuple[tuple[Any, ...], bytes]] = {}
+    # node -> its listing's entry, kept meanwhile (see :class:`_Entry`).
+    entries: dict[str, _Entry] = {}
 
     async def nodes(request: web.Request) -> web.Response:
         held = jobs_by_node()
         spares = set(sup.jobs.spares)
         parts: list[bytes] = []
         for node_id, n in sorted(sup.registry.nodes.items()):
+            entry = entries.get(node_id)
+            if entry is None:
+                entry = entries[node_id] = _Entry()
             shows = _listed(n, sorted(held.get(node_id, [])), node_id in spares)
-            kept = encoded.get(node_id)
-            if kept is None or kept[0] != shows:
-                kept = encoded[node_id] = (shows, dumps(node_view(n, held=held)))
-            parts.append(kept[1])
-        for gone in encoded.keys() - sup.registry.nodes.keys():
-            del encoded[gone]
+            if entry.shows != shows:
+                entry.rest(shows, node_view(n, held=held))
+            gauges, _, summary_json = summary(n)
+            parts.append(entry.encoded(n.last_seen_wall, gauges, summary_json))
+        for gone in entries.keys() - sup.registry.nodes.keys():
+            del entries[gone]
         return web.Response(body=b"[" + b",".join(parts) + b"]", content_type="application/json")
 
     async def node(request: web.Request) -> web.Response:
@@ -143,20 +152,50 @@ def add_node_routes(app: web.Application, sup: Backend) -> None:
 
 def _listed(n: Node, jobs: list[str], spare: bool) -> tuple[Any, ...]:
     """Everything a node's listed view is made of (``Node.view`` and the route's own
-    fields): equal tuples, equal views. The wall time of its last heartbeat comes first,
-    so that a node heard since compares unequal at once; the health, birth and slow-node
-    record are compared by value only when it did not (the same objects, then)."""
+    fields) but what each heartbeat changes (its time, the gauges): equal tuples, equal
+    views but those. The health, birth and slow-node record are compared by value only
+    when they are not the same objects."""
     d = n.drain
     return (
-        n.last_seen_wall,
         n.online,
         n.offline_cause,
         n.birth_seq,
         (d.by, d.reason, d.since, tuple(d.codes)) if d is not None else None,
         n.health,
-        n.gauges,
         n.birth,
         n.slow,
         tuple(jobs),
         spare,
     )
+
+
+class _Entry:
+    """A node's entry of the listing, encoded and kept until something it shows changes:
+    the rest of its view (:func:`_listed`) encoded once, the heartbeat's time and gauge
+    summary put after it. At 2,048 nodes building and encoding every view took 110-130 ms
+    a request; kept whole, the entries of the nodes heard since the last request (a
+    fifth of the fleet a second) were built and encoded again, 16 ms a request of the
+    loaded supervisor's loop (issue 22)."""
+
+    __slots__ = ("body", "gauges", "head", "heard", "shows")
+
+    def __init__(self) -> None:
+        self.shows: tuple[Any, ...] | None = None
+        self.head = b""  # the view but "last_seen" and "gauges", up to its closing brace
+        self.heard: float | None = None
+        self.gauges: Gauges | None = None
+        self.body = b""
+
+    def rest(self, shows: tuple[Any, ...], view: dict[str, Any]) -> None:
+        """What the node's view shows now but its heartbeat's figures (which it drops)."""
+        del view["last_seen"], view["gauges"]
+        self.shows = shows
+        self.head = dumps(view)[:-1] + b',"last_seen":'
+        self.heard = None
+
+    def encoded(self, heard: float, gauges: Gauges, summary: bytes) -> bytes:
+        """The whole entry, with the last heartbeat's time and gauge summary."""
+        if heard != self.heard or gauges is not self.gauges:
+            self.body = self.head + dumps(heard or None) + b',"gauges":' + summary + b"}"
+            self.heard, self.gauges = heard, gauges
+        return self.body

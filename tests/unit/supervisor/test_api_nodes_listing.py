@@ -72,7 +72,13 @@ async def test_the_listing_shows_every_change_of_a_node_never_a_kept_stale_entry
         status=wire.HealthStatus.WARN,
         reasons=[wire.Reason(code="thermal", severity="warn", gpu=1, detail="89 C")],
     )
+    hot = wire.Health(
+        status=wire.HealthStatus.OK,
+        gpus=[wire.GpuGauges(index=0, temperature_c=77.0, ecc_sbe_volatile=9, throttle=["hw"])],
+    )
     changes = [
+        lambda: reg.on_heartbeat(heartbeat("n2", n=2)),  # heard again: its time alone
+        lambda: reg.on_heartbeat(heartbeat("n2", n=3, health=hot)),  # new gauges alone
         lambda: reg.on_heartbeat(heartbeat("n1", health=warm)),  # a new health
         lambda: reg.on_heartbeat(heartbeat("n2", health=drain_health())),  # auto drain
         lambda: reg.drain("n2", "also swapping its fan"),  # the same drain's reason, in place
