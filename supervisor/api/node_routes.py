@@ -112,8 +112,7 @@ def add_node_routes(app: web.Application, sup: Backend) -> None:
             shows = _listed(n, sorted(held.get(node_id, [])), node_id in spares)
             if entry.shows != shows:
                 entry.rest(shows, node_view(n, held=held))
-            gauges, _, summary_json = summary(n)
-            parts.append(entry.encoded(n.last_seen_wall, gauges, summary_json))
+            parts.append(entry.encoded(n.last_seen_wall, summary(n)[2]))
         for gone in entries.keys() - sup.registry.nodes.keys():
             del entries[gone]
         return web.Response(body=b"[" + b",".join(parts) + b"]", content_type="application/json")
@@ -177,13 +176,13 @@ class _Entry:
     fifth of the fleet a second) were built and encoded again, 16 ms a request of the
     loaded supervisor's loop (issue 22)."""
 
-    __slots__ = ("body", "gauges", "head", "heard", "shows")
+    __slots__ = ("body", "head", "heard", "shows", "summary")
 
     def __init__(self) -> None:
         self.shows: tuple[Any, ...] | None = None
         self.head = b""  # the view but "last_seen" and "gauges", up to its closing brace
         self.heard: float | None = None
-        self.gauges: Gauges | None = None
+        self.summary: bytes | None = None  # the gauge summary in ``body``, made per heartbeat
         self.body = b""
 
     def rest(self, shows: tuple[Any, ...], view: dict[str, Any]) -> None:
@@ -193,9 +192,9 @@ class _Entry:
         self.head = dumps(view)[:-1] + b',"last_seen":'
         self.heard = None
 
-    def encoded(self, heard: float, gauges: Gauges, summary: bytes) -> bytes:
-        """The whole entry, with the last heartbeat's time and gauge summary."""
-        if heard != self.heard or gauges is not self.gauges:
+    def encoded(self, heard: float, summary: bytes) -> bytes:
+        """The whole entry, with the last heartbeat's time and gauge summary (encoded)."""
+        if heard != self.heard or summary is not self.summary:
             self.body = self.head + dumps(heard or None) + b',"gauges":' + summary + b"}"
-            self.heard, self.gauges = heard, gauges
+            self.heard, self.summary = heard, summary
         return self.body

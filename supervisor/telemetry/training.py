@@ -235,8 +235,7 @@ def gang_points(
     # zip(*windows) makes an iterator per window, objects enough to set the collector off
     # (issue 22).
     gathered: dict[str, _Gathered] = {}
-    for names, group in _alike(list(pending.values())):
-        scalars = list(map(_SCALARS, group))
+    for names, group, scalars in _alike(list(pending.values())):
         step = max(map(_STEP_LAST, group))
         at = max(map(_AT, group))
         for j, name in enumerate(names):
@@ -285,29 +284,26 @@ _DATA_WAIT: Final = _field("data_wait_s")
 _SCALARS: Final = _field("scalars")
 
 
-def _alike(windows: list[Window]) -> Iterator[tuple[tuple[str, ...], list[Window]]]:
+def _alike(
+    windows: list[Window],
+) -> Iterator[tuple[tuple[str, ...], list[Window], list[Scalars]]]:
     """The windows in groups that name the same scalars in the same order: each group's
-    names and windows."""
+    names, windows and their scalars."""
     if not windows:
         return
     scalars = list(map(_SCALARS, windows))
     widths = list(map(len, scalars))
-    names = windows[0].names()
     if widths.count(widths[0]) == len(widths) and all(
         column.count(column[0]) == len(column)
         for column in (list(map(itemgetter(i), scalars)) for i in range(0, widths[0], 5))
     ):
-        yield names, windows
+        yield windows[0].names(), windows, scalars
         return
     groups: dict[tuple[str, ...], list[Window]] = {}
     for w in windows:
-        names = w.names()
-        group = groups.get(names)
-        if group is None:
-            groups[names] = [w]
-        else:
-            group.append(w)
-    yield from groups.items()
+        groups.setdefault(w.names(), []).append(w)
+    for names, group in groups.items():
+        yield names, group, list(map(_SCALARS, group))
 
 
 class TrainingMetrics:
